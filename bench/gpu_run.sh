@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# One full measurement call on a GPU machine, from the repository root, over a
+# bundle made by `scripts/bundle.sh .device/bundle build/tests/gpu_kernels_test
+# build/bench/mlaverify-bench`:
+#   OUT=/tmp/out bench/gpu_run.sh [tests] [anchor] [sweep] [triton] [shapes "B,L,N,H ..."]
+# Writes logs and JSON into $OUT/results.tgz (one file: the device tool brings
+# back at most 8); prints a short summary last.
+set -uo pipefail
+bundle=${BUNDLE:-.device/bundle}
+final=${OUT:-/tmp/mlaverify-gpu-out}
+out=$(mktemp -d /tmp/mlaverify-run.XXXX)
+mkdir -p "$final"
+export LD_LIBRARY_PATH=$bundle/lib:${LD_LIBRARY_PATH:-}
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests anchor sweep triton)
+want() { local p; for p in "${parts[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw \
+  --format=csv | tee "$out/nvidia_smi.csv"
+if command -v cuobjdump >/dev/null; then
+  cuobjdump --dump-resource-usage "$bundle/bin/mlaverify-bench" > "$out/resource_usage.txt" 2>&1
+  cuobjdump --dump-sass -fun AttentionKernel "$bundle/bin/mlaverify-bench" 2>/dev/null |
+    grep -cE 'HMMA' | sed 's/^/HMMA instructions in AttentionKernel SASS (all archs): /'
+fi
+summary=()
+if want tests; then
+  timeout 300 "$bundle/bin/gpu_kernels_test" --gtest_output=json:"$out/gpu_tests.json" \
+    > "$out/gpu_tests.log" 2>&1
+  rc=$?
+  grep -E '^\[  (PASSED|FAILED|SKIPPED) |Failure|rel_err' "$out/gpu_tests.log" | head -30
+  summary+=("gpu tests rc=$rc")
+fi
+if want anchor; then
+  timeout 400 "$bundle/bin/mlaverify-bench" --suite anchor --out "$out/anchor.json" 2>&1 |
+    tee "$out/anchor.log"
+  summary+=("anchor rc=${PIPESTATUS[0]}")
+fi
+if want sweep; then
+  timeout 200 "$bundle/bin/mlaverify-bench" --suite sweep --out "$out/sweep.json" 2>&1 |
+    tee "$out/sweep.log"
+  summary+=("sweep rc=${PIPESTATUS[0]}")
+fi
+if want shapes; then
+  args=()
+  for s in ${SHAPES:-}; do args+=(--shape "$s"); done
+  timeout 300 "$bundle/bin/mlaverify-bench" "${args[@]}" --out "$out/shapes.json" 2>&1 |
+    tee "$out/shapes.log"
+  summary+=("shapes rc=${PIPESTATUS[0]}")
+fi
+if want pdl; then
+  # Launch overhead at small shapes: the same rows with and without PDL, warm and cold L2.
+  for flags in "" "--no-pdl" "--no-flush" "--no-pdl --no-flush"; do
+    echo "== flags: ${flags:-default}"
+    timeout 120 "$bundle/bin/mlaverify-bench" --shape 1,1024,16,8 --shape 1,4096,16,8 $flags 2>&1 |
+      grep -E '^B='
+  done 2>&1 | tee "$out/pdl.log"
+fi
+if want ncu && command -v ncu >/dev/null; then
+  # Per-kernel durations at the small shape, then the attention kernel's
+  # pipes and stall reasons at a compute-heavy one.
+  timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum \
+    -k regex:'PlanKernel|AttentionKernel|CombineKernel' --launch-skip 6 --launch-count 6 \
+    "$bundle/bin/mlaverify-bench" --shape 1,4096,16,8 --reps 3 > "$out/ncu_small.txt" 2>&1
+  grep -E 'Kernel|gpu__time_duration' "$out/ncu_small.txt" | head -24
+  timeout 300 ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
+    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
+    -k regex:AttentionKernel --launch-skip 2 --launch-count 1 \
+    "$bundle/bin/mlaverify-bench" --shape 8,16384,16,8 --reps 3 > "$out/ncu_mid.txt" 2>&1
+  grep -E 'Throughput|Pipe|Stall|stall|Issue|Warp Cycles|Active|Shared|Bank|Occupancy|Registers|Duration' \
+    "$out/ncu_mid.txt" | head -60
+fi
+if want triton; then
+  PYTHONUNBUFFERED=1 timeout 300 python3 bench/baselines/triton_extend.py --suite anchor \
+    --out "$out/triton_anchor.json" > "$out/triton.log" 2>&1
+  rc=$?
+  tail -35 "$out/triton.log"
+  summary+=("triton rc=$rc")
+fi
+printf '%s\n' "${summary[@]}"
+# At most 8 files come back from the device machine: pack everything into one.
+tar -C "$out" -czf "$final/results.tgz" .

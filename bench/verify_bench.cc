@@ -1,0 +1,302 @@
+// mlaverify-bench: times the verify attention (plan + attention + combine,
+// replayed from a CUDA graph) on named suites of shapes or shapes given on the
+// command line, checks every row against the CPU reference, and writes JSON.
+//
+//   mlaverify-bench --suite anchor --out bench/results/h200.json
+//   mlaverify-bench --shape 1,4096,16,8,64,tree --shape 8,65536,16,16
+//
+// Method (KERNEL.md): the card's read bandwidth is measured in the same run;
+// each repetition is one graph replay timed with CUDA events, L2 flushed
+// before it (a 256 MB memset outside the timed region); median of --reps
+// repetitions after warm-up. Inputs are random (never zero), unused pool
+// pages and rows hold NaN.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "kernels/cpu_reference.h"
+#include "kernels/testing/device_problem.h"
+#include "kernels/testing/verify_problem.h"
+#include "kernels/verify_attention_cuda.h"
+#include "kernels/verify_params.h"
+#include "nlohmann/json.hpp"
+
+namespace mlaverify::bench {
+namespace {
+
+using kernels::testing::Comparison;
+using kernels::testing::DeviceBuffer;
+using kernels::testing::DeviceVerifyProblem;
+using kernels::testing::HostVerifyProblem;
+using kernels::testing::MaskKind;
+using kernels::testing::VerifyProblemSpec;
+
+constexpr double kFlopRoof = 730e12;  // KERNEL.md's compute roof for the floor
+
+struct Shape {
+  int batch, prefix, draft, heads, page_size;
+  MaskKind mask;
+};
+
+bool ParseShape(const std::string& text, Shape* s) {
+  std::vector<std::string> parts = absl::StrSplit(text, ',');
+  if (parts.size() < 4 || parts.size() > 6) return false;
+  int v[5] = {0, 0, 0, 0, 64};
+  for (size_t k = 0; k < parts.size() && k < 5; ++k) {
+    if (!absl::SimpleAtoi(parts[k], &v[k])) return false;
+  }
+  s->batch = v[0];
+  s->prefix = v[1];
+  s->draft = v[2];
+  s->heads = v[3];
+  s->page_size = v[4];
+  s->mask = MaskKind::kTree;
+  if (parts.size() == 6) {
+    if (parts[5] == "chain") s->mask = MaskKind::kChain;
+    else if (parts[5] != "tree") return false;
+  }
+  return s->batch >= 1 && s->prefix >= 0 && s->draft >= 1 && s->draft <= 64 && s->heads >= 1 &&
+         s->heads <= 128;
+}
+
+std::vector<Shape> Suite(const std::string& name) {
+  std::vector<Shape> shapes;
+  if (name == "anchor") {
+    // KERNEL.md's baseline table, with chain and tree masks, page sizes 1 and 64.
+    const int table[][4] = {{1, 4096, 16, 8},    {1, 65536, 16, 8},  {8, 16384, 16, 8},
+                            {8, 65536, 4, 16},   {32, 65536, 4, 8},  {8, 65536, 16, 16},
+                            {8, 16384, 16, 128}};
+    for (const auto& t : table) {
+      for (int page : {64, 1}) {
+        for (MaskKind m : {MaskKind::kChain, MaskKind::kTree}) {
+          shapes.push_back({t[0], t[1], t[2], t[3], page, m});
+        }
+      }
+    }
+  } else if (name == "sweep") {
+    // Time against prefix length for the plot: the verify regime.
+    for (int l : {1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072}) {
+      shapes.push_back({1, l, 16, 8, 64, MaskKind::kTree});
+    }
+  } else if (name == "smoke") {
+    shapes.push_back({1, 4096, 16, 8, 64, MaskKind::kTree});
+    shapes.push_back({2, 1000, 7, 16, 16, MaskKind::kChain});
+  }
+  return shapes;
+}
+
+struct Timing {
+  double median_us = 0.0;
+  double min_us = 0.0;
+};
+
+absl::StatusOr<Timing> TimeGraph(cudaGraphExec_t exec, cudaStream_t stream, int reps, bool flush,
+                                 DeviceBuffer& flush_buffer) {
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  std::vector<float> times;
+  for (int r = -5; r < reps; ++r) {
+    if (flush) cudaMemsetAsync(flush_buffer.as<void>(), r & 0xff, flush_buffer.bytes(), stream);
+    cudaEventRecord(start, stream);
+    cudaGraphLaunch(exec, stream);
+    cudaEventRecord(stop, stream);
+    if (cudaEventSynchronize(stop) != cudaSuccess) break;
+    float ms = 0.0f;
+    cudaEventElapsedTime(&ms, start, stop);
+    if (r >= 0) times.push_back(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || times.empty()) {
+    return absl::InternalError(absl::StrCat("timing failed: ", cudaGetErrorString(err)));
+  }
+  std::sort(times.begin(), times.end());
+  return Timing{times[times.size() / 2] * 1e3, times.front() * 1e3};
+}
+
+int Run(int argc, char** argv) {
+  CLI::App app{"mlaverify-bench: verify attention kernel benchmark"};
+  std::string suite;
+  std::vector<std::string> shape_texts;
+  int reps = 50;
+  int check_rows = 256;
+  std::string out_path;
+  bool no_flush = false;
+  int ctas_per_sm = 1;
+  int min_chunk_tiles = 0;
+  bool no_pdl = false;
+  app.add_option("--suite", suite, "named suite: anchor, sweep, smoke");
+  app.add_option("--shape", shape_texts, "B,L,N,H[,page_size[,chain|tree]] (repeatable)");
+  app.add_option("--reps", reps, "timed repetitions per row (median reported)")->check(CLI::Range(1, 100000));
+  app.add_option("--check-rows", check_rows, "query rows compared with the CPU reference per row");
+  app.add_option("--out", out_path, "write JSON results here");
+  app.add_flag("--no-flush", no_flush, "do not flush L2 between repetitions (warm cache)");
+  app.add_option("--ctas-per-sm", ctas_per_sm, "split target: CTAs per SM");
+  app.add_option("--min-chunk-tiles", min_chunk_tiles, "smallest KV split in 32-token tiles");
+  app.add_flag("--no-pdl", no_pdl, "launch plan/attention/combine without programmatic dependent launch");
+  CLI11_PARSE(app, argc, argv);
+
+  std::vector<Shape> shapes = Suite(suite);
+  if (!suite.empty() && shapes.empty()) {
+    std::cerr << "unknown suite '" << suite << "' (anchor, sweep, smoke)\n";
+    return 2;
+  }
+  for (const std::string& t : shape_texts) {
+    Shape s;
+    if (!ParseShape(t, &s)) {
+      std::cerr << "bad --shape '" << t << "': want B,L,N,H[,page_size[,chain|tree]]\n";
+      return 2;
+    }
+    shapes.push_back(s);
+  }
+  if (shapes.empty()) {
+    std::cerr << "nothing to run: give --suite or --shape\n";
+    return 2;
+  }
+  int device_count = 0;
+  if (cudaGetDeviceCount(&device_count) != cudaSuccess || device_count == 0) {
+    std::cerr << "mlaverify-bench needs a CUDA device; none found\n";
+    return 3;
+  }
+  auto config = kernels::PrepareVerifyLaunch(0);
+  if (!config.ok()) {
+    std::cerr << config.status() << "\n";
+    return 3;
+  }
+  config->ctas_per_sm = ctas_per_sm;
+  if (min_chunk_tiles > 0) config->min_chunk_tiles = min_chunk_tiles;
+  config->programmatic_launch = !no_pdl;
+  cudaDeviceProp prop;
+  cudaGetDeviceProperties(&prop, 0);
+  auto read_bw = kernels::testing::MeasureReadBandwidth(size_t{4} << 30, 20);
+  if (!read_bw.ok()) {
+    std::cerr << read_bw.status() << "\n";
+    return 3;
+  }
+  std::printf("gpu %s, %d SMs, read bandwidth %.2f TB/s, attention smem %d B\n", prop.name,
+              prop.multiProcessorCount, *read_bw / 1e12, kernels::VerifyAttentionSharedBytes());
+
+  DeviceBuffer flush_buffer;
+  if (!flush_buffer.Allocate(size_t{256} << 20).ok()) return 3;
+  cudaStream_t stream;
+  cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+
+  nlohmann::json rows = nlohmann::json::array();
+  bool all_ok = true;
+  int index = 0;
+  for (const Shape& s : shapes) {
+    VerifyProblemSpec spec;
+    spec.prefix_len.assign(s.batch, s.prefix);
+    spec.draft_len.assign(s.batch, s.draft);
+    spec.num_heads = s.heads;
+    spec.page_size = s.page_size;
+    spec.num_layers = 1;
+    spec.mask = s.mask;
+    spec.seed = 9000 + index++;
+    HostVerifyProblem problem = kernels::testing::MakeProblem(spec);
+    DeviceVerifyProblem device;
+    absl::Status st = device.Init(kernels::testing::CapacityFor(problem), *config);
+    if (st.ok()) st = device.Upload(problem);
+    if (st.ok()) st = kernels::LaunchWriteDraftKv(device.WriteArgs(), stream);
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    if (st.ok()) {
+      cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal);
+      st = kernels::LaunchVerifyAttention(device.Args(), *config, device.workspace(),
+                                          device.workspace_bytes(), stream);
+      if (cudaStreamEndCapture(stream, &graph) != cudaSuccess && st.ok()) {
+        st = absl::InternalError("graph capture failed");
+      }
+    }
+    if (st.ok() && cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) {
+      st = absl::InternalError("graph instantiation failed");
+    }
+    Comparison check;
+    if (st.ok()) {
+      // Correctness of this very configuration: one replay on poisoned outputs.
+      cudaGraphLaunch(exec, stream);
+      if (cudaStreamSynchronize(stream) != cudaSuccess) st = absl::InternalError("replay failed");
+    }
+    std::vector<Bf16> out;
+    std::vector<float> lse;
+    if (st.ok()) st = device.Download(problem, &out, &lse);
+    if (st.ok()) st = kernels::WriteDraftKvCpu(problem.HostWriteArgs());
+    if (st.ok()) check = kernels::testing::CompareWithReference(problem, out, lse, check_rows);
+    absl::StatusOr<Timing> timing = absl::InternalError("not run");
+    if (st.ok()) timing = TimeGraph(exec, stream, reps, !no_flush, flush_buffer);
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+    if (!st.ok() || !timing.ok()) {
+      std::printf("%d,%d,%d,%d page %d %s: FAILED %s\n", s.batch, s.prefix, s.draft, s.heads,
+                  s.page_size, kernels::testing::MaskName(s.mask),
+                  std::string(st.ok() ? timing.status().message() : st.message()).c_str());
+      all_ok = false;
+      continue;
+    }
+    const double bytes = kernels::testing::ProblemBytes(problem);
+    const double flops = kernels::testing::ProblemFlops(problem);
+    const double t = timing->median_us * 1e-6;
+    const double floor_s = std::max(bytes / *read_bw, flops / kFlopRoof);
+    const bool ok = check.ok();
+    all_ok = all_ok && ok;
+    std::printf(
+        "B=%-3d L=%-6d N=%-2d H=%-3d page=%-3d %-5s %9.1f us  %5.2f TB/s  %6.1f TFLOP/s  "
+        "floor %7.1f us (x%.2f)  rel_err %.2e%s\n",
+        s.batch, s.prefix, s.draft, s.heads, s.page_size, kernels::testing::MaskName(s.mask),
+        timing->median_us, bytes / t / 1e12, flops / t / 1e12, floor_s * 1e6, t / floor_s,
+        check.rel_err, ok ? "" : "  FAILED CHECK");
+    std::fflush(stdout);
+    rows.push_back({{"batch", s.batch},
+                    {"prefix_len", s.prefix},
+                    {"draft_len", s.draft},
+                    {"heads", s.heads},
+                    {"page_size", s.page_size},
+                    {"mask", kernels::testing::MaskName(s.mask)},
+                    {"time_us", timing->median_us},
+                    {"min_us", timing->min_us},
+                    {"reps", reps},
+                    {"tbps", bytes / t / 1e12},
+                    {"tflops", flops / t / 1e12},
+                    {"floor_us", floor_s * 1e6},
+                    {"time_over_floor", t / floor_s},
+                    {"rel_err", check.rel_err},
+                    {"lse_max_abs_err", check.lse_max_abs_err},
+                    {"rows_checked", check.rows_checked},
+                    {"nan_outputs", check.nan_outputs}});
+  }
+  cudaStreamDestroy(stream);
+
+  nlohmann::json result = {{"gpu", prop.name},
+                           {"sm_count", prop.multiProcessorCount},
+                           {"read_tbps", *read_bw / 1e12},
+                           {"flop_roof_tflops", kFlopRoof / 1e12},
+                           {"l2_flushed", !no_flush},
+                           {"ctas_per_sm", config->ctas_per_sm},
+                           {"min_chunk_tiles", config->min_chunk_tiles},
+                           {"programmatic_launch", config->programmatic_launch},
+                           {"attention_smem_bytes", kernels::VerifyAttentionSharedBytes()},
+                           {"rows", rows}};
+  if (!out_path.empty()) {
+    std::ofstream f(out_path);
+    f << result.dump(2) << "\n";
+  }
+  if (!all_ok) std::printf("SOME ROWS FAILED\n");
+  return all_ok ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace mlaverify::bench
+
+int main(int argc, char** argv) { return mlaverify::bench::Run(argc, argv); }

@@ -1,0 +1,51 @@
+// Launchers of the verify attention kernels (plan, attention, combine). The
+// only translation unit that includes verify_kernel.cuh.
+#include <cuda_runtime.h>
+
+#include "kernels/verify_kernel.cuh"
+#include "kernels/verify_params.h"
+
+namespace mlaverify::kernels {
+namespace {
+
+// Launches `kernel` with programmatic stream serialisation when asked: the
+// grid may begin launching while its predecessor runs and waits for it in
+// griddepcontrol.wait. Captured into CUDA graphs as a programmatic edge.
+template <typename Kernel>
+cudaError_t LaunchWithDependency(Kernel kernel, dim3 grid, dim3 block, int smem_bytes,
+                                 bool programmatic, cudaStream_t stream, const VerifyParams& p) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = programmatic ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, p);
+}
+
+}  // namespace
+
+int VerifyAttentionSharedBytes() { return verify::SMEM_BYTES; }
+
+cudaError_t PrepareVerifyKernels() {
+  return cudaFuncSetAttribute(verify::AttentionKernel,
+                              cudaFuncAttributeMaxDynamicSharedMemorySize, verify::SMEM_BYTES);
+}
+
+cudaError_t LaunchVerifyKernels(const VerifyParams& p, bool programmatic_launch,
+                                cudaStream_t stream) {
+  verify::PlanKernel<<<1, verify::PLAN_THREADS, 0, stream>>>(p);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  err = LaunchWithDependency(verify::AttentionKernel, dim3(p.max_work), dim3(verify::NUM_THREADS),
+                             verify::SMEM_BYTES, programmatic_launch, stream, p);
+  if (err != cudaSuccess) return err;
+  return LaunchWithDependency(verify::CombineKernel, dim3(p.max_work),
+                              dim3(verify::COMBINE_THREADS), 0, programmatic_launch, stream, p);
+}
+
+}  // namespace mlaverify::kernels

@@ -1,0 +1,101 @@
+// Tree-masked verify attention over the paged latent KV pool: the arguments
+// every executor takes (the CUDA kernels and the CPU reference), and the
+// validation of them. No CUDA headers here: the CPU backend includes this.
+//
+// Math (DESIGN.md §2), for request b with prefix length P = prefix_len[b],
+// N = draft_len[b] drafts stored in the pool at positions P..P+N-1, query
+// token i in 0..N-1 and head h:
+//   s[j]   = scale_b * dot(q[i,h,:576], kv[j,:576])   for visible j
+//   o[i,h] = sum_j softmax(s)[j] * kv[j,:512]
+//   lse    = ln sum_j exp(s[j])
+// with visible(i) = {0..P-1} and {P+a : bit a of visibility[i] is set}.
+#ifndef MLAVERIFY_KERNELS_VERIFY_ATTENTION_H_
+#define MLAVERIFY_KERNELS_VERIFY_ATTENTION_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "kernels/bf16.h"
+#include "kernels/draft_tree.h"
+
+namespace mlaverify::kernels {
+
+inline constexpr int kLatentDim = 576;  // d_qk: kv_lora_rank (512) + rope (64)
+inline constexpr int kValueDim = 512;   // d_v: the first 512 latent columns
+inline constexpr int kRopeDim = kLatentDim - kValueDim;
+inline constexpr int kMaxHeads = 128;
+inline constexpr int kMaxPageSize = 256;
+inline constexpr int kMaxBatch = 1024;
+
+// The paged latent KV pool of one device: layer-major
+// [num_layers][num_pages][page_size][576] bf16. A sequence's page table
+// (int32 page ids) is shared by all layers.
+struct KvPoolView {
+  Bf16* data = nullptr;  // [num_layers, num_pages, page_size, 576]
+  int num_layers = 0;
+  int64_t num_pages = 0;
+  int page_size = 0;  // power of two, 1..kMaxPageSize
+
+  // Element offset of the row holding token `position` of a sequence whose
+  // page table is `pages`.
+  int64_t RowOffset(int layer, const int32_t* pages, int64_t position) const {
+    const int64_t page = pages[position / page_size];
+    return ((static_cast<int64_t>(layer) * num_pages + page) * page_size +
+            position % page_size) *
+           kLatentDim;
+  }
+};
+
+// One verify launch: `batch` requests, each with its own prefix length, draft
+// count, layer and page table. Pointers are device pointers for the CUDA path
+// and host pointers for the CPU reference. Every per-request value is read
+// from memory (not passed by value) so that a captured CUDA graph stays valid
+// when lengths change between replays.
+struct VerifyArguments {
+  int batch = 0;          // requests; a request with draft_len 0 is padding
+  int num_heads = 0;      // H: query heads on this device, 1..kMaxHeads
+  int max_draft_len = 0;  // upper bound on every draft_len[b], 1..kMaxDraftLen
+  // Rows available in q / out / lse / visibility: sum_b draft_len[b] must not
+  // exceed it.
+  int total_draft_capacity = 0;
+
+  // Absorbed queries [total_draft, num_heads, 576] bf16. Request b's drafts
+  // start at token row sum_{b' < b} draft_len[b'] (packed, no gaps).
+  const Bf16* q = nullptr;
+  int64_t q_token_stride = 0;  // elements between draft tokens
+  int64_t q_head_stride = 0;   // elements between heads; rows are contiguous
+
+  KvPoolView pool;
+  const int32_t* page_table = nullptr;  // [batch, page_table_stride]
+  int64_t page_table_stride = 0;        // elements between requests' rows
+  const int32_t* prefix_len = nullptr;  // [batch] P_b >= 0
+  const int32_t* draft_len = nullptr;   // [batch] N_b in 0..max_draft_len
+  const int32_t* layer = nullptr;       // [batch] in 0..pool.num_layers-1
+  // [batch] per-request softmax scale, or nullptr for default_softmax_scale.
+  const float* softmax_scale = nullptr;
+  float default_softmax_scale = 0.0f;
+  // [total_draft] ancestor-or-self bit sets, see BuildVisibility().
+  const uint64_t* visibility = nullptr;
+
+  // Outputs: out [total_draft, num_heads, 512] bf16, lse [total_draft,
+  // num_heads] fp32 natural log, contiguous.
+  Bf16* out = nullptr;
+  int64_t out_token_stride = 0;
+  int64_t out_head_stride = 0;
+  float* lse = nullptr;
+};
+
+// Checks everything that can be checked without reading the per-request
+// arrays (which may live on the device): sizes, strides, alignment, page size.
+// Returns INVALID_ARGUMENT with the reason. `require_16b_alignment` is set by
+// the CUDA path, whose loads are 16-byte vectors.
+absl::Status CanImplement(const VerifyArguments& args, bool require_16b_alignment);
+
+// Checks the per-request values against the pool and the limits. Only for
+// host-resident arrays (the CPU reference, and the engine before it copies
+// them to the device).
+absl::Status ValidateRequests(const VerifyArguments& args);
+
+}  // namespace mlaverify::kernels
+
+#endif  // MLAVERIFY_KERNELS_VERIFY_ATTENTION_H_

@@ -1,0 +1,173 @@
+#include "kernels/verify_attention_cuda.h"
+
+#include <algorithm>
+#include <cstdint>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
+#include "kernels/verify_params.h"
+
+namespace mlaverify::kernels {
+namespace {
+
+constexpr int kBlockM = kVerifyRowsPerCta;
+constexpr size_t kAlign = 256;
+
+int Log2(int v) {
+  int r = 0;
+  while ((1 << r) < v) ++r;
+  return r;
+}
+
+size_t AlignUp(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
+
+absl::Status CudaStatus(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
+}
+
+int TargetCtas(const VerifyLaunchConfig& c) { return c.num_sms * c.ctas_per_sm; }
+
+int MaxWork(const VerifyArguments& a, const VerifyLaunchConfig& c) {
+  const int max_row_tiles = (a.max_draft_len * a.num_heads + kBlockM - 1) / kBlockM;
+  const int64_t unsplit = static_cast<int64_t>(a.batch) * max_row_tiles;
+  return static_cast<int>(std::max<int64_t>(TargetCtas(c), unsplit));
+}
+
+// Carves the workspace into the plan arrays and the partial buffers; the
+// same layout is used for sizing (base == nullptr) and for launching.
+struct WorkspaceLayout {
+  size_t total_work, request_q_row, request_splits, request_row_tiles, request_work_base, work,
+      partial_lse, partial_out, bytes;
+};
+
+WorkspaceLayout Layout(const VerifyArguments& a, const VerifyLaunchConfig& c) {
+  WorkspaceLayout l{};
+  size_t at = 0;
+  auto take = [&at](size_t bytes) {
+    const size_t here = at;
+    at = AlignUp(at + bytes);
+    return here;
+  };
+  l.total_work = take(sizeof(int32_t));
+  l.request_q_row = take(sizeof(int32_t) * a.batch);
+  l.request_splits = take(sizeof(int32_t) * a.batch);
+  l.request_row_tiles = take(sizeof(int32_t) * a.batch);
+  l.request_work_base = take(sizeof(int32_t) * a.batch);
+  l.work = take(sizeof(VerifyWorkItem) * MaxWork(a, c));
+  l.partial_lse = take(sizeof(float) * TargetCtas(c) * kBlockM);
+  l.partial_out = take(sizeof(float) * TargetCtas(c) * kBlockM * kValueDim);
+  l.bytes = at;
+  return l;
+}
+
+}  // namespace
+
+absl::StatusOr<VerifyLaunchConfig> PrepareVerifyLaunch(int device) {
+  VerifyLaunchConfig config;
+  RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device), "cudaSetDevice"));
+  RETURN_IF_ERROR(CudaStatus(
+      cudaDeviceGetAttribute(&config.num_sms, cudaDevAttrMultiProcessorCount, device),
+      "cudaDeviceGetAttribute(MultiProcessorCount)"));
+  int max_optin = 0;
+  RETURN_IF_ERROR(CudaStatus(
+      cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+      "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)"));
+  if (max_optin < VerifyAttentionSharedBytes()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("device ", device, " allows ", max_optin,
+                     " bytes of shared memory per block; the verify kernel needs ",
+                     VerifyAttentionSharedBytes()));
+  }
+  RETURN_IF_ERROR(CudaStatus(PrepareVerifyKernels(), "cudaFuncSetAttribute"));
+  return config;
+}
+
+size_t VerifyWorkspaceBytes(const VerifyArguments& args, const VerifyLaunchConfig& config) {
+  return Layout(args, config).bytes;
+}
+
+absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchConfig& c,
+                                   void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  RETURN_IF_ERROR(CanImplement(a, /*require_16b_alignment=*/true));
+  if (c.num_sms < 1 || c.ctas_per_sm < 1 || c.min_chunk_tiles < 1) {
+    return absl::InvalidArgumentError("launch config needs num_sms, ctas_per_sm and "
+                                      "min_chunk_tiles >= 1 (see PrepareVerifyLaunch)");
+  }
+  const WorkspaceLayout l = Layout(a, c);
+  if (workspace == nullptr || workspace_bytes < l.bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("workspace of ", workspace_bytes,
+                                                   " bytes is too small: need ", l.bytes));
+  }
+  auto* base = static_cast<uint8_t*>(workspace);
+  VerifyParams p{};
+  p.q = reinterpret_cast<const uint16_t*>(a.q);
+  p.q_token_stride = a.q_token_stride;
+  p.q_head_stride = a.q_head_stride;
+  p.pool = reinterpret_cast<const uint16_t*>(a.pool.data);
+  p.num_pages = a.pool.num_pages;
+  p.page_size_log2 = Log2(a.pool.page_size);
+  p.page_table = a.page_table;
+  p.page_table_stride = a.page_table_stride;
+  p.prefix_len = a.prefix_len;
+  p.draft_len = a.draft_len;
+  p.layer = a.layer;
+  p.softmax_scale = a.softmax_scale;
+  p.default_softmax_scale = a.default_softmax_scale;
+  p.visibility = a.visibility;
+  p.batch = a.batch;
+  p.num_heads = a.num_heads;
+  p.out = reinterpret_cast<uint16_t*>(a.out);
+  p.out_token_stride = a.out_token_stride;
+  p.out_head_stride = a.out_head_stride;
+  p.lse = a.lse;
+  p.total_work = reinterpret_cast<int32_t*>(base + l.total_work);
+  p.request_q_row = reinterpret_cast<int32_t*>(base + l.request_q_row);
+  p.request_splits = reinterpret_cast<int32_t*>(base + l.request_splits);
+  p.request_row_tiles = reinterpret_cast<int32_t*>(base + l.request_row_tiles);
+  p.request_work_base = reinterpret_cast<int32_t*>(base + l.request_work_base);
+  p.work = reinterpret_cast<VerifyWorkItem*>(base + l.work);
+  p.partial_lse = reinterpret_cast<float*>(base + l.partial_lse);
+  p.partial_out = reinterpret_cast<float*>(base + l.partial_out);
+  p.max_work = MaxWork(a, c);
+  p.max_partials = TargetCtas(c);
+  p.target_ctas = TargetCtas(c);
+  p.min_chunk_tiles = c.min_chunk_tiles;
+  return CudaStatus(LaunchVerifyKernels(p, c.programmatic_launch, stream), "verify launch");
+}
+
+absl::Status LaunchWriteDraftKv(const DraftKvWriteArguments& a, cudaStream_t stream) {
+  RETURN_IF_ERROR(CanImplementWrite(a, /*require_16b_alignment=*/true));
+  DraftKvWriteParams p{};
+  p.draft_kv = reinterpret_cast<const uint16_t*>(a.draft_kv);
+  p.draft_kv_stride = a.draft_kv_stride;
+  p.pool = reinterpret_cast<uint16_t*>(a.pool.data);
+  p.num_pages = a.pool.num_pages;
+  p.page_size_log2 = Log2(a.pool.page_size);
+  p.page_table = a.page_table;
+  p.page_table_stride = a.page_table_stride;
+  p.prefix_len = a.prefix_len;
+  p.draft_len = a.draft_len;
+  p.layer = a.layer;
+  p.batch = a.batch;
+  p.total_draft_capacity = a.total_draft_capacity;
+  return CudaStatus(LaunchDraftKvWriteKernel(p, stream), "draft KV write launch");
+}
+
+absl::Status LaunchCompactAcceptedKv(const CompactArguments& a, cudaStream_t stream) {
+  RETURN_IF_ERROR(CanImplementCompact(a, /*require_16b_alignment=*/true));
+  CompactParams p{};
+  p.pool = reinterpret_cast<uint16_t*>(a.pool.data);
+  p.num_layers = a.pool.num_layers;
+  p.num_pages = a.pool.num_pages;
+  p.page_size_log2 = Log2(a.pool.page_size);
+  p.page_table = a.page_table;
+  p.page_table_stride = a.page_table_stride;
+  p.prefix_len = a.prefix_len;
+  p.accepted_len = a.accepted_len;
+  p.accepted = a.accepted;
+  p.batch = a.batch;
+  return CudaStatus(LaunchCompactKernel(p, stream), "compaction launch");
+}
+
+}  // namespace mlaverify::kernels

@@ -1,0 +1,48 @@
+// Host API of the CUDA verify path: workspace sizing, argument checks and
+// stream launches. Launch functions allocate nothing and never synchronise
+// the host, so they may be captured into CUDA graphs; everything that
+// depends on lengths is computed on the GPU by the plan kernel.
+#ifndef MLAVERIFY_KERNELS_VERIFY_ATTENTION_CUDA_H_
+#define MLAVERIFY_KERNELS_VERIFY_ATTENTION_CUDA_H_
+
+#include <cstddef>
+
+#include <cuda_runtime_api.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/kv_cache.h"
+#include "kernels/verify_attention.h"
+
+namespace mlaverify::kernels {
+
+struct VerifyLaunchConfig {
+  int num_sms = 0;          // multiprocessors of the device
+  int ctas_per_sm = 1;      // attention CTAs resident per SM (1: shared memory ~95 KB)
+  int min_chunk_tiles = 2;  // smallest KV chunk of a split, in 32-token tiles
+  bool programmatic_launch = true;  // overlap kernel launches (sm_90+)
+};
+
+// Reads the device's multiprocessor count and raises the attention kernel's
+// shared-memory limit on it. Call once per device before launching.
+absl::StatusOr<VerifyLaunchConfig> PrepareVerifyLaunch(int device);
+
+// Bytes of device workspace LaunchVerifyAttention needs for arguments of this
+// shape (batch, heads, max_draft_len); independent of lengths, so one
+// workspace serves every replay of a graph.
+size_t VerifyWorkspaceBytes(const VerifyArguments& args, const VerifyLaunchConfig& config);
+
+// Enqueues plan + attention + combine on `stream`. `workspace` must hold
+// VerifyWorkspaceBytes() bytes and stay untouched until the launch completes.
+// Returns INVALID_ARGUMENT for arguments CanImplement() rejects and INTERNAL
+// for a CUDA launch error. Per-request values are trusted: validate them on the
+// host (ValidateRequests) before they reach the device.
+absl::Status LaunchVerifyAttention(const VerifyArguments& args, const VerifyLaunchConfig& config,
+                                   void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+absl::Status LaunchWriteDraftKv(const DraftKvWriteArguments& args, cudaStream_t stream);
+absl::Status LaunchCompactAcceptedKv(const CompactArguments& args, cudaStream_t stream);
+
+}  // namespace mlaverify::kernels
+
+#endif  // MLAVERIFY_KERNELS_VERIFY_ATTENTION_CUDA_H_

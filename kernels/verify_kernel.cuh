@@ -1,0 +1,482 @@
+// Device code of the verify attention: the plan kernel (work list from
+// device-resident lengths), the split-KV attention kernel, and the combine
+// kernel that merges split partials by log-sum-exp. Included by exactly one
+// translation unit (verify_attention.cu).
+#ifndef MLAVERIFY_KERNELS_VERIFY_KERNEL_CUH_
+#define MLAVERIFY_KERNELS_VERIFY_KERNEL_CUH_
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+
+#include "kernels/ptx.cuh"
+#include "kernels/verify_config.cuh"
+#include "kernels/verify_params.h"
+
+namespace mlaverify::kernels::verify {
+
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+constexpr int PLAN_THREADS = 1024;  // one thread per request: batch <= 1024
+static_assert(BLOCK_M == kVerifyRowsPerCta, "the host sizes partial buffers with kVerifyRowsPerCta");
+
+__device__ __forceinline__ int CeilDiv(int a, int b) { return (a + b - 1) / b; }
+
+// "No split": larger than any request's tile count (positions are int32).
+constexpr int NO_SPLIT_CHUNK_TILES = (1 << 30) / BLOCK_N;
+
+// First KV tile of split `split` when `tiles` tiles spread evenly over
+// `splits` splits (every split gets floor or ceil of tiles / splits, >= 1).
+__device__ __forceinline__ int SplitFirstTile(int split, int tiles, int splits) {
+  return static_cast<int>(static_cast<long long>(split) * tiles / splits);
+}
+
+// ---------------------------------------------------------------------------
+// Plan: one CTA. Picks one chunk length c (in BLOCK_N tiles) for the launch
+// so that the number of work items stays within target_ctas: with
+// T = target_ctas and R = total row tiles,
+//   items = sum_b row_tiles_b * ceil(tiles_b / c) <= cost / c + R <= T
+// for c = ceil(cost / (T - R)). When R >= T the device is full without
+// splitting and no request is split. Each request then spreads its tiles
+// evenly over its ceil(tiles_b / c) splits (each gets at most c tiles, the
+// item count is unchanged), so that no CTA carries a long chunk while its
+// siblings carry a stub.
+// ---------------------------------------------------------------------------
+__global__ void __launch_bounds__(PLAN_THREADS) PlanKernel(const VerifyParams p) {
+  using IntScan = cub::BlockScan<int, PLAN_THREADS>;
+  using CostReduce = cub::BlockReduce<long long, PLAN_THREADS>;
+  __shared__ union {
+    typename IntScan::TempStorage scan;
+    typename CostReduce::TempStorage reduce;
+  } temp;
+  __shared__ int s_work_base[PLAN_THREADS];
+  __shared__ int s_chunk_tiles;
+
+  // The attention grid may start launching now; it waits for this grid.
+  ptx::GridDependencyLaunchDependents();
+
+  const int b = threadIdx.x;
+  int n = 0, kv_len = 0, row_tiles = 0, tiles = 0;
+  if (b < p.batch) {
+    n = p.draft_len[b];
+    kv_len = p.prefix_len[b] + n;
+    row_tiles = CeilDiv(n * p.num_heads, BLOCK_M);
+    tiles = n > 0 ? CeilDiv(kv_len, BLOCK_N) : 0;
+  }
+  int q_row = 0;
+  IntScan(temp.scan).ExclusiveSum(n, q_row);
+  __syncthreads();
+  const long long total_cost = CostReduce(temp.reduce).Sum(static_cast<long long>(row_tiles) * tiles);
+  __syncthreads();
+  const long long total_row_tiles = CostReduce(temp.reduce).Sum(static_cast<long long>(row_tiles));
+  if (b == 0) {
+    int chunk = NO_SPLIT_CHUNK_TILES;
+    if (total_row_tiles < p.target_ctas) {
+      const long long spare = p.target_ctas - total_row_tiles;
+      long long c = (total_cost + spare - 1) / spare;
+      c = c < p.min_chunk_tiles ? p.min_chunk_tiles : c;
+      chunk = static_cast<int>(c < NO_SPLIT_CHUNK_TILES ? c : NO_SPLIT_CHUNK_TILES);
+    }
+    s_chunk_tiles = chunk;
+  }
+  __syncthreads();
+  const int chunk_tiles = s_chunk_tiles;
+  const int splits = tiles > 0 ? CeilDiv(tiles, chunk_tiles) : 0;
+  int work_base = 0, total_work = 0;
+  IntScan(temp.scan).ExclusiveSum(row_tiles * splits, work_base, total_work);
+  s_work_base[b] = work_base;
+  if (b < p.batch) {
+    p.request_q_row[b] = q_row;
+    p.request_splits[b] = splits;
+    p.request_row_tiles[b] = row_tiles;
+    p.request_work_base[b] = work_base;
+  }
+  if (b == 0) *p.total_work = total_work;
+  __syncthreads();
+
+  for (int w = threadIdx.x; w < p.max_work; w += PLAN_THREADS) {
+    VerifyWorkItem item{-1, 0, 0, 0, 0, {0, 0, 0}};
+    if (w < total_work) {
+      // The request holding item w: the last one whose base is <= w (requests
+      // with no items share their successor's base and are skipped by this).
+      int lo = 0, hi = p.batch - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (s_work_base[mid] <= w) lo = mid; else hi = mid - 1;
+      }
+      const int r = lo;
+      const int r_row_tiles = CeilDiv(p.draft_len[r] * p.num_heads, BLOCK_M);
+      const int r_len = p.prefix_len[r] + p.draft_len[r];
+      const int r_tiles = CeilDiv(r_len, BLOCK_N);
+      const int r_splits = CeilDiv(r_tiles, chunk_tiles);
+      const int local = w - s_work_base[r];
+      // Row tiles of one chunk are adjacent work items: their KV re-reads hit L2.
+      const int split = local / r_row_tiles;
+      item.request = r;
+      item.row_tile = local % r_row_tiles;
+      item.split = split;
+      item.kv_begin = SplitFirstTile(split, r_tiles, r_splits) * BLOCK_N;
+      item.kv_end = min(r_len, SplitFirstTile(split + 1, r_tiles, r_splits) * BLOCK_N);
+    }
+    p.work[w] = item;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Attention: one CTA per work item, NUM_THREADS threads.
+// ---------------------------------------------------------------------------
+struct AttentionSmem {
+  uint8_t* base;
+  __device__ uint32_t KvStage(int stage) const {
+    return ptx::SmemAddress(base + SMEM_KV_OFFSET + stage * KV_STAGE_BYTES);
+  }
+  __device__ float* Scores() const { return reinterpret_cast<float*>(base + SMEM_SCORE_OFFSET); }
+  __device__ __nv_bfloat16* Probs() const {
+    return reinterpret_cast<__nv_bfloat16*>(base + SMEM_P_OFFSET);
+  }
+  __device__ float* Alpha() const { return reinterpret_cast<float*>(base + SMEM_ALPHA_OFFSET); }
+  __device__ float* InvL() const { return reinterpret_cast<float*>(base + SMEM_INV_L_OFFSET); }
+};
+
+// Byte offset of 16-byte chunk `chunk` of latent row `row` in a swizzled tile.
+__device__ __forceinline__ uint32_t TileOffset(int row, int chunk) {
+  return static_cast<uint32_t>(row * ROW_BYTES + SwizzledChunk(row, chunk) * 16);
+}
+
+__global__ void __launch_bounds__(NUM_THREADS, 1) AttentionKernel(const VerifyParams p) {
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  const AttentionSmem smem{smem_raw};
+
+  ptx::GridDependencyWait();  // the plan kernel's work list
+  if (static_cast<int>(blockIdx.x) >= *p.total_work) return;
+  const VerifyWorkItem item = p.work[blockIdx.x];
+  ptx::GridDependencyLaunchDependents();
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int b = item.request;
+  const int heads = p.num_heads;
+  const int n_draft = p.draft_len[b];
+  const int prefix = p.prefix_len[b];
+  const int rows = n_draft * heads;
+  const int q_row = p.request_q_row[b];
+  const int splits = p.request_splits[b];
+  const int kv_begin = item.kv_begin;
+  const int kv_end = item.kv_end;
+  const int num_tiles = CeilDiv(kv_end - kv_begin, BLOCK_N);
+  const float scale = p.softmax_scale != nullptr ? p.softmax_scale[b] : p.default_softmax_scale;
+  const float scale_log2 = scale * LOG2E;
+
+  // ---- loader role: thread owns one row of each 32-row tile, chunks ld_lane + 8k ----
+  const int ld_row = tid >> 3;
+  const int ld_lane = tid & 7;
+  const int32_t* pages = p.page_table + b * p.page_table_stride;
+  const int page_mask = (1 << p.page_size_log2) - 1;
+  const uint16_t* layer_base =
+      p.pool + static_cast<int64_t>(p.layer[b]) * p.num_pages * (int64_t{D_QK} << p.page_size_log2);
+  auto load_page = [&](int tile) -> int {
+    const int j = kv_begin + tile * BLOCK_N + ld_row;
+    return j < kv_end ? pages[j >> p.page_size_log2] : 0;
+  };
+  auto issue_kv_tile = [&](int tile, int page, int stage) {
+    const int j = kv_begin + tile * BLOCK_N + ld_row;
+    const bool valid = j < kv_end;
+    const uint16_t* src =
+        layer_base + ((static_cast<int64_t>(page) << p.page_size_log2) + (j & page_mask)) * D_QK;
+    const uint32_t dst = smem.KvStage(stage);
+#pragma unroll
+    for (int k = 0; k < ROW_CHUNKS / 8; ++k) {
+      const int chunk = ld_lane + 8 * k;
+      ptx::CpAsync16(dst + TileOffset(ld_row, chunk), valid ? src + chunk * 8 : p.pool, valid);
+    }
+  };
+
+  // ---- prologue: Q tile into stage 1, KV tile 0 into stage 0 ----
+  {
+    const int r = item.row_tile * BLOCK_M + ld_row;
+    const bool valid = r < rows;
+    const uint16_t* src = valid ? p.q + static_cast<int64_t>(q_row + r / heads) * p.q_token_stride +
+                                      static_cast<int64_t>(r % heads) * p.q_head_stride
+                                : p.q;
+    const uint32_t dst = smem.KvStage(1);
+#pragma unroll
+    for (int k = 0; k < ROW_CHUNKS / 8; ++k) {
+      const int chunk = ld_lane + 8 * k;
+      ptx::CpAsync16(dst + TileOffset(ld_row, chunk), valid ? src + chunk * 8 : p.q, valid);
+    }
+    ptx::CpAsyncCommit();
+  }
+  issue_kv_tile(0, load_page(0), 0);
+  ptx::CpAsyncCommit();
+  int next_page = num_tiles > 1 ? load_page(1) : 0;
+
+  // ---- softmax role: thread owns query row sm_row (== ld_row), columns sm_col..+3 ----
+  const int sm_row = ld_row;
+  const int sm_col = ld_lane * 4;
+  const int sm_r = item.row_tile * BLOCK_M + sm_row;
+  const bool sm_row_valid = sm_r < rows;
+  const uint64_t visible_drafts = sm_row_valid ? p.visibility[q_row + sm_r / heads] : 0;
+  float row_max = -INFINITY;  // running max of scores, log2 domain
+  float row_sum = 0.0f;       // running sum of 2^(s - row_max)
+
+  // ---- Q fragments: warp (row_group, k_group) keeps Q[16 rows, 144 dims] ----
+  const int k_group = warp % K_GROUPS;
+  const int row_group = warp / K_GROUPS;
+  uint32_t q_frag[K_STEPS_PER_GROUP][4];
+  ptx::CpAsyncWait<0>();
+  __syncthreads();
+  {
+    const uint32_t q_tile = smem.KvStage(1);
+    const int row = row_group * 16 + (lane & 15);
+#pragma unroll
+    for (int s = 0; s < K_STEPS_PER_GROUP; ++s) {
+      const int chunk = (k_group * K_PER_GROUP + s * 16) / 8 + (lane >> 4);
+      ptx::LdMatrixX4(q_frag[s], q_tile + TileOffset(row, chunk));
+    }
+  }
+
+  float o_acc[M_TILES][8][4];
+#pragma unroll
+  for (int m = 0; m < M_TILES; ++m)
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o_acc[m][n][e] = 0.0f;
+
+  float* scores = smem.Scores();
+  __nv_bfloat16* probs = smem.Probs();
+  float* alpha_s = smem.Alpha();
+  const int g = lane >> 2;  // mma fragment row
+  const int t4 = lane & 3;  // mma fragment column pair
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    const int stage = tile & 1;
+    ptx::CpAsyncWait<0>();
+    __syncthreads();  // tile ready; everyone is done with the other stage and with Q staging
+    if (tile + 1 < num_tiles) {
+      issue_kv_tile(tile + 1, next_page, stage ^ 1);
+      if (tile + 2 < num_tiles) next_page = load_page(tile + 2);
+    }
+    ptx::CpAsyncCommit();
+    const uint32_t kv = smem.KvStage(stage);
+
+    // ---- partial scores over this warp's 144 dimensions ----
+    float s_acc[N_TILES][4];
+#pragma unroll
+    for (int n = 0; n < N_TILES; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s_acc[n][e] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < K_STEPS_PER_GROUP; ++s) {
+      const int chunk = (k_group * K_PER_GROUP + s * 16) / 8 + ((lane >> 3) & 1);
+#pragma unroll
+      for (int np = 0; np < N_TILES / 2; ++np) {
+        const int token = np * 16 + (lane & 7) + ((lane >> 4) << 3);
+        uint32_t kf[4];
+        ptx::LdMatrixX4(kf, kv + TileOffset(token, chunk));
+        ptx::MmaBf16(s_acc[2 * np], q_frag[s], kf[0], kf[1]);
+        ptx::MmaBf16(s_acc[2 * np + 1], q_frag[s], kf[2], kf[3]);
+      }
+    }
+    {
+      float* part = scores + (k_group * BLOCK_M + row_group * 16) * SCORE_PITCH;
+#pragma unroll
+      for (int n = 0; n < N_TILES; ++n) {
+        *reinterpret_cast<float2*>(part + g * SCORE_PITCH + n * 8 + 2 * t4) =
+            make_float2(s_acc[n][0], s_acc[n][1]);
+        *reinterpret_cast<float2*>(part + (g + 8) * SCORE_PITCH + n * 8 + 2 * t4) =
+            make_float2(s_acc[n][2], s_acc[n][3]);
+      }
+    }
+    __syncthreads();
+
+    // ---- online softmax over the tile: 8 threads per row ----
+    {
+      float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int kg = 0; kg < K_GROUPS; ++kg) {
+        const float4 v =
+            *reinterpret_cast<const float4*>(scores + (kg * BLOCK_M + sm_row) * SCORE_PITCH + sm_col);
+        s[0] += v.x;
+        s[1] += v.y;
+        s[2] += v.z;
+        s[3] += v.w;
+      }
+      const int j0 = kv_begin + tile * BLOCK_N + sm_col;
+      float tile_max = -INFINITY;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = j0 + e;
+        // Prefix keys need no mask; draft keys use the tree's visibility word.
+        const bool visible = sm_row_valid && j < kv_end &&
+                             (j < prefix || ((visible_drafts >> (j - prefix)) & 1u) != 0);
+        s[e] = visible ? s[e] * scale_log2 : -INFINITY;
+        tile_max = fmaxf(tile_max, s[e]);
+      }
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 4));
+      const float new_max = fmaxf(row_max, tile_max);
+      // A row that has seen no visible key yet keeps max -inf: use 0 as the
+      // reference so that exp2(-inf - ref) is 0 rather than NaN.
+      const float ref = new_max == -INFINITY ? 0.0f : new_max;
+      const float alpha = exp2f(row_max - ref);
+      float pr[4];
+      float tile_sum = 0.0f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        pr[e] = exp2f(s[e] - ref);
+        tile_sum += pr[e];
+      }
+      tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, 1);
+      tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, 2);
+      tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, 4);
+      row_sum = row_sum * alpha + tile_sum;
+      row_max = new_max;
+      uint2 packed;
+      packed.x = ptx::PackBf16x2(pr[0], pr[1]);
+      packed.y = ptx::PackBf16x2(pr[2], pr[3]);
+      *reinterpret_cast<uint2*>(probs + sm_row * P_PITCH + sm_col) = packed;
+      if (ld_lane == 0) alpha_s[sm_row] = alpha;
+    }
+    __syncthreads();
+
+    // ---- O[:, 64*warp .. +64] = alpha * O + P V ----
+    {
+#pragma unroll
+      for (int m = 0; m < M_TILES; ++m) {
+        const float a_lo = alpha_s[m * 16 + g];
+        const float a_hi = alpha_s[m * 16 + g + 8];
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+          o_acc[m][n][0] *= a_lo;
+          o_acc[m][n][1] *= a_lo;
+          o_acc[m][n][2] *= a_hi;
+          o_acc[m][n][3] *= a_hi;
+        }
+      }
+      const uint32_t probs_addr = ptx::SmemAddress(probs);
+#pragma unroll
+      for (int ks = 0; ks < BLOCK_N / 16; ++ks) {
+        uint32_t p_frag[M_TILES][4];
+#pragma unroll
+        for (int m = 0; m < M_TILES; ++m) {
+          const int row = m * 16 + (lane & 15);
+          const int col = ks * 16 + ((lane >> 4) << 3);
+          ptx::LdMatrixX4(p_frag[m], probs_addr + (row * P_PITCH + col) * 2);
+        }
+        const int token = ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          const int chunk = warp * 8 + np * 2 + (lane >> 4);
+          uint32_t vf[4];
+          ptx::LdMatrixX4Trans(vf, kv + TileOffset(token, chunk));
+#pragma unroll
+          for (int m = 0; m < M_TILES; ++m) {
+            ptx::MmaBf16(o_acc[m][2 * np], p_frag[m], vf[0], vf[1]);
+            ptx::MmaBf16(o_acc[m][2 * np + 1], p_frag[m], vf[2], vf[3]);
+          }
+        }
+      }
+    }
+  }
+
+  // ---- epilogue ----
+  float* inv_l = smem.InvL();
+  if (ld_lane == 0) {
+    inv_l[sm_row] = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
+    const float lse = row_sum > 0.0f ? (row_max + __log2f(row_sum)) * LN2 : -INFINITY;
+    if (splits == 1) {
+      if (sm_row_valid) {
+        p.lse[static_cast<int64_t>(q_row + sm_r / heads) * heads + sm_r % heads] = lse;
+      }
+    } else {
+      p.partial_lse[blockIdx.x * BLOCK_M + sm_row] = lse;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int m = 0; m < M_TILES; ++m) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = m * 16 + g + half * 8;
+      const int r = item.row_tile * BLOCK_M + row;
+      if (r >= rows) continue;
+      const float inv = inv_l[row];
+      const int col0 = warp * V_COLS_PER_WARP + 2 * t4;
+      if (splits == 1) {
+        uint16_t* dst = p.out + static_cast<int64_t>(q_row + r / heads) * p.out_token_stride +
+                        static_cast<int64_t>(r % heads) * p.out_head_stride + col0;
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+          *reinterpret_cast<uint32_t*>(dst + n * 8) =
+              ptx::PackBf16x2(o_acc[m][n][2 * half] * inv, o_acc[m][n][2 * half + 1] * inv);
+        }
+      } else {
+        float* dst = p.partial_out + (static_cast<int64_t>(blockIdx.x) * BLOCK_M + row) * D_V + col0;
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+          *reinterpret_cast<float2*>(dst + n * 8) =
+              make_float2(o_acc[m][n][2 * half] * inv, o_acc[m][n][2 * half + 1] * inv);
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Combine: the CTAs of a split row tile share its 32 rows (CTA of split s takes
+// rows s, s + splits, ...) and merge that row's partials:
+//   lse = log sum_s exp(lse_s),  o = sum_s exp(lse_s - lse) * o_s.
+// ---------------------------------------------------------------------------
+constexpr int COMBINE_THREADS = 256;
+static_assert(D_V == COMBINE_THREADS * 2, "combine: two output columns per thread");
+
+__global__ void __launch_bounds__(COMBINE_THREADS) CombineKernel(const VerifyParams p) {
+  ptx::GridDependencyWait();  // the attention kernel's partials
+  if (static_cast<int>(blockIdx.x) >= *p.total_work) return;
+  const VerifyWorkItem item = p.work[blockIdx.x];
+  const int b = item.request;
+  const int splits = p.request_splits[b];
+  if (splits == 1 || item.split >= BLOCK_M) return;
+  const int rows = p.draft_len[b] * p.num_heads;
+  const int row_tiles = p.request_row_tiles[b];
+  const int base = p.request_work_base[b];
+  const int q_row = p.request_q_row[b];
+  const int heads = p.num_heads;
+  const int col = threadIdx.x * 2;
+  for (int row = item.split; row < BLOCK_M; row += splits) {
+    const int r = item.row_tile * BLOCK_M + row;
+    if (r >= rows) break;
+    float max_lse = -INFINITY;
+    for (int s = 0; s < splits; ++s) {
+      const int slot = base + s * row_tiles + item.row_tile;
+      max_lse = fmaxf(max_lse, p.partial_lse[slot * BLOCK_M + row]);
+    }
+    const float ref = max_lse == -INFINITY ? 0.0f : max_lse;
+    float sum = 0.0f;
+    float2 acc = make_float2(0.0f, 0.0f);
+    for (int s = 0; s < splits; ++s) {
+      const int slot = base + s * row_tiles + item.row_tile;
+      const float w = __expf(p.partial_lse[slot * BLOCK_M + row] - ref);
+      const float2 o = *reinterpret_cast<const float2*>(
+          p.partial_out + (static_cast<int64_t>(slot) * BLOCK_M + row) * D_V + col);
+      sum += w;
+      acc.x += w * o.x;
+      acc.y += w * o.y;
+    }
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    const int64_t token = q_row + r / heads;
+    const int h = r % heads;
+    uint16_t* dst = p.out + token * p.out_token_stride + static_cast<int64_t>(h) * p.out_head_stride;
+    *reinterpret_cast<uint32_t*>(dst + col) = ptx::PackBf16x2(acc.x * inv, acc.y * inv);
+    if (threadIdx.x == 0) p.lse[token * heads + h] = sum > 0.0f ? ref + __logf(sum) : -INFINITY;
+  }
+}
+
+}  // namespace mlaverify::kernels::verify
+
+#endif  // MLAVERIFY_KERNELS_VERIFY_KERNEL_CUH_

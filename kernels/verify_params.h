@@ -1,0 +1,115 @@
+// What the CUDA kernels see: plain structs of pointers, strides in elements
+// and shape comments, built by the host launchers (verify_attention_cuda.cc)
+// from the validated argument structs. No Abseil, no STL: this header is
+// compiled by nvcc into device code.
+#ifndef MLAVERIFY_KERNELS_VERIFY_PARAMS_H_
+#define MLAVERIFY_KERNELS_VERIFY_PARAMS_H_
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace mlaverify::kernels {
+
+// Query rows one attention CTA owns (BLOCK_M of verify_config.cuh, which
+// checks the two agree): the host sizes the workspace with it.
+inline constexpr int kVerifyRowsPerCta = 32;
+
+// One entry of the work list the plan kernel writes: a CTA of the attention
+// kernel attends the 32 query rows `row_tile` of request `request` over the
+// KV positions [kv_begin, kv_end). `split` numbers the KV chunks of that row
+// tile; a partial result lands in slot blockIdx.x of the workspace.
+struct VerifyWorkItem {
+  int32_t request;    // -1: no work for this CTA
+  int32_t row_tile;   // query rows [32*row_tile, 32*row_tile + 32) of the request
+  int32_t split;      // 0..num_splits-1
+  int32_t kv_begin;   // first KV position of the chunk
+  int32_t kv_end;     // one past the last
+  int32_t pad[3];
+};
+static_assert(sizeof(VerifyWorkItem) == 32, "work items are read as two 16-byte vectors");
+
+struct VerifyParams {
+  // ---- inputs (read only) ----
+  const uint16_t* q;          // [total_draft, num_heads, 576] bf16
+  int64_t q_token_stride;     // elements
+  int64_t q_head_stride;      // elements
+  const uint16_t* pool;       // [num_layers, num_pages, page_size, 576] bf16
+  int64_t num_pages;
+  int page_size_log2;         // page_size = 1 << page_size_log2
+  const int32_t* page_table;  // [batch, page_table_stride]
+  int64_t page_table_stride;
+  const int32_t* prefix_len;  // [batch]
+  const int32_t* draft_len;   // [batch]
+  const int32_t* layer;       // [batch]
+  const float* softmax_scale; // [batch] or nullptr
+  float default_softmax_scale;
+  const uint64_t* visibility; // [total_draft]
+  int batch;
+  int num_heads;
+
+  // ---- outputs ----
+  uint16_t* out;              // [total_draft, num_heads, 512] bf16
+  int64_t out_token_stride;
+  int64_t out_head_stride;
+  float* lse;                 // [total_draft, num_heads]
+
+  // ---- workspace: the plan (written by the plan kernel, read by the others) ----
+  int32_t* total_work;        // [1] work items in use this launch
+  int32_t* request_q_row;     // [batch] first token row of each request in q
+  int32_t* request_splits;    // [batch] KV chunks per row tile (0 for padding)
+  int32_t* request_row_tiles; // [batch] 32-row tiles of the request
+  int32_t* request_work_base; // [batch] first work item of the request
+  VerifyWorkItem* work;       // [max_work]
+  // ---- workspace: partial results of split row tiles ----
+  float* partial_lse;         // [max_partials, 32] natural log
+  float* partial_out;         // [max_partials, 32, 512] normalised
+  int max_work;               // grid of the attention and combine kernels
+  int max_partials;           // = target_ctas: a split launch never has more items
+  int target_ctas;            // CTAs the split aims to fill the device with
+  int min_chunk_tiles;        // smallest KV chunk, in 32-token tiles
+};
+
+struct DraftKvWriteParams {
+  const uint16_t* draft_kv;   // [total_draft, 576]
+  int64_t draft_kv_stride;
+  uint16_t* pool;             // [num_layers, num_pages, page_size, 576]
+  int64_t num_pages;
+  int page_size_log2;
+  const int32_t* page_table;  // [batch, page_table_stride]
+  int64_t page_table_stride;
+  const int32_t* prefix_len;  // [batch]
+  const int32_t* draft_len;   // [batch]
+  const int32_t* layer;       // [batch]
+  int batch;
+  int total_draft_capacity;   // grid size
+};
+
+struct CompactParams {
+  uint16_t* pool;             // [num_layers, num_pages, page_size, 576]
+  int num_layers;
+  int64_t num_pages;
+  int page_size_log2;
+  const int32_t* page_table;  // [batch, page_table_stride]
+  int64_t page_table_stride;
+  const int32_t* prefix_len;  // [batch]
+  const int32_t* accepted_len;  // [batch]
+  const int32_t* accepted;    // [batch, 64]
+  int batch;
+};
+
+// Launchers defined in the .cu files: they enqueue kernels on `stream` and
+// return the launch error; no allocation, no host synchronisation.
+cudaError_t LaunchVerifyKernels(const VerifyParams& params, bool programmatic_launch,
+                                cudaStream_t stream);
+cudaError_t LaunchDraftKvWriteKernel(const DraftKvWriteParams& params, cudaStream_t stream);
+cudaError_t LaunchCompactKernel(const CompactParams& params, cudaStream_t stream);
+// Raises the dynamic shared-memory limit of the attention kernel on the
+// current device; idempotent.
+cudaError_t PrepareVerifyKernels();
+// Dynamic shared memory of the attention kernel, in bytes.
+int VerifyAttentionSharedBytes();
+
+}  // namespace mlaverify::kernels
+
+#endif  // MLAVERIFY_KERNELS_VERIFY_PARAMS_H_

@@ -1,0 +1,327 @@
+// GPU kernels against the CPU reference: verify attention over a grid of
+// prefix lengths, draft counts, head counts, page sizes and masks; the draft
+// write and the commit compaction; a captured CUDA graph replayed with other
+// lengths and trees. Every problem draws fresh random data, poisons unused
+// pool pages and rows with NaN and poisons the outputs before each run.
+// Without a CUDA device every test is skipped with the reason.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu_reference.h"
+#include "kernels/draft_tree.h"
+#include "kernels/testing/device_problem.h"
+#include "kernels/testing/verify_problem.h"
+#include "kernels/verify_attention_cuda.h"
+
+namespace mlaverify::kernels {
+namespace {
+
+using testing::CapacityFor;
+using testing::Comparison;
+using testing::DeviceBuffer;
+using testing::DeviceVerifyProblem;
+using testing::HostVerifyProblem;
+using testing::MakeProblem;
+using testing::MaskKind;
+using testing::VerifyProblemSpec;
+
+// Rows compared in full up to this many per problem; larger problems compare
+// a random sample of this many rows (and scan every row for NaN).
+constexpr int64_t kMaxCheckedRows = 2048;
+
+std::string NoGpuReason() {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) return absl::StrCat("no CUDA device (", cudaGetErrorString(err), ")");
+  if (count == 0) return "no CUDA device (device count is 0)";
+  return "";
+}
+
+class GpuKernelTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    static const std::string reason = NoGpuReason();
+    if (!reason.empty()) GTEST_SKIP() << "GPU test skipped: " << reason;
+    auto config = PrepareVerifyLaunch(0);
+    ASSERT_TRUE(config.ok()) << config.status();
+    config_ = *config;
+  }
+
+  // Uploads `problem`, runs the draft write and the attention on the GPU,
+  // runs the same on the CPU and compares.
+  Comparison RunAndCompare(HostVerifyProblem& problem, const VerifyLaunchConfig& config) {
+    DeviceVerifyProblem device;
+    EXPECT_TRUE(device.Init(CapacityFor(problem), config).ok());
+    EXPECT_TRUE(device.Upload(problem).ok());
+    EXPECT_TRUE(LaunchWriteDraftKv(device.WriteArgs(), nullptr).ok());
+    const absl::Status launched = LaunchVerifyAttention(device.Args(), config, device.workspace(),
+                                                        device.workspace_bytes(), nullptr);
+    EXPECT_TRUE(launched.ok()) << launched;
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<Bf16> out;
+    std::vector<float> lse;
+    EXPECT_TRUE(device.Download(problem, &out, &lse).ok());
+    EXPECT_TRUE(WriteDraftKvCpu(problem.HostWriteArgs()).ok());
+    return testing::CompareWithReference(problem, out, lse, kMaxCheckedRows);
+  }
+
+  VerifyLaunchConfig config_;
+};
+
+struct GridCase {
+  std::vector<int> prefix_len;
+  std::vector<int> draft_len;
+  int heads;
+  int page_size;
+  MaskKind mask;
+  std::string Name() const {
+    return absl::StrCat("P=", absl::StrJoin(prefix_len, "/"), " N=", absl::StrJoin(draft_len, "/"),
+                        " H=", heads, " page=", page_size, " ", testing::MaskName(mask));
+  }
+};
+
+// Every P, N and H of the grid meets every other; page sizes and masks
+// rotate through the combinations so that each pair of values appears too.
+std::vector<GridCase> GridCases() {
+  const int kPrefix[] = {0, 1, 63, 64, 65, 1000, 70000};
+  const int kDraft[] = {1, 2, 7, 16, 64};
+  const int kHeads[] = {1, 8, 16, 128};
+  const int kPage[] = {1, 16, 64, 256};
+  std::vector<GridCase> cases;
+  int k = 0;
+  for (int p : kPrefix) {
+    for (int n : kDraft) {
+      for (int h : kHeads) {
+        // The CPU reference of P=70000 with 8192 query rows takes minutes:
+        // keep the largest prefix to at most 1024 rows.
+        if (p >= 70000 && n * h > 1024) continue;
+        const MaskKind mask = (k / 4) % 2 == 0 ? MaskKind::kTree : MaskKind::kChain;
+        cases.push_back({{p}, {n}, h, kPage[k % 4], mask});
+        ++k;
+      }
+    }
+  }
+  // Mixed batches: different P and N in one launch, padding requests (N=0).
+  cases.push_back({{0, 65, 1000, 63, 7}, {1, 7, 64, 16, 0}, 8, 16, MaskKind::kTree});
+  cases.push_back({{5000, 1, 300, 0}, {16, 2, 64, 64}, 16, 64, MaskKind::kTree});
+  cases.push_back({{64, 64, 64, 64, 64, 64, 64, 64}, {16, 15, 14, 13, 0, 11, 10, 9}, 128, 1,
+                   MaskKind::kChain});
+  cases.push_back({{70000, 2, 0}, {7, 64, 1}, 8, 256, MaskKind::kTree});
+  return cases;
+}
+
+TEST_F(GpuKernelTest, AttentionMatchesReferenceOverTheGrid) {
+  int index = 0;
+  for (const GridCase& c : GridCases()) {
+    VerifyProblemSpec spec;
+    spec.prefix_len = c.prefix_len;
+    spec.draft_len = c.draft_len;
+    spec.num_heads = c.heads;
+    spec.page_size = c.page_size;
+    spec.mask = c.mask;
+    spec.seed = 1000 + index++;
+    HostVerifyProblem problem = MakeProblem(spec);
+    const Comparison result = RunAndCompare(problem, config_);
+    EXPECT_TRUE(result.ok()) << c.Name() << ": " << result.ToString();
+    EXPECT_GT(result.rows_checked, 0) << c.Name();
+  }
+}
+
+TEST_F(GpuKernelTest, StridedQueriesAndAllSplitStrategiesAgree) {
+  VerifyProblemSpec spec;
+  spec.prefix_len = {3000, 17, 777};
+  spec.draft_len = {16, 5, 9};
+  spec.num_heads = 16;
+  spec.page_size = 16;
+  spec.q_token_pad = 64;  // q token stride > H * 576
+  spec.seed = 77;
+  // num_sms = 1: the target is one CTA, so no request is split. A huge SM
+  // count with 1-tile chunks splits every request as finely as it can.
+  for (const int sms : {1, config_.num_sms, 4096}) {
+    VerifyLaunchConfig config = config_;
+    config.num_sms = sms;
+    config.min_chunk_tiles = sms == 4096 ? 1 : config_.min_chunk_tiles;
+    HostVerifyProblem problem = MakeProblem(spec);
+    const Comparison result = RunAndCompare(problem, config);
+    EXPECT_TRUE(result.ok()) << "num_sms=" << sms << ": " << result.ToString();
+  }
+}
+
+TEST_F(GpuKernelTest, DraftWriteMatchesCpu) {
+  VerifyProblemSpec spec;
+  spec.prefix_len = {0, 100, 63, 1};
+  spec.draft_len = {64, 3, 1, 0};
+  spec.page_size = 16;
+  spec.num_layers = 3;
+  spec.seed = 5;
+  HostVerifyProblem problem = MakeProblem(spec);
+  DeviceVerifyProblem device;
+  ASSERT_TRUE(device.Init(CapacityFor(problem), config_).ok());
+  ASSERT_TRUE(device.Upload(problem).ok());
+  ASSERT_TRUE(LaunchWriteDraftKv(device.WriteArgs(), nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ASSERT_TRUE(WriteDraftKvCpu(problem.HostWriteArgs()).ok());
+  std::vector<Bf16> pool(problem.pool.size());
+  ASSERT_EQ(cudaMemcpy(pool.data(), device.Args().pool.data, pool.size() * sizeof(Bf16),
+                       cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  EXPECT_EQ(std::memcmp(pool.data(), problem.pool.data(), pool.size() * sizeof(Bf16)), 0);
+}
+
+TEST_F(GpuKernelTest, CompactionMatchesCpuInEveryLayer) {
+  VerifyProblemSpec spec;
+  spec.prefix_len = {0, 40, 129, 7, 1000};
+  spec.draft_len = {16, 64, 8, 5, 3};
+  spec.page_size = 8;
+  spec.num_layers = 4;
+  spec.seed = 9;
+  HostVerifyProblem problem = MakeProblem(spec);
+  // Fill every layer at every position 0..P+N-1 so the move is visible in all.
+  const KvPoolView view{problem.pool.data(), spec.num_layers, problem.num_pages, spec.page_size};
+  std::mt19937_64 rng(3);
+  for (int b = 0; b < problem.batch; ++b) {
+    const int32_t* pages = problem.page_table.data() + b * problem.page_table_stride;
+    for (int layer = 0; layer < spec.num_layers; ++layer) {
+      for (int64_t j = 0; j < problem.prefix_len[b] + problem.draft_len[b]; ++j) {
+        Bf16* row = problem.pool.data() + view.RowOffset(layer, pages, j);
+        for (int d = 0; d < kLatentDim; ++d) row[d] = Bf16{static_cast<uint16_t>(rng() & 0x3fff)};
+      }
+    }
+  }
+  // Accepted paths: root-to-node paths of each request's tree, including an
+  // empty one and one whose destinations are other steps' sources.
+  std::vector<int32_t> accepted_len(problem.batch, 0), accepted(problem.batch * kMaxDraftLen, 0);
+  for (int b = 0; b < problem.batch; ++b) {
+    std::vector<int32_t> path;
+    if (b != 3) {
+      int node = problem.draft_len[b] - 1;  // walk up from the last draft
+      while (node >= 0) {
+        path.push_back(node);
+        node = problem.parents[b][node];
+      }
+      std::reverse(path.begin(), path.end());
+    }
+    ASSERT_TRUE(ValidateAcceptedPath(problem.parents[b], path).ok());
+    accepted_len[b] = static_cast<int32_t>(path.size());
+    std::copy(path.begin(), path.end(), accepted.begin() + b * kMaxDraftLen);
+  }
+  DeviceBuffer pool, page_table, prefix_len, d_accepted_len, d_accepted;
+  ASSERT_TRUE(pool.Allocate(problem.pool.size() * sizeof(Bf16)).ok());
+  ASSERT_TRUE(page_table.Allocate(problem.page_table.size() * sizeof(int32_t)).ok());
+  ASSERT_TRUE(prefix_len.Allocate(problem.batch * sizeof(int32_t)).ok());
+  ASSERT_TRUE(d_accepted_len.Allocate(problem.batch * sizeof(int32_t)).ok());
+  ASSERT_TRUE(d_accepted.Allocate(accepted.size() * sizeof(int32_t)).ok());
+  cudaMemcpy(pool.as<void>(), problem.pool.data(), pool.bytes(), cudaMemcpyHostToDevice);
+  cudaMemcpy(page_table.as<void>(), problem.page_table.data(), page_table.bytes(),
+             cudaMemcpyHostToDevice);
+  cudaMemcpy(prefix_len.as<void>(), problem.prefix_len.data(), prefix_len.bytes(),
+             cudaMemcpyHostToDevice);
+  cudaMemcpy(d_accepted_len.as<void>(), accepted_len.data(), d_accepted_len.bytes(),
+             cudaMemcpyHostToDevice);
+  cudaMemcpy(d_accepted.as<void>(), accepted.data(), d_accepted.bytes(), cudaMemcpyHostToDevice);
+
+  CompactArguments args;
+  args.batch = problem.batch;
+  args.pool = KvPoolView{pool.as<Bf16>(), spec.num_layers, problem.num_pages, spec.page_size};
+  args.page_table = page_table.as<int32_t>();
+  args.page_table_stride = problem.page_table_stride;
+  args.prefix_len = prefix_len.as<int32_t>();
+  args.accepted_len = d_accepted_len.as<int32_t>();
+  args.accepted = d_accepted.as<int32_t>();
+  ASSERT_TRUE(LaunchCompactAcceptedKv(args, nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+  std::vector<Bf16> before = problem.pool;
+  CompactArguments host_args = args;
+  host_args.pool.data = problem.pool.data();
+  host_args.page_table = problem.page_table.data();
+  host_args.prefix_len = problem.prefix_len.data();
+  host_args.accepted_len = accepted_len.data();
+  host_args.accepted = accepted.data();
+  ASSERT_TRUE(CompactAcceptedKvCpu(host_args).ok());
+  ASSERT_NE(std::memcmp(before.data(), problem.pool.data(), before.size() * sizeof(Bf16)), 0)
+      << "the CPU compaction moved nothing: the test would not see a broken kernel";
+  std::vector<Bf16> gpu_pool(problem.pool.size());
+  cudaMemcpy(gpu_pool.data(), pool.as<void>(), pool.bytes(), cudaMemcpyDeviceToHost);
+  EXPECT_EQ(std::memcmp(gpu_pool.data(), problem.pool.data(), gpu_pool.size() * sizeof(Bf16)), 0);
+}
+
+TEST_F(GpuKernelTest, CapturedGraphReplaysWithNewLengthsAndTrees) {
+  // One bucket: 4 requests, up to 16 drafts, 8 heads, page size 16, a pool
+  // and page tables sized for prefixes up to 3000.
+  constexpr int kBatch = 4, kMaxDraft = 16, kHeads = 8, kPage = 16, kMaxPrefix = 3000;
+  const int64_t table_stride = (kMaxPrefix + kMaxDraft + kPage - 1) / kPage;
+  const int64_t pool_pages = kBatch * table_stride + 4;
+  auto spec_for = [&](int round) {
+    std::mt19937_64 rng(100 + round);
+    VerifyProblemSpec spec;
+    for (int b = 0; b < kBatch; ++b) {
+      spec.prefix_len.push_back(static_cast<int>(rng() % (kMaxPrefix + 1)));
+      // Request 0 always has the full bucket so that capacity matches.
+      spec.draft_len.push_back(b == 0 ? kMaxDraft : static_cast<int>(rng() % (kMaxDraft + 1)));
+    }
+    if (round == 3) spec.prefix_len = {0, 1, 2999, 64};
+    spec.num_heads = kHeads;
+    spec.page_size = kPage;
+    spec.num_layers = 2;
+    spec.mask = round % 2 == 0 ? MaskKind::kTree : MaskKind::kChain;
+    spec.seed = 500 + round;
+    spec.min_num_pages = pool_pages;
+    spec.min_page_table_stride = table_stride;
+    spec.extra_pages = 0;
+    return spec;
+  };
+  HostVerifyProblem first = MakeProblem(spec_for(0));
+  DeviceVerifyProblem device;
+  testing::DeviceCapacity capacity = CapacityFor(first);
+  capacity.total_draft = kBatch * kMaxDraft;
+  capacity.q_elems = static_cast<int64_t>(capacity.total_draft) * kHeads * kLatentDim;
+  ASSERT_TRUE(device.Init(capacity, config_).ok());
+  ASSERT_TRUE(device.Upload(first).ok());
+  const VerifyArguments captured_args = device.Args();
+
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  ASSERT_TRUE(LaunchWriteDraftKv(device.WriteArgs(), stream).ok());
+  ASSERT_TRUE(LaunchVerifyAttention(captured_args, config_, device.workspace(),
+                                    device.workspace_bytes(), stream)
+                  .ok());
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+
+  for (int round = 0; round < 6; ++round) {
+    HostVerifyProblem problem = round == 0 ? std::move(first) : MakeProblem(spec_for(round));
+    ASSERT_TRUE(device.Upload(problem).ok());  // new contents, same addresses
+    const VerifyArguments now = device.Args();
+    ASSERT_EQ(now.q, captured_args.q);
+    ASSERT_EQ(now.page_table_stride, captured_args.page_table_stride);
+    ASSERT_EQ(now.pool.num_pages, captured_args.pool.num_pages);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    std::vector<Bf16> out;
+    std::vector<float> lse;
+    ASSERT_TRUE(device.Download(problem, &out, &lse).ok());
+    ASSERT_TRUE(WriteDraftKvCpu(problem.HostWriteArgs()).ok());
+    const Comparison result = testing::CompareWithReference(problem, out, lse, kMaxCheckedRows);
+    EXPECT_TRUE(result.ok()) << "replay " << round << " (P=" << absl::StrJoin(problem.prefix_len, "/")
+                             << " N=" << absl::StrJoin(problem.draft_len, "/")
+                             << "): " << result.ToString();
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+}  // namespace
+}  // namespace mlaverify::kernels
