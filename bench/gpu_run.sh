@@ -47,6 +47,14 @@ if want shapes; then
     tee "$out/shapes.log"
   summary+=("shapes rc=${PIPESTATUS[0]}")
 fi
+if want warps; then
+  # The two attention variants side by side on a few shapes.
+  for w in 8 16; do
+    echo "== warps $w"
+    timeout 200 "$bundle/bin/mlaverify-bench" --warps $w --shape 1,4096,16,8 --shape 1,65536,16,8 \
+      --shape 32,65536,4,8 --shape 8,65536,16,16 --out "$out/warps$w.json" 2>&1 | grep -E '^B='
+  done 2>&1 | tee "$out/warps.log"
+fi
 if want pdl; then
   # Launch overhead at small shapes: the same rows with and without PDL, warm and cold L2.
   for flags in "" "--no-pdl" "--no-flush" "--no-pdl --no-flush"; do

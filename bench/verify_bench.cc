@@ -137,6 +137,7 @@ int Run(int argc, char** argv) {
   int ctas_per_sm = 1;
   int min_chunk_tiles = 0;
   bool no_pdl = false;
+  int warps = 0;
   app.add_option("--suite", suite, "named suite: anchor, sweep, smoke");
   app.add_option("--shape", shape_texts, "B,L,N,H[,page_size[,chain|tree]] (repeatable)");
   app.add_option("--reps", reps, "timed repetitions per row (median reported)")->check(CLI::Range(1, 100000));
@@ -145,6 +146,7 @@ int Run(int argc, char** argv) {
   app.add_flag("--no-flush", no_flush, "do not flush L2 between repetitions (warm cache)");
   app.add_option("--ctas-per-sm", ctas_per_sm, "split target: CTAs per SM");
   app.add_option("--min-chunk-tiles", min_chunk_tiles, "smallest KV split in 32-token tiles");
+  app.add_option("--warps", warps, "attention variant: 8 or 16 warps per CTA (default: library's)");
   app.add_flag("--no-pdl", no_pdl, "launch plan/attention/combine without programmatic dependent launch");
   CLI11_PARSE(app, argc, argv);
 
@@ -178,6 +180,7 @@ int Run(int argc, char** argv) {
   config->ctas_per_sm = ctas_per_sm;
   if (min_chunk_tiles > 0) config->min_chunk_tiles = min_chunk_tiles;
   config->programmatic_launch = !no_pdl;
+  if (warps != 0) config->attention_warps = warps;
   cudaDeviceProp prop;
   cudaGetDeviceProperties(&prop, 0);
   auto read_bw = kernels::testing::MeasureReadBandwidth(size_t{4} << 30, 20);
@@ -185,8 +188,9 @@ int Run(int argc, char** argv) {
     std::cerr << read_bw.status() << "\n";
     return 3;
   }
-  std::printf("gpu %s, %d SMs, read bandwidth %.2f TB/s, attention smem %d B\n", prop.name,
-              prop.multiProcessorCount, *read_bw / 1e12, kernels::VerifyAttentionSharedBytes());
+  std::printf("gpu %s, %d SMs, read bandwidth %.2f TB/s, attention %d warps, smem %d B\n",
+              prop.name, prop.multiProcessorCount, *read_bw / 1e12, config->attention_warps,
+              kernels::VerifyAttentionSharedBytes());
 
   DeviceBuffer flush_buffer;
   if (!flush_buffer.Allocate(size_t{256} << 20).ok()) return 3;
@@ -286,6 +290,7 @@ int Run(int argc, char** argv) {
                            {"ctas_per_sm", config->ctas_per_sm},
                            {"min_chunk_tiles", config->min_chunk_tiles},
                            {"programmatic_launch", config->programmatic_launch},
+                           {"attention_warps", config->attention_warps},
                            {"attention_smem_bytes", kernels::VerifyAttentionSharedBytes()},
                            {"rows", rows}};
   if (!out_path.empty()) {

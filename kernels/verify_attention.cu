@@ -31,18 +31,29 @@ cudaError_t LaunchWithDependency(Kernel kernel, dim3 grid, dim3 block, int smem_
 
 int VerifyAttentionSharedBytes() { return verify::SMEM_BYTES; }
 
+bool IsSupportedAttentionWarps(int warps) { return warps == 8 || warps == 16; }
+
 cudaError_t PrepareVerifyKernels() {
-  return cudaFuncSetAttribute(verify::AttentionKernel,
+  cudaError_t err = cudaFuncSetAttribute(
+      verify::AttentionKernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, verify::SMEM_BYTES);
+  if (err != cudaSuccess) return err;
+  return cudaFuncSetAttribute(verify::AttentionKernel<16>,
                               cudaFuncAttributeMaxDynamicSharedMemorySize, verify::SMEM_BYTES);
 }
 
-cudaError_t LaunchVerifyKernels(const VerifyParams& p, bool programmatic_launch,
-                                cudaStream_t stream) {
+cudaError_t LaunchVerifyKernels(const VerifyParams& p, int attention_warps,
+                                bool programmatic_launch, cudaStream_t stream) {
+  if (!IsSupportedAttentionWarps(attention_warps)) return cudaErrorInvalidValue;
   verify::PlanKernel<<<1, verify::PLAN_THREADS, 0, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  err = LaunchWithDependency(verify::AttentionKernel, dim3(p.max_work), dim3(verify::NUM_THREADS),
-                             verify::SMEM_BYTES, programmatic_launch, stream, p);
+  err = attention_warps == 16
+            ? LaunchWithDependency(verify::AttentionKernel<16>, dim3(p.max_work),
+                                   dim3(verify::WarpLayout<16>::NUM_THREADS), verify::SMEM_BYTES,
+                                   programmatic_launch, stream, p)
+            : LaunchWithDependency(verify::AttentionKernel<8>, dim3(p.max_work),
+                                   dim3(verify::WarpLayout<8>::NUM_THREADS), verify::SMEM_BYTES,
+                                   programmatic_launch, stream, p);
   if (err != cudaSuccess) return err;
   return LaunchWithDependency(verify::CombineKernel, dim3(p.max_work),
                               dim3(verify::COMBINE_THREADS), 0, programmatic_launch, stream, p);

@@ -94,6 +94,10 @@ absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchC
     return absl::InvalidArgumentError("launch config needs num_sms, ctas_per_sm and "
                                       "min_chunk_tiles >= 1 (see PrepareVerifyLaunch)");
   }
+  if (!IsSupportedAttentionWarps(c.attention_warps)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("attention_warps = ", c.attention_warps, ": supported are 8 and 16"));
+  }
   const WorkspaceLayout l = Layout(a, c);
   if (workspace == nullptr || workspace_bytes < l.bytes) {
     return absl::InvalidArgumentError(absl::StrCat("workspace of ", workspace_bytes,
@@ -133,7 +137,8 @@ absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchC
   p.max_partials = TargetCtas(c);
   p.target_ctas = TargetCtas(c);
   p.min_chunk_tiles = c.min_chunk_tiles;
-  return CudaStatus(LaunchVerifyKernels(p, c.programmatic_launch, stream), "verify launch");
+  return CudaStatus(LaunchVerifyKernels(p, c.attention_warps, c.programmatic_launch, stream),
+                    "verify launch");
 }
 
 absl::Status LaunchWriteDraftKv(const DraftKvWriteArguments& a, cudaStream_t stream) {

@@ -20,6 +20,7 @@ struct VerifyLaunchConfig {
   int num_sms = 0;          // multiprocessors of the device
   int ctas_per_sm = 1;      // attention CTAs resident per SM (1: shared memory ~95 KB)
   int min_chunk_tiles = 2;  // smallest KV chunk of a split, in 32-token tiles
+  int attention_warps = 8;  // attention variant: 8 or 16 warps per CTA (see bench/NOTES.md)
   bool programmatic_launch = true;  // overlap kernel launches (sm_90+)
 };
 

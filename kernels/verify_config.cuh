@@ -14,20 +14,39 @@ constexpr int D_V = 512;
 constexpr int BLOCK_M = 32;
 constexpr int BLOCK_N = 32;
 constexpr int NUM_STAGES = 2;  // KV tiles in flight: the tile in use and the next
-constexpr int NUM_WARPS = 8;
-constexpr int NUM_THREADS = NUM_WARPS * 32;
+// The loader (8 threads per KV row) and the softmax (8 threads per query row)
+// always run on the first ROLE_THREADS threads; extra warps only add MMA work.
+constexpr int ROLE_THREADS = 256;
 
 // Scores S = Q K^T: warp (row_group, k_group) holds Q[16 rows, 144 dims] in
-// registers for the whole CTA and computes a partial S[16, BLOCK_N] over its
-// 144 dimensions; the four k_groups' partials are summed in shared memory.
+// registers for the whole CTA and computes a partial S over its 144
+// dimensions; the four k_groups' partials are summed in shared memory.
 constexpr int ROW_GROUPS = BLOCK_M / 16;
-constexpr int K_GROUPS = NUM_WARPS / ROW_GROUPS;
+constexpr int K_GROUPS = 4;
 constexpr int K_PER_GROUP = D_QK / K_GROUPS;
 constexpr int K_STEPS_PER_GROUP = K_PER_GROUP / 16;
-constexpr int N_TILES = BLOCK_N / 8;  // n8 tiles of S per warp
-// Output O += P V: warp w owns O[BLOCK_M, 64 columns] (one 64-wide latent chunk).
-constexpr int V_COLS_PER_WARP = D_V / NUM_WARPS;
 constexpr int M_TILES = BLOCK_M / 16;
+
+// Warp layout of one variant: 8 warps (one CTA of 256 threads, ~210
+// registers each) or 16 warps (512 threads, at most 128 registers each:
+// twice the warps to hide latency, each with half the work).
+template <int kWarps>
+struct WarpLayout {
+  static constexpr int NUM_WARPS = kWarps;
+  static constexpr int NUM_THREADS = kWarps * 32;
+  // S: warps beyond ROW_GROUPS x K_GROUPS split the tile's tokens.
+  static constexpr int N_GROUPS = kWarps / (ROW_GROUPS * K_GROUPS);
+  static constexpr int TOKENS_PER_N_GROUP = BLOCK_N / N_GROUPS;
+  static constexpr int S_N_TILES = TOKENS_PER_N_GROUP / 8;  // n8 tiles of S per warp
+  // O += P V: warp w owns O[BLOCK_M, V_COLS_PER_WARP columns].
+  static constexpr int V_COLS_PER_WARP = D_V / kWarps;
+  static constexpr int O_N_TILES = V_COLS_PER_WARP / 8;
+
+  static_assert(kWarps % (ROW_GROUPS * K_GROUPS) == 0, "warps tile rows x k-groups x n-groups");
+  static_assert(S_N_TILES % 2 == 0, "ldmatrix.x4 loads two n8 tiles of K at a time");
+  static_assert(O_N_TILES % 2 == 0, "ldmatrix.x4.trans loads two n8 tiles of V at a time");
+  static_assert(NUM_THREADS >= ROLE_THREADS, "loader and softmax need 256 threads");
+};
 
 // Shared memory. Latent rows are 72 chunks of 16 bytes; chunk c of row r sits
 // at chunk (c & ~7) | ((c ^ r) & 7) so that the 8 rows an ldmatrix reads hit 8
@@ -52,12 +71,10 @@ constexpr int SM120_MAX_SMEM_PER_BLOCK = 101376;  // 99 KB: the production targe
 
 static_assert(D_QK % 64 == 0 && D_V % 64 == 0, "latent split into 64-wide chunks");
 static_assert(BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0, "mma.m16n8k16 tiles");
-static_assert(NUM_WARPS % ROW_GROUPS == 0, "warps tile rows x k-groups");
 static_assert(D_QK % (K_GROUPS * 16) == 0, "each k-group holds whole k16 steps");
-static_assert(V_COLS_PER_WARP == 64, "PV assumes one 64-wide chunk per warp");
-static_assert(NUM_THREADS == BLOCK_M * 8, "softmax: 8 threads per query row, 4 columns each");
+static_assert(ROLE_THREADS == BLOCK_M * 8, "softmax: 8 threads per query row, 4 columns each");
 static_assert(BLOCK_N == 32, "softmax: 8 threads x 4 columns cover one KV tile");
-static_assert(NUM_THREADS == BLOCK_N * 8 && ROW_CHUNKS % 8 == 0,
+static_assert(ROLE_THREADS == BLOCK_N * 8 && ROW_CHUNKS % 8 == 0,
               "loader: 8 threads per KV row, 9 chunks each");
 static_assert(Q_TILE_BYTES <= KV_STAGE_BYTES, "the Q tile is staged in one KV stage");
 static_assert(NUM_STAGES == 2, "the main loop alternates two stages");

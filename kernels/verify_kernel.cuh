@@ -52,6 +52,8 @@ __global__ void __launch_bounds__(PLAN_THREADS) PlanKernel(const VerifyParams p)
     typename CostReduce::TempStorage reduce;
   } temp;
   __shared__ int s_work_base[PLAN_THREADS];
+  __shared__ int s_kv_len[PLAN_THREADS];
+  __shared__ int s_row_tiles[PLAN_THREADS];
   __shared__ int s_chunk_tiles;
 
   // The attention grid may start launching now; it waits for this grid.
@@ -87,6 +89,8 @@ __global__ void __launch_bounds__(PLAN_THREADS) PlanKernel(const VerifyParams p)
   int work_base = 0, total_work = 0;
   IntScan(temp.scan).ExclusiveSum(row_tiles * splits, work_base, total_work);
   s_work_base[b] = work_base;
+  s_kv_len[b] = kv_len;
+  s_row_tiles[b] = row_tiles;
   if (b < p.batch) {
     p.request_q_row[b] = q_row;
     p.request_splits[b] = splits;
@@ -107,8 +111,8 @@ __global__ void __launch_bounds__(PLAN_THREADS) PlanKernel(const VerifyParams p)
         if (s_work_base[mid] <= w) lo = mid; else hi = mid - 1;
       }
       const int r = lo;
-      const int r_row_tiles = CeilDiv(p.draft_len[r] * p.num_heads, BLOCK_M);
-      const int r_len = p.prefix_len[r] + p.draft_len[r];
+      const int r_row_tiles = s_row_tiles[r];
+      const int r_len = s_kv_len[r];
       const int r_tiles = CeilDiv(r_len, BLOCK_N);
       const int r_splits = CeilDiv(r_tiles, chunk_tiles);
       const int local = w - s_work_base[r];
@@ -125,7 +129,7 @@ __global__ void __launch_bounds__(PLAN_THREADS) PlanKernel(const VerifyParams p)
 }
 
 // ---------------------------------------------------------------------------
-// Attention: one CTA per work item, NUM_THREADS threads.
+// Attention: one CTA per work item, WarpLayout<kWarps>::NUM_THREADS threads.
 // ---------------------------------------------------------------------------
 struct AttentionSmem {
   uint8_t* base;
@@ -145,7 +149,10 @@ __device__ __forceinline__ uint32_t TileOffset(int row, int chunk) {
   return static_cast<uint32_t>(row * ROW_BYTES + SwizzledChunk(row, chunk) * 16);
 }
 
-__global__ void __launch_bounds__(NUM_THREADS, 1) AttentionKernel(const VerifyParams p) {
+template <int kWarps>
+__global__ void __launch_bounds__(WarpLayout<kWarps>::NUM_THREADS, 1)
+    AttentionKernel(const VerifyParams p) {
+  using Layout = WarpLayout<kWarps>;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   const AttentionSmem smem{smem_raw};
 
@@ -170,8 +177,10 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) AttentionKernel(const VerifyPa
   const float scale = p.softmax_scale != nullptr ? p.softmax_scale[b] : p.default_softmax_scale;
   const float scale_log2 = scale * LOG2E;
 
-  // ---- loader role: thread owns one row of each 32-row tile, chunks ld_lane + 8k ----
-  const int ld_row = tid >> 3;
+  // ---- loader role (threads < ROLE_THREADS): one row of each 32-row tile,
+  // chunks ld_lane + 8k ----
+  const bool has_role = tid < ROLE_THREADS;
+  const int ld_row = (tid >> 3) & (BLOCK_N - 1);
   const int ld_lane = tid & 7;
   const int32_t* pages = p.page_table + b * p.page_table_stride;
   const int page_mask = (1 << p.page_size_log2) - 1;
@@ -179,9 +188,10 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) AttentionKernel(const VerifyPa
       p.pool + static_cast<int64_t>(p.layer[b]) * p.num_pages * (int64_t{D_QK} << p.page_size_log2);
   auto load_page = [&](int tile) -> int {
     const int j = kv_begin + tile * BLOCK_N + ld_row;
-    return j < kv_end ? pages[j >> p.page_size_log2] : 0;
+    return has_role && j < kv_end ? pages[j >> p.page_size_log2] : 0;
   };
   auto issue_kv_tile = [&](int tile, int page, int stage) {
+    if (!has_role) return;
     const int j = kv_begin + tile * BLOCK_N + ld_row;
     const bool valid = j < kv_end;
     const uint16_t* src =
@@ -195,7 +205,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) AttentionKernel(const VerifyPa
   };
 
   // ---- prologue: Q tile into stage 1, KV tile 0 into stage 0 ----
-  {
+  if (has_role) {
     const int r = item.row_tile * BLOCK_M + ld_row;
     const bool valid = r < rows;
     const uint16_t* src = valid ? p.q + static_cast<int64_t>(q_row + r / heads) * p.q_token_stride +
@@ -207,8 +217,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) AttentionKernel(const VerifyPa
       const int chunk = ld_lane + 8 * k;
       ptx::CpAsync16(dst + TileOffset(ld_row, chunk), valid ? src + chunk * 8 : p.q, valid);
     }
-    ptx::CpAsyncCommit();
   }
+  ptx::CpAsyncCommit();
   issue_kv_tile(0, load_page(0), 0);
   ptx::CpAsyncCommit();
   int next_page = num_tiles > 1 ? load_page(1) : 0;
@@ -217,14 +227,17 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) AttentionKernel(const VerifyPa
   const int sm_row = ld_row;
   const int sm_col = ld_lane * 4;
   const int sm_r = item.row_tile * BLOCK_M + sm_row;
-  const bool sm_row_valid = sm_r < rows;
+  const bool sm_row_valid = has_role && sm_r < rows;
   const uint64_t visible_drafts = sm_row_valid ? p.visibility[q_row + sm_r / heads] : 0;
   float row_max = -INFINITY;  // running max of scores, log2 domain
   float row_sum = 0.0f;       // running sum of 2^(s - row_max)
 
-  // ---- Q fragments: warp (row_group, k_group) keeps Q[16 rows, 144 dims] ----
+  // ---- Q fragments: warp (row_group, k_group) keeps Q[16 rows, 144 dims];
+  // warps of different n_groups hold the same Q and score other tokens ----
   const int k_group = warp % K_GROUPS;
-  const int row_group = warp / K_GROUPS;
+  const int row_group = (warp / K_GROUPS) % ROW_GROUPS;
+  const int n_group = warp / (K_GROUPS * ROW_GROUPS);
+  const int token_base = n_group * Layout::TOKENS_PER_N_GROUP;
   uint32_t q_frag[K_STEPS_PER_GROUP][4];
   ptx::CpAsyncWait<0>();
   __syncthreads();
@@ -238,11 +251,11 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) AttentionKernel(const VerifyPa
     }
   }
 
-  float o_acc[M_TILES][8][4];
+  float o_acc[M_TILES][Layout::O_N_TILES][4];
 #pragma unroll
   for (int m = 0; m < M_TILES; ++m)
 #pragma unroll
-    for (int n = 0; n < 8; ++n)
+    for (int n = 0; n < Layout::O_N_TILES; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o_acc[m][n][e] = 0.0f;
 
@@ -263,18 +276,18 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) AttentionKernel(const VerifyPa
     ptx::CpAsyncCommit();
     const uint32_t kv = smem.KvStage(stage);
 
-    // ---- partial scores over this warp's 144 dimensions ----
-    float s_acc[N_TILES][4];
+    // ---- partial scores over this warp's 144 dimensions and token group ----
+    float s_acc[Layout::S_N_TILES][4];
 #pragma unroll
-    for (int n = 0; n < N_TILES; ++n)
+    for (int n = 0; n < Layout::S_N_TILES; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s_acc[n][e] = 0.0f;
 #pragma unroll
     for (int s = 0; s < K_STEPS_PER_GROUP; ++s) {
       const int chunk = (k_group * K_PER_GROUP + s * 16) / 8 + ((lane >> 3) & 1);
 #pragma unroll
-      for (int np = 0; np < N_TILES / 2; ++np) {
-        const int token = np * 16 + (lane & 7) + ((lane >> 4) << 3);
+      for (int np = 0; np < Layout::S_N_TILES / 2; ++np) {
+        const int token = token_base + np * 16 + (lane & 7) + ((lane >> 4) << 3);
         uint32_t kf[4];
         ptx::LdMatrixX4(kf, kv + TileOffset(token, chunk));
         ptx::MmaBf16(s_acc[2 * np], q_frag[s], kf[0], kf[1]);
@@ -282,9 +295,9 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) AttentionKernel(const VerifyPa
       }
     }
     {
-      float* part = scores + (k_group * BLOCK_M + row_group * 16) * SCORE_PITCH;
+      float* part = scores + (k_group * BLOCK_M + row_group * 16) * SCORE_PITCH + token_base;
 #pragma unroll
-      for (int n = 0; n < N_TILES; ++n) {
+      for (int n = 0; n < Layout::S_N_TILES; ++n) {
         *reinterpret_cast<float2*>(part + g * SCORE_PITCH + n * 8 + 2 * t4) =
             make_float2(s_acc[n][0], s_acc[n][1]);
         *reinterpret_cast<float2*>(part + (g + 8) * SCORE_PITCH + n * 8 + 2 * t4) =
@@ -293,8 +306,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) AttentionKernel(const VerifyPa
     }
     __syncthreads();
 
-    // ---- online softmax over the tile: 8 threads per row ----
-    {
+    // ---- online softmax over the tile: 8 threads per row (first 256 threads) ----
+    if (has_role) {
       float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int kg = 0; kg < K_GROUPS; ++kg) {
@@ -344,14 +357,14 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) AttentionKernel(const VerifyPa
     }
     __syncthreads();
 
-    // ---- O[:, 64*warp .. +64] = alpha * O + P V ----
+    // ---- O[:, cols of this warp] = alpha * O + P V ----
     {
 #pragma unroll
       for (int m = 0; m < M_TILES; ++m) {
         const float a_lo = alpha_s[m * 16 + g];
         const float a_hi = alpha_s[m * 16 + g + 8];
 #pragma unroll
-        for (int n = 0; n < 8; ++n) {
+        for (int n = 0; n < Layout::O_N_TILES; ++n) {
           o_acc[m][n][0] *= a_lo;
           o_acc[m][n][1] *= a_lo;
           o_acc[m][n][2] *= a_hi;
@@ -370,8 +383,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) AttentionKernel(const VerifyPa
         }
         const int token = ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
 #pragma unroll
-        for (int np = 0; np < 4; ++np) {
-          const int chunk = warp * 8 + np * 2 + (lane >> 4);
+        for (int np = 0; np < Layout::O_N_TILES / 2; ++np) {
+          const int chunk = warp * (Layout::V_COLS_PER_WARP / 8) + np * 2 + (lane >> 4);
           uint32_t vf[4];
           ptx::LdMatrixX4Trans(vf, kv + TileOffset(token, chunk));
 #pragma unroll
@@ -386,7 +399,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) AttentionKernel(const VerifyPa
 
   // ---- epilogue ----
   float* inv_l = smem.InvL();
-  if (ld_lane == 0) {
+  if (has_role && ld_lane == 0) {
     inv_l[sm_row] = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
     const float lse = row_sum > 0.0f ? (row_max + __log2f(row_sum)) * LN2 : -INFINITY;
     if (splits == 1) {
@@ -406,19 +419,19 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) AttentionKernel(const VerifyPa
       const int r = item.row_tile * BLOCK_M + row;
       if (r >= rows) continue;
       const float inv = inv_l[row];
-      const int col0 = warp * V_COLS_PER_WARP + 2 * t4;
+      const int col0 = warp * Layout::V_COLS_PER_WARP + 2 * t4;
       if (splits == 1) {
         uint16_t* dst = p.out + static_cast<int64_t>(q_row + r / heads) * p.out_token_stride +
                         static_cast<int64_t>(r % heads) * p.out_head_stride + col0;
 #pragma unroll
-        for (int n = 0; n < 8; ++n) {
+        for (int n = 0; n < Layout::O_N_TILES; ++n) {
           *reinterpret_cast<uint32_t*>(dst + n * 8) =
               ptx::PackBf16x2(o_acc[m][n][2 * half] * inv, o_acc[m][n][2 * half + 1] * inv);
         }
       } else {
         float* dst = p.partial_out + (static_cast<int64_t>(blockIdx.x) * BLOCK_M + row) * D_V + col0;
 #pragma unroll
-        for (int n = 0; n < 8; ++n) {
+        for (int n = 0; n < Layout::O_N_TILES; ++n) {
           *reinterpret_cast<float2*>(dst + n * 8) =
               make_float2(o_acc[m][n][2 * half] * inv, o_acc[m][n][2 * half + 1] * inv);
         }
@@ -433,9 +446,28 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) AttentionKernel(const VerifyPa
 //   lse = log sum_s exp(lse_s),  o = sum_s exp(lse_s - lse) * o_s.
 // ---------------------------------------------------------------------------
 constexpr int COMBINE_THREADS = 256;
+constexpr int COMBINE_UNROLL = 8;  // splits whose partials are in flight at once
 static_assert(D_V == COMBINE_THREADS * 2, "combine: two output columns per thread");
 
+// Max over the block; every thread gets the result. `scratch` holds one float
+// per warp.
+__device__ __forceinline__ float BlockMax(float v, float* scratch) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  }
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) == 0) scratch[warp] = v;
+  __syncthreads();
+  float r = scratch[0];
+#pragma unroll
+  for (int w = 1; w < COMBINE_THREADS / 32; ++w) r = fmaxf(r, scratch[w]);
+  __syncthreads();  // scratch is reused by the next call
+  return r;
+}
+
 __global__ void __launch_bounds__(COMBINE_THREADS) CombineKernel(const VerifyParams p) {
+  __shared__ float s_scratch[COMBINE_THREADS / 32];
   ptx::GridDependencyWait();  // the attention kernel's partials
   if (static_cast<int>(blockIdx.x) >= *p.total_work) return;
   const VerifyWorkItem item = p.work[blockIdx.x];
@@ -448,25 +480,41 @@ __global__ void __launch_bounds__(COMBINE_THREADS) CombineKernel(const VerifyPar
   const int q_row = p.request_q_row[b];
   const int heads = p.num_heads;
   const int col = threadIdx.x * 2;
+  // Partials of split s of this row tile sit in slot base + s * row_tiles + row_tile.
+  const float* lse_of = p.partial_lse + static_cast<int64_t>(base + item.row_tile) * BLOCK_M;
+  const float* out_of = p.partial_out + static_cast<int64_t>(base + item.row_tile) * BLOCK_M * D_V;
+  const int64_t split_stride = static_cast<int64_t>(row_tiles) * BLOCK_M;
   for (int row = item.split; row < BLOCK_M; row += splits) {
     const int r = item.row_tile * BLOCK_M + row;
-    if (r >= rows) break;
+    if (r >= rows) break;  // uniform across the block
+    // 1. The largest split LSE, read in parallel.
     float max_lse = -INFINITY;
-    for (int s = 0; s < splits; ++s) {
-      const int slot = base + s * row_tiles + item.row_tile;
-      max_lse = fmaxf(max_lse, p.partial_lse[slot * BLOCK_M + row]);
+    for (int s = threadIdx.x; s < splits; s += COMBINE_THREADS) {
+      max_lse = fmaxf(max_lse, lse_of[s * split_stride + row]);
     }
+    max_lse = BlockMax(max_lse, s_scratch);
+    // A split that saw no visible key has LSE -inf and weight 0.
     const float ref = max_lse == -INFINITY ? 0.0f : max_lse;
+    // 2. Weighted sum of the normalised partials, COMBINE_UNROLL splits at a time.
     float sum = 0.0f;
     float2 acc = make_float2(0.0f, 0.0f);
-    for (int s = 0; s < splits; ++s) {
-      const int slot = base + s * row_tiles + item.row_tile;
-      const float w = __expf(p.partial_lse[slot * BLOCK_M + row] - ref);
-      const float2 o = *reinterpret_cast<const float2*>(
-          p.partial_out + (static_cast<int64_t>(slot) * BLOCK_M + row) * D_V + col);
-      sum += w;
-      acc.x += w * o.x;
-      acc.y += w * o.y;
+    for (int s0 = 0; s0 < splits; s0 += COMBINE_UNROLL) {
+      float lse_v[COMBINE_UNROLL];
+      float2 o_v[COMBINE_UNROLL];
+#pragma unroll
+      for (int u = 0; u < COMBINE_UNROLL; ++u) {
+        const int s = s0 + u;
+        lse_v[u] = s < splits ? lse_of[s * split_stride + row] : -INFINITY;
+        o_v[u] = s < splits ? *reinterpret_cast<const float2*>(out_of + (s * split_stride + row) * D_V + col)
+                            : make_float2(0.0f, 0.0f);
+      }
+#pragma unroll
+      for (int u = 0; u < COMBINE_UNROLL; ++u) {
+        const float w = __expf(lse_v[u] - ref);
+        sum += w;
+        acc.x += w * o_v[u].x;
+        acc.y += w * o_v[u].y;
+      }
     }
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
     const int64_t token = q_row + r / heads;

@@ -100,8 +100,10 @@ struct CompactParams {
 
 // Launchers defined in the .cu files: they enqueue kernels on `stream` and
 // return the launch error; no allocation, no host synchronisation.
-cudaError_t LaunchVerifyKernels(const VerifyParams& params, bool programmatic_launch,
-                                cudaStream_t stream);
+// `attention_warps` picks the attention variant: 8 or 16 warps per CTA.
+cudaError_t LaunchVerifyKernels(const VerifyParams& params, int attention_warps,
+                                bool programmatic_launch, cudaStream_t stream);
+bool IsSupportedAttentionWarps(int warps);
 cudaError_t LaunchDraftKvWriteKernel(const DraftKvWriteParams& params, cudaStream_t stream);
 cudaError_t LaunchCompactKernel(const CompactParams& params, cudaStream_t stream);
 // Raises the dynamic shared-memory limit of the attention kernel on the

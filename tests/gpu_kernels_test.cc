@@ -129,8 +129,12 @@ TEST_F(GpuKernelTest, AttentionMatchesReferenceOverTheGrid) {
     spec.mask = c.mask;
     spec.seed = 1000 + index++;
     HostVerifyProblem problem = MakeProblem(spec);
-    const Comparison result = RunAndCompare(problem, config_);
-    EXPECT_TRUE(result.ok()) << c.Name() << ": " << result.ToString();
+    // Both attention variants; the default one on every case.
+    VerifyLaunchConfig config = config_;
+    config.attention_warps = index % 3 == 0 ? 8 : 16;
+    const Comparison result = RunAndCompare(problem, config);
+    EXPECT_TRUE(result.ok()) << c.Name() << " warps=" << config.attention_warps << ": "
+                             << result.ToString();
     EXPECT_GT(result.rows_checked, 0) << c.Name();
   }
 }
@@ -145,14 +149,36 @@ TEST_F(GpuKernelTest, StridedQueriesAndAllSplitStrategiesAgree) {
   spec.seed = 77;
   // num_sms = 1: the target is one CTA, so no request is split. A huge SM
   // count with 1-tile chunks splits every request as finely as it can.
-  for (const int sms : {1, config_.num_sms, 4096}) {
-    VerifyLaunchConfig config = config_;
-    config.num_sms = sms;
-    config.min_chunk_tiles = sms == 4096 ? 1 : config_.min_chunk_tiles;
-    HostVerifyProblem problem = MakeProblem(spec);
-    const Comparison result = RunAndCompare(problem, config);
-    EXPECT_TRUE(result.ok()) << "num_sms=" << sms << ": " << result.ToString();
+  for (const int warps : {8, 16}) {
+    for (const int sms : {1, config_.num_sms, 4096}) {
+      VerifyLaunchConfig config = config_;
+      config.attention_warps = warps;
+      config.num_sms = sms;
+      config.min_chunk_tiles = sms == 4096 ? 1 : config_.min_chunk_tiles;
+      HostVerifyProblem problem = MakeProblem(spec);
+      const Comparison result = RunAndCompare(problem, config);
+      EXPECT_TRUE(result.ok()) << "warps=" << warps << " num_sms=" << sms << ": "
+                               << result.ToString();
+    }
   }
+}
+
+TEST_F(GpuKernelTest, RejectsUnsupportedLaunchConfig) {
+  VerifyProblemSpec spec;
+  spec.prefix_len = {10};
+  spec.draft_len = {2};
+  HostVerifyProblem problem = MakeProblem(spec);
+  DeviceVerifyProblem device;
+  ASSERT_TRUE(device.Init(CapacityFor(problem), config_).ok());
+  ASSERT_TRUE(device.Upload(problem).ok());
+  VerifyLaunchConfig config = config_;
+  config.attention_warps = 12;
+  EXPECT_EQ(LaunchVerifyAttention(device.Args(), config, device.workspace(),
+                                  device.workspace_bytes(), nullptr)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(LaunchVerifyAttention(device.Args(), config_, device.workspace(), 16, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(GpuKernelTest, DraftWriteMatchesCpu) {
