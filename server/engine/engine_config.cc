@@ -1,0 +1,65 @@
+#include "server/engine/engine_config.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kernels/draft_tree.h"
+#include "kernels/verify_attention.h"
+
+namespace mlaverify::engine {
+namespace {
+
+absl::Status CheckBuckets(const std::vector<int>& buckets, const char* name, int max_value) {
+  if (buckets.empty()) return absl::InvalidArgumentError(absl::StrCat(name, " is empty"));
+  for (size_t k = 0; k < buckets.size(); ++k) {
+    if (buckets[k] < 1 || buckets[k] > max_value || (k > 0 && buckets[k] <= buckets[k - 1])) {
+      return absl::InvalidArgumentError(absl::StrCat(name, " = [", absl::StrJoin(buckets, ","),
+                                                     "]: need strictly increasing values in 1..",
+                                                     max_value));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status EngineConfig::Validate() const {
+  if (num_layers < 1 || num_layers > 1024) {
+    return absl::InvalidArgumentError(absl::StrCat("num_layers = ", num_layers, ": need 1..1024"));
+  }
+  if (num_heads < 1 || num_heads > kernels::kMaxHeads) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_heads = ", num_heads, ": need 1..", kernels::kMaxHeads));
+  }
+  if (page_size < 1 || page_size > kernels::kMaxPageSize || (page_size & (page_size - 1)) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "page_size = ", page_size, ": need a power of two in 1..", kernels::kMaxPageSize));
+  }
+  if (auto s = CheckBuckets(draft_buckets, "draft_buckets", kernels::kMaxDraftLen); !s.ok()) return s;
+  if (auto s = CheckBuckets(batch_buckets, "batch_buckets", kernels::kMaxBatch); !s.ok()) return s;
+  if (!(default_softmax_scale > 0.0f) || !std::isfinite(default_softmax_scale)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("default_softmax_scale = ", default_softmax_scale, ": need a finite value > 0"));
+  }
+  if (max_sequence_len < max_draft_len() + 1 || max_sequence_len > (int64_t{1} << 30)) {
+    return absl::InvalidArgumentError(absl::StrCat("max_sequence_len = ", max_sequence_len,
+                                                   ": need ", max_draft_len() + 1, "..2^30"));
+  }
+  if (idle_timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("idle_timeout must not be negative");
+  }
+  if (num_pages() < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pool_bytes = ", pool_bytes, " holds no page: one page of ", page_size, " tokens x ",
+        num_layers, " layers takes ", bytes_per_page(), " bytes"));
+  }
+  if (num_pages() > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError("pool_bytes gives more than 2^31 pages: raise page_size");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace mlaverify::engine

@@ -1,0 +1,487 @@
+// The engine on the CPU backend: page allocator, sequence state machine,
+// commit compaction in every layer, rollback, release, expiry, exhaustion, a
+// failing backend, and concurrent use. Outputs are checked against the CPU
+// reference run over an independent mirror of each sequence's KV.
+#include "server/engine/engine.h"
+
+#include <atomic>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu_reference.h"
+#include "kernels/draft_tree.h"
+#include "server/engine/page_allocator.h"
+
+namespace mlaverify::engine {
+namespace {
+
+using ::testing::HasSubstr;
+using kernels::kLatentDim;
+using kernels::kValueDim;
+
+TEST(PageAllocator, AllOrNothingExhaustionAndReuse) {
+  PageAllocator pages(10);
+  auto a = pages.Allocate(6);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(pages.free_pages(), 4);
+  auto b = pages.Allocate(5);
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(b.status().message()), HasSubstr("need 5 pages, 4 of 10 are free"));
+  EXPECT_EQ(pages.free_pages(), 4) << "a failed allocation must take nothing";
+  pages.Free(*a);
+  EXPECT_EQ(pages.free_pages(), 10);
+  // The pages freed last come back first.
+  auto c = pages.Allocate(1);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ((*c)[0], a->back());
+  auto d = pages.Allocate(9);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(pages.free_pages(), 0);
+  std::vector<int32_t> all = *c;
+  all.insert(all.end(), d->begin(), d->end());
+  std::sort(all.begin(), all.end());
+  for (int k = 0; k < 10; ++k) EXPECT_EQ(all[k], k) << "every page exactly once";
+}
+
+TEST(PageAllocatorDeathTest, DoubleFreeAborts) {
+  PageAllocator pages(4);
+  auto a = pages.Allocate(1);
+  ASSERT_TRUE(a.ok());
+  pages.Free(*a);
+  EXPECT_DEATH(pages.Free(*a), "freed but not allocated");
+}
+
+TEST(EngineConfig, RejectsBadSettings) {
+  EngineConfig c;
+  EXPECT_TRUE(c.Validate().ok());
+  c.page_size = 48;
+  EXPECT_EQ(c.Validate().code(), absl::StatusCode::kInvalidArgument);
+  c = EngineConfig{};
+  c.draft_buckets = {1, 4, 2};
+  EXPECT_EQ(c.Validate().code(), absl::StatusCode::kInvalidArgument);
+  c = EngineConfig{};
+  c.draft_buckets = {1, 128};
+  EXPECT_EQ(c.Validate().code(), absl::StatusCode::kInvalidArgument);
+  c = EngineConfig{};
+  c.pool_bytes = 1000;
+  EXPECT_THAT(std::string(c.Validate().message()), HasSubstr("holds no page"));
+}
+
+// A sequence's KV as the test believes it is: per layer, rows of 576.
+struct Mirror {
+  std::vector<std::vector<Bf16>> layers;  // [layer][length * 576]
+  int64_t length() const { return static_cast<int64_t>(layers[0].size()) / kLatentDim; }
+};
+
+std::vector<Bf16> RandomBf16(size_t n, std::mt19937_64& rng, float range) {
+  std::uniform_real_distribution<float> u(-range, range);
+  std::vector<Bf16> v(n);
+  for (auto& x : v) x = FloatToBf16(u(rng));
+  return v;
+}
+
+std::vector<int32_t> RandomTree(int n, std::mt19937_64& rng) {
+  std::vector<int32_t> parents(n);
+  for (int i = 0; i < n; ++i) {
+    parents[i] = (i == 0 || rng() % 2 == 0) ? i - 1 : static_cast<int32_t>(rng() % (i + 1)) - 1;
+  }
+  return parents;
+}
+
+// Reference outputs of one layer's verify: the mirror's prefix plus the drafts,
+// in a page-size-1 pool with identity page table.
+void Reference(const Mirror& m, int layer, const std::vector<Bf16>& draft_kv,
+               const std::vector<int32_t>& parents, const std::vector<Bf16>& q, int heads,
+               float scale, std::vector<Bf16>* out, std::vector<float>* lse) {
+  const int n = static_cast<int>(parents.size());
+  const int32_t prefix = static_cast<int32_t>(m.length());
+  std::vector<Bf16> pool(m.layers[layer]);
+  pool.insert(pool.end(), draft_kv.begin(), draft_kv.end());
+  std::vector<int32_t> pages(prefix + n);
+  for (int32_t k = 0; k < prefix + n; ++k) pages[k] = k;
+  const auto vis = kernels::BuildVisibility(parents);
+  const int32_t zero = 0;
+  out->assign(static_cast<size_t>(n) * heads * kValueDim, Bf16{0});
+  lse->assign(static_cast<size_t>(n) * heads, 0.0f);
+  kernels::VerifyArguments a;
+  a.batch = 1;
+  a.num_heads = heads;
+  a.max_draft_len = n;
+  a.total_draft_capacity = n;
+  a.q = q.data();
+  a.q_token_stride = static_cast<int64_t>(heads) * kLatentDim;
+  a.q_head_stride = kLatentDim;
+  a.pool = kernels::KvPoolView{pool.data(), 1, prefix + n, 1};
+  a.page_table = pages.data();
+  a.page_table_stride = prefix + n;
+  a.prefix_len = &prefix;
+  a.draft_len = &n;
+  a.layer = &zero;
+  a.default_softmax_scale = scale;
+  a.visibility = vis->data();
+  a.out = out->data();
+  a.out_token_stride = static_cast<int64_t>(heads) * kValueDim;
+  a.out_head_stride = kValueDim;
+  a.lse = lse->data();
+  ASSERT_TRUE(kernels::VerifyAttentionCpu(a, 1).ok());
+}
+
+class EngineTest : public ::testing::Test {
+ protected:
+  static constexpr int kLayers = 3, kHeads = 4, kPage = 8;
+
+  void SetUp() override { Make(/*pool_pages=*/64); }
+
+  void Make(int64_t pool_pages, std::unique_ptr<Backend> backend = nullptr) {
+    config_.num_layers = kLayers;
+    config_.num_heads = kHeads;
+    config_.page_size = kPage;
+    config_.pool_bytes = pool_pages * config_.bytes_per_page();
+    config_.max_sequence_len = 4096;
+    config_.draft_buckets = {1, 2, 4, 8, 16};
+    config_.batch_buckets = {1, 2, 4};
+    auto engine = Engine::Create(config_, backend ? std::move(backend) : MakeCpuBackend(2));
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    engine_ = *std::move(engine);
+  }
+
+  // Creates a sequence with a random prompt of `length` tokens (appended in
+  // two chunks) and its mirror.
+  uint64_t NewSequence(int64_t length, Mirror* mirror) {
+    auto id = engine_->CreateSequence("test");
+    EXPECT_TRUE(id.ok());
+    mirror->layers.assign(kLayers, {});
+    int64_t done = 0;
+    while (done < length) {
+      const int64_t chunk = std::min<int64_t>(length - done, 1 + length / 2);
+      const std::vector<Bf16> kv = RandomBf16(kLayers * chunk * kLatentDim, rng_, 1.0f);
+      auto new_length = engine_->AppendKv(*id, done, chunk, kv);
+      EXPECT_TRUE(new_length.ok()) << new_length.status();
+      for (int l = 0; l < kLayers; ++l) {
+        mirror->layers[l].insert(mirror->layers[l].end(), kv.begin() + l * chunk * kLatentDim,
+                                 kv.begin() + (l + 1) * chunk * kLatentDim);
+      }
+      done += chunk;
+    }
+    return *id;
+  }
+
+  struct Step {
+    std::vector<int32_t> parents;
+    std::vector<std::vector<Bf16>> q, draft_kv;  // per layer
+  };
+
+  Step RandomStep(int n) {
+    Step s;
+    s.parents = RandomTree(n, rng_);
+    for (int l = 0; l < kLayers; ++l) {
+      s.q.push_back(RandomBf16(static_cast<size_t>(n) * kHeads * kLatentDim, rng_, 2.0f));
+      s.draft_kv.push_back(RandomBf16(static_cast<size_t>(n) * kLatentDim, rng_, 1.0f));
+    }
+    return s;
+  }
+
+  // Verifies one layer of one sequence and checks the output against the
+  // reference over the mirror.
+  void VerifyLayerAndCheck(uint64_t id, const Mirror& m, const Step& s, int layer) {
+    const int n = static_cast<int>(s.parents.size());
+    std::vector<Bf16> out(static_cast<size_t>(n) * kHeads * kValueDim, Bf16QuietNaN());
+    std::vector<float> lse(static_cast<size_t>(n) * kHeads, NAN);
+    VerifyItem item{id, s.parents, s.q[layer], s.draft_kv[layer], absl::MakeSpan(out),
+                    absl::MakeSpan(lse)};
+    ASSERT_TRUE(engine_->Verify(layer, 0.0f, absl::MakeSpan(&item, 1)).ok());
+    EXPECT_EQ(item.prefix_len, m.length());
+    std::vector<Bf16> ref_out;
+    std::vector<float> ref_lse;
+    Reference(m, layer, s.draft_kv[layer], s.parents, s.q[layer], kHeads,
+              config_.default_softmax_scale, &ref_out, &ref_lse);
+    // Same math, same order of operations: equal to the bit.
+    EXPECT_EQ(std::memcmp(out.data(), ref_out.data(), out.size() * sizeof(Bf16)), 0);
+    EXPECT_EQ(lse, ref_lse);
+  }
+
+  void ApplyCommit(Mirror* m, const Step& s, const std::vector<int32_t>& accepted) {
+    for (int l = 0; l < kLayers; ++l) {
+      for (int32_t a : accepted) {
+        m->layers[l].insert(m->layers[l].end(), s.draft_kv[l].begin() + a * kLatentDim,
+                            s.draft_kv[l].begin() + (a + 1) * kLatentDim);
+      }
+    }
+  }
+
+  void ExpectKvEquals(uint64_t id, const Mirror& m) {
+    const int64_t len = m.length();
+    std::vector<Bf16> kv(static_cast<size_t>(kLayers) * len * kLatentDim);
+    ASSERT_TRUE(engine_->ReadKv(id, 0, len, absl::MakeSpan(kv)).ok());
+    for (int l = 0; l < kLayers; ++l) {
+      EXPECT_EQ(std::memcmp(kv.data() + l * len * kLatentDim, m.layers[l].data(),
+                            len * kLatentDim * sizeof(Bf16)),
+                0)
+          << "layer " << l;
+    }
+  }
+
+  EngineConfig config_;
+  std::unique_ptr<Engine> engine_;
+  std::mt19937_64 rng_{12345};
+};
+
+TEST_F(EngineTest, VerifyMatchesReferenceAndCommitCompactsEveryLayer) {
+  Mirror m;
+  const uint64_t id = NewSequence(21, &m);
+  ExpectKvEquals(id, m);
+  for (int step = 0; step < 4; ++step) {
+    const Step s = RandomStep(step == 0 ? 1 : 7);
+    for (int l = 0; l < kLayers; ++l) VerifyLayerAndCheck(id, m, s, l);
+    // The longest root-to-leaf path ending at the last draft.
+    std::vector<int32_t> path;
+    for (int a = static_cast<int>(s.parents.size()) - 1; a >= 0; a = s.parents[a]) path.push_back(a);
+    std::reverse(path.begin(), path.end());
+    auto result = engine_->Commit(id, path);
+    ASSERT_TRUE(result.ok()) << result.status();
+    ApplyCommit(&m, s, path);
+    EXPECT_EQ(result->length, m.length());
+    EXPECT_EQ(result->accepted_count, static_cast<int>(path.size()));
+    ExpectKvEquals(id, m);
+  }
+  EXPECT_EQ(engine_->Stats().tokens_committed_total, m.length() - 21);
+}
+
+TEST_F(EngineTest, RejectedStepLeavesSequenceAsBefore) {
+  Mirror m;
+  const uint64_t id = NewSequence(16, &m);  // exactly two pages
+  const int64_t free_before = engine_->Stats().free_pages;
+  const Step s = RandomStep(5);
+  VerifyLayerAndCheck(id, m, s, 0);
+  EXPECT_EQ(engine_->Stats().free_pages, free_before - 1) << "drafts need a third page";
+  EXPECT_EQ(engine_->Stats().pending_steps, 1);
+  // Only one layer verified: accepting must fail, rejecting everything is fine.
+  EXPECT_EQ(engine_->Commit(id, {0}).status().code(), absl::StatusCode::kFailedPrecondition);
+  auto result = engine_->Commit(id, {});
+  ASSERT_TRUE(result.ok());
+  EXPECT_EQ(result->length, 16);
+  EXPECT_EQ(engine_->Stats().free_pages, free_before);
+  EXPECT_EQ(engine_->Stats().pending_steps, 0);
+  ExpectKvEquals(id, m);
+  // The next step starts from the same prefix.
+  const Step next = RandomStep(3);
+  for (int l = 0; l < kLayers; ++l) VerifyLayerAndCheck(id, m, next, l);
+}
+
+TEST_F(EngineTest, StateMachineRejectsOutOfOrderCalls) {
+  Mirror m;
+  const uint64_t id = NewSequence(10, &m);
+  const int64_t free_before = engine_->Stats().free_pages;
+  EXPECT_EQ(engine_->Commit(id, {}).status().code(), absl::StatusCode::kFailedPrecondition);
+  const Step s = RandomStep(4);
+  VerifyLayerAndCheck(id, m, s, 1);
+  // Another tree while the step is pending.
+  Step other = s;
+  other.parents = {-1, -1, -1, -1};
+  std::vector<Bf16> out(4 * kHeads * kValueDim);
+  std::vector<float> lse(4 * kHeads);
+  VerifyItem item{id, other.parents, other.q[0], other.draft_kv[0], absl::MakeSpan(out),
+                  absl::MakeSpan(lse)};
+  const absl::Status st = engine_->Verify(0, 0.0f, absl::MakeSpan(&item, 1));
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("same parents"));
+  // Appending while pending.
+  const std::vector<Bf16> kv(kLayers * kLatentDim);
+  EXPECT_EQ(engine_->AppendKv(id, 10, 1, kv).status().code(), absl::StatusCode::kFailedPrecondition);
+  // A path that is not root-to-node.
+  for (int l = 0; l < kLayers; ++l) VerifyLayerAndCheck(id, m, s, l);
+  std::vector<int32_t> bad = {1};
+  if (s.parents[1] == -1) bad = {0, 1};  // 1 is a root, so 1 is not 0's child
+  EXPECT_EQ(engine_->Commit(id, bad).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine_->Commit(id, {9}).status().code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(engine_->Commit(id, {}).ok());
+  EXPECT_EQ(engine_->Stats().free_pages, free_before);
+  // Wrong start position on append.
+  EXPECT_EQ(engine_->AppendKv(id, 9, 1, kv).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(engine_->AppendKv(id, 10, 2, kv).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(EngineTest, VerifyRejectsBadItemsWithoutChangingAnything) {
+  Mirror m1, m2;
+  const uint64_t a = NewSequence(5, &m1);
+  const uint64_t b = NewSequence(5, &m2);
+  const int64_t free_before = engine_->Stats().free_pages;
+  const Step s = RandomStep(3);
+  std::vector<Bf16> out(3 * kHeads * kValueDim);
+  std::vector<float> lse(3 * kHeads);
+  auto item_for = [&](uint64_t id) {
+    return VerifyItem{id, s.parents, s.q[0], s.draft_kv[0], absl::MakeSpan(out), absl::MakeSpan(lse)};
+  };
+  std::vector<VerifyItem> dup = {item_for(a), item_for(a)};
+  EXPECT_EQ(engine_->Verify(0, 0.0f, absl::MakeSpan(dup)).code(), absl::StatusCode::kInvalidArgument);
+  std::vector<VerifyItem> unknown = {item_for(a), item_for(999)};
+  EXPECT_EQ(engine_->Verify(0, 0.0f, absl::MakeSpan(unknown)).code(), absl::StatusCode::kNotFound);
+  std::vector<VerifyItem> layer = {item_for(a)};
+  EXPECT_EQ(engine_->Verify(kLayers, 0.0f, absl::MakeSpan(layer)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine_->Verify(0, NAN, absl::MakeSpan(layer)).code(), absl::StatusCode::kInvalidArgument);
+  std::vector<VerifyItem> none;
+  EXPECT_EQ(engine_->Verify(0, 0.0f, absl::MakeSpan(none)).code(), absl::StatusCode::kInvalidArgument);
+  std::vector<VerifyItem> too_many = {item_for(a), item_for(b), item_for(a + 100),
+                                      item_for(a + 101), item_for(a + 102)};
+  EXPECT_EQ(engine_->Verify(0, 0.0f, absl::MakeSpan(too_many)).code(),
+            absl::StatusCode::kInvalidArgument);
+  VerifyItem cyclic = item_for(a);
+  const std::vector<int32_t> bad_parents = {-1, 2, 0};
+  cyclic.parents = bad_parents;
+  EXPECT_EQ(engine_->Verify(0, 0.0f, absl::MakeSpan(&cyclic, 1)).code(),
+            absl::StatusCode::kInvalidArgument);
+  VerifyItem short_q = item_for(a);
+  short_q.q = short_q.q.subspan(1);
+  EXPECT_EQ(engine_->Verify(0, 0.0f, absl::MakeSpan(&short_q, 1)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine_->Stats().free_pages, free_before);
+  EXPECT_EQ(engine_->Stats().pending_steps, 0);
+  ExpectKvEquals(a, m1);
+}
+
+TEST_F(EngineTest, ExhaustionIsReportedAndChangesNothing) {
+  Make(/*pool_pages=*/5);
+  Mirror m1, m2;
+  const uint64_t a = NewSequence(24, &m1);  // 3 pages
+  const uint64_t b = NewSequence(16, &m2);  // 2 pages: the pool is full
+  EXPECT_EQ(engine_->Stats().free_pages, 0);
+  const std::vector<Bf16> kv(kLayers * kLatentDim);
+  const absl::Status appended = engine_->AppendKv(a, 24, 1, kv).status();
+  EXPECT_EQ(appended.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(appended.message()), HasSubstr("0 of 5 are free"));
+  // Two items: neither may open a step when the pool cannot hold both.
+  ASSERT_TRUE(engine_->Release(b).ok());
+  Mirror m3;
+  const uint64_t c = NewSequence(15, &m3);  // 2 pages, one slot left in the last
+  EXPECT_EQ(engine_->Stats().free_pages, 0);
+  const Step s = RandomStep(2);
+  std::vector<Bf16> out1(2 * kHeads * kValueDim), out2(2 * kHeads * kValueDim);
+  std::vector<float> lse1(2 * kHeads), lse2(2 * kHeads);
+  std::vector<VerifyItem> items = {
+      {c, s.parents, s.q[0], s.draft_kv[0], absl::MakeSpan(out1), absl::MakeSpan(lse1)},
+      {a, s.parents, s.q[0], s.draft_kv[0], absl::MakeSpan(out2), absl::MakeSpan(lse2)}};
+  EXPECT_EQ(engine_->Verify(0, 0.0f, absl::MakeSpan(items)).code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(engine_->Stats().pending_steps, 0);
+  EXPECT_EQ(engine_->Stats().free_pages, 0);
+  // Freeing a makes room for both.
+  ASSERT_TRUE(engine_->Release(a).ok());
+  Mirror m4;
+  const uint64_t d = NewSequence(8, &m4);
+  items[1].sequence_id = d;
+  EXPECT_TRUE(engine_->Verify(0, 0.0f, absl::MakeSpan(items)).ok());
+  EXPECT_EQ(engine_->Stats().pending_steps, 2);
+}
+
+TEST_F(EngineTest, ReleaseAndExpiryFreeEverything) {
+  config_.idle_timeout = absl::Seconds(30);
+  auto engine = Engine::Create(config_, MakeCpuBackend(1));
+  ASSERT_TRUE(engine.ok());
+  engine_ = *std::move(engine);
+  const int64_t total = engine_->Stats().total_pages;
+  Mirror m1, m2;
+  const uint64_t a = NewSequence(40, &m1);
+  const uint64_t b = NewSequence(3, &m2);
+  const Step s = RandomStep(4);
+  VerifyLayerAndCheck(b, m2, s, 0);  // a pending step is freed too
+  auto freed = engine_->Release(a);
+  ASSERT_TRUE(freed.ok());
+  EXPECT_EQ(*freed, 5);
+  EXPECT_EQ(engine_->Release(a).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(engine_->ExpireIdle(absl::Now()), 0) << "nothing is idle yet";
+  EXPECT_EQ(engine_->ExpireIdle(absl::Now() + absl::Seconds(31)), 1);
+  const absl::Status gone = engine_->Commit(b, {}).status();
+  EXPECT_EQ(gone.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(gone.message()), HasSubstr("expired"));
+  const EngineStats stats = engine_->Stats();
+  EXPECT_EQ(stats.free_pages, total);
+  EXPECT_EQ(stats.live_sequences, 0);
+  EXPECT_EQ(stats.pending_steps, 0);
+  EXPECT_EQ(stats.sequences_expired_total, 1);
+}
+
+// Fails every Verify: the engine must undo the step it opened.
+class FailingBackend final : public Backend {
+ public:
+  explicit FailingBackend(std::unique_ptr<Backend> inner) : inner_(std::move(inner)) {}
+  std::string name() const override { return "failing"; }
+  std::vector<DeviceDescription> devices() const override { return {}; }
+  absl::Status Init(const PoolGeometry& g) override { return inner_->Init(g); }
+  absl::Status WriteRows(absl::Span<const int32_t> pt, int64_t start, int64_t count,
+                         absl::Span<const Bf16> data) override {
+    return inner_->WriteRows(pt, start, count, data);
+  }
+  absl::Status ReadRows(absl::Span<const int32_t> pt, int64_t start, int64_t count,
+                        absl::Span<Bf16> data) override {
+    return inner_->ReadRows(pt, start, count, data);
+  }
+  absl::Status Verify(absl::Span<const BackendVerifyRequest>) override {
+    return absl::InternalError("device lost");
+  }
+  absl::Status Compact(absl::Span<const int32_t> pt, int64_t p,
+                       absl::Span<const int32_t> accepted) override {
+    return inner_->Compact(pt, p, accepted);
+  }
+
+ private:
+  std::unique_ptr<Backend> inner_;
+};
+
+TEST_F(EngineTest, BackendFailureUndoesTheStep) {
+  Make(64, std::make_unique<FailingBackend>(MakeCpuBackend(1)));
+  Mirror m;
+  const uint64_t id = NewSequence(16, &m);
+  const int64_t free_before = engine_->Stats().free_pages;
+  const Step s = RandomStep(3);
+  std::vector<Bf16> out(3 * kHeads * kValueDim);
+  std::vector<float> lse(3 * kHeads);
+  VerifyItem item{id, s.parents, s.q[0], s.draft_kv[0], absl::MakeSpan(out), absl::MakeSpan(lse)};
+  EXPECT_EQ(engine_->Verify(0, 0.0f, absl::MakeSpan(&item, 1)).code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(engine_->Stats().free_pages, free_before);
+  EXPECT_EQ(engine_->Stats().pending_steps, 0);
+  EXPECT_EQ(engine_->Commit(id, {}).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(EngineTest, ConcurrentSequencesLeaveNoPagesBehind) {
+  Make(256);
+  const int64_t total = engine_->Stats().total_pages;
+  std::vector<std::thread> workers;
+  std::atomic<int> failures{0};
+  for (int w = 0; w < 6; ++w) {
+    workers.emplace_back([&, w] {
+      std::mt19937_64 rng(w);
+      for (int round = 0; round < 5; ++round) {
+        auto id = engine_->CreateSequence("worker");
+        std::vector<Bf16> kv = RandomBf16(kLayers * 9 * kLatentDim, rng, 1.0f);
+        if (!engine_->AppendKv(*id, 0, 9, kv).ok()) ++failures;
+        for (int step = 0; step < 3; ++step) {
+          const std::vector<int32_t> parents = RandomTree(4, rng);
+          const std::vector<Bf16> q = RandomBf16(4 * kHeads * kLatentDim, rng, 2.0f);
+          const std::vector<Bf16> dkv = RandomBf16(4 * kLatentDim, rng, 1.0f);
+          std::vector<Bf16> out(4 * kHeads * kValueDim);
+          std::vector<float> lse(4 * kHeads);
+          for (int l = 0; l < kLayers; ++l) {
+            VerifyItem item{*id, parents, q, dkv, absl::MakeSpan(out), absl::MakeSpan(lse)};
+            if (!engine_->Verify(l, 0.0f, absl::MakeSpan(&item, 1)).ok()) ++failures;
+          }
+          const std::vector<int32_t> path =
+              parents[0] == -1 && step % 2 == 0 ? std::vector<int32_t>{0} : std::vector<int32_t>{};
+          if (!engine_->Commit(*id, path).ok()) ++failures;
+        }
+        if (!engine_->Release(*id).ok()) ++failures;
+      }
+    });
+  }
+  for (auto& t : workers) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(engine_->Stats().free_pages, total);
+  EXPECT_EQ(engine_->Stats().live_sequences, 0);
+}
+
+}  // namespace
+}  // namespace mlaverify::engine
