@@ -78,11 +78,18 @@ if want ncu && command -v ncu >/dev/null; then
     "$out/ncu_mid.txt" | head -60
 fi
 if want triton; then
+  # Our own Triton implementation of the SGLang-style extend path, same shapes.
   PYTHONUNBUFFERED=1 timeout 300 python3 bench/baselines/triton_extend.py --suite anchor \
     --out "$out/triton_anchor.json" > "$out/triton.log" 2>&1
   rc=$?
   tail -35 "$out/triton.log"
-  summary+=("triton rc=$rc")
+  summary+=("triton anchor rc=$rc")
+  if want sweep; then
+    PYTHONUNBUFFERED=1 timeout 200 python3 bench/baselines/triton_extend.py --shapes \
+      1,1024,16,8 1,2048,16,8 1,4096,16,8 1,8192,16,8 1,16384,16,8 1,32768,16,8 1,65536,16,8 \
+      1,131072,16,8 --out "$out/triton_sweep.json" > "$out/triton_sweep.log" 2>&1
+    summary+=("triton sweep rc=$?")
+  fi
 fi
 printf '%s\n' "${summary[@]}"
 # At most 8 files come back from the device machine: pack everything into one.

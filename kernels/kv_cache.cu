@@ -76,7 +76,29 @@ __global__ void __launch_bounds__(COMPACT_THREADS) CompactKernel(const CompactPa
   }
 }
 
+// One CTA per (row, layer); 72 threads move one latent row.
+__global__ void __launch_bounds__(WRITE_THREADS) RowCopyKernel(const RowCopyParams p, bool to_pool) {
+  const int64_t t = blockIdx.x;
+  const int layer = blockIdx.y;
+  if (threadIdx.x >= ROW_VECTORS) return;
+  const int64_t pool_row = RowOffset(layer, p.num_pages, p.page_size_log2, p.page_table, p.start + t);
+  uint4* pool = reinterpret_cast<uint4*>(p.pool + pool_row);
+  uint4* rows = reinterpret_cast<uint4*>(p.rows + (layer * p.count + t) * 576);
+  if (to_pool) {
+    pool[threadIdx.x] = rows[threadIdx.x];
+  } else {
+    rows[threadIdx.x] = pool[threadIdx.x];
+  }
+}
+
 }  // namespace
+
+cudaError_t LaunchRowCopyKernel(const RowCopyParams& p, bool to_pool, cudaStream_t stream) {
+  if (p.count <= 0) return cudaSuccess;
+  RowCopyKernel<<<dim3(static_cast<unsigned>(p.count), p.num_layers), WRITE_THREADS, 0, stream>>>(
+      p, to_pool);
+  return cudaGetLastError();
+}
 
 cudaError_t LaunchDraftKvWriteKernel(const DraftKvWriteParams& p, cudaStream_t stream) {
   DraftKvWriteKernel<<<p.total_draft_capacity, WRITE_THREADS, 0, stream>>>(p);

@@ -159,6 +159,23 @@ absl::Status LaunchWriteDraftKv(const DraftKvWriteArguments& a, cudaStream_t str
   return CudaStatus(LaunchDraftKvWriteKernel(p, stream), "draft KV write launch");
 }
 
+absl::Status LaunchCopyRows(const KvPoolView& pool, const int32_t* page_table, int64_t start,
+                            int64_t count, Bf16* rows, bool to_pool, cudaStream_t stream) {
+  if (pool.data == nullptr || page_table == nullptr || rows == nullptr || start < 0 || count < 0) {
+    return absl::InvalidArgumentError("row copy needs a pool, a page table, rows and a range");
+  }
+  RowCopyParams p{};
+  p.pool = reinterpret_cast<uint16_t*>(pool.data);
+  p.num_layers = pool.num_layers;
+  p.num_pages = pool.num_pages;
+  p.page_size_log2 = Log2(pool.page_size);
+  p.page_table = page_table;
+  p.start = start;
+  p.count = count;
+  p.rows = reinterpret_cast<uint16_t*>(rows);
+  return CudaStatus(LaunchRowCopyKernel(p, to_pool, stream), "row copy launch");
+}
+
 absl::Status LaunchCompactAcceptedKv(const CompactArguments& a, cudaStream_t stream) {
   RETURN_IF_ERROR(CanImplementCompact(a, /*require_16b_alignment=*/true));
   CompactParams p{};

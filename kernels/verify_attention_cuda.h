@@ -42,6 +42,12 @@ absl::Status LaunchVerifyAttention(const VerifyArguments& args, const VerifyLaun
                                    void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 absl::Status LaunchWriteDraftKv(const DraftKvWriteArguments& args, cudaStream_t stream);
+
+// Copies rows [num_layers, count, 576] (device memory) into (to_pool) or out
+// of positions start..start+count-1 of one sequence, every layer of `pool`.
+// `page_table` is the sequence's device-resident page list.
+absl::Status LaunchCopyRows(const KvPoolView& pool, const int32_t* page_table, int64_t start,
+                            int64_t count, Bf16* rows, bool to_pool, cudaStream_t stream);
 absl::Status LaunchCompactAcceptedKv(const CompactArguments& args, cudaStream_t stream);
 
 }  // namespace mlaverify::kernels

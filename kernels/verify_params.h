@@ -98,6 +98,19 @@ struct CompactParams {
   int batch;
 };
 
+// Copies rows [num_layers, count, 576] to or from positions
+// start..start+count-1 of one sequence in every layer (AppendKv, debugging).
+struct RowCopyParams {
+  uint16_t* pool;             // [num_layers, num_pages, page_size, 576]
+  int num_layers;
+  int64_t num_pages;
+  int page_size_log2;
+  const int32_t* page_table;  // [pages of the sequence]
+  int64_t start;
+  int64_t count;
+  uint16_t* rows;             // [num_layers, count, 576]
+};
+
 // Launchers defined in the .cu files: they enqueue kernels on `stream` and
 // return the launch error; no allocation, no host synchronisation.
 // `attention_warps` picks the attention variant: 8 or 16 warps per CTA.
@@ -106,6 +119,8 @@ cudaError_t LaunchVerifyKernels(const VerifyParams& params, int attention_warps,
 bool IsSupportedAttentionWarps(int warps);
 cudaError_t LaunchDraftKvWriteKernel(const DraftKvWriteParams& params, cudaStream_t stream);
 cudaError_t LaunchCompactKernel(const CompactParams& params, cudaStream_t stream);
+// to_pool: rows -> pool, else pool -> rows.
+cudaError_t LaunchRowCopyKernel(const RowCopyParams& params, bool to_pool, cudaStream_t stream);
 // Raises the dynamic shared-memory limit of the attention kernel on the
 // current device; idempotent.
 cudaError_t PrepareVerifyKernels();

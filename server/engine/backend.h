@@ -22,6 +22,11 @@ struct PoolGeometry {
   int64_t num_pages = 0;
   int page_size = 0;
   int num_heads = 0;
+  // Limits of one Verify batch and one sequence: device backends size their
+  // staging buffers and workspace from them once.
+  int max_batch = 0;
+  int max_draft_len = 0;
+  int64_t max_pages_per_sequence = 0;
 };
 
 struct DeviceDescription {
@@ -75,6 +80,12 @@ class Backend {
 // Host-memory pool; math from kernels/cpu_reference.h on `threads` threads
 // (<= 0: all hardware threads).
 std::unique_ptr<Backend> MakeCpuBackend(int threads);
+
+// Pool in device memory of CUDA device `device`, the kernels of
+// kernels/verify_attention_cuda.h launched eagerly on one stream, one batch
+// at a time. UNAVAILABLE when the device cannot be used; UNIMPLEMENTED in a
+// build without CUDA.
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device);
 
 }  // namespace mlaverify::engine
 

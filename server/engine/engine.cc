@@ -55,6 +55,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   geometry.num_pages = config.num_pages();
   geometry.page_size = config.page_size;
   geometry.num_heads = config.num_heads;
+  geometry.max_batch = config.max_batch();
+  geometry.max_draft_len = config.max_draft_len();
+  geometry.max_pages_per_sequence = config.max_pages_per_sequence();
   RETURN_IF_ERROR(backend->Init(geometry));
   spdlog::info("engine: backend {}, {} layers, {} heads, page size {}, {} pages ({:.1f} MiB), "
                "max draft {}, max batch {}",

@@ -1,0 +1,333 @@
+#include "client/client.h"
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <fstream>
+#include <sstream>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/support/channel_arguments.h"
+#include "kernels/status_macros.h"
+#include "kernels/verify_attention.h"
+
+namespace mlaverify::client {
+namespace {
+
+absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view what) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) {
+    return absl::NotFoundError(absl::StrCat("cannot read ", what, " file '", path, "'"));
+  }
+  std::ostringstream contents;
+  contents << file.rdbuf();
+  return contents.str();
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeCredentials(
+    const ClientOptions& options) {
+  const bool want_tls = options.use_tls || !options.tls_root_ca_file.empty() ||
+                        !options.tls_cert_chain_file.empty() ||
+                        !options.tls_private_key_file.empty();
+  if (!want_tls) return grpc::InsecureChannelCredentials();
+  if (options.tls_cert_chain_file.empty() != options.tls_private_key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "mTLS needs both a client certificate and its private key; got only one of them");
+  }
+  grpc::SslCredentialsOptions ssl;
+  if (!options.tls_root_ca_file.empty()) {
+    ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFile(options.tls_root_ca_file, "TLS root CA"));
+  }
+  if (!options.tls_cert_chain_file.empty()) {
+    ASSIGN_OR_RETURN(ssl.pem_cert_chain,
+                     ReadFile(options.tls_cert_chain_file, "TLS client certificate"));
+    ASSIGN_OR_RETURN(ssl.pem_private_key,
+                     ReadFile(options.tls_private_key_file, "TLS client private key"));
+  }
+  return grpc::SslCredentials(ssl);
+}
+
+// gRPC channel arguments are ints; a limit above INT_MAX means "no limit"
+// for practical purposes.
+int ClampToInt(int64_t bytes) { return static_cast<int>(std::min<int64_t>(bytes, INT_MAX)); }
+
+std::chrono::system_clock::time_point DeadlineAfter(absl::Duration timeout) {
+  return std::chrono::system_clock::now() +
+         std::chrono::microseconds(absl::ToInt64Microseconds(timeout));
+}
+
+}  // namespace
+
+absl::string_view ServingStatusName(ServingStatus status) {
+  switch (status) {
+    case ServingStatus::kServing:
+      return "SERVING";
+    case ServingStatus::kNotServing:
+      return "NOT_SERVING";
+    case ServingStatus::kServiceUnknown:
+      return "SERVICE_UNKNOWN";
+    case ServingStatus::kUnknown:
+      break;
+  }
+  return "UNKNOWN";
+}
+
+// ---- VerifyStreamSession ----------------------------------------------------
+
+VerifyStreamSession::~VerifyStreamSession() {
+  if (final_status_.has_value() || stream_ == nullptr) return;
+  Abandon(absl::CancelledError("VerifyStream session destroyed")).IgnoreError();
+}
+
+absl::StatusOr<std::vector<VerifyItemResult>> VerifyStreamSession::Verify(
+    int layer, absl::Span<const VerifyItemInput> items, float softmax_scale) {
+  if (final_status_.has_value()) {
+    if (!final_status_->ok()) return *final_status_;
+    return absl::FailedPreconditionError("VerifyStream is closed");
+  }
+  ASSIGN_OR_RETURN(v1::VerifyRequest request,
+                   BuildVerifyRequest(layer, items, softmax_scale, next_request_id_++));
+  if (!stream_->Write(request)) {
+    return Break(absl::UnavailableError(
+        absl::StrCat("VerifyStream write of request ", request.request_id(), " failed")));
+  }
+  v1::VerifyResponse response;
+  if (!stream_->Read(&response)) {
+    return Break(absl::UnavailableError(
+        absl::StrCat("VerifyStream ended before answering request ", request.request_id())));
+  }
+  if (response.request_id() != request.request_id()) {
+    // The stream is answered in order; anything else means the two sides no
+    // longer agree on which answer belongs to which request.
+    return Abandon(absl::InternalError(absl::StrCat("VerifyStream answered request ",
+                                                    response.request_id(), " while request ",
+                                                    request.request_id(), " was outstanding")));
+  }
+  if (response.error_code() != 0) {
+    return absl::Status(static_cast<absl::StatusCode>(response.error_code()),
+                        response.error_message());
+  }
+  return ParseVerifyResponse(items, response);
+}
+
+absl::Status VerifyStreamSession::Break(absl::Status why) {
+  // Drain so Finish sees the end of the stream, then prefer the server's
+  // status (it says why the stream died) over the local description.
+  v1::VerifyResponse ignored;
+  while (stream_->Read(&ignored)) {
+  }
+  absl::Status server_status = FromGrpcStatus(stream_->Finish());
+  final_status_ = server_status.ok() ? std::move(why) : std::move(server_status);
+  return *final_status_;
+}
+
+absl::Status VerifyStreamSession::Abandon(absl::Status why) {
+  context_.TryCancel();
+  v1::VerifyResponse ignored;
+  while (stream_->Read(&ignored)) {
+  }
+  stream_->Finish().IgnoreError();  // CANCELLED, by us
+  final_status_ = std::move(why);
+  return *final_status_;
+}
+
+absl::Status VerifyStreamSession::Close() {
+  if (final_status_.has_value()) return final_status_->ok() ? absl::OkStatus() : *final_status_;
+  stream_->WritesDone();
+  v1::VerifyResponse unexpected;
+  int extra_responses = 0;
+  while (stream_->Read(&unexpected)) ++extra_responses;
+  absl::Status status = FromGrpcStatus(stream_->Finish());
+  if (status.ok() && extra_responses > 0) {
+    status = absl::InternalError(
+        absl::StrCat("VerifyStream sent ", extra_responses, " answers nobody asked for"));
+  }
+  final_status_ = status;
+  return status;
+}
+
+// ---- VerifyClient -----------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<VerifyClient>> VerifyClient::Create(std::string target,
+                                                                   ClientOptions options) {
+  if (target.empty()) return absl::InvalidArgumentError("target address is empty");
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials, MakeCredentials(options));
+  grpc::ChannelArguments arguments;
+  arguments.SetMaxSendMessageSize(ClampToInt(options.max_send_message_bytes));
+  arguments.SetMaxReceiveMessageSize(ClampToInt(options.max_receive_message_bytes));
+  std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateCustomChannel(target, credentials, arguments);
+  return std::unique_ptr<VerifyClient>(
+      new VerifyClient(std::move(target), std::move(options), std::move(channel)));
+}
+
+VerifyClient::VerifyClient(std::string target, ClientOptions options,
+                           std::shared_ptr<grpc::Channel> channel)
+    : target_(std::move(target)),
+      options_(std::move(options)),
+      channel_(std::move(channel)),
+      stub_(v1::VerifyService::NewStub(channel_)),
+      health_stub_(grpc::health::v1::Health::NewStub(channel_)) {}
+
+void VerifyClient::PrepareContext(grpc::ClientContext* context) const {
+  if (options_.call_timeout != absl::InfiniteDuration()) {
+    context->set_deadline(DeadlineAfter(options_.call_timeout));
+  }
+  context->set_wait_for_ready(options_.wait_for_ready);
+}
+
+absl::StatusOr<v1::ServerInfo> VerifyClient::GetServerInfo() {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  v1::ServerInfo info;
+  RETURN_IF_ERROR(
+      FromGrpcStatus(stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &info)));
+  absl::MutexLock lock(&mu_);
+  server_message_limit_ = info.max_message_bytes();
+  return info;
+}
+
+absl::StatusOr<ServingStatus> VerifyClient::Health(const std::string& service) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  grpc::health::v1::HealthCheckResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(health_stub_->Check(&context, request, &response)));
+  switch (response.status()) {
+    case grpc::health::v1::HealthCheckResponse::SERVING:
+      return ServingStatus::kServing;
+    case grpc::health::v1::HealthCheckResponse::NOT_SERVING:
+      return ServingStatus::kNotServing;
+    case grpc::health::v1::HealthCheckResponse::SERVICE_UNKNOWN:
+      return ServingStatus::kServiceUnknown;
+    default:
+      return ServingStatus::kUnknown;
+  }
+}
+
+absl::StatusOr<uint64_t> VerifyClient::CreateSequence(absl::string_view label) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  v1::CreateSequenceRequest request;
+  request.set_label(std::string(label));
+  v1::CreateSequenceResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(stub_->CreateSequence(&context, request, &response)));
+  return response.sequence_id();
+}
+
+absl::StatusOr<int64_t> VerifyClient::ServerMessageLimit() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (server_message_limit_.has_value()) return *server_message_limit_;
+  }
+  ASSIGN_OR_RETURN(v1::ServerInfo info, GetServerInfo());
+  return info.max_message_bytes();
+}
+
+absl::StatusOr<AppendKvResult> VerifyClient::AppendKv(uint64_t sequence_id, int64_t start_position,
+                                                      int num_layers, int64_t tokens,
+                                                      absl::Span<const Bf16> kv) {
+  using kernels::kLatentDim;
+  if (num_layers < 1 || tokens < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "AppendKv needs num_layers >= 1 and tokens >= 1; got ", num_layers, " and ", tokens));
+  }
+  const int64_t expected = static_cast<int64_t>(num_layers) * tokens * kLatentDim;
+  if (static_cast<int64_t>(kv.size()) != expected) {
+    return absl::InvalidArgumentError(absl::StrCat("AppendKv: kv holds ", kv.size(), " values; [",
+                                                   num_layers, ", ", tokens, ", ", kLatentDim,
+                                                   "] needs ", expected));
+  }
+  ASSIGN_OR_RETURN(int64_t server_limit, ServerMessageLimit());
+  // A server that reports no limit (0) is bounded by this channel's own.
+  const int64_t limit = server_limit > 0 ? std::min(server_limit, options_.max_send_message_bytes)
+                                         : options_.max_send_message_bytes;
+  const int64_t max_chunk_tokens = MaxAppendChunkTokens(limit, num_layers);
+  if (max_chunk_tokens < 1) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("one token of ", num_layers, " layers (",
+                     static_cast<int64_t>(num_layers) * kLatentDim * sizeof(Bf16),
+                     " bytes) does not fit an AppendKv message under ", limit, " bytes"));
+  }
+  const std::vector<TokenRange> chunks = PlanAppendChunks(tokens, max_chunk_tokens);
+  AppendKvResult result;
+  for (const TokenRange& range : chunks) {
+    const v1::AppendKvRequest request =
+        BuildAppendKvChunk(sequence_id, start_position, num_layers, tokens, kv, range);
+    grpc::ClientContext context;
+    PrepareContext(&context);
+    v1::AppendKvResponse response;
+    absl::Status status = FromGrpcStatus(stub_->AppendKv(&context, request, &response));
+    if (!status.ok()) {
+      if (chunks.size() == 1) return status;
+      // Keep the server's code; say how far the prompt got so the caller can
+      // resume at the right position or release the sequence.
+      return absl::Status(
+          status.code(),
+          absl::StrCat(status.message(), " [AppendKv chunk ", result.chunks + 1, " of ",
+                       chunks.size(), " at position ", start_position + range.begin, "; ",
+                       range.begin, " of ", tokens, " tokens were appended]"));
+    }
+    if (response.length() != start_position + range.end) {
+      return absl::InternalError(absl::StrCat("AppendKv of tokens up to position ",
+                                              start_position + range.end, " answered length ",
+                                              response.length()));
+    }
+    result.length = response.length();
+    ++result.chunks;
+  }
+  return result;
+}
+
+absl::StatusOr<std::vector<VerifyItemResult>> VerifyClient::Verify(
+    int layer, absl::Span<const VerifyItemInput> items, float softmax_scale) {
+  ASSIGN_OR_RETURN(v1::VerifyRequest request,
+                   BuildVerifyRequest(layer, items, softmax_scale, /*request_id=*/0));
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  v1::VerifyResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(stub_->Verify(&context, request, &response)));
+  return ParseVerifyResponse(items, response);
+}
+
+absl::StatusOr<CommitResult> VerifyClient::Commit(uint64_t sequence_id,
+                                                  absl::Span<const int32_t> accepted) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  v1::CommitRequest request;
+  request.set_sequence_id(sequence_id);
+  request.mutable_accepted()->Add(accepted.begin(), accepted.end());
+  v1::CommitResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(stub_->Commit(&context, request, &response)));
+  return CommitResult{response.length(), response.accepted_count()};
+}
+
+absl::StatusOr<int64_t> VerifyClient::ReleaseSequence(uint64_t sequence_id) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  v1::ReleaseSequenceRequest request;
+  request.set_sequence_id(sequence_id);
+  v1::ReleaseSequenceResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(stub_->ReleaseSequence(&context, request, &response)));
+  return response.freed_pages();
+}
+
+absl::StatusOr<std::unique_ptr<VerifyStreamSession>> VerifyClient::OpenVerifyStream(
+    absl::Duration lifetime) {
+  std::unique_ptr<VerifyStreamSession> session(new VerifyStreamSession());
+  if (lifetime != absl::InfiniteDuration()) {
+    session->context_.set_deadline(DeadlineAfter(lifetime));
+  }
+  session->context_.set_wait_for_ready(options_.wait_for_ready);
+  session->stream_ = stub_->VerifyStream(&session->context_);
+  if (session->stream_ == nullptr) {
+    return absl::InternalError("gRPC returned no VerifyStream");
+  }
+  return session;
+}
+
+}  // namespace mlaverify::client

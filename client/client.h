@@ -1,0 +1,182 @@
+// The mlaverify client library: one VerifyClient per server address, wrapping
+// the v1 VerifyService stubs and grpc.health.v1 Check in absl::Status /
+// absl::StatusOr. A failed RPC comes back with the server's gRPC code and
+// message unchanged; answers the server should never give (wrong shapes,
+// byte counts, result counts) come back as INTERNAL or DATA_LOSS.
+//
+//   ASSIGN_OR_RETURN(auto client, VerifyClient::Create("127.0.0.1:50051", {}));
+//   ASSIGN_OR_RETURN(uint64_t seq, client->CreateSequence("req-17"));
+//   RETURN_IF_ERROR(client->AppendKv(seq, 0, layers, prompt_len, prompt_kv).status());
+//   for each step: for each layer: client->Verify(layer, items); then Commit.
+#ifndef MLAVERIFY_CLIENT_CLIENT_H_
+#define MLAVERIFY_CLIENT_CLIENT_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "client/wire.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/channel.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/support/sync_stream.h"
+#include "kernels/bf16.h"
+#include "mlaverify/v1/verify.grpc.pb.h"
+
+namespace mlaverify::client {
+
+struct ClientOptions {
+  // TLS is used when `use_tls` is set or any of the files below is given;
+  // otherwise the channel is plaintext (loopback, or inside a mesh that
+  // terminates TLS). Files are PEM.
+  bool use_tls = false;
+  std::string tls_root_ca_file;      // empty: gRPC's default roots
+  std::string tls_cert_chain_file;   // client certificate for mTLS; needs the key
+  std::string tls_private_key_file;  // its private key; needs the certificate
+  // Channel limits on one message each way. Verify answers grow with
+  // items * N * H * 1 KiB, so the receive limit is far above gRPC's 4 MiB
+  // default. AppendKv chunks stay under min(server limit, send limit).
+  int64_t max_send_message_bytes = int64_t{256} << 20;
+  int64_t max_receive_message_bytes = int64_t{256} << 20;
+  // Deadline of each unary call; absl::InfiniteDuration() sets none.
+  absl::Duration call_timeout = absl::Seconds(30);
+  // Queue calls while the channel connects instead of failing them at once
+  // with UNAVAILABLE (for scripts that start the server and the client
+  // together). The call deadline still applies.
+  bool wait_for_ready = false;
+};
+
+enum class ServingStatus { kUnknown, kServing, kNotServing, kServiceUnknown };
+
+// "UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN" (the proto names).
+absl::string_view ServingStatusName(ServingStatus status);
+
+struct AppendKvResult {
+  int64_t length = 0;  // sequence length after the last chunk
+  int chunks = 0;      // AppendKv messages sent
+};
+
+struct CommitResult {
+  int64_t length = 0;  // sequence length after the commit
+  int accepted_count = 0;
+};
+
+// A VerifyStream: one ordered stream of per-layer Verify calls, typically one
+// per scheduler thread. Each Verify writes one request and reads its answer
+// (matched by request_id). A failed request (error_code != 0) returns that
+// status and the stream stays usable; a broken stream (write/read failure or
+// an out-of-order answer) returns its final status from then on.
+// Not thread-safe: one caller at a time. Destroying an open session cancels it.
+class VerifyStreamSession {
+ public:
+  ~VerifyStreamSession();
+  VerifyStreamSession(const VerifyStreamSession&) = delete;
+  VerifyStreamSession& operator=(const VerifyStreamSession&) = delete;
+
+  absl::StatusOr<std::vector<VerifyItemResult>> Verify(int layer,
+                                                       absl::Span<const VerifyItemInput> items,
+                                                       float softmax_scale = 0.0f);
+
+  // Half-closes the stream and returns the server's final status. Further
+  // Verify calls fail with FAILED_PRECONDITION. Idempotent.
+  absl::Status Close();
+
+ private:
+  friend class VerifyClient;
+  VerifyStreamSession() = default;
+
+  // Ends the stream after a write or read failed and remembers why: the
+  // server's final status, or `why` when the server's says OK.
+  absl::Status Break(absl::Status why);
+  // Cancels the stream from this side and remembers `why` as its status.
+  absl::Status Abandon(absl::Status why);
+
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::VerifyRequest, v1::VerifyResponse>> stream_;
+  uint64_t next_request_id_ = 1;
+  // Set once the stream has ended (closed or broken): its final status.
+  std::optional<absl::Status> final_status_;
+};
+
+// Thread-safe: one VerifyClient may be shared by any number of threads (the
+// gRPC stubs are; the cached ServerInfo is guarded).
+class VerifyClient {
+ public:
+  // Builds the channel; reads the TLS files. INVALID_ARGUMENT for an
+  // inconsistent TLS setup, NOT_FOUND for a file that cannot be read. Does
+  // not connect: the first call does.
+  static absl::StatusOr<std::unique_ptr<VerifyClient>> Create(std::string target,
+                                                              ClientOptions options);
+
+  const std::string& target() const { return target_; }
+  const ClientOptions& options() const { return options_; }
+
+  // Geometry, limits and page accounting, fresh from the server (the copy
+  // AppendKv's chunking uses is refreshed too).
+  absl::StatusOr<v1::ServerInfo> GetServerInfo();
+
+  // grpc.health.v1 Check of `service` ("" is the whole server).
+  absl::StatusOr<ServingStatus> Health(const std::string& service = "");
+
+  // Returns the new sequence's id. `label` appears in the server's logs.
+  absl::StatusOr<uint64_t> CreateSequence(absl::string_view label);
+
+  // Appends `tokens` prompt tokens at start_position (the sequence's current
+  // length), kv [num_layers, tokens, 576] bf16. Split into as many AppendKv
+  // messages as the server's max_message_bytes requires (each under 90% of
+  // it), sent in order. If a chunk fails, the chunks before it stay appended
+  // and the error says how many tokens made it.
+  absl::StatusOr<AppendKvResult> AppendKv(uint64_t sequence_id, int64_t start_position,
+                                          int num_layers, int64_t tokens,
+                                          absl::Span<const Bf16> kv);
+
+  // Verify attention of one layer for one or more sequences (one item each).
+  // softmax_scale <= 0 uses the server's default. Results come in item order.
+  absl::StatusOr<std::vector<VerifyItemResult>> Verify(int layer,
+                                                       absl::Span<const VerifyItemInput> items,
+                                                       float softmax_scale = 0.0f);
+
+  // Ends the pending step with the accepted root-to-node path (may be empty).
+  absl::StatusOr<CommitResult> Commit(uint64_t sequence_id, absl::Span<const int32_t> accepted);
+
+  // Frees the sequence; returns the pages freed.
+  absl::StatusOr<int64_t> ReleaseSequence(uint64_t sequence_id);
+
+  // Opens a VerifyStream. `lifetime` bounds the whole stream (not each
+  // call): a stream that outlives it ends with DEADLINE_EXCEEDED.
+  absl::StatusOr<std::unique_ptr<VerifyStreamSession>> OpenVerifyStream(
+      absl::Duration lifetime = absl::InfiniteDuration());
+
+ private:
+  VerifyClient(std::string target, ClientOptions options, std::shared_ptr<grpc::Channel> channel);
+
+  // Applies the call deadline and wait-for-ready to a fresh context.
+  void PrepareContext(grpc::ClientContext* context) const;
+
+  // The server's message limit as AppendKv sees it, from the cached
+  // ServerInfo (fetched on first use).
+  absl::StatusOr<int64_t> ServerMessageLimit();
+
+  const std::string target_;
+  const ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::VerifyService::Stub> stub_;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health_stub_;
+
+  absl::Mutex mu_;
+  // max_message_bytes of the last ServerInfo seen; nullopt before the first.
+  std::optional<int64_t> server_message_limit_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace mlaverify::client
+
+#endif  // MLAVERIFY_CLIENT_CLIENT_H_

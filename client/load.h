@@ -1,0 +1,67 @@
+// `mlaverify-client load`: closed-loop load generator. `concurrency` worker
+// threads each drive one sequence through verify steps (Verify of every
+// layer, then Commit) as fast as the server answers, for a bounded time or
+// number of calls, and the run reports exact latency percentiles, throughput,
+// errors by gRPC code and whether every page came back.
+#ifndef MLAVERIFY_CLIENT_LOAD_H_
+#define MLAVERIFY_CLIENT_LOAD_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "client/client.h"
+#include "client/latency_stats.h"
+#include "nlohmann/json.hpp"
+
+namespace mlaverify::client {
+
+struct LoadOptions {
+  int concurrency = 8;
+  // The run ends at whichever bound comes first; at least one must be set.
+  double duration_s = 10.0;  // measured seconds after warm-up; <= 0: no time bound
+  int64_t requests = 0;      // measured Verify calls; 0: no count bound
+  double warmup_s = 2.0;     // calls that start earlier are not measured
+  int64_t prompt_len = 64;
+  int drafts = 4;  // N, capped by the server's max_draft_len
+  // A sequence longer than this is released and replaced (bounds memory per
+  // worker). 0: prompt_len + 512, capped by the server's max_sequence_len.
+  int64_t max_sequence_len = 0;
+  bool stream = false;  // each worker uses one VerifyStream
+  uint64_t seed = 1;
+};
+
+struct LoadReport {
+  std::string target;
+  LoadOptions options;
+  int num_drafts = 0;  // N actually used
+  int num_layers = 0;
+  int num_heads = 0;
+  double measured_seconds = 0.0;
+  int64_t verify_calls = 0;     // measured, successful
+  int64_t draft_tokens = 0;     // drafts in those calls
+  int64_t steps_committed = 0;  // all commits, warm-up included
+  int64_t sequences_created = 0;
+  double calls_per_second = 0.0;
+  double draft_tokens_per_second = 0.0;
+  LatencySummary latency_ms;              // of measured, successful Verify calls
+  std::map<std::string, int64_t> errors;  // by gRPC code name, all phases
+  int64_t total_errors = 0;
+  int64_t free_pages_before = 0;
+  int64_t free_pages_after = 0;
+  bool page_leak = false;  // free pages after release != before
+  bool ok() const { return total_errors == 0 && !page_leak; }
+};
+
+// Runs the load. INVALID_ARGUMENT for options that would never end or make
+// no sense; the server's errors during the run are counted in the report, not
+// returned. Only talks to the client's target.
+absl::StatusOr<LoadReport> RunLoad(VerifyClient& client, const LoadOptions& options);
+
+void PrintLoadReport(const LoadReport& report);
+nlohmann::ordered_json LoadReportToJson(const LoadReport& report);
+
+}  // namespace mlaverify::client
+
+#endif  // MLAVERIFY_CLIENT_LOAD_H_

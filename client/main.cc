@@ -1,0 +1,198 @@
+// mlaverify-client: talk to an mlaverify server from the command line.
+//
+//   mlaverify-client --target 127.0.0.1:50051 info [--json]
+//   mlaverify-client health
+//   mlaverify-client demo [--sequences 2 --prompt-len 200 --steps 4 --drafts 8 --stream]
+//   mlaverify-client load [--concurrency 8 --duration-s 10 --json results.json]
+//
+// Exit status: 0 on success (info printed; SERVING; demo PASS; load without
+// errors or leaked pages), 1 when the check fails, 2 for usage or setup errors.
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+
+#include "CLI/CLI.hpp"
+#include "absl/strings/str_format.h"
+#include "client/client.h"
+#include "client/demo.h"
+#include "client/load.h"
+#include "client/server_info_text.h"
+#include "nlohmann/json.hpp"
+#include "spdlog/sinks/stdout_color_sinks.h"
+#include "spdlog/spdlog.h"
+
+namespace mlaverify::client {
+namespace {
+
+constexpr int kExitOk = 0;
+constexpr int kExitCheckFailed = 1;
+constexpr int kExitSetupError = 2;
+
+struct GlobalFlags {
+  std::string target = "127.0.0.1:50051";
+  bool tls = false;
+  std::string tls_ca;
+  std::string tls_cert;
+  std::string tls_key;
+  int64_t timeout_ms = 30000;
+  int64_t max_message_mib = 256;
+  bool wait_for_ready = false;
+};
+
+int RunInfo(VerifyClient& client, bool json) {
+  absl::StatusOr<v1::ServerInfo> info = client.GetServerInfo();
+  if (!info.ok()) {
+    spdlog::error("GetServerInfo from {}: {}", client.target(), info.status().ToString());
+    return kExitCheckFailed;
+  }
+  if (json) {
+    std::printf("%s\n", ServerInfoToJson(*info).dump(2).c_str());
+  } else {
+    std::printf("%s", FormatServerInfo(*info).c_str());
+  }
+  return kExitOk;
+}
+
+int RunHealth(VerifyClient& client) {
+  absl::StatusOr<ServingStatus> status = client.Health();
+  if (!status.ok()) {
+    spdlog::error("health check of {}: {}", client.target(), status.status().ToString());
+    return kExitCheckFailed;
+  }
+  std::printf("%s\n", std::string(ServingStatusName(*status)).c_str());
+  return *status == ServingStatus::kServing ? kExitOk : kExitCheckFailed;
+}
+
+int RunLoadCommand(VerifyClient& client, const LoadOptions& options, const std::string& json_path) {
+  absl::StatusOr<LoadReport> report = RunLoad(client, options);
+  if (!report.ok()) {
+    spdlog::error("load: {}", report.status().ToString());
+    return report.status().code() == absl::StatusCode::kInvalidArgument ? kExitSetupError
+                                                                        : kExitCheckFailed;
+  }
+  PrintLoadReport(*report);
+  if (!json_path.empty()) {
+    std::ofstream file(json_path);
+    file << LoadReportToJson(*report).dump(2) << "\n";
+    if (!file) {
+      spdlog::error("cannot write {}", json_path);
+      return kExitSetupError;
+    }
+    std::printf("wrote %s\n", json_path.c_str());
+  }
+  return report->ok() ? kExitOk : kExitCheckFailed;
+}
+
+int Main(int argc, char** argv) {
+  // Results go to stdout (tables, JSON); diagnostics to stderr.
+  spdlog::set_default_logger(spdlog::stderr_color_mt("mlaverify-client"));
+  CLI::App app{"mlaverify-client: inspect, check and load an mlaverify verify-attention server"};
+  app.require_subcommand(1);
+  GlobalFlags flags;
+  app.add_option("--target", flags.target, "server address host:port")->capture_default_str();
+  app.add_flag("--tls", flags.tls, "use TLS with the default roots (implied by the --tls-* files)");
+  app.add_option("--tls-ca", flags.tls_ca, "PEM root CA to verify the server with")
+      ->check(CLI::ExistingFile);
+  app.add_option("--tls-cert", flags.tls_cert, "PEM client certificate (mTLS; needs --tls-key)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--tls-key", flags.tls_key, "PEM client private key (mTLS; needs --tls-cert)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--timeout-ms", flags.timeout_ms, "deadline of each call in ms (0: none)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--max-message-mib", flags.max_message_mib,
+                 "client limit on one message each way, MiB")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--wait-for-ready", flags.wait_for_ready,
+               "wait for the server to come up instead of failing with UNAVAILABLE");
+
+  CLI::App* info_cmd = app.add_subcommand("info", "print the server's geometry, limits and pages");
+  bool info_json = false;
+  info_cmd->add_flag("--json", info_json, "print JSON");
+
+  app.add_subcommand("health", "grpc.health.v1 Check; exit 0 only when SERVING");
+
+  CLI::App* demo_cmd =
+      app.add_subcommand("demo", "speculative-decoding loop checked against the CPU reference");
+  DemoOptions demo;
+  demo_cmd->add_option("--sequences", demo.sequences, "sequences, all in every Verify")
+      ->capture_default_str();
+  demo_cmd->add_option("--prompt-len", demo.prompt_len, "prompt tokens per sequence")
+      ->capture_default_str();
+  demo_cmd->add_option("--steps", demo.steps, "decode steps")->capture_default_str();
+  demo_cmd->add_option("--drafts", demo.drafts, "drafts per step (capped by max_draft_len)")
+      ->capture_default_str();
+  demo_cmd->add_option("--seed", demo.seed, "random seed")->capture_default_str();
+  demo_cmd->add_flag("--stream", demo.stream, "per-layer calls over VerifyStream");
+  demo_cmd
+      ->add_option("--softmax-scale", demo.softmax_scale,
+                   "override the server's softmax scale (0: server default)")
+      ->capture_default_str();
+  demo_cmd->add_option("--max-rel-err", demo.max_rel_err, "largest relative error that passes")
+      ->capture_default_str();
+  demo_cmd->add_option("--max-lse-err", demo.max_lse_err, "largest LSE error that passes")
+      ->capture_default_str();
+
+  CLI::App* load_cmd = app.add_subcommand("load", "closed-loop load generator");
+  LoadOptions load;
+  std::string load_json;
+  load_cmd->add_option("--concurrency", load.concurrency, "worker threads, one sequence each")
+      ->capture_default_str();
+  load_cmd->add_option("--duration-s", load.duration_s, "measured seconds (0: no time bound)")
+      ->capture_default_str();
+  load_cmd
+      ->add_option("--requests", load.requests,
+                   "measured Verify calls (0: no count bound); the first bound reached ends "
+                   "the run")
+      ->capture_default_str();
+  load_cmd->add_option("--warmup-s", load.warmup_s, "seconds excluded from the statistics")
+      ->capture_default_str();
+  load_cmd->add_option("--prompt-len", load.prompt_len, "prompt tokens per sequence")
+      ->capture_default_str();
+  load_cmd->add_option("--drafts", load.drafts, "drafts per step (capped by max_draft_len)")
+      ->capture_default_str();
+  load_cmd
+      ->add_option("--max-seq-len", load.max_sequence_len,
+                   "replace a sequence once it is this long (0: prompt-len + 512)")
+      ->capture_default_str();
+  load_cmd->add_option("--seed", load.seed, "random seed")->capture_default_str();
+  load_cmd->add_flag("--stream", load.stream, "one VerifyStream per worker");
+  load_cmd->add_option("--json", load_json, "write the results to this JSON file");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? kExitOk : kExitSetupError;
+  }
+
+  ClientOptions options;
+  options.use_tls = flags.tls;
+  options.tls_root_ca_file = flags.tls_ca;
+  options.tls_cert_chain_file = flags.tls_cert;
+  options.tls_private_key_file = flags.tls_key;
+  options.call_timeout =
+      flags.timeout_ms > 0 ? absl::Milliseconds(flags.timeout_ms) : absl::InfiniteDuration();
+  options.max_send_message_bytes = flags.max_message_mib << 20;
+  options.max_receive_message_bytes = flags.max_message_mib << 20;
+  options.wait_for_ready = flags.wait_for_ready;
+  absl::StatusOr<std::unique_ptr<VerifyClient>> client =
+      VerifyClient::Create(flags.target, options);
+  if (!client.ok()) {
+    spdlog::error("{}", client.status().ToString());
+    return kExitSetupError;
+  }
+
+  if (info_cmd->parsed()) return RunInfo(**client, info_json);
+  if (demo_cmd->parsed()) {
+    return RunDemo(**client, demo).passed ? kExitOk : kExitCheckFailed;
+  }
+  if (load_cmd->parsed()) return RunLoadCommand(**client, load, load_json);
+  return RunHealth(**client);
+}
+
+}  // namespace
+}  // namespace mlaverify::client
+
+int main(int argc, char** argv) { return mlaverify::client::Main(argc, argv); }

@@ -1,0 +1,196 @@
+#include "client/wire.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kernels/status_macros.h"
+#include "kernels/verify_attention.h"
+
+namespace mlaverify::client {
+namespace {
+
+using kernels::kLatentDim;
+using kernels::kValueDim;
+
+// Everything in an AppendKv request besides the tensor bytes is a few dozen
+// bytes; this bound is generous so a tiny limit still leaves a sane budget.
+constexpr int64_t kAppendKvEnvelopeBytes = 1024;
+
+std::string ShapeString(const v1::Tensor& t) {
+  return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
+}
+
+// Checks dtype, shape and inline byte count of one returned tensor; `what`
+// names it in the message ("item 2 out").
+absl::Status CheckTensor(const v1::Tensor& tensor, v1::DType dtype, absl::Span<const int64_t> shape,
+                         size_t element_bytes, absl::string_view what) {
+  if (tensor.dtype() != dtype) {
+    return absl::InternalError(absl::StrCat("server returned ", what, " with dtype ",
+                                            v1::DType_Name(tensor.dtype()), "; expected ",
+                                            v1::DType_Name(dtype)));
+  }
+  if (!std::equal(tensor.shape().begin(), tensor.shape().end(), shape.begin(), shape.end())) {
+    return absl::InternalError(absl::StrCat("server returned ", what, " with shape ",
+                                            ShapeString(tensor), "; expected [",
+                                            absl::StrJoin(shape, ", "), "]"));
+  }
+  if (tensor.data_case() != v1::Tensor::kRaw) {
+    return absl::InternalError(absl::StrCat("server returned ", what,
+                                            " without inline bytes (data case ",
+                                            static_cast<int>(tensor.data_case()), ")"));
+  }
+  int64_t elements = 1;
+  for (int64_t d : shape) elements *= d;
+  const size_t expected_bytes = static_cast<size_t>(elements) * element_bytes;
+  if (tensor.raw().size() != expected_bytes) {
+    return absl::DataLossError(absl::StrCat("server returned ", what, " of shape ",
+                                            ShapeString(tensor), " with ", tensor.raw().size(),
+                                            " bytes; the shape needs ", expected_bytes));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  // grpc::StatusCode and absl::StatusCode both use the google.rpc.Code numbers.
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+void SetBf16Tensor(absl::Span<const int64_t> shape, absl::Span<const Bf16> values,
+                   v1::Tensor* tensor) {
+  tensor->set_dtype(v1::DTYPE_BF16);
+  tensor->clear_shape();
+  for (int64_t d : shape) tensor->add_shape(d);
+  // Bf16 is the raw 16-bit pattern and every supported host is little-endian,
+  // which is the wire's byte order.
+  tensor->set_raw(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(Bf16));
+}
+
+absl::StatusOr<v1::VerifyRequest> BuildVerifyRequest(int layer,
+                                                     absl::Span<const VerifyItemInput> items,
+                                                     float softmax_scale, uint64_t request_id) {
+  if (items.empty()) {
+    return absl::InvalidArgumentError("Verify needs at least one item");
+  }
+  v1::VerifyRequest request;
+  request.set_layer(layer);
+  request.set_softmax_scale(softmax_scale);
+  request.set_request_id(request_id);
+  for (size_t k = 0; k < items.size(); ++k) {
+    const VerifyItemInput& item = items[k];
+    const int64_t n = static_cast<int64_t>(item.parents.size());
+    if (n == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("item ", k, " (sequence ", item.sequence_id, ") has no drafts"));
+    }
+    const int64_t q_row = n * kLatentDim;
+    if (item.q.empty() || item.q.size() % q_row != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "item ", k, " (sequence ", item.sequence_id, "): q holds ", item.q.size(),
+          " values, not a whole number of [", n, ", H, ", kLatentDim, "] with H >= 1"));
+    }
+    if (static_cast<int64_t>(item.draft_kv.size()) != n * kLatentDim) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "item ", k, " (sequence ", item.sequence_id, "): draft_kv holds ", item.draft_kv.size(),
+          " values; [", n, ", ", kLatentDim, "] needs ", n * kLatentDim));
+    }
+    const int64_t heads = static_cast<int64_t>(item.q.size()) / q_row;
+    v1::VerifyItem* wire = request.add_items();
+    wire->set_sequence_id(item.sequence_id);
+    const int64_t q_shape[] = {n, heads, kLatentDim};
+    SetBf16Tensor(q_shape, item.q, wire->mutable_q());
+    const int64_t kv_shape[] = {n, kLatentDim};
+    SetBf16Tensor(kv_shape, item.draft_kv, wire->mutable_draft_kv());
+    wire->mutable_parents()->Add(item.parents.begin(), item.parents.end());
+  }
+  return request;
+}
+
+absl::StatusOr<std::vector<VerifyItemResult>> ParseVerifyResponse(
+    absl::Span<const VerifyItemInput> items, const v1::VerifyResponse& response) {
+  if (static_cast<size_t>(response.results_size()) != items.size()) {
+    return absl::InternalError(absl::StrCat("server returned ", response.results_size(),
+                                            " results for ", items.size(), " items"));
+  }
+  std::vector<VerifyItemResult> results(items.size());
+  for (size_t k = 0; k < items.size(); ++k) {
+    const VerifyItemInput& item = items[k];
+    const v1::VerifyResult& wire = response.results(static_cast<int>(k));
+    if (wire.sequence_id() != item.sequence_id) {
+      return absl::InternalError(absl::StrCat("result ", k, " is for sequence ", wire.sequence_id(),
+                                              "; item ", k, " was sequence ", item.sequence_id));
+    }
+    const int64_t n = static_cast<int64_t>(item.parents.size());
+    const int64_t heads = static_cast<int64_t>(item.q.size()) / (n * kLatentDim);
+    const int64_t out_shape[] = {n, heads, kValueDim};
+    const int64_t lse_shape[] = {n, heads};
+    const std::string where = absl::StrCat("item ", k, " (sequence ", item.sequence_id, ")");
+    RETURN_IF_ERROR(CheckTensor(wire.out(), v1::DTYPE_BF16, out_shape, sizeof(Bf16),
+                                absl::StrCat(where, " out")));
+    RETURN_IF_ERROR(CheckTensor(wire.lse(), v1::DTYPE_FP32, lse_shape, sizeof(float),
+                                absl::StrCat(where, " lse")));
+    if (wire.prefix_len() < 0) {
+      return absl::InternalError(
+          absl::StrCat(where, ": server returned prefix_len ", wire.prefix_len()));
+    }
+    VerifyItemResult& result = results[k];
+    result.sequence_id = item.sequence_id;
+    result.num_drafts = static_cast<int>(n);
+    result.num_heads = static_cast<int>(heads);
+    result.prefix_len = wire.prefix_len();
+    result.out.resize(n * heads * kValueDim);
+    std::memcpy(result.out.data(), wire.out().raw().data(), wire.out().raw().size());
+    result.lse.resize(n * heads);
+    std::memcpy(result.lse.data(), wire.lse().raw().data(), wire.lse().raw().size());
+  }
+  return results;
+}
+
+int64_t MaxAppendChunkTokens(int64_t message_limit_bytes, int num_layers) {
+  if (message_limit_bytes <= 0 || num_layers <= 0) return 0;
+  const int64_t budget =
+      static_cast<int64_t>(static_cast<double>(message_limit_bytes) * kAppendKvHeadroom) -
+      kAppendKvEnvelopeBytes;
+  const int64_t bytes_per_token = static_cast<int64_t>(num_layers) * kLatentDim * sizeof(Bf16);
+  return budget <= 0 ? 0 : budget / bytes_per_token;
+}
+
+std::vector<TokenRange> PlanAppendChunks(int64_t tokens, int64_t max_chunk_tokens) {
+  std::vector<TokenRange> chunks;
+  if (tokens <= 0 || max_chunk_tokens <= 0) return chunks;
+  chunks.reserve((tokens + max_chunk_tokens - 1) / max_chunk_tokens);
+  for (int64_t begin = 0; begin < tokens; begin += max_chunk_tokens) {
+    chunks.push_back({begin, std::min(tokens, begin + max_chunk_tokens)});
+  }
+  return chunks;
+}
+
+v1::AppendKvRequest BuildAppendKvChunk(uint64_t sequence_id, int64_t start_position, int num_layers,
+                                       int64_t total_tokens, absl::Span<const Bf16> kv,
+                                       TokenRange range) {
+  v1::AppendKvRequest request;
+  request.set_sequence_id(sequence_id);
+  request.set_start_position(start_position + range.begin);
+  v1::Tensor* tensor = request.mutable_kv();
+  tensor->set_dtype(v1::DTYPE_BF16);
+  tensor->add_shape(num_layers);
+  tensor->add_shape(range.size());
+  tensor->add_shape(kLatentDim);
+  // Each layer's chunk is a contiguous run of rows in the caller's layout;
+  // the chunk tensor stacks those runs layer after layer.
+  const size_t run_bytes = static_cast<size_t>(range.size()) * kLatentDim * sizeof(Bf16);
+  std::string* raw = tensor->mutable_raw();
+  raw->resize(run_bytes * num_layers);
+  for (int layer = 0; layer < num_layers; ++layer) {
+    const Bf16* src = kv.data() + (layer * total_tokens + range.begin) * kLatentDim;
+    std::memcpy(raw->data() + layer * run_bytes, src, run_bytes);
+  }
+  return request;
+}
+
+}  // namespace mlaverify::client

@@ -1,0 +1,191 @@
+#include "server/admin/metrics.h"
+
+#include <iterator>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "prometheus/text_serializer.h"
+
+namespace mlaverify::admin {
+namespace {
+
+// 50 µs .. 10 s, about three buckets a decade: a CPU-backend Verify of one
+// short sequence finishes in tens of microseconds, a large batch on a loaded
+// server or a Commit waiting behind it can take seconds.
+const std::vector<double>& DurationBuckets() {
+  static const auto* const kBuckets =
+      new std::vector<double>{5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
+                              5e-2, 0.1,  0.25,   0.5,  1,    2.5,    5,    10};
+  return *kBuckets;
+}
+
+prometheus::Gauge& AddGauge(prometheus::Registry& registry, const std::string& name,
+                            const std::string& help) {
+  return prometheus::BuildGauge().Name(name).Help(help).Register(registry).Add({});
+}
+
+prometheus::Counter& AddCounter(prometheus::Registry& registry, const std::string& name,
+                                const std::string& help) {
+  return prometheus::BuildCounter().Name(name).Help(help).Register(registry).Add({});
+}
+
+}  // namespace
+
+Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
+  prometheus::Registry& r = *registry_;
+  requests_family_ = &prometheus::BuildCounter()
+                          .Name("mlaverify_requests_total")
+                          .Help("RPCs finished, by method and gRPC status code.")
+                          .Register(r);
+  errors_family_ = &prometheus::BuildCounter()
+                        .Name("mlaverify_request_errors_total")
+                        .Help("RPCs finished with a status other than OK, by method and code.")
+                        .Register(r);
+  duration_family_ = &prometheus::BuildHistogram()
+                          .Name("mlaverify_request_duration_seconds")
+                          .Help("Wall time of RPC handlers in seconds, by method.")
+                          .Register(r);
+  verify_batches_family_ =
+      &prometheus::BuildCounter()
+           .Name("mlaverify_verify_batches_total")
+           .Help(
+               "Verify batches run by the backend; path=graph replayed a CUDA graph, "
+               "path=eager launched directly.")
+           .Register(r);
+  build_info_family_ = &prometheus::BuildGauge()
+                            .Name("mlaverify_build_info")
+                            .Help("Always 1; the labels name the server version and backend.")
+                            .Register(r);
+
+  verify_items_ = &AddCounter(r, "mlaverify_verify_items_total",
+                              "Verify items (one sequence and layer each) computed.");
+  verify_draft_tokens_ = &AddCounter(r, "mlaverify_verify_draft_tokens_total",
+                                     "Draft tokens over all computed Verify items.");
+  // Both paths exist from the start so that dashboards and rate() see an
+  // explicit zero rather than a missing series.
+  verify_batches_eager_ = &verify_batches_family_->Add({{"path", "eager"}});
+  verify_batches_graph_ = &verify_batches_family_->Add({{"path", "graph"}});
+  ready_ = &AddGauge(r, "mlaverify_ready",
+                     "1 while the server accepts work, 0 while starting or draining.");
+  kv_pages_total_ = &AddGauge(r, "mlaverify_kv_pages_total", "KV pool capacity in pages.");
+  kv_pages_used_ = &AddGauge(r, "mlaverify_kv_pages_used", "KV pages held by sequences.");
+  kv_pages_free_ = &AddGauge(r, "mlaverify_kv_pages_free", "KV pages on the free list.");
+  sequences_live_ = &AddGauge(r, "mlaverify_sequences_live", "Sequences created and not released.");
+  verify_steps_pending_ =
+      &AddGauge(r, "mlaverify_verify_steps_pending",
+                "Sequences with an open verify step (verified, not committed).");
+
+  using engine::EngineStats;
+  const struct {
+    const char* name;
+    const char* help;
+    int64_t EngineStats::*field;
+  } kMirrored[] = {
+      {"mlaverify_tokens_appended_total", "Prompt tokens written by AppendKv.",
+       &EngineStats::tokens_appended_total},
+      {"mlaverify_tokens_committed_total", "Draft tokens accepted by Commit.",
+       &EngineStats::tokens_committed_total},
+      {"mlaverify_steps_committed_total", "Verify steps closed by Commit.",
+       &EngineStats::steps_committed_total},
+      {"mlaverify_sequences_created_total", "Sequences created.",
+       &EngineStats::sequences_created_total},
+      {"mlaverify_sequences_expired_total", "Sequences released by the idle timeout.",
+       &EngineStats::sequences_expired_total},
+  };
+  static_assert(std::size(kMirrored) == kMirroredTotals,
+                "one MirroredCounter per mirrored engine total");
+  absl::MutexLock lock(&refresh_mu_);
+  for (size_t i = 0; i < std::size(kMirrored); ++i) {
+    mirrored_[i].counter = &AddCounter(r, kMirrored[i].name, kMirrored[i].help);
+    mirrored_[i].field = kMirrored[i].field;
+  }
+}
+
+Metrics::~Metrics() = default;
+
+// Returns a copy: flat_hash_map moves its values on rehash, so a reference
+// would dangle once the lock is dropped.
+Metrics::RpcSeries Metrics::SeriesFor(absl::string_view rpc, absl::string_view code) {
+  std::string key = absl::StrCat(rpc, "\n", code);
+  {
+    absl::ReaderMutexLock lock(&series_mu_);
+    auto it = series_.find(key);
+    if (it != series_.end()) return it->second;
+  }
+  RpcSeries series;
+  const std::string rpc_str(rpc);
+  const std::string code_str(code);
+  series.requests = &requests_family_->Add({{"rpc", rpc_str}, {"code", code_str}});
+  if (code != "OK") {
+    series.errors = &errors_family_->Add({{"rpc", rpc_str}, {"code", code_str}});
+  }
+  series.duration = &duration_family_->Add({{"rpc", rpc_str}}, DurationBuckets());
+  absl::MutexLock lock(&series_mu_);
+  // A racing first call may have inserted the same series; Family::Add
+  // returned the same metrics to both, so either entry is right.
+  return series_.try_emplace(std::move(key), series).first->second;
+}
+
+void Metrics::RecordRpc(absl::string_view rpc, absl::string_view code, double seconds) {
+  const RpcSeries series = SeriesFor(rpc, code);
+  series.requests->Increment();
+  if (series.errors != nullptr) series.errors->Increment();
+  series.duration->Observe(seconds < 0 ? 0 : seconds);
+}
+
+void Metrics::RecordVerify(int items, int64_t draft_tokens, int padded_batch_bucket) {
+  verify_items_->Increment(items);
+  verify_draft_tokens_->Increment(static_cast<double>(draft_tokens));
+  (padded_batch_bucket > 0 ? verify_batches_graph_ : verify_batches_eager_)->Increment();
+}
+
+void Metrics::SetStatsSource(std::function<engine::EngineStats()> source) {
+  absl::MutexLock lock(&refresh_mu_);
+  stats_source_ = std::move(source);
+  // The new source's totals count from zero: its whole total is new to the
+  // mirrored counters.
+  for (MirroredCounter& m : mirrored_) m.last_seen = 0;
+}
+
+void Metrics::SetInfo(absl::string_view version, absl::string_view backend) {
+  absl::MutexLock lock(&info_mu_);
+  if (build_info_ != nullptr) build_info_family_->Remove(build_info_);
+  build_info_ = &build_info_family_->Add(
+      {{"version", std::string(version)}, {"backend", std::string(backend)}});
+  build_info_->Set(1);
+}
+
+void Metrics::SetReady(bool ready) { ready_->Set(ready ? 1 : 0); }
+
+void Metrics::RefreshFromEngine() {
+  absl::MutexLock lock(&refresh_mu_);
+  if (!stats_source_) return;
+  const engine::EngineStats stats = stats_source_();
+  kv_pages_total_->Set(static_cast<double>(stats.total_pages));
+  kv_pages_used_->Set(static_cast<double>(stats.total_pages - stats.free_pages));
+  kv_pages_free_->Set(static_cast<double>(stats.free_pages));
+  sequences_live_->Set(static_cast<double>(stats.live_sequences));
+  verify_steps_pending_->Set(static_cast<double>(stats.pending_steps));
+  // prometheus-cpp counters only go up, so a mirrored total advances by what
+  // the engine added since the last refresh. A total that went down (not
+  // expected from one engine) becomes the new baseline rather than a
+  // decrement, so the exported counter stays monotonic.
+  for (MirroredCounter& m : mirrored_) {
+    const int64_t total = stats.*m.field;
+    if (total > m.last_seen) m.counter->Increment(static_cast<double>(total - m.last_seen));
+    m.last_seen = total;
+  }
+}
+
+std::string Metrics::Serialize() {
+  RefreshFromEngine();
+  return prometheus::TextSerializer().Serialize(registry_->Collect());
+}
+
+}  // namespace mlaverify::admin

@@ -1,0 +1,132 @@
+// Prometheus metrics of one server process: RPC outcomes and latency recorded
+// by the transport, verify batch counts, and engine page/sequence accounting
+// pulled from the engine each time the metrics are scraped.
+//
+// Thread-safety: every method may be called from any thread. The Record*
+// methods sit on the request path (Verify runs once per layer, so thousands of
+// times a second): after the first call for a given rpc/code pair they take a
+// reader lock and one hash lookup, then update the metrics (atomic adds and
+// the histogram's own short lock).
+#ifndef MLAVERIFY_SERVER_ADMIN_METRICS_H_
+#define MLAVERIFY_SERVER_ADMIN_METRICS_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "server/engine/engine.h"
+
+namespace prometheus {
+class Counter;
+class Gauge;
+class Histogram;
+class Registry;
+template <typename T>
+class Family;
+}  // namespace prometheus
+
+namespace mlaverify::admin {
+
+class Metrics {
+ public:
+  Metrics();
+  ~Metrics();
+  Metrics(const Metrics&) = delete;
+  Metrics& operator=(const Metrics&) = delete;
+
+  // One finished RPC. `rpc` is the method name ("Verify"), `code` the gRPC
+  // status code name ("OK", "INVALID_ARGUMENT"), `seconds` the handler's wall
+  // time. Counts mlaverify_requests_total{rpc,code}, observes
+  // mlaverify_request_duration_seconds{rpc} and, for every code but "OK",
+  // mlaverify_request_errors_total{rpc,code}.
+  void RecordRpc(absl::string_view rpc, absl::string_view code, double seconds);
+
+  // One verify batch handed to the backend: `items` sequences carrying
+  // `draft_tokens` draft tokens in all. `padded_batch_bucket` is the CUDA-graph
+  // batch bucket the batch was padded up to, or 0 when it ran eagerly (the CPU
+  // backend, or a batch no bucket fits); it selects the `path` label of
+  // mlaverify_verify_batches_total ("graph" or "eager").
+  void RecordVerify(int items, int64_t draft_tokens, int padded_batch_bucket);
+
+  // Where engine accounting comes from; called on every Serialize(), from the
+  // scraping thread, while an internal mutex is held, so it must be cheap and
+  // must not call back into this object. Replacing the source keeps the
+  // mirrored counters where they are and adds the new source's totals on top
+  // (counters never go down). An empty function stops the refresh.
+  void SetStatsSource(std::function<engine::EngineStats()> source);
+
+  // mlaverify_build_info{version,backend} 1. A later call replaces the labels.
+  void SetInfo(absl::string_view version, absl::string_view backend);
+
+  // mlaverify_ready: 1 while the server accepts work, 0 while starting or
+  // draining (mirrors gRPC health and /readyz).
+  void SetReady(bool ready);
+
+  // Refreshes the engine-derived series from the stats source and returns
+  // every metric in the Prometheus text exposition format 0.0.4.
+  std::string Serialize();
+
+ private:
+  // The series one rpc/code pair touches; pointers into registry_, which owns
+  // the metrics and keeps them at fixed addresses.
+  struct RpcSeries {
+    prometheus::Counter* requests = nullptr;
+    prometheus::Counter* errors = nullptr;  // null for "OK"
+    prometheus::Histogram* duration = nullptr;
+  };
+
+  // Engine totals exported as counters (listed in the constructor).
+  static constexpr int kMirroredTotals = 5;
+
+  // A counter that follows one monotonic engine total.
+  struct MirroredCounter {
+    prometheus::Counter* counter = nullptr;
+    int64_t engine::EngineStats::*field = nullptr;
+    int64_t last_seen = 0;  // the engine's total at the previous refresh
+  };
+
+  RpcSeries SeriesFor(absl::string_view rpc, absl::string_view code);
+  void RefreshFromEngine();
+
+  // Owns every metric below; declared first so it outlives the raw pointers.
+  std::shared_ptr<prometheus::Registry> registry_;
+
+  prometheus::Family<prometheus::Counter>* requests_family_;
+  prometheus::Family<prometheus::Counter>* errors_family_;
+  prometheus::Family<prometheus::Histogram>* duration_family_;
+  prometheus::Family<prometheus::Counter>* verify_batches_family_;
+  prometheus::Family<prometheus::Gauge>* build_info_family_;
+
+  prometheus::Counter* verify_items_;
+  prometheus::Counter* verify_draft_tokens_;
+  prometheus::Counter* verify_batches_eager_;
+  prometheus::Counter* verify_batches_graph_;
+  prometheus::Gauge* ready_;
+  prometheus::Gauge* kv_pages_total_;
+  prometheus::Gauge* kv_pages_used_;
+  prometheus::Gauge* kv_pages_free_;
+  prometheus::Gauge* sequences_live_;
+  prometheus::Gauge* verify_steps_pending_;
+
+  absl::Mutex series_mu_;
+  // Key: rpc + '\n' + code (neither contains a newline).
+  absl::flat_hash_map<std::string, RpcSeries> series_ ABSL_GUARDED_BY(series_mu_);
+
+  absl::Mutex info_mu_;
+  prometheus::Gauge* build_info_ ABSL_GUARDED_BY(info_mu_) = nullptr;
+
+  // Serialises refreshes so that two concurrent scrapes cannot both add the
+  // same engine delta to a mirrored counter.
+  absl::Mutex refresh_mu_;
+  std::function<engine::EngineStats()> stats_source_ ABSL_GUARDED_BY(refresh_mu_);
+  MirroredCounter mirrored_[kMirroredTotals] ABSL_GUARDED_BY(refresh_mu_);
+};
+
+}  // namespace mlaverify::admin
+
+#endif  // MLAVERIFY_SERVER_ADMIN_METRICS_H_

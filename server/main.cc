@@ -1,0 +1,255 @@
+// mlaverify-server: owns the paged latent KV cache of an MLA model and serves
+// verify attention over gRPC, with Prometheus metrics and liveness/readiness
+// on an admin HTTP port. SIGTERM/SIGINT drain it: health goes NOT_SERVING,
+// new work is refused with UNAVAILABLE, calls in flight get --drain-timeout-s
+// to finish.
+#include <pthread.h>
+#include <signal.h>
+
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
+#include "server/admin/admin_http_server.h"
+#include "server/admin/metrics.h"
+#include "server/engine/backend.h"
+#include "server/engine/engine.h"
+#include "server/transport/grpc_server.h"
+#include "server/transport/status_mapping.h"
+#include "spdlog/spdlog.h"
+
+#ifdef MLAVERIFY_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace mlaverify {
+namespace {
+
+constexpr char kVersion[] = "0.1.0";
+
+// Feeds RPC outcomes to the Prometheus registry.
+class MetricsObserver final : public transport::RpcObserver {
+ public:
+  explicit MetricsObserver(admin::Metrics* metrics) : metrics_(metrics) {}
+  void OnRpc(absl::string_view rpc, grpc::StatusCode code, double seconds) override {
+    metrics_->RecordRpc(rpc, transport::GrpcCodeName(code), seconds);
+  }
+  void OnVerify(int items, int64_t draft_tokens) override {
+    metrics_->RecordVerify(items, draft_tokens, /*padded_batch_bucket=*/0);  // eager path
+  }
+
+ private:
+  admin::Metrics* const metrics_;
+};
+
+int CudaDeviceCount() {
+#ifdef MLAVERIFY_HAVE_CUDA
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess ? count : 0;
+#else
+  return 0;  // built without nvcc
+#endif
+}
+
+struct Flags {
+  std::string listen = "0.0.0.0:50051";
+  std::string admin_host = "0.0.0.0";
+  int admin_port = 9090;
+  std::string port_file;
+  int layers = 61;
+  int heads = 8;
+  int page_size = 64;
+  uint64_t pool_bytes = uint64_t{1} << 30;
+  int64_t max_sequence_len = int64_t{1} << 17;
+  std::string backend = "auto";
+  std::vector<int> draft_buckets = {1, 2, 4, 8, 16, 32, 64};
+  std::vector<int> batch_buckets = {1, 2, 4, 8, 16, 32};
+  double idle_timeout_s = 0;
+  uint64_t max_message_bytes = uint64_t{64} << 20;
+  float softmax_scale = 1.0f / std::sqrt(192.0f);
+  int cpu_threads = 0;
+  int workers = 8;
+  double drain_timeout_s = 10;
+  std::string tls_cert, tls_key, tls_client_ca;
+  std::string log_level = "info";
+};
+
+int Run(int argc, char** argv) {
+  Flags f;
+  CLI::App app{"mlaverify-server: MLA verify attention over a paged latent KV cache"};
+  app.add_option("--listen", f.listen, "gRPC address (host:port; port 0 picks one)")->capture_default_str();
+  app.add_option("--admin-host", f.admin_host, "admin HTTP bind address")->capture_default_str();
+  app.add_option("--admin-port", f.admin_port, "admin HTTP port: /metrics /healthz /readyz (-1: off, 0: pick one)")
+      ->capture_default_str();
+  app.add_option("--port-file", f.port_file, "write the bound gRPC and admin ports here (\"grpc admin\")");
+  app.add_option("--layers", f.layers, "model layers")->capture_default_str();
+  app.add_option("--heads", f.heads, "query heads this server computes (H / tensor-parallel degree)")
+      ->capture_default_str();
+  app.add_option("--page-size", f.page_size, "tokens per KV page (power of two, 1..256)")->capture_default_str();
+  app.add_option("--pool-bytes", f.pool_bytes, "KV pool size, e.g. 1073741824 or 1GiB")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  app.add_option("--max-seq-len", f.max_sequence_len, "longest sequence in tokens")->capture_default_str();
+  app.add_option("--backend", f.backend, "auto | cpu | cuda")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
+      ->capture_default_str();
+  app.add_option("--draft-buckets", f.draft_buckets, "draft-length buckets; the largest is the max N")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--batch-buckets", f.batch_buckets, "batch buckets; the largest is the max items per Verify")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--idle-timeout-s", f.idle_timeout_s, "release sequences idle this long (0: never)")
+      ->capture_default_str();
+  app.add_option("--max-message-bytes", f.max_message_bytes, "largest gRPC message in either direction")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  app.add_option("--softmax-scale", f.softmax_scale, "default softmax scale (requests may override)")
+      ->capture_default_str();
+  app.add_option("--cpu-threads", f.cpu_threads, "CPU backend threads per verify (0: all)")->capture_default_str();
+  app.add_option("--workers", f.workers, "threads running engine calls for RPCs")->capture_default_str();
+  app.add_option("--drain-timeout-s", f.drain_timeout_s, "grace for calls in flight on SIGTERM")
+      ->capture_default_str();
+  app.add_option("--tls-cert", f.tls_cert, "server certificate (PEM); with --tls-key enables TLS");
+  app.add_option("--tls-key", f.tls_key, "server private key (PEM)");
+  app.add_option("--tls-client-ca", f.tls_client_ca, "CA (PEM) that client certificates must chain to (mTLS)");
+  app.add_option("--log-level", f.log_level, "trace | debug | info | warn | error")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  spdlog::set_level(spdlog::level::from_str(f.log_level));
+  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ [%t] %v");
+
+  // Signals go to one thread (sigwait below), never to a worker mid-call.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  // ---- backend ----
+  // auto: the GPU when one is present and usable, else the CPU backend, and
+  // the log says which and why. cuda: the GPU or a startup error.
+  std::unique_ptr<engine::Backend> backend;
+  if (f.backend == "cuda" || (f.backend == "auto" && CudaDeviceCount() > 0)) {
+    auto cuda = engine::MakeCudaBackend(0);
+    if (cuda.ok()) {
+      backend = *std::move(cuda);
+    } else if (f.backend == "cuda") {
+      spdlog::error("--backend cuda: {}", cuda.status().ToString());
+      return 2;
+    } else {
+      spdlog::warn("a CUDA device is present but unusable ({}): serving on the CPU backend",
+                   cuda.status().ToString());
+    }
+  } else if (f.backend == "auto") {
+    spdlog::info("no CUDA device: serving on the CPU backend");
+  }
+  if (backend == nullptr) backend = engine::MakeCpuBackend(f.cpu_threads);
+
+  // ---- engine ----
+  engine::EngineConfig config;
+  config.num_layers = f.layers;
+  config.num_heads = f.heads;
+  config.page_size = f.page_size;
+  config.pool_bytes = static_cast<int64_t>(f.pool_bytes);
+  config.max_sequence_len = f.max_sequence_len;
+  config.draft_buckets = f.draft_buckets;
+  config.batch_buckets = f.batch_buckets;
+  config.default_softmax_scale = f.softmax_scale;
+  config.idle_timeout = absl::Seconds(f.idle_timeout_s);
+  auto engine = engine::Engine::Create(config, std::move(backend));
+  if (!engine.ok()) {
+    spdlog::error("cannot start the engine: {}", engine.status().ToString());
+    return 2;
+  }
+
+  // ---- metrics and admin HTTP ----
+  admin::Metrics metrics;
+  metrics.SetInfo(kVersion, (*engine)->backend_name());
+  metrics.SetStatsSource([e = engine->get()] { return e->Stats(); });
+  MetricsObserver observer(&metrics);
+
+  transport::GrpcServerOptions options;
+  options.listen_address = f.listen;
+  options.service.version = kVersion;
+  options.service.max_message_bytes = static_cast<int64_t>(f.max_message_bytes);
+  options.service.worker_threads = f.workers;
+  options.tls_cert_file = f.tls_cert;
+  options.tls_key_file = f.tls_key;
+  options.tls_client_ca_file = f.tls_client_ca;
+  auto server = transport::GrpcServer::Start(engine->get(), options, &observer);
+  if (!server.ok()) {
+    spdlog::error("cannot start the gRPC server: {}", server.status().ToString());
+    return 2;
+  }
+  transport::GrpcServer* grpc_server = server->get();
+
+  std::unique_ptr<admin::AdminHttpServer> admin_http;
+  if (f.admin_port >= 0) {
+    admin_http = std::make_unique<admin::AdminHttpServer>(&metrics, [grpc_server] {
+      return grpc_server->state() == transport::ServingState::kServing;
+    });
+    const absl::Status started = admin_http->Start(f.admin_host, f.admin_port);
+    if (!started.ok()) {
+      spdlog::error("cannot start the admin HTTP server: {}", started.ToString());
+      return 2;
+    }
+  }
+  if (!f.port_file.empty()) {
+    std::ofstream(f.port_file) << grpc_server->port() << " " << (admin_http ? admin_http->port() : -1)
+                               << "\n";
+  }
+
+  // ---- idle expiry ----
+  std::mutex janitor_mu;
+  std::condition_variable janitor_cv;
+  bool stopping = false;
+  std::thread janitor([&] {
+    const absl::Duration period =
+        config.idle_timeout > absl::ZeroDuration()
+            ? std::min(absl::Seconds(1), config.idle_timeout / 4)
+            : absl::Seconds(1);
+    std::unique_lock<std::mutex> lock(janitor_mu);
+    while (!janitor_cv.wait_for(lock, absl::ToChronoMilliseconds(period), [&] { return stopping; })) {
+      (*engine)->ExpireIdle(absl::Now());
+    }
+  });
+
+  grpc_server->SetServing();
+  metrics.SetReady(true);
+  spdlog::info("mlaverify-server {} ready: gRPC port {}, admin port {}, backend {}", kVersion,
+               grpc_server->port(), admin_http ? admin_http->port() : -1,
+               (*engine)->backend_name());
+
+  int signal_number = 0;
+  sigwait(&signals, &signal_number);
+  spdlog::info("signal {}: draining", signal_number);
+  metrics.SetReady(false);
+  grpc_server->Drain(absl::Seconds(f.drain_timeout_s));
+  {
+    std::lock_guard<std::mutex> lock(janitor_mu);
+    stopping = true;
+  }
+  janitor_cv.notify_all();
+  janitor.join();
+  if (admin_http) admin_http->Stop();
+  const engine::EngineStats stats = (*engine)->Stats();
+  spdlog::info("stopped: {} live sequences, {} of {} pages free", stats.live_sequences,
+               stats.free_pages, stats.total_pages);
+  return 0;
+}
+
+}  // namespace
+}  // namespace mlaverify
+
+int main(int argc, char** argv) { return mlaverify::Run(argc, argv); }

@@ -1,0 +1,62 @@
+// The gRPC server around a VerifyServiceImpl: listening port, TLS/mTLS,
+// message limits, grpc.health.v1 and server reflection, and the serving
+// state (starting -> serving -> draining) that health and admission follow.
+// Used by mlaverify-server and by the in-process server tests.
+#ifndef MLAVERIFY_SERVER_TRANSPORT_GRPC_SERVER_H_
+#define MLAVERIFY_SERVER_TRANSPORT_GRPC_SERVER_H_
+
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "server/engine/engine.h"
+#include "server/transport/verify_service.h"
+
+namespace mlaverify::transport {
+
+struct GrpcServerOptions {
+  std::string listen_address = "0.0.0.0:50051";  // port 0: pick a free one
+  ServiceOptions service;
+  // TLS: PEM files. With a client CA the server requires and verifies
+  // client certificates (mTLS). All empty: plaintext.
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_client_ca_file;
+};
+
+class GrpcServer {
+ public:
+  // Builds and starts listening; the state is kStarting (health NOT_SERVING,
+  // RPCs UNAVAILABLE) until SetServing().
+  static absl::StatusOr<std::unique_ptr<GrpcServer>> Start(engine::Engine* engine,
+                                                           const GrpcServerOptions& options,
+                                                           RpcObserver* observer);
+  ~GrpcServer();
+
+  int port() const { return port_; }
+  ServingState state() const { return state_.load(); }
+
+  // Health SERVING; RPCs admitted.
+  void SetServing();
+  // Health NOT_SERVING, new work UNAVAILABLE, then waits up to `grace` for
+  // calls in flight before cancelling them. Idempotent.
+  void Drain(absl::Duration grace);
+
+ private:
+  GrpcServer() = default;
+  void SetHealth(bool serving);
+
+  std::atomic<ServingState> state_{ServingState::kStarting};
+  std::unique_ptr<VerifyServiceImpl> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  bool shut_down_ = false;
+};
+
+}  // namespace mlaverify::transport
+
+#endif  // MLAVERIFY_SERVER_TRANSPORT_GRPC_SERVER_H_

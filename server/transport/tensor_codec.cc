@@ -1,0 +1,75 @@
+#include "server/transport/tensor_codec.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace mlaverify::transport {
+namespace {
+
+int64_t Elements(std::initializer_list<int64_t> shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+template <typename T>
+absl::Span<T> Output(v1::Tensor* tensor, v1::DType dtype, std::initializer_list<int64_t> shape) {
+  tensor->set_dtype(dtype);
+  tensor->clear_shape();
+  for (int64_t d : shape) tensor->add_shape(d);
+  std::string* raw = tensor->mutable_raw();
+  const int64_t n = Elements(shape);
+  raw->assign(static_cast<size_t>(n) * sizeof(T), '\0');
+  // std::string storage of this size is heap memory from operator new:
+  // aligned for any scalar type.
+  return absl::MakeSpan(reinterpret_cast<T*>(raw->data()), static_cast<size_t>(n));
+}
+
+}  // namespace
+
+std::string ShapeString(const v1::Tensor& tensor) {
+  return absl::StrCat("[", absl::StrJoin(tensor.shape(), ", "), "]");
+}
+
+absl::StatusOr<absl::Span<const Bf16>> Bf16Input(const v1::Tensor& tensor,
+                                                 std::initializer_list<int64_t> shape,
+                                                 absl::string_view what) {
+  if (tensor.has_shared_memory()) {
+    return absl::UnimplementedError(
+        absl::StrCat(what, ": shared-memory tensors are reserved in v1 and not implemented yet; "
+                           "send the bytes inline (raw)"));
+  }
+  if (tensor.dtype() != v1::DTYPE_BF16) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": dtype ", v1::DType_Name(tensor.dtype()),
+                                                   ", expected DTYPE_BF16"));
+  }
+  const std::string expected = absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+  bool same = tensor.shape_size() == static_cast<int>(shape.size());
+  int k = 0;
+  for (int64_t d : shape) {
+    if (!same) break;
+    same = tensor.shape(k++) == d;
+  }
+  if (!same) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": shape ", ShapeString(tensor), ", expected ", expected));
+  }
+  const int64_t n = Elements(shape);
+  if (static_cast<int64_t>(tensor.raw().size()) != n * 2) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", tensor.raw().size(),
+                                                   " bytes of data, shape ", expected, " needs ",
+                                                   n * 2));
+  }
+  return absl::MakeConstSpan(reinterpret_cast<const Bf16*>(tensor.raw().data()),
+                             static_cast<size_t>(n));
+}
+
+absl::Span<Bf16> Bf16Output(v1::Tensor* tensor, std::initializer_list<int64_t> shape) {
+  return Output<Bf16>(tensor, v1::DTYPE_BF16, shape);
+}
+
+absl::Span<float> Fp32Output(v1::Tensor* tensor, std::initializer_list<int64_t> shape) {
+  return Output<float>(tensor, v1::DTYPE_FP32, shape);
+}
+
+}  // namespace mlaverify::transport

@@ -1,0 +1,403 @@
+// Metrics text output and the admin HTTP endpoints, over real loopback
+// sockets (ephemeral ports, so suites can run in parallel).
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "httplib.h"
+#include "server/admin/admin_http_server.h"
+#include "server/admin/metrics.h"
+#include "server/engine/engine.h"
+
+namespace mlaverify::admin {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+using ::testing::Optional;
+
+// The value of the sample whose name and labels are exactly `series` (labels
+// as prometheus-cpp prints them: sorted by name), or nullopt if absent.
+std::optional<double> SampleValue(const std::string& text, const std::string& series) {
+  std::istringstream lines(text);
+  std::string line;
+  while (std::getline(lines, line)) {
+    if (line.size() > series.size() && line.compare(0, series.size(), series) == 0 &&
+        line[series.size()] == ' ') {
+      return std::stod(line.substr(series.size() + 1));
+    }
+  }
+  return std::nullopt;
+}
+
+// A stats source the test mutates between scrapes.
+class FakeStats {
+ public:
+  engine::EngineStats Get() {
+    absl::MutexLock lock(&mu_);
+    return stats_;
+  }
+  void Set(const engine::EngineStats& stats) {
+    absl::MutexLock lock(&mu_);
+    stats_ = stats;
+  }
+
+ private:
+  absl::Mutex mu_;
+  engine::EngineStats stats_;
+};
+
+engine::EngineStats PoolStats() {
+  engine::EngineStats s;
+  s.total_pages = 10;
+  s.free_pages = 7;
+  s.live_sequences = 2;
+  s.pending_steps = 1;
+  return s;
+}
+
+TEST(MetricsTest, RecordRpcCountsRequestsErrorsAndLatency) {
+  Metrics metrics;
+  metrics.RecordRpc("Verify", "OK", 2e-4);
+  metrics.RecordRpc("Verify", "OK", 3e-3);
+  metrics.RecordRpc("Verify", "INVALID_ARGUMENT", 4e-5);
+  metrics.RecordRpc("Commit", "NOT_FOUND", 0.2);
+  const std::string text = metrics.Serialize();
+
+  EXPECT_THAT(SampleValue(text, R"(mlaverify_requests_total{code="OK",rpc="Verify"})"),
+              Optional(2.0));
+  EXPECT_THAT(
+      SampleValue(text, R"(mlaverify_requests_total{code="INVALID_ARGUMENT",rpc="Verify"})"),
+      Optional(1.0));
+  EXPECT_THAT(SampleValue(text, R"(mlaverify_requests_total{code="NOT_FOUND",rpc="Commit"})"),
+              Optional(1.0));
+  // Errors carry only the non-OK codes.
+  EXPECT_THAT(
+      SampleValue(text, R"(mlaverify_request_errors_total{code="INVALID_ARGUMENT",rpc="Verify"})"),
+      Optional(1.0));
+  EXPECT_THAT(SampleValue(text, R"(mlaverify_request_errors_total{code="NOT_FOUND",rpc="Commit"})"),
+              Optional(1.0));
+  EXPECT_THAT(text, Not(HasSubstr(R"(mlaverify_request_errors_total{code="OK")")));
+
+  // One histogram per rpc, whatever the code; buckets are cumulative.
+  EXPECT_THAT(SampleValue(text, R"(mlaverify_request_duration_seconds_count{rpc="Verify"})"),
+              Optional(3.0));
+  EXPECT_THAT(
+      SampleValue(text, R"(mlaverify_request_duration_seconds_bucket{rpc="Verify",le="5e-05"})"),
+      Optional(1.0));
+  EXPECT_THAT(
+      SampleValue(text, R"(mlaverify_request_duration_seconds_bucket{rpc="Verify",le="0.00025"})"),
+      Optional(2.0));
+  EXPECT_THAT(
+      SampleValue(text, R"(mlaverify_request_duration_seconds_bucket{rpc="Verify",le="0.0025"})"),
+      Optional(2.0));
+  EXPECT_THAT(
+      SampleValue(text, R"(mlaverify_request_duration_seconds_bucket{rpc="Verify",le="0.005"})"),
+      Optional(3.0));
+  EXPECT_THAT(
+      SampleValue(text, R"(mlaverify_request_duration_seconds_bucket{rpc="Verify",le="10"})"),
+      Optional(3.0));
+  EXPECT_THAT(SampleValue(text, R"(mlaverify_request_duration_seconds_count{rpc="Commit"})"),
+              Optional(1.0));
+  EXPECT_THAT(
+      SampleValue(text, R"(mlaverify_request_duration_seconds_bucket{rpc="Commit",le="0.1"})"),
+      Optional(0.0));
+  EXPECT_THAT(
+      SampleValue(text, R"(mlaverify_request_duration_seconds_bucket{rpc="Commit",le="0.25"})"),
+      Optional(1.0));
+}
+
+TEST(MetricsTest, RecordRpcIsThreadSafe) {
+  Metrics metrics;
+  constexpr int kThreads = 4;
+  constexpr int kCallsPerThread = 2000;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&metrics, t] {
+      for (int i = 0; i < kCallsPerThread; ++i) {
+        // Half the threads race to create the same new series.
+        metrics.RecordRpc("Verify", t % 2 == 0 ? "OK" : "RESOURCE_EXHAUSTED", 1e-4);
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  const std::string text = metrics.Serialize();
+  EXPECT_THAT(SampleValue(text, R"(mlaverify_requests_total{code="OK",rpc="Verify"})"),
+              Optional(double{kThreads / 2 * kCallsPerThread}));
+  EXPECT_THAT(
+      SampleValue(text,
+                  R"(mlaverify_request_errors_total{code="RESOURCE_EXHAUSTED",rpc="Verify"})"),
+      Optional(double{kThreads / 2 * kCallsPerThread}));
+  EXPECT_THAT(SampleValue(text, R"(mlaverify_request_duration_seconds_count{rpc="Verify"})"),
+              Optional(double{kThreads * kCallsPerThread}));
+}
+
+TEST(MetricsTest, RecordVerifyCountsItemsTokensAndPath) {
+  Metrics metrics;
+  metrics.RecordVerify(3, 48, /*padded_batch_bucket=*/0);
+  metrics.RecordVerify(1, 16, /*padded_batch_bucket=*/0);
+  metrics.RecordVerify(5, 40, /*padded_batch_bucket=*/8);
+  const std::string text = metrics.Serialize();
+  EXPECT_THAT(SampleValue(text, "mlaverify_verify_items_total"), Optional(9.0));
+  EXPECT_THAT(SampleValue(text, "mlaverify_verify_draft_tokens_total"), Optional(104.0));
+  EXPECT_THAT(SampleValue(text, R"(mlaverify_verify_batches_total{path="eager"})"), Optional(2.0));
+  EXPECT_THAT(SampleValue(text, R"(mlaverify_verify_batches_total{path="graph"})"), Optional(1.0));
+}
+
+TEST(MetricsTest, EngineGaugesFollowTheStatsSource) {
+  Metrics metrics;
+  FakeStats fake;
+  fake.Set(PoolStats());
+  metrics.SetStatsSource([&fake] { return fake.Get(); });
+  std::string text = metrics.Serialize();
+  EXPECT_THAT(SampleValue(text, "mlaverify_kv_pages_total"), Optional(10.0));
+  EXPECT_THAT(SampleValue(text, "mlaverify_kv_pages_free"), Optional(7.0));
+  EXPECT_THAT(SampleValue(text, "mlaverify_kv_pages_used"), Optional(3.0));
+  EXPECT_THAT(SampleValue(text, "mlaverify_sequences_live"), Optional(2.0));
+  EXPECT_THAT(SampleValue(text, "mlaverify_verify_steps_pending"), Optional(1.0));
+
+  // Gauges are re-read on every scrape, and may go down.
+  engine::EngineStats later = PoolStats();
+  later.free_pages = 10;
+  later.live_sequences = 0;
+  later.pending_steps = 0;
+  fake.Set(later);
+  text = metrics.Serialize();
+  EXPECT_THAT(SampleValue(text, "mlaverify_kv_pages_free"), Optional(10.0));
+  EXPECT_THAT(SampleValue(text, "mlaverify_kv_pages_used"), Optional(0.0));
+  EXPECT_THAT(SampleValue(text, "mlaverify_sequences_live"), Optional(0.0));
+}
+
+TEST(MetricsTest, MirroredCountersAdvanceByEngineDeltas) {
+  Metrics metrics;
+  FakeStats fake;
+  engine::EngineStats s;
+  s.tokens_appended_total = 5;
+  s.tokens_committed_total = 2;
+  s.steps_committed_total = 1;
+  s.sequences_created_total = 3;
+  s.sequences_expired_total = 0;
+  fake.Set(s);
+  metrics.SetStatsSource([&fake] { return fake.Get(); });
+
+  std::string text = metrics.Serialize();
+  EXPECT_THAT(SampleValue(text, "mlaverify_tokens_appended_total"), Optional(5.0));
+  // A second scrape with no engine progress must not add the total again.
+  text = metrics.Serialize();
+  EXPECT_THAT(SampleValue(text, "mlaverify_tokens_appended_total"), Optional(5.0));
+
+  s.tokens_appended_total = 12;
+  s.tokens_committed_total = 9;
+  s.steps_committed_total = 4;
+  s.sequences_created_total = 3;
+  s.sequences_expired_total = 2;
+  fake.Set(s);
+  text = metrics.Serialize();
+  EXPECT_THAT(SampleValue(text, "mlaverify_tokens_appended_total"), Optional(12.0));
+  EXPECT_THAT(SampleValue(text, "mlaverify_tokens_committed_total"), Optional(9.0));
+  EXPECT_THAT(SampleValue(text, "mlaverify_steps_committed_total"), Optional(4.0));
+  EXPECT_THAT(SampleValue(text, "mlaverify_sequences_created_total"), Optional(3.0));
+  EXPECT_THAT(SampleValue(text, "mlaverify_sequences_expired_total"), Optional(2.0));
+  EXPECT_THAT(text, HasSubstr("# TYPE mlaverify_tokens_appended_total counter"));
+
+  // A total that goes backwards is a new baseline, never a decrement.
+  s.tokens_appended_total = 4;
+  fake.Set(s);
+  text = metrics.Serialize();
+  EXPECT_THAT(SampleValue(text, "mlaverify_tokens_appended_total"), Optional(12.0));
+  s.tokens_appended_total = 6;
+  fake.Set(s);
+  text = metrics.Serialize();
+  EXPECT_THAT(SampleValue(text, "mlaverify_tokens_appended_total"), Optional(14.0));
+
+  // A new source counts from zero on top of what was exported.
+  engine::EngineStats fresh;
+  fresh.tokens_appended_total = 3;
+  metrics.SetStatsSource([fresh] { return fresh; });
+  text = metrics.Serialize();
+  EXPECT_THAT(SampleValue(text, "mlaverify_tokens_appended_total"), Optional(17.0));
+}
+
+TEST(MetricsTest, InfoAndReady) {
+  Metrics metrics;
+  metrics.SetInfo("0.1.0", "cpu");
+  std::string text = metrics.Serialize();
+  EXPECT_THAT(SampleValue(text, R"(mlaverify_build_info{backend="cpu",version="0.1.0"})"),
+              Optional(1.0));
+  EXPECT_THAT(SampleValue(text, "mlaverify_ready"), Optional(0.0));
+
+  metrics.SetInfo("0.2.0", "cuda");
+  metrics.SetReady(true);
+  text = metrics.Serialize();
+  EXPECT_THAT(SampleValue(text, R"(mlaverify_build_info{backend="cuda",version="0.2.0"})"),
+              Optional(1.0));
+  EXPECT_THAT(text, Not(HasSubstr(R"(version="0.1.0")")));
+  EXPECT_THAT(SampleValue(text, "mlaverify_ready"), Optional(1.0));
+
+  metrics.SetReady(false);
+  EXPECT_THAT(SampleValue(metrics.Serialize(), "mlaverify_ready"), Optional(0.0));
+}
+
+class AdminHttpServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    fake_.Set(PoolStats());
+    metrics_.SetStatsSource([this] { return fake_.Get(); });
+    server_ = std::make_unique<AdminHttpServer>(&metrics_, [this] { return ready_.load(); });
+    ASSERT_TRUE(server_->Start("127.0.0.1", 0).ok());
+    ASSERT_GT(server_->port(), 0);
+  }
+
+  httplib::Result Get(const std::string& path) {
+    httplib::Client client("127.0.0.1", server_->port());
+    client.set_connection_timeout(5);
+    client.set_read_timeout(5);
+    return client.Get(path.c_str());
+  }
+
+  FakeStats fake_;
+  Metrics metrics_;
+  std::atomic<bool> ready_{false};
+  std::unique_ptr<AdminHttpServer> server_;
+};
+
+TEST_F(AdminHttpServerTest, HealthzIsAlwaysOk) {
+  httplib::Result res = Get("/healthz");
+  ASSERT_TRUE(res) << httplib::to_string(res.error());
+  EXPECT_EQ(res->status, 200);
+  EXPECT_EQ(res->body, "ok\n");
+}
+
+TEST_F(AdminHttpServerTest, ReadyzFollowsTheReadyFunction) {
+  httplib::Result res = Get("/readyz");
+  ASSERT_TRUE(res) << httplib::to_string(res.error());
+  EXPECT_EQ(res->status, 503);
+  EXPECT_EQ(res->body, "not ready\n");
+
+  ready_ = true;
+  res = Get("/readyz");
+  ASSERT_TRUE(res) << httplib::to_string(res.error());
+  EXPECT_EQ(res->status, 200);
+  EXPECT_EQ(res->body, "ready\n");
+
+  // Draining: ready goes back to false while liveness stays up.
+  ready_ = false;
+  res = Get("/readyz");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 503);
+  res = Get("/healthz");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+}
+
+TEST_F(AdminHttpServerTest, MetricsServesPrometheusText) {
+  metrics_.RecordRpc("Verify", "INVALID_ARGUMENT", 1e-3);
+  httplib::Result res = Get("/metrics");
+  ASSERT_TRUE(res) << httplib::to_string(res.error());
+  EXPECT_EQ(res->status, 200);
+  EXPECT_EQ(res->get_header_value("Content-Type"), "text/plain; version=0.0.4; charset=utf-8");
+  EXPECT_THAT(res->body, HasSubstr("\nmlaverify_kv_pages_free 7\n"));
+  EXPECT_THAT(
+      res->body,
+      HasSubstr("\nmlaverify_requests_total{code=\"INVALID_ARGUMENT\",rpc=\"Verify\"} 1\n"));
+
+  // Each scrape re-reads the engine.
+  engine::EngineStats later = PoolStats();
+  later.free_pages = 4;
+  fake_.Set(later);
+  res = Get("/metrics");
+  ASSERT_TRUE(res);
+  EXPECT_THAT(SampleValue(res->body, "mlaverify_kv_pages_free"), Optional(4.0));
+}
+
+TEST_F(AdminHttpServerTest, UnknownPathIs404) {
+  httplib::Result res = Get("/nope");
+  ASSERT_TRUE(res) << httplib::to_string(res.error());
+  EXPECT_EQ(res->status, 404);
+  res = Get("/metrics/extra");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 404);
+}
+
+TEST_F(AdminHttpServerTest, SecondServerOnTheSamePortFails) {
+  Metrics other_metrics;
+  AdminHttpServer other(&other_metrics, nullptr);
+  absl::Status status = other.Start("127.0.0.1", server_->port());
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+  EXPECT_THAT(std::string(status.message()), HasSubstr(std::to_string(server_->port())));
+  EXPECT_EQ(other.port(), 0);
+  // The first server is unaffected.
+  httplib::Result res = Get("/healthz");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+}
+
+TEST_F(AdminHttpServerTest, StartTwiceIsFailedPrecondition) {
+  EXPECT_EQ(server_->Start("127.0.0.1", 0).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(AdminHttpServerTest, StopIsIdempotentAndClosesThePort) {
+  const int port = server_->port();
+  server_->Stop();
+  EXPECT_EQ(server_->port(), 0);
+  server_->Stop();
+
+  httplib::Client client("127.0.0.1", port);
+  client.set_connection_timeout(1);
+  EXPECT_FALSE(client.Get("/healthz"));
+
+  // The freed port can be bound again, by this object or another.
+  ASSERT_TRUE(server_->Start("127.0.0.1", port).ok());
+  EXPECT_EQ(server_->port(), port);
+  httplib::Result res = Get("/healthz");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  // The destructor stops it once more.
+}
+
+TEST(AdminHttpServerLifecycleTest, StopRightAfterStartReturns) {
+  // httplib ignores stop() until its accept loop runs; Stop must not hang in
+  // that window.
+  Metrics metrics;
+  for (int i = 0; i < 20; ++i) {
+    AdminHttpServer server(&metrics, nullptr);
+    ASSERT_TRUE(server.Start("127.0.0.1", 0).ok());
+    server.Stop();
+  }
+}
+
+TEST(AdminHttpServerLifecycleTest, NullMetricsAndNullReady) {
+  AdminHttpServer server(nullptr, nullptr);
+  ASSERT_TRUE(server.Start("127.0.0.1", 0).ok());
+  httplib::Client client("127.0.0.1", server.port());
+  httplib::Result res = client.Get("/readyz");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  res = client.Get("/metrics");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 404);
+}
+
+TEST(AdminHttpServerLifecycleTest, RejectsBadArguments) {
+  Metrics metrics;
+  AdminHttpServer server(&metrics, nullptr);
+  EXPECT_EQ(server.Start("127.0.0.1", -1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(server.Start("127.0.0.1", 65536).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(server.Start("", 0).code(), absl::StatusCode::kInvalidArgument);
+  // An address this host does not own cannot be bound.
+  EXPECT_EQ(server.Start("192.0.2.1", 0).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(server.port(), 0);
+  server.Stop();  // never started: a no-op
+}
+
+}  // namespace
+}  // namespace mlaverify::admin

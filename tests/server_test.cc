@@ -1,0 +1,407 @@
+// The whole service in process over loopback gRPC: every RPC, the stream,
+// health states, and a table of bad inputs, each answered with its documented
+// code, changing nothing (page counts and the sequence's next step) and
+// leaving the server serving. Outputs are checked with the client's own
+// reference (client/reference_check.h) over a mirror of what was sent.
+#include <random>
+#include <string>
+#include <vector>
+
+#include "client/client.h"
+#include "client/reference_check.h"
+#include "client/wire.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "kernels/verify_attention.h"
+#include "server/engine/engine.h"
+#include "server/transport/grpc_server.h"
+
+namespace mlaverify {
+namespace {
+
+using ::testing::HasSubstr;
+using kernels::kLatentDim;
+
+constexpr int kLayers = 2, kHeads = 4, kPage = 8, kMaxDraft = 8, kMaxBatch = 4;
+constexpr int64_t kRow = kernels::kLatentDim;  // int64_t so {kLayers, T, kRow} is a shape
+constexpr int64_t kPoolPages = 48;
+constexpr int64_t kMaxMessageBytes = 1 << 20;
+
+std::vector<Bf16> RandomBf16(size_t n, std::mt19937_64& rng, float range) {
+  std::uniform_real_distribution<float> u(-range, range);
+  std::vector<Bf16> v(n);
+  for (auto& x : v) x = FloatToBf16(u(rng));
+  return v;
+}
+
+// The inputs of one decode step of one sequence.
+struct Step {
+  std::vector<int32_t> parents;
+  std::vector<std::vector<Bf16>> q, draft_kv;  // per layer
+  client::VerifyItemInput Item(uint64_t id, int layer) const {
+    return {id, parents, q[layer], draft_kv[layer]};
+  }
+};
+
+class ServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    engine::EngineConfig config;
+    config.num_layers = kLayers;
+    config.num_heads = kHeads;
+    config.page_size = kPage;
+    config.pool_bytes = kPoolPages * config.bytes_per_page();
+    config.draft_buckets = {1, 2, 4, kMaxDraft};
+    config.batch_buckets = {1, 2, kMaxBatch};
+    config.max_sequence_len = 4096;
+    auto engine = engine::Engine::Create(config, engine::MakeCpuBackend(2));
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    engine_ = *std::move(engine);
+    transport::GrpcServerOptions options;
+    options.listen_address = "127.0.0.1:0";
+    options.service.max_message_bytes = kMaxMessageBytes;
+    options.service.worker_threads = 4;
+    auto server = transport::GrpcServer::Start(engine_.get(), options, nullptr);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    const std::string target = "127.0.0.1:" + std::to_string(server_->port());
+    auto c = client::VerifyClient::Create(target, client::ClientOptions{});
+    ASSERT_TRUE(c.ok());
+    client_ = *std::move(c);
+    grpc::ChannelArguments args;
+    args.SetMaxSendMessageSize(-1);
+    args.SetMaxReceiveMessageSize(-1);
+    stub_ = v1::VerifyService::NewStub(
+        grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args));
+  }
+
+  void Serve() { server_->SetServing(); }
+
+  // A sequence with a random prompt, and its mirror.
+  uint64_t NewSequence(int64_t prompt, client::SequenceMirror* mirror) {
+    auto id = client_->CreateSequence("test");
+    EXPECT_TRUE(id.ok()) << id.status();
+    const std::vector<Bf16> kv = RandomBf16(kLayers * prompt * kLatentDim, rng_, 1.0f);
+    auto appended = client_->AppendKv(*id, 0, kLayers, prompt, kv);
+    EXPECT_TRUE(appended.ok()) << appended.status();
+    mirror->AppendPrompt(kv, prompt);
+    return *id;
+  }
+
+  Step RandomStep(int n) {
+    Step s;
+    for (int i = 0; i < n; ++i) {
+      s.parents.push_back(i == 0 || rng_() % 2 ? i - 1 : static_cast<int32_t>(rng_() % (i + 1)) - 1);
+    }
+    for (int l = 0; l < kLayers; ++l) {
+      s.q.push_back(RandomBf16(static_cast<size_t>(n) * kHeads * kLatentDim, rng_, 2.0f));
+      s.draft_kv.push_back(RandomBf16(static_cast<size_t>(n) * kLatentDim, rng_, 1.0f));
+    }
+    return s;
+  }
+
+  // Verifies every layer (unary), checks each result against the reference,
+  // commits the path to the last draft and mirrors it.
+  void RunCheckedStep(uint64_t id, client::SequenceMirror* mirror, const Step& s) {
+    const float scale = engine_->config().default_softmax_scale;
+    for (int l = 0; l < kLayers; ++l) {
+      const client::VerifyItemInput item = s.Item(id, l);
+      auto results = client_->Verify(l, absl::MakeConstSpan(&item, 1));
+      ASSERT_TRUE(results.ok()) << results.status();
+      auto cmp = client::CompareWithReference(*mirror, l, item, scale, (*results)[0], 1);
+      ASSERT_TRUE(cmp.ok()) << cmp.status();
+      EXPECT_TRUE(cmp->ok(1e-2, 1e-3)) << "layer " << l << " rel_err " << cmp->rel_err;
+    }
+    std::vector<int32_t> path;
+    for (int a = static_cast<int>(s.parents.size()) - 1; a >= 0; a = s.parents[a]) path.insert(path.begin(), a);
+    auto committed = client_->Commit(id, path);
+    ASSERT_TRUE(committed.ok()) << committed.status();
+    mirror->AppendAccepted(s.draft_kv, path);
+    EXPECT_EQ(committed->length, mirror->length());
+  }
+
+  int64_t FreePages() { return engine_->Stats().free_pages; }
+
+  std::unique_ptr<engine::Engine> engine_;
+  std::unique_ptr<transport::GrpcServer> server_;
+  std::unique_ptr<client::VerifyClient> client_;
+  std::unique_ptr<v1::VerifyService::Stub> stub_;
+  std::mt19937_64 rng_{2024};
+};
+
+TEST_F(ServerTest, HealthFollowsTheServingState) {
+  auto health = client_->Health();
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, client::ServingStatus::kNotServing);
+  EXPECT_EQ(client_->CreateSequence("early").status().code(), absl::StatusCode::kUnavailable);
+  Serve();
+  EXPECT_EQ(*client_->Health(), client::ServingStatus::kServing);
+  EXPECT_EQ(*client_->Health("mlaverify.v1.VerifyService"), client::ServingStatus::kServing);
+  EXPECT_TRUE(client_->CreateSequence("now").ok());
+  server_->Drain(absl::Seconds(1));
+  EXPECT_EQ(server_->state(), transport::ServingState::kDraining);
+  EXPECT_FALSE(client_->CreateSequence("late").ok());
+}
+
+TEST_F(ServerTest, EveryRpcEndToEnd) {
+  Serve();
+  auto info = client_->GetServerInfo();
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->backend(), "cpu");
+  EXPECT_EQ(info->num_layers(), kLayers);
+  EXPECT_EQ(info->num_heads(), kHeads);
+  EXPECT_EQ(info->latent_dim(), 576);
+  EXPECT_EQ(info->max_draft_len(), kMaxDraft);
+  EXPECT_EQ(info->max_batch(), kMaxBatch);
+  EXPECT_EQ(info->total_pages(), kPoolPages);
+  EXPECT_EQ(info->free_pages(), kPoolPages);
+  EXPECT_EQ(info->max_message_bytes(), kMaxMessageBytes);
+
+  client::SequenceMirror m1(kLayers), m2(kLayers);
+  const uint64_t a = NewSequence(13, &m1);
+  const uint64_t b = NewSequence(150, &m2);
+  for (int step = 0; step < 3; ++step) RunCheckedStep(a, &m1, RandomStep(step + 2));
+
+  // Two sequences in one Verify call.
+  const Step sa = RandomStep(5), sb = RandomStep(3);
+  const float scale = engine_->config().default_softmax_scale;
+  for (int l = 0; l < kLayers; ++l) {
+    const client::VerifyItemInput items[2] = {sa.Item(a, l), sb.Item(b, l)};
+    auto results = client_->Verify(l, items);
+    ASSERT_TRUE(results.ok()) << results.status();
+    EXPECT_TRUE(client::CompareWithReference(m1, l, items[0], scale, (*results)[0], 1)->ok(1e-2, 1e-3));
+    EXPECT_TRUE(client::CompareWithReference(m2, l, items[1], scale, (*results)[1], 1)->ok(1e-2, 1e-3));
+  }
+  ASSERT_TRUE(client_->Commit(a, {}).ok());
+  auto committed = client_->Commit(b, {0});
+  ASSERT_TRUE(committed.ok());
+  m2.AppendAccepted(sb.draft_kv, {0});
+  EXPECT_EQ(committed->length, 151);
+  auto freed = client_->ReleaseSequence(a);
+  ASSERT_TRUE(freed.ok());
+  EXPECT_GT(*freed, 0);
+  ASSERT_TRUE(client_->ReleaseSequence(b).ok());
+  EXPECT_EQ(FreePages(), kPoolPages);
+}
+
+TEST_F(ServerTest, StreamAnswersInOrderAndSurvivesABadRequest) {
+  Serve();
+  client::SequenceMirror m(kLayers);
+  const uint64_t id = NewSequence(40, &m);
+  auto stream = client_->OpenVerifyStream();
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  const Step s = RandomStep(6);
+  const float scale = engine_->config().default_softmax_scale;
+  for (int l = 0; l < kLayers; ++l) {
+    // A bad request between good ones: answered with its code, stream goes on.
+    client::VerifyItemInput bad = s.Item(id, l);
+    const std::vector<int32_t> cyclic = {-1, 3, 0, 1, 2, 4};
+    bad.parents = cyclic;
+    auto refused = (*stream)->Verify(l, absl::MakeConstSpan(&bad, 1));
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+    const client::VerifyItemInput item = s.Item(id, l);
+    auto results = (*stream)->Verify(l, absl::MakeConstSpan(&item, 1));
+    ASSERT_TRUE(results.ok()) << results.status();
+    EXPECT_TRUE(client::CompareWithReference(m, l, item, scale, (*results)[0], 1)->ok(1e-2, 1e-3));
+  }
+  EXPECT_TRUE((*stream)->Close().ok());
+  ASSERT_TRUE(client_->Commit(id, {0}).ok());
+}
+
+// ---- bad inputs -------------------------------------------------------------
+
+struct BadCase {
+  std::string name;
+  grpc::StatusCode code;
+  std::string message_part;
+  // Sends the bad request; returns the status.
+  std::function<grpc::Status()> send;
+};
+
+TEST_F(ServerTest, BadInputsGetTheirCodeAndChangeNothing) {
+  Serve();
+  client::SequenceMirror m(kLayers);
+  const uint64_t id = NewSequence(20, &m);
+  client::SequenceMirror released_mirror(kLayers);
+  const uint64_t released = NewSequence(3, &released_mirror);
+  ASSERT_TRUE(client_->ReleaseSequence(released).ok());
+  const Step s = RandomStep(4);
+  // A well-formed request for layer 0; each case breaks one thing of a copy.
+  const client::VerifyItemInput good_item = s.Item(id, 0);
+  const v1::VerifyRequest good = *client::BuildVerifyRequest(0, absl::MakeConstSpan(&good_item, 1), 0.0f, 1);
+  auto verify = [this](const v1::VerifyRequest& r) {
+    grpc::ClientContext ctx;
+    v1::VerifyResponse resp;
+    return stub_->Verify(&ctx, r, &resp);
+  };
+  auto modified = [&](std::function<void(v1::VerifyRequest*)> edit) {
+    v1::VerifyRequest r = good;
+    edit(&r);
+    return [r, verify] { return verify(r); };
+  };
+  auto append = [this](const v1::AppendKvRequest& r) {
+    grpc::ClientContext ctx;
+    v1::AppendKvResponse resp;
+    return stub_->AppendKv(&ctx, r, &resp);
+  };
+  auto commit = [this](uint64_t seq, std::vector<int32_t> accepted) {
+    grpc::ClientContext ctx;
+    v1::CommitRequest r;
+    r.set_sequence_id(seq);
+    for (int32_t a : accepted) r.add_accepted(a);
+    v1::CommitResponse resp;
+    return stub_->Commit(&ctx, r, &resp);
+  };
+  const std::vector<Bf16> one_token(kLayers * kLatentDim);
+  v1::AppendKvRequest good_append;
+  good_append.set_sequence_id(id);
+  good_append.set_start_position(20);
+  client::SetBf16Tensor({int64_t{kLayers}, 1, kRow}, one_token, good_append.mutable_kv());
+
+  using grpc::StatusCode;
+  std::vector<BadCase> cases = {
+      {"q with a byte short", StatusCode::INVALID_ARGUMENT, "bytes of data",
+       modified([](v1::VerifyRequest* r) { r->mutable_items(0)->mutable_q()->mutable_raw()->pop_back(); })},
+      {"q shape for 3 drafts, tree of 4", StatusCode::INVALID_ARGUMENT, "shape",
+       modified([](v1::VerifyRequest* r) { r->mutable_items(0)->mutable_q()->set_shape(0, 3); })},
+      {"q as fp32", StatusCode::INVALID_ARGUMENT, "dtype",
+       modified([](v1::VerifyRequest* r) { r->mutable_items(0)->mutable_q()->set_dtype(v1::DTYPE_FP32); })},
+      {"draft_kv [N, 512]", StatusCode::INVALID_ARGUMENT, "draft_kv",
+       modified([](v1::VerifyRequest* r) { r->mutable_items(0)->mutable_draft_kv()->set_shape(1, 512); })},
+      {"q in shared memory", StatusCode::UNIMPLEMENTED, "shared-memory",
+       modified([](v1::VerifyRequest* r) { r->mutable_items(0)->mutable_q()->mutable_shared_memory()->set_region("r"); })},
+      {"N above the largest bucket", StatusCode::INVALID_ARGUMENT, "need 1..8",
+       modified([](v1::VerifyRequest* r) { for (int i = 4; i < 9; ++i) r->mutable_items(0)->add_parents(i - 1); })},
+      {"no drafts", StatusCode::INVALID_ARGUMENT, "drafts",
+       modified([](v1::VerifyRequest* r) { r->mutable_items(0)->clear_parents(); })},
+      {"parent after child", StatusCode::INVALID_ARGUMENT, "parents[1]",
+       modified([](v1::VerifyRequest* r) { r->mutable_items(0)->set_parents(1, 3); })},
+      {"own parent", StatusCode::INVALID_ARGUMENT, "parents[2]",
+       modified([](v1::VerifyRequest* r) { r->mutable_items(0)->set_parents(2, 2); })},
+      {"parent below -1", StatusCode::INVALID_ARGUMENT, "parents[0]",
+       modified([](v1::VerifyRequest* r) { r->mutable_items(0)->set_parents(0, -2); })},
+      {"unknown sequence", StatusCode::NOT_FOUND, "not found",
+       modified([](v1::VerifyRequest* r) { r->mutable_items(0)->set_sequence_id(987654); })},
+      {"released sequence", StatusCode::NOT_FOUND, "not found",
+       modified([released](v1::VerifyRequest* r) { r->mutable_items(0)->set_sequence_id(released); })},
+      {"layer past the last", StatusCode::INVALID_ARGUMENT, "layer",
+       modified([](v1::VerifyRequest* r) { r->set_layer(kLayers); })},
+      {"negative layer", StatusCode::INVALID_ARGUMENT, "layer",
+       modified([](v1::VerifyRequest* r) { r->set_layer(-1); })},
+      {"no items", StatusCode::INVALID_ARGUMENT, "no items",
+       modified([](v1::VerifyRequest* r) { r->clear_items(); })},
+      {"same sequence twice", StatusCode::INVALID_ARGUMENT, "twice",
+       modified([](v1::VerifyRequest* r) { *r->add_items() = r->items(0); })},
+      {"more items than max_batch", StatusCode::INVALID_ARGUMENT, "max_batch",
+       modified([](v1::VerifyRequest* r) { for (int k = 0; k < kMaxBatch; ++k) *r->add_items() = r->items(0); })},
+      {"NaN softmax scale", StatusCode::INVALID_ARGUMENT, "finite",
+       modified([](v1::VerifyRequest* r) { r->set_softmax_scale(NAN); })},
+      {"append at the wrong position", StatusCode::FAILED_PRECONDITION, "length 20",
+       [&] { v1::AppendKvRequest r = good_append; r.set_start_position(19); return append(r); }},
+      {"append with the wrong layer count", StatusCode::INVALID_ARGUMENT, "shape",
+       [&] { v1::AppendKvRequest r = good_append; r.mutable_kv()->set_shape(0, kLayers + 1); return append(r); }},
+      {"append with a byte short", StatusCode::INVALID_ARGUMENT, "bytes",
+       [&] { v1::AppendKvRequest r = good_append; r.mutable_kv()->mutable_raw()->pop_back(); return append(r); }},
+      {"append to an unknown sequence", StatusCode::NOT_FOUND, "not found",
+       [&] { v1::AppendKvRequest r = good_append; r.set_sequence_id(424242); return append(r); }},
+      {"append past the pool's capacity", StatusCode::RESOURCE_EXHAUSTED, "KV pool exhausted",
+       [&] {
+         const int64_t tokens = kPoolPages * kPage;  // 384 tokens = 885 KB: under the limit
+         const std::vector<Bf16> kv(kLayers * tokens * kLatentDim);
+         v1::AppendKvRequest r = good_append;
+         client::SetBf16Tensor({int64_t{kLayers}, tokens, kRow}, kv, r.mutable_kv());
+         return append(r);
+       }},
+      {"oversized message", StatusCode::RESOURCE_EXHAUSTED, "",
+       [&] {
+         const int64_t tokens = 500;  // 1.15 MB > 1 MiB limit
+         const std::vector<Bf16> kv(kLayers * tokens * kLatentDim);
+         v1::AppendKvRequest r = good_append;
+         client::SetBf16Tensor({int64_t{kLayers}, tokens, kRow}, kv, r.mutable_kv());
+         return append(r);
+       }},
+      {"commit without a pending step", StatusCode::FAILED_PRECONDITION, "no pending",
+       [&] { return commit(id, {}); }},
+      {"commit of an unknown sequence", StatusCode::NOT_FOUND, "not found",
+       [&] { return commit(31337, {}); }},
+      {"release of a released sequence", StatusCode::NOT_FOUND, "not found",
+       [&] {
+         grpc::ClientContext ctx;
+         v1::ReleaseSequenceRequest r;
+         r.set_sequence_id(released);
+         v1::ReleaseSequenceResponse resp;
+         return stub_->ReleaseSequence(&ctx, r, &resp);
+       }},
+  };
+
+  for (const BadCase& c : cases) {
+    const int64_t free_before = FreePages();
+    const grpc::Status status = c.send();
+    EXPECT_EQ(status.error_code(), c.code) << c.name << ": " << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr(c.message_part)) << c.name;
+    EXPECT_EQ(FreePages(), free_before) << c.name << " changed the page count";
+    EXPECT_EQ(engine_->Stats().pending_steps, 0) << c.name << " opened a step";
+    EXPECT_EQ(*client_->Health(), client::ServingStatus::kServing) << c.name;
+  }
+
+  // Bad inputs during a pending step. Draft 1 is either not a root ({1} is no
+  // path) or a root ({0, 1} is no path).
+  const std::vector<int32_t> not_a_path =
+      s.parents[1] != -1 ? std::vector<int32_t>{1} : std::vector<int32_t>{0, 1};
+  ASSERT_TRUE(verify(good).ok());
+  const int64_t free_pending = FreePages();
+  std::vector<BadCase> pending_cases = {
+      {"another tree in the same step", StatusCode::FAILED_PRECONDITION, "same parents",
+       modified([](v1::VerifyRequest* r) { r->mutable_items(0)->set_parents(3, -1); })},
+      {"append during a step", StatusCode::FAILED_PRECONDITION, "pending",
+       [&] { return append(good_append); }},
+      {"accepting with a layer not verified", StatusCode::FAILED_PRECONDITION, "1 of 2 layers",
+       [&] { return commit(id, {0}); }},
+      {"accepted drafts that are not a root-to-node path", StatusCode::INVALID_ARGUMENT, "path",
+       [&] { return commit(id, not_a_path); }},
+      {"accepted index out of range", StatusCode::INVALID_ARGUMENT, "not a draft index",
+       [&] { return commit(id, {7}); }},
+  };
+  for (const BadCase& c : pending_cases) {
+    const grpc::Status status = c.send();
+    EXPECT_EQ(status.error_code(), c.code) << c.name << ": " << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr(c.message_part)) << c.name;
+    EXPECT_EQ(FreePages(), free_pending) << c.name;
+    EXPECT_EQ(engine_->Stats().pending_steps, 1) << c.name;
+  }
+  // Dropping the step restores the pages; then the sequence works as if
+  // nothing had happened.
+  ASSERT_TRUE(client_->Commit(id, {}).ok());
+  RunCheckedStep(id, &m, RandomStep(4));
+  RunCheckedStep(id, &m, RandomStep(kMaxDraft));
+}
+
+TEST_F(ServerTest, VerifyExhaustionChangesNothing) {
+  Serve();
+  client::SequenceMirror m(kLayers), filler_mirror(kLayers);
+  const uint64_t id = NewSequence(kPage, &m);  // a full page: drafts need another
+  const uint64_t filler = NewSequence((kPoolPages - 1) * kPage, &filler_mirror);
+  ASSERT_EQ(FreePages(), 0);
+  const Step s = RandomStep(3);
+  const client::VerifyItemInput item = s.Item(id, 0);
+  auto refused = client_->Verify(0, absl::MakeConstSpan(&item, 1));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("0 of 48 are free"));
+  EXPECT_EQ(engine_->Stats().pending_steps, 0);
+  ASSERT_TRUE(client_->ReleaseSequence(filler).ok());
+  RunCheckedStep(id, &m, s);
+}
+
+TEST_F(ServerTest, ExpiredDeadlineIsHonoured) {
+  Serve();
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() - std::chrono::seconds(1));
+  v1::CreateSequenceRequest r;
+  v1::CreateSequenceResponse resp;
+  EXPECT_EQ(stub_->CreateSequence(&ctx, r, &resp).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_EQ(engine_->Stats().live_sequences, 0);
+}
+
+}  // namespace
+}  // namespace mlaverify
