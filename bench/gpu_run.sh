@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One full measurement call on a GPU machine, from the repository root, over a
-# bundle made by `scripts/bundle.sh .device/bundle build/tests/gpu_kernels_test
-# build/bench/mlaverify-bench`:
-#   OUT=/tmp/out bench/gpu_run.sh [tests] [anchor] [sweep] [triton] [shapes "B,L,N,H ..."]
+# bundle made here by
+#   scripts/bundle.sh .device/bundle build/tests/gpu_kernels_test \
+#     build/tests/gpu_engine_test build/bench/mlaverify-bench \
+#     build/server/mlaverify-server build/client/mlaverify-client
+# and carried there (device tool: carry [".device"]):
+#   OUT=/tmp/out bench/gpu_run.sh [tests] [service] [anchor] [sweep] [triton] [warps] [pdl] [ncu] [shapes]
 # Writes logs and JSON into $OUT/results.tgz (one file: the device tool brings
 # back at most 8); prints a short summary last.
 set -uo pipefail
@@ -28,7 +31,35 @@ if want tests; then
     > "$out/gpu_tests.log" 2>&1
   rc=$?
   grep -E '^\[  (PASSED|FAILED|SKIPPED) |Failure|rel_err' "$out/gpu_tests.log" | head -30
-  summary+=("gpu tests rc=$rc")
+  summary+=("gpu kernel tests rc=$rc")
+  if [ -x "$bundle/bin/gpu_engine_test" ]; then
+    timeout 200 "$bundle/bin/gpu_engine_test" > "$out/gpu_engine_test.log" 2>&1
+    rc=$?
+    grep -E '^\[  (PASSED|FAILED|SKIPPED) |Failure' "$out/gpu_engine_test.log" | head -20
+    summary+=("gpu engine test rc=$rc")
+  fi
+fi
+if want service && [ -x "$bundle/bin/mlaverify-server" ]; then
+  # The service on the GPU: the bundled server with the CUDA backend, the
+  # client's checked demo, then a load run.
+  "$bundle/bin/mlaverify-server" --listen 127.0.0.1:0 --admin-host 127.0.0.1 --admin-port 0 \
+    --port-file "$out/ports" --backend cuda --layers 61 --heads 8 --page-size 64 \
+    --pool-bytes 16GiB > "$out/gpu_server.log" 2>&1 &
+  spid=$!
+  for _ in $(seq 1 300); do [ -s "$out/ports" ] && break; sleep 0.1; done
+  read -r gport aport < "$out/ports"
+  cl=("$bundle/bin/mlaverify-client" --target "127.0.0.1:$gport")
+  timeout 120 "${cl[@]}" demo --sequences 4 --prompt-len 4000 --steps 4 --drafts 16 \
+    > "$out/gpu_demo.log" 2>&1
+  summary+=("gpu service demo rc=$?")
+  tail -14 "$out/gpu_demo.log"
+  timeout 120 "${cl[@]}" load --concurrency 32 --duration-s 20 --warmup-s 2 --prompt-len 1024 \
+    --drafts 16 --json "$out/gpu_load.json" > "$out/gpu_load.log" 2>&1
+  summary+=("gpu service load rc=$?")
+  tail -9 "$out/gpu_load.log"
+  curl -s "http://127.0.0.1:$aport/metrics" > "$out/gpu_metrics.txt" || true
+  kill -TERM $spid; wait $spid; summary+=("gpu server exit=$?")
+  head -3 "$out/gpu_server.log"; tail -2 "$out/gpu_server.log"
 fi
 if want anchor; then
   timeout 400 "$bundle/bin/mlaverify-bench" --suite anchor --out "$out/anchor.json" 2>&1 |
