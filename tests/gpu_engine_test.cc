@@ -25,7 +25,9 @@ constexpr int kLayers = 3, kHeads = 8, kPage = 16;
 std::string NoGpuReason() {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess) return absl::StrCat("no CUDA device (", cudaGetErrorString(err), ")");
+  if (err != cudaSuccess) {
+    return absl::StrCat("no usable CUDA device or driver (cudaGetDeviceCount: ", cudaGetErrorString(err), ")");
+  }
   return count == 0 ? "no CUDA device (device count is 0)" : "";
 }
 

@@ -40,7 +40,9 @@ constexpr int64_t kMaxCheckedRows = 2048;
 std::string NoGpuReason() {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess) return absl::StrCat("no CUDA device (", cudaGetErrorString(err), ")");
+  if (err != cudaSuccess) {
+    return absl::StrCat("no usable CUDA device or driver (cudaGetDeviceCount: ", cudaGetErrorString(err), ")");
+  }
   if (count == 0) return "no CUDA device (device count is 0)";
   return "";
 }
