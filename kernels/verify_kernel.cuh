@@ -38,8 +38,9 @@ __device__ __forceinline__ int SplitFirstTile(int split, int tiles, int splits) 
 // so that the number of work items stays within target_ctas: with
 // T = target_ctas and R = total row tiles,
 //   items = sum_b row_tiles_b * ceil(tiles_b / c) <= cost / c + R <= T
-// for c = ceil(cost / (T - R)). When R >= T the device is full without
-// splitting and no request is split. Each request then spreads its tiles
+// for c = ceil(cost / (T - R)) (the "safe" chunk); c = ceil(cost / T) is
+// used instead when its item count happens to fit T (it fills every CTA). When
+// R >= T the device is full without splitting and no request is split. Each request then spreads its tiles
 // evenly over its ceil(tiles_b / c) splits (each gets at most c tiles, the
 // item count is unchanged), so that no CTA carries a long chunk while its
 // siblings carry a stub.
@@ -73,16 +74,28 @@ __global__ void __launch_bounds__(PLAN_THREADS) PlanKernel(const VerifyParams p)
   const long long total_cost = CostReduce(temp.reduce).Sum(static_cast<long long>(row_tiles) * tiles);
   __syncthreads();
   const long long total_row_tiles = CostReduce(temp.reduce).Sum(static_cast<long long>(row_tiles));
+  // Two candidates: the tight chunk ceil(cost / T) fills all T CTAs when the
+  // rounding of the per-request splits allows it; the safe one (see above)
+  // always fits. The tight one is taken when its item count is <= T.
+  __shared__ int s_tight_chunk;
+  __shared__ int s_safe_chunk;
   if (b == 0) {
-    int chunk = NO_SPLIT_CHUNK_TILES;
+    auto clamp = [&](long long c) {
+      c = c < p.min_chunk_tiles ? p.min_chunk_tiles : c;
+      return static_cast<int>(c < NO_SPLIT_CHUNK_TILES ? c : NO_SPLIT_CHUNK_TILES);
+    };
+    s_safe_chunk = NO_SPLIT_CHUNK_TILES;
+    s_tight_chunk = NO_SPLIT_CHUNK_TILES;
     if (total_row_tiles < p.target_ctas) {
       const long long spare = p.target_ctas - total_row_tiles;
-      long long c = (total_cost + spare - 1) / spare;
-      c = c < p.min_chunk_tiles ? p.min_chunk_tiles : c;
-      chunk = static_cast<int>(c < NO_SPLIT_CHUNK_TILES ? c : NO_SPLIT_CHUNK_TILES);
+      s_safe_chunk = clamp((total_cost + spare - 1) / spare);
+      s_tight_chunk = clamp((total_cost + p.target_ctas - 1) / p.target_ctas);
     }
-    s_chunk_tiles = chunk;
   }
+  __syncthreads();
+  const long long tight_items = CostReduce(temp.reduce).Sum(
+      tiles > 0 ? static_cast<long long>(row_tiles) * CeilDiv(tiles, s_tight_chunk) : 0);
+  if (b == 0) s_chunk_tiles = tight_items <= p.target_ctas ? s_tight_chunk : s_safe_chunk;
   __syncthreads();
   const int chunk_tiles = s_chunk_tiles;
   const int splits = tiles > 0 ? CeilDiv(tiles, chunk_tiles) : 0;
