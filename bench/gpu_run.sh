@@ -22,8 +22,6 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,te
   --format=csv | tee "$out/nvidia_smi.csv"
 if command -v cuobjdump >/dev/null; then
   cuobjdump --dump-resource-usage "$bundle/bin/mlaverify-bench" > "$out/resource_usage.txt" 2>&1
-  cuobjdump --dump-sass -fun AttentionKernel "$bundle/bin/mlaverify-bench" 2>/dev/null |
-    grep -cE 'HMMA' | sed 's/^/HMMA instructions in AttentionKernel SASS (all archs): /'
 fi
 summary=()
 if want tests; then

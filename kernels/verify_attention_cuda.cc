@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda_status.h"
 #include "kernels/status_macros.h"
 #include "kernels/verify_params.h"
 
@@ -20,11 +21,6 @@ int Log2(int v) {
 }
 
 size_t AlignUp(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
-
-absl::Status CudaStatus(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
-}
 
 int TargetCtas(const VerifyLaunchConfig& c) { return c.num_sms * c.ctas_per_sm; }
 
@@ -65,12 +61,12 @@ WorkspaceLayout Layout(const VerifyArguments& a, const VerifyLaunchConfig& c) {
 
 absl::StatusOr<VerifyLaunchConfig> PrepareVerifyLaunch(int device) {
   VerifyLaunchConfig config;
-  RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device), "cudaSetDevice"));
-  RETURN_IF_ERROR(CudaStatus(
+  RETURN_IF_ERROR(CudaErrorToStatus(cudaSetDevice(device), "cudaSetDevice"));
+  RETURN_IF_ERROR(CudaErrorToStatus(
       cudaDeviceGetAttribute(&config.num_sms, cudaDevAttrMultiProcessorCount, device),
       "cudaDeviceGetAttribute(MultiProcessorCount)"));
   int max_optin = 0;
-  RETURN_IF_ERROR(CudaStatus(
+  RETURN_IF_ERROR(CudaErrorToStatus(
       cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
       "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)"));
   if (max_optin < VerifyAttentionSharedBytes()) {
@@ -79,7 +75,7 @@ absl::StatusOr<VerifyLaunchConfig> PrepareVerifyLaunch(int device) {
                      " bytes of shared memory per block; the verify kernel needs ",
                      VerifyAttentionSharedBytes()));
   }
-  RETURN_IF_ERROR(CudaStatus(PrepareVerifyKernels(), "cudaFuncSetAttribute"));
+  RETURN_IF_ERROR(CudaErrorToStatus(PrepareVerifyKernels(), "cudaFuncSetAttribute"));
   return config;
 }
 
@@ -137,7 +133,7 @@ absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchC
   p.max_partials = TargetCtas(c);
   p.target_ctas = TargetCtas(c);
   p.min_chunk_tiles = c.min_chunk_tiles;
-  return CudaStatus(LaunchVerifyKernels(p, c.attention_warps, c.programmatic_launch, stream),
+  return CudaErrorToStatus(LaunchVerifyKernels(p, c.attention_warps, c.programmatic_launch, stream),
                     "verify launch");
 }
 
@@ -156,7 +152,7 @@ absl::Status LaunchWriteDraftKv(const DraftKvWriteArguments& a, cudaStream_t str
   p.layer = a.layer;
   p.batch = a.batch;
   p.total_draft_capacity = a.total_draft_capacity;
-  return CudaStatus(LaunchDraftKvWriteKernel(p, stream), "draft KV write launch");
+  return CudaErrorToStatus(LaunchDraftKvWriteKernel(p, stream), "draft KV write launch");
 }
 
 absl::Status LaunchCopyRows(const KvPoolView& pool, const int32_t* page_table, int64_t start,
@@ -173,7 +169,7 @@ absl::Status LaunchCopyRows(const KvPoolView& pool, const int32_t* page_table, i
   p.start = start;
   p.count = count;
   p.rows = reinterpret_cast<uint16_t*>(rows);
-  return CudaStatus(LaunchRowCopyKernel(p, to_pool, stream), "row copy launch");
+  return CudaErrorToStatus(LaunchRowCopyKernel(p, to_pool, stream), "row copy launch");
 }
 
 absl::Status LaunchCompactAcceptedKv(const CompactArguments& a, cudaStream_t stream) {
@@ -189,7 +185,7 @@ absl::Status LaunchCompactAcceptedKv(const CompactArguments& a, cudaStream_t str
   p.accepted_len = a.accepted_len;
   p.accepted = a.accepted;
   p.batch = a.batch;
-  return CudaStatus(LaunchCompactKernel(p, stream), "compaction launch");
+  return CudaErrorToStatus(LaunchCompactKernel(p, stream), "compaction launch");
 }
 
 }  // namespace mlaverify::kernels

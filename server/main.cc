@@ -28,9 +28,6 @@
 #include "server/transport/status_mapping.h"
 #include "spdlog/spdlog.h"
 
-#ifdef MLAVERIFY_HAVE_CUDA
-#include <cuda_runtime_api.h>
-#endif
 
 namespace mlaverify {
 namespace {
@@ -51,15 +48,6 @@ class MetricsObserver final : public transport::RpcObserver {
  private:
   admin::Metrics* const metrics_;
 };
-
-int CudaDeviceCount() {
-#ifdef MLAVERIFY_HAVE_CUDA
-  int count = 0;
-  return cudaGetDeviceCount(&count) == cudaSuccess ? count : 0;
-#else
-  return 0;  // built without nvcc
-#endif
-}
 
 struct Flags {
   std::string listen = "0.0.0.0:50051";
@@ -138,9 +126,10 @@ int Run(int argc, char** argv) {
 
   // ---- backend ----
   // auto: the GPU when one is present and usable, else the CPU backend, and
-  // the log says which and why. cuda: the GPU or a startup error.
+  // the log says which and why (MakeCudaBackend knows: no device, no driver,
+  // or a build without nvcc). cuda: the GPU or a startup error.
   std::unique_ptr<engine::Backend> backend;
-  if (f.backend == "cuda" || (f.backend == "auto" && CudaDeviceCount() > 0)) {
+  if (f.backend != "cpu") {
     auto cuda = engine::MakeCudaBackend(0);
     if (cuda.ok()) {
       backend = *std::move(cuda);
@@ -148,11 +137,8 @@ int Run(int argc, char** argv) {
       spdlog::error("--backend cuda: {}", cuda.status().ToString());
       return 2;
     } else {
-      spdlog::warn("a CUDA device is present but unusable ({}): serving on the CPU backend",
-                   cuda.status().ToString());
+      spdlog::info("serving on the CPU backend: {}", std::string(cuda.status().message()));
     }
-  } else if (f.backend == "auto") {
-    spdlog::info("no CUDA device: serving on the CPU backend");
   }
   if (backend == nullptr) backend = engine::MakeCpuBackend(f.cpu_threads);
 

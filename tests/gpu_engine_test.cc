@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "kernels/testing/device_problem.h"
 #include "kernels/verify_attention.h"
 #include "server/engine/engine.h"
 
@@ -22,15 +23,6 @@ using kernels::kValueDim;
 
 constexpr int kLayers = 3, kHeads = 8, kPage = 16;
 
-std::string NoGpuReason() {
-  int count = 0;
-  const cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess) {
-    return absl::StrCat("no usable CUDA device or driver (cudaGetDeviceCount: ", cudaGetErrorString(err), ")");
-  }
-  return count == 0 ? "no CUDA device (device count is 0)" : "";
-}
-
 std::vector<Bf16> RandomBf16(size_t n, std::mt19937_64& rng, float range) {
   std::uniform_real_distribution<float> u(-range, range);
   std::vector<Bf16> v(n);
@@ -41,7 +33,7 @@ std::vector<Bf16> RandomBf16(size_t n, std::mt19937_64& rng, float range) {
 class GpuEngineTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    static const std::string reason = NoGpuReason();
+    static const std::string reason = kernels::testing::NoUsableGpuReason();
     if (!reason.empty()) GTEST_SKIP() << "GPU test skipped: " << reason;
     EngineConfig config;
     config.num_layers = kLayers;

@@ -37,20 +37,10 @@ using testing::VerifyProblemSpec;
 // a random sample of this many rows (and scan every row for NaN).
 constexpr int64_t kMaxCheckedRows = 2048;
 
-std::string NoGpuReason() {
-  int count = 0;
-  const cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess) {
-    return absl::StrCat("no usable CUDA device or driver (cudaGetDeviceCount: ", cudaGetErrorString(err), ")");
-  }
-  if (count == 0) return "no CUDA device (device count is 0)";
-  return "";
-}
-
 class GpuKernelTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    static const std::string reason = NoGpuReason();
+    static const std::string reason = testing::NoUsableGpuReason();
     if (!reason.empty()) GTEST_SKIP() << "GPU test skipped: " << reason;
     auto config = PrepareVerifyLaunch(0);
     ASSERT_TRUE(config.ok()) << config.status();

@@ -4,15 +4,13 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda_status.h"
 #include "kernels/status_macros.h"
 
 namespace mlaverify::kernels::testing {
 namespace {
 
-absl::Status Cuda(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
-}
+using kernels::CudaErrorToStatus;
 
 template <typename T>
 absl::Status CopyIn(const DeviceBuffer& dst, const std::vector<T>& src, const char* what) {
@@ -21,10 +19,20 @@ absl::Status CopyIn(const DeviceBuffer& dst, const std::vector<T>& src, const ch
     return absl::InvalidArgumentError(absl::StrCat(what, ": ", bytes, " bytes exceed the ",
                                                    dst.bytes(), " allocated"));
   }
-  return Cuda(cudaMemcpy(dst.as<void>(), src.data(), bytes, cudaMemcpyHostToDevice), what);
+  return CudaErrorToStatus(cudaMemcpy(dst.as<void>(), src.data(), bytes, cudaMemcpyHostToDevice), what);
 }
 
 }  // namespace
+
+std::string NoUsableGpuReason() {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    return absl::StrCat("no usable CUDA device or driver (cudaGetDeviceCount: ",
+                        cudaGetErrorString(err), ")");
+  }
+  return count == 0 ? "no CUDA device (device count is 0)" : "";
+}
 
 DeviceBuffer::~DeviceBuffer() {
   if (ptr_ != nullptr) cudaFree(ptr_);
@@ -34,7 +42,7 @@ absl::Status DeviceBuffer::Allocate(size_t bytes) {
   if (ptr_ != nullptr) cudaFree(ptr_);
   ptr_ = nullptr;
   bytes_ = 0;
-  RETURN_IF_ERROR(Cuda(cudaMalloc(&ptr_, std::max<size_t>(bytes, 16)), "cudaMalloc"));
+  RETURN_IF_ERROR(CudaErrorToStatus(cudaMalloc(&ptr_, std::max<size_t>(bytes, 16)), "cudaMalloc"));
   bytes_ = bytes;
   return absl::OkStatus();
 }
@@ -123,12 +131,12 @@ absl::Status DeviceVerifyProblem::Upload(const HostVerifyProblem& p) {
   w.draft_len = a.draft_len;
   w.layer = a.layer;
   RETURN_IF_ERROR(PoisonOutputs(nullptr));
-  return Cuda(cudaDeviceSynchronize(), "upload");
+  return CudaErrorToStatus(cudaDeviceSynchronize(), "upload");
 }
 
 absl::Status DeviceVerifyProblem::PoisonOutputs(cudaStream_t stream) {
-  RETURN_IF_ERROR(Cuda(cudaMemsetAsync(out_.as<void>(), 0xff, out_.bytes(), stream), "poison out"));
-  return Cuda(cudaMemsetAsync(lse_.as<void>(), 0xff, lse_.bytes(), stream), "poison lse");
+  RETURN_IF_ERROR(CudaErrorToStatus(cudaMemsetAsync(out_.as<void>(), 0xff, out_.bytes(), stream), "poison out"));
+  return CudaErrorToStatus(cudaMemsetAsync(lse_.as<void>(), 0xff, lse_.bytes(), stream), "poison lse");
 }
 
 absl::Status DeviceVerifyProblem::Download(const HostVerifyProblem& p, std::vector<Bf16>* out,
@@ -136,10 +144,10 @@ absl::Status DeviceVerifyProblem::Download(const HostVerifyProblem& p, std::vect
   const size_t rows = static_cast<size_t>(p.total_draft) * p.spec.num_heads;
   out->resize(rows * kValueDim);
   lse->resize(rows);
-  RETURN_IF_ERROR(Cuda(cudaMemcpy(out->data(), out_.as<void>(), out->size() * sizeof(Bf16),
+  RETURN_IF_ERROR(CudaErrorToStatus(cudaMemcpy(out->data(), out_.as<void>(), out->size() * sizeof(Bf16),
                                   cudaMemcpyDeviceToHost),
                        "download out"));
-  return Cuda(
+  return CudaErrorToStatus(
       cudaMemcpy(lse->data(), lse_.as<void>(), lse->size() * sizeof(float), cudaMemcpyDeviceToHost),
       "download lse");
 }

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include <cuda_runtime_api.h>
@@ -74,6 +75,10 @@ class DeviceVerifyProblem {
   VerifyArguments args_;
   DraftKvWriteArguments write_args_;
 };
+
+// Empty when a CUDA device is usable; otherwise why not (what GPU tests
+// print when they skip).
+std::string NoUsableGpuReason();
 
 // Largest sensible read bandwidth of the device (a streaming read kernel over
 // `bytes`), in bytes per second. Used as the memory roof in reports.

@@ -41,27 +41,17 @@ class CpuBackend final : public Backend {
 
   absl::Status WriteRows(absl::Span<const int32_t> page_table, int64_t start, int64_t count,
                          absl::Span<const Bf16> data) override {
-    const kernels::KvPoolView view = View();
-    for (int layer = 0; layer < geometry_.num_layers; ++layer) {
-      for (int64_t t = 0; t < count; ++t) {
-        std::memcpy(pool_.get() + view.RowOffset(layer, page_table.data(), start + t),
-                    data.data() + (static_cast<int64_t>(layer) * count + t) * kLatentDim,
-                    kLatentDim * sizeof(Bf16));
-      }
-    }
+    ForEachRow(page_table, start, count, [](Bf16* pool_row, const Bf16* row) {
+      std::memcpy(pool_row, row, kLatentDim * sizeof(Bf16));
+    }, data.data());
     return absl::OkStatus();
   }
 
   absl::Status ReadRows(absl::Span<const int32_t> page_table, int64_t start, int64_t count,
                         absl::Span<Bf16> data) override {
-    const kernels::KvPoolView view = View();
-    for (int layer = 0; layer < geometry_.num_layers; ++layer) {
-      for (int64_t t = 0; t < count; ++t) {
-        std::memcpy(data.data() + (static_cast<int64_t>(layer) * count + t) * kLatentDim,
-                    pool_.get() + view.RowOffset(layer, page_table.data(), start + t),
-                    kLatentDim * sizeof(Bf16));
-      }
-    }
+    ForEachRow(page_table, start, count, [](Bf16* pool_row, Bf16* row) {
+      std::memcpy(row, pool_row, kLatentDim * sizeof(Bf16));
+    }, data.data());
     return absl::OkStatus();
   }
 
@@ -126,6 +116,20 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  // Calls fn(pool row, rows row) for positions start..start+count-1 of every
+  // layer, `rows` being laid out [num_layers, count, 576].
+  template <typename Row, typename Fn>
+  void ForEachRow(absl::Span<const int32_t> page_table, int64_t start, int64_t count, Fn fn,
+                  Row* rows) {
+    const kernels::KvPoolView view = View();
+    for (int layer = 0; layer < geometry_.num_layers; ++layer) {
+      for (int64_t t = 0; t < count; ++t) {
+        fn(pool_.get() + view.RowOffset(layer, page_table.data(), start + t),
+           rows + (static_cast<int64_t>(layer) * count + t) * kLatentDim);
+      }
+    }
+  }
+
   kernels::KvPoolView View() const {
     return kernels::KvPoolView{pool_.get(), geometry_.num_layers, geometry_.num_pages,
                                geometry_.page_size};

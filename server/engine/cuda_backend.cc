@@ -13,6 +13,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "kernels/cuda_status.h"
 #include "kernels/status_macros.h"
 #include "kernels/verify_attention_cuda.h"
 #include "server/engine/backend.h"
@@ -28,10 +29,7 @@ using kernels::kValueDim;
 // Staging for AppendKv / ReadKv rows; larger writes go in chunks.
 constexpr size_t kRowStagingBytes = size_t{64} << 20;
 
-absl::Status Cuda(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat("CUDA ", what, ": ", cudaGetErrorString(err)));
-}
+using kernels::CudaErrorToStatus;
 
 // One cudaMalloc, freed with the backend.
 class DeviceAllocation {
@@ -41,7 +39,7 @@ class DeviceAllocation {
   }
   absl::Status Allocate(size_t bytes, const char* what) {
     bytes_ = std::max<size_t>(bytes, 16);
-    return Cuda(cudaMalloc(&ptr_, bytes_), what);
+    return CudaErrorToStatus(cudaMalloc(&ptr_, bytes_), what);
   }
   template <typename T>
   T* as() const {
@@ -74,7 +72,7 @@ class CudaBackend final : public Backend {
     absl::MutexLock lock(&mu_);
     g_ = g;
     ASSIGN_OR_RETURN(config_, kernels::PrepareVerifyLaunch(device_));
-    RETURN_IF_ERROR(Cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"));
+    RETURN_IF_ERROR(CudaErrorToStatus(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"));
     const size_t pool_bytes =
         static_cast<size_t>(g.num_layers) * g.num_pages * g.page_size * kLatentDim * sizeof(Bf16);
     RETURN_IF_ERROR(pool_.Allocate(pool_bytes, "pool allocation"));
@@ -141,24 +139,24 @@ class CudaBackend final : public Backend {
     auto* draft_kv = draft_kv_.as<Bf16>();
     int64_t row = 0;
     for (const BackendVerifyRequest& r : requests) {
-      RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(q + row * heads * kLatentDim, r.q.data(),
+      RETURN_IF_ERROR(CudaErrorToStatus(cudaMemcpyAsync(q + row * heads * kLatentDim, r.q.data(),
                                            r.q.size() * sizeof(Bf16), cudaMemcpyHostToDevice, stream_),
                            "q upload"));
-      RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(draft_kv + row * kLatentDim, r.draft_kv.data(),
+      RETURN_IF_ERROR(CudaErrorToStatus(cudaMemcpyAsync(draft_kv + row * kLatentDim, r.draft_kv.data(),
                                            r.draft_kv.size() * sizeof(Bf16), cudaMemcpyHostToDevice,
                                            stream_),
                            "draft upload"));
       row += r.draft_len;
     }
     int32_t* d_scalars = requests_.as<int32_t>();
-    RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(d_scalars, scalars.data(), scalars.size() * sizeof(int32_t),
+    RETURN_IF_ERROR(CudaErrorToStatus(cudaMemcpyAsync(d_scalars, scalars.data(), scalars.size() * sizeof(int32_t),
                                          cudaMemcpyHostToDevice, stream_),
                          "request upload"));
-    RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(page_tables_.as<int32_t>(), tables.data(),
+    RETURN_IF_ERROR(CudaErrorToStatus(cudaMemcpyAsync(page_tables_.as<int32_t>(), tables.data(),
                                          tables.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
                                          stream_),
                          "page table upload"));
-    RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(visibility_.as<uint64_t>(), visibility.data(),
+    RETURN_IF_ERROR(CudaErrorToStatus(cudaMemcpyAsync(visibility_.as<uint64_t>(), visibility.data(),
                                          visibility.size() * sizeof(uint64_t),
                                          cudaMemcpyHostToDevice, stream_),
                          "visibility upload"));
@@ -201,17 +199,17 @@ class CudaBackend final : public Backend {
                                                    workspace_.bytes(), stream_));
     row = 0;
     for (const BackendVerifyRequest& r : requests) {
-      RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(r.out.data(), out_.as<Bf16>() + row * heads * kValueDim,
+      RETURN_IF_ERROR(CudaErrorToStatus(cudaMemcpyAsync(r.out.data(), out_.as<Bf16>() + row * heads * kValueDim,
                                            r.out.size() * sizeof(Bf16), cudaMemcpyDeviceToHost,
                                            stream_),
                            "out download"));
-      RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(r.lse.data(), lse_.as<float>() + row * heads,
+      RETURN_IF_ERROR(CudaErrorToStatus(cudaMemcpyAsync(r.lse.data(), lse_.as<float>() + row * heads,
                                            r.lse.size() * sizeof(float), cudaMemcpyDeviceToHost,
                                            stream_),
                            "lse download"));
       row += r.draft_len;
     }
-    return Cuda(cudaStreamSynchronize(stream_), "verify");
+    return CudaErrorToStatus(cudaStreamSynchronize(stream_), "verify");
   }
 
   absl::Status Compact(absl::Span<const int32_t> page_table, int64_t prefix_len,
@@ -223,7 +221,7 @@ class CudaBackend final : public Backend {
     packed[1] = static_cast<int32_t>(accepted.size());
     std::copy(accepted.begin(), accepted.end(), packed.begin() + 2);
     int32_t* d = accepted_.as<int32_t>();
-    RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(d, packed.data(), packed.size() * sizeof(int32_t),
+    RETURN_IF_ERROR(CudaErrorToStatus(cudaMemcpyAsync(d, packed.data(), packed.size() * sizeof(int32_t),
                                          cudaMemcpyHostToDevice, stream_),
                          "path upload"));
     RETURN_IF_ERROR(UploadPageTable(page_table));
@@ -236,7 +234,7 @@ class CudaBackend final : public Backend {
     c.accepted_len = d + 1;
     c.accepted = d + 2;
     RETURN_IF_ERROR(kernels::LaunchCompactAcceptedKv(c, stream_));
-    return Cuda(cudaStreamSynchronize(stream_), "compaction");
+    return CudaErrorToStatus(cudaStreamSynchronize(stream_), "compaction");
   }
 
  private:
@@ -246,7 +244,7 @@ class CudaBackend final : public Backend {
 
   absl::Status UploadPageTable(absl::Span<const int32_t> page_table)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return Cuda(cudaMemcpyAsync(page_tables_.as<int32_t>(), page_table.data(),
+    return CudaErrorToStatus(cudaMemcpyAsync(page_tables_.as<int32_t>(), page_table.data(),
                                 page_table.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream_),
                 "page table upload");
   }
@@ -266,7 +264,7 @@ class CudaBackend final : public Backend {
       const int64_t chunk = std::min(chunk_max, count - c0);
       Bf16* staged = rows_.as<Bf16>();
       if (to_pool) {
-        RETURN_IF_ERROR(Cuda(cudaMemcpy2DAsync(staged, chunk * row_bytes, upload + c0 * kLatentDim,
+        RETURN_IF_ERROR(CudaErrorToStatus(cudaMemcpy2DAsync(staged, chunk * row_bytes, upload + c0 * kLatentDim,
                                                count * row_bytes, chunk * row_bytes, g_.num_layers,
                                                cudaMemcpyHostToDevice, stream_),
                              "rows upload"));
@@ -274,13 +272,13 @@ class CudaBackend final : public Backend {
       RETURN_IF_ERROR(kernels::LaunchCopyRows(View(), page_tables_.as<int32_t>(), start + c0, chunk,
                                               staged, to_pool, stream_));
       if (!to_pool) {
-        RETURN_IF_ERROR(Cuda(cudaMemcpy2DAsync(download + c0 * kLatentDim, count * row_bytes, staged,
+        RETURN_IF_ERROR(CudaErrorToStatus(cudaMemcpy2DAsync(download + c0 * kLatentDim, count * row_bytes, staged,
                                                chunk * row_bytes, chunk * row_bytes, g_.num_layers,
                                                cudaMemcpyDeviceToHost, stream_),
                              "rows download"));
       }
       // The staging buffer is reused by the next chunk.
-      RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream_), "row copy"));
+      RETURN_IF_ERROR(CudaErrorToStatus(cudaStreamSynchronize(stream_), "row copy"));
     }
     return absl::OkStatus();
   }
