@@ -5,7 +5,7 @@
 #     build/tests/gpu_engine_test build/bench/mlaverify-bench \
 #     build/server/mlaverify-server build/client/mlaverify-client
 # and carried there (device tool: carry [".device"]):
-#   OUT=/tmp/out bench/gpu_run.sh [tests] [service] [anchor] [sweep] [triton] [warps] [pdl] [ncu] [shapes]
+#   OUT=/tmp/out bench/gpu_run.sh [tests] [service] [anchor] [sweep] [triton] [variants] [stalls] [small] [pdl] [ncu] [shapes]
 # Writes logs and JSON into $OUT/results.tgz (one file: the device tool brings
 # back at most 8); prints a short summary last.
 set -uo pipefail
@@ -76,17 +76,32 @@ if want shapes; then
     tee "$out/shapes.log"
   summary+=("shapes rc=${PIPESTATUS[0]}")
 fi
-if want warps; then
-  # The two attention variants side by side on a few shapes.
-  for w in 8 16; do
-    echo "== warps $w"
-    timeout 200 "$bundle/bin/mlaverify-bench" --warps $w --shape 1,4096,16,8 --shape 1,65536,16,8 \
-      --shape 32,65536,4,8 --shape 8,65536,16,16 --out "$out/warps$w.json" 2>&1 | grep -E '^B='
-  done 2>&1 | tee "$out/warps.log"
+if want variants; then
+  # The attention variants side by side on the four target shapes.
+  for v in ${VARIANTS:-splitk8 splitk16 pipelined}; do
+    echo "== variant $v"
+    timeout 200 "$bundle/bin/mlaverify-bench" --variant $v --shape 1,4096,16,8 --shape 1,65536,16,8 \
+      --shape 32,65536,4,8 --shape 8,65536,16,16 --shape 32,65536,4,8,1 \
+      --out "$out/variant-$v.json" 2>&1 | grep -E '^B='
+  done 2>&1 | tee "$out/variants.log"
+fi
+if want small; then
+  # Small batch, default kernel: the split knobs (lead 1 of bench/NOTES.md).
+  for flags in "" "--ctas-per-sm 2 --min-chunk-tiles 4" "--min-chunk-tiles 4" "--min-chunk-tiles 1" "--pdl"; do
+    echo "== flags: ${flags:-default}"
+    timeout 120 "$bundle/bin/mlaverify-bench" --shape 1,4096,16,8 --shape 1,65536,16,8 $flags 2>&1 |
+      grep -E '^B='
+  done 2>&1 | tee "$out/small.log"
 fi
 if want pdl; then
-  # Launch overhead at small shapes: the same rows with and without PDL, warm and cold L2.
-  for flags in "" "--no-pdl" "--no-flush" "--no-pdl --no-flush"; do
+  # Programmatic dependent launch on and off: the whole anchor suite with
+  # it (compare with anchor.json, run with the default: off), then small
+  # shapes warm and cold.
+  timeout 300 "$bundle/bin/mlaverify-bench" --suite anchor --pdl --out "$out/anchor_pdl.json" \
+    > "$out/anchor_pdl.log" 2>&1
+  summary+=("anchor --pdl rc=$?")
+  grep -E '^B=.*tree' "$out/anchor_pdl.log"
+  for flags in "--pdl" "--no-pdl" "--pdl --no-flush" "--no-pdl --no-flush"; do
     echo "== flags: ${flags:-default}"
     timeout 120 "$bundle/bin/mlaverify-bench" --shape 1,1024,16,8 --shape 1,4096,16,8 $flags 2>&1 |
       grep -E '^B='
@@ -105,6 +120,22 @@ if want ncu && command -v ncu >/dev/null; then
     "$bundle/bin/mlaverify-bench" --shape 8,16384,16,8 --reps 3 > "$out/ncu_mid.txt" 2>&1
   grep -E 'Throughput|Pipe|Stall|stall|Issue|Warp Cycles|Active|Shared|Bank|Occupancy|Registers|Duration' \
     "$out/ncu_mid.txt" | head -60
+fi
+if want stalls && command -v ncu >/dev/null; then
+  # Where the warps of one attention variant wait: warp-state statistics and
+  # per-SASS-instruction stall samples (source page as CSV) at one shape.
+  variant=${VARIANT:-pipelined}
+  shape=${STALL_SHAPE:-8,16384,16,8}
+  timeout 300 ncu --clock-control none --section WarpStateStats --section SourceCounters \
+    --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats \
+    --import-source no -k regex:Attention --launch-skip 2 --launch-count 1 -o "$out/stalls" \
+    "$bundle/bin/mlaverify-bench" --variant "$variant" --shape "$shape" --reps 3 \
+    > "$out/stalls_run.txt" 2>&1
+  ncu -i "$out/stalls.ncu-rep" --print-details all > "$out/stalls_details.txt" 2>&1
+  ncu -i "$out/stalls.ncu-rep" --page source --csv --print-source sass > "$out/stalls_sass.csv" 2>&1
+  grep -E 'Throughput|Pipe|Stall|stall|Issue|Warp Cycles|Eligible|Active|Duration' \
+    "$out/stalls_details.txt" | head -40
+  wc -l "$out/stalls_sass.csv"; head -3 "$out/stalls_sass.csv" | cut -c1-600
 fi
 if want triton; then
   # Our own Triton implementation of the SGLang-style extend path, same shapes.

@@ -137,7 +137,7 @@ int Run(int argc, char** argv) {
   int ctas_per_sm = 1;
   int min_chunk_tiles = 0;
   bool no_pdl = false;
-  int warps = 0;
+  std::string variant;
   app.add_option("--suite", suite, "named suite: anchor, sweep, smoke");
   app.add_option("--shape", shape_texts, "B,L,N,H[,page_size[,chain|tree]] (repeatable)");
   app.add_option("--reps", reps, "timed repetitions per row (median reported)")->check(CLI::Range(1, 100000));
@@ -146,8 +146,11 @@ int Run(int argc, char** argv) {
   app.add_flag("--no-flush", no_flush, "do not flush L2 between repetitions (warm cache)");
   app.add_option("--ctas-per-sm", ctas_per_sm, "split target: CTAs per SM");
   app.add_option("--min-chunk-tiles", min_chunk_tiles, "smallest KV split in 32-token tiles");
-  app.add_option("--warps", warps, "attention variant: 8 or 16 warps per CTA (default: library's)");
+  app.add_option("--variant", variant,
+                 "attention kernel: splitk8, splitk16 or pipelined (default: library's)");
+  bool pdl = false;
   app.add_flag("--no-pdl", no_pdl, "launch plan/attention/combine without programmatic dependent launch");
+  app.add_flag("--pdl", pdl, "launch plan/attention/combine with programmatic dependent launch");
   CLI11_PARSE(app, argc, argv);
 
   std::vector<Shape> shapes = Suite(suite);
@@ -179,8 +182,20 @@ int Run(int argc, char** argv) {
   }
   config->ctas_per_sm = ctas_per_sm;
   if (min_chunk_tiles > 0) config->min_chunk_tiles = min_chunk_tiles;
-  config->programmatic_launch = !no_pdl;
-  if (warps != 0) config->attention_warps = warps;
+  if (pdl && no_pdl) {
+    std::cerr << "--pdl and --no-pdl contradict each other\n";
+    return 2;
+  }
+  if (pdl) config->programmatic_launch = true;  // else the library's default
+  if (no_pdl) config->programmatic_launch = false;
+  if (!variant.empty()) {
+    auto parsed = kernels::ParseAttentionVariant(variant);
+    if (!parsed.ok()) {
+      std::cerr << parsed.status() << "\n";
+      return 2;
+    }
+    config->attention_variant = *parsed;
+  }
   cudaDeviceProp prop;
   cudaGetDeviceProperties(&prop, 0);
   auto read_bw = kernels::testing::MeasureReadBandwidth(size_t{4} << 30, 20);
@@ -188,9 +203,10 @@ int Run(int argc, char** argv) {
     std::cerr << read_bw.status() << "\n";
     return 3;
   }
-  std::printf("gpu %s, %d SMs, read bandwidth %.2f TB/s, attention %d warps, smem %d B\n",
-              prop.name, prop.multiProcessorCount, *read_bw / 1e12, config->attention_warps,
-              kernels::VerifyAttentionSharedBytes());
+  std::printf("gpu %s, %d SMs, read bandwidth %.2f TB/s, attention %s, smem %d B\n",
+              prop.name, prop.multiProcessorCount, *read_bw / 1e12,
+              kernels::AttentionVariantName(config->attention_variant),
+              kernels::VerifyAttentionSharedBytes(config->attention_variant));
 
   DeviceBuffer flush_buffer;
   if (!flush_buffer.Allocate(size_t{256} << 20).ok()) return 3;
@@ -290,8 +306,9 @@ int Run(int argc, char** argv) {
                            {"ctas_per_sm", config->ctas_per_sm},
                            {"min_chunk_tiles", config->min_chunk_tiles},
                            {"programmatic_launch", config->programmatic_launch},
-                           {"attention_warps", config->attention_warps},
-                           {"attention_smem_bytes", kernels::VerifyAttentionSharedBytes()},
+                           {"attention_variant", kernels::AttentionVariantName(config->attention_variant)},
+                           {"attention_smem_bytes",
+                            kernels::VerifyAttentionSharedBytes(config->attention_variant)},
                            {"rows", rows}};
   if (!out_path.empty()) {
     std::ofstream f(out_path);

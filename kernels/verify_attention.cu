@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/verify_kernel.cuh"
+#include "kernels/verify_pipelined_kernel.cuh"
 #include "kernels/verify_params.h"
 
 namespace mlaverify::kernels {
@@ -29,31 +30,50 @@ cudaError_t LaunchWithDependency(Kernel kernel, dim3 grid, dim3 block, int smem_
 
 }  // namespace
 
-int VerifyAttentionSharedBytes() { return verify::SMEM_BYTES; }
+int VerifyAttentionSharedBytes(AttentionVariant variant) {
+  return variant == AttentionVariant::kPipelined ? verify::pipelined::SMEM_BYTES : verify::SMEM_BYTES;
+}
 
-bool IsSupportedAttentionWarps(int warps) { return warps == 8 || warps == 16; }
+bool IsSupportedAttentionVariant(AttentionVariant variant) {
+  return variant == AttentionVariant::kSplitK8 || variant == AttentionVariant::kSplitK16 ||
+         variant == AttentionVariant::kPipelined;
+}
 
 cudaError_t PrepareVerifyKernels() {
   cudaError_t err = cudaFuncSetAttribute(
       verify::AttentionKernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, verify::SMEM_BYTES);
   if (err != cudaSuccess) return err;
-  return cudaFuncSetAttribute(verify::AttentionKernel<16>,
-                              cudaFuncAttributeMaxDynamicSharedMemorySize, verify::SMEM_BYTES);
+  err = cudaFuncSetAttribute(verify::AttentionKernel<16>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, verify::SMEM_BYTES);
+  if (err != cudaSuccess) return err;
+  return cudaFuncSetAttribute(verify::PipelinedAttentionKernel,
+                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              verify::pipelined::SMEM_BYTES);
 }
 
-cudaError_t LaunchVerifyKernels(const VerifyParams& p, int attention_warps,
+cudaError_t LaunchVerifyKernels(const VerifyParams& p, AttentionVariant variant,
                                 bool programmatic_launch, cudaStream_t stream) {
-  if (!IsSupportedAttentionWarps(attention_warps)) return cudaErrorInvalidValue;
+  if (!IsSupportedAttentionVariant(variant)) return cudaErrorInvalidValue;
   verify::PlanKernel<<<1, verify::PLAN_THREADS, 0, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  err = attention_warps == 16
-            ? LaunchWithDependency(verify::AttentionKernel<16>, dim3(p.max_work),
-                                   dim3(verify::WarpLayout<16>::NUM_THREADS), verify::SMEM_BYTES,
-                                   programmatic_launch, stream, p)
-            : LaunchWithDependency(verify::AttentionKernel<8>, dim3(p.max_work),
-                                   dim3(verify::WarpLayout<8>::NUM_THREADS), verify::SMEM_BYTES,
-                                   programmatic_launch, stream, p);
+  switch (variant) {
+    case AttentionVariant::kPipelined:
+      err = LaunchWithDependency(verify::PipelinedAttentionKernel, dim3(p.max_work),
+                                 dim3(verify::pipelined::NUM_THREADS),
+                                 verify::pipelined::SMEM_BYTES, programmatic_launch, stream, p);
+      break;
+    case AttentionVariant::kSplitK16:
+      err = LaunchWithDependency(verify::AttentionKernel<16>, dim3(p.max_work),
+                                 dim3(verify::WarpLayout<16>::NUM_THREADS), verify::SMEM_BYTES,
+                                 programmatic_launch, stream, p);
+      break;
+    case AttentionVariant::kSplitK8:
+      err = LaunchWithDependency(verify::AttentionKernel<8>, dim3(p.max_work),
+                                 dim3(verify::WarpLayout<8>::NUM_THREADS), verify::SMEM_BYTES,
+                                 programmatic_launch, stream, p);
+      break;
+  }
   if (err != cudaSuccess) return err;
   return LaunchWithDependency(verify::CombineKernel, dim3(p.max_work),
                               dim3(verify::COMBINE_THREADS), 0, programmatic_launch, stream, p);

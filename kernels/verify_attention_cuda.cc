@@ -59,6 +59,27 @@ WorkspaceLayout Layout(const VerifyArguments& a, const VerifyLaunchConfig& c) {
 
 }  // namespace
 
+const char* AttentionVariantName(AttentionVariant variant) {
+  switch (variant) {
+    case AttentionVariant::kSplitK8:
+      return "splitk8";
+    case AttentionVariant::kSplitK16:
+      return "splitk16";
+    case AttentionVariant::kPipelined:
+      return "pipelined";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<AttentionVariant> ParseAttentionVariant(absl::string_view name) {
+  for (const AttentionVariant v : {AttentionVariant::kSplitK8, AttentionVariant::kSplitK16,
+                                   AttentionVariant::kPipelined}) {
+    if (name == AttentionVariantName(v)) return v;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown attention variant '", name, "': use splitk8, splitk16 or pipelined"));
+}
+
 absl::StatusOr<VerifyLaunchConfig> PrepareVerifyLaunch(int device) {
   VerifyLaunchConfig config;
   RETURN_IF_ERROR(CudaErrorToStatus(cudaSetDevice(device), "cudaSetDevice"));
@@ -69,11 +90,12 @@ absl::StatusOr<VerifyLaunchConfig> PrepareVerifyLaunch(int device) {
   RETURN_IF_ERROR(CudaErrorToStatus(
       cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
       "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)"));
-  if (max_optin < VerifyAttentionSharedBytes()) {
+  const int needed = std::max(VerifyAttentionSharedBytes(AttentionVariant::kSplitK8),
+                              VerifyAttentionSharedBytes(AttentionVariant::kPipelined));
+  if (max_optin < needed) {
     return absl::FailedPreconditionError(
         absl::StrCat("device ", device, " allows ", max_optin,
-                     " bytes of shared memory per block; the verify kernel needs ",
-                     VerifyAttentionSharedBytes()));
+                     " bytes of shared memory per block; the verify kernels need ", needed));
   }
   RETURN_IF_ERROR(CudaErrorToStatus(PrepareVerifyKernels(), "cudaFuncSetAttribute"));
   return config;
@@ -90,9 +112,10 @@ absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchC
     return absl::InvalidArgumentError("launch config needs num_sms, ctas_per_sm and "
                                       "min_chunk_tiles >= 1 (see PrepareVerifyLaunch)");
   }
-  if (!IsSupportedAttentionWarps(c.attention_warps)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("attention_warps = ", c.attention_warps, ": supported are 8 and 16"));
+  if (!IsSupportedAttentionVariant(c.attention_variant)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attention_variant = ", static_cast<int>(c.attention_variant),
+        ": not a known variant (splitk8, splitk16, pipelined)"));
   }
   const WorkspaceLayout l = Layout(a, c);
   if (workspace == nullptr || workspace_bytes < l.bytes) {
@@ -133,7 +156,7 @@ absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchC
   p.max_partials = TargetCtas(c);
   p.target_ctas = TargetCtas(c);
   p.min_chunk_tiles = c.min_chunk_tiles;
-  return CudaErrorToStatus(LaunchVerifyKernels(p, c.attention_warps, c.programmatic_launch, stream),
+  return CudaErrorToStatus(LaunchVerifyKernels(p, c.attention_variant, c.programmatic_launch, stream),
                     "verify launch");
 }
 

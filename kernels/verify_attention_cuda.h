@@ -11,8 +11,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "kernels/kv_cache.h"
 #include "kernels/verify_attention.h"
+#include "kernels/verify_params.h"
 
 namespace mlaverify::kernels {
 
@@ -20,9 +22,17 @@ struct VerifyLaunchConfig {
   int num_sms = 0;          // multiprocessors of the device
   int ctas_per_sm = 1;      // attention CTAs resident per SM (1: shared memory ~95 KB)
   int min_chunk_tiles = 2;  // smallest KV chunk of a split, in 32-token tiles
-  int attention_warps = 8;  // attention variant: 8 or 16 warps per CTA (see bench/NOTES.md)
-  bool programmatic_launch = true;  // overlap kernel launches (sm_90+)
+  // Which attention kernel runs (see AttentionVariant and bench/NOTES.md).
+  AttentionVariant attention_variant = AttentionVariant::kPipelined;
+  // Programmatic dependent launch between plan, attention and combine (sm_90+).
+  // Off by default: on the H200 it made every anchor shape slower or equal
+  // (B=1, L=4K: 31.1 vs 27.3 us; bench/NOTES.md), for reasons not yet understood.
+  bool programmatic_launch = false;
 };
+
+// "splitk8", "splitk16", "pipelined": the names the benchmark and logs use.
+const char* AttentionVariantName(AttentionVariant variant);
+absl::StatusOr<AttentionVariant> ParseAttentionVariant(absl::string_view name);
 
 // Reads the device's multiprocessor count and raises the attention kernel's
 // shared-memory limit on it. Call once per device before launching.

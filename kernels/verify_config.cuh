@@ -80,6 +80,69 @@ static_assert(Q_TILE_BYTES <= KV_STAGE_BYTES, "the Q tile is staged in one KV st
 static_assert(NUM_STAGES == 2, "the main loop alternates two stages");
 static_assert(SMEM_BYTES <= SM120_MAX_SMEM_PER_BLOCK, "over the sm_120 shared-memory limit");
 
+// ---------------------------------------------------------------------------
+// The warp-specialised variant (PipelinedAttentionKernel). Eight warps in two
+// roles that run one KV tile apart:
+//   score warps 0-3, warp = (row_group, k_half): Q[16 rows, 288 dims] in
+//     registers; a partial S over their 288 dimensions, exchanged with the
+//     other k_half through shared memory; both warps of a pair then run the
+//     same online softmax and each writes half of P(t).
+//   PV warps 4-7: O[32 rows, 128 columns] in registers; O = alpha O + P(t) V(t)
+//     while the score warps already work on tile t+1. They also issue the KV
+//     loads (four tiles ahead), which keeps address arithmetic off the score
+//     warps: those are the critical path (ncu, bench/NOTES.md).
+// They hand over through named barriers (double-buffered P and alpha), so
+// the tensor pipe stays busy during the softmax. KV tiles are 16 tokens so
+// that five stages (three in flight while two are in use) fit 99 KB.
+// ---------------------------------------------------------------------------
+namespace pipelined {
+constexpr int BLOCK_N = 16;
+constexpr int NUM_STAGES = 5;
+constexpr int NUM_THREADS = 256;
+constexpr int SCORE_WARPS = 4;
+constexpr int SCORE_THREADS = SCORE_WARPS * 32;
+constexpr int PV_WARPS = 4;
+constexpr int K_HALF = D_QK / 2;       // dimensions of Q one score warp holds
+constexpr int K_STEPS = K_HALF / 16;   // k16 steps per score warp per tile
+constexpr int V_COLS_PER_WARP = D_V / PV_WARPS;
+constexpr int O_N_TILES = V_COLS_PER_WARP / 8;
+constexpr int STAGE_BYTES = BLOCK_N * ROW_BYTES;
+// Partial scores of one score warp: 8 floats per lane, element-major.
+constexpr int EXCHANGE_FLOATS_PER_WARP = 8 * 32;
+constexpr int EXCHANGE_BYTES = SCORE_WARPS * EXCHANGE_FLOATS_PER_WARP * 4;
+constexpr int P_PITCH = BLOCK_N + 8;  // bf16; 48-byte rows: ldmatrix and stores conflict-free
+constexpr int P_BUFFER_BYTES = BLOCK_M * P_PITCH * 2;
+
+constexpr int SMEM_KV_OFFSET = 0;
+constexpr int SMEM_EXCHANGE_OFFSET = SMEM_KV_OFFSET + NUM_STAGES * STAGE_BYTES;
+constexpr int SMEM_P_OFFSET = SMEM_EXCHANGE_OFFSET + EXCHANGE_BYTES;       // [2] P buffers
+constexpr int SMEM_ALPHA_OFFSET = SMEM_P_OFFSET + 2 * P_BUFFER_BYTES;      // [2][BLOCK_M] float
+constexpr int SMEM_INV_L_OFFSET = SMEM_ALPHA_OFFSET + 2 * BLOCK_M * 4;     // [BLOCK_M] float
+constexpr int SMEM_BYTES = SMEM_INV_L_OFFSET + BLOCK_M * 4;
+// Q is staged in the last two KV stages before the loop.
+constexpr int Q_STAGE = NUM_STAGES - 2;
+
+// Named barriers (0 is __syncthreads).
+constexpr int BAR_SCORE = 1;      // score warps: a KV tile is visible to all four
+constexpr int BAR_PAIR = 2;       // + row_group: the two k_halves exchanged partial scores
+constexpr int BAR_P_FULL = 4;     // + (tile & 1): P(t), alpha(t) written (score -> PV)
+constexpr int BAR_P_EMPTY = 6;    // + (tile & 1): PV(t) done with P buffer and KV stage
+constexpr int BAR_FINAL = 8;      // 1 / l and lse of every row written (score -> PV)
+constexpr int BAR_KV_FULL = 9;    // + (tile & 1): a KV tile loaded by the PV warps has landed
+
+static_assert(SCORE_WARPS == ROW_GROUPS * 2, "score warps are row_group x k_half");
+static_assert(K_HALF % 16 == 0 && K_STEPS % 2 == 0, "two accumulator chains per n-tile");
+static_assert(BLOCK_N == 16, "score warps hold two n8 tiles; P is one k16 step of PV");
+static_assert(SCORE_THREADS == BLOCK_N * 8 && ROW_CHUNKS % 8 == 0,
+              "loader: 8 score threads per KV row, 9 chunks each");
+static_assert(2 * STAGE_BYTES >= Q_TILE_BYTES, "Q is staged in the last two KV stages");
+static_assert(NUM_STAGES >= 4 && NUM_STAGES <= 5,
+              "two tiles in use (score t+1, PV t) plus two or three loading; the score "
+              "warps' prologue wait (a switch over pending groups) covers up to five");
+static_assert(O_N_TILES % 2 == 0, "ldmatrix.x4.trans loads two n8 tiles of V at a time");
+static_assert(SMEM_BYTES <= SM120_MAX_SMEM_PER_BLOCK, "over the sm_120 shared-memory limit");
+}  // namespace pipelined
+
 __host__ __device__ constexpr int SwizzledChunk(int row, int chunk) {
   return (chunk & ~7) | ((chunk ^ row) & 7);
 }

@@ -111,12 +111,18 @@ struct RowCopyParams {
   uint16_t* rows;             // [num_layers, count, 576]
 };
 
+// The attention kernel a launch uses (bench/NOTES.md has the measurements):
+//   kSplitK8 / kSplitK16: every warp computes scores, then softmax, then PV,
+//     with 8 or 16 warps per CTA (32-token KV tiles, two stages);
+//   kPipelined: warp-specialised, score warps one 16-token tile ahead of the
+//     PV warps (verify_pipelined_kernel.cuh).
+enum class AttentionVariant : int { kSplitK8 = 0, kSplitK16 = 1, kPipelined = 2 };
+
 // Launchers defined in the .cu files: they enqueue kernels on `stream` and
 // return the launch error; no allocation, no host synchronisation.
-// `attention_warps` picks the attention variant: 8 or 16 warps per CTA.
-cudaError_t LaunchVerifyKernels(const VerifyParams& params, int attention_warps,
+cudaError_t LaunchVerifyKernels(const VerifyParams& params, AttentionVariant variant,
                                 bool programmatic_launch, cudaStream_t stream);
-bool IsSupportedAttentionWarps(int warps);
+bool IsSupportedAttentionVariant(AttentionVariant variant);
 cudaError_t LaunchDraftKvWriteKernel(const DraftKvWriteParams& params, cudaStream_t stream);
 cudaError_t LaunchCompactKernel(const CompactParams& params, cudaStream_t stream);
 // to_pool: rows -> pool, else pool -> rows.
@@ -124,8 +130,8 @@ cudaError_t LaunchRowCopyKernel(const RowCopyParams& params, bool to_pool, cudaS
 // Raises the dynamic shared-memory limit of the attention kernel on the
 // current device; idempotent.
 cudaError_t PrepareVerifyKernels();
-// Dynamic shared memory of the attention kernel, in bytes.
-int VerifyAttentionSharedBytes();
+// Dynamic shared memory of an attention variant, in bytes.
+int VerifyAttentionSharedBytes(AttentionVariant variant);
 
 }  // namespace mlaverify::kernels
 

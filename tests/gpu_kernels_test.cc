@@ -33,6 +33,9 @@ using testing::MakeProblem;
 using testing::MaskKind;
 using testing::VerifyProblemSpec;
 
+constexpr AttentionVariant kAllVariants[] = {
+    AttentionVariant::kSplitK8, AttentionVariant::kSplitK16, AttentionVariant::kPipelined};
+
 // Rows compared in full up to this many per problem; larger problems compare
 // a random sample of this many rows (and scan every row for NaN).
 constexpr int64_t kMaxCheckedRows = 2048;
@@ -121,13 +124,17 @@ TEST_F(GpuKernelTest, AttentionMatchesReferenceOverTheGrid) {
     spec.mask = c.mask;
     spec.seed = 1000 + index++;
     HostVerifyProblem problem = MakeProblem(spec);
-    // Both attention variants; the default one on every case.
-    VerifyLaunchConfig config = config_;
-    config.attention_warps = index % 3 == 0 ? 8 : 16;
-    const Comparison result = RunAndCompare(problem, config);
-    EXPECT_TRUE(result.ok()) << c.Name() << " warps=" << config.attention_warps << ": "
-                             << result.ToString();
-    EXPECT_GT(result.rows_checked, 0) << c.Name();
+    // Every attention variant on every case.
+    for (const AttentionVariant variant : kAllVariants) {
+      VerifyLaunchConfig config = config_;
+      config.attention_variant = variant;
+      // Both launch modes: the kernels must not depend on PDL's overlap.
+      config.programmatic_launch = index % 2 == 0;
+      const Comparison result = RunAndCompare(problem, config);
+      EXPECT_TRUE(result.ok()) << c.Name() << " " << AttentionVariantName(variant) << ": "
+                               << result.ToString();
+      EXPECT_GT(result.rows_checked, 0) << c.Name();
+    }
   }
 }
 
@@ -141,15 +148,15 @@ TEST_F(GpuKernelTest, StridedQueriesAndAllSplitStrategiesAgree) {
   spec.seed = 77;
   // num_sms = 1: the target is one CTA, so no request is split. A huge SM
   // count with 1-tile chunks splits every request as finely as it can.
-  for (const int warps : {8, 16}) {
+  for (const AttentionVariant variant : kAllVariants) {
     for (const int sms : {1, config_.num_sms, 4096}) {
       VerifyLaunchConfig config = config_;
-      config.attention_warps = warps;
+      config.attention_variant = variant;
       config.num_sms = sms;
       config.min_chunk_tiles = sms == 4096 ? 1 : config_.min_chunk_tiles;
       HostVerifyProblem problem = MakeProblem(spec);
       const Comparison result = RunAndCompare(problem, config);
-      EXPECT_TRUE(result.ok()) << "warps=" << warps << " num_sms=" << sms << ": "
+      EXPECT_TRUE(result.ok()) << AttentionVariantName(variant) << " num_sms=" << sms << ": "
                                << result.ToString();
     }
   }
@@ -164,7 +171,7 @@ TEST_F(GpuKernelTest, RejectsUnsupportedLaunchConfig) {
   ASSERT_TRUE(device.Init(CapacityFor(problem), config_).ok());
   ASSERT_TRUE(device.Upload(problem).ok());
   VerifyLaunchConfig config = config_;
-  config.attention_warps = 12;
+  config.attention_variant = static_cast<AttentionVariant>(7);
   EXPECT_EQ(LaunchVerifyAttention(device.Args(), config, device.workspace(),
                                   device.workspace_bytes(), nullptr)
                 .code(),

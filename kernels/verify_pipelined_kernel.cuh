@@ -1,0 +1,442 @@
+// The warp-specialised verify attention kernel: the same work items, plan and
+// combine as AttentionKernel (verify_kernel.cuh), with an inner loop in which
+// the score/softmax of KV tile t+1 runs on four warps while four other warps
+// accumulate P(t) V(t). See the `pipelined` constants in verify_config.cuh for
+// the roles and the shared-memory layout, and bench/NOTES.md for why.
+//
+// Hand-over per 16-token tile t (barriers indexed by t & 1):
+//   score warps: wait P_EMPTY(t-2) -> wait for tile t (their own prologue
+//     loads for t < NUM_STAGES, else KV_FULL(t)) -> S partial -> exchange with
+//     the other k_half -> softmax -> write P(t), alpha(t) -> arrive P_FULL(t)
+//   PV warps:    wait P_FULL(t) -> load tile t+4 into the stage of tile t-1 ->
+//     O = alpha O + P(t) V(t) -> arrive P_EMPTY(t) -> wait for their load of
+//     tile t+2 -> arrive KV_FULL(t+2)
+// Every arrive has exactly one matching sync: P_EMPTY(t) is only signalled
+// for t + 2 < num_tiles (the tiles whose successor-but-one waits for it), and
+// KV_FULL(t+2) only for the PV-loaded tiles t+2 >= NUM_STAGES that exist.
+// Stage (t-1) % NUM_STAGES is free when a PV warp passes P_FULL(t): the
+// score warps finished S(t-1) before P_FULL(t-1), and every PV warp finished
+// PV(t-1) before it could take part in P_FULL(t).
+// Included by exactly one translation unit (verify_attention.cu), after
+// verify_kernel.cuh.
+#ifndef MLAVERIFY_KERNELS_VERIFY_PIPELINED_KERNEL_CUH_
+#define MLAVERIFY_KERNELS_VERIFY_PIPELINED_KERNEL_CUH_
+
+#include "kernels/verify_kernel.cuh"
+
+namespace mlaverify::kernels::verify {
+
+__global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
+    PipelinedAttentionKernel(const VerifyParams p) {
+  // Block-scope declarations: these hide the split-K variant's constants of the same name.
+  using pipelined::BAR_FINAL;
+  using pipelined::BAR_KV_FULL;
+  using pipelined::BAR_P_EMPTY;
+  using pipelined::BAR_P_FULL;
+  using pipelined::BAR_PAIR;
+  using pipelined::BAR_SCORE;
+  using pipelined::BLOCK_N;
+  using pipelined::EXCHANGE_FLOATS_PER_WARP;
+  using pipelined::K_HALF;
+  using pipelined::K_STEPS;
+  using pipelined::NUM_STAGES;
+  using pipelined::NUM_THREADS;
+  using pipelined::O_N_TILES;
+  using pipelined::P_BUFFER_BYTES;
+  using pipelined::P_PITCH;
+  using pipelined::Q_STAGE;
+  using pipelined::SCORE_THREADS;
+  using pipelined::SCORE_WARPS;
+  using pipelined::SMEM_ALPHA_OFFSET;
+  using pipelined::SMEM_EXCHANGE_OFFSET;
+  using pipelined::SMEM_INV_L_OFFSET;
+  using pipelined::SMEM_KV_OFFSET;
+  using pipelined::SMEM_P_OFFSET;
+  using pipelined::STAGE_BYTES;
+  using pipelined::V_COLS_PER_WARP;
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+
+  ptx::GridDependencyWait();  // the plan kernel's work list
+  if (static_cast<int>(blockIdx.x) >= *p.total_work) return;
+  const VerifyWorkItem item = p.work[blockIdx.x];
+  ptx::GridDependencyLaunchDependents();
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int g = lane >> 2;  // mma fragment row
+  const int t4 = lane & 3;  // mma fragment column pair
+  const int b = item.request;
+  const int heads = p.num_heads;
+  const int rows = p.draft_len[b] * heads;
+  const int q_row = p.request_q_row[b];
+  const int splits = p.request_splits[b];
+  const int kv_begin = item.kv_begin;
+  const int kv_end = item.kv_end;
+  const int num_tiles = CeilDiv(kv_end - kv_begin, BLOCK_N);
+
+  const uint32_t kv_base = ptx::SmemAddress(smem_raw + SMEM_KV_OFFSET);
+  auto stage_addr = [&](int stage) { return kv_base + stage * STAGE_BYTES; };
+  const uint32_t probs_addr = ptx::SmemAddress(smem_raw + SMEM_P_OFFSET);
+  float* alpha_s = reinterpret_cast<float*>(smem_raw + SMEM_ALPHA_OFFSET);
+  float* inv_l_s = reinterpret_cast<float*>(smem_raw + SMEM_INV_L_OFFSET);
+
+  // ---- KV loader, run by the 128 threads of one role: 8 threads per KV row,
+  // 16-byte chunks ld_lane + 8k. A chunk lands at a fixed offset from the
+  // row's swizzled base (SwizzledChunk keeps bits 3.. of the chunk index), so
+  // one base address per thread and immediate offsets do. ----
+  const int ld_row = (tid & 127) >> 3;
+  const int ld_lane = tid & 7;
+  const uint32_t ld_dst = static_cast<uint32_t>(ld_row * ROW_BYTES + ((ld_lane ^ ld_row) & 7) * 16);
+  const int32_t* pages = p.page_table + b * p.page_table_stride;
+  const int page_mask = (1 << p.page_size_log2) - 1;
+  const uint16_t* layer_base = p.pool + static_cast<int64_t>(p.layer[b]) * p.num_pages *
+                                            (int64_t{D_QK} << p.page_size_log2);
+  auto page_of = [&](int tile) -> int {
+    const int j = kv_begin + tile * BLOCK_N + ld_row;
+    return j < kv_end ? pages[j >> p.page_size_log2] : 0;
+  };
+  auto issue_tile = [&](int tile, int page) {
+    const int j = kv_begin + tile * BLOCK_N + ld_row;
+    const bool valid = j < kv_end;
+    // An invalid row reads nothing (src-size 0, zero fill); any mapped address will do.
+    const uint16_t* src =
+        (valid ? layer_base + ((static_cast<int64_t>(page) << p.page_size_log2) + (j & page_mask)) * D_QK
+               : p.pool) +
+        ld_lane * 8;
+    const uint32_t dst = stage_addr(tile % NUM_STAGES) + ld_dst;
+#pragma unroll
+    for (int k = 0; k < ROW_CHUNKS / 8; ++k) ptx::CpAsync16(dst + k * 128, src + k * 64, valid);
+  };
+
+  if (warp < SCORE_WARPS) {
+    // =================== score warps: S and the online softmax ===================
+    const int row_group = warp >> 1;
+    const int k_half = warp & 1;
+    const int prefix = p.prefix_len[b];
+    const float scale = p.softmax_scale != nullptr ? p.softmax_scale[b] : p.default_softmax_scale;
+    const float scale_log2 = scale * LOG2E;
+
+    // ---- prologue: Q (32 rows) into the last two stages, tiles 0..NUM_STAGES-3 ----
+    {
+      const uint32_t dst = stage_addr(Q_STAGE);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = ld_row + half * BLOCK_N;
+        const int r = item.row_tile * BLOCK_M + row;
+        const bool valid = r < rows;
+        const uint16_t* src = valid ? p.q + static_cast<int64_t>(q_row + r / heads) * p.q_token_stride +
+                                          static_cast<int64_t>(r % heads) * p.q_head_stride
+                                    : p.q;
+#pragma unroll
+        for (int k = 0; k < ROW_CHUNKS / 8; ++k) {
+          const int chunk = ld_lane + 8 * k;
+          ptx::CpAsync16(dst + TileOffset(row, chunk), valid ? src + chunk * 8 : p.q, valid);
+        }
+      }
+      ptx::CpAsyncCommit();
+    }
+#pragma unroll
+    for (int t = 0; t < Q_STAGE; ++t) {
+      if (t < num_tiles) issue_tile(t, page_of(t));
+      ptx::CpAsyncCommit();
+    }
+
+    uint32_t q_frag[K_STEPS][4];
+    ptx::CpAsyncWait<Q_STAGE>();  // Q has landed (the tiles may still be in flight)
+    ptx::NamedBarrierSync(BAR_SCORE, SCORE_THREADS);
+    {
+      const int row = row_group * 16 + (lane & 15);
+#pragma unroll
+      for (int s = 0; s < K_STEPS; ++s) {
+        const int chunk = (k_half * K_HALF + s * 16) / 8 + (lane >> 4);
+        ptx::LdMatrixX4(q_frag[s], stage_addr(Q_STAGE) + TileOffset(row, chunk));
+      }
+    }
+    // Every score warp holds its Q: the Q stages receive tiles Q_STAGE.. now.
+    ptx::NamedBarrierSync(BAR_SCORE, SCORE_THREADS);
+#pragma unroll
+    for (int t = Q_STAGE; t < NUM_STAGES; ++t) {
+      if (t < num_tiles) issue_tile(t, page_of(t));
+      ptx::CpAsyncCommit();
+    }
+
+    // Softmax state of rows g and g + 8 of this row group (identical in both
+    // k_halves). Rows past the request's end have Q = 0 (zero-filled), so
+    // their scores stay finite; their outputs are never stored.
+    const int r_lo = item.row_tile * BLOCK_M + row_group * 16 + g;
+    const int r_hi = r_lo + 8;
+    const uint64_t vis_lo = r_lo < rows ? p.visibility[q_row + r_lo / heads] : 0;
+    const uint64_t vis_hi = r_hi < rows ? p.visibility[q_row + r_hi / heads] : 0;
+    float max_lo = -INFINITY, max_hi = -INFINITY;  // running max, log2 domain
+    float sum_lo = 0.0f, sum_hi = 0.0f;            // this lane's share of the running sum
+    // Keys below this position are prefix keys inside the chunk: no mask.
+    const int unmasked_end = min(prefix, kv_end);
+
+    float4* exchange = reinterpret_cast<float4*>(smem_raw + SMEM_EXCHANGE_OFFSET);
+    float4* mine = exchange + warp * (EXCHANGE_FLOATS_PER_WARP / 4);
+    const float4* theirs = exchange + (warp ^ 1) * (EXCHANGE_FLOATS_PER_WARP / 4);
+
+    for (int t = 0; t < num_tiles; ++t) {
+      // PV(t-2) is done with P buffer (t & 1).
+      if (t >= 2) ptx::NamedBarrierSync(BAR_P_EMPTY + (t & 1), NUM_THREADS);
+      if (t < NUM_STAGES) {
+        // Tiles of the prologue were loaded by the score warps themselves:
+        // groups Q, 0, 1, ..., NUM_STAGES-1.
+        switch (NUM_STAGES - 1 - t) {
+          case 0: ptx::CpAsyncWait<0>(); break;
+          case 1: ptx::CpAsyncWait<1>(); break;
+          case 2: ptx::CpAsyncWait<2>(); break;
+          case 3: ptx::CpAsyncWait<3>(); break;
+          default: ptx::CpAsyncWait<4>(); break;
+        }
+        ptx::NamedBarrierSync(BAR_SCORE, SCORE_THREADS);
+      } else {
+        ptx::NamedBarrierSync(BAR_KV_FULL + (t & 1), NUM_THREADS);
+      }
+
+      // ---- partial S[16 rows, 16 tokens] over this warp's 288 dimensions:
+      // two accumulator chains per n-tile (even / odd k steps) ----
+      const uint32_t kv = stage_addr(t % NUM_STAGES);
+      float acc[2][2][4];
+#pragma unroll
+      for (int c = 0; c < 2; ++c)
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[c][n][e] = 0.0f;
+      const int k_token = (lane & 7) + ((lane >> 4) << 3);
+#pragma unroll
+      for (int s = 0; s < K_STEPS; ++s) {
+        const int chunk = (k_half * K_HALF + s * 16) / 8 + ((lane >> 3) & 1);
+        uint32_t kf[4];
+        ptx::LdMatrixX4(kf, kv + TileOffset(k_token, chunk));
+        ptx::MmaBf16(acc[s & 1][0], q_frag[s], kf[0], kf[1]);
+        ptx::MmaBf16(acc[s & 1][1], q_frag[s], kf[2], kf[3]);
+      }
+      float sc[2][4];
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[n][e] = acc[0][n][e] + acc[1][n][e];
+
+      // ---- exchange with the other k_half: both end with the same full S
+      // (a + b == b + a in IEEE arithmetic, so the two softmaxes agree bit for bit) ----
+#pragma unroll
+      for (int n = 0; n < 2; ++n) mine[n * 32 + lane] = make_float4(sc[n][0], sc[n][1], sc[n][2], sc[n][3]);
+      ptx::NamedBarrierSync(BAR_PAIR + row_group, 64);
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        const float4 o = theirs[n * 32 + lane];
+        sc[n][0] += o.x;
+        sc[n][1] += o.y;
+        sc[n][2] += o.z;
+        sc[n][3] += o.w;
+      }
+
+      // ---- online softmax: lane holds rows g, g+8 x columns n*8 + 2*t4 + {0,1} ----
+      const int tile_begin = kv_begin + t * BLOCK_N;
+      if (tile_begin + BLOCK_N <= unmasked_end) {
+        // A prefix tile: every key is visible to every row.
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sc[n][e] *= scale_log2;
+      } else {
+        const int j0 = tile_begin + 2 * t4;
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int j = j0 + n * 8 + (e & 1);
+            const uint64_t vis = e >= 2 ? vis_hi : vis_lo;
+            // Prefix keys need no mask; draft keys use the tree's visibility word.
+            const bool visible =
+                j < kv_end && (j < prefix || ((vis >> ((j - prefix) & 63)) & 1u) != 0);
+            sc[n][e] = visible ? sc[n][e] * scale_log2 : -INFINITY;
+          }
+        }
+      }
+      float tile_max_lo = fmaxf(fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[1][0], sc[1][1]));
+      float tile_max_hi = fmaxf(fmaxf(sc[0][2], sc[0][3]), fmaxf(sc[1][2], sc[1][3]));
+      tile_max_lo = fmaxf(tile_max_lo, __shfl_xor_sync(0xffffffffu, tile_max_lo, 1));
+      tile_max_hi = fmaxf(tile_max_hi, __shfl_xor_sync(0xffffffffu, tile_max_hi, 1));
+      tile_max_lo = fmaxf(tile_max_lo, __shfl_xor_sync(0xffffffffu, tile_max_lo, 2));
+      tile_max_hi = fmaxf(tile_max_hi, __shfl_xor_sync(0xffffffffu, tile_max_hi, 2));
+      const float new_lo = fmaxf(max_lo, tile_max_lo);
+      const float new_hi = fmaxf(max_hi, tile_max_hi);
+      // A row that has seen no visible key keeps max -inf: use 0 as the
+      // reference so that exp2(-inf - ref) is 0 rather than NaN.
+      const float ref_lo = new_lo == -INFINITY ? 0.0f : new_lo;
+      const float ref_hi = new_hi == -INFINITY ? 0.0f : new_hi;
+      const float alpha_lo = exp2f(max_lo - ref_lo);
+      const float alpha_hi = exp2f(max_hi - ref_hi);
+      float tile_sum_lo = 0.0f, tile_sum_hi = 0.0f;
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        sc[n][0] = exp2f(sc[n][0] - ref_lo);
+        sc[n][1] = exp2f(sc[n][1] - ref_lo);
+        sc[n][2] = exp2f(sc[n][2] - ref_hi);
+        sc[n][3] = exp2f(sc[n][3] - ref_hi);
+        tile_sum_lo += sc[n][0] + sc[n][1];
+        tile_sum_hi += sc[n][2] + sc[n][3];
+      }
+      sum_lo = sum_lo * alpha_lo + tile_sum_lo;
+      sum_hi = sum_hi * alpha_hi + tile_sum_hi;
+      max_lo = new_lo;
+      max_hi = new_hi;
+
+      // ---- hand P(t) (this k_half's n-tile) and alpha(t) to the PV warps ----
+      {
+        auto* probs = reinterpret_cast<uint32_t*>(smem_raw + SMEM_P_OFFSET + (t & 1) * P_BUFFER_BYTES);
+        const int row = row_group * 16 + g;
+        const int col = k_half * 8 + 2 * t4;
+        // Select rather than index with k_half: a runtime index would put sc in local memory.
+        float mine_p[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mine_p[e] = k_half ? sc[1][e] : sc[0][e];
+        probs[(row * P_PITCH + col) / 2] = ptx::PackBf16x2(mine_p[0], mine_p[1]);
+        probs[((row + 8) * P_PITCH + col) / 2] = ptx::PackBf16x2(mine_p[2], mine_p[3]);
+        if (k_half == 0 && t4 == 0) {
+          alpha_s[(t & 1) * BLOCK_M + row] = alpha_lo;
+          alpha_s[(t & 1) * BLOCK_M + row + 8] = alpha_hi;
+        }
+      }
+      ptx::NamedBarrierArrive(BAR_P_FULL + (t & 1), NUM_THREADS);
+    }
+
+    // ---- 1 / l and lse of the rows, for the PV warps' epilogue ----
+    sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, 1);
+    sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, 2);
+    sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, 1);
+    sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, 2);
+    if (k_half == 0 && t4 == 0) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float sum = half ? sum_hi : sum_lo;
+        const float max = half ? max_hi : max_lo;
+        const int row = row_group * 16 + g + half * 8;
+        const int r = item.row_tile * BLOCK_M + row;
+        inv_l_s[row] = sum > 0.0f ? 1.0f / sum : 0.0f;
+        const float lse = sum > 0.0f ? (max + __log2f(sum)) * LN2 : -INFINITY;
+        if (splits == 1) {
+          if (r < rows) p.lse[static_cast<int64_t>(q_row + r / heads) * heads + r % heads] = lse;
+        } else {
+          p.partial_lse[blockIdx.x * BLOCK_M + row] = lse;
+        }
+      }
+    }
+    ptx::NamedBarrierArrive(BAR_FINAL, NUM_THREADS);
+    return;
+  }
+
+  // ============ PV warps: KV loads from tile NUM_STAGES on, O = alpha O + P V ============
+  const int pv_warp = warp - SCORE_WARPS;
+  float o_acc[M_TILES][O_N_TILES][4];
+#pragma unroll
+  for (int m = 0; m < M_TILES; ++m)
+#pragma unroll
+    for (int n = 0; n < O_N_TILES; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o_acc[m][n][e] = 0.0f;
+
+  int next_page = page_of(NUM_STAGES);  // page of this thread's row of the next tile to load
+  const int v_token = (lane & 7) + (((lane >> 3) & 1) << 3);
+  for (int t = 0; t < num_tiles; ++t) {
+    ptx::NamedBarrierSync(BAR_P_FULL + (t & 1), NUM_THREADS);
+    if (t >= 1) {
+      // Stage (t-1) % NUM_STAGES is free (see the header): load tile t+4 into it.
+      const int load_tile = t + NUM_STAGES - 1;
+      if (load_tile < num_tiles) {
+        issue_tile(load_tile, next_page);
+        if (load_tile + 1 < num_tiles) next_page = page_of(load_tile + 1);
+      }
+      ptx::CpAsyncCommit();
+    }
+    const float* alpha = alpha_s + (t & 1) * BLOCK_M;
+    float a[M_TILES][2];
+#pragma unroll
+    for (int m = 0; m < M_TILES; ++m) {
+      a[m][0] = alpha[m * 16 + g];
+      a[m][1] = alpha[m * 16 + g + 8];
+    }
+    // Once the running max settles alpha is 1 on every row: skip the rescale.
+    bool unchanged = true;
+#pragma unroll
+    for (int m = 0; m < M_TILES; ++m) unchanged = unchanged && a[m][0] == 1.0f && a[m][1] == 1.0f;
+    if (!__all_sync(0xffffffffu, unchanged)) {
+#pragma unroll
+      for (int m = 0; m < M_TILES; ++m)
+#pragma unroll
+        for (int n = 0; n < O_N_TILES; ++n) {
+          o_acc[m][n][0] *= a[m][0];
+          o_acc[m][n][1] *= a[m][0];
+          o_acc[m][n][2] *= a[m][1];
+          o_acc[m][n][3] *= a[m][1];
+        }
+    }
+    uint32_t p_frag[M_TILES][4];
+    const uint32_t probs = probs_addr + (t & 1) * P_BUFFER_BYTES;
+#pragma unroll
+    for (int m = 0; m < M_TILES; ++m) {
+      const int row = m * 16 + (lane & 15);
+      const int col = (lane >> 4) << 3;
+      ptx::LdMatrixX4(p_frag[m], probs + (row * P_PITCH + col) * 2);
+    }
+    const uint32_t kv = stage_addr(t % NUM_STAGES);
+#pragma unroll
+    for (int np = 0; np < O_N_TILES / 2; ++np) {
+      const int chunk = pv_warp * (V_COLS_PER_WARP / 8) + np * 2 + (lane >> 4);
+      uint32_t vf[4];
+      ptx::LdMatrixX4Trans(vf, kv + TileOffset(v_token, chunk));
+#pragma unroll
+      for (int m = 0; m < M_TILES; ++m) {
+        ptx::MmaBf16(o_acc[m][2 * np], p_frag[m], vf[0], vf[1]);
+        ptx::MmaBf16(o_acc[m][2 * np + 1], p_frag[m], vf[2], vf[3]);
+      }
+    }
+    if (t + 2 < num_tiles) {
+      ptx::NamedBarrierArrive(BAR_P_EMPTY + (t & 1), NUM_THREADS);
+      if (t + 2 >= NUM_STAGES) {
+        // Groups committed so far: tiles NUM_STAGES..t+4; tile t+2 complete
+        // leaves the two newest pending.
+        ptx::CpAsyncWait<NUM_STAGES - 3>();
+        ptx::NamedBarrierArrive(BAR_KV_FULL + (t & 1), NUM_THREADS);
+      }
+    }
+  }
+
+  // ---- epilogue: normalised O, bf16 to the output or fp32 to the partials ----
+  ptx::NamedBarrierSync(BAR_FINAL, NUM_THREADS);
+#pragma unroll
+  for (int m = 0; m < M_TILES; ++m) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = m * 16 + g + half * 8;
+      const int r = item.row_tile * BLOCK_M + row;
+      if (r >= rows) continue;
+      const float inv = inv_l_s[row];
+      const int col0 = pv_warp * V_COLS_PER_WARP + 2 * t4;
+      if (splits == 1) {
+        uint16_t* dst = p.out + static_cast<int64_t>(q_row + r / heads) * p.out_token_stride +
+                        static_cast<int64_t>(r % heads) * p.out_head_stride + col0;
+#pragma unroll
+        for (int n = 0; n < O_N_TILES; ++n) {
+          *reinterpret_cast<uint32_t*>(dst + n * 8) =
+              ptx::PackBf16x2(o_acc[m][n][2 * half] * inv, o_acc[m][n][2 * half + 1] * inv);
+        }
+      } else {
+        float* dst = p.partial_out + (static_cast<int64_t>(blockIdx.x) * BLOCK_M + row) * D_V + col0;
+#pragma unroll
+        for (int n = 0; n < O_N_TILES; ++n) {
+          *reinterpret_cast<float2*>(dst + n * 8) =
+              make_float2(o_acc[m][n][2 * half] * inv, o_acc[m][n][2 * half + 1] * inv);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace mlaverify::kernels::verify
+
+#endif  // MLAVERIFY_KERNELS_VERIFY_PIPELINED_KERNEL_CUH_
