@@ -22,6 +22,13 @@ __device__ __forceinline__ void CpAsync16(uint32_t smem_dst, const void* gmem_sr
                "r"(src_bytes));
 }
 
+// 4-byte variant (through L1: .ca is the only cache mode for sizes below 16).
+__device__ __forceinline__ void CpAsync4(uint32_t smem_dst, const void* gmem_src, bool valid) {
+  const int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_dst), "l"(gmem_src),
+               "r"(src_bytes));
+}
+
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 template <int kPending>

@@ -98,10 +98,18 @@ static_assert(SMEM_BYTES <= SM120_MAX_SMEM_PER_BLOCK, "over the sm_120 shared-me
 namespace pipelined {
 constexpr int BLOCK_N = 16;
 constexpr int NUM_STAGES = 5;
-constexpr int NUM_THREADS = 256;
 constexpr int SCORE_WARPS = 4;
 constexpr int SCORE_THREADS = SCORE_WARPS * 32;
+// Four PV warps, one per SM sub-partition next to one score warp. Eight were
+// measured (v4c in bench/NOTES.md): the PV role got faster but its extra
+// MMAs took the tensor pipe from the score warps, the critical path: slower.
 constexpr int PV_WARPS = 4;
+constexpr int PV_THREADS = PV_WARPS * 32;
+constexpr int NUM_THREADS = SCORE_THREADS + PV_THREADS;
+// Loaders: the score warps load Q and the first tiles with 8 threads per KV
+// row; the PV warps load the rest with 16.
+constexpr int SCORE_LOADER_THREADS_PER_ROW = SCORE_THREADS / BLOCK_N;
+constexpr int PV_LOADER_THREADS_PER_ROW = PV_THREADS / BLOCK_N;
 constexpr int K_HALF = D_QK / 2;       // dimensions of Q one score warp holds
 constexpr int K_STEPS = K_HALF / 16;   // k16 steps per score warp per tile
 constexpr int V_COLS_PER_WARP = D_V / PV_WARPS;
@@ -118,7 +126,15 @@ constexpr int SMEM_EXCHANGE_OFFSET = SMEM_KV_OFFSET + NUM_STAGES * STAGE_BYTES;
 constexpr int SMEM_P_OFFSET = SMEM_EXCHANGE_OFFSET + EXCHANGE_BYTES;       // [2] P buffers
 constexpr int SMEM_ALPHA_OFFSET = SMEM_P_OFFSET + 2 * P_BUFFER_BYTES;      // [2][BLOCK_M] float
 constexpr int SMEM_INV_L_OFFSET = SMEM_ALPHA_OFFSET + 2 * BLOCK_M * 4;     // [BLOCK_M] float
-constexpr int SMEM_BYTES = SMEM_INV_L_OFFSET + BLOCK_M * 4;
+// Page ids of the KV rows the PV warps will load, fetched with cp.async
+// PAGE_AHEAD tiles before their tile is loaded: [PAGE_RING][BLOCK_N] int32.
+constexpr int PAGE_AHEAD = 4;
+constexpr int PAGE_RING = 8;
+constexpr int SMEM_PAGE_RING_OFFSET = SMEM_INV_L_OFFSET + BLOCK_M * 4;
+constexpr int SMEM_BYTES = SMEM_PAGE_RING_OFFSET + PAGE_RING * BLOCK_N * 4;
+// The softmax keeps a row's exponent reference while no new score exceeds it
+// by more than this (log2 domain): P stays <= 256.
+constexpr float REFERENCE_SLACK = 8.0f;
 // Q is staged in the last two KV stages before the loop.
 constexpr int Q_STAGE = NUM_STAGES - 2;
 
@@ -133,13 +149,18 @@ constexpr int BAR_KV_FULL = 9;    // + (tile & 1): a KV tile loaded by the PV wa
 static_assert(SCORE_WARPS == ROW_GROUPS * 2, "score warps are row_group x k_half");
 static_assert(K_HALF % 16 == 0 && K_STEPS % 2 == 0, "two accumulator chains per n-tile");
 static_assert(BLOCK_N == 16, "score warps hold two n8 tiles; P is one k16 step of PV");
-static_assert(SCORE_THREADS == BLOCK_N * 8 && ROW_CHUNKS % 8 == 0,
-              "loader: 8 score threads per KV row, 9 chunks each");
+static_assert(SCORE_LOADER_THREADS_PER_ROW % 8 == 0 && PV_LOADER_THREADS_PER_ROW % 8 == 0,
+              "loaders: whole swizzle groups of 8 chunks per thread row");
+static_assert(SCORE_LOADER_THREADS_PER_ROW == 8, "Q staging: 8 score threads per row, 9 chunks each");
+static_assert(NUM_THREADS <= 384, "one CTA per SM at <= 168 registers per thread");
 static_assert(2 * STAGE_BYTES >= Q_TILE_BYTES, "Q is staged in the last two KV stages");
 static_assert(NUM_STAGES >= 4 && NUM_STAGES <= 5,
               "two tiles in use (score t+1, PV t) plus two or three loading; the score "
               "warps' prologue wait (a switch over pending groups) covers up to five");
 static_assert(O_N_TILES % 2 == 0, "ldmatrix.x4.trans loads two n8 tiles of V at a time");
+static_assert(PAGE_AHEAD >= NUM_STAGES - 2 && PAGE_RING > PAGE_AHEAD,
+              "a page id is fetched in the group of an earlier step that the PV warps' "
+              "wait_group has already completed when its tile is loaded");
 static_assert(SMEM_BYTES <= SM120_MAX_SMEM_PER_BLOCK, "over the sm_120 shared-memory limit");
 }  // namespace pipelined
 

@@ -22,6 +22,8 @@
 #ifndef MLAVERIFY_KERNELS_VERIFY_PIPELINED_KERNEL_CUH_
 #define MLAVERIFY_KERNELS_VERIFY_PIPELINED_KERNEL_CUH_
 
+#include <type_traits>
+
 #include "kernels/verify_kernel.cuh"
 
 namespace mlaverify::kernels::verify {
@@ -41,10 +43,12 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
   using pipelined::K_STEPS;
   using pipelined::NUM_STAGES;
   using pipelined::NUM_THREADS;
+  using pipelined::PV_THREADS;
   using pipelined::O_N_TILES;
   using pipelined::P_BUFFER_BYTES;
   using pipelined::P_PITCH;
   using pipelined::Q_STAGE;
+  using pipelined::REFERENCE_SLACK;
   using pipelined::SCORE_THREADS;
   using pipelined::SCORE_WARPS;
   using pipelined::SMEM_ALPHA_OFFSET;
@@ -81,33 +85,40 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
   float* alpha_s = reinterpret_cast<float*>(smem_raw + SMEM_ALPHA_OFFSET);
   float* inv_l_s = reinterpret_cast<float*>(smem_raw + SMEM_INV_L_OFFSET);
 
-  // ---- KV loader, run by the 128 threads of one role: 8 threads per KV row,
-  // 16-byte chunks ld_lane + 8k. A chunk lands at a fixed offset from the
-  // row's swizzled base (SwizzledChunk keeps bits 3.. of the chunk index), so
-  // one base address per thread and immediate offsets do. ----
-  const int ld_row = (tid & 127) >> 3;
-  const int ld_lane = tid & 7;
-  const uint32_t ld_dst = static_cast<uint32_t>(ld_row * ROW_BYTES + ((ld_lane ^ ld_row) & 7) * 16);
+  // ---- KV loader: `threads_per_row` threads of one role share a KV row, thread
+  // `lane` taking 16-byte chunks lane + threads_per_row * k. With
+  // threads_per_row a multiple of 8 a chunk lands at a fixed offset from the
+  // thread's swizzled base (SwizzledChunk keeps bits 3.. of the chunk index),
+  // so one base address per thread and immediate offsets do. ----
   const int32_t* pages = p.page_table + b * p.page_table_stride;
   const int page_mask = (1 << p.page_size_log2) - 1;
   const uint16_t* layer_base = p.pool + static_cast<int64_t>(p.layer[b]) * p.num_pages *
                                             (int64_t{D_QK} << p.page_size_log2);
-  auto page_of = [&](int tile) -> int {
-    const int j = kv_begin + tile * BLOCK_N + ld_row;
+  auto page_of = [&](int tile, int row) -> int {
+    const int j = kv_begin + tile * BLOCK_N + row;
     return j < kv_end ? pages[j >> p.page_size_log2] : 0;
   };
-  auto issue_tile = [&](int tile, int page) {
-    const int j = kv_begin + tile * BLOCK_N + ld_row;
+  auto issue_tile = [&](auto threads_per_row, int tile, int page, int row, int lane) {
+    constexpr int kPerRow = decltype(threads_per_row)::value;
+    constexpr int kChunks = (ROW_CHUNKS + kPerRow - 1) / kPerRow;
+    const int j = kv_begin + tile * BLOCK_N + row;
     const bool valid = j < kv_end;
     // An invalid row reads nothing (src-size 0, zero fill); any mapped address will do.
     const uint16_t* src =
         (valid ? layer_base + ((static_cast<int64_t>(page) << p.page_size_log2) + (j & page_mask)) * D_QK
                : p.pool) +
-        ld_lane * 8;
-    const uint32_t dst = stage_addr(tile % NUM_STAGES) + ld_dst;
+        lane * 8;
+    const uint32_t dst = stage_addr(tile % NUM_STAGES) +
+                         static_cast<uint32_t>(row * ROW_BYTES + ((lane & ~7) + ((lane ^ row) & 7)) * 16);
 #pragma unroll
-    for (int k = 0; k < ROW_CHUNKS / 8; ++k) ptx::CpAsync16(dst + k * 128, src + k * 64, valid);
+    for (int k = 0; k < kChunks; ++k) {
+      if (kPerRow * k + lane < ROW_CHUNKS) {
+        ptx::CpAsync16(dst + k * kPerRow * 16, src + k * kPerRow * 8, valid);
+      }
+    }
   };
+  using ScoreLoaderWidth = std::integral_constant<int, pipelined::SCORE_LOADER_THREADS_PER_ROW>;
+  using PvLoaderWidth = std::integral_constant<int, pipelined::PV_LOADER_THREADS_PER_ROW>;
 
   if (warp < SCORE_WARPS) {
     // =================== score warps: S and the online softmax ===================
@@ -116,6 +127,8 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
     const int prefix = p.prefix_len[b];
     const float scale = p.softmax_scale != nullptr ? p.softmax_scale[b] : p.default_softmax_scale;
     const float scale_log2 = scale * LOG2E;
+    const int ld_row = tid / ScoreLoaderWidth::value;
+    const int ld_lane = tid % ScoreLoaderWidth::value;
 
     // ---- prologue: Q (32 rows) into the last two stages, tiles 0..NUM_STAGES-3 ----
     {
@@ -138,7 +151,7 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
     }
 #pragma unroll
     for (int t = 0; t < Q_STAGE; ++t) {
-      if (t < num_tiles) issue_tile(t, page_of(t));
+      if (t < num_tiles) issue_tile(ScoreLoaderWidth{}, t, page_of(t, ld_row), ld_row, ld_lane);
       ptx::CpAsyncCommit();
     }
 
@@ -157,7 +170,7 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
     ptx::NamedBarrierSync(BAR_SCORE, SCORE_THREADS);
 #pragma unroll
     for (int t = Q_STAGE; t < NUM_STAGES; ++t) {
-      if (t < num_tiles) issue_tile(t, page_of(t));
+      if (t < num_tiles) issue_tile(ScoreLoaderWidth{}, t, page_of(t, ld_row), ld_row, ld_lane);
       ptx::CpAsyncCommit();
     }
 
@@ -257,20 +270,36 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
           }
         }
       }
+      // The exponent reference of a row is its running max (log2 domain).
+      // Fast path: while no score of the tile exceeds the current reference
+      // by more than REFERENCE_SLACK, keep it: no cross-lane max, alpha = 1
+      // (the PV warps then skip their rescale). P <= 2^REFERENCE_SLACK loses
+      // nothing in bf16 (relative precision does not depend on magnitude), and
+      // l, O are fp32. Both k_halves hold the same scores and state, so they
+      // take the same path.
       float tile_max_lo = fmaxf(fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[1][0], sc[1][1]));
       float tile_max_hi = fmaxf(fmaxf(sc[0][2], sc[0][3]), fmaxf(sc[1][2], sc[1][3]));
-      tile_max_lo = fmaxf(tile_max_lo, __shfl_xor_sync(0xffffffffu, tile_max_lo, 1));
-      tile_max_hi = fmaxf(tile_max_hi, __shfl_xor_sync(0xffffffffu, tile_max_hi, 1));
-      tile_max_lo = fmaxf(tile_max_lo, __shfl_xor_sync(0xffffffffu, tile_max_lo, 2));
-      tile_max_hi = fmaxf(tile_max_hi, __shfl_xor_sync(0xffffffffu, tile_max_hi, 2));
-      const float new_lo = fmaxf(max_lo, tile_max_lo);
-      const float new_hi = fmaxf(max_hi, tile_max_hi);
+      float alpha_lo = 1.0f, alpha_hi = 1.0f;
+      // -inf + slack is -inf: a row that has seen no visible key leaves the
+      // fast path as soon as one appears.
+      const bool fits = tile_max_lo <= max_lo + REFERENCE_SLACK && tile_max_hi <= max_hi + REFERENCE_SLACK;
+      if (!__all_sync(0xffffffffu, fits)) {
+        tile_max_lo = fmaxf(tile_max_lo, __shfl_xor_sync(0xffffffffu, tile_max_lo, 1));
+        tile_max_hi = fmaxf(tile_max_hi, __shfl_xor_sync(0xffffffffu, tile_max_hi, 1));
+        tile_max_lo = fmaxf(tile_max_lo, __shfl_xor_sync(0xffffffffu, tile_max_lo, 2));
+        tile_max_hi = fmaxf(tile_max_hi, __shfl_xor_sync(0xffffffffu, tile_max_hi, 2));
+        const float new_lo = fmaxf(max_lo, tile_max_lo);
+        const float new_hi = fmaxf(max_hi, tile_max_hi);
+        // exp2(-inf - -inf) would be NaN: a row with no visible key yet scales by 0.
+        alpha_lo = new_lo == -INFINITY ? 0.0f : exp2f(max_lo - new_lo);
+        alpha_hi = new_hi == -INFINITY ? 0.0f : exp2f(max_hi - new_hi);
+        max_lo = new_lo;
+        max_hi = new_hi;
+      }
       // A row that has seen no visible key keeps max -inf: use 0 as the
       // reference so that exp2(-inf - ref) is 0 rather than NaN.
-      const float ref_lo = new_lo == -INFINITY ? 0.0f : new_lo;
-      const float ref_hi = new_hi == -INFINITY ? 0.0f : new_hi;
-      const float alpha_lo = exp2f(max_lo - ref_lo);
-      const float alpha_hi = exp2f(max_hi - ref_hi);
+      const float ref_lo = max_lo == -INFINITY ? 0.0f : max_lo;
+      const float ref_hi = max_hi == -INFINITY ? 0.0f : max_hi;
       float tile_sum_lo = 0.0f, tile_sum_hi = 0.0f;
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
@@ -283,8 +312,6 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
       }
       sum_lo = sum_lo * alpha_lo + tile_sum_lo;
       sum_hi = sum_hi * alpha_hi + tile_sum_hi;
-      max_lo = new_lo;
-      max_hi = new_hi;
 
       // ---- hand P(t) (this k_half's n-tile) and alpha(t) to the PV warps ----
       {
@@ -340,16 +367,39 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o_acc[m][n][e] = 0.0f;
 
-  int next_page = page_of(NUM_STAGES);  // page of this thread's row of the next tile to load
+  const int ld_row = (tid - SCORE_THREADS) / PvLoaderWidth::value;
+  const int ld_lane = tid % PvLoaderWidth::value;
+  // Page ids of the rows to load come through a shared ring, fetched with
+  // cp.async by each row's first loader thread PAGE_AHEAD tiles ahead, in the
+  // commit group of the step that issues them: by the time their tile is
+  // loaded, the wait_group of an earlier step has completed that group, and
+  // __syncwarp shows the id to the row's other threads (same warp). Reading
+  // the id into a register one step ahead stalled the loads at page size 1
+  // (every row has its own page-table entry, cold in L2 after a flush: page
+  // size 1 ran 20 % behind page size 64; bench/NOTES.md).
+  int32_t* page_ring = reinterpret_cast<int32_t*>(smem_raw + pipelined::SMEM_PAGE_RING_OFFSET);
+  auto fetch_page_id = [&](int tile) {
+    if (ld_lane != 0) return;
+    const int j = kv_begin + tile * BLOCK_N + ld_row;
+    const bool valid = j < kv_end;  // else zero-filled: the row is not loaded anyway
+    ptx::CpAsync4(ptx::SmemAddress(page_ring + (tile % pipelined::PAGE_RING) * BLOCK_N + ld_row),
+                  valid ? pages + (j >> p.page_size_log2) : pages, valid);
+  };
+#pragma unroll
+  for (int i = 0; i < pipelined::PAGE_AHEAD; ++i) fetch_page_id(NUM_STAGES + i);
+  ptx::CpAsyncCommit();
+  ptx::CpAsyncWait<0>();
   const int v_token = (lane & 7) + (((lane >> 3) & 1) << 3);
   for (int t = 0; t < num_tiles; ++t) {
     ptx::NamedBarrierSync(BAR_P_FULL + (t & 1), NUM_THREADS);
     if (t >= 1) {
       // Stage (t-1) % NUM_STAGES is free (see the header): load tile t+4 into it.
       const int load_tile = t + NUM_STAGES - 1;
+      __syncwarp();  // page ids fetched by the row's first thread are visible
       if (load_tile < num_tiles) {
-        issue_tile(load_tile, next_page);
-        if (load_tile + 1 < num_tiles) next_page = page_of(load_tile + 1);
+        const int page = page_ring[(load_tile % pipelined::PAGE_RING) * BLOCK_N + ld_row];
+        issue_tile(PvLoaderWidth{}, load_tile, page, ld_row, ld_lane);
+        fetch_page_id(load_tile + pipelined::PAGE_AHEAD);
       }
       ptx::CpAsyncCommit();
     }
