@@ -25,8 +25,9 @@ struct VerifyLaunchConfig {
   // Which attention kernel runs (see AttentionVariant and bench/NOTES.md).
   AttentionVariant attention_variant = AttentionVariant::kPipelined;
   // Programmatic dependent launch between plan, attention and combine (sm_90+).
-  // Off by default: on the H200 it made every anchor shape slower or equal
-  // (B=1, L=4K: 31.1 vs 27.3 us; bench/NOTES.md), for reasons not yet understood.
+  // Off by default: on the H200 it made every anchor shape slower but three
+  // H=128 rows (within 0.2 %; B=1, L=4K: 31.1 vs 27.3 us; bench/NOTES.md), for
+  // reasons not yet understood.
   bool programmatic_launch = false;
 };
 

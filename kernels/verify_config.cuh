@@ -106,8 +106,8 @@ constexpr int SCORE_THREADS = SCORE_WARPS * 32;
 constexpr int PV_WARPS = 4;
 constexpr int PV_THREADS = PV_WARPS * 32;
 constexpr int NUM_THREADS = SCORE_THREADS + PV_THREADS;
-// Loaders: the score warps load Q and the first tiles with 8 threads per KV
-// row; the PV warps load the rest with 16.
+// Loaders: the score warps load Q and the first tiles, the PV warps the rest,
+// each with PV_THREADS / BLOCK_N = SCORE_THREADS / BLOCK_N = 8 threads per KV row.
 constexpr int SCORE_LOADER_THREADS_PER_ROW = SCORE_THREADS / BLOCK_N;
 constexpr int PV_LOADER_THREADS_PER_ROW = PV_THREADS / BLOCK_N;
 constexpr int K_HALF = D_QK / 2;       // dimensions of Q one score warp holds
@@ -142,7 +142,7 @@ constexpr int Q_STAGE = NUM_STAGES - 2;
 constexpr int BAR_SCORE = 1;      // score warps: a KV tile is visible to all four
 constexpr int BAR_PAIR = 2;       // + row_group: the two k_halves exchanged partial scores
 constexpr int BAR_P_FULL = 4;     // + (tile & 1): P(t), alpha(t) written (score -> PV)
-constexpr int BAR_P_EMPTY = 6;    // + (tile & 1): PV(t) done with P buffer and KV stage
+constexpr int BAR_P_EMPTY = 6;    // + (tile & 1): PV(t) done with P buffer and alpha slot
 constexpr int BAR_FINAL = 8;      // 1 / l and lse of every row written (score -> PV)
 constexpr int BAR_KV_FULL = 9;    // + (tile & 1): a KV tile loaded by the PV warps has landed
 
@@ -152,7 +152,8 @@ static_assert(BLOCK_N == 16, "score warps hold two n8 tiles; P is one k16 step o
 static_assert(SCORE_LOADER_THREADS_PER_ROW % 8 == 0 && PV_LOADER_THREADS_PER_ROW % 8 == 0,
               "loaders: whole swizzle groups of 8 chunks per thread row");
 static_assert(SCORE_LOADER_THREADS_PER_ROW == 8, "Q staging: 8 score threads per row, 9 chunks each");
-static_assert(NUM_THREADS <= 384, "one CTA per SM at <= 168 registers per thread");
+static_assert(NUM_THREADS <= 384,
+              "one CTA per SM: more threads would cap registers below 168 per thread");
 static_assert(2 * STAGE_BYTES >= Q_TILE_BYTES, "Q is staged in the last two KV stages");
 static_assert(NUM_STAGES >= 4 && NUM_STAGES <= 5,
               "two tiles in use (score t+1, PV t) plus two or three loading; the score "

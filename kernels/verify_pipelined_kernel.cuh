@@ -234,7 +234,10 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
         for (int e = 0; e < 4; ++e) sc[n][e] = acc[0][n][e] + acc[1][n][e];
 
       // ---- exchange with the other k_half: both end with the same full S
-      // (a + b == b + a in IEEE arithmetic, so the two softmaxes agree bit for bit) ----
+      // (a + b == b + a in IEEE arithmetic, so the two softmaxes agree bit for
+      // bit). Everything below relies on that: each k_half writes half of P,
+      // only k_half 0 writes alpha and the row sums, and both take the same
+      // fast/slow softmax branch. Keep the two halves' arithmetic identical. ----
 #pragma unroll
       for (int n = 0; n < 2; ++n) mine[n * 32 + lane] = make_float4(sc[n][0], sc[n][1], sc[n][2], sc[n][3]);
       ptx::NamedBarrierSync(BAR_PAIR + row_group, 64);
@@ -368,6 +371,7 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
       for (int e = 0; e < 4; ++e) o_acc[m][n][e] = 0.0f;
 
   const int ld_row = (tid - SCORE_THREADS) / PvLoaderWidth::value;
+  // == (tid - SCORE_THREADS) % width: SCORE_THREADS is a multiple of the width.
   const int ld_lane = tid % PvLoaderWidth::value;
   // Page ids of the rows to load come through a shared ring, fetched with
   // cp.async by each row's first loader thread PAGE_AHEAD tiles ahead, in the
