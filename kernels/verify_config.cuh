@@ -107,9 +107,8 @@ constexpr int PV_WARPS = 4;
 constexpr int PV_THREADS = PV_WARPS * 32;
 constexpr int NUM_THREADS = SCORE_THREADS + PV_THREADS;
 // Loaders: the score warps load Q and the first tiles, the PV warps the rest,
-// each with PV_THREADS / BLOCK_N = SCORE_THREADS / BLOCK_N = 8 threads per KV row.
-constexpr int SCORE_LOADER_THREADS_PER_ROW = SCORE_THREADS / BLOCK_N;
-constexpr int PV_LOADER_THREADS_PER_ROW = PV_THREADS / BLOCK_N;
+// each role with 8 threads per KV row (9 chunks of 16 bytes each).
+constexpr int LOADER_THREADS_PER_ROW = 8;
 constexpr int K_HALF = D_QK / 2;       // dimensions of Q one score warp holds
 constexpr int K_STEPS = K_HALF / 16;   // k16 steps per score warp per tile
 constexpr int V_COLS_PER_WARP = D_V / PV_WARPS;
@@ -149,9 +148,9 @@ constexpr int BAR_KV_FULL = 9;    // + (tile & 1): a KV tile loaded by the PV wa
 static_assert(SCORE_WARPS == ROW_GROUPS * 2, "score warps are row_group x k_half");
 static_assert(K_HALF % 16 == 0 && K_STEPS % 2 == 0, "two accumulator chains per n-tile");
 static_assert(BLOCK_N == 16, "score warps hold two n8 tiles; P is one k16 step of PV");
-static_assert(SCORE_LOADER_THREADS_PER_ROW % 8 == 0 && PV_LOADER_THREADS_PER_ROW % 8 == 0,
-              "loaders: whole swizzle groups of 8 chunks per thread row");
-static_assert(SCORE_LOADER_THREADS_PER_ROW == 8, "Q staging: 8 score threads per row, 9 chunks each");
+static_assert(SCORE_THREADS == BLOCK_N * LOADER_THREADS_PER_ROW &&
+                  PV_THREADS == BLOCK_N * LOADER_THREADS_PER_ROW && ROW_CHUNKS % 8 == 0,
+              "loaders: each role covers a tile's 16 rows with 8 threads per row (one swizzle group)");
 static_assert(NUM_THREADS <= 384,
               "one CTA per SM: more threads would cap registers below 168 per thread");
 static_assert(2 * STAGE_BYTES >= Q_TILE_BYTES, "Q is staged in the last two KV stages");

@@ -162,6 +162,75 @@ __device__ __forceinline__ uint32_t TileOffset(int row, int chunk) {
   return static_cast<uint32_t>(row * ROW_BYTES + SwizzledChunk(row, chunk) * 16);
 }
 
+// ---- Pieces both attention variants share ----
+
+// Issues the cp.async of query row `row` of the CTA's tile (request row `r`:
+// draft token r / heads, head r % heads) into a swizzled tile at `tile`, chunks
+// ld_lane + 8k; a row past the request's end is zero-filled.
+__device__ __forceinline__ void StageQueryRow(const VerifyParams& p, uint32_t tile, int row, int r,
+                                              int ld_lane, int rows, int q_row, int heads) {
+  const bool valid = r < rows;
+  const uint16_t* src = valid ? p.q + static_cast<int64_t>(q_row + r / heads) * p.q_token_stride +
+                                    static_cast<int64_t>(r % heads) * p.q_head_stride
+                              : p.q;
+#pragma unroll
+  for (int k = 0; k < ROW_CHUNKS / 8; ++k) {
+    const int chunk = ld_lane + 8 * k;
+    ptx::CpAsync16(tile + TileOffset(row, chunk), valid ? src + chunk * 8 : p.q, valid);
+  }
+}
+
+// Row `row` of the tile (request row `r`) after its last KV tile: 1 / l into
+// `inv_l` for the output stores, and the LSE (natural log) to the output for
+// an unsplit row tile or to this CTA's partial slot. `row_max` is log2-domain.
+__device__ __forceinline__ void StoreRowStats(const VerifyParams& p, int splits, int row, int r,
+                                              int rows, int q_row, int heads, float row_max,
+                                              float row_sum, float* inv_l) {
+  inv_l[row] = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
+  const float lse = row_sum > 0.0f ? (row_max + __log2f(row_sum)) * LN2 : -INFINITY;
+  if (splits == 1) {
+    if (r < rows) p.lse[static_cast<int64_t>(q_row + r / heads) * heads + r % heads] = lse;
+  } else {
+    p.partial_lse[blockIdx.x * BLOCK_M + row] = lse;
+  }
+}
+
+// A warp's slice of O (columns col0 + n*8 + {0,1}, rows of the mma fragment
+// layout) times 1 / l: bf16 to the output for an unsplit row tile, fp32 to
+// this CTA's partial slot otherwise. Rows past the request's end are skipped.
+template <int kNTiles>
+__device__ __forceinline__ void StoreOutputSlice(const VerifyParams& p,
+                                                 const float (&o_acc)[M_TILES][kNTiles][4],
+                                                 const float* inv_l, int row_tile, int rows,
+                                                 int q_row, int heads, int splits, int col0, int g) {
+#pragma unroll
+  for (int m = 0; m < M_TILES; ++m) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = m * 16 + g + half * 8;
+      const int r = row_tile * BLOCK_M + row;
+      if (r >= rows) continue;
+      const float inv = inv_l[row];
+      if (splits == 1) {
+        uint16_t* dst = p.out + static_cast<int64_t>(q_row + r / heads) * p.out_token_stride +
+                        static_cast<int64_t>(r % heads) * p.out_head_stride + col0;
+#pragma unroll
+        for (int n = 0; n < kNTiles; ++n) {
+          *reinterpret_cast<uint32_t*>(dst + n * 8) =
+              ptx::PackBf16x2(o_acc[m][n][2 * half] * inv, o_acc[m][n][2 * half + 1] * inv);
+        }
+      } else {
+        float* dst = p.partial_out + (static_cast<int64_t>(blockIdx.x) * BLOCK_M + row) * D_V + col0;
+#pragma unroll
+        for (int n = 0; n < kNTiles; ++n) {
+          *reinterpret_cast<float2*>(dst + n * 8) =
+              make_float2(o_acc[m][n][2 * half] * inv, o_acc[m][n][2 * half + 1] * inv);
+        }
+      }
+    }
+  }
+}
+
 template <int kWarps>
 __global__ void __launch_bounds__(WarpLayout<kWarps>::NUM_THREADS, 1)
     AttentionKernel(const VerifyParams p) {
@@ -219,17 +288,8 @@ __global__ void __launch_bounds__(WarpLayout<kWarps>::NUM_THREADS, 1)
 
   // ---- prologue: Q tile into stage 1, KV tile 0 into stage 0 ----
   if (has_role) {
-    const int r = item.row_tile * BLOCK_M + ld_row;
-    const bool valid = r < rows;
-    const uint16_t* src = valid ? p.q + static_cast<int64_t>(q_row + r / heads) * p.q_token_stride +
-                                      static_cast<int64_t>(r % heads) * p.q_head_stride
-                                : p.q;
-    const uint32_t dst = smem.KvStage(1);
-#pragma unroll
-    for (int k = 0; k < ROW_CHUNKS / 8; ++k) {
-      const int chunk = ld_lane + 8 * k;
-      ptx::CpAsync16(dst + TileOffset(ld_row, chunk), valid ? src + chunk * 8 : p.q, valid);
-    }
+    StageQueryRow(p, smem.KvStage(1), ld_row, item.row_tile * BLOCK_M + ld_row, ld_lane, rows,
+                  q_row, heads);
   }
   ptx::CpAsyncCommit();
   issue_kv_tile(0, load_page(0), 0);
@@ -413,44 +473,11 @@ __global__ void __launch_bounds__(WarpLayout<kWarps>::NUM_THREADS, 1)
   // ---- epilogue ----
   float* inv_l = smem.InvL();
   if (has_role && ld_lane == 0) {
-    inv_l[sm_row] = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
-    const float lse = row_sum > 0.0f ? (row_max + __log2f(row_sum)) * LN2 : -INFINITY;
-    if (splits == 1) {
-      if (sm_row_valid) {
-        p.lse[static_cast<int64_t>(q_row + sm_r / heads) * heads + sm_r % heads] = lse;
-      }
-    } else {
-      p.partial_lse[blockIdx.x * BLOCK_M + sm_row] = lse;
-    }
+    StoreRowStats(p, splits, sm_row, sm_r, rows, q_row, heads, row_max, row_sum, inv_l);
   }
   __syncthreads();
-#pragma unroll
-  for (int m = 0; m < M_TILES; ++m) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = m * 16 + g + half * 8;
-      const int r = item.row_tile * BLOCK_M + row;
-      if (r >= rows) continue;
-      const float inv = inv_l[row];
-      const int col0 = warp * Layout::V_COLS_PER_WARP + 2 * t4;
-      if (splits == 1) {
-        uint16_t* dst = p.out + static_cast<int64_t>(q_row + r / heads) * p.out_token_stride +
-                        static_cast<int64_t>(r % heads) * p.out_head_stride + col0;
-#pragma unroll
-        for (int n = 0; n < Layout::O_N_TILES; ++n) {
-          *reinterpret_cast<uint32_t*>(dst + n * 8) =
-              ptx::PackBf16x2(o_acc[m][n][2 * half] * inv, o_acc[m][n][2 * half + 1] * inv);
-        }
-      } else {
-        float* dst = p.partial_out + (static_cast<int64_t>(blockIdx.x) * BLOCK_M + row) * D_V + col0;
-#pragma unroll
-        for (int n = 0; n < Layout::O_N_TILES; ++n) {
-          *reinterpret_cast<float2*>(dst + n * 8) =
-              make_float2(o_acc[m][n][2 * half] * inv, o_acc[m][n][2 * half + 1] * inv);
-        }
-      }
-    }
-  }
+  StoreOutputSlice(p, o_acc, inv_l, item.row_tile, rows, q_row, heads, splits,
+                   warp * Layout::V_COLS_PER_WARP + 2 * t4, g);
 }
 
 // ---------------------------------------------------------------------------

@@ -22,8 +22,6 @@
 #ifndef MLAVERIFY_KERNELS_VERIFY_PIPELINED_KERNEL_CUH_
 #define MLAVERIFY_KERNELS_VERIFY_PIPELINED_KERNEL_CUH_
 
-#include <type_traits>
-
 #include "kernels/verify_kernel.cuh"
 
 namespace mlaverify::kernels::verify {
@@ -43,7 +41,6 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
   using pipelined::K_STEPS;
   using pipelined::NUM_STAGES;
   using pipelined::NUM_THREADS;
-  using pipelined::PV_THREADS;
   using pipelined::O_N_TILES;
   using pipelined::P_BUFFER_BYTES;
   using pipelined::P_PITCH;
@@ -85,11 +82,10 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
   float* alpha_s = reinterpret_cast<float*>(smem_raw + SMEM_ALPHA_OFFSET);
   float* inv_l_s = reinterpret_cast<float*>(smem_raw + SMEM_INV_L_OFFSET);
 
-  // ---- KV loader: `threads_per_row` threads of one role share a KV row, thread
-  // `lane` taking 16-byte chunks lane + threads_per_row * k. With
-  // threads_per_row a multiple of 8 a chunk lands at a fixed offset from the
-  // thread's swizzled base (SwizzledChunk keeps bits 3.. of the chunk index),
-  // so one base address per thread and immediate offsets do. ----
+  // ---- KV loader, run by the 128 threads of one role: 8 threads per KV row,
+  // thread `lane` taking 16-byte chunks lane + 8k. A chunk lands at a fixed
+  // offset from the row's swizzled base (SwizzledChunk keeps bits 3.. of the
+  // chunk index), so one base address per thread and immediate offsets do. ----
   const int32_t* pages = p.page_table + b * p.page_table_stride;
   const int page_mask = (1 << p.page_size_log2) - 1;
   const uint16_t* layer_base = p.pool + static_cast<int64_t>(p.layer[b]) * p.num_pages *
@@ -98,9 +94,7 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
     const int j = kv_begin + tile * BLOCK_N + row;
     return j < kv_end ? pages[j >> p.page_size_log2] : 0;
   };
-  auto issue_tile = [&](auto threads_per_row, int tile, int page, int row, int lane) {
-    constexpr int kPerRow = decltype(threads_per_row)::value;
-    constexpr int kChunks = (ROW_CHUNKS + kPerRow - 1) / kPerRow;
+  auto issue_tile = [&](int tile, int page, int row, int lane) {
     const int j = kv_begin + tile * BLOCK_N + row;
     const bool valid = j < kv_end;
     // An invalid row reads nothing (src-size 0, zero fill); any mapped address will do.
@@ -109,16 +103,15 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
                : p.pool) +
         lane * 8;
     const uint32_t dst = stage_addr(tile % NUM_STAGES) +
-                         static_cast<uint32_t>(row * ROW_BYTES + ((lane & ~7) + ((lane ^ row) & 7)) * 16);
+                         static_cast<uint32_t>(row * ROW_BYTES + ((lane ^ row) & 7) * 16);
 #pragma unroll
-    for (int k = 0; k < kChunks; ++k) {
-      if (kPerRow * k + lane < ROW_CHUNKS) {
-        ptx::CpAsync16(dst + k * kPerRow * 16, src + k * kPerRow * 8, valid);
-      }
-    }
+    for (int k = 0; k < ROW_CHUNKS / 8; ++k) ptx::CpAsync16(dst + k * 128, src + k * 64, valid);
   };
-  using ScoreLoaderWidth = std::integral_constant<int, pipelined::SCORE_LOADER_THREADS_PER_ROW>;
-  using PvLoaderWidth = std::integral_constant<int, pipelined::PV_LOADER_THREADS_PER_ROW>;
+  // This thread's KV row and lane when its role loads (both roles: 128 threads).
+  static_assert(pipelined::SCORE_THREADS == 128 && pipelined::LOADER_THREADS_PER_ROW == 8,
+                "the masks below");
+  const int ld_row = (tid & 127) >> 3;
+  const int ld_lane = tid & 7;
 
   if (warp < SCORE_WARPS) {
     // =================== score warps: S and the online softmax ===================
@@ -127,8 +120,6 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
     const int prefix = p.prefix_len[b];
     const float scale = p.softmax_scale != nullptr ? p.softmax_scale[b] : p.default_softmax_scale;
     const float scale_log2 = scale * LOG2E;
-    const int ld_row = tid / ScoreLoaderWidth::value;
-    const int ld_lane = tid % ScoreLoaderWidth::value;
 
     // ---- prologue: Q (32 rows) into the last two stages, tiles 0..NUM_STAGES-3 ----
     {
@@ -136,22 +127,13 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = ld_row + half * BLOCK_N;
-        const int r = item.row_tile * BLOCK_M + row;
-        const bool valid = r < rows;
-        const uint16_t* src = valid ? p.q + static_cast<int64_t>(q_row + r / heads) * p.q_token_stride +
-                                          static_cast<int64_t>(r % heads) * p.q_head_stride
-                                    : p.q;
-#pragma unroll
-        for (int k = 0; k < ROW_CHUNKS / 8; ++k) {
-          const int chunk = ld_lane + 8 * k;
-          ptx::CpAsync16(dst + TileOffset(row, chunk), valid ? src + chunk * 8 : p.q, valid);
-        }
+        StageQueryRow(p, dst, row, item.row_tile * BLOCK_M + row, ld_lane, rows, q_row, heads);
       }
       ptx::CpAsyncCommit();
     }
 #pragma unroll
     for (int t = 0; t < Q_STAGE; ++t) {
-      if (t < num_tiles) issue_tile(ScoreLoaderWidth{}, t, page_of(t, ld_row), ld_row, ld_lane);
+      if (t < num_tiles) issue_tile(t, page_of(t, ld_row), ld_row, ld_lane);
       ptx::CpAsyncCommit();
     }
 
@@ -170,7 +152,7 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
     ptx::NamedBarrierSync(BAR_SCORE, SCORE_THREADS);
 #pragma unroll
     for (int t = Q_STAGE; t < NUM_STAGES; ++t) {
-      if (t < num_tiles) issue_tile(ScoreLoaderWidth{}, t, page_of(t, ld_row), ld_row, ld_lane);
+      if (t < num_tiles) issue_tile(t, page_of(t, ld_row), ld_row, ld_lane);
       ptx::CpAsyncCommit();
     }
 
@@ -343,17 +325,9 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
     if (k_half == 0 && t4 == 0) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const float sum = half ? sum_hi : sum_lo;
-        const float max = half ? max_hi : max_lo;
         const int row = row_group * 16 + g + half * 8;
-        const int r = item.row_tile * BLOCK_M + row;
-        inv_l_s[row] = sum > 0.0f ? 1.0f / sum : 0.0f;
-        const float lse = sum > 0.0f ? (max + __log2f(sum)) * LN2 : -INFINITY;
-        if (splits == 1) {
-          if (r < rows) p.lse[static_cast<int64_t>(q_row + r / heads) * heads + r % heads] = lse;
-        } else {
-          p.partial_lse[blockIdx.x * BLOCK_M + row] = lse;
-        }
+        StoreRowStats(p, splits, row, item.row_tile * BLOCK_M + row, rows, q_row, heads,
+                      half ? max_hi : max_lo, half ? sum_hi : sum_lo, inv_l_s);
       }
     }
     ptx::NamedBarrierArrive(BAR_FINAL, NUM_THREADS);
@@ -370,9 +344,6 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o_acc[m][n][e] = 0.0f;
 
-  const int ld_row = (tid - SCORE_THREADS) / PvLoaderWidth::value;
-  // == (tid - SCORE_THREADS) % width: SCORE_THREADS is a multiple of the width.
-  const int ld_lane = tid % PvLoaderWidth::value;
   // Page ids of the rows to load come through a shared ring, fetched with
   // cp.async by each row's first loader thread PAGE_AHEAD tiles ahead, in the
   // commit group of the step that issues them: by the time their tile is
@@ -402,7 +373,7 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
       __syncwarp();  // page ids fetched by the row's first thread are visible
       if (load_tile < num_tiles) {
         const int page = page_ring[(load_tile % pipelined::PAGE_RING) * BLOCK_N + ld_row];
-        issue_tile(PvLoaderWidth{}, load_tile, page, ld_row, ld_lane);
+        issue_tile(load_tile, page, ld_row, ld_lane);
         fetch_page_id(load_tile + pipelined::PAGE_AHEAD);
       }
       ptx::CpAsyncCommit();
@@ -462,33 +433,8 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
 
   // ---- epilogue: normalised O, bf16 to the output or fp32 to the partials ----
   ptx::NamedBarrierSync(BAR_FINAL, NUM_THREADS);
-#pragma unroll
-  for (int m = 0; m < M_TILES; ++m) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = m * 16 + g + half * 8;
-      const int r = item.row_tile * BLOCK_M + row;
-      if (r >= rows) continue;
-      const float inv = inv_l_s[row];
-      const int col0 = pv_warp * V_COLS_PER_WARP + 2 * t4;
-      if (splits == 1) {
-        uint16_t* dst = p.out + static_cast<int64_t>(q_row + r / heads) * p.out_token_stride +
-                        static_cast<int64_t>(r % heads) * p.out_head_stride + col0;
-#pragma unroll
-        for (int n = 0; n < O_N_TILES; ++n) {
-          *reinterpret_cast<uint32_t*>(dst + n * 8) =
-              ptx::PackBf16x2(o_acc[m][n][2 * half] * inv, o_acc[m][n][2 * half + 1] * inv);
-        }
-      } else {
-        float* dst = p.partial_out + (static_cast<int64_t>(blockIdx.x) * BLOCK_M + row) * D_V + col0;
-#pragma unroll
-        for (int n = 0; n < O_N_TILES; ++n) {
-          *reinterpret_cast<float2*>(dst + n * 8) =
-              make_float2(o_acc[m][n][2 * half] * inv, o_acc[m][n][2 * half + 1] * inv);
-        }
-      }
-    }
-  }
+  StoreOutputSlice(p, o_acc, inv_l_s, item.row_tile, rows, q_row, heads, splits,
+                   pv_warp * V_COLS_PER_WARP + 2 * t4, g);
 }
 
 }  // namespace mlaverify::kernels::verify
