@@ -5,7 +5,7 @@
 #     build/tests/gpu_engine_test build/bench/mlaverify-bench \
 #     build/server/mlaverify-server build/client/mlaverify-client
 # and carried there (device tool: carry [".device"]):
-#   OUT=/tmp/out bench/gpu_run.sh [tests] [service] [anchor] [sweep] [triton] [variants] [stalls] [small] [pdl] [ncu] [shapes]
+#   OUT=/tmp/out bench/gpu_run.sh [tests] [service] [anchor] [sweep] [triton] [variants] [stalls] [small] [pdl] [ncu] [shapes] [sass]
 # Writes logs and JSON into $OUT/results.tgz (one file: the device tool brings
 # back at most 8); prints a short summary last.
 set -uo pipefail
@@ -136,6 +136,11 @@ if want stalls && command -v ncu >/dev/null; then
   grep -E 'Throughput|Pipe|Stall|stall|Issue|Warp Cycles|Eligible|Active|Duration' \
     "$out/stalls_details.txt" | head -40
   wc -l "$out/stalls_sass.csv"; head -3 "$out/stalls_sass.csv" | cut -c1-600
+fi
+if want sass && command -v cuobjdump >/dev/null; then
+  # The attention kernels' SASS (instruction counts per loop, scheduling).
+  cuobjdump -sass -arch sm_90 "$bundle/bin/mlaverify-bench" > "$out/sass_sm90.txt" 2>&1
+  summary+=("sass rc=$? ($(wc -l < "$out/sass_sm90.txt") lines)")
 fi
 if want triton; then
   # Our own Triton implementation of the SGLang-style extend path, same shapes.

@@ -38,6 +38,13 @@ absl::Status CanImplement(const VerifyArguments& a, bool require_16b_alignment) 
     return absl::InvalidArgumentError(absl::StrCat("pool has ", a.pool.num_layers, " layers and ",
                                                    a.pool.num_pages, " pages; need >= 1 of each"));
   }
+  // The CUDA kernels address a layer's rows with a 32-bit token index
+  // (page << log2(page_size) | offset): a layer holds fewer than 2^31 tokens.
+  if (a.pool.num_pages > (int64_t{1} << 31) / a.pool.page_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pool has ", a.pool.num_pages, " pages of ", a.pool.page_size,
+        " tokens per layer: at most 2^31 tokens per layer are supported"));
+  }
   if (a.q == nullptr || a.pool.data == nullptr || a.page_table == nullptr ||
       a.prefix_len == nullptr || a.draft_len == nullptr || a.layer == nullptr ||
       a.visibility == nullptr || a.out == nullptr || a.lse == nullptr) {

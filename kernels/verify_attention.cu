@@ -46,7 +46,11 @@ cudaError_t PrepareVerifyKernels() {
   err = cudaFuncSetAttribute(verify::AttentionKernel<16>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, verify::SMEM_BYTES);
   if (err != cudaSuccess) return err;
-  return cudaFuncSetAttribute(verify::PipelinedAttentionKernel,
+  err = cudaFuncSetAttribute(verify::PipelinedAttentionKernel<true>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             verify::pipelined::SMEM_BYTES);
+  if (err != cudaSuccess) return err;
+  return cudaFuncSetAttribute(verify::PipelinedAttentionKernel<false>,
                               cudaFuncAttributeMaxDynamicSharedMemorySize,
                               verify::pipelined::SMEM_BYTES);
 }
@@ -59,7 +63,11 @@ cudaError_t LaunchVerifyKernels(const VerifyParams& p, AttentionVariant variant,
   if (err != cudaSuccess) return err;
   switch (variant) {
     case AttentionVariant::kPipelined:
-      err = LaunchWithDependency(verify::PipelinedAttentionKernel, dim3(p.max_work),
+      // Page ids through the shared ring below 16 tokens per page.
+      err = LaunchWithDependency(p.page_size_log2 < verify::pipelined::RING_BELOW_PAGE_LOG2
+                                     ? verify::PipelinedAttentionKernel<true>
+                                     : verify::PipelinedAttentionKernel<false>,
+                                 dim3(p.max_work),
                                  dim3(verify::pipelined::NUM_THREADS),
                                  verify::pipelined::SMEM_BYTES, programmatic_launch, stream, p);
       break;

@@ -129,6 +129,11 @@ constexpr int SMEM_INV_L_OFFSET = SMEM_ALPHA_OFFSET + 2 * BLOCK_M * 4;     // [B
 // PAGE_AHEAD tiles before their tile is loaded: [PAGE_RING][BLOCK_N] int32.
 constexpr int PAGE_AHEAD = 4;
 constexpr int PAGE_RING = 8;
+// Page sizes below 2^RING_BELOW_PAGE_LOG2 tokens take the ring; from there up
+// a 16-token tile lies in one page and the PV warps read its id into a
+// register one step ahead (bench/NOTES.md v4g).
+constexpr int RING_BELOW_PAGE_LOG2 = 4;
+static_assert((1 << RING_BELOW_PAGE_LOG2) >= BLOCK_N, "a register-path tile must lie in one page");
 constexpr int SMEM_PAGE_RING_OFFSET = SMEM_INV_L_OFFSET + BLOCK_M * 4;
 constexpr int SMEM_BYTES = SMEM_PAGE_RING_OFFSET + PAGE_RING * BLOCK_N * 4;
 // The softmax keeps a row's exponent reference while no new score exceeds it

@@ -26,6 +26,10 @@
 
 namespace mlaverify::kernels::verify {
 
+// kPageRing: page ids reach the PV warps' loads through a shared ring (page
+// sizes below 16 tokens) rather than a register read one step ahead; see the
+// PV warps' prologue. The host picks the instance from page_size_log2.
+template <bool kPageRing>
 __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
     PipelinedAttentionKernel(const VerifyParams p) {
   // Block-scope declarations: these hide the split-K variant's constants of the same name.
@@ -94,16 +98,18 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
     const int j = kv_begin + tile * BLOCK_N + row;
     return j < kv_end ? pages[j >> p.page_size_log2] : 0;
   };
-  auto issue_tile = [&](int tile, int page, int row, int lane) {
+  // `stage` is the byte offset of the tile's stage. The row's address is
+  // layer base + 32-bit token index x 1152 (one wide multiply-add; CanImplement
+  // keeps a layer below 2^31 tokens).
+  auto issue_tile = [&](int tile, uint32_t stage, int page, int row, int lane) {
     const int j = kv_begin + tile * BLOCK_N + row;
     const bool valid = j < kv_end;
-    // An invalid row reads nothing (src-size 0, zero fill); any mapped address will do.
-    const uint16_t* src =
-        (valid ? layer_base + ((static_cast<int64_t>(page) << p.page_size_log2) + (j & page_mask)) * D_QK
-               : p.pool) +
-        lane * 8;
-    const uint32_t dst = stage_addr(tile % NUM_STAGES) +
-                         static_cast<uint32_t>(row * ROW_BYTES + ((lane ^ row) & 7) * 16);
+    // An invalid row reads nothing (src-size 0, zero fill) from token 0 of the layer.
+    const uint32_t token =
+        valid ? (static_cast<uint32_t>(page) << p.page_size_log2) | static_cast<uint32_t>(j & page_mask)
+              : 0u;
+    const uint16_t* src = layer_base + static_cast<uint64_t>(token) * D_QK + lane * 8;
+    const uint32_t dst = kv_base + stage + static_cast<uint32_t>(row * ROW_BYTES + ((lane ^ row) & 7) * 16);
 #pragma unroll
     for (int k = 0; k < ROW_CHUNKS / 8; ++k) ptx::CpAsync16(dst + k * 128, src + k * 64, valid);
   };
@@ -133,7 +139,7 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
     }
 #pragma unroll
     for (int t = 0; t < Q_STAGE; ++t) {
-      if (t < num_tiles) issue_tile(t, page_of(t, ld_row), ld_row, ld_lane);
+      if (t < num_tiles) issue_tile(t, t * STAGE_BYTES, page_of(t, ld_row), ld_row, ld_lane);
       ptx::CpAsyncCommit();
     }
 
@@ -152,7 +158,7 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
     ptx::NamedBarrierSync(BAR_SCORE, SCORE_THREADS);
 #pragma unroll
     for (int t = Q_STAGE; t < NUM_STAGES; ++t) {
-      if (t < num_tiles) issue_tile(t, page_of(t, ld_row), ld_row, ld_lane);
+      if (t < num_tiles) issue_tile(t, t * STAGE_BYTES, page_of(t, ld_row), ld_row, ld_lane);
       ptx::CpAsyncCommit();
     }
 
@@ -172,6 +178,16 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
     float4* mine = exchange + warp * (EXCHANGE_FLOATS_PER_WARP / 4);
     const float4* theirs = exchange + (warp ^ 1) * (EXCHANGE_FLOATS_PER_WARP / 4);
 
+    // K fragment addresses relative to a stage: k step s reads chunk
+    // k_half * 36 + 2s (+1 for lanes 8-15 and 24-31); chunks 8 apart keep their
+    // swizzle, so step s is k_frag_offset[s % 4] + 128 bytes x (s / 4).
+    const int k_token = (lane & 7) + ((lane >> 4) << 3);
+    uint32_t k_frag_offset[4];
+#pragma unroll
+    for (int s4 = 0; s4 < 4; ++s4) {
+      k_frag_offset[s4] = TileOffset(k_token, (k_half * K_HALF) / 8 + 2 * s4 + ((lane >> 3) & 1));
+    }
+    uint32_t stage = 0;  // byte offset of tile t's stage
     for (int t = 0; t < num_tiles; ++t) {
       // PV(t-2) is done with P buffer (t & 1).
       if (t >= 2) ptx::NamedBarrierSync(BAR_P_EMPTY + (t & 1), NUM_THREADS);
@@ -192,7 +208,10 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
 
       // ---- partial S[16 rows, 16 tokens] over this warp's 288 dimensions:
       // two accumulator chains per n-tile (even / odd k steps) ----
-      const uint32_t kv = stage_addr(t % NUM_STAGES);
+      uint32_t k_addr[4];
+#pragma unroll
+      for (int s4 = 0; s4 < 4; ++s4) k_addr[s4] = kv_base + stage + k_frag_offset[s4];
+      stage = stage == (NUM_STAGES - 1) * STAGE_BYTES ? 0 : stage + STAGE_BYTES;
       float acc[2][2][4];
 #pragma unroll
       for (int c = 0; c < 2; ++c)
@@ -200,14 +219,14 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
         for (int n = 0; n < 2; ++n)
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[c][n][e] = 0.0f;
-      const int k_token = (lane & 7) + ((lane >> 4) << 3);
+      // The fragment of step s + 1 is loaded before the MMAs of step s.
+      uint32_t kf[2][4];
+      ptx::LdMatrixX4(kf[0], k_addr[0]);
 #pragma unroll
       for (int s = 0; s < K_STEPS; ++s) {
-        const int chunk = (k_half * K_HALF + s * 16) / 8 + ((lane >> 3) & 1);
-        uint32_t kf[4];
-        ptx::LdMatrixX4(kf, kv + TileOffset(k_token, chunk));
-        ptx::MmaBf16(acc[s & 1][0], q_frag[s], kf[0], kf[1]);
-        ptx::MmaBf16(acc[s & 1][1], q_frag[s], kf[2], kf[3]);
+        if (s + 1 < K_STEPS) ptx::LdMatrixX4(kf[(s + 1) & 1], k_addr[(s + 1) & 3] + ((s + 1) >> 2) * 128);
+        ptx::MmaBf16(acc[s & 1][0], q_frag[s], kf[s & 1][0], kf[s & 1][1]);
+        ptx::MmaBf16(acc[s & 1][1], q_frag[s], kf[s & 1][2], kf[s & 1][3]);
       }
       float sc[2][4];
 #pragma unroll
@@ -232,15 +251,12 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
         sc[n][3] += o.w;
       }
 
-      // ---- online softmax: lane holds rows g, g+8 x columns n*8 + 2*t4 + {0,1} ----
+      // ---- online softmax: lane holds rows g, g+8 x columns n*8 + 2*t4 + {0,1}.
+      // Scores stay unscaled until the exponent (one FFMA each); scale > 0, so
+      // the tile max scales after the max. ----
       const int tile_begin = kv_begin + t * BLOCK_N;
-      if (tile_begin + BLOCK_N <= unmasked_end) {
-        // A prefix tile: every key is visible to every row.
-#pragma unroll
-        for (int n = 0; n < 2; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) sc[n][e] *= scale_log2;
-      } else {
+      if (tile_begin + BLOCK_N > unmasked_end) {
+        // Not a prefix tile (where every key is visible to every row): mask.
         const int j0 = tile_begin + 2 * t4;
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
@@ -251,7 +267,7 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
             // Prefix keys need no mask; draft keys use the tree's visibility word.
             const bool visible =
                 j < kv_end && (j < prefix || ((vis >> ((j - prefix) & 63)) & 1u) != 0);
-            sc[n][e] = visible ? sc[n][e] * scale_log2 : -INFINITY;
+            sc[n][e] = visible ? sc[n][e] : -INFINITY;
           }
         }
       }
@@ -262,8 +278,8 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
       // nothing in bf16 (relative precision does not depend on magnitude), and
       // l, O are fp32. Both k_halves hold the same scores and state, so they
       // take the same path.
-      float tile_max_lo = fmaxf(fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[1][0], sc[1][1]));
-      float tile_max_hi = fmaxf(fmaxf(sc[0][2], sc[0][3]), fmaxf(sc[1][2], sc[1][3]));
+      float tile_max_lo = fmaxf(fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[1][0], sc[1][1])) * scale_log2;
+      float tile_max_hi = fmaxf(fmaxf(sc[0][2], sc[0][3]), fmaxf(sc[1][2], sc[1][3])) * scale_log2;
       float alpha_lo = 1.0f, alpha_hi = 1.0f;
       // -inf + slack is -inf: a row that has seen no visible key leaves the
       // fast path as soon as one appears.
@@ -276,22 +292,23 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
         const float new_lo = fmaxf(max_lo, tile_max_lo);
         const float new_hi = fmaxf(max_hi, tile_max_hi);
         // exp2(-inf - -inf) would be NaN: a row with no visible key yet scales by 0.
-        alpha_lo = new_lo == -INFINITY ? 0.0f : exp2f(max_lo - new_lo);
-        alpha_hi = new_hi == -INFINITY ? 0.0f : exp2f(max_hi - new_hi);
+        alpha_lo = new_lo == -INFINITY ? 0.0f : ptx::Exp2Approx(max_lo - new_lo);
+        alpha_hi = new_hi == -INFINITY ? 0.0f : ptx::Exp2Approx(max_hi - new_hi);
         max_lo = new_lo;
         max_hi = new_hi;
       }
       // A row that has seen no visible key keeps max -inf: use 0 as the
       // reference so that exp2(-inf - ref) is 0 rather than NaN.
-      const float ref_lo = max_lo == -INFINITY ? 0.0f : max_lo;
-      const float ref_hi = max_hi == -INFINITY ? 0.0f : max_hi;
+      const float neg_ref_lo = max_lo == -INFINITY ? 0.0f : -max_lo;
+      const float neg_ref_hi = max_hi == -INFINITY ? 0.0f : -max_hi;
       float tile_sum_lo = 0.0f, tile_sum_hi = 0.0f;
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
-        sc[n][0] = exp2f(sc[n][0] - ref_lo);
-        sc[n][1] = exp2f(sc[n][1] - ref_lo);
-        sc[n][2] = exp2f(sc[n][2] - ref_hi);
-        sc[n][3] = exp2f(sc[n][3] - ref_hi);
+        // A masked score is -inf: -inf x scale - ref is -inf, and ex2 gives 0.
+        sc[n][0] = ptx::Exp2Approx(fmaf(sc[n][0], scale_log2, neg_ref_lo));
+        sc[n][1] = ptx::Exp2Approx(fmaf(sc[n][1], scale_log2, neg_ref_lo));
+        sc[n][2] = ptx::Exp2Approx(fmaf(sc[n][2], scale_log2, neg_ref_hi));
+        sc[n][3] = ptx::Exp2Approx(fmaf(sc[n][3], scale_log2, neg_ref_hi));
         tile_sum_lo += sc[n][0] + sc[n][1];
         tile_sum_hi += sc[n][2] + sc[n][3];
       }
@@ -344,14 +361,18 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o_acc[m][n][e] = 0.0f;
 
-  // Page ids of the rows to load come through a shared ring, fetched with
-  // cp.async by each row's first loader thread PAGE_AHEAD tiles ahead, in the
-  // commit group of the step that issues them: by the time their tile is
-  // loaded, the wait_group of an earlier step has completed that group, and
-  // __syncwarp shows the id to the row's other threads (same warp). Reading
-  // the id into a register one step ahead stalled the loads at page size 1
-  // (every row has its own page-table entry, cold in L2 after a flush: page
-  // size 1 ran 20 % behind page size 64; bench/NOTES.md).
+  // Page ids of the rows to load. Below 16 tokens per page every row of a
+  // tile has its own page-table entry, cold in L2 after a flush: reading the
+  // id into a register one step ahead stalled the loads behind it (page size
+  // 1 ran 20 % behind page size 64; bench/NOTES.md v4d). There the ids come
+  // through a shared ring instead, fetched with cp.async by each row's first
+  // loader thread PAGE_AHEAD tiles ahead, in the commit group of the step that
+  // issues them: by the time their tile is loaded, the wait_group of an
+  // earlier step has completed that group, and __syncwarp shows the id to the
+  // row's other threads (same warp). From 16 tokens per page up a tile reads
+  // one page-table entry, shared with the tiles around it: the register read
+  // one step ahead costs the PV warps (the critical path) less than the
+  // ring's per-step work (v4f). The host picks the instance (kPageRing).
   int32_t* page_ring = reinterpret_cast<int32_t*>(smem_raw + pipelined::SMEM_PAGE_RING_OFFSET);
   auto fetch_page_id = [&](int tile) {
     if (ld_lane != 0) return;
@@ -360,21 +381,48 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
     ptx::CpAsync4(ptx::SmemAddress(page_ring + (tile % pipelined::PAGE_RING) * BLOCK_N + ld_row),
                   valid ? pages + (j >> p.page_size_log2) : pages, valid);
   };
+  int next_page = 0;  // register path: the page id of the next tile to load
+  if constexpr (kPageRing) {
 #pragma unroll
-  for (int i = 0; i < pipelined::PAGE_AHEAD; ++i) fetch_page_id(NUM_STAGES + i);
-  ptx::CpAsyncCommit();
-  ptx::CpAsyncWait<0>();
+    for (int i = 0; i < pipelined::PAGE_AHEAD; ++i) fetch_page_id(NUM_STAGES + i);
+    ptx::CpAsyncCommit();
+    ptx::CpAsyncWait<0>();
+  } else {
+    next_page = page_of(NUM_STAGES, ld_row);
+  }
+  // V fragment addresses relative to a stage: n-tile pair np reads chunk
+  // pv_warp * 16 + 2 np (+1 for lanes 16-31); pairs 4 apart are 8 chunks
+  // apart with the same swizzle: + 128 bytes.
   const int v_token = (lane & 7) + (((lane >> 3) & 1) << 3);
+  uint32_t v_frag_offset[4];
+#pragma unroll
+  for (int np = 0; np < 4; ++np) {
+    v_frag_offset[np] = TileOffset(v_token, pv_warp * (V_COLS_PER_WARP / 8) + np * 2 + (lane >> 4));
+  }
+  static_assert(O_N_TILES / 2 == 8, "two groups of four n-tile pairs");
+  // P fragment addresses of the two m tiles in P buffer 0.
+  uint32_t p_frag_addr[M_TILES];
+#pragma unroll
+  for (int m = 0; m < M_TILES; ++m) {
+    p_frag_addr[m] = probs_addr + ((m * 16 + (lane & 15)) * P_PITCH + ((lane >> 4) << 3)) * 2;
+  }
+  uint32_t stage = 0;                                      // byte offset of tile t's stage
+  uint32_t free_stage = (NUM_STAGES - 1) * STAGE_BYTES;    // tile t-1's: loaded next
   for (int t = 0; t < num_tiles; ++t) {
     ptx::NamedBarrierSync(BAR_P_FULL + (t & 1), NUM_THREADS);
     if (t >= 1) {
       // Stage (t-1) % NUM_STAGES is free (see the header): load tile t+4 into it.
       const int load_tile = t + NUM_STAGES - 1;
-      __syncwarp();  // page ids fetched by the row's first thread are visible
       if (load_tile < num_tiles) {
-        const int page = page_ring[(load_tile % pipelined::PAGE_RING) * BLOCK_N + ld_row];
-        issue_tile(load_tile, page, ld_row, ld_lane);
-        fetch_page_id(load_tile + pipelined::PAGE_AHEAD);
+        if constexpr (kPageRing) {
+          __syncwarp();  // page ids fetched by the row's first thread are visible
+          const int page = page_ring[(load_tile % pipelined::PAGE_RING) * BLOCK_N + ld_row];
+          issue_tile(load_tile, free_stage, page, ld_row, ld_lane);
+          fetch_page_id(load_tile + pipelined::PAGE_AHEAD);
+        } else {
+          issue_tile(load_tile, free_stage, next_page, ld_row, ld_lane);
+          next_page = page_of(load_tile + 1, ld_row);
+        }
       }
       ptx::CpAsyncCommit();
     }
@@ -401,19 +449,17 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
         }
     }
     uint32_t p_frag[M_TILES][4];
-    const uint32_t probs = probs_addr + (t & 1) * P_BUFFER_BYTES;
 #pragma unroll
-    for (int m = 0; m < M_TILES; ++m) {
-      const int row = m * 16 + (lane & 15);
-      const int col = (lane >> 4) << 3;
-      ptx::LdMatrixX4(p_frag[m], probs + (row * P_PITCH + col) * 2);
-    }
-    const uint32_t kv = stage_addr(t % NUM_STAGES);
+    for (int m = 0; m < M_TILES; ++m) ptx::LdMatrixX4(p_frag[m], p_frag_addr[m] + (t & 1) * P_BUFFER_BYTES);
+    uint32_t v_addr[4];
+#pragma unroll
+    for (int np = 0; np < 4; ++np) v_addr[np] = kv_base + stage + v_frag_offset[np];
+    free_stage = stage;
+    stage = stage == (NUM_STAGES - 1) * STAGE_BYTES ? 0 : stage + STAGE_BYTES;
 #pragma unroll
     for (int np = 0; np < O_N_TILES / 2; ++np) {
-      const int chunk = pv_warp * (V_COLS_PER_WARP / 8) + np * 2 + (lane >> 4);
       uint32_t vf[4];
-      ptx::LdMatrixX4Trans(vf, kv + TileOffset(v_token, chunk));
+      ptx::LdMatrixX4Trans(vf, v_addr[np & 3] + (np >> 2) * 128);
 #pragma unroll
       for (int m = 0; m < M_TILES; ++m) {
         ptx::MmaBf16(o_acc[m][2 * np], p_frag[m], vf[0], vf[1]);

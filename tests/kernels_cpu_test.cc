@@ -3,9 +3,11 @@
 // helpers and the CPU draft write / compaction.
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <random>
 #include <vector>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_reference.h"
 #include "kernels/draft_tree.h"
@@ -195,6 +197,26 @@ TEST(CpuReference, RejectsBadRequestsWithoutWriting) {
   a = p.HostArgs(out.data(), lse.data());
   a.num_heads = 0;
   EXPECT_EQ(VerifyAttentionCpu(a).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(CanImplement, LimitsALayerTo2To31Tokens) {
+  // The CUDA kernels index a layer's rows with a 32-bit token index.
+  VerifyProblemSpec spec;
+  spec.prefix_len = {10};
+  spec.draft_len = {4};
+  HostVerifyProblem p = MakeProblem(spec);
+  VerifyArguments a = p.HostArgs(nullptr, nullptr);
+  std::vector<Bf16> out(4 * 8 * kValueDim);
+  std::vector<float> lse(4 * 8);
+  a.out = out.data();
+  a.lse = lse.data();
+  ASSERT_TRUE(CanImplement(a, false).ok());
+  a.pool.num_pages = (int64_t{1} << 31) / a.pool.page_size;
+  EXPECT_TRUE(CanImplement(a, false).ok());
+  a.pool.num_pages += 1;
+  const absl::Status s = CanImplement(a, false);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("2^31 tokens per layer"));
 }
 
 TEST(CpuKvCache, CompactionMovesTheAcceptedPathInEveryLayer) {

@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""Summarises the per-SASS-instruction CSV of `bench/gpu_run.sh stalls`
+(ncu --page source --csv --print-source sass) for the loops of one kernel.
+
+    bench/sass_profile.py stalls_sass.csv --hot 0.5
+        lists the instructions executed at least 0.5 x the most executed one
+        (the inner loops), with offset, count, samples and top stall reasons;
+        read the loop boundaries (offsets) off this list.
+    bench/sass_profile.py stalls_sass.csv --loop pv:900:1b60 --loop score:7000:8700 --per 131200
+        per loop (offsets in hex, inclusive): samples and stall reasons, and
+        instructions per iteration by opcode (executions / --per, e.g. the
+        loop's warp-iterations: its most executed instruction's count).
+"""
+import argparse
+import collections
+import csv
+
+
+def load(path):
+    rows = list(csv.reader(open(path)))
+    header, data = rows[1], rows[2:]
+    col = {h: i for i, h in enumerate(header)}
+    stalls = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
+    base = int(data[0][0], 16)
+    out = []
+    for r in data:
+        src = r[1].strip()
+        toks = src.split()
+        op = (toks[1] if toks[0].startswith("@") else toks[0]).split(".")[0]
+        out.append({
+            "off": int(r[0], 16) - base,
+            "src": src,
+            "op": op,
+            "exec": int(r[col["Instructions Executed"]] or 0),
+            "samples": int(r[col["# Samples"]] or 0),
+            "stalls": collections.Counter({h[6:]: int(r[col[h]] or 0) for h in stalls}),
+        })
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("csv")
+    ap.add_argument("--hot", type=float)
+    ap.add_argument("--loop", action="append", default=[])
+    ap.add_argument("--per", type=float, default=1.0)
+    a = ap.parse_args()
+    ins = load(a.csv)
+    total = sum(i["samples"] for i in ins)
+    if a.hot is not None:
+        top = max(i["exec"] for i in ins)
+        for i in ins:
+            if i["exec"] >= a.hot * top:
+                why = " ".join(f"{k}:{v}" for k, v in i["stalls"].most_common(3) if v)
+                print(f"{i['off']:6x} {i['exec']:9d} {i['samples']:5d} {i['src'][:60]:60s} {why}")
+    for spec in a.loop:
+        name, lo, hi = spec.split(":")
+        lo, hi = int(lo, 16), int(hi, 16)
+        sel = [i for i in ins if lo <= i["off"] <= hi]
+        samples = sum(i["samples"] for i in sel)
+        why = collections.Counter()
+        ops = collections.Counter()
+        op_samples = collections.Counter()
+        for i in sel:
+            why.update(i["stalls"])
+            ops[i["op"]] += i["exec"] / a.per
+            op_samples[i["op"]] += i["samples"]
+        print(f"== {name}: {samples} samples ({100 * samples / total:.1f} % of {total}), "
+              f"{sum(ops.values()):.1f} instructions per iteration")
+        print("   stalls: " + " ".join(f"{k}:{v}" for k, v in why.most_common(8)))
+        for op, n in ops.most_common(24):
+            print(f"   {op:10s} {n:6.1f} per iteration, {op_samples[op]:5d} samples")
+
+
+if __name__ == "__main__":
+    main()
