@@ -114,8 +114,9 @@ constexpr int K_STEPS = K_HALF / 16;   // k16 steps per score warp per tile
 constexpr int V_COLS_PER_WARP = D_V / PV_WARPS;
 constexpr int O_N_TILES = V_COLS_PER_WARP / 8;
 constexpr int STAGE_BYTES = BLOCK_N * ROW_BYTES;
-// Partial scores of one score warp: 8 floats per lane, element-major.
-constexpr int EXCHANGE_FLOATS_PER_WARP = 8 * 32;
+// Partial scores a score warp hands its k_half partner: the partner's row,
+// four floats per lane.
+constexpr int EXCHANGE_FLOATS_PER_WARP = 4 * 32;
 constexpr int EXCHANGE_BYTES = SCORE_WARPS * EXCHANGE_FLOATS_PER_WARP * 4;
 constexpr int P_PITCH = BLOCK_N + 8;  // bf16; 48-byte rows: ldmatrix and stores conflict-free
 constexpr int P_BUFFER_BYTES = BLOCK_M * P_PITCH * 2;

@@ -7,10 +7,11 @@
 // Hand-over per 16-token tile t (barriers indexed by t & 1):
 //   score warps: wait P_EMPTY(t-2) -> wait for tile t (their own prologue
 //     loads for t < NUM_STAGES, else KV_FULL(t)) -> S partial -> exchange with
-//     the other k_half -> softmax -> write P(t), alpha(t) -> arrive P_FULL(t)
-//   PV warps:    wait P_FULL(t) -> load tile t+4 into the stage of tile t-1 ->
-//     O = alpha O + P(t) V(t) -> arrive P_EMPTY(t) -> wait for their load of
-//     tile t+2 -> arrive KV_FULL(t+2)
+//     the other k_half (each keeps one of the two rows a lane holds) ->
+//     softmax of its rows -> write their P(t), alpha(t) -> arrive P_FULL(t)
+//   PV warps:    wait P_FULL(t) -> O = alpha O + P(t) V(t) -> arrive
+//     P_EMPTY(t) -> load tile t+4 into the stage of tile t-1 -> wait for
+//     their load of tile t+2 -> arrive KV_FULL(t+2)
 // Every arrive has exactly one matching sync: P_EMPTY(t) is only signalled
 // for t + 2 < num_tiles (the tiles whose successor-but-one waits for it), and
 // KV_FULL(t+2) only for the PV-loaded tiles t+2 >= NUM_STAGES that exist.
@@ -162,15 +163,15 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
       ptx::CpAsyncCommit();
     }
 
-    // Softmax state of rows g and g + 8 of this row group (identical in both
-    // k_halves). Rows past the request's end have Q = 0 (zero-filled), so
-    // their scores stay finite; their outputs are never stored.
-    const int r_lo = item.row_tile * BLOCK_M + row_group * 16 + g;
-    const int r_hi = r_lo + 8;
-    const uint64_t vis_lo = r_lo < rows ? p.visibility[q_row + r_lo / heads] : 0;
-    const uint64_t vis_hi = r_hi < rows ? p.visibility[q_row + r_hi / heads] : 0;
-    float max_lo = -INFINITY, max_hi = -INFINITY;  // running max, log2 domain
-    float sum_lo = 0.0f, sum_hi = 0.0f;            // this lane's share of the running sum
+    // The pair splits the softmax by row: k_half 0 owns row g of the row
+    // group, k_half 1 row g + 8 (each lane: one row, columns n*8 + 2*t4 + {0,1}
+    // of both n-tiles). Rows past the request's end have Q = 0 (zero-filled),
+    // so their scores stay finite; their outputs are never stored.
+    const int my_row = row_group * 16 + g + 8 * k_half;  // row within the tile
+    const int r = item.row_tile * BLOCK_M + my_row;      // request row
+    const uint64_t vis = r < rows ? p.visibility[q_row + r / heads] : 0;
+    float row_max = -INFINITY;  // running max, log2 domain
+    float row_sum = 0.0f;       // this lane's share of the running sum
     // Keys below this position are prefix keys inside the chunk: no mask.
     const int unmasked_end = min(prefix, kv_end);
 
@@ -228,47 +229,44 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
         ptx::MmaBf16(acc[s & 1][0], q_frag[s], kf[s & 1][0], kf[s & 1][1]);
         ptx::MmaBf16(acc[s & 1][1], q_frag[s], kf[s & 1][2], kf[s & 1][3]);
       }
-      float sc[2][4];
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sc[n][e] = acc[0][n][e] + acc[1][n][e];
-
-      // ---- exchange with the other k_half: both end with the same full S
-      // (a + b == b + a in IEEE arithmetic, so the two softmaxes agree bit for
-      // bit). Everything below relies on that: each k_half writes half of P,
-      // only k_half 0 writes alpha and the row sums, and both take the same
-      // fast/slow softmax branch. Keep the two halves' arithmetic identical. ----
-#pragma unroll
-      for (int n = 0; n < 2; ++n) mine[n * 32 + lane] = make_float4(sc[n][0], sc[n][1], sc[n][2], sc[n][3]);
+      // ---- exchange with the other k_half: send it the partial scores of
+      // its row, receive those of mine (mma accumulator elements 0, 1 are row
+      // g, elements 2, 3 row g + 8). Selects, not indexing by k_half: a runtime
+      // index would put the accumulators in local memory. ----
+      float sc[4];  // my row: columns 2*t4 + {0, 1}, 8 + 2*t4 + {0, 1}
+      {
+        const float a00 = acc[0][0][0] + acc[1][0][0], a01 = acc[0][0][1] + acc[1][0][1];
+        const float a02 = acc[0][0][2] + acc[1][0][2], a03 = acc[0][0][3] + acc[1][0][3];
+        const float a10 = acc[0][1][0] + acc[1][1][0], a11 = acc[0][1][1] + acc[1][1][1];
+        const float a12 = acc[0][1][2] + acc[1][1][2], a13 = acc[0][1][3] + acc[1][1][3];
+        const bool hi = k_half != 0;
+        mine[lane] = hi ? make_float4(a00, a01, a10, a11) : make_float4(a02, a03, a12, a13);
+        sc[0] = hi ? a02 : a00;
+        sc[1] = hi ? a03 : a01;
+        sc[2] = hi ? a12 : a10;
+        sc[3] = hi ? a13 : a11;
+      }
       ptx::NamedBarrierSync(BAR_PAIR + row_group, 64);
-#pragma unroll
-      for (int n = 0; n < 2; ++n) {
-        const float4 o = theirs[n * 32 + lane];
-        sc[n][0] += o.x;
-        sc[n][1] += o.y;
-        sc[n][2] += o.z;
-        sc[n][3] += o.w;
+      {
+        const float4 o = theirs[lane];
+        sc[0] += o.x;
+        sc[1] += o.y;
+        sc[2] += o.z;
+        sc[3] += o.w;
       }
 
-      // ---- online softmax: lane holds rows g, g+8 x columns n*8 + 2*t4 + {0,1}.
-      // Scores stay unscaled until the exponent (one FFMA each); scale > 0, so
-      // the tile max scales after the max. ----
+      // ---- online softmax of my row. Scores stay unscaled until the
+      // exponent (one FFMA each); scale > 0, so the tile max scales after the max. ----
       const int tile_begin = kv_begin + t * BLOCK_N;
       if (tile_begin + BLOCK_N > unmasked_end) {
         // Not a prefix tile (where every key is visible to every row): mask.
         const int j0 = tile_begin + 2 * t4;
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int j = j0 + n * 8 + (e & 1);
-            const uint64_t vis = e >= 2 ? vis_hi : vis_lo;
-            // Prefix keys need no mask; draft keys use the tree's visibility word.
-            const bool visible =
-                j < kv_end && (j < prefix || ((vis >> ((j - prefix) & 63)) & 1u) != 0);
-            sc[n][e] = visible ? sc[n][e] : -INFINITY;
-          }
+        for (int e = 0; e < 4; ++e) {
+          const int j = j0 + (e >> 1) * 8 + (e & 1);
+          // Prefix keys need no mask; draft keys use the tree's visibility word.
+          const bool visible = j < kv_end && (j < prefix || ((vis >> ((j - prefix) & 63)) & 1u) != 0);
+          sc[e] = visible ? sc[e] : -INFINITY;
         }
       }
       // The exponent reference of a row is its running max (log2 domain).
@@ -276,77 +274,45 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
       // by more than REFERENCE_SLACK, keep it: no cross-lane max, alpha = 1
       // (the PV warps then skip their rescale). P <= 2^REFERENCE_SLACK loses
       // nothing in bf16 (relative precision does not depend on magnitude), and
-      // l, O are fp32. Both k_halves hold the same scores and state, so they
-      // take the same path.
-      float tile_max_lo = fmaxf(fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[1][0], sc[1][1])) * scale_log2;
-      float tile_max_hi = fmaxf(fmaxf(sc[0][2], sc[0][3]), fmaxf(sc[1][2], sc[1][3])) * scale_log2;
-      float alpha_lo = 1.0f, alpha_hi = 1.0f;
+      // l, O are fp32.
+      float tile_max = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3])) * scale_log2;
+      float alpha = 1.0f;
       // -inf + slack is -inf: a row that has seen no visible key leaves the
       // fast path as soon as one appears.
-      const bool fits = tile_max_lo <= max_lo + REFERENCE_SLACK && tile_max_hi <= max_hi + REFERENCE_SLACK;
-      if (!__all_sync(0xffffffffu, fits)) {
-        tile_max_lo = fmaxf(tile_max_lo, __shfl_xor_sync(0xffffffffu, tile_max_lo, 1));
-        tile_max_hi = fmaxf(tile_max_hi, __shfl_xor_sync(0xffffffffu, tile_max_hi, 1));
-        tile_max_lo = fmaxf(tile_max_lo, __shfl_xor_sync(0xffffffffu, tile_max_lo, 2));
-        tile_max_hi = fmaxf(tile_max_hi, __shfl_xor_sync(0xffffffffu, tile_max_hi, 2));
-        const float new_lo = fmaxf(max_lo, tile_max_lo);
-        const float new_hi = fmaxf(max_hi, tile_max_hi);
+      if (!__all_sync(0xffffffffu, tile_max <= row_max + REFERENCE_SLACK)) {
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+        const float new_max = fmaxf(row_max, tile_max);
         // exp2(-inf - -inf) would be NaN: a row with no visible key yet scales by 0.
-        alpha_lo = new_lo == -INFINITY ? 0.0f : ptx::Exp2Approx(max_lo - new_lo);
-        alpha_hi = new_hi == -INFINITY ? 0.0f : ptx::Exp2Approx(max_hi - new_hi);
-        max_lo = new_lo;
-        max_hi = new_hi;
+        alpha = new_max == -INFINITY ? 0.0f : ptx::Exp2Approx(row_max - new_max);
+        row_max = new_max;
       }
       // A row that has seen no visible key keeps max -inf: use 0 as the
       // reference so that exp2(-inf - ref) is 0 rather than NaN.
-      const float neg_ref_lo = max_lo == -INFINITY ? 0.0f : -max_lo;
-      const float neg_ref_hi = max_hi == -INFINITY ? 0.0f : -max_hi;
-      float tile_sum_lo = 0.0f, tile_sum_hi = 0.0f;
+      const float neg_ref = row_max == -INFINITY ? 0.0f : -row_max;
+      float tile_sum = 0.0f;
 #pragma unroll
-      for (int n = 0; n < 2; ++n) {
+      for (int e = 0; e < 4; ++e) {
         // A masked score is -inf: -inf x scale - ref is -inf, and ex2 gives 0.
-        sc[n][0] = ptx::Exp2Approx(fmaf(sc[n][0], scale_log2, neg_ref_lo));
-        sc[n][1] = ptx::Exp2Approx(fmaf(sc[n][1], scale_log2, neg_ref_lo));
-        sc[n][2] = ptx::Exp2Approx(fmaf(sc[n][2], scale_log2, neg_ref_hi));
-        sc[n][3] = ptx::Exp2Approx(fmaf(sc[n][3], scale_log2, neg_ref_hi));
-        tile_sum_lo += sc[n][0] + sc[n][1];
-        tile_sum_hi += sc[n][2] + sc[n][3];
+        sc[e] = ptx::Exp2Approx(fmaf(sc[e], scale_log2, neg_ref));
+        tile_sum += sc[e];
       }
-      sum_lo = sum_lo * alpha_lo + tile_sum_lo;
-      sum_hi = sum_hi * alpha_hi + tile_sum_hi;
+      row_sum = row_sum * alpha + tile_sum;
 
-      // ---- hand P(t) (this k_half's n-tile) and alpha(t) to the PV warps ----
+      // ---- hand P(t) (my row, 16 columns) and alpha(t) to the PV warps ----
       {
         auto* probs = reinterpret_cast<uint32_t*>(smem_raw + SMEM_P_OFFSET + (t & 1) * P_BUFFER_BYTES);
-        const int row = row_group * 16 + g;
-        const int col = k_half * 8 + 2 * t4;
-        // Select rather than index with k_half: a runtime index would put sc in local memory.
-        float mine_p[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) mine_p[e] = k_half ? sc[1][e] : sc[0][e];
-        probs[(row * P_PITCH + col) / 2] = ptx::PackBf16x2(mine_p[0], mine_p[1]);
-        probs[((row + 8) * P_PITCH + col) / 2] = ptx::PackBf16x2(mine_p[2], mine_p[3]);
-        if (k_half == 0 && t4 == 0) {
-          alpha_s[(t & 1) * BLOCK_M + row] = alpha_lo;
-          alpha_s[(t & 1) * BLOCK_M + row + 8] = alpha_hi;
-        }
+        probs[(my_row * P_PITCH + 2 * t4) / 2] = ptx::PackBf16x2(sc[0], sc[1]);
+        probs[(my_row * P_PITCH + 8 + 2 * t4) / 2] = ptx::PackBf16x2(sc[2], sc[3]);
+        if (t4 == 0) alpha_s[(t & 1) * BLOCK_M + my_row] = alpha;
       }
       ptx::NamedBarrierArrive(BAR_P_FULL + (t & 1), NUM_THREADS);
     }
 
-    // ---- 1 / l and lse of the rows, for the PV warps' epilogue ----
-    sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, 1);
-    sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, 2);
-    sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, 1);
-    sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, 2);
-    if (k_half == 0 && t4 == 0) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = row_group * 16 + g + half * 8;
-        StoreRowStats(p, splits, row, item.row_tile * BLOCK_M + row, rows, q_row, heads,
-                      half ? max_hi : max_lo, half ? sum_hi : sum_lo, inv_l_s);
-      }
-    }
+    // ---- 1 / l and lse of my row, for the PV warps' epilogue ----
+    row_sum += __shfl_xor_sync(0xffffffffu, row_sum, 1);
+    row_sum += __shfl_xor_sync(0xffffffffu, row_sum, 2);
+    if (t4 == 0) StoreRowStats(p, splits, my_row, r, rows, q_row, heads, row_max, row_sum, inv_l_s);
     ptx::NamedBarrierArrive(BAR_FINAL, NUM_THREADS);
     return;
   }
@@ -410,22 +376,6 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
   uint32_t free_stage = (NUM_STAGES - 1) * STAGE_BYTES;    // tile t-1's: loaded next
   for (int t = 0; t < num_tiles; ++t) {
     ptx::NamedBarrierSync(BAR_P_FULL + (t & 1), NUM_THREADS);
-    if (t >= 1) {
-      // Stage (t-1) % NUM_STAGES is free (see the header): load tile t+4 into it.
-      const int load_tile = t + NUM_STAGES - 1;
-      if (load_tile < num_tiles) {
-        if constexpr (kPageRing) {
-          __syncwarp();  // page ids fetched by the row's first thread are visible
-          const int page = page_ring[(load_tile % pipelined::PAGE_RING) * BLOCK_N + ld_row];
-          issue_tile(load_tile, free_stage, page, ld_row, ld_lane);
-          fetch_page_id(load_tile + pipelined::PAGE_AHEAD);
-        } else {
-          issue_tile(load_tile, free_stage, next_page, ld_row, ld_lane);
-          next_page = page_of(load_tile + 1, ld_row);
-        }
-      }
-      ptx::CpAsyncCommit();
-    }
     const float* alpha = alpha_s + (t & 1) * BLOCK_M;
     float a[M_TILES][2];
 #pragma unroll
@@ -454,6 +404,7 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
     uint32_t v_addr[4];
 #pragma unroll
     for (int np = 0; np < 4; ++np) v_addr[np] = kv_base + stage + v_frag_offset[np];
+    const uint32_t prev_stage = free_stage;  // tile t-1's, free since P_FULL(t)
     free_stage = stage;
     stage = stage == (NUM_STAGES - 1) * STAGE_BYTES ? 0 : stage + STAGE_BYTES;
 #pragma unroll
@@ -466,14 +417,31 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
         ptx::MmaBf16(o_acc[m][2 * np + 1], p_frag[m], vf[2], vf[3]);
       }
     }
-    if (t + 2 < num_tiles) {
-      ptx::NamedBarrierArrive(BAR_P_EMPTY + (t & 1), NUM_THREADS);
-      if (t + 2 >= NUM_STAGES) {
-        // Groups committed so far: tiles NUM_STAGES..t+4; tile t+2 complete
-        // leaves the two newest pending.
-        ptx::CpAsyncWait<NUM_STAGES - 3>();
-        ptx::NamedBarrierArrive(BAR_KV_FULL + (t & 1), NUM_THREADS);
+    if (t + 2 < num_tiles) ptx::NamedBarrierArrive(BAR_P_EMPTY + (t & 1), NUM_THREADS);
+    // The loads go out after the MMAs: issued before them, their address
+    // registers held the MMAs back until the MIO queue had taken all nine
+    // cp.async (bench/NOTES.md v4h); tile t+4 is needed three tiles later.
+    if (t >= 1) {
+      // Stage (t-1) % NUM_STAGES is free (see the header): load tile t+4 into it.
+      const int load_tile = t + NUM_STAGES - 1;
+      if (load_tile < num_tiles) {
+        if constexpr (kPageRing) {
+          __syncwarp();  // page ids fetched by the row's first thread are visible
+          const int page = page_ring[(load_tile % pipelined::PAGE_RING) * BLOCK_N + ld_row];
+          issue_tile(load_tile, prev_stage, page, ld_row, ld_lane);
+          fetch_page_id(load_tile + pipelined::PAGE_AHEAD);
+        } else {
+          issue_tile(load_tile, prev_stage, next_page, ld_row, ld_lane);
+          next_page = page_of(load_tile + 1, ld_row);
+        }
       }
+      ptx::CpAsyncCommit();
+    }
+    if (t + 2 < num_tiles && t + 2 >= NUM_STAGES) {
+      // Groups committed so far: tiles NUM_STAGES..t+4; tile t+2 complete
+      // leaves the two newest pending.
+      ptx::CpAsyncWait<NUM_STAGES - 3>();
+      ptx::NamedBarrierArrive(BAR_KV_FULL + (t & 1), NUM_THREADS);
     }
   }
 
