@@ -78,7 +78,7 @@ if want shapes; then
 fi
 if want variants; then
   # The attention variants side by side on the four target shapes.
-  for v in ${VARIANTS:-splitk8 splitk16 pipelined}; do
+  for v in ${VARIANTS:-splitk8 splitk16 pipelined pipelined16}; do
     echo "== variant $v"
     timeout 200 "$bundle/bin/mlaverify-bench" --variant $v --shape 1,4096,16,8 --shape 1,65536,16,8 \
       --shape 32,65536,4,8 --shape 8,65536,16,16 --shape 32,65536,4,8,1 \

@@ -147,7 +147,7 @@ int Run(int argc, char** argv) {
   app.add_option("--ctas-per-sm", ctas_per_sm, "split target: CTAs per SM");
   app.add_option("--min-chunk-tiles", min_chunk_tiles, "smallest KV split in 32-token tiles");
   app.add_option("--variant", variant,
-                 "attention kernel: splitk8, splitk16 or pipelined (default: library's)");
+                 "attention kernel: splitk8, splitk16, pipelined or pipelined16 (default: library's)");
   bool pdl = false;
   app.add_flag("--no-pdl", no_pdl, "launch plan/attention/combine without programmatic dependent launch");
   app.add_flag("--pdl", pdl, "launch plan/attention/combine with programmatic dependent launch");

@@ -31,13 +31,45 @@ cudaError_t LaunchWithDependency(Kernel kernel, dim3 grid, dim3 block, int smem_
 }  // namespace
 
 int VerifyAttentionSharedBytes(AttentionVariant variant) {
-  return variant == AttentionVariant::kPipelined ? verify::pipelined::SMEM_BYTES : verify::SMEM_BYTES;
+  switch (variant) {
+    case AttentionVariant::kPipelined:
+      return verify::pipelined::Shape<2>::SMEM_BYTES;
+    case AttentionVariant::kPipelined16:
+      return verify::pipelined::Shape<4>::SMEM_BYTES;
+    default:
+      return verify::SMEM_BYTES;
+  }
 }
 
 bool IsSupportedAttentionVariant(AttentionVariant variant) {
   return variant == AttentionVariant::kSplitK8 || variant == AttentionVariant::kSplitK16 ||
-         variant == AttentionVariant::kPipelined;
+         variant == AttentionVariant::kPipelined || variant == AttentionVariant::kPipelined16;
 }
+
+namespace {
+
+template <int kKSlices>
+cudaError_t PreparePipelined() {
+  const int bytes = verify::pipelined::Shape<kKSlices>::SMEM_BYTES;
+  cudaError_t err = cudaFuncSetAttribute(verify::PipelinedAttentionKernel<kKSlices, true>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err != cudaSuccess) return err;
+  return cudaFuncSetAttribute(verify::PipelinedAttentionKernel<kKSlices, false>,
+                              cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+
+// Page ids through the shared ring below 16 tokens per page.
+template <int kKSlices>
+cudaError_t LaunchPipelined(const VerifyParams& p, bool programmatic_launch, cudaStream_t stream) {
+  using Shape = verify::pipelined::Shape<kKSlices>;
+  return LaunchWithDependency(p.page_size_log2 < verify::pipelined::RING_BELOW_PAGE_LOG2
+                                  ? verify::PipelinedAttentionKernel<kKSlices, true>
+                                  : verify::PipelinedAttentionKernel<kKSlices, false>,
+                              dim3(p.max_work), dim3(Shape::NUM_THREADS), Shape::SMEM_BYTES,
+                              programmatic_launch, stream, p);
+}
+
+}  // namespace
 
 cudaError_t PrepareVerifyKernels() {
   cudaError_t err = cudaFuncSetAttribute(
@@ -46,13 +78,9 @@ cudaError_t PrepareVerifyKernels() {
   err = cudaFuncSetAttribute(verify::AttentionKernel<16>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, verify::SMEM_BYTES);
   if (err != cudaSuccess) return err;
-  err = cudaFuncSetAttribute(verify::PipelinedAttentionKernel<true>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             verify::pipelined::SMEM_BYTES);
+  err = PreparePipelined<2>();
   if (err != cudaSuccess) return err;
-  return cudaFuncSetAttribute(verify::PipelinedAttentionKernel<false>,
-                              cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              verify::pipelined::SMEM_BYTES);
+  return PreparePipelined<4>();
 }
 
 cudaError_t LaunchVerifyKernels(const VerifyParams& p, AttentionVariant variant,
@@ -63,13 +91,10 @@ cudaError_t LaunchVerifyKernels(const VerifyParams& p, AttentionVariant variant,
   if (err != cudaSuccess) return err;
   switch (variant) {
     case AttentionVariant::kPipelined:
-      // Page ids through the shared ring below 16 tokens per page.
-      err = LaunchWithDependency(p.page_size_log2 < verify::pipelined::RING_BELOW_PAGE_LOG2
-                                     ? verify::PipelinedAttentionKernel<true>
-                                     : verify::PipelinedAttentionKernel<false>,
-                                 dim3(p.max_work),
-                                 dim3(verify::pipelined::NUM_THREADS),
-                                 verify::pipelined::SMEM_BYTES, programmatic_launch, stream, p);
+      err = LaunchPipelined<2>(p, programmatic_launch, stream);
+      break;
+    case AttentionVariant::kPipelined16:
+      err = LaunchPipelined<4>(p, programmatic_launch, stream);
       break;
     case AttentionVariant::kSplitK16:
       err = LaunchWithDependency(verify::AttentionKernel<16>, dim3(p.max_work),

@@ -67,17 +67,19 @@ const char* AttentionVariantName(AttentionVariant variant) {
       return "splitk16";
     case AttentionVariant::kPipelined:
       return "pipelined";
+    case AttentionVariant::kPipelined16:
+      return "pipelined16";
   }
   return "unknown";
 }
 
 absl::StatusOr<AttentionVariant> ParseAttentionVariant(absl::string_view name) {
   for (const AttentionVariant v : {AttentionVariant::kSplitK8, AttentionVariant::kSplitK16,
-                                   AttentionVariant::kPipelined}) {
+                                   AttentionVariant::kPipelined, AttentionVariant::kPipelined16}) {
     if (name == AttentionVariantName(v)) return v;
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown attention variant '", name, "': use splitk8, splitk16 or pipelined"));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown attention variant '", name, "': use splitk8, splitk16, pipelined or pipelined16"));
 }
 
 absl::StatusOr<VerifyLaunchConfig> PrepareVerifyLaunch(int device) {
@@ -90,8 +92,9 @@ absl::StatusOr<VerifyLaunchConfig> PrepareVerifyLaunch(int device) {
   RETURN_IF_ERROR(CudaErrorToStatus(
       cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
       "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)"));
-  const int needed = std::max(VerifyAttentionSharedBytes(AttentionVariant::kSplitK8),
-                              VerifyAttentionSharedBytes(AttentionVariant::kPipelined));
+  const int needed = std::max({VerifyAttentionSharedBytes(AttentionVariant::kSplitK8),
+                               VerifyAttentionSharedBytes(AttentionVariant::kPipelined),
+                               VerifyAttentionSharedBytes(AttentionVariant::kPipelined16)});
   if (max_optin < needed) {
     return absl::FailedPreconditionError(
         absl::StrCat("device ", device, " allows ", max_optin,

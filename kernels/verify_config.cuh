@@ -81,51 +81,35 @@ static_assert(NUM_STAGES == 2, "the main loop alternates two stages");
 static_assert(SMEM_BYTES <= SM120_MAX_SMEM_PER_BLOCK, "over the sm_120 shared-memory limit");
 
 // ---------------------------------------------------------------------------
-// The warp-specialised variant (PipelinedAttentionKernel). Eight warps in two
-// roles that run one KV tile apart:
-//   score warps 0-3, warp = (row_group, k_half): Q[16 rows, 288 dims] in
-//     registers; a partial S over their 288 dimensions, exchanged with the
-//     other k_half through shared memory; both warps of a pair then run the
-//     same online softmax and each writes half of P(t).
-//   PV warps 4-7: O[32 rows, 128 columns] in registers; O = alpha O + P(t) V(t)
-//     while the score warps already work on tile t+1. They also issue the KV
-//     loads (four tiles ahead), which keeps address arithmetic off the score
-//     warps: those are the critical path (ncu, bench/NOTES.md).
+// The warp-specialised variants (PipelinedAttentionKernel). Warps in two roles
+// that run one KV tile apart:
+//   score warps, warp = (row_group, k_slice): Q[16 rows, 576 / K_SLICES dims]
+//     in registers; a partial S over their dimensions, reduced with the other
+//     k_slices of the row group through shared memory; each warp then runs
+//     the online softmax of its share of the rows and writes their P(t).
+//   PV warps: O[32 rows, 512 / PV_WARPS columns] in registers;
+//     O = alpha O + P(t) V(t) while the score warps already work on tile t+1.
+//     They also issue the KV loads (the first 128 PV threads), which keeps
+//     address arithmetic off the score warps (ncu, bench/NOTES.md v4a/v4b).
 // They hand over through named barriers (double-buffered P and alpha), so
 // the tensor pipe stays busy during the softmax. KV tiles are 16 tokens so
-// that five stages (three in flight while two are in use) fit 99 KB.
+// that several stages fit 99 KB.
+//   Shape<2> (`pipelined`): 4 + 4 warps, five stages; one warp per role per
+//     SM sub-partition.
+//   Shape<4> (`pipelined16`): 8 + 8 warps at <= 128 registers, four stages
+//     (the four-way partial-score buffer leaves no room for a fifth): two
+//     warps per role per sub-partition, so that one's latency hides behind the
+//     other's work (bench/NOTES.md v4h, v5).
 // ---------------------------------------------------------------------------
 namespace pipelined {
 constexpr int BLOCK_N = 16;
-constexpr int NUM_STAGES = 5;
-constexpr int SCORE_WARPS = 4;
-constexpr int SCORE_THREADS = SCORE_WARPS * 32;
-// Four PV warps, one per SM sub-partition next to one score warp. Eight were
-// measured (v4c in bench/NOTES.md): the PV role got faster but its extra
-// MMAs took the tensor pipe from the score warps, the critical path: slower.
-constexpr int PV_WARPS = 4;
-constexpr int PV_THREADS = PV_WARPS * 32;
-constexpr int NUM_THREADS = SCORE_THREADS + PV_THREADS;
 // Loaders: the score warps load Q and the first tiles, the PV warps the rest,
-// each role with 8 threads per KV row (9 chunks of 16 bytes each).
+// 128 threads of a role with 8 threads per KV row (9 chunks of 16 bytes each).
+constexpr int LOADER_THREADS = 128;
 constexpr int LOADER_THREADS_PER_ROW = 8;
-constexpr int K_HALF = D_QK / 2;       // dimensions of Q one score warp holds
-constexpr int K_STEPS = K_HALF / 16;   // k16 steps per score warp per tile
-constexpr int V_COLS_PER_WARP = D_V / PV_WARPS;
-constexpr int O_N_TILES = V_COLS_PER_WARP / 8;
 constexpr int STAGE_BYTES = BLOCK_N * ROW_BYTES;
-// Partial scores a score warp hands its k_half partner: the partner's row,
-// four floats per lane.
-constexpr int EXCHANGE_FLOATS_PER_WARP = 4 * 32;
-constexpr int EXCHANGE_BYTES = SCORE_WARPS * EXCHANGE_FLOATS_PER_WARP * 4;
 constexpr int P_PITCH = BLOCK_N + 8;  // bf16; 48-byte rows: ldmatrix and stores conflict-free
 constexpr int P_BUFFER_BYTES = BLOCK_M * P_PITCH * 2;
-
-constexpr int SMEM_KV_OFFSET = 0;
-constexpr int SMEM_EXCHANGE_OFFSET = SMEM_KV_OFFSET + NUM_STAGES * STAGE_BYTES;
-constexpr int SMEM_P_OFFSET = SMEM_EXCHANGE_OFFSET + EXCHANGE_BYTES;       // [2] P buffers
-constexpr int SMEM_ALPHA_OFFSET = SMEM_P_OFFSET + 2 * P_BUFFER_BYTES;      // [2][BLOCK_M] float
-constexpr int SMEM_INV_L_OFFSET = SMEM_ALPHA_OFFSET + 2 * BLOCK_M * 4;     // [BLOCK_M] float
 // Page ids of the KV rows the PV warps will load, fetched with cp.async
 // PAGE_AHEAD tiles before their tile is loaded: [PAGE_RING][BLOCK_N] int32.
 constexpr int PAGE_AHEAD = 4;
@@ -135,39 +119,72 @@ constexpr int PAGE_RING = 8;
 // register one step ahead (bench/NOTES.md v4g).
 constexpr int RING_BELOW_PAGE_LOG2 = 4;
 static_assert((1 << RING_BELOW_PAGE_LOG2) >= BLOCK_N, "a register-path tile must lie in one page");
-constexpr int SMEM_PAGE_RING_OFFSET = SMEM_INV_L_OFFSET + BLOCK_M * 4;
-constexpr int SMEM_BYTES = SMEM_PAGE_RING_OFFSET + PAGE_RING * BLOCK_N * 4;
 // The softmax keeps a row's exponent reference while no new score exceeds it
 // by more than this (log2 domain): P stays <= 256.
 constexpr float REFERENCE_SLACK = 8.0f;
-// Q is staged in the last two KV stages before the loop.
-constexpr int Q_STAGE = NUM_STAGES - 2;
+// Partial scores of one row group: K_SLICES warps' [16][16] fp32 (Shape<4>).
+constexpr int PARTIAL_PITCH = BLOCK_N;  // floats
 
 // Named barriers (0 is __syncthreads).
-constexpr int BAR_SCORE = 1;      // score warps: a KV tile is visible to all four
-constexpr int BAR_PAIR = 2;       // + row_group: the two k_halves exchanged partial scores
+constexpr int BAR_SCORE = 1;      // score warps: a KV tile is visible to all of them
+constexpr int BAR_PAIR = 2;       // + row_group: the row group's k_slices exchanged partial scores
 constexpr int BAR_P_FULL = 4;     // + (tile & 1): P(t), alpha(t) written (score -> PV)
 constexpr int BAR_P_EMPTY = 6;    // + (tile & 1): PV(t) done with P buffer and alpha slot
 constexpr int BAR_FINAL = 8;      // 1 / l and lse of every row written (score -> PV)
 constexpr int BAR_KV_FULL = 9;    // + (tile & 1): a KV tile loaded by the PV warps has landed
 
-static_assert(SCORE_WARPS == ROW_GROUPS * 2, "score warps are row_group x k_half");
-static_assert(K_HALF % 16 == 0 && K_STEPS % 2 == 0, "two accumulator chains per n-tile");
+template <int kKSlices>
+struct Shape {
+  static constexpr int K_SLICES = kKSlices;
+  static constexpr int SCORE_WARPS = ROW_GROUPS * kKSlices;
+  static constexpr int SCORE_THREADS = SCORE_WARPS * 32;
+  static constexpr int PV_WARPS = SCORE_WARPS;
+  static constexpr int PV_THREADS = PV_WARPS * 32;
+  static constexpr int NUM_THREADS = SCORE_THREADS + PV_THREADS;
+  static constexpr int NUM_STAGES = kKSlices == 2 ? 5 : 4;
+  static constexpr int Q_STAGE = NUM_STAGES - 2;  // Q is staged in the last two stages
+  static constexpr int K_SLICE = D_QK / kKSlices;  // dimensions of Q one score warp holds
+  static constexpr int K_STEPS = K_SLICE / 16;     // k16 steps per score warp per tile
+  static constexpr int V_COLS_PER_WARP = D_V / PV_WARPS;
+  static constexpr int O_N_TILES = V_COLS_PER_WARP / 8;
+  static constexpr int ROWS_PER_SCORE_WARP = 16 / kKSlices;  // softmax rows of a score warp
+  // Shape<2>: a float4 per lane (the partner's row); Shape<4>: a warp's whole
+  // partial S[16][16].
+  static constexpr int EXCHANGE_FLOATS_PER_WARP = kKSlices == 2 ? 4 * 32 : 16 * PARTIAL_PITCH;
+  static constexpr int EXCHANGE_BYTES = SCORE_WARPS * EXCHANGE_FLOATS_PER_WARP * 4;
+
+  static constexpr int SMEM_KV_OFFSET = 0;
+  static constexpr int SMEM_EXCHANGE_OFFSET = SMEM_KV_OFFSET + NUM_STAGES * STAGE_BYTES;
+  static constexpr int SMEM_P_OFFSET = SMEM_EXCHANGE_OFFSET + EXCHANGE_BYTES;   // [2] P buffers
+  static constexpr int SMEM_ALPHA_OFFSET = SMEM_P_OFFSET + 2 * P_BUFFER_BYTES;  // [2][BLOCK_M] float
+  static constexpr int SMEM_INV_L_OFFSET = SMEM_ALPHA_OFFSET + 2 * BLOCK_M * 4;  // [BLOCK_M] float
+  static constexpr int SMEM_PAGE_RING_OFFSET = SMEM_INV_L_OFFSET + BLOCK_M * 4;
+  static constexpr int SMEM_BYTES = SMEM_PAGE_RING_OFFSET + PAGE_RING * BLOCK_N * 4;
+
+  static_assert(kKSlices == 2 || kKSlices == 4, "two or four k slices");
+  static_assert(K_SLICE % 16 == 0, "whole k16 steps per slice");
+  static_assert(SCORE_THREADS >= LOADER_THREADS && PV_THREADS >= LOADER_THREADS &&
+                    LOADER_THREADS == BLOCK_N * LOADER_THREADS_PER_ROW && ROW_CHUNKS % 8 == 0,
+                "loaders: 128 threads of each role cover a tile's 16 rows, 8 threads per row "
+                "(one swizzle group)");
+  static_assert((BLOCK_M * LOADER_THREADS_PER_ROW) % SCORE_THREADS == 0,
+                "the score warps stage Q's 32 rows in whole passes");
+  static_assert(2 * STAGE_BYTES >= Q_TILE_BYTES, "Q is staged in the last two KV stages");
+  static_assert(NUM_STAGES >= 4 && NUM_STAGES <= 5,
+                "two tiles in use (score t+1, PV t) plus two or three loading; the score "
+                "warps' prologue wait (a switch over pending groups) covers up to five");
+  static_assert(O_N_TILES % 2 == 0 && O_N_TILES <= 16,
+                "ldmatrix.x4.trans loads two n8 tiles of V at a time; at most two groups of "
+                "four pairs (the offsets trick)");
+  static_assert(PAGE_AHEAD >= NUM_STAGES - 2 && PAGE_RING > PAGE_AHEAD,
+                "a page id is fetched in the group of an earlier step that the PV warps' "
+                "wait_group has already completed when its tile is loaded");
+  static_assert(SMEM_BYTES <= SM120_MAX_SMEM_PER_BLOCK, "over the sm_120 shared-memory limit");
+};
 static_assert(BLOCK_N == 16, "score warps hold two n8 tiles; P is one k16 step of PV");
-static_assert(SCORE_THREADS == BLOCK_N * LOADER_THREADS_PER_ROW &&
-                  PV_THREADS == BLOCK_N * LOADER_THREADS_PER_ROW && ROW_CHUNKS % 8 == 0,
-              "loaders: each role covers a tile's 16 rows with 8 threads per row (one swizzle group)");
-static_assert(NUM_THREADS <= 384,
-              "one CTA per SM: more threads would cap registers below 168 per thread");
-static_assert(2 * STAGE_BYTES >= Q_TILE_BYTES, "Q is staged in the last two KV stages");
-static_assert(NUM_STAGES >= 4 && NUM_STAGES <= 5,
-              "two tiles in use (score t+1, PV t) plus two or three loading; the score "
-              "warps' prologue wait (a switch over pending groups) covers up to five");
-static_assert(O_N_TILES % 2 == 0, "ldmatrix.x4.trans loads two n8 tiles of V at a time");
-static_assert(PAGE_AHEAD >= NUM_STAGES - 2 && PAGE_RING > PAGE_AHEAD,
-              "a page id is fetched in the group of an earlier step that the PV warps' "
-              "wait_group has already completed when its tile is loaded");
-static_assert(SMEM_BYTES <= SM120_MAX_SMEM_PER_BLOCK, "over the sm_120 shared-memory limit");
+static_assert(Shape<2>::NUM_THREADS <= 384,
+              "one CTA per SM at > 168 registers per thread");
+static_assert(Shape<4>::NUM_THREADS == 512, "one CTA per SM at <= 128 registers per thread");
 }  // namespace pipelined
 
 __host__ __device__ constexpr int SwizzledChunk(int row, int chunk) {

@@ -115,8 +115,10 @@ struct RowCopyParams {
 //   kSplitK8 / kSplitK16: every warp computes scores, then softmax, then PV,
 //     with 8 or 16 warps per CTA (32-token KV tiles, two stages);
 //   kPipelined: warp-specialised, score warps one 16-token tile ahead of the
-//     PV warps (verify_pipelined_kernel.cuh).
-enum class AttentionVariant : int { kSplitK8 = 0, kSplitK16 = 1, kPipelined = 2 };
+//     PV warps (verify_pipelined_kernel.cuh), 4 + 4 warps;
+//   kPipelined16: the same with 8 + 8 warps at <= 128 registers (Q split four
+//     ways over the dimensions, O over eight column slices), four stages.
+enum class AttentionVariant : int { kSplitK8 = 0, kSplitK16 = 1, kPipelined = 2, kPipelined16 = 3 };
 
 // Launchers defined in the .cu files: they enqueue kernels on `stream` and
 // return the launch error; no allocation, no host synchronisation.

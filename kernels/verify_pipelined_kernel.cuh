@@ -1,17 +1,17 @@
 // The warp-specialised verify attention kernel: the same work items, plan and
 // combine as AttentionKernel (verify_kernel.cuh), with an inner loop in which
-// the score/softmax of KV tile t+1 runs on four warps while four other warps
-// accumulate P(t) V(t). See the `pipelined` constants in verify_config.cuh for
-// the roles and the shared-memory layout, and bench/NOTES.md for why.
+// the score/softmax of KV tile t+1 runs on the score warps while the PV warps
+// accumulate P(t) V(t). See `pipelined::Shape` in verify_config.cuh for the
+// roles and the shared-memory layout, and bench/NOTES.md for why.
 //
 // Hand-over per 16-token tile t (barriers indexed by t & 1):
 //   score warps: wait P_EMPTY(t-2) -> wait for tile t (their own prologue
 //     loads for t < NUM_STAGES, else KV_FULL(t)) -> S partial -> exchange with
-//     the other k_half (each keeps one of the two rows a lane holds) ->
-//     softmax of its rows -> write their P(t), alpha(t) -> arrive P_FULL(t)
+//     the row group's other k_slices -> softmax of the warp's rows -> write
+//     their P(t), alpha(t) -> arrive P_FULL(t)
 //   PV warps:    wait P_FULL(t) -> O = alpha O + P(t) V(t) -> arrive
-//     P_EMPTY(t) -> load tile t+4 into the stage of tile t-1 -> wait for
-//     their load of tile t+2 -> arrive KV_FULL(t+2)
+//     P_EMPTY(t) -> load tile t+NUM_STAGES-1 into the stage of tile t-1 ->
+//     wait for their load of tile t+2 -> arrive KV_FULL(t+2)
 // Every arrive has exactly one matching sync: P_EMPTY(t) is only signalled
 // for t + 2 < num_tiles (the tiles whose successor-but-one waits for it), and
 // KV_FULL(t+2) only for the PV-loaded tiles t+2 >= NUM_STAGES that exist.
@@ -27,12 +27,15 @@
 
 namespace mlaverify::kernels::verify {
 
+// kKSlices: the pipelined::Shape (2: `pipelined`, 4: `pipelined16`).
 // kPageRing: page ids reach the PV warps' loads through a shared ring (page
 // sizes below 16 tokens) rather than a register read one step ahead; see the
 // PV warps' prologue. The host picks the instance from page_size_log2.
-template <bool kPageRing>
-__global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
+template <int kKSlices, bool kPageRing>
+__global__ void __launch_bounds__(pipelined::Shape<kKSlices>::NUM_THREADS, 1)
     PipelinedAttentionKernel(const VerifyParams p) {
+  using Shape = pipelined::Shape<kKSlices>;
+  // Block-scope declarations: these hide the split-K variant's constants of the same name.
   // Block-scope declarations: these hide the split-K variant's constants of the same name.
   using pipelined::BAR_FINAL;
   using pipelined::BAR_KV_FULL;
@@ -41,25 +44,21 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
   using pipelined::BAR_PAIR;
   using pipelined::BAR_SCORE;
   using pipelined::BLOCK_N;
-  using pipelined::EXCHANGE_FLOATS_PER_WARP;
-  using pipelined::K_HALF;
-  using pipelined::K_STEPS;
-  using pipelined::NUM_STAGES;
-  using pipelined::NUM_THREADS;
-  using pipelined::O_N_TILES;
+  using pipelined::LOADER_THREADS;
   using pipelined::P_BUFFER_BYTES;
   using pipelined::P_PITCH;
-  using pipelined::Q_STAGE;
+  using pipelined::PARTIAL_PITCH;
   using pipelined::REFERENCE_SLACK;
-  using pipelined::SCORE_THREADS;
-  using pipelined::SCORE_WARPS;
-  using pipelined::SMEM_ALPHA_OFFSET;
-  using pipelined::SMEM_EXCHANGE_OFFSET;
-  using pipelined::SMEM_INV_L_OFFSET;
-  using pipelined::SMEM_KV_OFFSET;
-  using pipelined::SMEM_P_OFFSET;
   using pipelined::STAGE_BYTES;
-  using pipelined::V_COLS_PER_WARP;
+  constexpr int K_SLICE = Shape::K_SLICE;
+  constexpr int K_STEPS = Shape::K_STEPS;
+  constexpr int NUM_STAGES = Shape::NUM_STAGES;
+  constexpr int NUM_THREADS = Shape::NUM_THREADS;
+  constexpr int O_N_TILES = Shape::O_N_TILES;
+  constexpr int Q_STAGE = Shape::Q_STAGE;
+  constexpr int SCORE_THREADS = Shape::SCORE_THREADS;
+  constexpr int SCORE_WARPS = Shape::SCORE_WARPS;
+  constexpr int V_COLS_PER_WARP = Shape::V_COLS_PER_WARP;
   extern __shared__ __align__(128) uint8_t smem_raw[];
 
   ptx::GridDependencyWait();  // the plan kernel's work list
@@ -81,13 +80,13 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
   const int kv_end = item.kv_end;
   const int num_tiles = CeilDiv(kv_end - kv_begin, BLOCK_N);
 
-  const uint32_t kv_base = ptx::SmemAddress(smem_raw + SMEM_KV_OFFSET);
+  const uint32_t kv_base = ptx::SmemAddress(smem_raw + Shape::SMEM_KV_OFFSET);
   auto stage_addr = [&](int stage) { return kv_base + stage * STAGE_BYTES; };
-  const uint32_t probs_addr = ptx::SmemAddress(smem_raw + SMEM_P_OFFSET);
-  float* alpha_s = reinterpret_cast<float*>(smem_raw + SMEM_ALPHA_OFFSET);
-  float* inv_l_s = reinterpret_cast<float*>(smem_raw + SMEM_INV_L_OFFSET);
+  const uint32_t probs_addr = ptx::SmemAddress(smem_raw + Shape::SMEM_P_OFFSET);
+  float* alpha_s = reinterpret_cast<float*>(smem_raw + Shape::SMEM_ALPHA_OFFSET);
+  float* inv_l_s = reinterpret_cast<float*>(smem_raw + Shape::SMEM_INV_L_OFFSET);
 
-  // ---- KV loader, run by the 128 threads of one role: 8 threads per KV row,
+  // ---- KV loader, run by 128 threads of one role: 8 threads per KV row,
   // thread `lane` taking 16-byte chunks lane + 8k. A chunk lands at a fixed
   // offset from the row's swizzled base (SwizzledChunk keeps bits 3.. of the
   // chunk index), so one base address per thread and immediate offsets do. ----
@@ -114,16 +113,19 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
 #pragma unroll
     for (int k = 0; k < ROW_CHUNKS / 8; ++k) ptx::CpAsync16(dst + k * 128, src + k * 64, valid);
   };
-  // This thread's KV row and lane when its role loads (both roles: 128 threads).
-  static_assert(pipelined::SCORE_THREADS == 128 && pipelined::LOADER_THREADS_PER_ROW == 8,
+  // This thread's KV row and lane when it loads: the first 128 threads of each
+  // role (SCORE_THREADS is a multiple of 128).
+  static_assert(LOADER_THREADS == 128 && pipelined::LOADER_THREADS_PER_ROW == 8 &&
+                    SCORE_THREADS % LOADER_THREADS == 0,
                 "the masks below");
   const int ld_row = (tid & 127) >> 3;
   const int ld_lane = tid & 7;
 
   if (warp < SCORE_WARPS) {
     // =================== score warps: S and the online softmax ===================
-    const int row_group = warp >> 1;
-    const int k_half = warp & 1;
+    const int row_group = warp / kKSlices;
+    const int k_slice = warp % kKSlices;
+    const bool tile_loader = tid < LOADER_THREADS;
     const int prefix = p.prefix_len[b];
     const float scale = p.softmax_scale != nullptr ? p.softmax_scale[b] : p.default_softmax_scale;
     const float scale_log2 = scale * LOG2E;
@@ -132,15 +134,14 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
     {
       const uint32_t dst = stage_addr(Q_STAGE);
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = ld_row + half * BLOCK_N;
+      for (int row = tid >> 3; row < BLOCK_M; row += SCORE_THREADS / 8) {
         StageQueryRow(p, dst, row, item.row_tile * BLOCK_M + row, ld_lane, rows, q_row, heads);
       }
       ptx::CpAsyncCommit();
     }
 #pragma unroll
     for (int t = 0; t < Q_STAGE; ++t) {
-      if (t < num_tiles) issue_tile(t, t * STAGE_BYTES, page_of(t, ld_row), ld_row, ld_lane);
+      if (tile_loader && t < num_tiles) issue_tile(t, t * STAGE_BYTES, page_of(t, ld_row), ld_row, ld_lane);
       ptx::CpAsyncCommit();
     }
 
@@ -151,7 +152,7 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
       const int row = row_group * 16 + (lane & 15);
 #pragma unroll
       for (int s = 0; s < K_STEPS; ++s) {
-        const int chunk = (k_half * K_HALF + s * 16) / 8 + (lane >> 4);
+        const int chunk = (k_slice * K_SLICE + s * 16) / 8 + (lane >> 4);
         ptx::LdMatrixX4(q_frag[s], stage_addr(Q_STAGE) + TileOffset(row, chunk));
       }
     }
@@ -159,15 +160,20 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
     ptx::NamedBarrierSync(BAR_SCORE, SCORE_THREADS);
 #pragma unroll
     for (int t = Q_STAGE; t < NUM_STAGES; ++t) {
-      if (t < num_tiles) issue_tile(t, t * STAGE_BYTES, page_of(t, ld_row), ld_row, ld_lane);
+      if (tile_loader && t < num_tiles) issue_tile(t, t * STAGE_BYTES, page_of(t, ld_row), ld_row, ld_lane);
       ptx::CpAsyncCommit();
     }
 
-    // The pair splits the softmax by row: k_half 0 owns row g of the row
-    // group, k_half 1 row g + 8 (each lane: one row, columns n*8 + 2*t4 + {0,1}
-    // of both n-tiles). Rows past the request's end have Q = 0 (zero-filled),
-    // so their scores stay finite; their outputs are never stored.
-    const int my_row = row_group * 16 + g + 8 * k_half;  // row within the tile
+    // The row group's k_slices split the softmax by row. Two slices: slice 0
+    // owns row g of the row group, slice 1 row g + 8 (each lane: one row,
+    // columns n*8 + 2*t4 + {0,1} of both n-tiles, the mma layout). Four
+    // slices: slice q owns rows 4q..4q+3 (lane: row 4q + lane / 8, columns
+    // 2 * (lane % 8) + {0,1}). Rows past the request's end have Q = 0
+    // (zero-filled), so their scores stay finite; their outputs are never stored.
+    constexpr int VALUES = BLOCK_N * 16 / kKSlices / 32;  // softmax values per lane
+    constexpr int ROW_LANES = BLOCK_N / VALUES;            // lanes that share a row
+    const int my_row = row_group * 16 +
+                       (kKSlices == 2 ? g + 8 * k_slice : 4 * k_slice + (lane >> 3));  // row within the tile
     const int r = item.row_tile * BLOCK_M + my_row;      // request row
     const uint64_t vis = r < rows ? p.visibility[q_row + r / heads] : 0;
     float row_max = -INFINITY;  // running max, log2 domain
@@ -175,18 +181,16 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
     // Keys below this position are prefix keys inside the chunk: no mask.
     const int unmasked_end = min(prefix, kv_end);
 
-    float4* exchange = reinterpret_cast<float4*>(smem_raw + SMEM_EXCHANGE_OFFSET);
-    float4* mine = exchange + warp * (EXCHANGE_FLOATS_PER_WARP / 4);
-    const float4* theirs = exchange + (warp ^ 1) * (EXCHANGE_FLOATS_PER_WARP / 4);
+    float* exchange = reinterpret_cast<float*>(smem_raw + Shape::SMEM_EXCHANGE_OFFSET);
 
     // K fragment addresses relative to a stage: k step s reads chunk
-    // k_half * 36 + 2s (+1 for lanes 8-15 and 24-31); chunks 8 apart keep their
-    // swizzle, so step s is k_frag_offset[s % 4] + 128 bytes x (s / 4).
+    // k_slice * K_SLICE / 8 + 2s (+1 for lanes 8-15 and 24-31); chunks 8 apart
+    // keep their swizzle, so step s is k_frag_offset[s % 4] + 128 bytes x (s / 4).
     const int k_token = (lane & 7) + ((lane >> 4) << 3);
     uint32_t k_frag_offset[4];
 #pragma unroll
     for (int s4 = 0; s4 < 4; ++s4) {
-      k_frag_offset[s4] = TileOffset(k_token, (k_half * K_HALF) / 8 + 2 * s4 + ((lane >> 3) & 1));
+      k_frag_offset[s4] = TileOffset(k_token, (k_slice * K_SLICE) / 8 + 2 * s4 + ((lane >> 3) & 1));
     }
     uint32_t stage = 0;  // byte offset of tile t's stage
     for (int t = 0; t < num_tiles; ++t) {
@@ -207,7 +211,7 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
         ptx::NamedBarrierSync(BAR_KV_FULL + (t & 1), NUM_THREADS);
       }
 
-      // ---- partial S[16 rows, 16 tokens] over this warp's 288 dimensions:
+      // ---- partial S[16 rows, 16 tokens] over this warp's K_SLICE dimensions:
       // two accumulator chains per n-tile (even / odd k steps) ----
       uint32_t k_addr[4];
 #pragma unroll
@@ -229,30 +233,52 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
         ptx::MmaBf16(acc[s & 1][0], q_frag[s], kf[s & 1][0], kf[s & 1][1]);
         ptx::MmaBf16(acc[s & 1][1], q_frag[s], kf[s & 1][2], kf[s & 1][3]);
       }
-      // ---- exchange with the other k_half: send it the partial scores of
-      // its row, receive those of mine (mma accumulator elements 0, 1 are row
-      // g, elements 2, 3 row g + 8). Selects, not indexing by k_half: a runtime
-      // index would put the accumulators in local memory. ----
-      float sc[4];  // my row: columns 2*t4 + {0, 1}, 8 + 2*t4 + {0, 1}
+      // ---- reduce the partial scores of the row group's k_slices; each lane
+      // ends with its own row's VALUES columns (see my_row). Accumulator
+      // elements 0, 1 are row g, elements 2, 3 row g + 8 (mma layout). ----
+      float sc[VALUES];
       {
         const float a00 = acc[0][0][0] + acc[1][0][0], a01 = acc[0][0][1] + acc[1][0][1];
         const float a02 = acc[0][0][2] + acc[1][0][2], a03 = acc[0][0][3] + acc[1][0][3];
         const float a10 = acc[0][1][0] + acc[1][1][0], a11 = acc[0][1][1] + acc[1][1][1];
         const float a12 = acc[0][1][2] + acc[1][1][2], a13 = acc[0][1][3] + acc[1][1][3];
-        const bool hi = k_half != 0;
-        mine[lane] = hi ? make_float4(a00, a01, a10, a11) : make_float4(a02, a03, a12, a13);
-        sc[0] = hi ? a02 : a00;
-        sc[1] = hi ? a03 : a01;
-        sc[2] = hi ? a12 : a10;
-        sc[3] = hi ? a13 : a11;
-      }
-      ptx::NamedBarrierSync(BAR_PAIR + row_group, 64);
-      {
-        const float4 o = theirs[lane];
-        sc[0] += o.x;
-        sc[1] += o.y;
-        sc[2] += o.z;
-        sc[3] += o.w;
+        if constexpr (kKSlices == 2) {
+          // Send the partner its row, keep mine (columns 2*t4 + {0,1}, 8 + 2*t4 + {0,1}).
+          // Selects, not indexing by k_slice: a runtime index would put the
+          // accumulators in local memory.
+          float4* slots = reinterpret_cast<float4*>(exchange);
+          const bool hi = k_slice != 0;
+          slots[warp * 32 + lane] = hi ? make_float4(a00, a01, a10, a11) : make_float4(a02, a03, a12, a13);
+          sc[0] = hi ? a02 : a00;
+          sc[1] = hi ? a03 : a01;
+          sc[2] = hi ? a12 : a10;
+          sc[3] = hi ? a13 : a11;
+          ptx::NamedBarrierSync(BAR_PAIR + row_group, 32 * kKSlices);
+          const float4 o = slots[(warp ^ 1) * 32 + lane];
+          sc[0] += o.x;
+          sc[1] += o.y;
+          sc[2] += o.z;
+          sc[3] += o.w;
+        } else {
+          // Every slice writes its partial S[16][16] row-major; each reads the
+          // four partials of its rows (two adjacent columns per lane).
+          float* mine = exchange + warp * Shape::EXCHANGE_FLOATS_PER_WARP;
+          *reinterpret_cast<float2*>(mine + g * PARTIAL_PITCH + 2 * t4) = make_float2(a00, a01);
+          *reinterpret_cast<float2*>(mine + (g + 8) * PARTIAL_PITCH + 2 * t4) = make_float2(a02, a03);
+          *reinterpret_cast<float2*>(mine + g * PARTIAL_PITCH + 8 + 2 * t4) = make_float2(a10, a11);
+          *reinterpret_cast<float2*>(mine + (g + 8) * PARTIAL_PITCH + 8 + 2 * t4) = make_float2(a12, a13);
+          ptx::NamedBarrierSync(BAR_PAIR + row_group, 32 * kKSlices);
+          const float* group = exchange + row_group * kKSlices * Shape::EXCHANGE_FLOATS_PER_WARP +
+                               (my_row - row_group * 16) * PARTIAL_PITCH + 2 * (lane & 7);
+          sc[0] = 0.0f;
+          sc[1] = 0.0f;
+#pragma unroll
+          for (int q = 0; q < kKSlices; ++q) {
+            const float2 v = *reinterpret_cast<const float2*>(group + q * Shape::EXCHANGE_FLOATS_PER_WARP);
+            sc[0] += v.x;
+            sc[1] += v.y;
+          }
+        }
       }
 
       // ---- online softmax of my row. Scores stay unscaled until the
@@ -260,10 +286,9 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
       const int tile_begin = kv_begin + t * BLOCK_N;
       if (tile_begin + BLOCK_N > unmasked_end) {
         // Not a prefix tile (where every key is visible to every row): mask.
-        const int j0 = tile_begin + 2 * t4;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int j = j0 + (e >> 1) * 8 + (e & 1);
+        for (int e = 0; e < VALUES; ++e) {
+          const int j = tile_begin + (kKSlices == 2 ? 2 * t4 + (e >> 1) * 8 + (e & 1) : 2 * (lane & 7) + e);
           // Prefix keys need no mask; draft keys use the tree's visibility word.
           const bool visible = j < kv_end && (j < prefix || ((vis >> ((j - prefix) & 63)) & 1u) != 0);
           sc[e] = visible ? sc[e] : -INFINITY;
@@ -275,13 +300,16 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
       // (the PV warps then skip their rescale). P <= 2^REFERENCE_SLACK loses
       // nothing in bf16 (relative precision does not depend on magnitude), and
       // l, O are fp32.
-      float tile_max = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3])) * scale_log2;
+      float tile_max = sc[0];
+#pragma unroll
+      for (int e = 1; e < VALUES; ++e) tile_max = fmaxf(tile_max, sc[e]);
+      tile_max *= scale_log2;
       float alpha = 1.0f;
       // -inf + slack is -inf: a row that has seen no visible key leaves the
       // fast path as soon as one appears.
       if (!__all_sync(0xffffffffu, tile_max <= row_max + REFERENCE_SLACK)) {
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+#pragma unroll
+        for (int x = 1; x < ROW_LANES; x <<= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, x));
         const float new_max = fmaxf(row_max, tile_max);
         // exp2(-inf - -inf) would be NaN: a row with no visible key yet scales by 0.
         alpha = new_max == -INFINITY ? 0.0f : ptx::Exp2Approx(row_max - new_max);
@@ -292,33 +320,40 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
       const float neg_ref = row_max == -INFINITY ? 0.0f : -row_max;
       float tile_sum = 0.0f;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
+      for (int e = 0; e < VALUES; ++e) {
         // A masked score is -inf: -inf x scale - ref is -inf, and ex2 gives 0.
         sc[e] = ptx::Exp2Approx(fmaf(sc[e], scale_log2, neg_ref));
         tile_sum += sc[e];
       }
       row_sum = row_sum * alpha + tile_sum;
 
-      // ---- hand P(t) (my row, 16 columns) and alpha(t) to the PV warps ----
+      // ---- hand P(t) (my row's columns) and alpha(t) to the PV warps ----
       {
-        auto* probs = reinterpret_cast<uint32_t*>(smem_raw + SMEM_P_OFFSET + (t & 1) * P_BUFFER_BYTES);
-        probs[(my_row * P_PITCH + 2 * t4) / 2] = ptx::PackBf16x2(sc[0], sc[1]);
-        probs[(my_row * P_PITCH + 8 + 2 * t4) / 2] = ptx::PackBf16x2(sc[2], sc[3]);
-        if (t4 == 0) alpha_s[(t & 1) * BLOCK_M + my_row] = alpha;
+        auto* probs = reinterpret_cast<uint32_t*>(smem_raw + Shape::SMEM_P_OFFSET + (t & 1) * P_BUFFER_BYTES);
+        if constexpr (kKSlices == 2) {
+          probs[(my_row * P_PITCH + 2 * t4) / 2] = ptx::PackBf16x2(sc[0], sc[1]);
+          probs[(my_row * P_PITCH + 8 + 2 * t4) / 2] = ptx::PackBf16x2(sc[2], sc[3]);
+        } else {
+          probs[(my_row * P_PITCH + 2 * (lane & 7)) / 2] = ptx::PackBf16x2(sc[0], sc[1]);
+        }
+        if (lane % ROW_LANES == 0) alpha_s[(t & 1) * BLOCK_M + my_row] = alpha;
       }
       ptx::NamedBarrierArrive(BAR_P_FULL + (t & 1), NUM_THREADS);
     }
 
     // ---- 1 / l and lse of my row, for the PV warps' epilogue ----
-    row_sum += __shfl_xor_sync(0xffffffffu, row_sum, 1);
-    row_sum += __shfl_xor_sync(0xffffffffu, row_sum, 2);
-    if (t4 == 0) StoreRowStats(p, splits, my_row, r, rows, q_row, heads, row_max, row_sum, inv_l_s);
+#pragma unroll
+    for (int x = 1; x < ROW_LANES; x <<= 1) row_sum += __shfl_xor_sync(0xffffffffu, row_sum, x);
+    if (lane % ROW_LANES == 0) StoreRowStats(p, splits, my_row, r, rows, q_row, heads, row_max, row_sum, inv_l_s);
     ptx::NamedBarrierArrive(BAR_FINAL, NUM_THREADS);
     return;
   }
 
   // ============ PV warps: KV loads from tile NUM_STAGES on, O = alpha O + P V ============
   const int pv_warp = warp - SCORE_WARPS;
+  // The first 128 PV threads load; with eight PV warps the other four only
+  // take part in the barriers (their wait_group has nothing to wait for).
+  const bool loader = tid - SCORE_THREADS < LOADER_THREADS;
   float o_acc[M_TILES][O_N_TILES][4];
 #pragma unroll
   for (int m = 0; m < M_TILES; ++m)
@@ -339,9 +374,9 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
   // one page-table entry, shared with the tiles around it: the register read
   // one step ahead costs the PV warps (the critical path) less than the
   // ring's per-step work (v4f). The host picks the instance (kPageRing).
-  int32_t* page_ring = reinterpret_cast<int32_t*>(smem_raw + pipelined::SMEM_PAGE_RING_OFFSET);
+  int32_t* page_ring = reinterpret_cast<int32_t*>(smem_raw + Shape::SMEM_PAGE_RING_OFFSET);
   auto fetch_page_id = [&](int tile) {
-    if (ld_lane != 0) return;
+    if (!loader || ld_lane != 0) return;
     const int j = kv_begin + tile * BLOCK_N + ld_row;
     const bool valid = j < kv_end;  // else zero-filled: the row is not loaded anyway
     ptx::CpAsync4(ptx::SmemAddress(page_ring + (tile % pipelined::PAGE_RING) * BLOCK_N + ld_row),
@@ -354,18 +389,18 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
     ptx::CpAsyncCommit();
     ptx::CpAsyncWait<0>();
   } else {
-    next_page = page_of(NUM_STAGES, ld_row);
+    if (loader) next_page = page_of(NUM_STAGES, ld_row);
   }
   // V fragment addresses relative to a stage: n-tile pair np reads chunk
-  // pv_warp * 16 + 2 np (+1 for lanes 16-31); pairs 4 apart are 8 chunks
-  // apart with the same swizzle: + 128 bytes.
+  // pv_warp * V_COLS_PER_WARP / 8 + 2 np (+1 for lanes 16-31); pairs 4 apart
+  // are 8 chunks apart with the same swizzle: + 128 bytes.
+  constexpr int V_OFFSETS = O_N_TILES / 2 < 4 ? O_N_TILES / 2 : 4;
   const int v_token = (lane & 7) + (((lane >> 3) & 1) << 3);
-  uint32_t v_frag_offset[4];
+  uint32_t v_frag_offset[V_OFFSETS];
 #pragma unroll
-  for (int np = 0; np < 4; ++np) {
+  for (int np = 0; np < V_OFFSETS; ++np) {
     v_frag_offset[np] = TileOffset(v_token, pv_warp * (V_COLS_PER_WARP / 8) + np * 2 + (lane >> 4));
   }
-  static_assert(O_N_TILES / 2 == 8, "two groups of four n-tile pairs");
   // P fragment addresses of the two m tiles in P buffer 0.
   uint32_t p_frag_addr[M_TILES];
 #pragma unroll
@@ -401,16 +436,16 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
     uint32_t p_frag[M_TILES][4];
 #pragma unroll
     for (int m = 0; m < M_TILES; ++m) ptx::LdMatrixX4(p_frag[m], p_frag_addr[m] + (t & 1) * P_BUFFER_BYTES);
-    uint32_t v_addr[4];
+    uint32_t v_addr[V_OFFSETS];
 #pragma unroll
-    for (int np = 0; np < 4; ++np) v_addr[np] = kv_base + stage + v_frag_offset[np];
+    for (int np = 0; np < V_OFFSETS; ++np) v_addr[np] = kv_base + stage + v_frag_offset[np];
     const uint32_t prev_stage = free_stage;  // tile t-1's, free since P_FULL(t)
     free_stage = stage;
     stage = stage == (NUM_STAGES - 1) * STAGE_BYTES ? 0 : stage + STAGE_BYTES;
 #pragma unroll
     for (int np = 0; np < O_N_TILES / 2; ++np) {
       uint32_t vf[4];
-      ptx::LdMatrixX4Trans(vf, v_addr[np & 3] + (np >> 2) * 128);
+      ptx::LdMatrixX4Trans(vf, v_addr[np % V_OFFSETS] + (np / V_OFFSETS) * 128);
 #pragma unroll
       for (int m = 0; m < M_TILES; ++m) {
         ptx::MmaBf16(o_acc[m][2 * np], p_frag[m], vf[0], vf[1]);
@@ -424,7 +459,7 @@ __global__ void __launch_bounds__(pipelined::NUM_THREADS, 1)
     if (t >= 1) {
       // Stage (t-1) % NUM_STAGES is free (see the header): load tile t+4 into it.
       const int load_tile = t + NUM_STAGES - 1;
-      if (load_tile < num_tiles) {
+      if (loader && load_tile < num_tiles) {
         if constexpr (kPageRing) {
           __syncwarp();  // page ids fetched by the row's first thread are visible
           const int page = page_ring[(load_tile % pipelined::PAGE_RING) * BLOCK_N + ld_row];

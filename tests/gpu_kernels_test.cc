@@ -33,8 +33,9 @@ using testing::MakeProblem;
 using testing::MaskKind;
 using testing::VerifyProblemSpec;
 
-constexpr AttentionVariant kAllVariants[] = {
-    AttentionVariant::kSplitK8, AttentionVariant::kSplitK16, AttentionVariant::kPipelined};
+constexpr AttentionVariant kAllVariants[] = {AttentionVariant::kSplitK8, AttentionVariant::kSplitK16,
+                                             AttentionVariant::kPipelined,
+                                             AttentionVariant::kPipelined16};
 
 // Rows compared in full up to this many per problem; larger problems compare
 // a random sample of this many rows (and scan every row for NaN).
