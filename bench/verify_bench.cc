@@ -148,6 +148,9 @@ int Run(int argc, char** argv) {
   app.add_option("--min-chunk-tiles", min_chunk_tiles, "smallest KV split in 32-token tiles");
   app.add_option("--variant", variant,
                  "attention kernel: splitk8, splitk16, pipelined or pipelined16 (default: library's)");
+  bool plan_kernel = false;
+  app.add_flag("--plan-kernel", plan_kernel,
+               "always launch the plan kernel (default: batches <= 32 plan in the attention kernel)");
   bool pdl = false;
   app.add_flag("--no-pdl", no_pdl, "launch plan/attention/combine without programmatic dependent launch");
   app.add_flag("--pdl", pdl, "launch plan/attention/combine with programmatic dependent launch");
@@ -186,6 +189,7 @@ int Run(int argc, char** argv) {
     std::cerr << "--pdl and --no-pdl contradict each other\n";
     return 2;
   }
+  if (plan_kernel) config->plan_in_warp_max_batch = 0;
   if (pdl) config->programmatic_launch = true;  // else the library's default
   if (no_pdl) config->programmatic_launch = false;
   if (!variant.empty()) {
@@ -306,6 +310,7 @@ int Run(int argc, char** argv) {
                            {"ctas_per_sm", config->ctas_per_sm},
                            {"min_chunk_tiles", config->min_chunk_tiles},
                            {"programmatic_launch", config->programmatic_launch},
+                           {"plan_in_warp_max_batch", config->plan_in_warp_max_batch},
                            {"attention_variant", kernels::AttentionVariantName(config->attention_variant)},
                            {"attention_smem_bytes",
                             kernels::VerifyAttentionSharedBytes(config->attention_variant)},

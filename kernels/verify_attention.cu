@@ -86,9 +86,13 @@ cudaError_t PrepareVerifyKernels() {
 cudaError_t LaunchVerifyKernels(const VerifyParams& p, AttentionVariant variant,
                                 bool programmatic_launch, cudaStream_t stream) {
   if (!IsSupportedAttentionVariant(variant)) return cudaErrorInvalidValue;
-  verify::PlanKernel<<<1, verify::PLAN_THREADS, 0, stream>>>(p);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
+  if (p.plan_in_warp && p.batch > verify::PLAN_IN_WARP_MAX_BATCH) return cudaErrorInvalidValue;
+  cudaError_t err = cudaSuccess;
+  if (!p.plan_in_warp) {
+    verify::PlanKernel<<<1, verify::PLAN_THREADS, 0, stream>>>(p);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
   switch (variant) {
     case AttentionVariant::kPipelined:
       err = LaunchPipelined<2>(p, programmatic_launch, stream);

@@ -118,7 +118,11 @@ absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchC
   if (!IsSupportedAttentionVariant(c.attention_variant)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "attention_variant = ", static_cast<int>(c.attention_variant),
-        ": not a known variant (splitk8, splitk16, pipelined)"));
+        ": not a known variant (splitk8, splitk16, pipelined, pipelined16)"));
+  }
+  if (c.plan_in_warp_max_batch < 0 || c.plan_in_warp_max_batch > kPlanInWarpMaxBatch) {
+    return absl::InvalidArgumentError(absl::StrCat("plan_in_warp_max_batch = ", c.plan_in_warp_max_batch,
+                                                   ": must be in 0..", kPlanInWarpMaxBatch));
   }
   const WorkspaceLayout l = Layout(a, c);
   if (workspace == nullptr || workspace_bytes < l.bytes) {
@@ -159,6 +163,7 @@ absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchC
   p.max_partials = TargetCtas(c);
   p.target_ctas = TargetCtas(c);
   p.min_chunk_tiles = c.min_chunk_tiles;
+  p.plan_in_warp = a.batch <= c.plan_in_warp_max_batch ? 1 : 0;
   return CudaErrorToStatus(LaunchVerifyKernels(p, c.attention_variant, c.programmatic_launch, stream),
                     "verify launch");
 }

@@ -29,9 +29,14 @@ struct VerifyLaunchConfig {
   // H=128 rows (within 0.2 %; B=1, L=4K: 31.1 vs 27.3 us; bench/NOTES.md), for
   // reasons not yet understood.
   bool programmatic_launch = false;
+  // Batches up to this size skip the plan kernel: each attention CTA computes
+  // the (same) plan in its first warp and takes its own item, one launch
+  // fewer (0..32; 0 always launches the plan kernel; bench/NOTES.md v6).
+  int plan_in_warp_max_batch = 32;
 };
 
-// "splitk8", "splitk16", "pipelined": the names the benchmark and logs use.
+// "splitk8", "splitk16", "pipelined", "pipelined16": the names the benchmark
+// and logs use.
 const char* AttentionVariantName(AttentionVariant variant);
 absl::StatusOr<AttentionVariant> ParseAttentionVariant(absl::string_view name);
 

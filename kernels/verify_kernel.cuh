@@ -34,17 +34,74 @@ __device__ __forceinline__ int SplitFirstTile(int split, int tiles, int splits) 
 }
 
 // ---------------------------------------------------------------------------
-// Plan: one CTA. Picks one chunk length c (in BLOCK_N tiles) for the launch
-// so that the number of work items stays within target_ctas: with
-// T = target_ctas and R = total row tiles,
+// Plan. Picks one chunk length c (in BLOCK_N tiles) for the launch so that the
+// number of work items stays within target_ctas: with T = target_ctas and
+// R = total row tiles,
 //   items = sum_b row_tiles_b * ceil(tiles_b / c) <= cost / c + R <= T
 // for c = ceil(cost / (T - R)) (the "safe" chunk); c = ceil(cost / T) is
 // used instead when its item count happens to fit T (it fills every CTA). When
-// R >= T the device is full without splitting and no request is split. Each request then spreads its tiles
-// evenly over its ceil(tiles_b / c) splits (each gets at most c tiles, the
-// item count is unchanged), so that no CTA carries a long chunk while its
-// siblings carry a stub.
+// R >= T the device is full without splitting and no request is split. Each
+// request then spreads its tiles evenly over its ceil(tiles_b / c) splits
+// (each gets at most c tiles, the item count is unchanged), so that no CTA
+// carries a long chunk while its siblings carry a stub.
+// Two implementations of the same arithmetic (the helpers below): PlanKernel,
+// one CTA of one thread per request, writes the whole work list; for batch
+// <= PLAN_IN_WARP_MAX_BATCH the attention kernels plan in their first warp
+// instead (PlanInWarp, no plan launch: bench/NOTES.md v6).
 // ---------------------------------------------------------------------------
+constexpr int PLAN_IN_WARP_MAX_BATCH = kPlanInWarpMaxBatch;
+
+struct RequestShape {
+  int n = 0, kv_len = 0, row_tiles = 0, tiles = 0;
+};
+
+__device__ __forceinline__ RequestShape ShapeOfRequest(const VerifyParams& p, int b) {
+  RequestShape r;
+  if (b < p.batch) {
+    r.n = p.draft_len[b];
+    r.kv_len = p.prefix_len[b] + r.n;
+    r.row_tiles = CeilDiv(r.n * p.num_heads, BLOCK_M);
+    r.tiles = r.n > 0 ? CeilDiv(r.kv_len, BLOCK_N) : 0;
+  }
+  return r;
+}
+
+// The tight and safe chunk lengths (tiles) for the launch's totals.
+__device__ __forceinline__ void ChunkCandidates(const VerifyParams& p, long long total_cost,
+                                                long long total_row_tiles, int* tight, int* safe) {
+  auto clamp = [&](long long c) {
+    c = c < p.min_chunk_tiles ? p.min_chunk_tiles : c;
+    return static_cast<int>(c < NO_SPLIT_CHUNK_TILES ? c : NO_SPLIT_CHUNK_TILES);
+  };
+  *safe = NO_SPLIT_CHUNK_TILES;
+  *tight = NO_SPLIT_CHUNK_TILES;
+  if (total_row_tiles < p.target_ctas) {
+    const long long spare = p.target_ctas - total_row_tiles;
+    *safe = clamp((total_cost + spare - 1) / spare);
+    *tight = clamp((total_cost + p.target_ctas - 1) / p.target_ctas);
+  }
+}
+
+__device__ __forceinline__ long long ItemsOfRequest(const RequestShape& r, int chunk_tiles) {
+  return r.tiles > 0 ? static_cast<long long>(r.row_tiles) * CeilDiv(r.tiles, chunk_tiles) : 0;
+}
+
+// Item `local` of a request (row tiles of one chunk are adjacent work items:
+// their KV re-reads hit L2).
+__device__ __forceinline__ VerifyWorkItem MakeWorkItem(int request, int local, int row_tiles,
+                                                       int kv_len, int chunk_tiles) {
+  const int tiles = CeilDiv(kv_len, BLOCK_N);
+  const int splits = CeilDiv(tiles, chunk_tiles);
+  const int split = local / row_tiles;
+  VerifyWorkItem item{-1, 0, 0, 0, 0, {0, 0, 0}};
+  item.request = request;
+  item.row_tile = local % row_tiles;
+  item.split = split;
+  item.kv_begin = SplitFirstTile(split, tiles, splits) * BLOCK_N;
+  item.kv_end = min(kv_len, SplitFirstTile(split + 1, tiles, splits) * BLOCK_N);
+  return item;
+}
+
 __global__ void __launch_bounds__(PLAN_THREADS) PlanKernel(const VerifyParams p) {
   using IntScan = cub::BlockScan<int, PLAN_THREADS>;
   using CostReduce = cub::BlockReduce<long long, PLAN_THREADS>;
@@ -61,53 +118,34 @@ __global__ void __launch_bounds__(PLAN_THREADS) PlanKernel(const VerifyParams p)
   ptx::GridDependencyLaunchDependents();
 
   const int b = threadIdx.x;
-  int n = 0, kv_len = 0, row_tiles = 0, tiles = 0;
-  if (b < p.batch) {
-    n = p.draft_len[b];
-    kv_len = p.prefix_len[b] + n;
-    row_tiles = CeilDiv(n * p.num_heads, BLOCK_M);
-    tiles = n > 0 ? CeilDiv(kv_len, BLOCK_N) : 0;
-  }
+  const RequestShape req = ShapeOfRequest(p, b);
   int q_row = 0;
-  IntScan(temp.scan).ExclusiveSum(n, q_row);
+  IntScan(temp.scan).ExclusiveSum(req.n, q_row);
   __syncthreads();
-  const long long total_cost = CostReduce(temp.reduce).Sum(static_cast<long long>(row_tiles) * tiles);
+  const long long total_cost =
+      CostReduce(temp.reduce).Sum(static_cast<long long>(req.row_tiles) * req.tiles);
   __syncthreads();
-  const long long total_row_tiles = CostReduce(temp.reduce).Sum(static_cast<long long>(row_tiles));
-  // Two candidates: the tight chunk ceil(cost / T) fills all T CTAs when the
-  // rounding of the per-request splits allows it; the safe one (see above)
-  // always fits. The tight one is taken when its item count is <= T.
+  const long long total_row_tiles = CostReduce(temp.reduce).Sum(static_cast<long long>(req.row_tiles));
+  // Two candidates: the tight chunk fills all T CTAs when the rounding of the
+  // per-request splits allows it; the safe one always fits.
   __shared__ int s_tight_chunk;
   __shared__ int s_safe_chunk;
-  if (b == 0) {
-    auto clamp = [&](long long c) {
-      c = c < p.min_chunk_tiles ? p.min_chunk_tiles : c;
-      return static_cast<int>(c < NO_SPLIT_CHUNK_TILES ? c : NO_SPLIT_CHUNK_TILES);
-    };
-    s_safe_chunk = NO_SPLIT_CHUNK_TILES;
-    s_tight_chunk = NO_SPLIT_CHUNK_TILES;
-    if (total_row_tiles < p.target_ctas) {
-      const long long spare = p.target_ctas - total_row_tiles;
-      s_safe_chunk = clamp((total_cost + spare - 1) / spare);
-      s_tight_chunk = clamp((total_cost + p.target_ctas - 1) / p.target_ctas);
-    }
-  }
+  if (b == 0) ChunkCandidates(p, total_cost, total_row_tiles, &s_tight_chunk, &s_safe_chunk);
   __syncthreads();
-  const long long tight_items = CostReduce(temp.reduce).Sum(
-      tiles > 0 ? static_cast<long long>(row_tiles) * CeilDiv(tiles, s_tight_chunk) : 0);
+  const long long tight_items = CostReduce(temp.reduce).Sum(ItemsOfRequest(req, s_tight_chunk));
   if (b == 0) s_chunk_tiles = tight_items <= p.target_ctas ? s_tight_chunk : s_safe_chunk;
   __syncthreads();
   const int chunk_tiles = s_chunk_tiles;
-  const int splits = tiles > 0 ? CeilDiv(tiles, chunk_tiles) : 0;
+  const int splits = req.tiles > 0 ? CeilDiv(req.tiles, chunk_tiles) : 0;
   int work_base = 0, total_work = 0;
-  IntScan(temp.scan).ExclusiveSum(row_tiles * splits, work_base, total_work);
+  IntScan(temp.scan).ExclusiveSum(req.row_tiles * splits, work_base, total_work);
   s_work_base[b] = work_base;
-  s_kv_len[b] = kv_len;
-  s_row_tiles[b] = row_tiles;
+  s_kv_len[b] = req.kv_len;
+  s_row_tiles[b] = req.row_tiles;
   if (b < p.batch) {
     p.request_q_row[b] = q_row;
     p.request_splits[b] = splits;
-    p.request_row_tiles[b] = row_tiles;
+    p.request_row_tiles[b] = req.row_tiles;
     p.request_work_base[b] = work_base;
   }
   if (b == 0) *p.total_work = total_work;
@@ -123,22 +161,97 @@ __global__ void __launch_bounds__(PLAN_THREADS) PlanKernel(const VerifyParams p)
         const int mid = (lo + hi + 1) >> 1;
         if (s_work_base[mid] <= w) lo = mid; else hi = mid - 1;
       }
-      const int r = lo;
-      const int r_row_tiles = s_row_tiles[r];
-      const int r_len = s_kv_len[r];
-      const int r_tiles = CeilDiv(r_len, BLOCK_N);
-      const int r_splits = CeilDiv(r_tiles, chunk_tiles);
-      const int local = w - s_work_base[r];
-      // Row tiles of one chunk are adjacent work items: their KV re-reads hit L2.
-      const int split = local / r_row_tiles;
-      item.request = r;
-      item.row_tile = local % r_row_tiles;
-      item.split = split;
-      item.kv_begin = SplitFirstTile(split, r_tiles, r_splits) * BLOCK_N;
-      item.kv_end = min(r_len, SplitFirstTile(split + 1, r_tiles, r_splits) * BLOCK_N);
+      item = MakeWorkItem(lo, w - s_work_base[lo], s_row_tiles[lo], s_kv_len[lo], chunk_tiles);
     }
     p.work[w] = item;
   }
+}
+
+// What an attention CTA needs from the plan.
+struct PlannedWork {
+  VerifyWorkItem item;  // request -1: no work for this CTA
+  int q_row;            // first token row of the request in q
+  int splits;           // KV chunks of the request's row tiles
+};
+
+// The plan for batch <= PLAN_IN_WARP_MAX_BATCH, computed by one whole warp
+// (lane b: request b) with the same arithmetic as PlanKernel. Returns work
+// item `w`; writes it to p.work[w] for the combine, and the CTA given
+// `writer` writes the per-request arrays and the item count.
+__device__ __forceinline__ PlannedWork PlanInWarp(const VerifyParams& p, int w, bool writer) {
+  const unsigned all = 0xffffffffu;
+  const int lane = threadIdx.x & 31;
+  const RequestShape req = ShapeOfRequest(p, lane);
+  auto sum_ll = [&](long long v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(all, v, o);
+    return v;
+  };
+  // Inclusive scan over lanes, then exclusive = inclusive - own.
+  auto exclusive_scan = [&](int v, int* total) {
+    int x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(all, x, o);
+      if (lane >= o) x += y;
+    }
+    *total = __shfl_sync(all, x, 31);
+    return x - v;
+  };
+  int total_n = 0;
+  const int q_row = exclusive_scan(req.n, &total_n);
+  const long long total_cost = sum_ll(static_cast<long long>(req.row_tiles) * req.tiles);
+  const long long total_row_tiles = sum_ll(req.row_tiles);
+  int tight = 0, safe = 0;
+  ChunkCandidates(p, total_cost, total_row_tiles, &tight, &safe);
+  const long long tight_items = sum_ll(ItemsOfRequest(req, tight));
+  const int chunk_tiles = tight_items <= p.target_ctas ? tight : safe;
+  const int splits = req.tiles > 0 ? CeilDiv(req.tiles, chunk_tiles) : 0;
+  int total_work = 0;
+  const int work_base = exclusive_scan(req.row_tiles * splits, &total_work);
+  if (writer && lane < p.batch) {
+    p.request_q_row[lane] = q_row;
+    p.request_splits[lane] = splits;
+    p.request_row_tiles[lane] = req.row_tiles;
+    p.request_work_base[lane] = work_base;
+  }
+  if (writer && lane == 0) *p.total_work = total_work;
+  PlannedWork out{{-1, 0, 0, 0, 0, {0, 0, 0}}, 0, 0};
+  if (w < total_work) {
+    // The request holding item w: the last lane (request) whose base is <= w.
+    const unsigned at_or_below = __ballot_sync(all, lane < p.batch && work_base <= w);
+    const int r = 31 - __clz(at_or_below);
+    const int r_base = __shfl_sync(all, work_base, r);
+    out.item = MakeWorkItem(r, w - r_base, __shfl_sync(all, req.row_tiles, r),
+                            __shfl_sync(all, req.kv_len, r), chunk_tiles);
+    out.q_row = __shfl_sync(all, q_row, r);
+    out.splits = __shfl_sync(all, splits, r);
+  }
+  if (lane == 0) p.work[w] = out.item;
+  return out;
+}
+
+// The work of this CTA: from PlanKernel's list, or planned here (first warp;
+// p.plan_in_warp) and handed to the others through shared memory. Every
+// thread of the block must call it.
+__device__ __forceinline__ PlannedWork FetchWorkItem(const VerifyParams& p) {
+  __shared__ PlannedWork s_planned;
+  ptx::GridDependencyWait();  // the plan kernel's work list (or the writes of the grid before)
+  if (p.plan_in_warp) {  // batch <= PLAN_IN_WARP_MAX_BATCH (the host checks)
+    if (threadIdx.x < 32) {
+      const PlannedWork planned = PlanInWarp(p, blockIdx.x, blockIdx.x == 0);
+      if (threadIdx.x == 0) s_planned = planned;
+    }
+    __syncthreads();
+    return s_planned;
+  }
+  PlannedWork planned{{-1, 0, 0, 0, 0, {0, 0, 0}}, 0, 0};
+  if (static_cast<int>(blockIdx.x) < *p.total_work) {
+    planned.item = p.work[blockIdx.x];
+    planned.q_row = p.request_q_row[planned.item.request];
+    planned.splits = p.request_splits[planned.item.request];
+  }
+  return planned;
 }
 
 // ---------------------------------------------------------------------------
@@ -238,9 +351,9 @@ __global__ void __launch_bounds__(WarpLayout<kWarps>::NUM_THREADS, 1)
   extern __shared__ __align__(128) uint8_t smem_raw[];
   const AttentionSmem smem{smem_raw};
 
-  ptx::GridDependencyWait();  // the plan kernel's work list
-  if (static_cast<int>(blockIdx.x) >= *p.total_work) return;
-  const VerifyWorkItem item = p.work[blockIdx.x];
+  const PlannedWork planned = FetchWorkItem(p);
+  const VerifyWorkItem item = planned.item;
+  if (item.request < 0) return;
   ptx::GridDependencyLaunchDependents();
 
   const int tid = threadIdx.x;
@@ -251,8 +364,8 @@ __global__ void __launch_bounds__(WarpLayout<kWarps>::NUM_THREADS, 1)
   const int n_draft = p.draft_len[b];
   const int prefix = p.prefix_len[b];
   const int rows = n_draft * heads;
-  const int q_row = p.request_q_row[b];
-  const int splits = p.request_splits[b];
+  const int q_row = planned.q_row;
+  const int splits = planned.splits;
   const int kv_begin = item.kv_begin;
   const int kv_end = item.kv_end;
   const int num_tiles = CeilDiv(kv_end - kv_begin, BLOCK_N);
@@ -484,30 +597,24 @@ __global__ void __launch_bounds__(WarpLayout<kWarps>::NUM_THREADS, 1)
 // Combine: the CTAs of a split row tile share its 32 rows (CTA of split s takes
 // rows s, s + splits, ...) and merge that row's partials:
 //   lse = log sum_s exp(lse_s),  o = sum_s exp(lse_s - lse) * o_s.
+// The eight warps of a CTA take the splits round robin (warp w: splits w,
+// w + 8, ...), each lane 16 of the 512 columns as four float4, and keep an
+// online (max, sum, o) per warp; the warps' results are merged through
+// shared memory. All of a warp's loads for COMBINE_UNROLL splits go out
+// together: at small batch (33 splits per row at B=1, L=4K) the kernel costs
+// one or two L2 round trips instead of one per eight splits plus a max pass
+// (bench/NOTES.md v6).
 // ---------------------------------------------------------------------------
 constexpr int COMBINE_THREADS = 256;
-constexpr int COMBINE_UNROLL = 8;  // splits whose partials are in flight at once
-static_assert(D_V == COMBINE_THREADS * 2, "combine: two output columns per thread");
-
-// Max over the block; every thread gets the result. `scratch` holds one float
-// per warp.
-__device__ __forceinline__ float BlockMax(float v, float* scratch) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  }
-  const int warp = threadIdx.x >> 5;
-  if ((threadIdx.x & 31) == 0) scratch[warp] = v;
-  __syncthreads();
-  float r = scratch[0];
-#pragma unroll
-  for (int w = 1; w < COMBINE_THREADS / 32; ++w) r = fmaxf(r, scratch[w]);
-  __syncthreads();  // scratch is reused by the next call
-  return r;
-}
+constexpr int COMBINE_WARPS = COMBINE_THREADS / 32;
+constexpr int COMBINE_UNROLL = 4;  // splits per warp whose partials are in flight at once
+static_assert(D_V == 32 * 16, "combine: 16 columns per lane, four float4");
+static_assert(D_V == COMBINE_THREADS * 2, "combine merge: two output columns per thread");
 
 __global__ void __launch_bounds__(COMBINE_THREADS) CombineKernel(const VerifyParams p) {
-  __shared__ float s_scratch[COMBINE_THREADS / 32];
+  __shared__ float4 s_acc[COMBINE_WARPS][D_V / 4];
+  __shared__ float s_max[COMBINE_WARPS];
+  __shared__ float s_sum[COMBINE_WARPS];
   ptx::GridDependencyWait();  // the attention kernel's partials
   if (static_cast<int>(blockIdx.x) >= *p.total_work) return;
   const VerifyWorkItem item = p.work[blockIdx.x];
@@ -519,7 +626,8 @@ __global__ void __launch_bounds__(COMBINE_THREADS) CombineKernel(const VerifyPar
   const int base = p.request_work_base[b];
   const int q_row = p.request_q_row[b];
   const int heads = p.num_heads;
-  const int col = threadIdx.x * 2;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
   // Partials of split s of this row tile sit in slot base + s * row_tiles + row_tile.
   const float* lse_of = p.partial_lse + static_cast<int64_t>(base + item.row_tile) * BLOCK_M;
   const float* out_of = p.partial_out + static_cast<int64_t>(base + item.row_tile) * BLOCK_M * D_V;
@@ -527,41 +635,73 @@ __global__ void __launch_bounds__(COMBINE_THREADS) CombineKernel(const VerifyPar
   for (int row = item.split; row < BLOCK_M; row += splits) {
     const int r = item.row_tile * BLOCK_M + row;
     if (r >= rows) break;  // uniform across the block
-    // 1. The largest split LSE, read in parallel.
-    float max_lse = -INFINITY;
-    for (int s = threadIdx.x; s < splits; s += COMBINE_THREADS) {
-      max_lse = fmaxf(max_lse, lse_of[s * split_stride + row]);
-    }
-    max_lse = BlockMax(max_lse, s_scratch);
-    // A split that saw no visible key has LSE -inf and weight 0.
-    const float ref = max_lse == -INFINITY ? 0.0f : max_lse;
-    // 2. Weighted sum of the normalised partials, COMBINE_UNROLL splits at a time.
-    float sum = 0.0f;
-    float2 acc = make_float2(0.0f, 0.0f);
-    for (int s0 = 0; s0 < splits; s0 += COMBINE_UNROLL) {
+    // 1. This warp's splits: online max / sum / weighted o. A split that saw
+    // no visible key has LSE -inf and weight 0.
+    float m = -INFINITY, l = 0.0f;
+    float4 acc[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) acc[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int s0 = warp; s0 < splits; s0 += COMBINE_WARPS * COMBINE_UNROLL) {
       float lse_v[COMBINE_UNROLL];
-      float2 o_v[COMBINE_UNROLL];
+      float4 o_v[COMBINE_UNROLL][4];
 #pragma unroll
       for (int u = 0; u < COMBINE_UNROLL; ++u) {
-        const int s = s0 + u;
-        lse_v[u] = s < splits ? lse_of[s * split_stride + row] : -INFINITY;
-        o_v[u] = s < splits ? *reinterpret_cast<const float2*>(out_of + (s * split_stride + row) * D_V + col)
-                            : make_float2(0.0f, 0.0f);
+        const int s = s0 + u * COMBINE_WARPS;
+        const bool valid = s < splits;
+        const float* o = out_of + (s * split_stride + row) * D_V + lane * 4;
+        lse_v[u] = valid ? lse_of[s * split_stride + row] : -INFINITY;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          o_v[u][k] = valid ? *reinterpret_cast<const float4*>(o + k * 128) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
       }
 #pragma unroll
       for (int u = 0; u < COMBINE_UNROLL; ++u) {
-        const float w = __expf(lse_v[u] - ref);
-        sum += w;
-        acc.x += w * o_v[u].x;
-        acc.y += w * o_v[u].y;
+        const float m_new = fmaxf(m, lse_v[u]);
+        if (m_new == -INFINITY) continue;  // uniform: lse is the same in every lane
+        const float scale = __expf(m - m_new);  // m = -inf: 0
+        const float w = __expf(lse_v[u] - m_new);
+        l = l * scale + w;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          acc[k].x = acc[k].x * scale + w * o_v[u][k].x;
+          acc[k].y = acc[k].y * scale + w * o_v[u][k].y;
+          acc[k].z = acc[k].z * scale + w * o_v[u][k].z;
+          acc[k].w = acc[k].w * scale + w * o_v[u][k].w;
+        }
+        m = m_new;
       }
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) s_acc[warp][lane + k * 32] = acc[k];
+    if (lane == 0) {
+      s_max[warp] = m;
+      s_sum[warp] = l;
+    }
+    __syncthreads();
+    // 2. Merge the warps: thread t writes columns 2t, 2t + 1.
+    float max_all = s_max[0];
+#pragma unroll
+    for (int w = 1; w < COMBINE_WARPS; ++w) max_all = fmaxf(max_all, s_max[w]);
+    const float ref = max_all == -INFINITY ? 0.0f : max_all;
+    float sum = 0.0f;
+    float2 o = make_float2(0.0f, 0.0f);
+    const int col = threadIdx.x * 2;
+#pragma unroll
+    for (int w = 0; w < COMBINE_WARPS; ++w) {
+      const float e = __expf(s_max[w] - ref);  // a warp with no split or no visible key: 0
+      sum += e * s_sum[w];
+      const float2 a = reinterpret_cast<const float2*>(&s_acc[w][0])[threadIdx.x];
+      o.x += e * a.x;
+      o.y += e * a.y;
     }
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
     const int64_t token = q_row + r / heads;
     const int h = r % heads;
     uint16_t* dst = p.out + token * p.out_token_stride + static_cast<int64_t>(h) * p.out_head_stride;
-    *reinterpret_cast<uint32_t*>(dst + col) = ptx::PackBf16x2(acc.x * inv, acc.y * inv);
+    *reinterpret_cast<uint32_t*>(dst + col) = ptx::PackBf16x2(o.x * inv, o.y * inv);
     if (threadIdx.x == 0) p.lse[token * heads + h] = sum > 0.0f ? ref + __logf(sum) : -INFINITY;
+    __syncthreads();  // s_acc, s_max, s_sum are reused by the next row
   }
 }
 

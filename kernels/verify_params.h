@@ -14,6 +14,8 @@ namespace mlaverify::kernels {
 // Query rows one attention CTA owns (BLOCK_M of verify_config.cuh, which
 // checks the two agree): the host sizes the workspace with it.
 inline constexpr int kVerifyRowsPerCta = 32;
+// Largest batch the attention kernels can plan in one warp (a lane per request).
+inline constexpr int kPlanInWarpMaxBatch = 32;
 
 // One entry of the work list the plan kernel writes: a CTA of the attention
 // kernel attends the 32 query rows `row_tile` of request `request` over the
@@ -68,6 +70,7 @@ struct VerifyParams {
   int max_partials;           // = target_ctas: a split launch never has more items
   int target_ctas;            // CTAs the split aims to fill the device with
   int min_chunk_tiles;        // smallest KV chunk, in 32-token tiles
+  int plan_in_warp;           // 1: no plan kernel; each attention CTA plans in its first warp (batch <= 32)
 };
 
 struct DraftKvWriteParams {

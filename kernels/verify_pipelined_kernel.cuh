@@ -61,9 +61,9 @@ __global__ void __launch_bounds__(pipelined::Shape<kKSlices>::NUM_THREADS, 1)
   constexpr int V_COLS_PER_WARP = Shape::V_COLS_PER_WARP;
   extern __shared__ __align__(128) uint8_t smem_raw[];
 
-  ptx::GridDependencyWait();  // the plan kernel's work list
-  if (static_cast<int>(blockIdx.x) >= *p.total_work) return;
-  const VerifyWorkItem item = p.work[blockIdx.x];
+  const PlannedWork planned = FetchWorkItem(p);
+  const VerifyWorkItem item = planned.item;
+  if (item.request < 0) return;
   ptx::GridDependencyLaunchDependents();
 
   const int tid = threadIdx.x;
@@ -74,8 +74,8 @@ __global__ void __launch_bounds__(pipelined::Shape<kKSlices>::NUM_THREADS, 1)
   const int b = item.request;
   const int heads = p.num_heads;
   const int rows = p.draft_len[b] * heads;
-  const int q_row = p.request_q_row[b];
-  const int splits = p.request_splits[b];
+  const int q_row = planned.q_row;
+  const int splits = planned.splits;
   const int kv_begin = item.kv_begin;
   const int kv_end = item.kv_end;
   const int num_tiles = CeilDiv(kv_end - kv_begin, BLOCK_N);

@@ -126,14 +126,19 @@ TEST_F(GpuKernelTest, AttentionMatchesReferenceOverTheGrid) {
     spec.seed = 1000 + index++;
     HostVerifyProblem problem = MakeProblem(spec);
     // Every attention variant on every case.
+    int v = 0;
     for (const AttentionVariant variant : kAllVariants) {
       VerifyLaunchConfig config = config_;
       config.attention_variant = variant;
       // Both launch modes: the kernels must not depend on PDL's overlap.
       config.programmatic_launch = index % 2 == 0;
+      // Both plan paths (plan kernel, plan in the attention's first warp),
+      // alternating over the variants of a case.
+      config.plan_in_warp_max_batch = (index / 2 + v++) % 2 == 0 ? kPlanInWarpMaxBatch : 0;
       const Comparison result = RunAndCompare(problem, config);
-      EXPECT_TRUE(result.ok()) << c.Name() << " " << AttentionVariantName(variant) << ": "
-                               << result.ToString();
+      EXPECT_TRUE(result.ok()) << c.Name() << " " << AttentionVariantName(variant)
+                               << (config.plan_in_warp_max_batch ? " plan in warp" : " plan kernel")
+                               << ": " << result.ToString();
       EXPECT_GT(result.rows_checked, 0) << c.Name();
     }
   }
@@ -151,14 +156,18 @@ TEST_F(GpuKernelTest, StridedQueriesAndAllSplitStrategiesAgree) {
   // count with 1-tile chunks splits every request as finely as it can.
   for (const AttentionVariant variant : kAllVariants) {
     for (const int sms : {1, config_.num_sms, 4096}) {
-      VerifyLaunchConfig config = config_;
-      config.attention_variant = variant;
-      config.num_sms = sms;
-      config.min_chunk_tiles = sms == 4096 ? 1 : config_.min_chunk_tiles;
-      HostVerifyProblem problem = MakeProblem(spec);
-      const Comparison result = RunAndCompare(problem, config);
-      EXPECT_TRUE(result.ok()) << AttentionVariantName(variant) << " num_sms=" << sms << ": "
-                               << result.ToString();
+      for (const int plan_in_warp : {0, kPlanInWarpMaxBatch}) {
+        VerifyLaunchConfig config = config_;
+        config.attention_variant = variant;
+        config.num_sms = sms;
+        config.min_chunk_tiles = sms == 4096 ? 1 : config_.min_chunk_tiles;
+        config.plan_in_warp_max_batch = plan_in_warp;
+        HostVerifyProblem problem = MakeProblem(spec);
+        const Comparison result = RunAndCompare(problem, config);
+        EXPECT_TRUE(result.ok()) << AttentionVariantName(variant) << " num_sms=" << sms
+                                 << " plan_in_warp_max_batch=" << plan_in_warp << ": "
+                                 << result.ToString();
+      }
     }
   }
 }
@@ -178,6 +187,12 @@ TEST_F(GpuKernelTest, RejectsUnsupportedLaunchConfig) {
                 .code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(LaunchVerifyAttention(device.Args(), config_, device.workspace(), 16, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  config = config_;
+  config.plan_in_warp_max_batch = kPlanInWarpMaxBatch + 1;  // a warp plans 32 requests at most
+  EXPECT_EQ(LaunchVerifyAttention(device.Args(), config, device.workspace(),
+                                  device.workspace_bytes(), nullptr)
+                .code(),
             absl::StatusCode::kInvalidArgument);
 }
 
