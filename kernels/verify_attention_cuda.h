@@ -1,7 +1,8 @@
 // Host API of the CUDA verify path: workspace sizing, argument checks and
 // stream launches. Launch functions allocate nothing and never synchronise
 // the host, so they may be captured into CUDA graphs; everything that
-// depends on lengths is computed on the GPU by the plan kernel.
+// depends on lengths is computed on the GPU by the plan (the plan kernel, or
+// for small batches the attention kernel's first warp).
 #ifndef MLAVERIFY_KERNELS_VERIFY_ATTENTION_CUDA_H_
 #define MLAVERIFY_KERNELS_VERIFY_ATTENTION_CUDA_H_
 
@@ -49,7 +50,7 @@ absl::StatusOr<VerifyLaunchConfig> PrepareVerifyLaunch(int device);
 // workspace serves every replay of a graph.
 size_t VerifyWorkspaceBytes(const VerifyArguments& args, const VerifyLaunchConfig& config);
 
-// Enqueues plan + attention + combine on `stream`. `workspace` must hold
+// Enqueues [plan +] attention + combine on `stream`. `workspace` must hold
 // VerifyWorkspaceBytes() bytes and stay untouched until the launch completes.
 // Returns INVALID_ARGUMENT for arguments CanImplement() rejects and INTERNAL
 // for a CUDA launch error. Per-request values are trusted: validate them on the
