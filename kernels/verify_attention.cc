@@ -96,9 +96,10 @@ absl::Status ValidateRequests(const VerifyArguments& a) {
       return absl::InvalidArgumentError(absl::StrCat("request ", b, ": draft_len = ", n,
                                                      " is outside 0..", a.max_draft_len));
     }
-    if (p < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("request ", b, ": prefix_len = ", p, " is negative"));
+    if (p < 0 || p > kMaxSequenceLen - n) {
+      return absl::InvalidArgumentError(absl::StrCat("request ", b, ": prefix_len = ", p,
+                                                     " is outside 0..", kMaxSequenceLen,
+                                                     " - draft_len"));
     }
     if (a.layer[b] < 0 || a.layer[b] >= a.pool.num_layers) {
       return absl::InvalidArgumentError(absl::StrCat(

@@ -25,6 +25,9 @@ inline constexpr int kValueDim = 512;   // d_v: the first 512 latent columns
 inline constexpr int kRopeDim = kLatentDim - kValueDim;
 inline constexpr int kMaxHeads = 128;
 inline constexpr int kMaxPageSize = 256;
+// Longest sequence (prefix + drafts) a request may have: the kernels index
+// positions with int32 and split KV ranges in int32 arithmetic.
+inline constexpr int kMaxSequenceLen = 1 << 30;
 inline constexpr int kMaxBatch = 1024;
 
 // The paged latent KV pool of one device: layer-major

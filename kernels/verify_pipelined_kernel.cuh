@@ -36,7 +36,6 @@ __global__ void __launch_bounds__(pipelined::Shape<kKSlices>::NUM_THREADS, 1)
     PipelinedAttentionKernel(const VerifyParams p) {
   using Shape = pipelined::Shape<kKSlices>;
   // Block-scope declarations: these hide the split-K variant's constants of the same name.
-  // Block-scope declarations: these hide the split-K variant's constants of the same name.
   using pipelined::BAR_FINAL;
   using pipelined::BAR_KV_FULL;
   using pipelined::BAR_P_EMPTY;
@@ -455,9 +454,10 @@ __global__ void __launch_bounds__(pipelined::Shape<kKSlices>::NUM_THREADS, 1)
     if (t + 2 < num_tiles) ptx::NamedBarrierArrive(BAR_P_EMPTY + (t & 1), NUM_THREADS);
     // The loads go out after the MMAs: issued before them, their address
     // registers held the MMAs back until the MIO queue had taken all nine
-    // cp.async (bench/NOTES.md v4h); tile t+4 is needed three tiles later.
+    // cp.async (bench/NOTES.md v4h); tile t+NUM_STAGES-1 is needed
+    // NUM_STAGES-2 tiles later.
     if (t >= 1) {
-      // Stage (t-1) % NUM_STAGES is free (see the header): load tile t+4 into it.
+      // Stage (t-1) % NUM_STAGES is free (see the header): load tile t+NUM_STAGES-1 into it.
       const int load_tile = t + NUM_STAGES - 1;
       if (loader && load_tile < num_tiles) {
         if constexpr (kPageRing) {
@@ -473,14 +473,17 @@ __global__ void __launch_bounds__(pipelined::Shape<kKSlices>::NUM_THREADS, 1)
       ptx::CpAsyncCommit();
     }
     if (t + 2 < num_tiles && t + 2 >= NUM_STAGES) {
-      // Groups committed so far: tiles NUM_STAGES..t+4; tile t+2 complete
-      // leaves the two newest pending.
+      // Groups committed so far: tiles NUM_STAGES..t+NUM_STAGES-1; tile t+2
+      // complete leaves the NUM_STAGES-3 newest pending.
       ptx::CpAsyncWait<NUM_STAGES - 3>();
       ptx::NamedBarrierArrive(BAR_KV_FULL + (t & 1), NUM_THREADS);
     }
   }
 
   // ---- epilogue: normalised O, bf16 to the output or fp32 to the partials ----
+  // No cp.async may still write this CTA's shared memory when it exits (the
+  // ring's last page-id fetches are never waited for in the loop).
+  ptx::CpAsyncWait<0>();
   ptx::NamedBarrierSync(BAR_FINAL, NUM_THREADS);
   StoreOutputSlice(p, o_acc, inv_l_s, item.row_tile, rows, q_row, heads, splits,
                    pv_warp * V_COLS_PER_WARP + 2 * t4, g);

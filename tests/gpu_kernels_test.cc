@@ -111,6 +111,16 @@ std::vector<GridCase> GridCases() {
   cases.push_back({{64, 64, 64, 64, 64, 64, 64, 64}, {16, 15, 14, 13, 0, 11, 10, 9}, 128, 1,
                    MaskKind::kChain});
   cases.push_back({{70000, 2, 0}, {7, 64, 1}, 8, 256, MaskKind::kTree});
+  // Batches at and past what one warp plans (32 requests): padding requests
+  // first, in the middle and last.
+  for (const int batch : {kPlanInWarpMaxBatch, kPlanInWarpMaxBatch + 8}) {
+    GridCase c{{}, {}, 8, 16, MaskKind::kTree};
+    for (int i = 0; i < batch; ++i) {
+      c.prefix_len.push_back((i * 37) % 300);
+      c.draft_len.push_back(i == 0 || i % 7 == 3 || i == batch - 1 ? 0 : 1 + i % 16);
+    }
+    cases.push_back(c);
+  }
   return cases;
 }
 

@@ -197,6 +197,14 @@ TEST(CpuReference, RejectsBadRequestsWithoutWriting) {
   a = p.HostArgs(out.data(), lse.data());
   a.num_heads = 0;
   EXPECT_EQ(VerifyAttentionCpu(a).code(), absl::StatusCode::kInvalidArgument);
+  // A sequence longer than the kernels' int32 positions allow.
+  a = p.HostArgs(out.data(), lse.data());
+  const std::vector<int32_t> too_long = {kMaxSequenceLen - 3};  // + 4 drafts
+  a.prefix_len = too_long.data();
+  const absl::Status s_long = ValidateRequests(a);
+  EXPECT_EQ(s_long.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s_long.message()), ::testing::HasSubstr("prefix_len"));
+  EXPECT_EQ(out[0].bits, 0x1234);
 }
 
 TEST(CanImplement, LimitsALayerTo2To31Tokens) {
