@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""Hand-written host model of PipelinedAttentionKernel's hand-over protocol
+(kernels/verify_pipelined_kernel.cuh), warp granularity, for Shape<2> and
+Shape<4> with and without the page-id ring: random warp interleavings over
+0..13 tiles, checking named-barrier arrival counts, deadlocks, shared-memory
+read/write order (vector clocks) and cp.async group completion. It mirrors the
+kernel by hand: update it with any change to the barriers, stages or groups.
+Run: python3 kernels/testing/models/pipeline_protocol_model.py (~30 s);
+prints "bad runs: 0" and exits 0 when clean.
+"""
+# Host-side model of the pipelined kernel's hand-over protocol (warp granularity).
+import random, sys
+
+def run(KS, nt, ring, seed):
+    rnd = random.Random(seed)
+    SW = 2 * KS; PW = SW; NS = 5 if KS == 2 else 4; QS = NS - 2
+    ALL = SW + PW
+    BAR_SCORE, BAR_PAIR, BAR_P_FULL, BAR_P_EMPTY, BAR_FINAL, BAR_KV_FULL = 1, 2, 4, 6, 8, 9
+    W = SW + PW
+    vc = [[0]*W for _ in range(W)]
+    errs = []
+    stage_writes = {s: [] for s in range(NS)}   # list of dict(tile, issuer, t_issue, done_vc)
+    reads = {}  # resource -> list of (warp, time)
+    res_write = {}  # resource -> (writer, time, tag)
+    openg = [[] for _ in range(W)]
+    groups = [[] for _ in range(W)]
+    def tick(w): vc[w][w] += 1; return vc[w][w]
+    def hb(ev_w, ev_t, w): return vc[w][ev_w] >= ev_t
+    def write_res(w, r, tag):
+        t = tick(w)
+        for (x, tr) in reads.get(r, []):
+            if x != w and not hb(x, tr, w): errs.append(f"WAR {r} by w{w} tag {tag} vs read w{x}")
+        reads[r] = []
+        res_write[r] = (w, t, tag)
+    def read_res(w, r, tag):
+        t = tick(w)
+        if r not in res_write: errs.append(f"read unwritten {r}"); return
+        ww, wt, wtag = res_write[r]
+        if wtag != tag: errs.append(f"read {r} want {tag} got {wtag} by w{w}")
+        elif ww != w and not hb(ww, wt, w): errs.append(f"RAW {r} tag {tag} w{w}")
+        reads.setdefault(r, []).append((w, t))
+    # async stage writes
+    def issue(w, stage, tile, part):
+        t = tick(w)
+        r = ('stage', stage)
+        for (x, tr) in reads.get(r, []):
+            if x != w and not hb(x, tr, w): errs.append(f"WAR stage {stage} tile {tile} by w{w} vs read w{x}")
+        for rec in qrecs.get(stage, []):
+            if rec['done'] is None: errs.append("WAW over Q in flight")
+        for (x, tr) in qreads.get(stage, []):
+            if x != w and not hb(x, tr, w): errs.append(f"WAR Q stage {stage} by w{w} vs Q read w{x}")
+        for rec in stage_writes[stage]:
+            if rec['done'] is None and rec['part'] == part: errs.append(f"WAW stage {stage}: tile {tile} while tile {rec['tile']} in flight")
+        rec = {'tile': tile, 'issuer': w, 'done': None, 'part': part}
+        stage_writes[stage] = [x for x in stage_writes[stage] if x['part'] != part] + [rec]
+        openg[w].append(rec)
+    def commit(w): groups[w].append(openg[w]); openg[w] = []
+    def wait(w, n):
+        t = tick(w)
+        k = len(groups[w]) - n
+        for g in groups[w][:max(k, 0)]:
+            for rec in g:
+                if rec['done'] is None: rec['done'] = (w, t)
+        groups[w] = groups[w][max(k, 0):]
+    def read_stage(w, stage, tile, who):
+        t = tick(w)
+        recs = stage_writes[stage]
+        if len(recs) != 4: errs.append(f"{who} read stage {stage} with {len(recs)} parts"); return
+        for rec in recs:
+          if rec['tile'] != tile: errs.append(f"{who} w{w} read stage {stage} want {tile} got {rec['tile']}")
+          elif rec['done'] is None: errs.append(f"{who} w{w} read stage {stage} tile {tile} in flight")
+          elif not hb(rec['done'][0], rec['done'][1], w): errs.append(f"{who} w{w} read tile {tile} not HB")
+        reads.setdefault(('stage', stage), []).append((w, t))
+    # barriers
+    bars = {}
+    def bar_op(w, bid, cnt, is_sync):
+        b = bars.setdefault(bid, {'n': 0, 'cnt': cnt, 'vcs': [], 'wait': [], 'who': set()})
+        if b['n'] == 0: b['cnt'] = cnt
+        if b['cnt'] != cnt: errs.append(f"bar {bid} count mismatch")
+        if w in b['who']: errs.append(f"bar {bid}: w{w} twice in one phase")
+        b['who'].add(w); tick(w)
+        b['n'] += 1; b['vcs'].append(list(vc[w]))
+        if is_sync: b['wait'].append(w)
+        if b['n'] == b['cnt']:
+            j = [max(v[i] for v in b['vcs']) for i in range(W)]
+            for x in b['wait']:
+                vc[x] = [max(a, c) for a, c in zip(vc[x], j)]; blocked.discard(x)
+            bars[bid] = {'n': 0, 'cnt': cnt, 'vcs': [], 'wait': [], 'who': set()}
+            return False
+        return is_sync  # blocked?
+    blocked = set()
+    def score(w):
+        rg, ks = w // KS, w % KS
+        loader = w < 4
+        # Q into stages QS, QS+1
+        for s in (QS, QS + 1):
+            rec = {'tile': 'Q', 'issuer': w, 'done': None, 'part': ('Q', w)}
+            openg[w].append(rec); qrecs.setdefault(s, []).append(rec)
+        commit(w)
+        for t in range(QS):
+            if loader and t < nt: issue(w, t, t, w)
+            commit(w)
+        wait(w, QS)
+        yield ('sync', BAR_SCORE, SW)
+        for s in (QS, QS + 1):
+            for rec in qrecs[s]:
+                if rec['done'] is None or not hb(rec['done'][0], rec['done'][1], w): errs.append("Q not visible")
+            qreads.setdefault(s, []).append((w, tick(w)))
+        yield ('sync', BAR_SCORE, SW)
+        for t in range(QS, NS):
+            if loader and t < nt: issue(w, t, t, w)
+            commit(w)
+        for t in range(nt):
+            if t >= 2: yield ('sync', BAR_P_EMPTY + (t & 1), ALL)
+            if t < NS:
+                wait(w, NS - 1 - t); yield ('sync', BAR_SCORE, SW)
+            else:
+                yield ('sync', BAR_KV_FULL + (t & 1), ALL)
+            read_stage(w, t % NS, t, 'score')
+            yield None
+            write_res(w, ('xch', w), t)
+            yield ('sync', BAR_PAIR + rg, KS)
+            for q in range(KS): read_res(w, ('xch', rg * KS + q), t)
+            yield None
+            write_res(w, ('P', t & 1, w), t)
+            yield ('arrive', BAR_P_FULL + (t & 1), ALL)
+        write_res(w, ('invl', w), 'final')
+        yield ('arrive', BAR_FINAL, ALL)
+    def pv(w):
+        v = w - SW; loader = v < 4
+        if ring:
+            for i in range(4):
+                if loader: write_res(w, ('ring', (NS + i) % 8), NS + i)
+            commit(w); wait(w, 0)
+        for t in range(nt):
+            yield ('sync', BAR_P_FULL + (t & 1), ALL)
+            for x in range(SW): read_res(w, ('P', t & 1, x), t)
+            read_stage(w, t % NS, t, 'pv')
+            yield None
+            if t + 2 < nt: yield ('arrive', BAR_P_EMPTY + (t & 1), ALL)
+            if t >= 1:
+                lt = t + NS - 1
+                if loader and lt < nt:
+                    if ring: read_res(w, ('ring', lt % 8), lt)
+                    issue(w, (t - 1) % NS, lt, v)
+                    if ring: write_res(w, ('ring', (lt + 4) % 8), lt + 4)
+                commit(w)
+            if t + 2 < nt and t + 2 >= NS:
+                wait(w, NS - 3)
+                yield ('arrive', BAR_KV_FULL + (t & 1), ALL)
+        yield ('sync', BAR_FINAL, ALL)
+        for x in range(SW): read_res(w, ('invl', x), 'final')
+    qrecs = {}; qreads = {}
+    progs = {w: (score(w) if w < SW else pv(w)) for w in range(W)}
+    # ring writes are synchronous in this model (cp.async completion approximated by the prologue wait)
+    alive = set(range(W))
+    while alive:
+        cand = [w for w in alive if w not in blocked]
+        if not cand:
+            errs.append(f"deadlock nt={nt}"); break
+        w = rnd.choice(cand)
+        try:
+            op = next(progs[w])
+        except StopIteration:
+            alive.discard(w); continue
+        if op is None: continue
+        kind, bid, cnt = op
+        if bar_op(w, bid, cnt, kind == 'sync'): blocked.add(w)
+    for bid, b in bars.items():
+        if b['n'] != 0: errs.append(f"bar {bid} left with {b['n']} arrivals")
+    return errs
+
+bad = 0
+for KS in (2, 4):
+    for ring in (False, True):
+        for nt in range(0, 14):
+            for seed in range(300):
+                e = run(KS, nt, ring, seed)
+                if e:
+                    bad += 1
+                    if bad < 10: print(KS, ring, nt, seed, e[:3])
+print("bad runs:", bad)
+sys.exit(1 if bad else 0)
