@@ -121,28 +121,15 @@ if want ncu && command -v ncu >/dev/null; then
   grep -E 'Throughput|Pipe|Stall|stall|Issue|Warp Cycles|Active|Shared|Bank|Occupancy|Registers|Duration' \
     "$out/ncu_mid.txt" | head -60
 fi
-if want timeline; then
+if want timeline && command -v ncu >/dev/null; then
   # Small batch, where launches and tails cost more than the work: each
   # kernel's duration without cache flushes between kernels (ncu
-  # --cache-control none: the partials stay in L2 as in a real replay), and
-  # with nsys, where it exists, the graph replay's timeline (gaps between the
-  # kernels).
-  if command -v ncu >/dev/null; then
-    timeout 200 ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum \
-      -k regex:'PlanKernel|AttentionKernel|CombineKernel' --launch-skip 6 --launch-count 6 \
-      "$bundle/bin/mlaverify-bench" --shape ${TIMELINE_SHAPE:-1,4096,16,8} --reps 3 \
-      > "$out/ncu_small_nocache.txt" 2>&1
-    grep -E 'Kernel|gpu__time_duration' "$out/ncu_small_nocache.txt" | head -24
-  fi
-  if command -v nsys >/dev/null; then
-    timeout 200 nsys profile -o "$out/timeline" --trace=cuda --cuda-graph-trace=node --force-overwrite true \
-      "$bundle/bin/mlaverify-bench" --shape ${TIMELINE_SHAPE:-1,4096,16,8} --reps 20 > "$out/nsys_run.txt" 2>&1
-    nsys stats --report cuda_gpu_trace --format csv -o "$out/timeline" "$out/timeline.nsys-rep" \
-      > "$out/nsys_stats.txt" 2>&1
-    ls "$out" | grep -i timeline
-  else
-    echo "nsys: not on this machine"
-  fi
+  # --cache-control none: the partials stay in L2 as in a real replay).
+  timeout 200 ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum \
+    -k regex:'PlanKernel|AttentionKernel|CombineKernel' --launch-skip 6 --launch-count 6 \
+    "$bundle/bin/mlaverify-bench" --shape ${TIMELINE_SHAPE:-1,4096,16,8} --reps 3 \
+    > "$out/ncu_small_nocache.txt" 2>&1
+  grep -E 'Kernel|gpu__time_duration' "$out/ncu_small_nocache.txt" | head -24
 fi
 if want stalls && command -v ncu >/dev/null; then
   # Where the warps of one attention variant wait: warp-state statistics and

@@ -86,7 +86,7 @@ cudaError_t PrepareVerifyKernels() {
 cudaError_t LaunchVerifyKernels(const VerifyParams& p, AttentionVariant variant,
                                 bool programmatic_launch, cudaStream_t stream) {
   if (!IsSupportedAttentionVariant(variant)) return cudaErrorInvalidValue;
-  if (p.plan_in_warp && p.batch > verify::PLAN_IN_WARP_MAX_BATCH) return cudaErrorInvalidValue;
+  if (p.plan_in_warp && p.batch > kPlanInWarpMaxBatch) return cudaErrorInvalidValue;
   cudaError_t err = cudaSuccess;
   if (!p.plan_in_warp) {
     verify::PlanKernel<<<1, verify::PLAN_THREADS, 0, stream>>>(p);

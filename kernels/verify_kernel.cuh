@@ -46,10 +46,10 @@ __device__ __forceinline__ int SplitFirstTile(int split, int tiles, int splits) 
 // carries a long chunk while its siblings carry a stub.
 // Two implementations of the same arithmetic (the helpers below): PlanKernel,
 // one CTA of one thread per request, writes the whole work list; for batch
-// <= PLAN_IN_WARP_MAX_BATCH the attention kernels plan in their first warp
+// <= kPlanInWarpMaxBatch the attention kernels plan in their first warp
 // instead (PlanInWarp, no plan launch: bench/NOTES.md v6).
 // ---------------------------------------------------------------------------
-constexpr int PLAN_IN_WARP_MAX_BATCH = kPlanInWarpMaxBatch;
+static_assert(kPlanInWarpMaxBatch == 32, "PlanInWarp: one lane per request");
 
 struct RequestShape {
   int n = 0, kv_len = 0, row_tiles = 0, tiles = 0;
@@ -174,7 +174,7 @@ struct PlannedWork {
   int splits;           // KV chunks of the request's row tiles
 };
 
-// The plan for batch <= PLAN_IN_WARP_MAX_BATCH, computed by one whole warp
+// The plan for batch <= kPlanInWarpMaxBatch, computed by one whole warp
 // (lane b: request b) with the same arithmetic as PlanKernel. Returns work
 // item `w`; writes it to p.work[w] for the combine, and the CTA given
 // `writer` writes the per-request arrays and the item count.
@@ -187,19 +187,15 @@ __device__ __forceinline__ PlannedWork PlanInWarp(const VerifyParams& p, int w, 
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(all, v, o);
     return v;
   };
-  // Inclusive scan over lanes, then exclusive = inclusive - own.
-  auto exclusive_scan = [&](int v, int* total) {
-    int x = v;
+  auto inclusive_scan = [&](int v) {
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(all, x, o);
-      if (lane >= o) x += y;
+      const int y = __shfl_up_sync(all, v, o);
+      if (lane >= o) v += y;
     }
-    *total = __shfl_sync(all, x, 31);
-    return x - v;
+    return v;
   };
-  int total_n = 0;
-  const int q_row = exclusive_scan(req.n, &total_n);
+  const int q_row = inclusive_scan(req.n) - req.n;
   const long long total_cost = sum_ll(static_cast<long long>(req.row_tiles) * req.tiles);
   const long long total_row_tiles = sum_ll(req.row_tiles);
   int tight = 0, safe = 0;
@@ -207,8 +203,10 @@ __device__ __forceinline__ PlannedWork PlanInWarp(const VerifyParams& p, int w, 
   const long long tight_items = sum_ll(ItemsOfRequest(req, tight));
   const int chunk_tiles = tight_items <= p.target_ctas ? tight : safe;
   const int splits = req.tiles > 0 ? CeilDiv(req.tiles, chunk_tiles) : 0;
-  int total_work = 0;
-  const int work_base = exclusive_scan(req.row_tiles * splits, &total_work);
+  const int items = req.row_tiles * splits;
+  const int items_through = inclusive_scan(items);
+  const int work_base = items_through - items;
+  const int total_work = __shfl_sync(all, items_through, 31);
   if (writer && lane < p.batch) {
     p.request_q_row[lane] = q_row;
     p.request_splits[lane] = splits;
@@ -237,7 +235,7 @@ __device__ __forceinline__ PlannedWork PlanInWarp(const VerifyParams& p, int w, 
 __device__ __forceinline__ PlannedWork FetchWorkItem(const VerifyParams& p) {
   __shared__ PlannedWork s_planned;
   ptx::GridDependencyWait();  // the plan kernel's work list (or the writes of the grid before)
-  if (p.plan_in_warp) {  // batch <= PLAN_IN_WARP_MAX_BATCH (the host checks)
+  if (p.plan_in_warp) {  // batch <= kPlanInWarpMaxBatch (the host checks)
     if (threadIdx.x < 32) {
       const PlannedWork planned = PlanInWarp(p, blockIdx.x, blockIdx.x == 0);
       if (threadIdx.x == 0) s_planned = planned;
