@@ -28,35 +28,35 @@ def chunk(sh, T, minc):
 def mk(r,local,rt,kv,c):
     tiles=cd(kv,BN); sp=cd(tiles,c); s=local//rt
     return (r, local%rt, s, (s*tiles//sp)*BN, min(kv,((s+1)*tiles//sp)*BN))
-def plan_kernel(batch,pre,dr,H,T,minc,maxw):
-    sh=shapes(batch,pre,dr,H,1024); c=chunk(sh,T,minc)
+def plan(batch,pre,dr,H,T,minc,maxw,lanes,find_request):
+    # What both paths share (the device code shares it through helpers);
+    # they differ in how many requests they scan and in the lookup of the
+    # request that holds item w.
+    sh=shapes(batch,pre,dr,H,lanes); c=chunk(sh,T,minc)
     splits=[cd(t,c) if t>0 else 0 for _,_,_,t in sh]
     base=[];acc=0
     for (n,kv,rt,t),s in zip(sh,splits): base.append(acc); acc+=rt*s
     tot=acc; work=[]
     for w in range(maxw):
         if w<tot:
-            lo,hi=0,batch-1
-            while lo<hi:
-                mid=(lo+hi+1)>>1
-                if base[mid]<=w: lo=mid
-                else: hi=mid-1
-            work.append(mk(lo,w-base[lo],sh[lo][2],sh[lo][1],c))
-        else: work.append(None)
-    return tot,work,splits[:batch],base[:batch]
-def plan_warp(batch,pre,dr,H,T,minc,maxw):
-    sh=shapes(batch,pre,dr,H,32); c=chunk(sh,T,minc)
-    splits=[cd(t,c) if t>0 else 0 for _,_,_,t in sh]
-    base=[];acc=0
-    for (n,kv,rt,t),s in zip(sh,splits): base.append(acc); acc+=rt*s
-    tot=acc; work=[]
-    for w in range(maxw):
-        if w<tot:
-            bal=sum(1<<l for l in range(32) if l<batch and base[l]<=w)
-            r=bal.bit_length()-1
+            r=find_request(base,batch,w)
             work.append(mk(r,w-base[r],sh[r][2],sh[r][1],c))
         else: work.append(None)
     return tot,work,splits[:batch],base[:batch]
+def kernel_lookup(base,batch,w):  # PlanKernel: binary search over the bases
+    lo,hi=0,batch-1
+    while lo<hi:
+        mid=(lo+hi+1)>>1
+        if base[mid]<=w: lo=mid
+        else: hi=mid-1
+    return lo
+def warp_lookup(base,batch,w):  # PlanInWarp: ballot of lanes at or below w, highest set bit
+    bal=sum(1<<l for l in range(32) if l<batch and base[l]<=w)
+    return bal.bit_length()-1
+def plan_kernel(batch,pre,dr,H,T,minc,maxw):
+    return plan(batch,pre,dr,H,T,minc,maxw,1024,kernel_lookup)
+def plan_warp(batch,pre,dr,H,T,minc,maxw):
+    return plan(batch,pre,dr,H,T,minc,maxw,32,warp_lookup)
 rnd=random.Random(1); bad=0
 for it in range(20000):
     batch=rnd.randint(1,32); H=rnd.choice([1,2,16,128]); T=rnd.choice([132,264,16,1])
