@@ -151,6 +151,12 @@ int Run(int argc, char** argv) {
   bool plan_kernel = false;
   app.add_flag("--plan-kernel", plan_kernel,
                "always launch the plan kernel (default: batches <= 32 plan in the attention kernel)");
+  bool chunk_plan = false;
+  app.add_flag("--chunk-plan", chunk_plan,
+               "never use the stream plan (equal KV ranges across requests); default: the plan chooses");
+  bool ramp = false;
+  app.add_flag("--ramp", ramp,
+               "request i of a shape gets prefix L * (i + 1) / B instead of L (lengths that vary)");
   bool pdl = false;
   app.add_flag("--no-pdl", no_pdl, "launch plan/attention/combine without programmatic dependent launch");
   app.add_flag("--pdl", pdl, "launch plan/attention/combine with programmatic dependent launch");
@@ -190,6 +196,7 @@ int Run(int argc, char** argv) {
     return 2;
   }
   if (plan_kernel) config->plan_in_warp_max_batch = 0;
+  if (chunk_plan) config->stream_plan = false;
   if (pdl) config->programmatic_launch = true;  // else the library's default
   if (no_pdl) config->programmatic_launch = false;
   if (!variant.empty()) {
@@ -223,6 +230,11 @@ int Run(int argc, char** argv) {
   for (const Shape& s : shapes) {
     VerifyProblemSpec spec;
     spec.prefix_len.assign(s.batch, s.prefix);
+    if (ramp) {
+      for (int i = 0; i < s.batch; ++i) {
+        spec.prefix_len[i] = static_cast<int>(static_cast<int64_t>(s.prefix) * (i + 1) / s.batch);
+      }
+    }
     spec.draft_len.assign(s.batch, s.draft);
     spec.num_heads = s.heads;
     spec.page_size = s.page_size;
@@ -253,6 +265,18 @@ int Run(int argc, char** argv) {
       cudaGraphLaunch(exec, stream);
       if (cudaStreamSynchronize(stream) != cudaSuccess) st = absl::InternalError("replay failed");
     }
+    // What the plan chose for this shape, for the report.
+    std::string plan_name = "?";
+    if (st.ok()) {
+      auto summary = kernels::ReadVerifyPlanSummary(device.Args(), *config, device.workspace(), stream);
+      if (!summary.ok()) {
+        st = summary.status();
+      } else if (summary->stream_groups > 0) {
+        plan_name = absl::StrCat("stream ", summary->stream_groups, "x", summary->stream_row_tiles);
+      } else {
+        plan_name = absl::StrCat("chunk ", summary->total_work);
+      }
+    }
     std::vector<Bf16> out;
     std::vector<float> lse;
     if (st.ok()) st = device.Download(problem, &out, &lse);
@@ -277,10 +301,10 @@ int Run(int argc, char** argv) {
     all_ok = all_ok && ok;
     std::printf(
         "B=%-3d L=%-6d N=%-2d H=%-3d page=%-3d %-5s %9.1f us  %5.2f TB/s  %6.1f TFLOP/s  "
-        "floor %7.1f us (x%.2f)  rel_err %.2e%s\n",
+        "floor %7.1f us (x%.2f)  rel_err %.2e  plan %s%s\n",
         s.batch, s.prefix, s.draft, s.heads, s.page_size, kernels::testing::MaskName(s.mask),
         timing->median_us, bytes / t / 1e12, flops / t / 1e12, floor_s * 1e6, t / floor_s,
-        check.rel_err, ok ? "" : "  FAILED CHECK");
+        check.rel_err, plan_name.c_str(), ok ? "" : "  FAILED CHECK");
     std::fflush(stdout);
     rows.push_back({{"batch", s.batch},
                     {"prefix_len", s.prefix},
@@ -298,7 +322,9 @@ int Run(int argc, char** argv) {
                     {"rel_err", check.rel_err},
                     {"lse_max_abs_err", check.lse_max_abs_err},
                     {"rows_checked", check.rows_checked},
-                    {"nan_outputs", check.nan_outputs}});
+                    {"nan_outputs", check.nan_outputs},
+                    {"prefix_ramp", ramp},
+                    {"plan", plan_name}});
   }
   cudaStreamDestroy(stream);
 
@@ -311,6 +337,7 @@ int Run(int argc, char** argv) {
                            {"min_chunk_tiles", config->min_chunk_tiles},
                            {"programmatic_launch", config->programmatic_launch},
                            {"plan_in_warp_max_batch", config->plan_in_warp_max_batch},
+                           {"stream_plan", config->stream_plan},
                            {"attention_variant", kernels::AttentionVariantName(config->attention_variant)},
                            {"attention_smem_bytes",
                             kernels::VerifyAttentionSharedBytes(config->attention_variant)},

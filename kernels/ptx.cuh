@@ -75,6 +75,10 @@ __device__ __forceinline__ void GridDependencyLaunchDependents() {
 #endif
 }
 
+// Barrier 0 over the whole block, like __syncthreads, usable from call sites
+// that differ between warps (warp-specialised roles); orders shared memory.
+__device__ __forceinline__ void BlockBarrier() { asm volatile("bar.sync 0;\n" ::: "memory"); }
+
 // Named barriers for warp-specialised kernels: `count` threads (a multiple of
 // 32, whole warps) take part. Sync waits for all of them; arrive counts this
 // warp in and goes on (a producer signalling a consumer). Both order the

@@ -33,8 +33,8 @@ int MaxWork(const VerifyArguments& a, const VerifyLaunchConfig& c) {
 // Carves the workspace into the plan arrays and the partial buffers; the
 // same layout is used for sizing (base == nullptr) and for launching.
 struct WorkspaceLayout {
-  size_t total_work, request_q_row, request_splits, request_row_tiles, request_work_base, work,
-      partial_lse, partial_out, bytes;
+  size_t summary, request_q_row, request_splits, request_row_tiles, request_work_base,
+      request_stream_start, work, partial_lse, partial_out, bytes;
 };
 
 WorkspaceLayout Layout(const VerifyArguments& a, const VerifyLaunchConfig& c) {
@@ -45,14 +45,19 @@ WorkspaceLayout Layout(const VerifyArguments& a, const VerifyLaunchConfig& c) {
     at = AlignUp(at + bytes);
     return here;
   };
-  l.total_work = take(sizeof(int32_t));
+  l.summary = take(sizeof(VerifyPlanSummary));
   l.request_q_row = take(sizeof(int32_t) * a.batch);
   l.request_splits = take(sizeof(int32_t) * a.batch);
   l.request_row_tiles = take(sizeof(int32_t) * a.batch);
   l.request_work_base = take(sizeof(int32_t) * a.batch);
+  l.request_stream_start = take(sizeof(int32_t) * a.batch);
   l.work = take(sizeof(VerifyWorkItem) * MaxWork(a, c));
-  l.partial_lse = take(sizeof(float) * TargetCtas(c) * kBlockM);
-  l.partial_out = take(sizeof(float) * TargetCtas(c) * kBlockM * kValueDim);
+  // Partial slots: the chunk plan splits only into at most target_ctas items
+  // (slot = item); a stream-plan CTA has at most two split segments (the
+  // first and the last of its range: slots 2x and 2x + 1).
+  const size_t partial_slots = 2 * static_cast<size_t>(TargetCtas(c));
+  l.partial_lse = take(sizeof(float) * partial_slots * kBlockM);
+  l.partial_out = take(sizeof(float) * partial_slots * kBlockM * kValueDim);
   l.bytes = at;
   return l;
 }
@@ -151,21 +156,39 @@ absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchC
   p.out_token_stride = a.out_token_stride;
   p.out_head_stride = a.out_head_stride;
   p.lse = a.lse;
-  p.total_work = reinterpret_cast<int32_t*>(base + l.total_work);
+  p.summary = reinterpret_cast<VerifyPlanSummary*>(base + l.summary);
   p.request_q_row = reinterpret_cast<int32_t*>(base + l.request_q_row);
   p.request_splits = reinterpret_cast<int32_t*>(base + l.request_splits);
   p.request_row_tiles = reinterpret_cast<int32_t*>(base + l.request_row_tiles);
   p.request_work_base = reinterpret_cast<int32_t*>(base + l.request_work_base);
+  p.request_stream_start = reinterpret_cast<int32_t*>(base + l.request_stream_start);
   p.work = reinterpret_cast<VerifyWorkItem*>(base + l.work);
   p.partial_lse = reinterpret_cast<float*>(base + l.partial_lse);
   p.partial_out = reinterpret_cast<float*>(base + l.partial_out);
   p.max_work = MaxWork(a, c);
-  p.max_partials = TargetCtas(c);
   p.target_ctas = TargetCtas(c);
   p.min_chunk_tiles = c.min_chunk_tiles;
   p.plan_in_warp = a.batch <= c.plan_in_warp_max_batch ? 1 : 0;
+  // The split-K variants run the chunk plan only (verify_kernel.cuh, AttentionKernel).
+  p.stream_plan = c.stream_plan && (c.attention_variant == AttentionVariant::kPipelined ||
+                                    c.attention_variant == AttentionVariant::kPipelined16)
+                      ? 1
+                      : 0;
   return CudaErrorToStatus(LaunchVerifyKernels(p, c.attention_variant, c.programmatic_launch, stream),
                     "verify launch");
+}
+
+absl::StatusOr<VerifyPlanSummary> ReadVerifyPlanSummary(const VerifyArguments& a,
+                                                        const VerifyLaunchConfig& c,
+                                                        const void* workspace, cudaStream_t stream) {
+  if (workspace == nullptr) return absl::InvalidArgumentError("no workspace");
+  VerifyPlanSummary summary{};
+  const auto* base = static_cast<const uint8_t*>(workspace);
+  RETURN_IF_ERROR(CudaErrorToStatus(cudaMemcpyAsync(&summary, base + Layout(a, c).summary, sizeof(summary),
+                                                    cudaMemcpyDeviceToHost, stream),
+                                    "cudaMemcpyAsync(plan summary)"));
+  RETURN_IF_ERROR(CudaErrorToStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize"));
+  return summary;
 }
 
 absl::Status LaunchWriteDraftKv(const DraftKvWriteArguments& a, cudaStream_t stream) {

@@ -34,6 +34,11 @@ struct VerifyLaunchConfig {
   // the (same) plan in its first warp and takes its own item, one launch
   // fewer (0..32; 0 always launches the plan kernel; bench/NOTES.md v6).
   int plan_in_warp_max_batch = 32;
+  // Let the plan cut the batch's KV into equal stream ranges when every
+  // request has the same number of 32-row tiles and that beats whole chunks
+  // per request (verify_kernel.cuh, "Plan"; bench/NOTES.md v7). Off: always
+  // the chunk plan.
+  bool stream_plan = true;
 };
 
 // "splitk8", "splitk16", "pipelined", "pipelined16": the names the benchmark
@@ -57,6 +62,13 @@ size_t VerifyWorkspaceBytes(const VerifyArguments& args, const VerifyLaunchConfi
 // host (ValidateRequests) before they reach the device.
 absl::Status LaunchVerifyAttention(const VerifyArguments& args, const VerifyLaunchConfig& config,
                                    void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+// The plan the last launch on this workspace chose (device-resident, written
+// by the plan): copies it to the host and synchronises the stream. For tests
+// and the benchmark's report, not for the serving path.
+absl::StatusOr<VerifyPlanSummary> ReadVerifyPlanSummary(const VerifyArguments& args,
+                                                        const VerifyLaunchConfig& config,
+                                                        const void* workspace, cudaStream_t stream);
 
 absl::Status LaunchWriteDraftKv(const DraftKvWriteArguments& args, cudaStream_t stream);
 

@@ -68,6 +68,10 @@ constexpr int SMEM_INV_L_OFFSET = SMEM_ALPHA_OFFSET + BLOCK_M * 4;  // [BLOCK_M]
 constexpr int SMEM_BYTES = SMEM_INV_L_OFFSET + BLOCK_M * 4;
 
 constexpr int SM120_MAX_SMEM_PER_BLOCK = 101376;  // 99 KB: the production target's limit
+// Static shared memory of ForEachSegment (verify_kernel.cuh, checked there):
+// a 32-entry segment list, the warp plan's per-request table and the summary
+// (ptxas reports 1,408 B in all for the pipelined kernel).
+constexpr int SEGMENT_STATIC_SMEM_BYTES = 1536;
 
 static_assert(D_QK % 64 == 0 && D_V % 64 == 0, "latent split into 64-wide chunks");
 static_assert(BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0, "mma.m16n8k16 tiles");
@@ -178,8 +182,9 @@ struct Shape {
   static_assert(PAGE_AHEAD >= NUM_STAGES - 2 && PAGE_RING > PAGE_AHEAD,
                 "a page id is fetched in the group of an earlier step that the PV warps' "
                 "wait_group has already completed when its tile is loaded");
-  // + the static PlannedWork of FetchWorkItem (verify_kernel.cuh; ptxas reports 128 B).
-  static_assert(SMEM_BYTES + 128 <= SM120_MAX_SMEM_PER_BLOCK, "over the sm_120 shared-memory limit");
+  // + the static segment list and plan table of ForEachSegment (verify_kernel.cuh).
+  static_assert(SMEM_BYTES + SEGMENT_STATIC_SMEM_BYTES <= SM120_MAX_SMEM_PER_BLOCK,
+                "over the sm_120 shared-memory limit");
 };
 static_assert(BLOCK_N == 16, "score warps hold two n8 tiles; P is one k16 step of PV");
 static_assert(Shape<2>::NUM_THREADS <= 384,

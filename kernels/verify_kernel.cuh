@@ -7,6 +7,7 @@
 
 #include <cuda_bf16.h>
 
+#include <climits>
 #include <cstdint>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
@@ -34,20 +35,41 @@ __device__ __forceinline__ int SplitFirstTile(int split, int tiles, int splits) 
 }
 
 // ---------------------------------------------------------------------------
-// Plan. Picks one chunk length c (in BLOCK_N tiles) for the launch so that the
-// number of work items stays within target_ctas: with T = target_ctas and
-// R = total row tiles,
+// Plan. Two ways to spread a launch's work over target_ctas CTAs (T):
+//
+// The chunk plan picks one chunk length c (in BLOCK_N tiles) so that the
+// number of work items stays within T: with R = total row tiles,
 //   items = sum_b row_tiles_b * ceil(tiles_b / c) <= cost / c + R <= T
 // for c = ceil(cost / (T - R)) (the "safe" chunk); c = ceil(cost / T) is
 // used instead when its item count happens to fit T (it fills every CTA). When
 // R >= T the device is full without splitting and no request is split. Each
 // request then spreads its tiles evenly over its ceil(tiles_b / c) splits
 // (each gets at most c tiles, the item count is unchanged), so that no CTA
-// carries a long chunk while its siblings carry a stub.
+// carries a long chunk while its siblings carry a stub. One CTA, one item.
+//
+// The stream plan (stream-K style), for batches whose requests all have the
+// same number of row tiles RT: the requests' KV tiles are laid end to end
+// (length L) and cut into G = min(T / RT, L / min_chunk) equal ranges; CTA
+// g * RT + rt attends row tile rt over range g, which may end inside one
+// request and start inside another (then the CTA attends several segments in
+// turn). Every row tile of a request has the same chunk boundaries, and the
+// RT CTAs of a range run side by side, so their KV reads share L2 as the
+// chunk plan's row tiles do. It fills G * RT CTAs with equal work where the
+// chunk plan rounds each request up to whole chunks: B=32, L=64K, N=4 is 128
+// items of 513 tiles under the chunk plan and 132 ranges of 497 under this
+// one (bench/NOTES.md v7). The plan takes it when its longest range is
+// shorter than the chunk plan's longest chunk times its waves by at least
+// STREAM_MIN_GAIN_TILES.
+//
+// A split segment writes a partial: the chunk plan's item w to slot w; a
+// stream CTA x has at most two split segments (the first and the last of its
+// range) and writes them to slots 2x and 2x + 1.
+//
 // Two implementations of the same arithmetic (the helpers below): PlanKernel,
-// one CTA of one thread per request, writes the whole work list; for batch
+// one CTA of one thread per request, writes the whole plan; for batch
 // <= kPlanInWarpMaxBatch the attention kernels plan in their first warp
 // instead (PlanInWarp, no plan launch: bench/NOTES.md v6).
+// kernels/testing/models/plan_model.py mirrors both and checks coverage.
 // ---------------------------------------------------------------------------
 static_assert(kPlanInWarpMaxBatch == 32, "PlanInWarp: one lane per request");
 
@@ -86,33 +108,104 @@ __device__ __forceinline__ long long ItemsOfRequest(const RequestShape& r, int c
   return r.tiles > 0 ? static_cast<long long>(r.row_tiles) * CeilDiv(r.tiles, chunk_tiles) : 0;
 }
 
-// Item `local` of a request (row tiles of one chunk are adjacent work items:
-// their KV re-reads hit L2).
+// Longest chunk of a request under the chunk plan (its tiles spread evenly).
+__device__ __forceinline__ int LongestChunk(const RequestShape& r, int splits) {
+  return splits > 0 ? CeilDiv(r.tiles, splits) : 0;
+}
+
+// What the plan's choice depends on, reduced over the batch. Row tiles are
+// compared over requests with work only (padding requests have none).
+struct PlanTotals {
+  long long length = 0;     // sum of tiles
+  int min_row_tiles = 0;    // over requests with tiles > 0 (INT_MAX if none)
+  int max_row_tiles = 0;
+};
+
+// The stream plan must shorten the longest CTA by this many tiles: a range
+// that spans requests restarts the pipeline per segment and holds up to two
+// split segments for the combine (B=8·L=16K·N=16·H=8: 125 instead of 129
+// tiles measured 3 % slower; bench/NOTES.md v7).
+constexpr int STREAM_MIN_GAIN_TILES = 5;
+
+// Ranges of the stream plan, or 0 for the chunk plan. chunk_items and
+// longest_chunk describe the chunk plan's work list.
+__device__ __forceinline__ int StreamGroups(const VerifyParams& p, const PlanTotals& t,
+                                            long long chunk_items, int longest_chunk) {
+  const int rt = t.max_row_tiles;
+  if (!p.stream_plan || t.length == 0 || t.length > INT_MAX || t.min_row_tiles != rt ||
+      rt > p.target_ctas) {
+    return 0;
+  }
+  const long long by_chunk = (t.length + p.min_chunk_tiles - 1) / p.min_chunk_tiles;
+  long long groups = p.target_ctas / rt;
+  groups = groups < by_chunk ? groups : by_chunk;
+  const long long stream_longest = (t.length + groups - 1) / groups;
+  const long long waves = (chunk_items + p.target_ctas - 1) / p.target_ctas;
+  return stream_longest + STREAM_MIN_GAIN_TILES <= waves * longest_chunk ? static_cast<int>(groups) : 0;
+}
+
+// First tile of stream range g, and the range holding tile `pos`
+// (StreamRangeOf(pos) = g exactly when StreamStart(g) <= pos < StreamStart(g + 1)).
+__device__ __forceinline__ int StreamStart(int g, const VerifyPlanSummary& s) {
+  return static_cast<int>(static_cast<long long>(g) * s.stream_length / s.stream_groups);
+}
+__device__ __forceinline__ int StreamRangeOf(int pos, const VerifyPlanSummary& s) {
+  return static_cast<int>((static_cast<long long>(pos + 1) * s.stream_groups - 1) / s.stream_length);
+}
+
+// Item `local` of a request under the chunk plan (row tiles of one chunk are
+// adjacent work items: their KV re-reads hit L2); `w` is its index.
 __device__ __forceinline__ VerifyWorkItem MakeWorkItem(int request, int local, int row_tiles,
-                                                       int kv_len, int chunk_tiles) {
+                                                       int kv_len, int chunk_tiles, int q_row, int w) {
   const int tiles = CeilDiv(kv_len, BLOCK_N);
   const int splits = CeilDiv(tiles, chunk_tiles);
   const int split = local / row_tiles;
-  VerifyWorkItem item{-1, 0, 0, 0, 0, {0, 0, 0}};
+  VerifyWorkItem item;
   item.request = request;
   item.row_tile = local % row_tiles;
   item.split = split;
   item.kv_begin = SplitFirstTile(split, tiles, splits) * BLOCK_N;
   item.kv_end = min(kv_len, SplitFirstTile(split + 1, tiles, splits) * BLOCK_N);
+  item.q_row = q_row;
+  item.splits = splits;
+  item.partial_slot = splits == 1 ? -1 : w;
   return item;
 }
 
+__device__ __forceinline__ VerifyWorkItem NoWork() {
+  VerifyWorkItem item;
+  item.request = -1;
+  item.row_tile = item.split = item.kv_begin = item.kv_end = item.q_row = 0;
+  item.splits = 0;
+  item.partial_slot = -1;
+  return item;
+}
+
+struct MinOp {
+  __device__ int operator()(int a, int b) const { return min(a, b); }
+};
+struct MaxOp {
+  __device__ int operator()(int a, int b) const { return max(a, b); }
+};
+
 __global__ void __launch_bounds__(PLAN_THREADS) PlanKernel(const VerifyParams p) {
   using IntScan = cub::BlockScan<int, PLAN_THREADS>;
-  using CostReduce = cub::BlockReduce<long long, PLAN_THREADS>;
+  using LongReduce = cub::BlockReduce<long long, PLAN_THREADS>;
+  using IntReduce = cub::BlockReduce<int, PLAN_THREADS>;
   __shared__ union {
     typename IntScan::TempStorage scan;
-    typename CostReduce::TempStorage reduce;
+    typename LongReduce::TempStorage reduce;
+    typename IntReduce::TempStorage int_reduce;
   } temp;
   __shared__ int s_work_base[PLAN_THREADS];
   __shared__ int s_kv_len[PLAN_THREADS];
   __shared__ int s_row_tiles[PLAN_THREADS];
+  __shared__ int s_q_row[PLAN_THREADS];
   __shared__ int s_chunk_tiles;
+  __shared__ int s_tight_chunk;
+  __shared__ int s_safe_chunk;
+  __shared__ int s_longest;
+  __shared__ PlanTotals s_totals;
 
   // The attention grid may start launching now; it waits for this grid.
   ptx::GridDependencyLaunchDependents();
@@ -123,37 +216,65 @@ __global__ void __launch_bounds__(PLAN_THREADS) PlanKernel(const VerifyParams p)
   IntScan(temp.scan).ExclusiveSum(req.n, q_row);
   __syncthreads();
   const long long total_cost =
-      CostReduce(temp.reduce).Sum(static_cast<long long>(req.row_tiles) * req.tiles);
+      LongReduce(temp.reduce).Sum(static_cast<long long>(req.row_tiles) * req.tiles);
   __syncthreads();
-  const long long total_row_tiles = CostReduce(temp.reduce).Sum(static_cast<long long>(req.row_tiles));
-  // Two candidates: the tight chunk fills all T CTAs when the rounding of the
-  // per-request splits allows it; the safe one always fits.
-  __shared__ int s_tight_chunk;
-  __shared__ int s_safe_chunk;
-  if (b == 0) ChunkCandidates(p, total_cost, total_row_tiles, &s_tight_chunk, &s_safe_chunk);
+  const long long total_row_tiles = LongReduce(temp.reduce).Sum(static_cast<long long>(req.row_tiles));
   __syncthreads();
-  const long long tight_items = CostReduce(temp.reduce).Sum(ItemsOfRequest(req, s_tight_chunk));
+  const long long length = LongReduce(temp.reduce).Sum(static_cast<long long>(req.tiles));
+  __syncthreads();
+  const int min_rt = IntReduce(temp.int_reduce).Reduce(req.tiles > 0 ? req.row_tiles : INT_MAX, MinOp());
+  __syncthreads();
+  const int max_rt = IntReduce(temp.int_reduce).Reduce(req.tiles > 0 ? req.row_tiles : 0, MaxOp());
+  if (b == 0) {
+    s_totals.length = length;
+    s_totals.min_row_tiles = min_rt;
+    s_totals.max_row_tiles = max_rt;
+    // Two candidates: the tight chunk fills all T CTAs when the rounding of
+    // the per-request splits allows it; the safe one always fits.
+    ChunkCandidates(p, total_cost, total_row_tiles, &s_tight_chunk, &s_safe_chunk);
+  }
+  __syncthreads();
+  const long long tight_items = LongReduce(temp.reduce).Sum(ItemsOfRequest(req, s_tight_chunk));
   if (b == 0) s_chunk_tiles = tight_items <= p.target_ctas ? s_tight_chunk : s_safe_chunk;
   __syncthreads();
   const int chunk_tiles = s_chunk_tiles;
   const int splits = req.tiles > 0 ? CeilDiv(req.tiles, chunk_tiles) : 0;
-  int work_base = 0, total_work = 0;
-  IntScan(temp.scan).ExclusiveSum(req.row_tiles * splits, work_base, total_work);
+  const int longest = IntReduce(temp.int_reduce).Reduce(LongestChunk(req, splits), MaxOp());
+  if (b == 0) s_longest = longest;
+  __syncthreads();
+  int work_base = 0, total_items = 0;
+  IntScan(temp.scan).ExclusiveSum(req.row_tiles * splits, work_base, total_items);
+  __syncthreads();
+  // Stream positions (only used when the stream plan is chosen, and then
+  // length <= INT_MAX: no overflow).
+  int stream_start = 0;
+  IntScan(temp.scan).ExclusiveSum(req.tiles, stream_start);
+  const int groups = StreamGroups(p, s_totals, total_items, s_longest);
   s_work_base[b] = work_base;
   s_kv_len[b] = req.kv_len;
   s_row_tiles[b] = req.row_tiles;
+  s_q_row[b] = q_row;
   if (b < p.batch) {
     p.request_q_row[b] = q_row;
     p.request_splits[b] = splits;
     p.request_row_tiles[b] = req.row_tiles;
     p.request_work_base[b] = work_base;
+    p.request_stream_start[b] = stream_start;
   }
-  if (b == 0) *p.total_work = total_work;
+  if (b == 0) {
+    VerifyPlanSummary s;
+    s.total_work = groups > 0 ? groups * max_rt : total_items;
+    s.stream_groups = groups;
+    s.stream_row_tiles = groups > 0 ? max_rt : 0;
+    s.stream_length = groups > 0 ? static_cast<int>(length) : 0;
+    *p.summary = s;
+  }
+  if (groups > 0) return;  // the stream plan needs no work list
   __syncthreads();
 
   for (int w = threadIdx.x; w < p.max_work; w += PLAN_THREADS) {
-    VerifyWorkItem item{-1, 0, 0, 0, 0, {0, 0, 0}};
-    if (w < total_work) {
+    VerifyWorkItem item = NoWork();
+    if (w < total_items) {
       // The request holding item w: the last one whose base is <= w (requests
       // with no items share their successor's base and are skipped by this).
       int lo = 0, hi = p.batch - 1;
@@ -161,24 +282,24 @@ __global__ void __launch_bounds__(PLAN_THREADS) PlanKernel(const VerifyParams p)
         const int mid = (lo + hi + 1) >> 1;
         if (s_work_base[mid] <= w) lo = mid; else hi = mid - 1;
       }
-      item = MakeWorkItem(lo, w - s_work_base[lo], s_row_tiles[lo], s_kv_len[lo], chunk_tiles);
+      item = MakeWorkItem(lo, w - s_work_base[lo], s_row_tiles[lo], s_kv_len[lo], chunk_tiles,
+                          s_q_row[lo], w);
     }
     p.work[w] = item;
   }
 }
 
-// What an attention CTA needs from the plan.
-struct PlannedWork {
-  VerifyWorkItem item;  // request -1: no work for this CTA
-  int q_row;            // first token row of the request in q
-  int splits;           // KV chunks of the request's row tiles
+// The plan for batch <= kPlanInWarpMaxBatch, computed by one whole warp
+// (lane b: request b) with the same arithmetic as PlanKernel. The CTA given
+// `writer` writes the per-request arrays and the summary for the combine.
+struct WarpPlan {
+  VerifyPlanSummary summary;  // the same in every lane
+  int stream_start;           // lane b: request b's
+  int q_row;                  // lane b: request b's
+  VerifyWorkItem item;        // chunk plan: item w (also written to p.work[w])
 };
 
-// The plan for batch <= kPlanInWarpMaxBatch, computed by one whole warp
-// (lane b: request b) with the same arithmetic as PlanKernel. Returns work
-// item `w`; writes it to p.work[w] for the combine, and the CTA given
-// `writer` writes the per-request arrays and the item count.
-__device__ __forceinline__ PlannedWork PlanInWarp(const VerifyParams& p, int w, bool writer) {
+__device__ __forceinline__ WarpPlan PlanInWarp(const VerifyParams& p, int w, bool writer) {
   const unsigned all = 0xffffffffu;
   const int lane = threadIdx.x & 31;
   const RequestShape req = ShapeOfRequest(p, lane);
@@ -198,62 +319,179 @@ __device__ __forceinline__ PlannedWork PlanInWarp(const VerifyParams& p, int w, 
   const int q_row = inclusive_scan(req.n) - req.n;
   const long long total_cost = sum_ll(static_cast<long long>(req.row_tiles) * req.tiles);
   const long long total_row_tiles = sum_ll(req.row_tiles);
+  PlanTotals totals;
+  totals.length = sum_ll(req.tiles);
+  totals.min_row_tiles = __reduce_min_sync(all, req.tiles > 0 ? req.row_tiles : INT_MAX);
+  totals.max_row_tiles = __reduce_max_sync(all, req.tiles > 0 ? req.row_tiles : 0);
   int tight = 0, safe = 0;
   ChunkCandidates(p, total_cost, total_row_tiles, &tight, &safe);
   const long long tight_items = sum_ll(ItemsOfRequest(req, tight));
   const int chunk_tiles = tight_items <= p.target_ctas ? tight : safe;
   const int splits = req.tiles > 0 ? CeilDiv(req.tiles, chunk_tiles) : 0;
+  const int longest = __reduce_max_sync(all, LongestChunk(req, splits));
   const int items = req.row_tiles * splits;
   const int items_through = inclusive_scan(items);
   const int work_base = items_through - items;
-  const int total_work = __shfl_sync(all, items_through, 31);
+  const int total_items = __shfl_sync(all, items_through, 31);
+  const int groups = StreamGroups(p, totals, total_items, longest);
+
+  WarpPlan out;
+  out.summary.total_work = groups > 0 ? groups * totals.max_row_tiles : total_items;
+  out.summary.stream_groups = groups;
+  out.summary.stream_row_tiles = groups > 0 ? totals.max_row_tiles : 0;
+  out.summary.stream_length = groups > 0 ? static_cast<int>(totals.length) : 0;
+  out.stream_start = inclusive_scan(req.tiles) - req.tiles;  // used when length <= INT_MAX
+  out.q_row = q_row;
   if (writer && lane < p.batch) {
     p.request_q_row[lane] = q_row;
     p.request_splits[lane] = splits;
     p.request_row_tiles[lane] = req.row_tiles;
     p.request_work_base[lane] = work_base;
+    p.request_stream_start[lane] = out.stream_start;
   }
-  if (writer && lane == 0) *p.total_work = total_work;
-  PlannedWork out{{-1, 0, 0, 0, 0, {0, 0, 0}}, 0, 0};
-  if (w < total_work) {
-    // The request holding item w: the last lane (request) whose base is <= w.
-    const unsigned at_or_below = __ballot_sync(all, lane < p.batch && work_base <= w);
-    const int r = 31 - __clz(at_or_below);
-    const int r_base = __shfl_sync(all, work_base, r);
-    out.item = MakeWorkItem(r, w - r_base, __shfl_sync(all, req.row_tiles, r),
-                            __shfl_sync(all, req.kv_len, r), chunk_tiles);
-    out.q_row = __shfl_sync(all, q_row, r);
-    out.splits = __shfl_sync(all, splits, r);
+  if (writer && lane == 0) *p.summary = out.summary;
+  out.item = NoWork();
+  if (groups == 0) {
+    if (w < total_items) {
+      // The request holding item w: the last lane (request) whose base is <= w.
+      const unsigned at_or_below = __ballot_sync(all, lane < p.batch && work_base <= w);
+      const int r = 31 - __clz(at_or_below);
+      out.item = MakeWorkItem(r, w - __shfl_sync(all, work_base, r), __shfl_sync(all, req.row_tiles, r),
+                              __shfl_sync(all, req.kv_len, r), chunk_tiles, __shfl_sync(all, q_row, r), w);
+    }
+    if (lane == 0) p.work[w] = out.item;
   }
-  if (lane == 0) p.work[w] = out.item;
   return out;
 }
 
-// The work of this CTA: from PlanKernel's list, or planned here (first warp;
-// p.plan_in_warp) and handed to the others through shared memory. Every
-// thread of the block must call it.
-__device__ __forceinline__ PlannedWork FetchWorkItem(const VerifyParams& p) {
-  __shared__ PlannedWork s_planned;
-  ptx::GridDependencyWait();  // the plan kernel's work list (or the writes of the grid before)
+// ---- Segments of a stream-plan CTA ----
+
+// The first request of the 32-request block from which CTA x's range can
+// start: every request before it ends at or before the range does. One warp;
+// `stream_start` is the per-request table (global, or shared for the warp plan).
+__device__ __forceinline__ int FirstStreamBlock(const VerifyParams& p, const VerifyPlanSummary& s,
+                                                const int32_t* stream_start, int x) {
+  const int lane = threadIdx.x & 31;
+  const int lo = StreamStart(x / s.stream_row_tiles, s);
+  const int b = lane * 32;  // batch <= PLAN_THREADS = 32 * 32
+  const bool at_or_before = b < p.batch && stream_start[b] <= lo;  // true for lane 0
+  return 32 * (31 - __clz(__ballot_sync(0xffffffffu, at_or_before)));
+}
+
+// One warp: writes the segments of CTA x among requests b0..b0+31 to
+// list[0..count) in request order and returns count; *next is b0 + 32 when a
+// later request may still overlap the range, else -1.
+__device__ __forceinline__ int CollectStreamSegments(const VerifyParams& p, const VerifyPlanSummary& s,
+                                                     const int32_t* stream_start, const int32_t* q_rows,
+                                                     int x, int b0, VerifyWorkItem* list, int* next) {
+  const unsigned all = 0xffffffffu;
+  const int lane = threadIdx.x & 31;
+  const int g = x / s.stream_row_tiles;
+  const int lo = StreamStart(g, s);
+  const int hi = StreamStart(g + 1, s);
+  const int b = b0 + lane;
+  const RequestShape req = ShapeOfRequest(p, b);
+  const int start = b < p.batch ? stream_start[b] : s.stream_length;
+  const int end = start + req.tiles;
+  const bool overlaps = req.tiles > 0 && start < hi && end > lo;
+  VerifyWorkItem item;
+  if (overlaps) {
+    const int seg_lo = max(start, lo);
+    const int seg_hi = min(end, hi);
+    const int first = StreamRangeOf(start, s);
+    item.request = b;
+    item.row_tile = x % s.stream_row_tiles;
+    item.split = g - first;
+    item.kv_begin = (seg_lo - start) * BLOCK_N;
+    item.kv_end = min((seg_hi - start) * BLOCK_N, req.kv_len);
+    item.q_row = q_rows[b];
+    item.splits = StreamRangeOf(end - 1, s) - first + 1;
+    item.partial_slot = item.splits == 1 ? -1 : 2 * x + (seg_lo > lo ? 1 : 0);
+  }
+  const unsigned mask = __ballot_sync(all, overlaps);
+  if (overlaps) list[__popc(mask & ((1u << lane) - 1u))] = item;
+  const int last_end = __shfl_sync(all, end, 31);
+  *next = b0 + 32 < p.batch && last_end < hi ? b0 + 32 : -1;
+  return __popc(mask);
+}
+
+// The shared state of ForEachSegment: the kernel declares one and passes it
+// to every call site (a __shared__ variable inside the template would be a
+// different one per instantiation, i.e. per role's lambda).
+struct SegmentSmem {
+  VerifyWorkItem list[32];     // segments of this CTA, in order
+  int32_t stream_start[32];    // warp plan: request b's first tile in the stream
+  int32_t q_row[32];           // warp plan: request b's first token row
+  VerifyPlanSummary summary;
+  int count, next;             // entries in `list`; first request of the next refill, or -1
+};
+static_assert(sizeof(SegmentSmem) <= SEGMENT_STATIC_SMEM_BYTES,
+              "the sm_120 budget in verify_config.cuh counts this");
+
+// Runs attend(item) for every segment of this CTA in order, with a block
+// barrier between segments (shared memory is reused). Plans in the first warp
+// (p.plan_in_warp) or reads the plan kernel's output. Every thread of the
+// block must call it; warps of different roles may call it from different
+// sites (its barriers are bar.sync 0 over the whole block).
+// kStreamPlan false: the kernel runs under the chunk plan only (the host
+// clears p.stream_plan for it), one segment, no segment loop.
+template <bool kStreamPlan, typename Attend>
+__device__ __forceinline__ void ForEachSegment(const VerifyParams& p, SegmentSmem& sm, Attend&& attend) {
+  const int x = blockIdx.x;
+  const bool first_warp = threadIdx.x < 32;
+  ptx::GridDependencyWait();  // the plan kernel's output (or the writes of the grid before)
   if (p.plan_in_warp) {  // batch <= kPlanInWarpMaxBatch (the host checks)
-    if (threadIdx.x < 32) {
-      const PlannedWork planned = PlanInWarp(p, blockIdx.x, blockIdx.x == 0);
-      if (threadIdx.x == 0) s_planned = planned;
+    if (first_warp) {
+      const WarpPlan plan = PlanInWarp(p, x, x == 0);
+      sm.stream_start[threadIdx.x] = plan.stream_start;
+      sm.q_row[threadIdx.x] = plan.q_row;
+      if (threadIdx.x == 0) {
+        sm.summary = plan.summary;
+        sm.list[0] = plan.item;
+      }
     }
-    __syncthreads();
-    return s_planned;
+  } else if (threadIdx.x == 0) {
+    sm.summary = *p.summary;
+    sm.list[0] = p.work[x];  // read beside the summary; stale (unused) under the stream plan
   }
-  PlannedWork planned{{-1, 0, 0, 0, 0, {0, 0, 0}}, 0, 0};
-  if (static_cast<int>(blockIdx.x) < *p.total_work) {
-    planned.item = p.work[blockIdx.x];
-    planned.q_row = p.request_q_row[planned.item.request];
-    planned.splits = p.request_splits[planned.item.request];
+  ptx::BlockBarrier();
+  const VerifyPlanSummary summary = sm.summary;
+  if (x >= summary.total_work) return;
+  ptx::GridDependencyLaunchDependents();
+  if (!kStreamPlan || summary.stream_groups == 0) {
+    attend(sm.list[0]);
+    return;
   }
-  return planned;
+  const int32_t* starts = p.plan_in_warp ? sm.stream_start : p.request_stream_start;
+  const int32_t* q_rows = p.plan_in_warp ? sm.q_row : p.request_q_row;
+  int b0 = 0;
+  if (first_warp && !p.plan_in_warp) b0 = FirstStreamBlock(p, summary, starts, x);
+  while (true) {
+    if (first_warp) {
+      int next = -1;
+      const int count = CollectStreamSegments(p, summary, starts, q_rows, x, b0, sm.list, &next);
+      if (threadIdx.x == 0) {
+        sm.count = count;
+        sm.next = next;
+      }
+    }
+    ptx::BlockBarrier();
+    const int count = sm.count;
+    b0 = sm.next;
+    for (int i = 0; i < count; ++i) {
+      attend(sm.list[i]);
+      ptx::BlockBarrier();
+    }
+    // A block of 32 padding requests has no segment: everyone must still have
+    // read count and next before the first warp refills them.
+    if (count == 0) ptx::BlockBarrier();
+    if (b0 < 0) return;
+  }
 }
 
 // ---------------------------------------------------------------------------
-// Attention: one CTA per work item, WarpLayout<kWarps>::NUM_THREADS threads.
+// Attention (split-K variants): one CTA per work item of the chunk plan,
+// WarpLayout<kWarps>::NUM_THREADS threads.
 // ---------------------------------------------------------------------------
 struct AttentionSmem {
   uint8_t* base;
@@ -293,27 +531,30 @@ __device__ __forceinline__ void StageQueryRow(const VerifyParams& p, uint32_t ti
 
 // Row `row` of the tile (request row `r`) after its last KV tile: 1 / l into
 // `inv_l` for the output stores, and the LSE (natural log) to the output for
-// an unsplit row tile or to this CTA's partial slot. `row_max` is log2-domain.
-__device__ __forceinline__ void StoreRowStats(const VerifyParams& p, int splits, int row, int r,
+// an unsplit row tile (partial_slot < 0) or to the segment's partial slot.
+// `row_max` is log2-domain.
+__device__ __forceinline__ void StoreRowStats(const VerifyParams& p, int partial_slot, int row, int r,
                                               int rows, int q_row, int heads, float row_max,
                                               float row_sum, float* inv_l) {
   inv_l[row] = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
   const float lse = row_sum > 0.0f ? (row_max + __log2f(row_sum)) * LN2 : -INFINITY;
-  if (splits == 1) {
+  if (partial_slot < 0) {
     if (r < rows) p.lse[static_cast<int64_t>(q_row + r / heads) * heads + r % heads] = lse;
   } else {
-    p.partial_lse[blockIdx.x * BLOCK_M + row] = lse;
+    p.partial_lse[partial_slot * BLOCK_M + row] = lse;
   }
 }
 
 // A warp's slice of O (columns col0 + n*8 + {0,1}, rows of the mma fragment
-// layout) times 1 / l: bf16 to the output for an unsplit row tile, fp32 to
-// this CTA's partial slot otherwise. Rows past the request's end are skipped.
+// layout) times 1 / l: bf16 to the output for an unsplit row tile
+// (partial_slot < 0), fp32 to the partial slot otherwise. Rows past the
+// request's end are skipped.
 template <int kNTiles>
 __device__ __forceinline__ void StoreOutputSlice(const VerifyParams& p,
                                                  const float (&o_acc)[M_TILES][kNTiles][4],
                                                  const float* inv_l, int row_tile, int rows,
-                                                 int q_row, int heads, int splits, int col0, int g) {
+                                                 int q_row, int heads, int partial_slot, int col0,
+                                                 int g) {
 #pragma unroll
   for (int m = 0; m < M_TILES; ++m) {
 #pragma unroll
@@ -322,7 +563,7 @@ __device__ __forceinline__ void StoreOutputSlice(const VerifyParams& p,
       const int r = row_tile * BLOCK_M + row;
       if (r >= rows) continue;
       const float inv = inv_l[row];
-      if (splits == 1) {
+      if (partial_slot < 0) {
         uint16_t* dst = p.out + static_cast<int64_t>(q_row + r / heads) * p.out_token_stride +
                         static_cast<int64_t>(r % heads) * p.out_head_stride + col0;
 #pragma unroll
@@ -331,7 +572,7 @@ __device__ __forceinline__ void StoreOutputSlice(const VerifyParams& p,
               ptx::PackBf16x2(o_acc[m][n][2 * half] * inv, o_acc[m][n][2 * half + 1] * inv);
         }
       } else {
-        float* dst = p.partial_out + (static_cast<int64_t>(blockIdx.x) * BLOCK_M + row) * D_V + col0;
+        float* dst = p.partial_out + (static_cast<int64_t>(partial_slot) * BLOCK_M + row) * D_V + col0;
 #pragma unroll
         for (int n = 0; n < kNTiles; ++n) {
           *reinterpret_cast<float2*>(dst + n * 8) =
@@ -342,17 +583,12 @@ __device__ __forceinline__ void StoreOutputSlice(const VerifyParams& p,
   }
 }
 
+// One segment (work item) of the split-K variants.
 template <int kWarps>
-__global__ void __launch_bounds__(WarpLayout<kWarps>::NUM_THREADS, 1)
-    AttentionKernel(const VerifyParams p) {
+__device__ __forceinline__ void AttendSegmentSplitK(const VerifyParams& p, const VerifyWorkItem& item,
+                                                    uint8_t* smem_raw) {
   using Layout = WarpLayout<kWarps>;
-  extern __shared__ __align__(128) uint8_t smem_raw[];
   const AttentionSmem smem{smem_raw};
-
-  const PlannedWork planned = FetchWorkItem(p);
-  const VerifyWorkItem item = planned.item;
-  if (item.request < 0) return;
-  ptx::GridDependencyLaunchDependents();
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -362,8 +598,8 @@ __global__ void __launch_bounds__(WarpLayout<kWarps>::NUM_THREADS, 1)
   const int n_draft = p.draft_len[b];
   const int prefix = p.prefix_len[b];
   const int rows = n_draft * heads;
-  const int q_row = planned.q_row;
-  const int splits = planned.splits;
+  const int q_row = item.q_row;
+  const int partial_slot = item.partial_slot;
   const int kv_begin = item.kv_begin;
   const int kv_end = item.kv_end;
   const int num_tiles = CeilDiv(kv_end - kv_begin, BLOCK_N);
@@ -584,16 +820,26 @@ __global__ void __launch_bounds__(WarpLayout<kWarps>::NUM_THREADS, 1)
   // ---- epilogue ----
   float* inv_l = smem.InvL();
   if (has_role && ld_lane == 0) {
-    StoreRowStats(p, splits, sm_row, sm_r, rows, q_row, heads, row_max, row_sum, inv_l);
+    StoreRowStats(p, partial_slot, sm_row, sm_r, rows, q_row, heads, row_max, row_sum, inv_l);
   }
   __syncthreads();
-  StoreOutputSlice(p, o_acc, inv_l, item.row_tile, rows, q_row, heads, splits,
+  StoreOutputSlice(p, o_acc, inv_l, item.row_tile, rows, q_row, heads, partial_slot,
                    warp * Layout::V_COLS_PER_WARP + 2 * t4, g);
 }
 
+template <int kWarps>
+__global__ void __launch_bounds__(WarpLayout<kWarps>::NUM_THREADS, 1)
+    AttentionKernel(const VerifyParams p) {
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  __shared__ SegmentSmem segments;
+  // Chunk plan only: a segment loop around this body spilled at 16 warps.
+  ForEachSegment<false>(p, segments, [&](const VerifyWorkItem& item) { AttendSegmentSplitK<kWarps>(p, item, smem_raw); });
+}
+
 // ---------------------------------------------------------------------------
-// Combine: the CTAs of a split row tile share its 32 rows (CTA of split s takes
-// rows s, s + splits, ...) and merge that row's partials:
+// Combine: the CTAs holding the splits of a split row tile share its 32 rows
+// (the CTA of split s takes rows s, s + splits, ...) and merge each row's
+// partials:
 //   lse = log sum_s exp(lse_s),  o = sum_s exp(lse_s - lse) * o_s.
 // The eight warps of a CTA take the splits round robin (warp w: splits w,
 // w + 8, ...), each lane 16 of the 512 columns as four float4, and keep an
@@ -601,7 +847,8 @@ __global__ void __launch_bounds__(WarpLayout<kWarps>::NUM_THREADS, 1)
 // shared memory. All of a warp's loads for COMBINE_UNROLL splits go out
 // together: at small batch (33 splits per row at B=1, L=4K) the kernel costs
 // one or two L2 round trips instead of one per eight splits plus a max pass
-// (bench/NOTES.md v6).
+// (bench/NOTES.md v6). A combine CTA finds its split segments as the
+// attention CTA of the same index did (the work list, or the stream ranges).
 // ---------------------------------------------------------------------------
 constexpr int COMBINE_THREADS = 256;
 constexpr int COMBINE_WARPS = COMBINE_THREADS / 32;
@@ -609,27 +856,25 @@ constexpr int COMBINE_UNROLL = 4;  // splits per warp whose partials are in flig
 static_assert(D_V == 32 * 16, "combine: 16 columns per lane, four float4");
 static_assert(D_V == COMBINE_THREADS * 2, "combine merge: two output columns per thread");
 
-__global__ void __launch_bounds__(COMBINE_THREADS) CombineKernel(const VerifyParams p) {
+// Merges rows item.split, item.split + item.splits, ... of the item's row
+// tile. The partial of split s sits in slot
+//   slot_base + s * slot_stride + (s == 0 ? slot0_extra : 0).
+__device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const VerifyWorkItem& item,
+                                               int slot_base, int slot_stride, int slot0_extra) {
   __shared__ float4 s_acc[COMBINE_WARPS][D_V / 4];
   __shared__ float s_max[COMBINE_WARPS];
   __shared__ float s_sum[COMBINE_WARPS];
-  ptx::GridDependencyWait();  // the attention kernel's partials
-  if (static_cast<int>(blockIdx.x) >= *p.total_work) return;
-  const VerifyWorkItem item = p.work[blockIdx.x];
   const int b = item.request;
-  const int splits = p.request_splits[b];
-  if (splits == 1 || item.split >= BLOCK_M) return;
+  const int splits = item.splits;
   const int rows = p.draft_len[b] * p.num_heads;
-  const int row_tiles = p.request_row_tiles[b];
-  const int base = p.request_work_base[b];
-  const int q_row = p.request_q_row[b];
+  const int q_row = item.q_row;
   const int heads = p.num_heads;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  // Partials of split s of this row tile sit in slot base + s * row_tiles + row_tile.
-  const float* lse_of = p.partial_lse + static_cast<int64_t>(base + item.row_tile) * BLOCK_M;
-  const float* out_of = p.partial_out + static_cast<int64_t>(base + item.row_tile) * BLOCK_M * D_V;
-  const int64_t split_stride = static_cast<int64_t>(row_tiles) * BLOCK_M;
+  const float* lse_of = p.partial_lse + static_cast<int64_t>(slot_base) * BLOCK_M;
+  const float* out_of = p.partial_out + static_cast<int64_t>(slot_base) * BLOCK_M * D_V;
+  const int64_t split_stride = static_cast<int64_t>(slot_stride) * BLOCK_M;
+  const int64_t split0_extra = static_cast<int64_t>(slot0_extra) * BLOCK_M;
   for (int row = item.split; row < BLOCK_M; row += splits) {
     const int r = item.row_tile * BLOCK_M + row;
     if (r >= rows) break;  // uniform across the block
@@ -646,8 +891,9 @@ __global__ void __launch_bounds__(COMBINE_THREADS) CombineKernel(const VerifyPar
       for (int u = 0; u < COMBINE_UNROLL; ++u) {
         const int s = s0 + u * COMBINE_WARPS;
         const bool valid = s < splits;
-        const float* o = out_of + (s * split_stride + row) * D_V + lane * 4;
-        lse_v[u] = valid ? lse_of[s * split_stride + row] : -INFINITY;
+        const int64_t slot_row = s * split_stride + (s == 0 ? split0_extra : 0) + row;
+        const float* o = out_of + slot_row * D_V + lane * 4;
+        lse_v[u] = valid ? lse_of[slot_row] : -INFINITY;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           o_v[u][k] = valid ? *reinterpret_cast<const float4*>(o + k * 128) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -700,6 +946,56 @@ __global__ void __launch_bounds__(COMBINE_THREADS) CombineKernel(const VerifyPar
     *reinterpret_cast<uint32_t*>(dst + col) = ptx::PackBf16x2(o.x * inv, o.y * inv);
     if (threadIdx.x == 0) p.lse[token * heads + h] = sum > 0.0f ? ref + __logf(sum) : -INFINITY;
     __syncthreads();  // s_acc, s_max, s_sum are reused by the next row
+  }
+}
+
+__global__ void __launch_bounds__(COMBINE_THREADS) CombineKernel(const VerifyParams p) {
+  __shared__ SegmentSmem sm;
+  ptx::GridDependencyWait();  // the attention kernel's partials
+  const int x = blockIdx.x;
+  // Both loads go out together (one L2 round trip fewer on the small-batch
+  // critical path); the item is stale and unused under the stream plan.
+  const VerifyPlanSummary summary = *p.summary;
+  const VerifyWorkItem chunk_item = p.work[x];
+  if (x >= summary.total_work) return;
+  if (summary.stream_groups == 0) {
+    // Chunk plan: item w = base_b + split * row_tiles_b + row_tile in slot w.
+    const VerifyWorkItem item = chunk_item;
+    if (item.splits <= 1 || item.split >= BLOCK_M) return;
+    const int row_tiles = CeilDiv(p.draft_len[item.request] * p.num_heads, BLOCK_M);
+    MergeSplitRows(p, item, item.partial_slot - item.split * row_tiles, row_tiles, 0);
+    return;
+  }
+  // Stream plan: split s of a request's row tile rt is held by CTA
+  // (first + s) * RT + rt (first: the range where the request starts) in its
+  // slot 2x, except split 0 when the request starts inside that range
+  // (the CTA's second split segment): 2x + 1.
+  const int rt_count = summary.stream_row_tiles;
+  const bool first_warp = threadIdx.x < 32;
+  int b0 = 0;
+  if (first_warp) b0 = FirstStreamBlock(p, summary, p.request_stream_start, x);
+  while (true) {
+    if (first_warp) {
+      int next = -1;
+      const int count = CollectStreamSegments(p, summary, p.request_stream_start, p.request_q_row,
+                                              x, b0, sm.list, &next);
+      if (threadIdx.x == 0) {
+        sm.count = count;
+        sm.next = next;
+      }
+    }
+    __syncthreads();
+    const int count = sm.count;
+    b0 = sm.next;
+    for (int i = 0; i < count; ++i) {
+      const VerifyWorkItem item = sm.list[i];
+      if (item.splits <= 1 || item.split >= BLOCK_M) continue;
+      const int first = x / rt_count - item.split;
+      const int extra = p.request_stream_start[item.request] > StreamStart(first, summary) ? 1 : 0;
+      MergeSplitRows(p, item, 2 * (first * rt_count + item.row_tile), 2 * rt_count, extra);
+    }
+    __syncthreads();  // sm.list is refilled
+    if (b0 < 0) return;
   }
 }
 

@@ -17,19 +17,38 @@ inline constexpr int kVerifyRowsPerCta = 32;
 // Largest batch the attention kernels can plan in one warp (a lane per request).
 inline constexpr int kPlanInWarpMaxBatch = 32;
 
-// One entry of the work list the plan kernel writes: a CTA of the attention
-// kernel attends the 32 query rows `row_tile` of request `request` over the
-// KV positions [kv_begin, kv_end). `split` numbers the KV chunks of that row
-// tile; a partial result lands in slot blockIdx.x of the workspace.
+// One segment of attention work: a CTA attends the 32 query rows `row_tile`
+// of request `request` over the KV positions [kv_begin, kv_end). `split`
+// numbers the KV chunks of that row tile (0..splits-1). An unsplit row tile
+// (splits == 1) writes the output directly; a split one writes its partial to
+// slot `partial_slot` of the workspace, which the combine merges.
+// The chunk plan gives each CTA one segment (work list entry blockIdx.x); the
+// stream plan gives a CTA a contiguous range of KV tiles that may span several
+// requests, i.e. several segments (verify_kernel.cuh, "Plan").
 struct VerifyWorkItem {
-  int32_t request;    // -1: no work for this CTA
-  int32_t row_tile;   // query rows [32*row_tile, 32*row_tile + 32) of the request
-  int32_t split;      // 0..num_splits-1
-  int32_t kv_begin;   // first KV position of the chunk
-  int32_t kv_end;     // one past the last
-  int32_t pad[3];
+  int32_t request;       // -1: no work
+  int32_t row_tile;      // query rows [32*row_tile, 32*row_tile + 32) of the request
+  int32_t split;         // 0..splits-1
+  int32_t kv_begin;      // first KV position of the chunk
+  int32_t kv_end;        // one past the last
+  int32_t q_row;         // first token row of the request in q
+  int32_t splits;        // KV chunks of this row tile
+  int32_t partial_slot;  // -1 when splits == 1
 };
 static_assert(sizeof(VerifyWorkItem) == 32, "work items are read as two 16-byte vectors");
+
+// What the plan decided for a launch, written by the plan (device memory).
+// stream_groups == 0: the chunk plan (total_work items in `work`). Otherwise
+// the stream plan: the requests' KV tiles (32 tokens) laid end to end,
+// stream_length in all, are cut into stream_groups equal ranges; every
+// request has stream_row_tiles row tiles, and CTA g * stream_row_tiles + rt
+// attends row tile rt over range g.
+struct VerifyPlanSummary {
+  int32_t total_work;        // CTAs with work
+  int32_t stream_groups;
+  int32_t stream_row_tiles;
+  int32_t stream_length;
+};
 
 struct VerifyParams {
   // ---- inputs (read only) ----
@@ -57,20 +76,21 @@ struct VerifyParams {
   float* lse;                 // [total_draft, num_heads]
 
   // ---- workspace: the plan (written by the plan kernel, read by the others) ----
-  int32_t* total_work;        // [1] work items in use this launch
+  VerifyPlanSummary* summary; // [1]
   int32_t* request_q_row;     // [batch] first token row of each request in q
   int32_t* request_splits;    // [batch] KV chunks per row tile (0 for padding)
   int32_t* request_row_tiles; // [batch] 32-row tiles of the request
-  int32_t* request_work_base; // [batch] first work item of the request
+  int32_t* request_work_base; // [batch] first work item of the request (chunk plan)
+  int32_t* request_stream_start; // [batch] first KV tile of the request in the stream (stream plan)
   VerifyWorkItem* work;       // [max_work]
   // ---- workspace: partial results of split row tiles ----
-  float* partial_lse;         // [max_partials, 32] natural log
-  float* partial_out;         // [max_partials, 32, 512] normalised
+  float* partial_lse;         // [2 * target_ctas, 32] natural log
+  float* partial_out;         // [2 * target_ctas, 32, 512] normalised
   int max_work;               // grid of the attention and combine kernels
-  int max_partials;           // = target_ctas: a split launch never has more items
   int target_ctas;            // CTAs the split aims to fill the device with
   int min_chunk_tiles;        // smallest KV chunk, in 32-token tiles
   int plan_in_warp;           // 1: no plan kernel; each attention CTA plans in its first warp (batch <= 32)
+  int stream_plan;            // 1: the plan may choose stream ranges (verify_kernel.cuh, "Plan")
 };
 
 struct DraftKvWriteParams {

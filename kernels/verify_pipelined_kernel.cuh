@@ -31,9 +31,13 @@ namespace mlaverify::kernels::verify {
 // kPageRing: page ids reach the PV warps' loads through a shared ring (page
 // sizes below 16 tokens) rather than a register read one step ahead; see the
 // PV warps' prologue. The host picks the instance from page_size_log2.
-template <int kKSlices, bool kPageRing>
-__global__ void __launch_bounds__(pipelined::Shape<kKSlices>::NUM_THREADS, 1)
-    PipelinedAttentionKernel(const VerifyParams p) {
+// One segment (work item) in the warps of one role (kScoreRole: the score
+// warps, else the PV warps): each role loops over the segments on its own
+// (see the kernel below), so that what the compiler hoists out of the segment
+// loop is one role's, not both roles' registers at once.
+template <int kKSlices, bool kPageRing, bool kScoreRole>
+__device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, const VerifyWorkItem& item,
+                                                       uint8_t* smem_raw) {
   using Shape = pipelined::Shape<kKSlices>;
   // Block-scope declarations: these hide the split-K variant's constants of the same name.
   using pipelined::BAR_FINAL;
@@ -58,12 +62,6 @@ __global__ void __launch_bounds__(pipelined::Shape<kKSlices>::NUM_THREADS, 1)
   constexpr int SCORE_THREADS = Shape::SCORE_THREADS;
   constexpr int SCORE_WARPS = Shape::SCORE_WARPS;
   constexpr int V_COLS_PER_WARP = Shape::V_COLS_PER_WARP;
-  extern __shared__ __align__(128) uint8_t smem_raw[];
-
-  const PlannedWork planned = FetchWorkItem(p);
-  const VerifyWorkItem item = planned.item;
-  if (item.request < 0) return;
-  ptx::GridDependencyLaunchDependents();
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -73,8 +71,8 @@ __global__ void __launch_bounds__(pipelined::Shape<kKSlices>::NUM_THREADS, 1)
   const int b = item.request;
   const int heads = p.num_heads;
   const int rows = p.draft_len[b] * heads;
-  const int q_row = planned.q_row;
-  const int splits = planned.splits;
+  const int q_row = item.q_row;
+  const int partial_slot = item.partial_slot;
   const int kv_begin = item.kv_begin;
   const int kv_end = item.kv_end;
   const int num_tiles = CeilDiv(kv_end - kv_begin, BLOCK_N);
@@ -120,7 +118,7 @@ __global__ void __launch_bounds__(pipelined::Shape<kKSlices>::NUM_THREADS, 1)
   const int ld_row = (tid & 127) >> 3;
   const int ld_lane = tid & 7;
 
-  if (warp < SCORE_WARPS) {
+  if constexpr (kScoreRole) {
     // =================== score warps: S and the online softmax ===================
     const int row_group = warp / kKSlices;
     const int k_slice = warp % kKSlices;
@@ -343,12 +341,13 @@ __global__ void __launch_bounds__(pipelined::Shape<kKSlices>::NUM_THREADS, 1)
     // ---- 1 / l and lse of my row, for the PV warps' epilogue ----
 #pragma unroll
     for (int x = 1; x < ROW_LANES; x <<= 1) row_sum += __shfl_xor_sync(0xffffffffu, row_sum, x);
-    if (lane % ROW_LANES == 0) StoreRowStats(p, splits, my_row, r, rows, q_row, heads, row_max, row_sum, inv_l_s);
+    if (lane % ROW_LANES == 0) StoreRowStats(p, partial_slot, my_row, r, rows, q_row, heads, row_max, row_sum, inv_l_s);
     ptx::NamedBarrierArrive(BAR_FINAL, NUM_THREADS);
     return;
   }
 
   // ============ PV warps: KV loads from tile NUM_STAGES on, O = alpha O + P V ============
+  // (Only the PV instance reaches here: the score role returned above.)
   const int pv_warp = warp - SCORE_WARPS;
   // The first 128 PV threads load; with eight PV warps the other four only
   // take part in the barriers (their wait_group has nothing to wait for).
@@ -485,8 +484,27 @@ __global__ void __launch_bounds__(pipelined::Shape<kKSlices>::NUM_THREADS, 1)
   // ring's last page-id fetches are never waited for in the loop).
   ptx::CpAsyncWait<0>();
   ptx::NamedBarrierSync(BAR_FINAL, NUM_THREADS);
-  StoreOutputSlice(p, o_acc, inv_l_s, item.row_tile, rows, q_row, heads, splits,
+  StoreOutputSlice(p, o_acc, inv_l_s, item.row_tile, rows, q_row, heads, partial_slot,
                    pv_warp * V_COLS_PER_WARP + 2 * t4, g);
+}
+
+// A CTA runs its segments one after the other (one under the chunk plan).
+template <int kKSlices, bool kPageRing>
+__global__ void __launch_bounds__(pipelined::Shape<kKSlices>::NUM_THREADS, 1)
+    PipelinedAttentionKernel(const VerifyParams p) {
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  __shared__ SegmentSmem segments;
+  // Both roles pass the same block-wide barriers of ForEachSegment from their
+  // own call sites (bar.sync 0 counts threads, not sites), with one shared state.
+  if (threadIdx.x < pipelined::Shape<kKSlices>::SCORE_THREADS) {
+    ForEachSegment<true>(p, segments, [&](const VerifyWorkItem& item) {
+      AttendSegmentPipelined<kKSlices, kPageRing, true>(p, item, smem_raw);
+    });
+  } else {
+    ForEachSegment<true>(p, segments, [&](const VerifyWorkItem& item) {
+      AttendSegmentPipelined<kKSlices, kPageRing, false>(p, item, smem_raw);
+    });
+  }
 }
 
 }  // namespace mlaverify::kernels::verify

@@ -53,7 +53,9 @@ class GpuKernelTest : public ::testing::Test {
 
   // Uploads `problem`, runs the draft write and the attention on the GPU,
   // runs the same on the CPU and compares.
-  Comparison RunAndCompare(HostVerifyProblem& problem, const VerifyLaunchConfig& config) {
+  // `plan`, when given, receives the plan the launch chose.
+  Comparison RunAndCompare(HostVerifyProblem& problem, const VerifyLaunchConfig& config,
+                           VerifyPlanSummary* plan = nullptr) {
     DeviceVerifyProblem device;
     EXPECT_TRUE(device.Init(CapacityFor(problem), config).ok());
     EXPECT_TRUE(device.Upload(problem).ok());
@@ -62,6 +64,11 @@ class GpuKernelTest : public ::testing::Test {
                                                         device.workspace_bytes(), nullptr);
     EXPECT_TRUE(launched.ok()) << launched;
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    if (plan != nullptr) {
+      auto summary = ReadVerifyPlanSummary(device.Args(), config, device.workspace(), nullptr);
+      EXPECT_TRUE(summary.ok()) << summary.status();
+      if (summary.ok()) *plan = *summary;
+    }
     std::vector<Bf16> out;
     std::vector<float> lse;
     EXPECT_TRUE(device.Download(problem, &out, &lse).ok());
@@ -177,6 +184,86 @@ TEST_F(GpuKernelTest, StridedQueriesAndAllSplitStrategiesAgree) {
         EXPECT_TRUE(result.ok()) << AttentionVariantName(variant) << " num_sms=" << sms
                                  << " plan_in_warp_max_batch=" << plan_in_warp << ": "
                                  << result.ToString();
+      }
+    }
+  }
+}
+
+// The stream plan: equal KV ranges over requests laid end to end, a CTA's
+// range spanning several requests (and, with few CTAs and many short
+// requests, more than one block of 32 requests). The expected plan of each
+// (case, CTA count) follows from the rule in verify_kernel.cuh ("Plan") and
+// agrees with kernels/testing/models/plan_model.py.
+TEST_F(GpuKernelTest, StreamPlanRangesSpanRequests) {
+  struct StreamCase {
+    GridCase grid;
+    std::vector<std::pair<int, bool>> sms_and_stream;  // CTA target, stream plan expected
+  };
+  std::vector<StreamCase> cases;
+  cases.push_back({{{3000, 17, 777, 0, 40000}, {4, 4, 4, 4, 4}, 8, 16, MaskKind::kTree},
+                   {{3, true}, {16, true}, {132, false}}});
+  {
+    GridCase g{{}, {}, 16, 64, MaskKind::kChain};  // 70 requests: the plan kernel, three blocks of 32
+    for (int i = 0; i < 70; ++i) {
+      g.prefix_len.push_back((i * 37) % 300 + (i % 5 == 0 ? 5000 : 0));
+      g.draft_len.push_back(2);
+    }
+    cases.push_back({g, {{3, true}, {16, true}, {132, true}}});
+  }
+  {
+    GridCase g{{}, {}, 16, 1, MaskKind::kTree};  // 8 row tiles per request
+    for (int i = 0; i < 8; ++i) {
+      g.prefix_len.push_back(6000 * (i + 1) / 8);
+      g.draft_len.push_back(16);
+    }
+    cases.push_back({g, {{3, false}, {16, true}, {132, true}}});
+  }
+  {
+    GridCase g{{}, {}, 1, 256, MaskKind::kTree};  // padding requests do not count
+    for (int i = 0; i < 32; ++i) {
+      g.prefix_len.push_back((i * 613) % 2000);
+      g.draft_len.push_back(i % 9 == 4 ? 0 : 1);
+    }
+    // At 132 CTAs the chunk plan is within STREAM_MIN_GAIN_TILES of the stream plan.
+    cases.push_back({g, {{3, true}, {16, true}, {132, false}}});
+  }
+  int index = 0;
+  for (const StreamCase& c : cases) {
+    VerifyProblemSpec spec;
+    spec.prefix_len = c.grid.prefix_len;
+    spec.draft_len = c.grid.draft_len;
+    spec.num_heads = c.grid.heads;
+    spec.page_size = c.grid.page_size;
+    spec.mask = c.grid.mask;
+    spec.seed = 5000 + index++;
+    HostVerifyProblem problem = MakeProblem(spec);
+    for (const auto& [sms, stream_expected] : c.sms_and_stream) {
+      for (const AttentionVariant variant : {AttentionVariant::kPipelined, AttentionVariant::kPipelined16}) {
+        for (const int plan_in_warp : {0, kPlanInWarpMaxBatch}) {
+          // Past 32 requests both settings launch the plan kernel.
+          if (plan_in_warp > 0 && static_cast<int>(c.grid.prefix_len.size()) > kPlanInWarpMaxBatch) continue;
+          for (const bool stream_plan : {true, false}) {
+            VerifyLaunchConfig config = config_;
+            config.attention_variant = variant;
+            config.num_sms = sms;
+            config.ctas_per_sm = 1;
+            config.min_chunk_tiles = 2;
+            config.plan_in_warp_max_batch = plan_in_warp;
+            config.stream_plan = stream_plan;
+            VerifyPlanSummary plan{};
+            const Comparison result = RunAndCompare(problem, config, &plan);
+            const std::string where = absl::StrCat(
+                c.grid.Name(), " sms=", sms, " ", AttentionVariantName(variant),
+                plan_in_warp ? " plan in warp" : " plan kernel", stream_plan ? "" : " stream plan off");
+            EXPECT_TRUE(result.ok()) << where << ": " << result.ToString();
+            EXPECT_EQ(plan.stream_groups > 0, stream_plan && stream_expected)
+                << where << ": stream_groups=" << plan.stream_groups;
+            EXPECT_GT(plan.total_work, 0) << where;
+            if (plan.stream_groups > 0) {
+              EXPECT_LE(plan.total_work, sms) << where;
+            }
+          }
+        }
       }
     }
   }
