@@ -841,14 +841,15 @@ __global__ void __launch_bounds__(WarpLayout<kWarps>::NUM_THREADS, 1)
 // (the CTA of split s takes rows s, s + splits, ...) and merge each row's
 // partials:
 //   lse = log sum_s exp(lse_s),  o = sum_s exp(lse_s - lse) * o_s.
-// The eight warps of a CTA take the splits round robin (warp w: splits w,
-// w + 8, ...), each lane 16 of the 512 columns as four float4, and keep an
-// online (max, sum, o) per warp; the warps' results are merged through
-// shared memory. All of a warp's loads for COMBINE_UNROLL splits go out
-// together: at small batch (33 splits per row at B=1, L=4K) the kernel costs
-// one or two L2 round trips instead of one per eight splits plus a max pass
-// (bench/NOTES.md v6). A combine CTA finds its split segments as the
-// attention CTA of the same index did (the work list, or the stream ranges).
+// A row is merged by 1, 2, 4 or 8 warps (as many as the CTA's rows leave
+// free: all eight when it has one row, one per row from eight rows up), the
+// warps of a row taking its splits round robin, each lane 16 of the 512
+// columns as four float4, with an online (max, sum, o) per warp; a row's
+// warps are merged through shared memory. All of a warp's loads for
+// COMBINE_UNROLL splits go out together, so a CTA costs a few L2 round trips
+// whatever its rows and splits (bench/NOTES.md v6, v7). A combine CTA finds
+// its split segments as the attention CTA of the same index did (the work
+// list, or the stream ranges).
 // ---------------------------------------------------------------------------
 constexpr int COMBINE_THREADS = 256;
 constexpr int COMBINE_WARPS = COMBINE_THREADS / 32;
@@ -866,30 +867,59 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
   __shared__ float s_sum[COMBINE_WARPS];
   const int b = item.request;
   const int splits = item.splits;
-  const int rows = p.draft_len[b] * p.num_heads;
-  const int q_row = item.q_row;
   const int heads = p.num_heads;
+  const int rows = p.draft_len[b] * heads;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const float* lse_of = p.partial_lse + static_cast<int64_t>(slot_base) * BLOCK_M;
   const float* out_of = p.partial_out + static_cast<int64_t>(slot_base) * BLOCK_M * D_V;
   const int64_t split_stride = static_cast<int64_t>(slot_stride) * BLOCK_M;
   const int64_t split0_extra = static_cast<int64_t>(slot0_extra) * BLOCK_M;
-  for (int row = item.split; row < BLOCK_M; row += splits) {
-    const int r = item.row_tile * BLOCK_M + row;
-    if (r >= rows) break;  // uniform across the block
-    // 1. This warp's splits: online max / sum / weighted o. A split that saw
-    // no visible key has LSE -inf and weight 0.
+  // This CTA's rows of the tile: item.split, item.split + splits, ... below
+  // the tile's end and the request's.
+  const int tile_row0 = item.row_tile * BLOCK_M;
+  const int row_end = min(BLOCK_M, rows - tile_row0);
+  const int n_rows = item.split < row_end ? CeilDiv(row_end - item.split, splits) : 0;
+  // Warps per row: all eight on one row when the CTA has one row (33 splits
+  // at B=1, L=4K), one warp per row from eight rows up (B=32: 8 rows of 4
+  // splits; done one row after the other they cost eight L2 round trips).
+  int warps_per_row = COMBINE_WARPS;
+  while (warps_per_row > 1 && warps_per_row * n_rows > COMBINE_WARPS) warps_per_row >>= 1;
+  const int rows_per_round = COMBINE_WARPS / warps_per_row;
+  const int sub = warp % warps_per_row;
+
+  // Output row `row` of the tile from a merged (max, sum, o).
+  auto write_row = [&](int row, float m, float l, const float4 (&acc)[4]) {
+    const int r = tile_row0 + row;
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const int64_t token = item.q_row + r / heads;
+    const int h = r % heads;
+    uint16_t* dst = p.out + token * p.out_token_stride + static_cast<int64_t>(h) * p.out_head_stride;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      *reinterpret_cast<uint2*>(dst + lane * 4 + k * 128) =
+          make_uint2(ptx::PackBf16x2(acc[k].x * inv, acc[k].y * inv),
+                     ptx::PackBf16x2(acc[k].z * inv, acc[k].w * inv));
+    }
+    if (lane == 0) p.lse[token * heads + h] = l > 0.0f ? m + __logf(l) : -INFINITY;
+  };
+
+  for (int round = 0; round < n_rows; round += rows_per_round) {  // uniform across the block
+    const int i = round + warp / warps_per_row;
+    const bool active = i < n_rows;
+    const int row = item.split + i * splits;  // row within the tile
+    // 1. This warp's splits of its row: online max / sum / weighted o. A
+    // split that saw no visible key has LSE -inf and weight 0.
     float m = -INFINITY, l = 0.0f;
     float4 acc[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) acc[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int s0 = warp; s0 < splits; s0 += COMBINE_WARPS * COMBINE_UNROLL) {
+    for (int s0 = active ? sub : splits; s0 < splits; s0 += warps_per_row * COMBINE_UNROLL) {
       float lse_v[COMBINE_UNROLL];
       float4 o_v[COMBINE_UNROLL][4];
 #pragma unroll
       for (int u = 0; u < COMBINE_UNROLL; ++u) {
-        const int s = s0 + u * COMBINE_WARPS;
+        const int s = s0 + u * warps_per_row;
         const bool valid = s < splits;
         const int64_t slot_row = s * split_stride + (s == 0 ? split0_extra : 0) + row;
         const float* o = out_of + slot_row * D_V + lane * 4;
@@ -916,6 +946,13 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
         m = m_new;
       }
     }
+    if (warps_per_row == 1) {
+      if (active) write_row(row, m, l, acc);
+      continue;
+    }
+    // 2. Merge the row's warps through shared memory, each of them taking
+    // 16 / warps_per_row adjacent columns per lane (s_acc[w] read as floats
+    // is o by column: float4 lane + 32k holds columns 4 lane + 128 k ..).
 #pragma unroll
     for (int k = 0; k < 4; ++k) s_acc[warp][lane + k * 32] = acc[k];
     if (lane == 0) {
@@ -923,29 +960,33 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
       s_sum[warp] = l;
     }
     __syncthreads();
-    // 2. Merge the warps: thread t writes columns 2t, 2t + 1.
-    float max_all = s_max[0];
-#pragma unroll
-    for (int w = 1; w < COMBINE_WARPS; ++w) max_all = fmaxf(max_all, s_max[w]);
-    const float ref = max_all == -INFINITY ? 0.0f : max_all;
-    float sum = 0.0f;
-    float2 o = make_float2(0.0f, 0.0f);
-    const int col = threadIdx.x * 2;
-#pragma unroll
-    for (int w = 0; w < COMBINE_WARPS; ++w) {
-      const float e = __expf(s_max[w] - ref);  // a warp with no split or no visible key: 0
-      sum += e * s_sum[w];
-      const float2 a = reinterpret_cast<const float2*>(&s_acc[w][0])[threadIdx.x];
-      o.x += e * a.x;
-      o.y += e * a.y;
+    if (active) {
+      const int w0 = warp - sub;  // the row's first warp
+      float max_all = -INFINITY;
+      for (int w = w0; w < w0 + warps_per_row; ++w) max_all = fmaxf(max_all, s_max[w]);
+      const float ref = max_all == -INFINITY ? 0.0f : max_all;
+      float sum = 0.0f;
+      for (int w = w0; w < w0 + warps_per_row; ++w) sum += __expf(s_max[w] - ref) * s_sum[w];
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      const int cols = 16 / warps_per_row;                  // 2, 4 or 8
+      const int col0 = (sub * 32 + lane) * cols;
+      const int r = tile_row0 + row;
+      const int64_t token = item.q_row + r / heads;
+      const int h = r % heads;
+      uint16_t* dst = p.out + token * p.out_token_stride + static_cast<int64_t>(h) * p.out_head_stride;
+      for (int c = col0; c < col0 + cols; c += 2) {
+        float2 o = make_float2(0.0f, 0.0f);
+        for (int w = w0; w < w0 + warps_per_row; ++w) {
+          const float e = __expf(s_max[w] - ref);  // a warp with no split or no visible key: 0
+          const float2 a = *reinterpret_cast<const float2*>(reinterpret_cast<const float*>(s_acc[w]) + c);
+          o.x += e * a.x;
+          o.y += e * a.y;
+        }
+        *reinterpret_cast<uint32_t*>(dst + c) = ptx::PackBf16x2(o.x * inv, o.y * inv);
+      }
+      if (sub == 0 && lane == 0) p.lse[token * heads + h] = sum > 0.0f ? ref + __logf(sum) : -INFINITY;
     }
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    const int64_t token = q_row + r / heads;
-    const int h = r % heads;
-    uint16_t* dst = p.out + token * p.out_token_stride + static_cast<int64_t>(h) * p.out_head_stride;
-    *reinterpret_cast<uint32_t*>(dst + col) = ptx::PackBf16x2(o.x * inv, o.y * inv);
-    if (threadIdx.x == 0) p.lse[token * heads + h] = sum > 0.0f ? ref + __logf(sum) : -INFINITY;
-    __syncthreads();  // s_acc, s_max, s_sum are reused by the next row
+    __syncthreads();  // s_acc, s_max, s_sum are reused by the next round
   }
 }
 
