@@ -33,8 +33,7 @@ int MaxWork(const VerifyArguments& a, const VerifyLaunchConfig& c) {
 // Carves the workspace into the plan arrays and the partial buffers; the
 // same layout is used for sizing (base == nullptr) and for launching.
 struct WorkspaceLayout {
-  size_t summary, request_q_row, request_splits, request_row_tiles, request_work_base,
-      request_stream_start, work, partial_lse, partial_out, bytes;
+  size_t summary, request_q_row, request_stream_start, work, partial_lse, partial_out, bytes;
 };
 
 WorkspaceLayout Layout(const VerifyArguments& a, const VerifyLaunchConfig& c) {
@@ -47,9 +46,6 @@ WorkspaceLayout Layout(const VerifyArguments& a, const VerifyLaunchConfig& c) {
   };
   l.summary = take(sizeof(VerifyPlanSummary));
   l.request_q_row = take(sizeof(int32_t) * a.batch);
-  l.request_splits = take(sizeof(int32_t) * a.batch);
-  l.request_row_tiles = take(sizeof(int32_t) * a.batch);
-  l.request_work_base = take(sizeof(int32_t) * a.batch);
   l.request_stream_start = take(sizeof(int32_t) * a.batch);
   l.work = take(sizeof(VerifyWorkItem) * MaxWork(a, c));
   // Partial slots: the chunk plan splits only into at most target_ctas items
@@ -99,7 +95,8 @@ absl::StatusOr<VerifyLaunchConfig> PrepareVerifyLaunch(int device) {
       "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)"));
   const int needed = std::max({VerifyAttentionSharedBytes(AttentionVariant::kSplitK8),
                                VerifyAttentionSharedBytes(AttentionVariant::kPipelined),
-                               VerifyAttentionSharedBytes(AttentionVariant::kPipelined16)});
+                               VerifyAttentionSharedBytes(AttentionVariant::kPipelined16)}) +
+                     kVerifyStaticSharedBytes;
   if (max_optin < needed) {
     return absl::FailedPreconditionError(
         absl::StrCat("device ", device, " allows ", max_optin,
@@ -158,9 +155,6 @@ absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchC
   p.lse = a.lse;
   p.summary = reinterpret_cast<VerifyPlanSummary*>(base + l.summary);
   p.request_q_row = reinterpret_cast<int32_t*>(base + l.request_q_row);
-  p.request_splits = reinterpret_cast<int32_t*>(base + l.request_splits);
-  p.request_row_tiles = reinterpret_cast<int32_t*>(base + l.request_row_tiles);
-  p.request_work_base = reinterpret_cast<int32_t*>(base + l.request_work_base);
   p.request_stream_start = reinterpret_cast<int32_t*>(base + l.request_stream_start);
   p.work = reinterpret_cast<VerifyWorkItem*>(base + l.work);
   p.partial_lse = reinterpret_cast<float*>(base + l.partial_lse);

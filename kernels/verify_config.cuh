@@ -4,6 +4,8 @@
 #ifndef MLAVERIFY_KERNELS_VERIFY_CONFIG_CUH_
 #define MLAVERIFY_KERNELS_VERIFY_CONFIG_CUH_
 
+#include "kernels/verify_params.h"
+
 namespace mlaverify::kernels::verify {
 
 constexpr int D_QK = 576;  // latent row: 512 (kv_lora_rank, also V) + 64 (rope)
@@ -71,7 +73,7 @@ constexpr int SM120_MAX_SMEM_PER_BLOCK = 101376;  // 99 KB: the production targe
 // Static shared memory of ForEachSegment (verify_kernel.cuh, checked there):
 // a 32-entry segment list, the warp plan's per-request table and the summary
 // (ptxas reports 1,408 B in all for the pipelined kernel).
-constexpr int SEGMENT_STATIC_SMEM_BYTES = 1536;
+constexpr int SEGMENT_STATIC_SMEM_BYTES = kVerifyStaticSharedBytes;  // verify_params.h
 
 static_assert(D_QK % 64 == 0 && D_V % 64 == 0, "latent split into 64-wide chunks");
 static_assert(BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0, "mma.m16n8k16 tiles");

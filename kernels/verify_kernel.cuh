@@ -115,10 +115,11 @@ __device__ __forceinline__ int LongestChunk(const RequestShape& r, int splits) {
 
 // What the plan's choice depends on, reduced over the batch. Row tiles are
 // compared over requests with work only (padding requests have none).
+// (No member initializers: PlanKernel keeps one in shared memory.)
 struct PlanTotals {
-  long long length = 0;     // sum of tiles
-  int min_row_tiles = 0;    // over requests with tiles > 0 (INT_MAX if none)
-  int max_row_tiles = 0;
+  long long length;   // sum of tiles
+  int min_row_tiles;  // over requests with tiles > 0 (INT_MAX if none)
+  int max_row_tiles;
 };
 
 // The stream plan must shorten the longest CTA by this many tiles: a range
@@ -256,9 +257,6 @@ __global__ void __launch_bounds__(PLAN_THREADS) PlanKernel(const VerifyParams p)
   s_q_row[b] = q_row;
   if (b < p.batch) {
     p.request_q_row[b] = q_row;
-    p.request_splits[b] = splits;
-    p.request_row_tiles[b] = req.row_tiles;
-    p.request_work_base[b] = work_base;
     p.request_stream_start[b] = stream_start;
   }
   if (b == 0) {
@@ -344,9 +342,6 @@ __device__ __forceinline__ WarpPlan PlanInWarp(const VerifyParams& p, int w, boo
   out.q_row = q_row;
   if (writer && lane < p.batch) {
     p.request_q_row[lane] = q_row;
-    p.request_splits[lane] = splits;
-    p.request_row_tiles[lane] = req.row_tiles;
-    p.request_work_base[lane] = work_base;
     p.request_stream_start[lane] = out.stream_start;
   }
   if (writer && lane == 0) *p.summary = out.summary;
@@ -895,11 +890,13 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
     const int64_t token = item.q_row + r / heads;
     const int h = r % heads;
     uint16_t* dst = p.out + token * p.out_token_stride + static_cast<int64_t>(h) * p.out_head_stride;
+    // 4-byte stores: the API guarantees 4-byte aligned output rows only
+    // (CanImplement: even strides).
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      *reinterpret_cast<uint2*>(dst + lane * 4 + k * 128) =
-          make_uint2(ptx::PackBf16x2(acc[k].x * inv, acc[k].y * inv),
-                     ptx::PackBf16x2(acc[k].z * inv, acc[k].w * inv));
+      uint32_t* d = reinterpret_cast<uint32_t*>(dst + lane * 4 + k * 128);
+      d[0] = ptx::PackBf16x2(acc[k].x * inv, acc[k].y * inv);
+      d[1] = ptx::PackBf16x2(acc[k].z * inv, acc[k].w * inv);
     }
     if (lane == 0) p.lse[token * heads + h] = l > 0.0f ? m + __logf(l) : -INFINITY;
   };

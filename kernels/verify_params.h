@@ -16,6 +16,10 @@ namespace mlaverify::kernels {
 inline constexpr int kVerifyRowsPerCta = 32;
 // Largest batch the attention kernels can plan in one warp (a lane per request).
 inline constexpr int kPlanInWarpMaxBatch = 32;
+// Upper bound of the attention kernels' static shared memory (the segment
+// list and plan table; verify_config.cuh checks it), on top of the dynamic
+// bytes of VerifyAttentionSharedBytes.
+inline constexpr int kVerifyStaticSharedBytes = 1536;
 
 // One segment of attention work: a CTA attends the 32 query rows `row_tile`
 // of request `request` over the KV positions [kv_begin, kv_end). `split`
@@ -78,9 +82,6 @@ struct VerifyParams {
   // ---- workspace: the plan (written by the plan kernel, read by the others) ----
   VerifyPlanSummary* summary; // [1]
   int32_t* request_q_row;     // [batch] first token row of each request in q
-  int32_t* request_splits;    // [batch] KV chunks per row tile (0 for padding)
-  int32_t* request_row_tiles; // [batch] 32-row tiles of the request
-  int32_t* request_work_base; // [batch] first work item of the request (chunk plan)
   int32_t* request_stream_start; // [batch] first KV tile of the request in the stream (stream plan)
   VerifyWorkItem* work;       // [max_work]
   // ---- workspace: partial results of split row tiles ----

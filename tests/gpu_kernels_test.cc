@@ -168,6 +168,9 @@ TEST_F(GpuKernelTest, StridedQueriesAndAllSplitStrategiesAgree) {
   spec.num_heads = 16;
   spec.page_size = 16;
   spec.q_token_pad = 64;  // q token stride > H * 576
+  // Output head rows 4- but not 8-byte aligned (head stride 514): the
+  // combine must not store more than 4 bytes at once.
+  spec.out_head_pad = 2;
   spec.seed = 77;
   // num_sms = 1: the target is one CTA, so no request is split. A huge SM
   // count with 1-tile chunks splits every request as finely as it can.
@@ -227,6 +230,17 @@ TEST_F(GpuKernelTest, StreamPlanRangesSpanRequests) {
     // At 132 CTAs the chunk plan is within STREAM_MIN_GAIN_TILES of the stream plan.
     cases.push_back({g, {{3, true}, {16, true}, {132, false}}});
   }
+  {
+    // 96 requests with 64 padding requests in the middle: at 3 and 16 CTAs
+    // one CTA reads a whole block of 32 requests without a segment and goes
+    // on to the next (ForEachSegment's count == 0 path).
+    GridCase g{{}, {}, 16, 16, MaskKind::kTree};
+    for (int i = 0; i < 96; ++i) {
+      g.prefix_len.push_back((i * 53) % 900 + 100);
+      g.draft_len.push_back(i < 8 || i >= 72 ? 2 : 0);
+    }
+    cases.push_back({g, {{3, true}, {16, true}, {132, false}}});
+  }
   int index = 0;
   for (const StreamCase& c : cases) {
     VerifyProblemSpec spec;
@@ -250,6 +264,8 @@ TEST_F(GpuKernelTest, StreamPlanRangesSpanRequests) {
             config.min_chunk_tiles = 2;
             config.plan_in_warp_max_batch = plan_in_warp;
             config.stream_plan = stream_plan;
+            // Both launch modes, each with both plans.
+            config.programmatic_launch = stream_plan == (plan_in_warp == 0);
             VerifyPlanSummary plan{};
             const Comparison result = RunAndCompare(problem, config, &plan);
             const std::string where = absl::StrCat(

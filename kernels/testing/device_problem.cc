@@ -56,6 +56,7 @@ DeviceCapacity CapacityFor(const HostVerifyProblem& p) {
   c.pool_elems = static_cast<int64_t>(p.pool.size());
   c.page_table_elems = static_cast<int64_t>(p.page_table.size());
   c.q_elems = static_cast<int64_t>(p.q.size());
+  c.out_head_pad = p.spec.out_head_pad;
   return c;
 }
 
@@ -70,7 +71,8 @@ absl::Status DeviceVerifyProblem::Init(const DeviceCapacity& c, const VerifyLaun
   RETURN_IF_ERROR(q_.Allocate(c.q_elems * sizeof(Bf16)));
   RETURN_IF_ERROR(draft_kv_.Allocate(static_cast<size_t>(c.total_draft) * kLatentDim * sizeof(Bf16)));
   RETURN_IF_ERROR(
-      out_.Allocate(static_cast<size_t>(c.total_draft) * c.num_heads * kValueDim * sizeof(Bf16)));
+      out_.Allocate(static_cast<size_t>(c.total_draft) * c.num_heads * (kValueDim + c.out_head_pad) *
+                    sizeof(Bf16)));
   RETURN_IF_ERROR(lse_.Allocate(static_cast<size_t>(c.total_draft) * c.num_heads * sizeof(float)));
   VerifyArguments shape;
   shape.batch = c.batch;
@@ -114,8 +116,8 @@ absl::Status DeviceVerifyProblem::Upload(const HostVerifyProblem& p) {
   a.default_softmax_scale = p.softmax_scale;
   a.visibility = visibility_.as<uint64_t>();
   a.out = out_.as<Bf16>();
-  a.out_token_stride = static_cast<int64_t>(capacity_.num_heads) * kValueDim;
-  a.out_head_stride = kValueDim;
+  a.out_head_stride = kValueDim + capacity_.out_head_pad;
+  a.out_token_stride = static_cast<int64_t>(capacity_.num_heads) * a.out_head_stride;
   a.lse = lse_.as<float>();
 
   DraftKvWriteArguments& w = write_args_;
@@ -144,9 +146,11 @@ absl::Status DeviceVerifyProblem::Download(const HostVerifyProblem& p, std::vect
   const size_t rows = static_cast<size_t>(p.total_draft) * p.spec.num_heads;
   out->resize(rows * kValueDim);
   lse->resize(rows);
-  RETURN_IF_ERROR(CudaErrorToStatus(cudaMemcpy(out->data(), out_.as<void>(), out->size() * sizeof(Bf16),
-                                  cudaMemcpyDeviceToHost),
-                       "download out"));
+  RETURN_IF_ERROR(CudaErrorToStatus(
+      cudaMemcpy2D(out->data(), kValueDim * sizeof(Bf16), out_.as<void>(),
+                   (kValueDim + capacity_.out_head_pad) * sizeof(Bf16), kValueDim * sizeof(Bf16), rows,
+                   cudaMemcpyDeviceToHost),
+      "download out"));
   return CudaErrorToStatus(
       cudaMemcpy(lse->data(), lse_.as<void>(), lse->size() * sizeof(float), cudaMemcpyDeviceToHost),
       "download lse");

@@ -45,6 +45,7 @@ struct DeviceCapacity {
   int64_t pool_elems = 0;
   int64_t page_table_elems = 0;
   int64_t q_elems = 0;
+  int64_t out_head_pad = 0;  // the output's head stride is 512 + out_head_pad
 };
 
 DeviceCapacity CapacityFor(const HostVerifyProblem& p);
@@ -64,7 +65,8 @@ class DeviceVerifyProblem {
   size_t workspace_bytes() const { return workspace_.bytes(); }
   // Fills out and lse with NaN (all bits set) on `stream`.
   absl::Status PoisonOutputs(cudaStream_t stream);
-  // Copies out [total_draft, H, 512] and lse [total_draft, H] back. Synchronous.
+  // Copies out [total_draft, H, 512] (without the head padding) and lse
+  // [total_draft, H] back. Synchronous.
   absl::Status Download(const HostVerifyProblem& p, std::vector<Bf16>* out,
                         std::vector<float>* lse) const;
 

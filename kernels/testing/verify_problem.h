@@ -33,6 +33,9 @@ struct VerifyProblemSpec {
   int64_t min_num_pages = 0;
   int64_t min_page_table_stride = 0;
   int64_t q_token_pad = 0;      // extra elements between q tokens (stride tests)
+  // Extra elements after each output head row on the device (stride and
+  // alignment tests: 2 gives rows that are 4- but not 8-byte aligned).
+  int64_t out_head_pad = 0;
   float q_range = 2.0f;         // q ~ U(-q_range, q_range)
   float kv_range = 1.0f;        // kv ~ U(-kv_range, kv_range)
 };

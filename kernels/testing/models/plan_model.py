@@ -128,6 +128,9 @@ def first_block(batch, summary, sstart, x):
     return 32 * max(lanes)
 
 
+EMPTY_BLOCKS = [0]
+
+
 def segments_of(batch, pre, dr, H, summary, work, q_rows, sstart, x, warp_plan):
     """ForEachSegment for CTA x: its segments in order."""
     total, G, RT, L = summary
@@ -137,6 +140,7 @@ def segments_of(batch, pre, dr, H, summary, work, q_rows, sstart, x, warp_plan):
     segs = []
     while True:
         s, nxt = collect(batch, pre, dr, H, summary, sstart, q_rows, x, b0)
+        if not s and nxt >= 0: EMPTY_BLOCKS[0] += 1  # ForEachSegment's count == 0 path
         segs += s
         if nxt < 0: return segs
         b0 = nxt
@@ -217,6 +221,8 @@ for it in range(n_cases):
         dr = [rnd.choice([0, 0, 1, 2, 7, 64, rnd.randint(0, 64)]) for _ in range(batch)]
     if rnd.random() < 0.3:
         k = rnd.randint(0, batch); dr[k:] = [0] * (batch - k)
+    if rnd.random() < 0.2:  # a run of padding requests in the middle
+        a = rnd.randint(0, batch); b = rnd.randint(a, batch); dr[a:b] = [0] * (b - a)
     if max(dr) == 0: dr[0] = 1
     minc = rnd.choice([1, 2, 4])
     try:
@@ -224,7 +230,7 @@ for it in range(n_cases):
         stream_used += summary[1] > 0
     except AssertionError as e:
         bad += 1; print("FAIL", batch, pre, dr, H, T, minc, e); break
-print("cases", n_cases, "stream plan chosen", stream_used)
+print("cases", n_cases, "stream plan chosen", stream_used, "blocks of 32 without a segment", EMPTY_BLOCKS[0])
 
 # Longest work per CTA, chunk plan vs stream plan (in 32-token tiles), T = 132.
 def longest_chunk(batch, pre, dr, H, T, minc):
