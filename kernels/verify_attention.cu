@@ -87,11 +87,7 @@ cudaError_t LaunchVerifyKernels(const VerifyParams& p, AttentionVariant variant,
                                 bool programmatic_launch, cudaStream_t stream) {
   if (!IsSupportedAttentionVariant(variant)) return cudaErrorInvalidValue;
   if (p.plan_in_warp && p.batch > kPlanInWarpMaxBatch) return cudaErrorInvalidValue;
-  // The split-K kernels run the chunk plan only (no segment loop).
-  if (p.stream_plan && variant != AttentionVariant::kPipelined &&
-      variant != AttentionVariant::kPipelined16) {
-    return cudaErrorInvalidValue;
-  }
+  if (p.stream_plan && !RunsStreamPlan(variant)) return cudaErrorInvalidValue;
   cudaError_t err = cudaSuccess;
   if (!p.plan_in_warp) {
     verify::PlanKernel<<<1, verify::PLAN_THREADS, 0, stream>>>(p);

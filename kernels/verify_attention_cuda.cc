@@ -163,11 +163,7 @@ absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchC
   p.target_ctas = TargetCtas(c);
   p.min_chunk_tiles = c.min_chunk_tiles;
   p.plan_in_warp = a.batch <= c.plan_in_warp_max_batch ? 1 : 0;
-  // The split-K variants run the chunk plan only (verify_kernel.cuh, AttentionKernel).
-  p.stream_plan = c.stream_plan && (c.attention_variant == AttentionVariant::kPipelined ||
-                                    c.attention_variant == AttentionVariant::kPipelined16)
-                      ? 1
-                      : 0;
+  p.stream_plan = c.stream_plan && RunsStreamPlan(c.attention_variant) ? 1 : 0;
   return CudaErrorToStatus(LaunchVerifyKernels(p, c.attention_variant, c.programmatic_launch, stream),
                     "verify launch");
 }

@@ -70,10 +70,9 @@ constexpr int SMEM_INV_L_OFFSET = SMEM_ALPHA_OFFSET + BLOCK_M * 4;  // [BLOCK_M]
 constexpr int SMEM_BYTES = SMEM_INV_L_OFFSET + BLOCK_M * 4;
 
 constexpr int SM120_MAX_SMEM_PER_BLOCK = 101376;  // 99 KB: the production target's limit
-// Static shared memory of ForEachSegment (verify_kernel.cuh, checked there):
-// a 32-entry segment list, the warp plan's per-request table and the summary
-// (ptxas reports 1,408 B in all for the pipelined kernel).
-constexpr int SEGMENT_STATIC_SMEM_BYTES = kVerifyStaticSharedBytes;  // verify_params.h
+// The attention kernels' static shared memory is ForEachSegment's
+// SegmentSmem (verify_kernel.cuh): at most kVerifyStaticSharedBytes
+// (verify_params.h; ptxas reports 1,408 B for the pipelined kernel).
 
 static_assert(D_QK % 64 == 0 && D_V % 64 == 0, "latent split into 64-wide chunks");
 static_assert(BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0, "mma.m16n8k16 tiles");
@@ -185,7 +184,7 @@ struct Shape {
                 "a page id is fetched in the group of an earlier step that the PV warps' "
                 "wait_group has already completed when its tile is loaded");
   // + the static segment list and plan table of ForEachSegment (verify_kernel.cuh).
-  static_assert(SMEM_BYTES + SEGMENT_STATIC_SMEM_BYTES <= SM120_MAX_SMEM_PER_BLOCK,
+  static_assert(SMEM_BYTES + kVerifyStaticSharedBytes <= SM120_MAX_SMEM_PER_BLOCK,
                 "over the sm_120 shared-memory limit");
 };
 static_assert(BLOCK_N == 16, "score warps hold two n8 tiles; P is one k16 step of PV");

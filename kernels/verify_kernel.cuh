@@ -246,11 +246,11 @@ __global__ void __launch_bounds__(PLAN_THREADS) PlanKernel(const VerifyParams p)
   int work_base = 0, total_items = 0;
   IntScan(temp.scan).ExclusiveSum(req.row_tiles * splits, work_base, total_items);
   __syncthreads();
-  // Stream positions (only used when the stream plan is chosen, and then
-  // length <= INT_MAX: no overflow).
-  int stream_start = 0;
-  IntScan(temp.scan).ExclusiveSum(req.tiles, stream_start);
   const int groups = StreamGroups(p, s_totals, total_items, s_longest);
+  // Stream positions: only the stream plan reads them (and then length <=
+  // INT_MAX: no overflow). groups is the same in every thread.
+  int stream_start = 0;
+  if (groups > 0) IntScan(temp.scan).ExclusiveSum(req.tiles, stream_start);
   s_work_base[b] = work_base;
   s_kv_len[b] = req.kv_len;
   s_row_tiles[b] = req.row_tiles;
@@ -338,7 +338,9 @@ __device__ __forceinline__ WarpPlan PlanInWarp(const VerifyParams& p, int w, boo
   out.summary.stream_groups = groups;
   out.summary.stream_row_tiles = groups > 0 ? totals.max_row_tiles : 0;
   out.summary.stream_length = groups > 0 ? static_cast<int>(totals.length) : 0;
-  out.stream_start = inclusive_scan(req.tiles) - req.tiles;  // used when length <= INT_MAX
+  // Only the stream plan reads it (and then length <= INT_MAX); groups is
+  // the same in every lane.
+  out.stream_start = groups > 0 ? inclusive_scan(req.tiles) - req.tiles : 0;
   out.q_row = q_row;
   if (writer && lane < p.batch) {
     p.request_q_row[lane] = q_row;
@@ -420,8 +422,23 @@ struct SegmentSmem {
   VerifyPlanSummary summary;
   int count, next;             // entries in `list`; first request of the next refill, or -1
 };
-static_assert(sizeof(SegmentSmem) <= SEGMENT_STATIC_SMEM_BYTES,
+static_assert(sizeof(SegmentSmem) <= kVerifyStaticSharedBytes,
               "the sm_120 budget in verify_config.cuh counts this");
+
+// One round of a stream-plan CTA's walk: its first warp collects the
+// segments among requests b0..b0+31 into sm (list, count, next). The caller
+// makes them visible with a block barrier.
+__device__ __forceinline__ void CollectStreamRound(const VerifyParams& p, const VerifyPlanSummary& s,
+                                                   const int32_t* stream_start, const int32_t* q_rows,
+                                                   int x, int b0, SegmentSmem& sm) {
+  if (threadIdx.x >= 32) return;
+  int next = -1;
+  const int count = CollectStreamSegments(p, s, stream_start, q_rows, x, b0, sm.list, &next);
+  if (threadIdx.x == 0) {
+    sm.count = count;
+    sm.next = next;
+  }
+}
 
 // Runs attend(item) for every segment of this CTA in order, with a block
 // barrier between segments (shared memory is reused). Plans in the first warp
@@ -462,14 +479,7 @@ __device__ __forceinline__ void ForEachSegment(const VerifyParams& p, SegmentSme
   int b0 = 0;
   if (first_warp && !p.plan_in_warp) b0 = FirstStreamBlock(p, summary, starts, x);
   while (true) {
-    if (first_warp) {
-      int next = -1;
-      const int count = CollectStreamSegments(p, summary, starts, q_rows, x, b0, sm.list, &next);
-      if (threadIdx.x == 0) {
-        sm.count = count;
-        sm.next = next;
-      }
-    }
+    CollectStreamRound(p, summary, starts, q_rows, x, b0, sm);
     ptx::BlockBarrier();
     const int count = sm.count;
     b0 = sm.next;
@@ -884,12 +894,22 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
   const int sub = warp % warps_per_row;
 
   // Output row `row` of the tile from a merged (max, sum, o).
-  auto write_row = [&](int row, float m, float l, const float4 (&acc)[4]) {
+  // Where row `row` of the tile goes: its output row (bf16) and its LSE.
+  struct OutputRow {
+    uint16_t* out;
+    float* lse;
+  };
+  auto output_row = [&](int row) {
     const int r = tile_row0 + row;
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     const int64_t token = item.q_row + r / heads;
     const int h = r % heads;
-    uint16_t* dst = p.out + token * p.out_token_stride + static_cast<int64_t>(h) * p.out_head_stride;
+    return OutputRow{p.out + token * p.out_token_stride + static_cast<int64_t>(h) * p.out_head_stride,
+                     p.lse + token * heads + h};
+  };
+  auto write_row = [&](int row, float m, float l, const float4 (&acc)[4]) {
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const OutputRow dst_row = output_row(row);
+    uint16_t* dst = dst_row.out;
     // 4-byte stores: the API guarantees 4-byte aligned output rows only
     // (CanImplement: even strides).
 #pragma unroll
@@ -898,7 +918,7 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
       d[0] = ptx::PackBf16x2(acc[k].x * inv, acc[k].y * inv);
       d[1] = ptx::PackBf16x2(acc[k].z * inv, acc[k].w * inv);
     }
-    if (lane == 0) p.lse[token * heads + h] = l > 0.0f ? m + __logf(l) : -INFINITY;
+    if (lane == 0) *dst_row.lse = l > 0.0f ? m + __logf(l) : -INFINITY;
   };
 
   for (int round = 0; round < n_rows; round += rows_per_round) {  // uniform across the block
@@ -967,10 +987,8 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
       const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
       const int cols = 16 / warps_per_row;                  // 2, 4 or 8
       const int col0 = (sub * 32 + lane) * cols;
-      const int r = tile_row0 + row;
-      const int64_t token = item.q_row + r / heads;
-      const int h = r % heads;
-      uint16_t* dst = p.out + token * p.out_token_stride + static_cast<int64_t>(h) * p.out_head_stride;
+      const OutputRow dst_row = output_row(row);
+      uint16_t* dst = dst_row.out;
       for (int c = col0; c < col0 + cols; c += 2) {
         float2 o = make_float2(0.0f, 0.0f);
         for (int w = w0; w < w0 + warps_per_row; ++w) {
@@ -981,7 +999,7 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
         }
         *reinterpret_cast<uint32_t*>(dst + c) = ptx::PackBf16x2(o.x * inv, o.y * inv);
       }
-      if (sub == 0 && lane == 0) p.lse[token * heads + h] = sum > 0.0f ? ref + __logf(sum) : -INFINITY;
+      if (sub == 0 && lane == 0) *dst_row.lse = sum > 0.0f ? ref + __logf(sum) : -INFINITY;
     }
     __syncthreads();  // s_acc, s_max, s_sum are reused by the next round
   }
@@ -1013,15 +1031,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS) CombineKernel(const VerifyPar
   int b0 = 0;
   if (first_warp) b0 = FirstStreamBlock(p, summary, p.request_stream_start, x);
   while (true) {
-    if (first_warp) {
-      int next = -1;
-      const int count = CollectStreamSegments(p, summary, p.request_stream_start, p.request_q_row,
-                                              x, b0, sm.list, &next);
-      if (threadIdx.x == 0) {
-        sm.count = count;
-        sm.next = next;
-      }
-    }
+    CollectStreamRound(p, summary, p.request_stream_start, p.request_q_row, x, b0, sm);
     __syncthreads();
     const int count = sm.count;
     b0 = sm.next;

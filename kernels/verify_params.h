@@ -149,6 +149,11 @@ enum class AttentionVariant : int { kSplitK8 = 0, kSplitK16 = 1, kPipelined = 2,
 cudaError_t LaunchVerifyKernels(const VerifyParams& params, AttentionVariant variant,
                                 bool programmatic_launch, cudaStream_t stream);
 bool IsSupportedAttentionVariant(AttentionVariant variant);
+// Whether the variant's kernel runs the stream plan (the pipelined ones; the
+// split-K kernels have no segment loop and run the chunk plan only).
+inline bool RunsStreamPlan(AttentionVariant variant) {
+  return variant == AttentionVariant::kPipelined || variant == AttentionVariant::kPipelined16;
+}
 cudaError_t LaunchDraftKvWriteKernel(const DraftKvWriteParams& params, cudaStream_t stream);
 cudaError_t LaunchCompactKernel(const CompactParams& params, cudaStream_t stream);
 // to_pool: rows -> pool, else pool -> rows.
