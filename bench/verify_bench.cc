@@ -157,6 +157,10 @@ int Run(int argc, char** argv) {
   bool ramp = false;
   app.add_flag("--ramp", ramp,
                "request i of a shape gets prefix L * (i + 1) / B instead of L (lengths that vary)");
+  bool fused_combine = false;
+  app.add_flag("--fused-combine", fused_combine,
+               "let the attention kernel merge the partials when its grid fits the device "
+               "(no combine kernel; default: off)");
   bool pdl = false;
   app.add_flag("--no-pdl", no_pdl, "launch plan/attention/combine without programmatic dependent launch");
   app.add_flag("--pdl", pdl, "launch plan/attention/combine with programmatic dependent launch");
@@ -197,6 +201,7 @@ int Run(int argc, char** argv) {
   }
   if (plan_kernel) config->plan_in_warp_max_batch = 0;
   if (chunk_plan) config->stream_plan = false;
+  if (fused_combine) config->fused_combine = true;
   if (pdl) config->programmatic_launch = true;  // else the library's default
   if (no_pdl) config->programmatic_launch = false;
   if (!variant.empty()) {
@@ -276,6 +281,7 @@ int Run(int argc, char** argv) {
       } else {
         plan_name = absl::StrCat("chunk ", summary->total_work);
       }
+      if (kernels::LaunchUsesFusedCombine(device.Args(), *config)) absl::StrAppend(&plan_name, " fused");
     }
     std::vector<Bf16> out;
     std::vector<float> lse;
@@ -338,6 +344,7 @@ int Run(int argc, char** argv) {
                            {"programmatic_launch", config->programmatic_launch},
                            {"plan_in_warp_max_batch", config->plan_in_warp_max_batch},
                            {"stream_plan", config->stream_plan},
+                           {"fused_combine", config->fused_combine},
                            {"attention_variant", kernels::AttentionVariantName(config->attention_variant)},
                            {"attention_smem_bytes",
                             kernels::VerifyAttentionSharedBytes(config->attention_variant)},

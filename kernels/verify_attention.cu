@@ -12,19 +12,31 @@ namespace {
 // Launches `kernel` with programmatic stream serialisation when asked: the
 // grid may begin launching while its predecessor runs and waits for it in
 // griddepcontrol.wait. Captured into CUDA graphs as a programmatic edge.
+// `cooperative`: every CTA of the grid is resident at once or the launch
+// fails (the fused combine's CTAs wait for each other).
 template <typename Kernel>
 cudaError_t LaunchWithDependency(Kernel kernel, dim3 grid, dim3 block, int smem_bytes,
-                                 bool programmatic, cudaStream_t stream, const VerifyParams& p) {
+                                 bool programmatic, cudaStream_t stream, const VerifyParams& p,
+                                 bool cooperative = false) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
   config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = programmatic ? 1 : 0;
+  cudaLaunchAttribute attributes[2];
+  int count = 0;
+  if (programmatic) {
+    attributes[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attributes[count].val.programmaticStreamSerializationAllowed = 1;
+    ++count;
+  }
+  if (cooperative) {
+    attributes[count].id = cudaLaunchAttributeCooperative;
+    attributes[count].val.cooperative = 1;
+    ++count;
+  }
+  config.attrs = attributes;
+  config.numAttrs = count;
   return cudaLaunchKernelEx(&config, kernel, p);
 }
 
@@ -51,22 +63,31 @@ namespace {
 template <int kKSlices>
 cudaError_t PreparePipelined() {
   const int bytes = verify::pipelined::Shape<kKSlices>::SMEM_BYTES;
-  cudaError_t err = cudaFuncSetAttribute(verify::PipelinedAttentionKernel<kKSlices, true>,
+  cudaError_t err = cudaFuncSetAttribute(verify::PipelinedAttentionKernel<kKSlices, true, false>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err != cudaSuccess) return err;
-  return cudaFuncSetAttribute(verify::PipelinedAttentionKernel<kKSlices, false>,
-                              cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  err = cudaFuncSetAttribute(verify::PipelinedAttentionKernel<kKSlices, false, false>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err != cudaSuccess) return err;
+  if constexpr (kKSlices == 2) {  // the fused-combine instances (`pipelined` only)
+    err = cudaFuncSetAttribute(verify::PipelinedAttentionKernel<kKSlices, true, true>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (err != cudaSuccess) return err;
+    err = cudaFuncSetAttribute(verify::PipelinedAttentionKernel<kKSlices, false, true>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  }
+  return err;
 }
 
 // Page ids through the shared ring below 16 tokens per page.
-template <int kKSlices>
+template <int kKSlices, bool kFused>
 cudaError_t LaunchPipelined(const VerifyParams& p, bool programmatic_launch, cudaStream_t stream) {
   using Shape = verify::pipelined::Shape<kKSlices>;
   return LaunchWithDependency(p.page_size_log2 < verify::pipelined::RING_BELOW_PAGE_LOG2
-                                  ? verify::PipelinedAttentionKernel<kKSlices, true>
-                                  : verify::PipelinedAttentionKernel<kKSlices, false>,
+                                  ? verify::PipelinedAttentionKernel<kKSlices, true, kFused>
+                                  : verify::PipelinedAttentionKernel<kKSlices, false, kFused>,
                               dim3(p.max_work), dim3(Shape::NUM_THREADS), Shape::SMEM_BYTES,
-                              programmatic_launch, stream, p);
+                              programmatic_launch, stream, p, /*cooperative=*/kFused);
 }
 
 }  // namespace
@@ -83,11 +104,36 @@ cudaError_t PrepareVerifyKernels() {
   return PreparePipelined<4>();
 }
 
+cudaError_t LaunchInitFusedWorkspace(unsigned int* arrivals, unsigned int* done, int keys,
+                                     unsigned long long* magic, cudaStream_t stream) {
+  verify::InitFusedWorkspaceKernel<<<1, 256, 0, stream>>>(arrivals, done, keys, magic);
+  return cudaGetLastError();
+}
+
+int FusedAttentionCtasPerSm() {
+  int ctas = 0;
+  const int bytes = verify::pipelined::Shape<2>::SMEM_BYTES;
+  const int threads = verify::pipelined::Shape<2>::NUM_THREADS;
+  int ring = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &ring, verify::PipelinedAttentionKernel<2, true, true>, threads, bytes) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &ctas, verify::PipelinedAttentionKernel<2, false, true>, threads, bytes) != cudaSuccess) {
+    return 0;
+  }
+  return ctas < ring ? ctas : ring;
+}
+
 cudaError_t LaunchVerifyKernels(const VerifyParams& p, AttentionVariant variant,
                                 bool programmatic_launch, cudaStream_t stream) {
   if (!IsSupportedAttentionVariant(variant)) return cudaErrorInvalidValue;
   if (p.plan_in_warp && p.batch > kPlanInWarpMaxBatch) return cudaErrorInvalidValue;
   if (p.stream_plan && !RunsStreamPlan(variant)) return cudaErrorInvalidValue;
+  // The fused combine: `pipelined` only, never beside PDL (an early-launched
+  // dependent grid could hold the SMs a waiting CTA's partners need).
+  if (p.fused_combine && (variant != AttentionVariant::kPipelined || programmatic_launch)) {
+    return cudaErrorInvalidValue;
+  }
   cudaError_t err = cudaSuccess;
   if (!p.plan_in_warp) {
     verify::PlanKernel<<<1, verify::PLAN_THREADS, 0, stream>>>(p);
@@ -96,10 +142,11 @@ cudaError_t LaunchVerifyKernels(const VerifyParams& p, AttentionVariant variant,
   }
   switch (variant) {
     case AttentionVariant::kPipelined:
-      err = LaunchPipelined<2>(p, programmatic_launch, stream);
+      if (p.fused_combine) return LaunchPipelined<2, true>(p, programmatic_launch, stream);
+      err = LaunchPipelined<2, false>(p, programmatic_launch, stream);
       break;
     case AttentionVariant::kPipelined16:
-      err = LaunchPipelined<4>(p, programmatic_launch, stream);
+      err = LaunchPipelined<4, false>(p, programmatic_launch, stream);
       break;
     case AttentionVariant::kSplitK16:
       err = LaunchWithDependency(verify::AttentionKernel<16>, dim3(p.max_work),

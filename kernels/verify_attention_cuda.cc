@@ -33,7 +33,8 @@ int MaxWork(const VerifyArguments& a, const VerifyLaunchConfig& c) {
 // Carves the workspace into the plan arrays and the partial buffers; the
 // same layout is used for sizing (base == nullptr) and for launching.
 struct WorkspaceLayout {
-  size_t summary, request_q_row, request_stream_start, work, partial_lse, partial_out, bytes;
+  size_t summary, request_q_row, request_stream_start, work, partial_lse, partial_out;
+  size_t split_arrivals, split_done, fused_magic, bytes;
 };
 
 WorkspaceLayout Layout(const VerifyArguments& a, const VerifyLaunchConfig& c) {
@@ -54,11 +55,21 @@ WorkspaceLayout Layout(const VerifyArguments& a, const VerifyLaunchConfig& c) {
   const size_t partial_slots = 2 * static_cast<size_t>(TargetCtas(c));
   l.partial_lse = take(sizeof(float) * partial_slots * kBlockM);
   l.partial_out = take(sizeof(float) * partial_slots * kBlockM * kValueDim);
+  // The fused combine's counters, one of each per split row tile (keys below
+  // target_ctas), and the mark InitVerifyWorkspace writes.
+  l.split_arrivals = take(sizeof(unsigned int) * static_cast<size_t>(TargetCtas(c)));
+  l.split_done = take(sizeof(unsigned int) * static_cast<size_t>(TargetCtas(c)));
+  l.fused_magic = take(sizeof(unsigned long long));
   l.bytes = at;
   return l;
 }
 
 }  // namespace
+
+bool LaunchUsesFusedCombine(const VerifyArguments& a, const VerifyLaunchConfig& c) {
+  return c.fused_combine && c.attention_variant == AttentionVariant::kPipelined &&
+         !c.programmatic_launch && MaxWork(a, c) <= c.resident_ctas;
+}
 
 const char* AttentionVariantName(AttentionVariant variant) {
   switch (variant) {
@@ -103,11 +114,27 @@ absl::StatusOr<VerifyLaunchConfig> PrepareVerifyLaunch(int device) {
                      " bytes of shared memory per block; the verify kernels need ", needed));
   }
   RETURN_IF_ERROR(CudaErrorToStatus(PrepareVerifyKernels(), "cudaFuncSetAttribute"));
+  config.resident_ctas = config.num_sms * FusedAttentionCtasPerSm();
   return config;
 }
 
 size_t VerifyWorkspaceBytes(const VerifyArguments& args, const VerifyLaunchConfig& config) {
   return Layout(args, config).bytes;
+}
+
+absl::Status InitVerifyWorkspace(const VerifyArguments& args, const VerifyLaunchConfig& config,
+                                 void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  const WorkspaceLayout l = Layout(args, config);
+  if (workspace == nullptr || workspace_bytes < l.bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("workspace of ", workspace_bytes,
+                                                   " bytes is too small: need ", l.bytes));
+  }
+  auto* base = static_cast<uint8_t*>(workspace);
+  return CudaErrorToStatus(
+      LaunchInitFusedWorkspace(reinterpret_cast<unsigned int*>(base + l.split_arrivals),
+                               reinterpret_cast<unsigned int*>(base + l.split_done), TargetCtas(config),
+                               reinterpret_cast<unsigned long long*>(base + l.fused_magic), stream),
+      "verify workspace init");
 }
 
 absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchConfig& c,
@@ -164,6 +191,10 @@ absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchC
   p.min_chunk_tiles = c.min_chunk_tiles;
   p.plan_in_warp = a.batch <= c.plan_in_warp_max_batch ? 1 : 0;
   p.stream_plan = c.stream_plan && RunsStreamPlan(c.attention_variant) ? 1 : 0;
+  p.split_arrivals = reinterpret_cast<unsigned int*>(base + l.split_arrivals);
+  p.split_done = reinterpret_cast<unsigned int*>(base + l.split_done);
+  p.fused_magic = reinterpret_cast<const unsigned long long*>(base + l.fused_magic);
+  p.fused_combine = LaunchUsesFusedCombine(a, c) ? 1 : 0;
   return CudaErrorToStatus(LaunchVerifyKernels(p, c.attention_variant, c.programmatic_launch, stream),
                     "verify launch");
 }

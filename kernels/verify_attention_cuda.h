@@ -39,12 +39,33 @@ struct VerifyLaunchConfig {
   // per request (verify_kernel.cuh, "Plan"; bench/NOTES.md v7). Off: always
   // the chunk plan.
   bool stream_plan = true;
+  // Merge the split rows' partials inside the attention kernel instead of a
+  // combine kernel (verify_kernel.cuh, "Fused combine"; bench/NOTES.md v8):
+  // every CTA of a split row tile waits for the tile's partials, then merges
+  // its share of the rows. Needs every CTA resident at once, so it is used
+  // only with the `pipelined` variant, without programmatic launch, and when
+  // the grid fits `resident_ctas`; the kernel is then launched cooperatively
+  // (the launch fails rather than deadlocks if the grid could not be
+  // resident). Otherwise the combine kernel runs as before. The workspace
+  // must have gone through InitVerifyWorkspace.
+  // Off by default: on the H200 it saved 0.4 us at B=1, L=4K (the merge's
+  // latency, not the combine launch, is the cost) and its template instance
+  // ran the compute-bound shapes 4 % slower (bench/NOTES.md v8.1).
+  bool fused_combine = false;
+  // CTAs of the fused attention kernel the device holds at once (SMs x CTAs
+  // per SM); set by PrepareVerifyLaunch from the occupancy calculator. 0: no
+  // fused launch.
+  int resident_ctas = 0;
 };
 
 // "splitk8", "splitk16", "pipelined", "pipelined16": the names the benchmark
 // and logs use.
 const char* AttentionVariantName(AttentionVariant variant);
 absl::StatusOr<AttentionVariant> ParseAttentionVariant(absl::string_view name);
+
+// Whether LaunchVerifyAttention with these arguments and config merges the
+// partials inside the attention kernel (see fused_combine).
+bool LaunchUsesFusedCombine(const VerifyArguments& args, const VerifyLaunchConfig& config);
 
 // Reads the device's multiprocessor count and raises the attention kernel's
 // shared-memory limit on it. Call once per device before launching.
@@ -55,8 +76,17 @@ absl::StatusOr<VerifyLaunchConfig> PrepareVerifyLaunch(int device);
 // workspace serves every replay of a graph.
 size_t VerifyWorkspaceBytes(const VerifyArguments& args, const VerifyLaunchConfig& config);
 
+// Prepares a newly allocated workspace for LaunchVerifyAttention (zeroes the
+// fused combine's counters, which every launch then leaves zero, and marks it
+// initialised), on `stream`. Call once per allocation, with the same
+// arguments' shape and config as the launches; a fused launch on a workspace
+// that was not initialised stops the kernel with a device-side error.
+absl::Status InitVerifyWorkspace(const VerifyArguments& args, const VerifyLaunchConfig& config,
+                                 void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
 // Enqueues [plan +] attention + combine on `stream`. `workspace` must hold
-// VerifyWorkspaceBytes() bytes and stay untouched until the launch completes.
+// VerifyWorkspaceBytes() bytes, have gone through InitVerifyWorkspace once,
+// and stay untouched until the launch completes.
 // Returns INVALID_ARGUMENT for arguments CanImplement() rejects and INTERNAL
 // for a CUDA launch error. Per-request values are trusted: validate them on the
 // host (ValidateRequests) before they reach the device.

@@ -447,8 +447,14 @@ __device__ __forceinline__ void CollectStreamRound(const VerifyParams& p, const 
 // sites (its barriers are bar.sync 0 over the whole block).
 // kStreamPlan false: the kernel runs under the chunk plan only (the host
 // clears p.stream_plan for it), one segment, no segment loop.
-template <bool kStreamPlan, typename Attend>
-__device__ __forceinline__ void ForEachSegment(const VerifyParams& p, SegmentSmem& sm, Attend&& attend) {
+// after(item), when given, runs in every thread after attend(item) (the
+// fused combine's arrival).
+struct NoSegmentHook {
+  __device__ void operator()(const VerifyWorkItem&) const {}
+};
+template <bool kStreamPlan, typename Attend, typename After = NoSegmentHook>
+__device__ __forceinline__ void ForEachSegment(const VerifyParams& p, SegmentSmem& sm, Attend&& attend,
+                                               After&& after = After{}) {
   const int x = blockIdx.x;
   const bool first_warp = threadIdx.x < 32;
   ptx::GridDependencyWait();  // the plan kernel's output (or the writes of the grid before)
@@ -472,6 +478,7 @@ __device__ __forceinline__ void ForEachSegment(const VerifyParams& p, SegmentSme
   ptx::GridDependencyLaunchDependents();
   if (!kStreamPlan || summary.stream_groups == 0) {
     attend(sm.list[0]);
+    after(sm.list[0]);
     return;
   }
   const int32_t* starts = p.plan_in_warp ? sm.stream_start : p.request_stream_start;
@@ -485,6 +492,7 @@ __device__ __forceinline__ void ForEachSegment(const VerifyParams& p, SegmentSme
     b0 = sm.next;
     for (int i = 0; i < count; ++i) {
       attend(sm.list[i]);
+      after(sm.list[i]);
       ptx::BlockBarrier();
     }
     // A block of 32 padding requests has no segment: everyone must still have
@@ -862,14 +870,29 @@ constexpr int COMBINE_UNROLL = 4;  // splits per warp whose partials are in flig
 static_assert(D_V == 32 * 16, "combine: 16 columns per lane, four float4");
 static_assert(D_V == COMBINE_THREADS * 2, "combine merge: two output columns per thread");
 
+// Shared memory of one merge: the combine kernel declares it statically, the
+// fused attention kernel lays it over its (by then idle) KV stages.
+struct MergeSmem {
+  float4 acc[COMBINE_WARPS][D_V / 4];
+  float max[COMBINE_WARPS];
+  float sum[COMBINE_WARPS];
+};
+
 // Merges rows item.split, item.split + item.splits, ... of the item's row
 // tile. The partial of split s sits in slot
 //   slot_base + s * slot_stride + (s == 0 ? slot0_extra : 0).
+// kL2Loads (the fused combine): partials are read through L2 (ld.global.cg):
+// they were written by other CTAs of the same grid, and L1 is not coherent
+// with those writes. The combine kernel reads them with plain loads (written
+// by the grid before it; ld.global.cg there cost ptxas 37 more registers and
+// a spill on sm_120).
+template <bool kL2Loads>
 __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const VerifyWorkItem& item,
-                                               int slot_base, int slot_stride, int slot0_extra) {
-  __shared__ float4 s_acc[COMBINE_WARPS][D_V / 4];
-  __shared__ float s_max[COMBINE_WARPS];
-  __shared__ float s_sum[COMBINE_WARPS];
+                                               int slot_base, int slot_stride, int slot0_extra,
+                                               MergeSmem& ms) {
+  float4 (&s_acc)[COMBINE_WARPS][D_V / 4] = ms.acc;
+  float (&s_max)[COMBINE_WARPS] = ms.max;
+  float (&s_sum)[COMBINE_WARPS] = ms.sum;
   const int b = item.request;
   const int splits = item.splits;
   const int heads = p.num_heads;
@@ -940,10 +963,15 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
         const bool valid = s < splits;
         const int64_t slot_row = s * split_stride + (s == 0 ? split0_extra : 0) + row;
         const float* o = out_of + slot_row * D_V + lane * 4;
-        lse_v[u] = valid ? lse_of[slot_row] : -INFINITY;
+        const float4* o4 = reinterpret_cast<const float4*>(o);
+        if constexpr (kL2Loads) {
+          lse_v[u] = valid ? __ldcg(lse_of + slot_row) : -INFINITY;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          o_v[u][k] = valid ? *reinterpret_cast<const float4*>(o + k * 128) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          for (int k = 0; k < 4; ++k) o_v[u][k] = valid ? __ldcg(o4 + k * 32) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        } else {
+          lse_v[u] = valid ? lse_of[slot_row] : -INFINITY;
+#pragma unroll
+          for (int k = 0; k < 4; ++k) o_v[u][k] = valid ? o4[k * 32] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
       }
 #pragma unroll
@@ -1005,8 +1033,133 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
   }
 }
 
+// ---------------------------------------------------------------------------
+// Fused combine (VerifyLaunchConfig::fused_combine, bench/NOTES.md v8): the
+// attention CTAs merge the partials themselves, as the combine kernel's CTA
+// of the same index would. After each segment a CTA counts its split
+// segments in on the row tile's arrival counter; after its last segment it
+// waits, for each split segment, until every split of that row tile has
+// arrived and merges its share of the rows. The waits need every CTA of the
+// grid resident: the host launches the kernel cooperatively and only when
+// the grid fits.
+//
+// Counters (workspace, zeroed once by InitVerifyWorkspace, which also writes
+// kFusedWorkspaceMagic): arrivals[key] and done[key] per split row tile. A
+// CTA past its wait adds itself to done[key]; the last of the row tile's
+// splits (every one of them is past its wait, so nobody reads arrivals[key]
+// again in this launch) sets both back to 0 for the next launch, which is
+// stream-ordered after this one. Plain atomicAdd throughout: the first
+// version (v8) kept tagged counters updated by compare-and-swap loops,
+// and 132 CTAs retrying CAS on one word cost 23-42 us per launch.
+// Keys: a split row tile is identified by its split-0 slot base, below
+// target_ctas under both plans (see SplitTileKey).
+// ---------------------------------------------------------------------------
+constexpr unsigned long long kFusedWorkspaceMagic = 0x6d6c61766572696full;  // "mlaverio"
+
+__device__ __forceinline__ unsigned int LoadAcquireGpu(const unsigned int* addr) {
+  unsigned int v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(addr) : "memory");
+  return v;
+}
+
+// The key of a split segment's row tile (the combine's slot base, divided
+// by two under the stream plan): every split of a row tile computes the same.
+__device__ __forceinline__ int SplitTileKey(const VerifyParams& p, const VerifyPlanSummary& s,
+                                            const VerifyWorkItem& item, int x) {
+  if (s.stream_groups == 0) {
+    const int row_tiles = CeilDiv(p.draft_len[item.request] * p.num_heads, BLOCK_M);
+    return item.partial_slot - item.split * row_tiles;
+  }
+  const int rt_count = s.stream_row_tiles;
+  return (x / rt_count - item.split) * rt_count + item.row_tile;
+}
+
+// Called by every thread after a segment: its partial (if any) is written.
+// All threads fence their stores before the barrier; thread 0 then arrives.
+__device__ __forceinline__ void ArriveSplit(const VerifyParams& p, const VerifyPlanSummary& s,
+                                            const VerifyWorkItem& item) {
+  __threadfence();
+  ptx::BlockBarrier();
+  if (threadIdx.x == 0 && item.splits > 1) {
+    if (*p.fused_magic != kFusedWorkspaceMagic) {
+      printf("mlaverify: the verify workspace was not initialised (InitVerifyWorkspace) before a "
+             "fused-combine launch\n");
+      __trap();
+    }
+    atomicAdd(p.split_arrivals + SplitTileKey(p, s, item, blockIdx.x), 1u);
+  }
+}
+
+// The merge work of CTA x, shared by the combine kernel (kFused false) and
+// the fused attention kernel (kFused true: wait for each row tile's
+// partials first, count the CTA out at the end). `starts`: the requests'
+// stream starts (the plan-in-warp copy in shared memory, or the plan
+// kernel's array).
+template <bool kFused>
+__device__ __forceinline__ void MergeCtaSplits(const VerifyParams& p, const VerifyPlanSummary& summary,
+                                               const VerifyWorkItem& chunk_item, const int32_t* starts,
+                                               const int32_t* q_rows, SegmentSmem& sm, MergeSmem& ms) {
+  const int x = blockIdx.x;
+  auto merge = [&](const VerifyWorkItem& item, int slot_base, int slot_stride, int extra) {
+    if (item.splits <= 1) return;
+    if constexpr (kFused) {
+      if (threadIdx.x == 0) {
+        const unsigned int splits = static_cast<unsigned int>(item.splits);
+        const int key = SplitTileKey(p, summary, item, x);
+        while (LoadAcquireGpu(p.split_arrivals + key) != splits) __nanosleep(32);
+        if (atomicAdd(p.split_done + key, 1u) == splits - 1) {  // the row tile's last split past its wait
+          p.split_arrivals[key] = 0;
+          p.split_done[key] = 0;
+        }
+      }
+      __syncthreads();
+    }
+    if (item.split >= BLOCK_M) return;  // uniform: no row of this split
+    MergeSplitRows<kFused>(p, item, slot_base, slot_stride, extra, ms);
+  };
+  if (summary.stream_groups == 0) {
+    // Chunk plan: item w = base_b + split * row_tiles_b + row_tile in slot w.
+    const VerifyWorkItem item = chunk_item;
+    const int row_tiles = CeilDiv(p.draft_len[item.request] * p.num_heads, BLOCK_M);
+    merge(item, item.partial_slot - item.split * row_tiles, row_tiles, 0);
+  } else {
+    // Stream plan: split s of a request's row tile rt is held by CTA
+    // (first + s) * RT + rt (first: the range where the request starts) in its
+    // slot 2x, except split 0 when the request starts inside that range
+    // (the CTA's second split segment): 2x + 1.
+    const int rt_count = summary.stream_row_tiles;
+    int b0 = 0;
+    if (threadIdx.x < 32 && !p.plan_in_warp) b0 = FirstStreamBlock(p, summary, starts, x);
+    while (true) {
+      CollectStreamRound(p, summary, starts, q_rows, x, b0, sm);
+      __syncthreads();
+      const int count = sm.count;
+      b0 = sm.next;
+      for (int i = 0; i < count; ++i) {
+        const VerifyWorkItem item = sm.list[i];
+        const int first = x / rt_count - item.split;
+        const int extra = starts[item.request] > StreamStart(first, summary) ? 1 : 0;
+        merge(item, 2 * (first * rt_count + item.row_tile), 2 * rt_count, extra);
+      }
+      __syncthreads();  // sm.list is refilled
+      if (b0 < 0) break;
+    }
+  }
+}
+
+// Zeroes the fused combine's counters and marks the workspace initialised.
+__global__ void InitFusedWorkspaceKernel(unsigned int* arrivals, unsigned int* done, int keys,
+                                         unsigned long long* magic) {
+  for (int i = threadIdx.x; i < keys; i += blockDim.x) {
+    arrivals[i] = 0;
+    done[i] = 0;
+  }
+  if (threadIdx.x == 0) *magic = kFusedWorkspaceMagic;
+}
+
 __global__ void __launch_bounds__(COMBINE_THREADS) CombineKernel(const VerifyParams p) {
   __shared__ SegmentSmem sm;
+  __shared__ MergeSmem ms;
   ptx::GridDependencyWait();  // the attention kernel's partials
   const int x = blockIdx.x;
   // Both loads go out together (one L2 round trip fewer on the small-batch
@@ -1014,37 +1167,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS) CombineKernel(const VerifyPar
   const VerifyPlanSummary summary = *p.summary;
   const VerifyWorkItem chunk_item = p.work[x];
   if (x >= summary.total_work) return;
-  if (summary.stream_groups == 0) {
-    // Chunk plan: item w = base_b + split * row_tiles_b + row_tile in slot w.
-    const VerifyWorkItem item = chunk_item;
-    if (item.splits <= 1 || item.split >= BLOCK_M) return;
-    const int row_tiles = CeilDiv(p.draft_len[item.request] * p.num_heads, BLOCK_M);
-    MergeSplitRows(p, item, item.partial_slot - item.split * row_tiles, row_tiles, 0);
-    return;
-  }
-  // Stream plan: split s of a request's row tile rt is held by CTA
-  // (first + s) * RT + rt (first: the range where the request starts) in its
-  // slot 2x, except split 0 when the request starts inside that range
-  // (the CTA's second split segment): 2x + 1.
-  const int rt_count = summary.stream_row_tiles;
-  const bool first_warp = threadIdx.x < 32;
-  int b0 = 0;
-  if (first_warp) b0 = FirstStreamBlock(p, summary, p.request_stream_start, x);
-  while (true) {
-    CollectStreamRound(p, summary, p.request_stream_start, p.request_q_row, x, b0, sm);
-    __syncthreads();
-    const int count = sm.count;
-    b0 = sm.next;
-    for (int i = 0; i < count; ++i) {
-      const VerifyWorkItem item = sm.list[i];
-      if (item.splits <= 1 || item.split >= BLOCK_M) continue;
-      const int first = x / rt_count - item.split;
-      const int extra = p.request_stream_start[item.request] > StreamStart(first, summary) ? 1 : 0;
-      MergeSplitRows(p, item, 2 * (first * rt_count + item.row_tile), 2 * rt_count, extra);
-    }
-    __syncthreads();  // sm.list is refilled
-    if (b0 < 0) return;
-  }
+  MergeCtaSplits<false>(p, summary, chunk_item, p.request_stream_start, p.request_q_row, sm, ms);
 }
 
 }  // namespace mlaverify::kernels::verify

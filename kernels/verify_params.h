@@ -92,6 +92,13 @@ struct VerifyParams {
   int min_chunk_tiles;        // smallest KV chunk, in 32-token tiles
   int plan_in_warp;           // 1: no plan kernel; each attention CTA plans in its first warp (batch <= 32)
   int stream_plan;            // 1: the plan may choose stream ranges (verify_kernel.cuh, "Plan")
+  // ---- workspace: the combine folded into the attention kernel (fused_combine) ----
+  // Zeroed once by InitVerifyWorkspace; every launch leaves them zero
+  // ("Fused combine" in verify_kernel.cuh).
+  unsigned int* split_arrivals;        // [target_ctas] per split row tile: partials written
+  unsigned int* split_done;            // [target_ctas] per split row tile: CTAs past their wait
+  const unsigned long long* fused_magic;  // [1] kFusedWorkspaceMagic once initialised
+  int fused_combine;          // 1: the attention CTAs merge the partials (cooperative launch, no combine kernel)
 };
 
 struct DraftKvWriteParams {
@@ -161,6 +168,13 @@ cudaError_t LaunchRowCopyKernel(const RowCopyParams& params, bool to_pool, cudaS
 // Raises the dynamic shared-memory limit of the attention kernel on the
 // current device; idempotent.
 cudaError_t PrepareVerifyKernels();
+// Zeroes the fused combine's counters (`keys` of each) and writes the
+// initialised mark, on `stream`.
+cudaError_t LaunchInitFusedWorkspace(unsigned int* arrivals, unsigned int* done, int keys,
+                                     unsigned long long* magic, cudaStream_t stream);
+// CTAs of the fused-combine attention kernel one SM holds at once (the
+// occupancy calculator; 0 on error). Call after PrepareVerifyKernels.
+int FusedAttentionCtasPerSm();
 // Dynamic shared memory of an attention variant, in bytes.
 int VerifyAttentionSharedBytes(AttentionVariant variant);
 

@@ -489,21 +489,41 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
 }
 
 // A CTA runs its segments one after the other (one under the chunk plan).
-template <int kKSlices, bool kPageRing>
+// kFused: the combine folded in (verify_kernel.cuh, "Fused combine"): the CTA
+// announces its split segments, then merges its share of their row tiles.
+template <int kKSlices, bool kPageRing, bool kFused>
 __global__ void __launch_bounds__(pipelined::Shape<kKSlices>::NUM_THREADS, 1)
     PipelinedAttentionKernel(const VerifyParams p) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
   __shared__ SegmentSmem segments;
+  static_assert(!kFused || pipelined::Shape<kKSlices>::NUM_THREADS == COMBINE_THREADS,
+                "the fused merge runs MergeSplitRows with the attention CTA's threads");
+  static_assert(!kFused || sizeof(MergeSmem) <= pipelined::Shape<kKSlices>::SMEM_BYTES,
+                "the merge reuses the KV stages");
+  auto after = [&](const VerifyWorkItem& item) {
+    if constexpr (kFused) ArriveSplit(p, segments.summary, item);
+  };
   // Both roles pass the same block-wide barriers of ForEachSegment from their
   // own call sites (bar.sync 0 counts threads, not sites), with one shared state.
   if (threadIdx.x < pipelined::Shape<kKSlices>::SCORE_THREADS) {
-    ForEachSegment<true>(p, segments, [&](const VerifyWorkItem& item) {
-      AttendSegmentPipelined<kKSlices, kPageRing, true>(p, item, smem_raw);
-    });
+    ForEachSegment<true>(
+        p, segments,
+        [&](const VerifyWorkItem& item) { AttendSegmentPipelined<kKSlices, kPageRing, true>(p, item, smem_raw); },
+        after);
   } else {
-    ForEachSegment<true>(p, segments, [&](const VerifyWorkItem& item) {
-      AttendSegmentPipelined<kKSlices, kPageRing, false>(p, item, smem_raw);
-    });
+    ForEachSegment<true>(
+        p, segments,
+        [&](const VerifyWorkItem& item) { AttendSegmentPipelined<kKSlices, kPageRing, false>(p, item, smem_raw); },
+        after);
+  }
+  if constexpr (kFused) {
+    const VerifyPlanSummary summary = segments.summary;  // unchanged since the plan
+    if (blockIdx.x >= summary.total_work) return;         // these CTAs did no segment
+    __syncthreads();  // both roles are past their last segment (the stream loop's list reads too)
+    const int32_t* starts = p.plan_in_warp ? segments.stream_start : p.request_stream_start;
+    const int32_t* q_rows = p.plan_in_warp ? segments.q_row : p.request_q_row;
+    MergeCtaSplits<true>(p, summary, segments.list[0], starts, q_rows, segments,
+                         *reinterpret_cast<MergeSmem*>(smem_raw));
   }
 }
 

@@ -54,15 +54,28 @@ class GpuKernelTest : public ::testing::Test {
   // Uploads `problem`, runs the draft write and the attention on the GPU,
   // runs the same on the CPU and compares.
   // `plan`, when given, receives the plan the launch chose.
+  // `launches` > 1 runs the attention that many times back to back on the
+  // same workspace (the last result is compared); `workspace_fill` >= 0
+  // fills the workspace with that byte and initialises it again; `out_copy` / `lse_copy`
+  // receive the outputs.
   Comparison RunAndCompare(HostVerifyProblem& problem, const VerifyLaunchConfig& config,
-                           VerifyPlanSummary* plan = nullptr) {
+                           VerifyPlanSummary* plan = nullptr, int launches = 1, int workspace_fill = -1,
+                           std::vector<Bf16>* out_copy = nullptr, std::vector<float>* lse_copy = nullptr) {
     DeviceVerifyProblem device;
     EXPECT_TRUE(device.Init(CapacityFor(problem), config).ok());
     EXPECT_TRUE(device.Upload(problem).ok());
     EXPECT_TRUE(LaunchWriteDraftKv(device.WriteArgs(), nullptr).ok());
-    const absl::Status launched = LaunchVerifyAttention(device.Args(), config, device.workspace(),
-                                                        device.workspace_bytes(), nullptr);
-    EXPECT_TRUE(launched.ok()) << launched;
+    if (workspace_fill >= 0) {  // garbage, then the initialisation every workspace gets
+      EXPECT_EQ(cudaMemset(device.workspace(), workspace_fill, device.workspace_bytes()), cudaSuccess);
+      EXPECT_TRUE(InitVerifyWorkspace(device.Args(), config, device.workspace(), device.workspace_bytes(),
+                                      nullptr)
+                      .ok());
+    }
+    for (int i = 0; i < launches; ++i) {
+      const absl::Status launched = LaunchVerifyAttention(device.Args(), config, device.workspace(),
+                                                          device.workspace_bytes(), nullptr);
+      EXPECT_TRUE(launched.ok()) << launched;
+    }
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     if (plan != nullptr) {
       auto summary = ReadVerifyPlanSummary(device.Args(), config, device.workspace(), nullptr);
@@ -73,7 +86,10 @@ class GpuKernelTest : public ::testing::Test {
     std::vector<float> lse;
     EXPECT_TRUE(device.Download(problem, &out, &lse).ok());
     EXPECT_TRUE(WriteDraftKvCpu(problem.HostWriteArgs()).ok());
-    return testing::CompareWithReference(problem, out, lse, kMaxCheckedRows);
+    const Comparison result = testing::CompareWithReference(problem, out, lse, kMaxCheckedRows);
+    if (out_copy != nullptr) *out_copy = std::move(out);
+    if (lse_copy != nullptr) *lse_copy = std::move(lse);
+    return result;
   }
 
   VerifyLaunchConfig config_;
@@ -152,6 +168,8 @@ TEST_F(GpuKernelTest, AttentionMatchesReferenceOverTheGrid) {
       // Both plan paths (plan kernel, plan in the attention's first warp),
       // alternating over the variants of a case.
       config.plan_in_warp_max_batch = (index / 2 + v++) % 2 == 0 ? kPlanInWarpMaxBatch : 0;
+      // The fused combine in every other case it applies to (pipelined, no PDL).
+      config.fused_combine = (index / 2) % 2 == 0;
       const Comparison result = RunAndCompare(problem, config);
       EXPECT_TRUE(result.ok()) << c.Name() << " " << AttentionVariantName(variant)
                                << (config.plan_in_warp_max_batch ? " plan in warp" : " plan kernel")
@@ -281,6 +299,80 @@ TEST_F(GpuKernelTest, StreamPlanRangesSpanRequests) {
           }
         }
       }
+    }
+  }
+}
+
+// The fused combine (the attention CTAs merge the partials; no combine
+// kernel) gives the combine kernel's results bit for bit: the same merge code
+// over the same partials. Each fused run launches three times back to back
+// on one workspace (filled with garbage, then InitVerifyWorkspace): the
+// counters must come back to zero after every launch. Both plans, many
+// splits per row tile (B=1), padding requests.
+TEST_F(GpuKernelTest, FusedCombineMatchesTheCombineKernelBitForBit) {
+  ASSERT_GT(config_.resident_ctas, 0) << "PrepareVerifyLaunch found no resident CTA for the fused kernel";
+  std::vector<GridCase> cases;
+  cases.push_back({{4096}, {16}, 8, 64, MaskKind::kTree});                        // 4 row tiles x 33 splits
+  cases.push_back({{0, 65, 1000, 63, 7}, {1, 7, 64, 16, 0}, 8, 16, MaskKind::kTree});
+  {
+    GridCase g{{}, {}, 16, 1, MaskKind::kTree};  // equal row tiles: the stream plan
+    for (int i = 0; i < 8; ++i) {
+      g.prefix_len.push_back(6000 * (i + 1) / 8);
+      g.draft_len.push_back(16);
+    }
+    cases.push_back(g);
+  }
+  {
+    GridCase g{{}, {}, 1, 256, MaskKind::kChain};  // 32 requests, padding among them
+    for (int i = 0; i < 32; ++i) {
+      g.prefix_len.push_back((i * 613) % 20000);
+      g.draft_len.push_back(i % 9 == 4 ? 0 : 1 + i % 3);
+    }
+    cases.push_back(g);
+  }
+  int index = 0;
+  for (const GridCase& c : cases) {
+    VerifyProblemSpec spec;
+    spec.prefix_len = c.prefix_len;
+    spec.draft_len = c.draft_len;
+    spec.num_heads = c.heads;
+    spec.page_size = c.page_size;
+    spec.mask = c.mask;
+    spec.seed = 9000 + index++;
+    HostVerifyProblem problem = MakeProblem(spec);
+    for (const bool stream_plan : {true, false}) {
+      VerifyLaunchConfig fused = config_;
+      fused.attention_variant = AttentionVariant::kPipelined;
+      fused.programmatic_launch = false;
+      fused.stream_plan = stream_plan;
+      fused.fused_combine = true;
+      VerifyLaunchConfig separate = fused;
+      separate.fused_combine = false;
+      const testing::DeviceCapacity capacity = CapacityFor(problem);
+      VerifyArguments shape;
+      shape.batch = capacity.batch;
+      shape.num_heads = capacity.num_heads;
+      shape.max_draft_len = capacity.max_draft_len;
+      ASSERT_TRUE(LaunchUsesFusedCombine(shape, fused)) << c.Name();
+      ASSERT_FALSE(LaunchUsesFusedCombine(shape, separate)) << c.Name();
+      const std::string where = absl::StrCat(c.Name(), stream_plan ? "" : " stream plan off");
+      std::vector<Bf16> out_fused, out_separate;
+      std::vector<float> lse_fused, lse_separate;
+      VerifyPlanSummary plan_fused{}, plan_separate{};
+      const Comparison fused_result =
+          RunAndCompare(problem, fused, &plan_fused, /*launches=*/3, /*workspace_fill=*/0xA5, &out_fused, &lse_fused);
+      const Comparison separate_result =
+          RunAndCompare(problem, separate, &plan_separate, 1, -1, &out_separate, &lse_separate);
+      EXPECT_TRUE(fused_result.ok()) << where << " fused: " << fused_result.ToString();
+      EXPECT_TRUE(separate_result.ok()) << where << " combine kernel: " << separate_result.ToString();
+      EXPECT_EQ(plan_fused.total_work, plan_separate.total_work) << where;
+      EXPECT_EQ(plan_fused.stream_groups, plan_separate.stream_groups) << where;
+      ASSERT_EQ(out_fused.size(), out_separate.size());
+      ASSERT_EQ(lse_fused.size(), lse_separate.size());
+      EXPECT_EQ(std::memcmp(out_fused.data(), out_separate.data(), out_fused.size() * sizeof(Bf16)), 0)
+          << where << ": outputs differ";
+      EXPECT_EQ(std::memcmp(lse_fused.data(), lse_separate.data(), lse_fused.size() * sizeof(float)), 0)
+          << where << ": LSE differ";
     }
   }
 }
@@ -442,39 +534,48 @@ TEST_F(GpuKernelTest, CapturedGraphReplaysWithNewLengthsAndTrees) {
   ASSERT_TRUE(device.Upload(first).ok());
   const VerifyArguments captured_args = device.Args();
 
-  cudaStream_t stream;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  cudaGraph_t graph;
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  ASSERT_TRUE(LaunchWriteDraftKv(device.WriteArgs(), stream).ok());
-  ASSERT_TRUE(LaunchVerifyAttention(captured_args, config_, device.workspace(),
-                                    device.workspace_bytes(), stream)
-                  .ok());
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-  cudaGraphExec_t exec;
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  // With and without the fused combine (its counters must come back to zero
+  // after every replay).
+  for (const bool fused : {false, true}) {
+    VerifyLaunchConfig config = config_;
+    config.attention_variant = AttentionVariant::kPipelined;
+    config.fused_combine = fused;
+    EXPECT_EQ(LaunchUsesFusedCombine(captured_args, config), fused);
+    cudaStream_t stream;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    cudaGraph_t graph;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    ASSERT_TRUE(LaunchWriteDraftKv(device.WriteArgs(), stream).ok());
+    ASSERT_TRUE(LaunchVerifyAttention(captured_args, config, device.workspace(),
+                                      device.workspace_bytes(), stream)
+                    .ok());
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    cudaGraphExec_t exec;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
 
-  for (int round = 0; round < 6; ++round) {
-    HostVerifyProblem problem = round == 0 ? std::move(first) : MakeProblem(spec_for(round));
-    ASSERT_TRUE(device.Upload(problem).ok());  // new contents, same addresses
-    const VerifyArguments now = device.Args();
-    ASSERT_EQ(now.q, captured_args.q);
-    ASSERT_EQ(now.page_table_stride, captured_args.page_table_stride);
-    ASSERT_EQ(now.pool.num_pages, captured_args.pool.num_pages);
-    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    std::vector<Bf16> out;
-    std::vector<float> lse;
-    ASSERT_TRUE(device.Download(problem, &out, &lse).ok());
-    ASSERT_TRUE(WriteDraftKvCpu(problem.HostWriteArgs()).ok());
-    const Comparison result = testing::CompareWithReference(problem, out, lse, kMaxCheckedRows);
-    EXPECT_TRUE(result.ok()) << "replay " << round << " (P=" << absl::StrJoin(problem.prefix_len, "/")
-                             << " N=" << absl::StrJoin(problem.draft_len, "/")
-                             << "): " << result.ToString();
+    for (int round = 0; round < 6; ++round) {
+      HostVerifyProblem problem = MakeProblem(spec_for(round));  // the same data for both modes
+      ASSERT_TRUE(device.Upload(problem).ok());  // new contents, same addresses
+      const VerifyArguments now = device.Args();
+      ASSERT_EQ(now.q, captured_args.q);
+      ASSERT_EQ(now.page_table_stride, captured_args.page_table_stride);
+      ASSERT_EQ(now.pool.num_pages, captured_args.pool.num_pages);
+      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      std::vector<Bf16> out;
+      std::vector<float> lse;
+      ASSERT_TRUE(device.Download(problem, &out, &lse).ok());
+      ASSERT_TRUE(WriteDraftKvCpu(problem.HostWriteArgs()).ok());
+      const Comparison result = testing::CompareWithReference(problem, out, lse, kMaxCheckedRows);
+      EXPECT_TRUE(result.ok()) << (fused ? "fused combine, " : "") << "replay " << round
+                               << " (P=" << absl::StrJoin(problem.prefix_len, "/")
+                               << " N=" << absl::StrJoin(problem.draft_len, "/")
+                               << "): " << result.ToString();
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 }  // namespace

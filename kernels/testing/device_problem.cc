@@ -79,7 +79,8 @@ absl::Status DeviceVerifyProblem::Init(const DeviceCapacity& c, const VerifyLaun
   shape.num_heads = c.num_heads;
   shape.max_draft_len = c.max_draft_len;
   RETURN_IF_ERROR(workspace_.Allocate(VerifyWorkspaceBytes(shape, config)));
-  return absl::OkStatus();
+  RETURN_IF_ERROR(InitVerifyWorkspace(shape, config, workspace_.as<void>(), workspace_.bytes(), nullptr));
+  return CudaErrorToStatus(cudaStreamSynchronize(nullptr), "workspace init");
 }
 
 absl::Status DeviceVerifyProblem::Upload(const HostVerifyProblem& p) {

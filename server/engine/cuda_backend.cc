@@ -93,6 +93,8 @@ class CudaBackend final : public Backend {
     shape.num_heads = g.num_heads;
     shape.max_draft_len = g.max_draft_len;
     RETURN_IF_ERROR(workspace_.Allocate(kernels::VerifyWorkspaceBytes(shape, config_), "workspace"));
+    RETURN_IF_ERROR(kernels::InitVerifyWorkspace(shape, config_, workspace_.as<void>(), workspace_.bytes(),
+                                                 stream_));
     spdlog::info("cuda backend: device {}, pool {:.1f} MiB, {} SMs", device_,
                  static_cast<double>(pool_bytes) / (1 << 20), config_.num_sms);
     return absl::OkStatus();

@@ -4,8 +4,10 @@ PlanKernel (one thread per request, block scans) against PlanInWarp (one
 warp, lane = request) on random batches with padding requests, for both the
 chunk plan and the stream plan. Checks that both paths decide the same plan,
 that every (request, row tile) covers its KV range exactly once, that split
-segments write distinct partial slots inside the workspace (2 * T), and that
-the combine finds every split's slot and merges every row once.
+segments write distinct partial slots inside the workspace (2 * T), that
+the combine finds every split's slot and merges every row once, and that the
+fused combine's arrival key of a split row tile (SplitTileKey) is the same
+for all its splits, below T, and not shared with another row tile.
 Also prints how the stream plan's longest range compares with the chunk
 plan's on uniform batches. Run: python3 kernels/testing/models/plan_model.py
 (~35 s); prints "mismatches 0".
@@ -172,6 +174,7 @@ def check(batch, pre, dr, H, T, minc, stream_enabled):
         # Coverage: every (request, row tile) covers [0, kv) exactly once.
         by_tile = {}
         slots = {}
+        fused_keys = {}
         for x, ss in segs.items():
             assert sum(1 for it in ss if it[7] >= 0 and it[7] // 2 == x and G) <= 2
             for it in ss:
@@ -193,6 +196,20 @@ def check(batch, pre, dr, H, T, minc, stream_enabled):
                 assert all(s[3] == sp and s[2] == i for i, s in enumerate(segl)), segl
                 assert (sp == 1) == (segl[0][4] < 0)
                 if sp > 1:
+                    # The fused combine's arrival counter of this row tile
+                    # (SplitTileKey): every split computes the same key, below T,
+                    # and no other split row tile shares it.
+                    keys = set()
+                    for kb, ke, split, _, slot, x in segl:
+                        if G:
+                            keys.add((x // RT - split) * RT + rt)
+                        else:
+                            keys.add(slot - split * cd(dr[b] * H, BM))
+                    assert len(keys) == 1, ("splits disagree on the key", keys)
+                    key = keys.pop()
+                    assert 0 <= key < T, ("key outside the counters", key, T)
+                    assert key not in fused_keys, ("key shared by two row tiles", key)
+                    fused_keys[key] = (b, rt)
                     # The combine: each split's CTA merges rows split, split + sp, ...
                     merged = []
                     for kb, ke, split, _, slot, x in segl:
