@@ -1081,11 +1081,6 @@ __device__ __forceinline__ void ArriveSplit(const VerifyParams& p, const VerifyP
   __threadfence();
   ptx::BlockBarrier();
   if (threadIdx.x == 0 && item.splits > 1) {
-    if (*p.fused_magic != kFusedWorkspaceMagic) {
-      printf("mlaverify: the verify workspace was not initialised (InitVerifyWorkspace) before a "
-             "fused-combine launch\n");
-      __trap();
-    }
     atomicAdd(p.split_arrivals + SplitTileKey(p, s, item, blockIdx.x), 1u);
   }
 }
@@ -1100,6 +1095,18 @@ __device__ __forceinline__ void MergeCtaSplits(const VerifyParams& p, const Veri
                                                const VerifyWorkItem& chunk_item, const int32_t* starts,
                                                const int32_t* q_rows, SegmentSmem& sm, MergeSmem& ms) {
   const int x = blockIdx.x;
+  if constexpr (kFused) {
+    // Checked here, after the segment loop, not at the arrivals: a trap (or a
+    // printf call) in the loop around the attention body made ptxas put
+    // WARPSYNC.ALL before the tile loops' warp-wide instructions (bench/NOTES.md
+    // v8.1). An uninitialised workspace's arrivals counted into garbage; no
+    // CTA has waited on them yet.
+    if (threadIdx.x == 0 && *p.fused_magic != kFusedWorkspaceMagic) {
+      printf("mlaverify: the verify workspace was not initialised (InitVerifyWorkspace) before a "
+             "fused-combine launch\n");
+      __trap();
+    }
+  }
   auto merge = [&](const VerifyWorkItem& item, int slot_base, int slot_stride, int extra) {
     if (item.splits <= 1) return;
     if constexpr (kFused) {
