@@ -48,9 +48,9 @@ struct VerifyLaunchConfig {
   // (the launch fails rather than deadlocks if the grid could not be
   // resident). Otherwise the combine kernel runs as before. The workspace
   // must have gone through InitVerifyWorkspace.
-  // Off by default: on the H200 it saved 0.4 us at B=1, L=4K (the merge's
-  // latency, not the combine launch, is the cost) and its template instance
-  // ran the compute-bound shapes 4 % slower (bench/NOTES.md v8.1).
+  // Off by default: on the H200 it saves 0.6 us at B=1, L=4K (the merge's
+  // latency, not the combine launch, is the small-batch cost) and costs
+  // 0.5-1 % at B=8..32 (bench/NOTES.md v8.1, v8.2).
   bool fused_combine = false;
   // CTAs of the fused attention kernel the device holds at once (SMs x CTAs
   // per SM); set by PrepareVerifyLaunch from the occupancy calculator. 0: no
