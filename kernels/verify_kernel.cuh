@@ -1086,10 +1086,10 @@ __device__ __forceinline__ void ArriveSplit(const VerifyParams& p, const VerifyP
 }
 
 // The merge work of CTA x, shared by the combine kernel (kFused false) and
-// the fused attention kernel (kFused true: wait for each row tile's
-// partials first, count the CTA out at the end). `starts`: the requests'
-// stream starts (the plan-in-warp copy in shared memory, or the plan
-// kernel's array).
+// the fused attention kernel (kFused true: check the workspace mark, then
+// before each merge wait for the row tile's partials and count the CTA in
+// on done[key]). `starts`: the requests' stream starts (the plan-in-warp
+// copy in shared memory, or the plan kernel's array).
 template <bool kFused>
 __device__ __forceinline__ void MergeCtaSplits(const VerifyParams& p, const VerifyPlanSummary& summary,
                                                const VerifyWorkItem& chunk_item, const int32_t* starts,
@@ -1098,9 +1098,9 @@ __device__ __forceinline__ void MergeCtaSplits(const VerifyParams& p, const Veri
   if constexpr (kFused) {
     // Checked here, after the segment loop, not at the arrivals: a trap (or a
     // printf call) in the loop around the attention body made ptxas put
-    // WARPSYNC.ALL before the tile loops' warp-wide instructions (bench/NOTES.md
-    // v8.1). An uninitialised workspace's arrivals counted into garbage; no
-    // CTA has waited on them yet.
+    // WARPSYNC.ALL before the tile loops' warp-wide instructions and cost 4 %
+    // (bench/NOTES.md v8.2). An uninitialised workspace's arrivals counted
+    // into garbage; no CTA has waited on them yet.
     if (threadIdx.x == 0 && *p.fused_magic != kFusedWorkspaceMagic) {
       printf("mlaverify: the verify workspace was not initialised (InitVerifyWorkspace) before a "
              "fused-combine launch\n");
