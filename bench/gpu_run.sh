@@ -151,6 +151,10 @@ if want sass && command -v cuobjdump >/dev/null; then
   # The attention kernels' SASS (instruction counts per loop, scheduling).
   cuobjdump -sass -arch sm_90 "$bundle/bin/mlaverify-bench" > "$out/sass_sm90.txt" 2>&1
   summary+=("sass rc=$? ($(wc -l < "$out/sass_sm90.txt") lines)")
+  # Instructions and WARPSYNC per tile loop of every attention kernel: compare
+  # with the previous build's before reading an A/B (bench/NOTES.md v8.2).
+  python3 bench/sass_loops.py "$out/sass_sm90.txt" > "$out/sass_loops.txt" 2>&1
+  cat "$out/sass_loops.txt"
 fi
 if want triton; then
   # Our own Triton implementation of the SGLang-style extend path, same shapes.

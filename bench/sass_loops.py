@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """Innermost loops of a kernel's SASS that issue MMAs, with instruction counts.
 
-Reads `cuobjdump -sass` (or `nvdisasm`) text of one kernel and prints, for
-every innermost backward-branch loop that contains HMMA, its address range
+Reads `cuobjdump -sass` (or `nvdisasm`) text of one or more kernels and
+prints, per kernel with MMAs, for every innermost backward-branch loop that
+contains HMMA, its address range
 and how many instructions, HMMA, LDSM, BAR, LDGSTS and WARPSYNC it holds,
 plus the kernel's total WARPSYNC count. Used to compare the tile loops of
 two builds before reading an A/B (bench/NOTES.md v8.2: a trap near the
 segment loop put WARPSYNC.ALL into the tile loops and cost 4 %).
 
-  cuobjdump -sass -fun MANGLED_NAME mlaverify-bench > k.sass   (GPU machine)
+  cuobjdump -sass [-fun MANGLED_NAME] mlaverify-bench > k.sass   (GPU machine;
+  bench/gpu_run.sh sass does this and writes sass_loops.txt)
   python3 bench/sass_loops.py k.sass [other.sass ...]
 """
 import re
@@ -18,13 +20,19 @@ KINDS = ("HMMA", "LDSM", "BAR", "LDGSTS", "WARPSYNC")
 
 
 def parse(path):
-    out = []
+    """{function name: [(address, instruction)]} of a cuobjdump/nvdisasm dump."""
+    functions = {}
+    current = functions.setdefault("?", [])
     with open(path) as f:
         for line in f:
+            header = re.search(r"Function : (\S+)", line)
+            if header:
+                current = functions.setdefault(header.group(1), [])
+                continue
             m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
             if m:
-                out.append((int(m.group(1), 16), m.group(2).strip()))
-    return out
+                current.append((int(m.group(1), 16), m.group(2).strip()))
+    return {name: instrs for name, instrs in functions.items() if instrs}
 
 
 def loops(instrs):
@@ -48,12 +56,15 @@ def loops(instrs):
 
 def main():
     for path in sys.argv[1:]:
-        instrs = parse(path)
-        total_ws = sum("WARPSYNC" in t for _, t in instrs)
-        print(f"{path}: {len(instrs)} instructions, {total_ws} WARPSYNC")
-        for lo, hi, n, c in sorted(loops(instrs)):
-            kinds = ", ".join(f"{c[k]} {k}" for k in KINDS)
-            print(f"  loop {lo:05x}-{hi:05x}: {n} instructions, {kinds}")
+        for name, instrs in parse(path).items():
+            inner = sorted(loops(instrs))
+            if not inner:
+                continue  # no MMA loop: not an attention kernel
+            total_ws = sum("WARPSYNC" in t for _, t in instrs)
+            print(f"{path}: {name}: {len(instrs)} instructions, {total_ws} WARPSYNC")
+            for lo, hi, n, c in inner:
+                kinds = ", ".join(f"{c[k]} {k}" for k in KINDS)
+                print(f"  loop {lo:05x}-{hi:05x}: {n} instructions, {kinds}")
 
 
 if __name__ == "__main__":
