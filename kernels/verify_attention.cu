@@ -2,6 +2,8 @@
 // only translation unit that includes verify_kernel.cuh.
 #include <cuda_runtime.h>
 
+#include <vector>
+
 #include "kernels/verify_kernel.cuh"
 #include "kernels/verify_pipelined_kernel.cuh"
 #include "kernels/verify_params.h"
@@ -60,23 +62,24 @@ bool IsSupportedAttentionVariant(AttentionVariant variant) {
 
 namespace {
 
+// Raises the shared-memory limit of every instance of a pipelined shape (both
+// page paths; for `pipelined` also the fused-combine ones).
 template <int kKSlices>
 cudaError_t PreparePipelined() {
+  using verify::PipelinedAttentionKernel;
+  using Kernel = void (*)(VerifyParams);
   const int bytes = verify::pipelined::Shape<kKSlices>::SMEM_BYTES;
-  cudaError_t err = cudaFuncSetAttribute(verify::PipelinedAttentionKernel<kKSlices, true, false>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (err != cudaSuccess) return err;
-  err = cudaFuncSetAttribute(verify::PipelinedAttentionKernel<kKSlices, false, false>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (err != cudaSuccess) return err;
-  if constexpr (kKSlices == 2) {  // the fused-combine instances (`pipelined` only)
-    err = cudaFuncSetAttribute(verify::PipelinedAttentionKernel<kKSlices, true, true>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (err != cudaSuccess) return err;
-    err = cudaFuncSetAttribute(verify::PipelinedAttentionKernel<kKSlices, false, true>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  std::vector<Kernel> kernels = {PipelinedAttentionKernel<kKSlices, true, false>,
+                                 PipelinedAttentionKernel<kKSlices, false, false>};
+  if constexpr (kKSlices == 2) {
+    kernels.push_back(PipelinedAttentionKernel<kKSlices, true, true>);
+    kernels.push_back(PipelinedAttentionKernel<kKSlices, false, true>);
   }
-  return err;
+  for (const Kernel kernel : kernels) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
 }
 
 // Page ids through the shared ring below 16 tokens per page.

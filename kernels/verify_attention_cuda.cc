@@ -64,11 +64,24 @@ WorkspaceLayout Layout(const VerifyArguments& a, const VerifyLaunchConfig& c) {
   return l;
 }
 
+absl::Status CheckWorkspace(const WorkspaceLayout& l, const void* workspace, size_t workspace_bytes) {
+  if (workspace == nullptr || workspace_bytes < l.bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("workspace of ", workspace_bytes,
+                                                   " bytes is too small: need ", l.bytes));
+  }
+  return absl::OkStatus();
+}
+
+// The fused combine's conditions for a grid of `grid_ctas` attention CTAs.
+bool UsesFusedCombine(const VerifyLaunchConfig& c, int grid_ctas) {
+  return c.fused_combine && c.attention_variant == AttentionVariant::kPipelined &&
+         !c.programmatic_launch && grid_ctas <= c.resident_ctas;
+}
+
 }  // namespace
 
 bool LaunchUsesFusedCombine(const VerifyArguments& a, const VerifyLaunchConfig& c) {
-  return c.fused_combine && c.attention_variant == AttentionVariant::kPipelined &&
-         !c.programmatic_launch && MaxWork(a, c) <= c.resident_ctas;
+  return UsesFusedCombine(c, MaxWork(a, c));
 }
 
 const char* AttentionVariantName(AttentionVariant variant) {
@@ -125,10 +138,7 @@ size_t VerifyWorkspaceBytes(const VerifyArguments& args, const VerifyLaunchConfi
 absl::Status InitVerifyWorkspace(const VerifyArguments& args, const VerifyLaunchConfig& config,
                                  void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   const WorkspaceLayout l = Layout(args, config);
-  if (workspace == nullptr || workspace_bytes < l.bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("workspace of ", workspace_bytes,
-                                                   " bytes is too small: need ", l.bytes));
-  }
+  RETURN_IF_ERROR(CheckWorkspace(l, workspace, workspace_bytes));
   auto* base = static_cast<uint8_t*>(workspace);
   return CudaErrorToStatus(
       LaunchInitFusedWorkspace(reinterpret_cast<unsigned int*>(base + l.split_arrivals),
@@ -154,10 +164,7 @@ absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchC
                                                    ": must be in 0..", kPlanInWarpMaxBatch));
   }
   const WorkspaceLayout l = Layout(a, c);
-  if (workspace == nullptr || workspace_bytes < l.bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("workspace of ", workspace_bytes,
-                                                   " bytes is too small: need ", l.bytes));
-  }
+  RETURN_IF_ERROR(CheckWorkspace(l, workspace, workspace_bytes));
   auto* base = static_cast<uint8_t*>(workspace);
   VerifyParams p{};
   p.q = reinterpret_cast<const uint16_t*>(a.q);
@@ -194,7 +201,7 @@ absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchC
   p.split_arrivals = reinterpret_cast<unsigned int*>(base + l.split_arrivals);
   p.split_done = reinterpret_cast<unsigned int*>(base + l.split_done);
   p.fused_magic = reinterpret_cast<const unsigned long long*>(base + l.fused_magic);
-  p.fused_combine = LaunchUsesFusedCombine(a, c) ? 1 : 0;
+  p.fused_combine = UsesFusedCombine(c, p.max_work) ? 1 : 0;
   return CudaErrorToStatus(LaunchVerifyKernels(p, c.attention_variant, c.programmatic_launch, stream),
                     "verify launch");
 }

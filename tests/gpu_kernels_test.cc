@@ -105,6 +105,16 @@ struct GridCase {
     return absl::StrCat("P=", absl::StrJoin(prefix_len, "/"), " N=", absl::StrJoin(draft_len, "/"),
                         " H=", heads, " page=", page_size, " ", testing::MaskName(mask));
   }
+  VerifyProblemSpec Spec(uint64_t seed) const {
+    VerifyProblemSpec spec;
+    spec.prefix_len = prefix_len;
+    spec.draft_len = draft_len;
+    spec.num_heads = heads;
+    spec.page_size = page_size;
+    spec.mask = mask;
+    spec.seed = seed;
+    return spec;
+  }
 };
 
 // Every P, N and H of the grid meets every other; page sizes and masks
@@ -150,14 +160,7 @@ std::vector<GridCase> GridCases() {
 TEST_F(GpuKernelTest, AttentionMatchesReferenceOverTheGrid) {
   int index = 0;
   for (const GridCase& c : GridCases()) {
-    VerifyProblemSpec spec;
-    spec.prefix_len = c.prefix_len;
-    spec.draft_len = c.draft_len;
-    spec.num_heads = c.heads;
-    spec.page_size = c.page_size;
-    spec.mask = c.mask;
-    spec.seed = 1000 + index++;
-    HostVerifyProblem problem = MakeProblem(spec);
+    HostVerifyProblem problem = MakeProblem(c.Spec(1000 + index++));
     // Every attention variant on every case.
     int v = 0;
     for (const AttentionVariant variant : kAllVariants) {
@@ -261,14 +264,7 @@ TEST_F(GpuKernelTest, StreamPlanRangesSpanRequests) {
   }
   int index = 0;
   for (const StreamCase& c : cases) {
-    VerifyProblemSpec spec;
-    spec.prefix_len = c.grid.prefix_len;
-    spec.draft_len = c.grid.draft_len;
-    spec.num_heads = c.grid.heads;
-    spec.page_size = c.grid.page_size;
-    spec.mask = c.grid.mask;
-    spec.seed = 5000 + index++;
-    HostVerifyProblem problem = MakeProblem(spec);
+    HostVerifyProblem problem = MakeProblem(c.grid.Spec(5000 + index++));
     for (const auto& [sms, stream_expected] : c.sms_and_stream) {
       for (const AttentionVariant variant : {AttentionVariant::kPipelined, AttentionVariant::kPipelined16}) {
         for (const int plan_in_warp : {0, kPlanInWarpMaxBatch}) {
@@ -332,14 +328,7 @@ TEST_F(GpuKernelTest, FusedCombineMatchesTheCombineKernelBitForBit) {
   }
   int index = 0;
   for (const GridCase& c : cases) {
-    VerifyProblemSpec spec;
-    spec.prefix_len = c.prefix_len;
-    spec.draft_len = c.draft_len;
-    spec.num_heads = c.heads;
-    spec.page_size = c.page_size;
-    spec.mask = c.mask;
-    spec.seed = 9000 + index++;
-    HostVerifyProblem problem = MakeProblem(spec);
+    HostVerifyProblem problem = MakeProblem(c.Spec(9000 + index++));
     for (const bool stream_plan : {true, false}) {
       VerifyLaunchConfig fused = config_;
       fused.attention_variant = AttentionVariant::kPipelined;
