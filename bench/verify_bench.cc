@@ -13,6 +13,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -25,6 +26,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "kernels/cpu_reference.h"
+#include "kernels/phase_stamps.h"
+#include "kernels/status_macros.h"
 #include "kernels/testing/device_problem.h"
 #include "kernels/testing/verify_problem.h"
 #include "kernels/verify_attention_cuda.h"
@@ -126,6 +129,72 @@ absl::StatusOr<Timing> TimeGraph(cudaGraphExec_t exec, cudaStream_t stream, int 
   return Timing{times[times.size() / 2] * 1e3, times.front() * 1e3};
 }
 
+// Phase stamps (kernels/phase_stamps.h; a build with -DMLAVERIFY_PHASE_STAMPS=ON):
+// `replays` graph replays, each after an L2 flush, with the kernels writing
+// their per-CTA phase times. Returns one JSON object per replay: times in ns
+// relative to the earliest CTA entry of that replay (-1: not reached), and
+// prints, for the replay of median span, each phase's median and max over
+// CTAs.
+absl::StatusOr<nlohmann::json> RecordPhaseStamps(cudaGraphExec_t exec, cudaStream_t stream, int ctas,
+                                                 int replays, DeviceBuffer& flush_buffer) {
+  using kernels::kPhaseSlots;
+  DeviceBuffer stamps;
+  RETURN_IF_ERROR(stamps.Allocate(sizeof(uint64_t) * kPhaseSlots * ctas));
+  RETURN_IF_ERROR(kernels::SetVerifyPhaseStamps(stamps.as<unsigned long long>()));
+  nlohmann::json out = nlohmann::json::array();
+  std::vector<std::pair<double, int>> spans;
+  std::vector<std::vector<std::vector<int64_t>>> all;
+  std::vector<uint64_t> host(static_cast<size_t>(kPhaseSlots) * ctas);
+  for (int r = 0; r < replays; ++r) {
+    cudaMemsetAsync(stamps.as<void>(), 0, stamps.bytes(), stream);
+    cudaMemsetAsync(flush_buffer.as<void>(), r & 0xff, flush_buffer.bytes(), stream);
+    cudaGraphLaunch(exec, stream);
+    cudaMemcpyAsync(host.data(), stamps.as<void>(), stamps.bytes(), cudaMemcpyDeviceToHost, stream);
+    if (cudaStreamSynchronize(stream) != cudaSuccess) {
+      (void)kernels::SetVerifyPhaseStamps(nullptr);
+      return absl::InternalError(absl::StrCat("phase-stamp replay failed: ", cudaGetErrorString(cudaGetLastError())));
+    }
+    uint64_t t0 = UINT64_MAX, t1 = 0;
+    for (int c = 0; c < ctas; ++c) {
+      const uint64_t entry = host[static_cast<size_t>(c) * kPhaseSlots + kernels::kStampEntry];
+      if (entry != 0) t0 = std::min(t0, entry);
+      for (int k = 0; k < kPhaseSlots; ++k) t1 = std::max(t1, host[static_cast<size_t>(c) * kPhaseSlots + k]);
+    }
+    if (t0 == UINT64_MAX) {
+      (void)kernels::SetVerifyPhaseStamps(nullptr);
+      return absl::InternalError("no CTA stamped its entry");
+    }
+    std::vector<std::vector<int64_t>> rel(ctas, std::vector<int64_t>(kPhaseSlots, -1));
+    for (int c = 0; c < ctas; ++c) {
+      for (int k = 0; k < kPhaseSlots; ++k) {
+        const uint64_t v = host[static_cast<size_t>(c) * kPhaseSlots + k];
+        if (v != 0) rel[c][k] = static_cast<int64_t>(v - t0);
+      }
+    }
+    spans.push_back({static_cast<double>(t1 - t0), r});
+    out.push_back({{"span_ns", t1 - t0}, {"ctas", rel}});
+    all.push_back(std::move(rel));
+  }
+  RETURN_IF_ERROR(kernels::SetVerifyPhaseStamps(nullptr));
+  std::sort(spans.begin(), spans.end());
+  const auto& median = all[spans[spans.size() / 2].second];
+  std::printf("  phase stamps (replay of median span %.2f us; us after the first CTA entry, over CTAs that reached it):\n",
+              spans[spans.size() / 2].first / 1e3);
+  for (int k = 0; k < kPhaseSlots; ++k) {
+    const char* name = kernels::PhaseSlotName(k);
+    if (name == nullptr) continue;
+    std::vector<int64_t> v;
+    for (const auto& cta : median) {
+      if (cta[k] >= 0) v.push_back(cta[k]);
+    }
+    if (v.empty()) continue;
+    std::sort(v.begin(), v.end());
+    std::printf("    %-14s n=%-4zu min %7.2f  median %7.2f  max %7.2f\n", name, v.size(), v.front() / 1e3,
+                v[v.size() / 2] / 1e3, v.back() / 1e3);
+  }
+  return out;
+}
+
 int Run(int argc, char** argv) {
   CLI::App app{"mlaverify-bench: verify attention kernel benchmark"};
   std::string suite;
@@ -138,6 +207,7 @@ int Run(int argc, char** argv) {
   int min_chunk_tiles = 0;
   bool no_pdl = false;
   std::string variant;
+  std::string stamps_path;
   app.add_option("--suite", suite, "named suite: anchor, sweep, smoke");
   app.add_option("--shape", shape_texts, "B,L,N,H[,page_size[,chain|tree]] (repeatable)");
   app.add_option("--reps", reps, "timed repetitions per row (median reported)")->check(CLI::Range(1, 100000));
@@ -164,6 +234,8 @@ int Run(int argc, char** argv) {
   bool pdl = false;
   app.add_flag("--no-pdl", no_pdl, "launch plan/attention/combine without programmatic dependent launch");
   app.add_flag("--pdl", pdl, "launch plan/attention/combine with programmatic dependent launch");
+  app.add_option("--phase-stamps", stamps_path,
+                 "write per-CTA phase times of 9 replays per shape here (JSON; a -DMLAVERIFY_PHASE_STAMPS=ON build)");
   CLI11_PARSE(app, argc, argv);
 
   std::vector<Shape> shapes = Suite(suite);
@@ -230,6 +302,7 @@ int Run(int argc, char** argv) {
   cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
 
   nlohmann::json rows = nlohmann::json::array();
+  nlohmann::json stamp_rows = nlohmann::json::array();
   bool all_ok = true;
   int index = 0;
   for (const Shape& s : shapes) {
@@ -290,6 +363,21 @@ int Run(int argc, char** argv) {
     if (st.ok()) check = kernels::testing::CompareWithReference(problem, out, lse, check_rows);
     absl::StatusOr<Timing> timing = absl::InternalError("not run");
     if (st.ok()) timing = TimeGraph(exec, stream, reps, !no_flush, flush_buffer);
+    if (st.ok() && timing.ok() && !stamps_path.empty()) {
+      // The attention and combine grids: one CTA per item of the largest plan (MaxWork).
+      const int grid_ctas = std::max(config->num_sms * config->ctas_per_sm,
+                                     s.batch * ((s.draft * s.heads + kernels::kVerifyRowsPerCta - 1) /
+                                                kernels::kVerifyRowsPerCta));
+      auto recorded = RecordPhaseStamps(exec, stream, grid_ctas, 9, flush_buffer);
+      if (!recorded.ok()) {
+        st = recorded.status();
+      } else {
+        stamp_rows.push_back({{"batch", s.batch}, {"prefix_len", s.prefix}, {"draft_len", s.draft},
+                              {"heads", s.heads}, {"page_size", s.page_size},
+                              {"mask", kernels::testing::MaskName(s.mask)}, {"time_us", timing->median_us},
+                              {"replays", *recorded}});
+      }
+    }
     if (exec) cudaGraphExecDestroy(exec);
     if (graph) cudaGraphDestroy(graph);
     if (!st.ok() || !timing.ok()) {
@@ -352,6 +440,21 @@ int Run(int argc, char** argv) {
   if (!out_path.empty()) {
     std::ofstream f(out_path);
     f << result.dump(2) << "\n";
+  }
+  if (!stamps_path.empty()) {
+    std::ofstream f(stamps_path);
+    f << nlohmann::json{{"gpu", prop.name},
+                        {"slots", [] {
+                           nlohmann::json names = nlohmann::json::array();
+                           for (int k = 0; k < kernels::kPhaseSlots; ++k) {
+                             const char* n = kernels::PhaseSlotName(k);
+                             names.push_back(n ? n : "");
+                           }
+                           return names;
+                         }()},
+                        {"rows", stamp_rows}}
+             .dump()
+      << "\n";
   }
   if (!all_ok) std::printf("SOME ROWS FAILED\n");
   return all_ok ? 0 : 1;

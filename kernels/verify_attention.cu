@@ -113,6 +113,23 @@ cudaError_t LaunchInitFusedWorkspace(unsigned int* arrivals, unsigned int* done,
   return cudaGetLastError();
 }
 
+bool PhaseStampsCompiledIn() {
+#ifdef MLAVERIFY_PHASE_STAMPS
+  return true;
+#else
+  return false;
+#endif
+}
+
+cudaError_t SetPhaseStampBuffer(unsigned long long* stamps) {
+#ifdef MLAVERIFY_PHASE_STAMPS
+  return cudaMemcpyToSymbol(verify::g_phase_stamps, &stamps, sizeof(stamps));
+#else
+  (void)stamps;
+  return cudaErrorNotSupported;
+#endif
+}
+
 int FusedAttentionCtasPerSm() {
   int ctas = 0;
   const int bytes = verify::pipelined::Shape<2>::SMEM_BYTES;

@@ -219,6 +219,14 @@ absl::StatusOr<VerifyPlanSummary> ReadVerifyPlanSummary(const VerifyArguments& a
   return summary;
 }
 
+absl::Status SetVerifyPhaseStamps(unsigned long long* device_stamps) {
+  if (!PhaseStampsCompiledIn()) {
+    return absl::FailedPreconditionError(
+        "phase stamps are not compiled in: configure with -DMLAVERIFY_PHASE_STAMPS=ON");
+  }
+  return CudaErrorToStatus(SetPhaseStampBuffer(device_stamps), "cudaMemcpyToSymbol(phase stamps)");
+}
+
 absl::Status LaunchWriteDraftKv(const DraftKvWriteArguments& a, cudaStream_t stream) {
   RETURN_IF_ERROR(CanImplementWrite(a, /*require_16b_alignment=*/true));
   DraftKvWriteParams p{};

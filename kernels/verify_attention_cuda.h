@@ -100,6 +100,13 @@ absl::StatusOr<VerifyPlanSummary> ReadVerifyPlanSummary(const VerifyArguments& a
                                                         const VerifyLaunchConfig& config,
                                                         const void* workspace, cudaStream_t stream);
 
+// Diagnostics (kernels/phase_stamps.h): from the next launch on, every
+// attention and combine CTA writes its phase times to `device_stamps`
+// ([grid CTAs][kPhaseSlots] uint64 ns; null stops it). FAILED_PRECONDITION
+// in a build without the CMake option MLAVERIFY_PHASE_STAMPS. Not for serving:
+// the stamps build's kernels differ from the default build's.
+absl::Status SetVerifyPhaseStamps(unsigned long long* device_stamps);
+
 absl::Status LaunchWriteDraftKv(const DraftKvWriteArguments& args, cudaStream_t stream);
 
 // Copies rows [num_layers, count, 576] (device memory) into (to_pool) or out

@@ -12,6 +12,7 @@
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
+#include "kernels/phase_stamps.h"
 #include "kernels/ptx.cuh"
 #include "kernels/verify_config.cuh"
 #include "kernels/verify_params.h"
@@ -24,6 +25,27 @@ constexpr int PLAN_THREADS = 1024;  // one thread per request: batch <= 1024
 static_assert(BLOCK_M == kVerifyRowsPerCta, "the host sizes partial buffers with kVerifyRowsPerCta");
 
 __device__ __forceinline__ int CeilDiv(int a, int b) { return (a + b - 1) / b; }
+
+// Phase stamps (kernels/phase_stamps.h): the caller picks the one thread that
+// stamps. Without MLAVERIFY_PHASE_STAMPS this is empty and generates nothing.
+#ifdef MLAVERIFY_PHASE_STAMPS
+__device__ unsigned long long* g_phase_stamps = nullptr;  // [ctas][kPhaseSlots], or null: off
+__device__ __forceinline__ void PhaseStamp(int slot) {
+  unsigned long long* stamps = g_phase_stamps;
+  if (stamps == nullptr) return;
+  unsigned long long now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  stamps[blockIdx.x * kPhaseSlots + slot] = now;
+}
+// A stamp taken once `value` has arrived (the asm consumes it).
+__device__ __forceinline__ void PhaseStampAfter(int slot, int value) {
+  asm volatile("" ::"r"(value) : "memory");
+  PhaseStamp(slot);
+}
+#else
+__device__ __forceinline__ void PhaseStamp(int) {}
+__device__ __forceinline__ void PhaseStampAfter(int, int) {}
+#endif
 
 // "No split": larger than any request's tile count (positions are int32).
 constexpr int NO_SPLIT_CHUNK_TILES = (1 << 30) / BLOCK_N;
@@ -301,6 +323,7 @@ __device__ __forceinline__ WarpPlan PlanInWarp(const VerifyParams& p, int w, boo
   const unsigned all = 0xffffffffu;
   const int lane = threadIdx.x & 31;
   const RequestShape req = ShapeOfRequest(p, lane);
+  if (lane == 0) PhaseStampAfter(kStampLengths, req.kv_len);
   auto sum_ll = [&](long long v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(all, v, o);
@@ -457,6 +480,7 @@ __device__ __forceinline__ void ForEachSegment(const VerifyParams& p, SegmentSme
                                                After&& after = After{}) {
   const int x = blockIdx.x;
   const bool first_warp = threadIdx.x < 32;
+  if (threadIdx.x == 0) PhaseStamp(kStampEntry);
   ptx::GridDependencyWait();  // the plan kernel's output (or the writes of the grid before)
   if (p.plan_in_warp) {  // batch <= kPlanInWarpMaxBatch (the host checks)
     if (first_warp) {
@@ -473,6 +497,7 @@ __device__ __forceinline__ void ForEachSegment(const VerifyParams& p, SegmentSme
     sm.list[0] = p.work[x];  // read beside the summary; stale (unused) under the stream plan
   }
   ptx::BlockBarrier();
+  if (threadIdx.x == 0) PhaseStamp(kStampPlanned);
   const VerifyPlanSummary summary = sm.summary;
   if (x >= summary.total_work) return;
   ptx::GridDependencyLaunchDependents();
@@ -1114,6 +1139,7 @@ __device__ __forceinline__ void MergeCtaSplits(const VerifyParams& p, const Veri
         const unsigned int splits = static_cast<unsigned int>(item.splits);
         const int key = SplitTileKey(p, summary, item, x);
         while (LoadAcquireGpu(p.split_arrivals + key) != splits) __nanosleep(32);
+        PhaseStamp(kStampMergeWaited);
         if (atomicAdd(p.split_done + key, 1u) == splits - 1) {  // the row tile's last split past its wait
           p.split_arrivals[key] = 0;
           p.split_done[key] = 0;
@@ -1123,6 +1149,7 @@ __device__ __forceinline__ void MergeCtaSplits(const VerifyParams& p, const Veri
     }
     if (item.split >= BLOCK_M) return;  // uniform: no row of this split
     MergeSplitRows<kFused>(p, item, slot_base, slot_stride, extra, ms);
+    if (threadIdx.x == 0) PhaseStamp(kFused ? kStampMergeDone : kStampCombineDone);
   };
   if (summary.stream_groups == 0) {
     // Chunk plan: item w = base_b + split * row_tiles_b + row_tile in slot w.
@@ -1167,6 +1194,7 @@ __global__ void InitFusedWorkspaceKernel(unsigned int* arrivals, unsigned int* d
 __global__ void __launch_bounds__(COMBINE_THREADS) CombineKernel(const VerifyParams p) {
   __shared__ SegmentSmem sm;
   __shared__ MergeSmem ms;
+  if (threadIdx.x == 0) PhaseStamp(kStampCombineEntry);
   ptx::GridDependencyWait();  // the attention kernel's partials
   const int x = blockIdx.x;
   // Both loads go out together (one L2 round trip fewer on the small-batch
@@ -1174,6 +1202,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS) CombineKernel(const VerifyPar
   const VerifyPlanSummary summary = *p.summary;
   const VerifyWorkItem chunk_item = p.work[x];
   if (x >= summary.total_work) return;
+  if (threadIdx.x == 0) PhaseStamp(kStampCombineReady);
   MergeCtaSplits<false>(p, summary, chunk_item, p.request_stream_start, p.request_q_row, sm, ms);
 }
 

@@ -175,6 +175,11 @@ cudaError_t LaunchInitFusedWorkspace(unsigned int* arrivals, unsigned int* done,
 // CTAs of the fused-combine attention kernel one SM holds at once (the
 // occupancy calculator; 0 on error). Call after PrepareVerifyKernels.
 int FusedAttentionCtasPerSm();
+// Phase stamps (kernels/phase_stamps.h): whether this build records them, and
+// the device buffer the kernels write them to (null: none). Not supported
+// (cudaErrorNotSupported) in a build without MLAVERIFY_PHASE_STAMPS.
+bool PhaseStampsCompiledIn();
+cudaError_t SetPhaseStampBuffer(unsigned long long* stamps);
 // Dynamic shared memory of an attention variant, in bytes.
 int VerifyAttentionSharedBytes(AttentionVariant variant);
 

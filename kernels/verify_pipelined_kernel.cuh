@@ -141,6 +141,9 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
       if (tile_loader && t < num_tiles) issue_tile(t, t * STAGE_BYTES, page_of(t, ld_row), ld_row, ld_lane);
       ptx::CpAsyncCommit();
     }
+#ifdef MLAVERIFY_PHASE_STAMPS
+    if (tid == 0) PhaseStampAfter(kStampPageIds, page_of(0, 0));
+#endif
 
     uint32_t q_frag[K_STEPS][4];
     ptx::CpAsyncWait<Q_STAGE>();  // Q has landed (the tiles may still be in flight)
@@ -155,6 +158,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     }
     // Every score warp holds its Q: the Q stages receive tiles Q_STAGE.. now.
     ptx::NamedBarrierSync(BAR_SCORE, SCORE_THREADS);
+    if (tid == 0) PhaseStamp(kStampQReady);
 #pragma unroll
     for (int t = Q_STAGE; t < NUM_STAGES; ++t) {
       if (tile_loader && t < num_tiles) issue_tile(t, t * STAGE_BYTES, page_of(t, ld_row), ld_row, ld_lane);
@@ -207,6 +211,9 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
       } else {
         ptx::NamedBarrierSync(BAR_KV_FULL + (t & 1), NUM_THREADS);
       }
+#ifdef MLAVERIFY_PHASE_STAMPS
+      if (t == 0 && tid == 0) PhaseStamp(kStampFirstTile);
+#endif
 
       // ---- partial S[16 rows, 16 tokens] over this warp's K_SLICE dimensions:
       // two accumulator chains per n-tile (even / odd k steps) ----
@@ -338,6 +345,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
       ptx::NamedBarrierArrive(BAR_P_FULL + (t & 1), NUM_THREADS);
     }
 
+    if (tid == 0) PhaseStamp(kStampScoreDone);
     // ---- 1 / l and lse of my row, for the PV warps' epilogue ----
 #pragma unroll
     for (int x = 1; x < ROW_LANES; x <<= 1) row_sum += __shfl_xor_sync(0xffffffffu, row_sum, x);
@@ -409,6 +417,9 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   uint32_t free_stage = (NUM_STAGES - 1) * STAGE_BYTES;    // tile t-1's: loaded next
   for (int t = 0; t < num_tiles; ++t) {
     ptx::NamedBarrierSync(BAR_P_FULL + (t & 1), NUM_THREADS);
+#ifdef MLAVERIFY_PHASE_STAMPS
+    if (t == 0 && tid == SCORE_THREADS) PhaseStamp(kStampPvFirstTile);
+#endif
     const float* alpha = alpha_s + (t & 1) * BLOCK_M;
     float a[M_TILES][2];
 #pragma unroll
@@ -482,10 +493,12 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   // ---- epilogue: normalised O, bf16 to the output or fp32 to the partials ----
   // No cp.async may still write this CTA's shared memory when it exits (the
   // ring's last page-id fetches are never waited for in the loop).
+  if (tid == SCORE_THREADS) PhaseStamp(kStampPvDone);
   ptx::CpAsyncWait<0>();
   ptx::NamedBarrierSync(BAR_FINAL, NUM_THREADS);
   StoreOutputSlice(p, o_acc, inv_l_s, item.row_tile, rows, q_row, heads, partial_slot,
                    pv_warp * V_COLS_PER_WARP + 2 * t4, g);
+  if (tid == SCORE_THREADS) PhaseStamp(kStampStored);
 }
 
 // A CTA runs its segments one after the other (one under the chunk plan).
@@ -502,6 +515,7 @@ __global__ void __launch_bounds__(pipelined::Shape<kKSlices>::NUM_THREADS, 1)
                 "the merge reuses the KV stages");
   auto after = [&](const VerifyWorkItem& item) {
     if constexpr (kFused) ArriveSplit(p, segments.summary, item);
+    if (threadIdx.x == 0) PhaseStamp(kStampArrived);
   };
   // Both roles pass the same block-wide barriers of ForEachSegment from their
   // own call sites (bar.sync 0 counts threads, not sites), with one shared state.

@@ -1,0 +1,61 @@
+// Phase stamps: a diagnostic build of the verify kernels that records, per
+// CTA, the %globaltimer (ns) at which thread 0 of a role passes each phase of
+// the attention and combine kernels, to find where the time of a small-batch
+// launch goes (bench/NOTES.md v9). Compiled in only with the CMake option
+// MLAVERIFY_PHASE_STAMPS=ON (a separate build directory): the default build
+// has no stamp code at all, so its SASS is untouched. The benchmark reads them
+// with `mlaverify-bench --phase-stamps FILE`.
+//
+// Layout of the device buffer: [ctas][kPhaseSlots] uint64, slot = PhaseSlot;
+// 0 = not reached. Under the stream plan a CTA runs several segments: the
+// per-segment slots then hold the last segment's time.
+#ifndef MLAVERIFY_KERNELS_PHASE_STAMPS_H_
+#define MLAVERIFY_KERNELS_PHASE_STAMPS_H_
+
+namespace mlaverify::kernels {
+
+enum PhaseSlot : int {
+  kStampEntry = 0,         // attention CTA starts (thread 0, before the plan)
+  kStampPlanned = 1,       // its item is known (after the plan's block barrier)
+  kStampQReady = 2,        // score warps: Q in registers
+  kStampFirstTile = 3,     // score warps: KV tile 0 landed
+  kStampScoreDone = 4,     // score warps: last tile's P handed over
+  kStampPvFirstTile = 5,   // PV warps: P(0) received
+  kStampPvDone = 6,        // PV warps: last tile's MMAs done
+  kStampStored = 7,        // PV warps: output / partial stored
+  kStampArrived = 8,       // after the segment hook (fused: the split counted in)
+  kStampMergeWaited = 9,   // fused: the row tile's splits have all arrived
+  kStampMergeDone = 10,    // fused: this CTA's merge done
+  kStampCombineEntry = 11, // combine kernel CTA starts
+  kStampCombineReady = 12, // combine: summary and item read
+  kStampCombineDone = 13,  // combine: merge done
+  kStampLengths = 14,      // warp plan: the requests' lengths have arrived
+  kStampPageIds = 15,      // score warps: page ids of the first tiles have arrived
+  kPhaseSlots = 16,
+};
+
+inline const char* PhaseSlotName(int slot) {
+  switch (slot) {
+    case kStampEntry: return "entry";
+    case kStampPlanned: return "planned";
+    case kStampQReady: return "q_ready";
+    case kStampFirstTile: return "first_tile";
+    case kStampScoreDone: return "score_done";
+    case kStampPvFirstTile: return "pv_first_tile";
+    case kStampPvDone: return "pv_done";
+    case kStampStored: return "stored";
+    case kStampArrived: return "arrived";
+    case kStampMergeWaited: return "merge_waited";
+    case kStampMergeDone: return "merge_done";
+    case kStampCombineEntry: return "combine_entry";
+    case kStampCombineReady: return "combine_ready";
+    case kStampCombineDone: return "combine_done";
+    case kStampLengths: return "lengths";
+    case kStampPageIds: return "page_ids";
+    default: return nullptr;
+  }
+}
+
+}  // namespace mlaverify::kernels
+
+#endif  // MLAVERIFY_KERNELS_PHASE_STAMPS_H_
