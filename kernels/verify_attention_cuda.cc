@@ -54,7 +54,7 @@ WorkspaceLayout Layout(const VerifyArguments& a, const VerifyLaunchConfig& c) {
   // first and the last of its range: slots 2x and 2x + 1).
   const size_t partial_slots = 2 * static_cast<size_t>(TargetCtas(c));
   l.partial_lse = take(sizeof(float) * partial_slots * kBlockM);
-  l.partial_out = take(sizeof(float) * partial_slots * kBlockM * kValueDim);
+  l.partial_out = take(sizeof(uint16_t) * partial_slots * kBlockM * kValueDim);  // bf16
   // The fused combine's counters, one of each per split row tile (keys below
   // target_ctas), and the mark InitVerifyWorkspace writes.
   l.split_arrivals = take(sizeof(unsigned int) * static_cast<size_t>(TargetCtas(c)));
@@ -192,7 +192,7 @@ absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchC
   p.request_stream_start = reinterpret_cast<int32_t*>(base + l.request_stream_start);
   p.work = reinterpret_cast<VerifyWorkItem*>(base + l.work);
   p.partial_lse = reinterpret_cast<float*>(base + l.partial_lse);
-  p.partial_out = reinterpret_cast<float*>(base + l.partial_out);
+  p.partial_out = reinterpret_cast<uint16_t*>(base + l.partial_out);
   p.max_work = MaxWork(a, c);
   p.target_ctas = TargetCtas(c);
   p.min_chunk_tiles = c.min_chunk_tiles;

@@ -605,9 +605,13 @@ __device__ __forceinline__ void StoreRowStats(const VerifyParams& p, int partial
 }
 
 // A warp's slice of O (columns col0 + n*8 + {0,1}, rows of the mma fragment
-// layout) times 1 / l: bf16 to the output for an unsplit row tile
-// (partial_slot < 0), fp32 to the partial slot otherwise. Rows past the
-// request's end are skipped.
+// layout) times 1 / l, in bf16: to the output for an unsplit row tile
+// (partial_slot < 0), to the partial slot otherwise. Rows past the request's
+// end are skipped. Partials are bf16 since v9.1: at B=1, L=4K the fp32
+// partials (8.4 MB) took 2 us to store and another 1 us to drain before the
+// fused arrival (phase stamps, bench/NOTES.md v9.1); O / l is a convex
+// combination of V rows, so bf16 keeps its range, and the merge adds one
+// more bf16 rounding (2^-9 relative) before the output's own.
 template <int kNTiles>
 __device__ __forceinline__ void StoreOutputSlice(const VerifyParams& p,
                                                  const float (&o_acc)[M_TILES][kNTiles][4],
@@ -622,21 +626,14 @@ __device__ __forceinline__ void StoreOutputSlice(const VerifyParams& p,
       const int r = row_tile * BLOCK_M + row;
       if (r >= rows) continue;
       const float inv = inv_l[row];
-      if (partial_slot < 0) {
-        uint16_t* dst = p.out + static_cast<int64_t>(q_row + r / heads) * p.out_token_stride +
-                        static_cast<int64_t>(r % heads) * p.out_head_stride + col0;
+      uint16_t* dst = partial_slot < 0
+                          ? p.out + static_cast<int64_t>(q_row + r / heads) * p.out_token_stride +
+                                static_cast<int64_t>(r % heads) * p.out_head_stride + col0
+                          : p.partial_out + (static_cast<int64_t>(partial_slot) * BLOCK_M + row) * D_V + col0;
 #pragma unroll
-        for (int n = 0; n < kNTiles; ++n) {
-          *reinterpret_cast<uint32_t*>(dst + n * 8) =
-              ptx::PackBf16x2(o_acc[m][n][2 * half] * inv, o_acc[m][n][2 * half + 1] * inv);
-        }
-      } else {
-        float* dst = p.partial_out + (static_cast<int64_t>(partial_slot) * BLOCK_M + row) * D_V + col0;
-#pragma unroll
-        for (int n = 0; n < kNTiles; ++n) {
-          *reinterpret_cast<float2*>(dst + n * 8) =
-              make_float2(o_acc[m][n][2 * half] * inv, o_acc[m][n][2 * half + 1] * inv);
-        }
+      for (int n = 0; n < kNTiles; ++n) {
+        *reinterpret_cast<uint32_t*>(dst + n * 8) =
+            ptx::PackBf16x2(o_acc[m][n][2 * half] * inv, o_acc[m][n][2 * half + 1] * inv);
       }
     }
   }
@@ -948,7 +945,7 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const float* lse_of = p.partial_lse + static_cast<int64_t>(slot_base) * BLOCK_M;
-  const float* out_of = p.partial_out + static_cast<int64_t>(slot_base) * BLOCK_M * D_V;
+  const uint16_t* out_of = p.partial_out + static_cast<int64_t>(slot_base) * BLOCK_M * D_V;
   const int64_t split_stride = static_cast<int64_t>(slot_stride) * BLOCK_M;
   const int64_t split0_extra = static_cast<int64_t>(slot0_extra) * BLOCK_M;
   // This CTA's rows of the tile: item.split, item.split + splits, ... below
@@ -1004,22 +1001,21 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
     for (int k = 0; k < 4; ++k) acc[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     for (int s0 = active ? sub : splits; s0 < splits; s0 += warps_per_row * COMBINE_UNROLL) {
       float lse_v[COMBINE_UNROLL];
-      float4 o_v[COMBINE_UNROLL][4];
+      uint2 o_v[COMBINE_UNROLL][4];  // bf16 columns 4 lane + 128 k + {0..3}
 #pragma unroll
       for (int u = 0; u < COMBINE_UNROLL; ++u) {
         const int s = s0 + u * warps_per_row;
         const bool valid = s < splits;
         const int64_t slot_row = s * split_stride + (s == 0 ? split0_extra : 0) + row;
-        const float* o = out_of + slot_row * D_V + lane * 4;
-        const float4* o4 = reinterpret_cast<const float4*>(o);
+        const uint2* row_out = reinterpret_cast<const uint2*>(out_of + slot_row * D_V + lane * 4);
         if constexpr (kL2Loads) {
           lse_v[u] = valid ? __ldcg(lse_of + slot_row) : -INFINITY;
 #pragma unroll
-          for (int k = 0; k < 4; ++k) o_v[u][k] = valid ? __ldcg(o4 + k * 32) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          for (int k = 0; k < 4; ++k) o_v[u][k] = valid ? __ldcg(row_out + k * 32) : make_uint2(0u, 0u);
         } else {
           lse_v[u] = valid ? lse_of[slot_row] : -INFINITY;
 #pragma unroll
-          for (int k = 0; k < 4; ++k) o_v[u][k] = valid ? o4[k * 32] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          for (int k = 0; k < 4; ++k) o_v[u][k] = valid ? row_out[k * 32] : make_uint2(0u, 0u);
         }
       }
 #pragma unroll
@@ -1031,10 +1027,13 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
         l = l * scale + w;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          acc[k].x = acc[k].x * scale + w * o_v[u][k].x;
-          acc[k].y = acc[k].y * scale + w * o_v[u][k].y;
-          acc[k].z = acc[k].z * scale + w * o_v[u][k].z;
-          acc[k].w = acc[k].w * scale + w * o_v[u][k].w;
+          // bf16 -> fp32: the 16 bits are the top half of the float.
+          const float o0 = __uint_as_float(o_v[u][k].x << 16), o1 = __uint_as_float(o_v[u][k].x & 0xffff0000u);
+          const float o2 = __uint_as_float(o_v[u][k].y << 16), o3 = __uint_as_float(o_v[u][k].y & 0xffff0000u);
+          acc[k].x = acc[k].x * scale + w * o0;
+          acc[k].y = acc[k].y * scale + w * o1;
+          acc[k].z = acc[k].z * scale + w * o2;
+          acc[k].w = acc[k].w * scale + w * o3;
         }
         m = m_new;
       }
