@@ -548,6 +548,76 @@ __device__ __forceinline__ void ForEachSegment(const VerifyParams& p, SegmentSme
   }
 }
 
+// The pipelined kernels' epilogue: a PV warp's slice of O (32 rows x kNTiles
+// * 8 columns from column col0, mma fragment layout) times 1 / l, in bf16, to
+// the output (unsplit row tile, partial_slot < 0) or the partial slot.
+// StoreOutputSlice's 4-byte stores from the fragment layout cost ~2 us at
+// B=1, L=4K (64 store instructions per thread, each touching eight rows:
+// 2,048 sector requests per CTA whether the partial was fp32 or bf16; phase
+// stamps, bench/NOTES.md v9.2). Here the warp first writes its slice to
+// `staging` (shared memory no other warp uses: the caller's KV stages after
+// the last tile), then stores whole rows with 16-byte stores. A padded pitch
+// (16 bytes) keeps both the fragment writes and the row reads free of bank
+// conflicts. Output rows not 16-byte aligned (the API promises 4) are stored
+// four bytes at a time from the same staging.
+template <int kNTiles>
+__device__ __forceinline__ void StoreOutputSliceStaged(const VerifyParams& p,
+                                                       const float (&o_acc)[M_TILES][kNTiles][4],
+                                                       const float* inv_l, int row_tile, int rows,
+                                                       int q_row, int heads, int partial_slot, int col0,
+                                                       uint8_t* staging) {
+  constexpr int ROW_BYTES_OUT = kNTiles * 8 * 2;       // bf16 columns of the slice
+  constexpr int PITCH = ROW_BYTES_OUT + 16;
+  constexpr int LANES_PER_ROW = ROW_BYTES_OUT / 16;
+  constexpr int ROWS_PER_STEP = 32 / LANES_PER_ROW;
+  static_assert(32 % LANES_PER_ROW == 0 && BLOCK_M % ROWS_PER_STEP == 0, "whole rows per store step");
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int t4 = lane & 3;
+#pragma unroll
+  for (int m = 0; m < M_TILES; ++m) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = m * 16 + g + half * 8;
+      const float inv = inv_l[row];
+#pragma unroll
+      for (int n = 0; n < kNTiles; ++n) {
+        *reinterpret_cast<uint32_t*>(staging + row * PITCH + (n * 8 + 2 * t4) * 2) =
+            ptx::PackBf16x2(o_acc[m][n][2 * half] * inv, o_acc[m][n][2 * half + 1] * inv);
+      }
+    }
+  }
+  __syncwarp();
+  const bool out_aligned =
+      ((reinterpret_cast<uintptr_t>(p.out) | static_cast<uintptr_t>(p.out_token_stride * 2) |
+        static_cast<uintptr_t>(p.out_head_stride * 2) | static_cast<uintptr_t>(col0 * 2)) & 15) == 0;
+  const int sub_row = lane / LANES_PER_ROW;
+  const int chunk = lane % LANES_PER_ROW;
+#pragma unroll 4
+  for (int row0 = 0; row0 < BLOCK_M; row0 += ROWS_PER_STEP) {
+    const int row = row0 + sub_row;
+    const int r = row_tile * BLOCK_M + row;
+    if (r >= rows) continue;
+    const uint4 v = *reinterpret_cast<const uint4*>(staging + row * PITCH + chunk * 16);
+    if (partial_slot >= 0) {
+      uint16_t* dst = p.partial_out + (static_cast<int64_t>(partial_slot) * BLOCK_M + row) * D_V + col0;
+      reinterpret_cast<uint4*>(dst)[chunk] = v;
+    } else {
+      uint16_t* dst = p.out + static_cast<int64_t>(q_row + r / heads) * p.out_token_stride +
+                      static_cast<int64_t>(r % heads) * p.out_head_stride + col0;
+      if (out_aligned) {
+        reinterpret_cast<uint4*>(dst)[chunk] = v;
+      } else {
+        uint32_t* d = reinterpret_cast<uint32_t*>(dst) + chunk * 4;
+        d[0] = v.x;
+        d[1] = v.y;
+        d[2] = v.z;
+        d[3] = v.w;
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Attention (split-K variants): one CTA per work item of the chunk plan,
 // WarpLayout<kWarps>::NUM_THREADS threads.

@@ -128,6 +128,13 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     const float scale_log2 = scale * LOG2E;
 
     // ---- prologue: Q (32 rows) into the last two stages, tiles 0..NUM_STAGES-3 ----
+    // The page ids of every prologue tile are read first, all together: read
+    // one by one before each tile's loads they were NUM_STAGES dependent L2
+    // round trips (2.3-2.6 us after the plan at B=1, with L2 warm or cold;
+    // phase stamps, bench/NOTES.md v9.2).
+    int first_pages[NUM_STAGES];
+#pragma unroll
+    for (int t = 0; t < NUM_STAGES; ++t) first_pages[t] = tile_loader && t < num_tiles ? page_of(t, ld_row) : 0;
     {
       const uint32_t dst = stage_addr(Q_STAGE);
 #pragma unroll
@@ -138,11 +145,11 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     }
 #pragma unroll
     for (int t = 0; t < Q_STAGE; ++t) {
-      if (tile_loader && t < num_tiles) issue_tile(t, t * STAGE_BYTES, page_of(t, ld_row), ld_row, ld_lane);
+      if (tile_loader && t < num_tiles) issue_tile(t, t * STAGE_BYTES, first_pages[t], ld_row, ld_lane);
       ptx::CpAsyncCommit();
     }
 #ifdef MLAVERIFY_PHASE_STAMPS
-    if (tid == 0) PhaseStampAfter(kStampPageIds, page_of(0, 0));
+    if (tid == 0) PhaseStampAfter(kStampPageIds, first_pages[0]);
 #endif
 
     uint32_t q_frag[K_STEPS][4];
@@ -161,7 +168,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     if (tid == 0) PhaseStamp(kStampQReady);
 #pragma unroll
     for (int t = Q_STAGE; t < NUM_STAGES; ++t) {
-      if (tile_loader && t < num_tiles) issue_tile(t, t * STAGE_BYTES, page_of(t, ld_row), ld_row, ld_lane);
+      if (tile_loader && t < num_tiles) issue_tile(t, t * STAGE_BYTES, first_pages[t], ld_row, ld_lane);
       ptx::CpAsyncCommit();
     }
 
@@ -495,9 +502,14 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   // ring's last page-id fetches are never waited for in the loop).
   if (tid == SCORE_THREADS) PhaseStamp(kStampPvDone);
   ptx::CpAsyncWait<0>();
+  // After BAR_FINAL every warp is past its last tile: the KV stages are free
+  // for the store staging, a region per PV warp.
   ptx::NamedBarrierSync(BAR_FINAL, NUM_THREADS);
-  StoreOutputSlice(p, o_acc, inv_l_s, item.row_tile, rows, q_row, heads, partial_slot,
-                   pv_warp * V_COLS_PER_WARP + 2 * t4, g);
+  constexpr int STAGING_BYTES = BLOCK_M * (V_COLS_PER_WARP * 2 + 16);
+  static_assert(STAGING_BYTES * (NUM_THREADS - SCORE_THREADS) / 32 <= NUM_STAGES * STAGE_BYTES,
+                "the store staging fits the KV stages");
+  StoreOutputSliceStaged(p, o_acc, inv_l_s, item.row_tile, rows, q_row, heads, partial_slot,
+                         pv_warp * V_COLS_PER_WARP, smem_raw + Shape::SMEM_KV_OFFSET + pv_warp * STAGING_BYTES);
   if (tid == SCORE_THREADS) PhaseStamp(kStampStored);
 }
 
