@@ -180,6 +180,7 @@ absl::StatusOr<nlohmann::json> RecordPhaseStamps(cudaGraphExec_t exec, cudaStrea
   const auto& median = all[spans[spans.size() / 2].second];
   std::printf("  phase stamps (replay of median span %.2f us; us after the first CTA entry, over CTAs that reached it):\n",
               spans[spans.size() / 2].first / 1e3);
+  std::vector<std::pair<int64_t, std::string>> lines;  // printed in order of their median
   for (int k = 0; k < kPhaseSlots; ++k) {
     const char* name = kernels::PhaseSlotName(k);
     if (name == nullptr) continue;
@@ -189,9 +190,13 @@ absl::StatusOr<nlohmann::json> RecordPhaseStamps(cudaGraphExec_t exec, cudaStrea
     }
     if (v.empty()) continue;
     std::sort(v.begin(), v.end());
-    std::printf("    %-14s n=%-4zu min %7.2f  median %7.2f  max %7.2f\n", name, v.size(), v.front() / 1e3,
-                v[v.size() / 2] / 1e3, v.back() / 1e3);
+    lines.push_back({v[v.size() / 2], absl::StrFormat("    %-14s n=%-4zu min %7.2f  median %7.2f  max %7.2f\n", name,
+                                                     v.size(), v.front() / 1e3, v[v.size() / 2] / 1e3,
+                                                     v.back() / 1e3)});
   }
+  std::stable_sort(lines.begin(), lines.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (const auto& line : lines) std::fputs(line.second.c_str(), stdout);
   return out;
 }
 
@@ -229,8 +234,10 @@ int Run(int argc, char** argv) {
                "request i of a shape gets prefix L * (i + 1) / B instead of L (lengths that vary)");
   bool fused_combine = false;
   app.add_flag("--fused-combine", fused_combine,
-               "let the attention kernel merge the partials when its grid fits the device "
-               "(no combine kernel; default: off)");
+               "let the attention kernel merge the partials at any batch when its grid fits the device "
+               "(no combine kernel; default: the library's, batches of up to 4)");
+  bool no_fused_combine = false;
+  app.add_flag("--no-fused-combine", no_fused_combine, "always merge the partials in the combine kernel");
   bool pdl = false;
   app.add_flag("--no-pdl", no_pdl, "launch plan/attention/combine without programmatic dependent launch");
   app.add_flag("--pdl", pdl, "launch plan/attention/combine with programmatic dependent launch");
@@ -273,7 +280,12 @@ int Run(int argc, char** argv) {
   }
   if (plan_kernel) config->plan_in_warp_max_batch = 0;
   if (chunk_plan) config->stream_plan = false;
-  if (fused_combine) config->fused_combine = true;
+  if (fused_combine && no_fused_combine) {
+    std::cerr << "--fused-combine and --no-fused-combine contradict each other\n";
+    return 2;
+  }
+  if (fused_combine) config->fused_combine_max_batch = 1 << 30;
+  if (no_fused_combine) config->fused_combine_max_batch = 0;
   if (pdl) config->programmatic_launch = true;  // else the library's default
   if (no_pdl) config->programmatic_launch = false;
   if (!variant.empty()) {
@@ -432,7 +444,7 @@ int Run(int argc, char** argv) {
                            {"programmatic_launch", config->programmatic_launch},
                            {"plan_in_warp_max_batch", config->plan_in_warp_max_batch},
                            {"stream_plan", config->stream_plan},
-                           {"fused_combine", config->fused_combine},
+                           {"fused_combine_max_batch", config->fused_combine_max_batch},
                            {"attention_variant", kernels::AttentionVariantName(config->attention_variant)},
                            {"attention_smem_bytes",
                             kernels::VerifyAttentionSharedBytes(config->attention_variant)},

@@ -31,7 +31,11 @@ enum PhaseSlot : int {
   kStampCombineDone = 13,  // combine: merge done
   kStampLengths = 14,      // warp plan: the requests' lengths have arrived
   kStampPageIds = 15,      // score warps: page ids of the first tiles have arrived
-  kPhaseSlots = 16,
+  kStampPlanTotals = 16,   // warp plan: the batch totals are reduced
+  kStampPlanChunk = 17,    // warp plan: the chunk length is chosen
+  kStampPlanItems = 18,    // warp plan: the items are counted and scanned
+  kStampPlanItem = 19,     // warp plan: this CTA's item is made
+  kPhaseSlots = 24,
 };
 
 inline const char* PhaseSlotName(int slot) {
@@ -52,6 +56,10 @@ inline const char* PhaseSlotName(int slot) {
     case kStampCombineDone: return "combine_done";
     case kStampLengths: return "lengths";
     case kStampPageIds: return "page_ids";
+    case kStampPlanTotals: return "plan_totals";
+    case kStampPlanChunk: return "plan_chunk";
+    case kStampPlanItems: return "plan_items";
+    case kStampPlanItem: return "plan_item";
     default: return nullptr;
   }
 }

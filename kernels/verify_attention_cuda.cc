@@ -72,16 +72,16 @@ absl::Status CheckWorkspace(const WorkspaceLayout& l, const void* workspace, siz
   return absl::OkStatus();
 }
 
-// The fused combine's conditions for a grid of `grid_ctas` attention CTAs.
-bool UsesFusedCombine(const VerifyLaunchConfig& c, int grid_ctas) {
-  return c.fused_combine && c.attention_variant == AttentionVariant::kPipelined &&
+// The fused combine's conditions for a batch whose grid has `grid_ctas` attention CTAs.
+bool UsesFusedCombine(const VerifyLaunchConfig& c, int batch, int grid_ctas) {
+  return batch <= c.fused_combine_max_batch && c.attention_variant == AttentionVariant::kPipelined &&
          !c.programmatic_launch && grid_ctas <= c.resident_ctas;
 }
 
 }  // namespace
 
 bool LaunchUsesFusedCombine(const VerifyArguments& a, const VerifyLaunchConfig& c) {
-  return UsesFusedCombine(c, MaxWork(a, c));
+  return UsesFusedCombine(c, a.batch, MaxWork(a, c));
 }
 
 const char* AttentionVariantName(AttentionVariant variant) {
@@ -201,7 +201,7 @@ absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchC
   p.split_arrivals = reinterpret_cast<unsigned int*>(base + l.split_arrivals);
   p.split_done = reinterpret_cast<unsigned int*>(base + l.split_done);
   p.fused_magic = reinterpret_cast<const unsigned long long*>(base + l.fused_magic);
-  p.fused_combine = UsesFusedCombine(c, p.max_work) ? 1 : 0;
+  p.fused_combine = UsesFusedCombine(c, a.batch, p.max_work) ? 1 : 0;
   return CudaErrorToStatus(LaunchVerifyKernels(p, c.attention_variant, c.programmatic_launch, stream),
                     "verify launch");
 }

@@ -40,7 +40,8 @@ struct VerifyLaunchConfig {
   // the chunk plan.
   bool stream_plan = true;
   // Merge the split rows' partials inside the attention kernel instead of a
-  // combine kernel (verify_kernel.cuh, "Fused combine"; bench/NOTES.md v8):
+  // combine kernel for batches of up to this many requests (0: never;
+  // verify_kernel.cuh, "Fused combine"; bench/NOTES.md v8, v9.3):
   // every CTA of a split row tile waits for the tile's partials, then merges
   // its share of the rows. Needs every CTA resident at once, so it is used
   // only with the `pipelined` variant, without programmatic launch, and when
@@ -48,10 +49,10 @@ struct VerifyLaunchConfig {
   // (the launch fails rather than deadlocks if the grid could not be
   // resident). Otherwise the combine kernel runs as before. The workspace
   // must have gone through InitVerifyWorkspace.
-  // Off by default: on the H200 it saves 0.6 us at B=1, L=4K (the merge's
-  // latency, not the combine launch, is the small-batch cost) and costs
-  // 0.5-1 % at B=8..32 (bench/NOTES.md v8.1, v8.2).
-  bool fused_combine = false;
+  // Default 4: on the H200 (v9.2) it saves 2.1 us at B=1, L=4K and 1.5 us at
+  // B=4, L=4K, and costs 1-2 % at B=8..32 on the long shapes (its instance's
+  // PV loop has 13 % more instructions), where the combine launch is noise.
+  int fused_combine_max_batch = 4;
   // CTAs of the fused attention kernel the device holds at once (SMs x CTAs
   // per SM); set by PrepareVerifyLaunch from the occupancy calculator. 0: no
   // fused launch.

@@ -8,6 +8,7 @@
 #include <cuda_bf16.h>
 
 #include <climits>
+#include <cstddef>
 #include <cstdint>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
@@ -344,10 +345,12 @@ __device__ __forceinline__ WarpPlan PlanInWarp(const VerifyParams& p, int w, boo
   totals.length = sum_ll(req.tiles);
   totals.min_row_tiles = __reduce_min_sync(all, req.tiles > 0 ? req.row_tiles : INT_MAX);
   totals.max_row_tiles = __reduce_max_sync(all, req.tiles > 0 ? req.row_tiles : 0);
+  if (lane == 0) PhaseStampAfter(kStampPlanTotals, static_cast<int>(total_cost + totals.length) + totals.max_row_tiles);
   int tight = 0, safe = 0;
   ChunkCandidates(p, total_cost, total_row_tiles, &tight, &safe);
   const long long tight_items = sum_ll(ItemsOfRequest(req, tight));
   const int chunk_tiles = tight_items <= p.target_ctas ? tight : safe;
+  if (lane == 0) PhaseStampAfter(kStampPlanChunk, chunk_tiles);
   const int splits = req.tiles > 0 ? CeilDiv(req.tiles, chunk_tiles) : 0;
   const int longest = __reduce_max_sync(all, LongestChunk(req, splits));
   const int items = req.row_tiles * splits;
@@ -355,6 +358,7 @@ __device__ __forceinline__ WarpPlan PlanInWarp(const VerifyParams& p, int w, boo
   const int work_base = items_through - items;
   const int total_items = __shfl_sync(all, items_through, 31);
   const int groups = StreamGroups(p, totals, total_items, longest);
+  if (lane == 0) PhaseStampAfter(kStampPlanItems, groups + total_items);
 
   WarpPlan out;
   out.summary.total_work = groups > 0 ? groups * totals.max_row_tiles : total_items;
@@ -381,6 +385,7 @@ __device__ __forceinline__ WarpPlan PlanInWarp(const VerifyParams& p, int w, boo
     }
     if (lane == 0) p.work[w] = out.item;
   }
+  if (lane == 0) PhaseStampAfter(kStampPlanItem, out.item.kv_end);
   return out;
 }
 
@@ -492,6 +497,27 @@ __device__ __forceinline__ void PrefetchLaunchInputs(const VerifyParams& p) {
   if (threadIdx.x < request_lines) {
     ptx::PrefetchL2(p.layer + threadIdx.x * 32);
     if (p.softmax_scale != nullptr) ptx::PrefetchL2(p.softmax_scale + threadIdx.x * 32);
+  }
+}
+
+// The kernel's parameters (VerifyParams, 256 bytes) sit in the constant bank
+// and are fetched 64-byte line by line on first use, each miss stalling the
+// warp that uses it. The plan first used lines 1, 3 and 2 one after another
+// and the score warps' prologue line 0: phase stamps at B=1, L=4K showed
+// ~0.35 us more in each plan step that touched a new line than its
+// arithmetic explains (bench/NOTES.md v9.3). Warps 1-3 each touch one line at
+// entry, so the misses overlap with warp 0's own (line 1, the lengths).
+// Called by the default (`pipelined`) kernel only: in `pipelined16`, at its
+// 128-register limit, it cost ptxas a 16-byte spill on sm_90.
+__device__ __forceinline__ void WarmParameterLines(const VerifyParams& p) {
+  static_assert(sizeof(VerifyParams) == 256 && offsetof(VerifyParams, q) / 64 == 0 &&
+                    offsetof(VerifyParams, lse) / 64 == 2 && offsetof(VerifyParams, partial_out) / 64 == 3,
+                "one field of lines 0, 2 and 3");
+  switch (threadIdx.x >> 5) {
+    case 1: asm volatile("" ::"l"(p.q)); break;
+    case 2: asm volatile("" ::"l"(p.lse)); break;
+    case 3: asm volatile("" ::"l"(p.partial_out)); break;
+    default: break;
   }
 }
 

@@ -40,6 +40,8 @@ constexpr AttentionVariant kAllVariants[] = {AttentionVariant::kSplitK8, Attenti
 // Rows compared in full up to this many per problem; larger problems compare
 // a random sample of this many rows (and scan every row for NaN).
 constexpr int64_t kMaxCheckedRows = 2048;
+// fused_combine_max_batch that lets every batch take the fused combine.
+constexpr int kAnyBatch = 1 << 30;
 
 class GpuKernelTest : public ::testing::Test {
  protected:
@@ -172,7 +174,7 @@ TEST_F(GpuKernelTest, AttentionMatchesReferenceOverTheGrid) {
       // alternating over the variants of a case.
       config.plan_in_warp_max_batch = (index / 2 + v++) % 2 == 0 ? kPlanInWarpMaxBatch : 0;
       // The fused combine in every other case it applies to (pipelined, no PDL).
-      config.fused_combine = (index / 2) % 2 == 0;
+      config.fused_combine_max_batch = (index / 2) % 2 == 0 ? kAnyBatch : 0;
       const Comparison result = RunAndCompare(problem, config);
       EXPECT_TRUE(result.ok()) << c.Name() << " " << AttentionVariantName(variant)
                                << (config.plan_in_warp_max_batch ? " plan in warp" : " plan kernel")
@@ -334,9 +336,9 @@ TEST_F(GpuKernelTest, FusedCombineMatchesTheCombineKernelBitForBit) {
       fused.attention_variant = AttentionVariant::kPipelined;
       fused.programmatic_launch = false;
       fused.stream_plan = stream_plan;
-      fused.fused_combine = true;
+      fused.fused_combine_max_batch = kAnyBatch;
       VerifyLaunchConfig separate = fused;
-      separate.fused_combine = false;
+      separate.fused_combine_max_batch = 0;
       const testing::DeviceCapacity capacity = CapacityFor(problem);
       VerifyArguments shape;
       shape.batch = capacity.batch;
@@ -344,6 +346,10 @@ TEST_F(GpuKernelTest, FusedCombineMatchesTheCombineKernelBitForBit) {
       shape.max_draft_len = capacity.max_draft_len;
       ASSERT_TRUE(LaunchUsesFusedCombine(shape, fused)) << c.Name();
       ASSERT_FALSE(LaunchUsesFusedCombine(shape, separate)) << c.Name();
+      // The library's default: fused up to four requests.
+      VerifyLaunchConfig by_default = fused;
+      by_default.fused_combine_max_batch = VerifyLaunchConfig{}.fused_combine_max_batch;
+      EXPECT_EQ(LaunchUsesFusedCombine(shape, by_default), shape.batch <= 4) << c.Name();
       const std::string where = absl::StrCat(c.Name(), stream_plan ? "" : " stream plan off");
       std::vector<Bf16> out_fused, out_separate;
       std::vector<float> lse_fused, lse_separate;
@@ -528,7 +534,7 @@ TEST_F(GpuKernelTest, CapturedGraphReplaysWithNewLengthsAndTrees) {
   for (const bool fused : {false, true}) {
     VerifyLaunchConfig config = config_;
     config.attention_variant = AttentionVariant::kPipelined;
-    config.fused_combine = fused;
+    config.fused_combine_max_batch = fused ? kAnyBatch : 0;
     EXPECT_EQ(LaunchUsesFusedCombine(captured_args, config), fused);
     cudaStream_t stream;
     ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
