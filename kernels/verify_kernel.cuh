@@ -8,7 +8,6 @@
 #include <cuda_bf16.h>
 
 #include <climits>
-#include <cstddef>
 #include <cstdint>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
@@ -497,27 +496,6 @@ __device__ __forceinline__ void PrefetchLaunchInputs(const VerifyParams& p) {
   if (threadIdx.x < request_lines) {
     ptx::PrefetchL2(p.layer + threadIdx.x * 32);
     if (p.softmax_scale != nullptr) ptx::PrefetchL2(p.softmax_scale + threadIdx.x * 32);
-  }
-}
-
-// The kernel's parameters (VerifyParams, 256 bytes) sit in the constant bank
-// and are fetched 64-byte line by line on first use, each miss stalling the
-// warp that uses it. The plan first used lines 1, 3 and 2 one after another
-// and the score warps' prologue line 0: phase stamps at B=1, L=4K showed
-// ~0.35 us more in each plan step that touched a new line than its
-// arithmetic explains (bench/NOTES.md v9.3). Warps 1-3 each touch one line at
-// entry, so the misses overlap with warp 0's own (line 1, the lengths).
-// Called by the default (`pipelined`) kernel only: in `pipelined16`, at its
-// 128-register limit, it cost ptxas a 16-byte spill on sm_90.
-__device__ __forceinline__ void WarmParameterLines(const VerifyParams& p) {
-  static_assert(sizeof(VerifyParams) == 256 && offsetof(VerifyParams, q) / 64 == 0 &&
-                    offsetof(VerifyParams, lse) / 64 == 2 && offsetof(VerifyParams, partial_out) / 64 == 3,
-                "one field of lines 0, 2 and 3");
-  switch (threadIdx.x >> 5) {
-    case 1: asm volatile("" ::"l"(p.q)); break;
-    case 2: asm volatile("" ::"l"(p.lse)); break;
-    case 3: asm volatile("" ::"l"(p.partial_out)); break;
-    default: break;
   }
 }
 

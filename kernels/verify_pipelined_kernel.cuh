@@ -525,7 +525,6 @@ __global__ void __launch_bounds__(pipelined::Shape<kKSlices>::NUM_THREADS, 1)
                 "the fused merge runs MergeSplitRows with the attention CTA's threads");
   static_assert(!kFused || sizeof(MergeSmem) <= pipelined::Shape<kKSlices>::SMEM_BYTES,
                 "the merge reuses the KV stages");
-  if constexpr (kKSlices == 2) WarmParameterLines(p);
   auto after = [&](const VerifyWorkItem& item) {
     if constexpr (kFused) ArriveSplit(p, segments.summary, item);
     if (threadIdx.x == 0) PhaseStamp(kStampArrived);
