@@ -30,8 +30,14 @@ int MaxWork(const VerifyArguments& a, const VerifyLaunchConfig& c) {
   return static_cast<int>(std::max<int64_t>(TargetCtas(c), unsplit));
 }
 
-// Carves the workspace into the plan arrays and the partial buffers; the
-// same layout is used for sizing (base == nullptr) and for launching.
+// Carves the workspace into the fused combine's state, the plan arrays and
+// the partial buffers; the same layout is used for sizing and for launching.
+// The fused combine's counters and mark come first, at offsets that depend on
+// the config only: InitVerifyWorkspace runs once for the largest batch a
+// workspace was sized for, and every later launch, of any smaller batch, must
+// find them where it wrote them. (They used to follow the batch-sized arrays:
+// the engine, which sizes for max_batch and launches the batch at hand, then
+// read its mark from the wrong place and trapped; bench/NOTES.md v9.3.)
 struct WorkspaceLayout {
   size_t summary, request_q_row, request_stream_start, work, partial_lse, partial_out;
   size_t split_arrivals, split_done, fused_magic, bytes;
@@ -45,6 +51,11 @@ WorkspaceLayout Layout(const VerifyArguments& a, const VerifyLaunchConfig& c) {
     at = AlignUp(at + bytes);
     return here;
   };
+  // The fused combine's counters, one of each per split row tile (keys below
+  // target_ctas), and the mark InitVerifyWorkspace writes.
+  l.fused_magic = take(sizeof(unsigned long long));
+  l.split_arrivals = take(sizeof(unsigned int) * static_cast<size_t>(TargetCtas(c)));
+  l.split_done = take(sizeof(unsigned int) * static_cast<size_t>(TargetCtas(c)));
   l.summary = take(sizeof(VerifyPlanSummary));
   l.request_q_row = take(sizeof(int32_t) * a.batch);
   l.request_stream_start = take(sizeof(int32_t) * a.batch);
@@ -55,11 +66,6 @@ WorkspaceLayout Layout(const VerifyArguments& a, const VerifyLaunchConfig& c) {
   const size_t partial_slots = 2 * static_cast<size_t>(TargetCtas(c));
   l.partial_lse = take(sizeof(float) * partial_slots * kBlockM);
   l.partial_out = take(sizeof(uint16_t) * partial_slots * kBlockM * kValueDim);  // bf16
-  // The fused combine's counters, one of each per split row tile (keys below
-  // target_ctas), and the mark InitVerifyWorkspace writes.
-  l.split_arrivals = take(sizeof(unsigned int) * static_cast<size_t>(TargetCtas(c)));
-  l.split_done = take(sizeof(unsigned int) * static_cast<size_t>(TargetCtas(c)));
-  l.fused_magic = take(sizeof(unsigned long long));
   l.bytes = at;
   return l;
 }

@@ -79,9 +79,11 @@ size_t VerifyWorkspaceBytes(const VerifyArguments& args, const VerifyLaunchConfi
 
 // Prepares a newly allocated workspace for LaunchVerifyAttention (zeroes the
 // fused combine's counters, which every launch then leaves zero, and marks it
-// initialised), on `stream`. Call once per allocation, with the same
-// arguments' shape and config as the launches; a fused launch on a workspace
-// that was not initialised stops the kernel with a device-side error.
+// initialised), on `stream`. Call once per allocation, with the shape the
+// workspace was sized for (VerifyWorkspaceBytes) and the launches' config;
+// launches of any batch up to that shape's then find it initialised. A fused
+// launch on a workspace that was not initialised stops the kernel with a
+// device-side error.
 absl::Status InitVerifyWorkspace(const VerifyArguments& args, const VerifyLaunchConfig& config,
                                  void* workspace, size_t workspace_bytes, cudaStream_t stream);
 

@@ -372,6 +372,54 @@ TEST_F(GpuKernelTest, FusedCombineMatchesTheCombineKernelBitForBit) {
   }
 }
 
+// The engine's pattern (server/engine/cuda_backend.cc): one workspace sized
+// and initialised once for the largest batch, then launches of whatever
+// batch is at hand. The fused combine's counters and mark must sit where the
+// initialisation wrote them for every smaller batch (v9.3 had them after the
+// batch-sized plan arrays: the service's first fused launch trapped).
+TEST_F(GpuKernelTest, WorkspaceInitialisedForMaxBatchServesSmallerBatches) {
+  VerifyLaunchConfig config = config_;
+  config.attention_variant = AttentionVariant::kPipelined;
+  config.programmatic_launch = false;
+  config.fused_combine_max_batch = kAnyBatch;
+  int seed = 4200;
+  for (const std::vector<int>& prefixes : {std::vector<int>{3000}, std::vector<int>{500, 9000, 64}}) {
+    VerifyProblemSpec spec;
+    spec.prefix_len = prefixes;
+    spec.draft_len.assign(prefixes.size(), 16);
+    spec.num_heads = 8;
+    spec.page_size = 64;
+    spec.seed = seed++;
+    HostVerifyProblem problem = MakeProblem(spec);
+    DeviceVerifyProblem device;
+    ASSERT_TRUE(device.Init(CapacityFor(problem), config).ok());
+    ASSERT_TRUE(device.Upload(problem).ok());
+    ASSERT_TRUE(LaunchWriteDraftKv(device.WriteArgs(), nullptr).ok());
+    const VerifyArguments args = device.Args();
+    ASSERT_TRUE(LaunchUsesFusedCombine(args, config));
+    VerifyArguments largest = args;  // what the engine sizes for: max_batch, max_draft_len
+    largest.batch = 32;
+    largest.max_draft_len = 64;
+    DeviceBuffer workspace;
+    ASSERT_TRUE(workspace.Allocate(VerifyWorkspaceBytes(largest, config)).ok());
+    ASSERT_EQ(cudaMemset(workspace.as<void>(), 0xA5, workspace.bytes()), cudaSuccess);
+    ASSERT_TRUE(InitVerifyWorkspace(largest, config, workspace.as<void>(), workspace.bytes(), nullptr).ok());
+    for (int launch = 0; launch < 2; ++launch) {
+      const absl::Status launched =
+          LaunchVerifyAttention(args, config, workspace.as<void>(), workspace.bytes(), nullptr);
+      ASSERT_TRUE(launched.ok()) << launched;
+    }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << "batch " << problem.batch;
+    std::vector<Bf16> out;
+    std::vector<float> lse;
+    ASSERT_TRUE(device.Download(problem, &out, &lse).ok());
+    ASSERT_TRUE(WriteDraftKvCpu(problem.HostWriteArgs()).ok());
+    const Comparison result = testing::CompareWithReference(problem, out, lse, kMaxCheckedRows);
+    EXPECT_TRUE(result.ok()) << "batch " << problem.batch << ": " << result.ToString();
+    EXPECT_GT(result.rows_checked, 0);
+  }
+}
+
 TEST_F(GpuKernelTest, RejectsUnsupportedLaunchConfig) {
   VerifyProblemSpec spec;
   spec.prefix_len = {10};
