@@ -7,12 +7,10 @@
 #include "kernels/cuda_status.h"
 #include "kernels/status_macros.h"
 #include "kernels/verify_params.h"
+#include "kernels/verify_workspace.h"
 
 namespace mlaverify::kernels {
 namespace {
-
-constexpr int kBlockM = kVerifyRowsPerCta;
-constexpr size_t kAlign = 256;
 
 int Log2(int v) {
   int r = 0;
@@ -20,57 +18,7 @@ int Log2(int v) {
   return r;
 }
 
-size_t AlignUp(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
-
-int TargetCtas(const VerifyLaunchConfig& c) { return c.num_sms * c.ctas_per_sm; }
-
-int MaxWork(const VerifyArguments& a, const VerifyLaunchConfig& c) {
-  const int max_row_tiles = (a.max_draft_len * a.num_heads + kBlockM - 1) / kBlockM;
-  const int64_t unsplit = static_cast<int64_t>(a.batch) * max_row_tiles;
-  return static_cast<int>(std::max<int64_t>(TargetCtas(c), unsplit));
-}
-
-// Carves the workspace into the fused combine's state, the plan arrays and
-// the partial buffers; the same layout is used for sizing and for launching.
-// The fused combine's counters and mark come first, at offsets that depend on
-// the config only: InitVerifyWorkspace runs once for the largest batch a
-// workspace was sized for, and every later launch, of any smaller batch, must
-// find them where it wrote them. (They used to follow the batch-sized arrays:
-// the engine, which sizes for max_batch and launches the batch at hand, then
-// read its mark from the wrong place and trapped; bench/NOTES.md v9.3.)
-struct WorkspaceLayout {
-  size_t summary, request_q_row, request_stream_start, work, partial_lse, partial_out;
-  size_t split_arrivals, split_done, fused_magic, bytes;
-};
-
-WorkspaceLayout Layout(const VerifyArguments& a, const VerifyLaunchConfig& c) {
-  WorkspaceLayout l{};
-  size_t at = 0;
-  auto take = [&at](size_t bytes) {
-    const size_t here = at;
-    at = AlignUp(at + bytes);
-    return here;
-  };
-  // The fused combine's counters, one of each per split row tile (keys below
-  // target_ctas), and the mark InitVerifyWorkspace writes.
-  l.fused_magic = take(sizeof(unsigned long long));
-  l.split_arrivals = take(sizeof(unsigned int) * static_cast<size_t>(TargetCtas(c)));
-  l.split_done = take(sizeof(unsigned int) * static_cast<size_t>(TargetCtas(c)));
-  l.summary = take(sizeof(VerifyPlanSummary));
-  l.request_q_row = take(sizeof(int32_t) * a.batch);
-  l.request_stream_start = take(sizeof(int32_t) * a.batch);
-  l.work = take(sizeof(VerifyWorkItem) * MaxWork(a, c));
-  // Partial slots: the chunk plan splits only into at most target_ctas items
-  // (slot = item); a stream-plan CTA has at most two split segments (the
-  // first and the last of its range: slots 2x and 2x + 1).
-  const size_t partial_slots = 2 * static_cast<size_t>(TargetCtas(c));
-  l.partial_lse = take(sizeof(float) * partial_slots * kBlockM);
-  l.partial_out = take(sizeof(uint16_t) * partial_slots * kBlockM * kValueDim);  // bf16
-  l.bytes = at;
-  return l;
-}
-
-absl::Status CheckWorkspace(const WorkspaceLayout& l, const void* workspace, size_t workspace_bytes) {
+absl::Status CheckWorkspace(const VerifyWorkspaceLayout& l, const void* workspace, size_t workspace_bytes) {
   if (workspace == nullptr || workspace_bytes < l.bytes) {
     return absl::InvalidArgumentError(absl::StrCat("workspace of ", workspace_bytes,
                                                    " bytes is too small: need ", l.bytes));
@@ -87,7 +35,7 @@ bool UsesFusedCombine(const VerifyLaunchConfig& c, int batch, int grid_ctas) {
 }  // namespace
 
 bool LaunchUsesFusedCombine(const VerifyArguments& a, const VerifyLaunchConfig& c) {
-  return UsesFusedCombine(c, a.batch, MaxWork(a, c));
+  return UsesFusedCombine(c, a.batch, VerifyMaxWork(a, c));
 }
 
 const char* AttentionVariantName(AttentionVariant variant) {
@@ -138,17 +86,17 @@ absl::StatusOr<VerifyLaunchConfig> PrepareVerifyLaunch(int device) {
 }
 
 size_t VerifyWorkspaceBytes(const VerifyArguments& args, const VerifyLaunchConfig& config) {
-  return Layout(args, config).bytes;
+  return VerifyWorkspaceLayoutFor(args, config).bytes;
 }
 
 absl::Status InitVerifyWorkspace(const VerifyArguments& args, const VerifyLaunchConfig& config,
                                  void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  const WorkspaceLayout l = Layout(args, config);
+  const VerifyWorkspaceLayout l = VerifyWorkspaceLayoutFor(args, config);
   RETURN_IF_ERROR(CheckWorkspace(l, workspace, workspace_bytes));
   auto* base = static_cast<uint8_t*>(workspace);
   return CudaErrorToStatus(
       LaunchInitFusedWorkspace(reinterpret_cast<unsigned int*>(base + l.split_arrivals),
-                               reinterpret_cast<unsigned int*>(base + l.split_done), TargetCtas(config),
+                               reinterpret_cast<unsigned int*>(base + l.split_done), VerifyTargetCtas(config),
                                reinterpret_cast<unsigned long long*>(base + l.fused_magic), stream),
       "verify workspace init");
 }
@@ -169,7 +117,7 @@ absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchC
     return absl::InvalidArgumentError(absl::StrCat("plan_in_warp_max_batch = ", c.plan_in_warp_max_batch,
                                                    ": must be in 0..", kPlanInWarpMaxBatch));
   }
-  const WorkspaceLayout l = Layout(a, c);
+  const VerifyWorkspaceLayout l = VerifyWorkspaceLayoutFor(a, c);
   RETURN_IF_ERROR(CheckWorkspace(l, workspace, workspace_bytes));
   auto* base = static_cast<uint8_t*>(workspace);
   VerifyParams p{};
@@ -199,8 +147,8 @@ absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchC
   p.work = reinterpret_cast<VerifyWorkItem*>(base + l.work);
   p.partial_lse = reinterpret_cast<float*>(base + l.partial_lse);
   p.partial_out = reinterpret_cast<uint16_t*>(base + l.partial_out);
-  p.max_work = MaxWork(a, c);
-  p.target_ctas = TargetCtas(c);
+  p.max_work = VerifyMaxWork(a, c);
+  p.target_ctas = VerifyTargetCtas(c);
   p.min_chunk_tiles = c.min_chunk_tiles;
   p.plan_in_warp = a.batch <= c.plan_in_warp_max_batch ? 1 : 0;
   p.stream_plan = c.stream_plan && RunsStreamPlan(c.attention_variant) ? 1 : 0;
@@ -218,7 +166,7 @@ absl::StatusOr<VerifyPlanSummary> ReadVerifyPlanSummary(const VerifyArguments& a
   if (workspace == nullptr) return absl::InvalidArgumentError("no workspace");
   VerifyPlanSummary summary{};
   const auto* base = static_cast<const uint8_t*>(workspace);
-  RETURN_IF_ERROR(CudaErrorToStatus(cudaMemcpyAsync(&summary, base + Layout(a, c).summary, sizeof(summary),
+  RETURN_IF_ERROR(CudaErrorToStatus(cudaMemcpyAsync(&summary, base + VerifyWorkspaceLayoutFor(a, c).summary, sizeof(summary),
                                                     cudaMemcpyDeviceToHost, stream),
                                     "cudaMemcpyAsync(plan summary)"));
   RETURN_IF_ERROR(CudaErrorToStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize"));
