@@ -6,10 +6,19 @@ Shape<4> with and without the page-id ring: random warp interleavings over
 read/write order (vector clocks) and cp.async group completion. It mirrors the
 kernel by hand: update it with any change to the barriers, stages or groups.
 Run: python3 kernels/testing/models/pipeline_protocol_model.py (~30 s);
-prints "bad runs: 0" and exits 0 when clean.
+prints "bad runs: 0" and exits 0 when clean. `--plant staging-before-final`
+runs it with a fault planted on purpose (the epilogue stages O before
+BAR_FINAL, over tiles other warps may still read): it must report bad runs.
+
+The epilogue (v9.2): after BAR_FINAL each PV warp writes its O slice into its
+own piece of the KV stages (StoreOutputSliceStaged), STAGING bytes per warp
+from the start of stage 0; modelled as synchronous writes of those stages,
+which must come after every read of them and after every cp.async into them.
 """
 # Host-side model of the pipelined kernel's hand-over protocol (warp granularity).
 import random, sys
+
+PLANT = sys.argv[sys.argv.index('--plant') + 1] if '--plant' in sys.argv else None
 
 def run(KS, nt, ring, seed):
     rnd = random.Random(seed)
@@ -71,6 +80,24 @@ def run(KS, nt, ring, seed):
           elif rec['done'] is None: errs.append(f"{who} w{w} read stage {stage} tile {tile} in flight")
           elif not hb(rec['done'][0], rec['done'][1], w): errs.append(f"{who} w{w} read tile {tile} not HB")
         reads.setdefault(('stage', stage), []).append((w, t))
+    # the epilogue's staging: a synchronous write of every stage its bytes touch
+    def write_stage_sync(w, stage):
+        t = tick(w)
+        for (x, tr) in reads.get(('stage', stage), []):
+            if x != w and not hb(x, tr, w): errs.append(f"staging WAR stage {stage} by w{w} vs read w{x}")
+        for (x, tr) in qreads.get(stage, []):
+            if x != w and not hb(x, tr, w): errs.append(f"staging WAR Q stage {stage} by w{w} vs Q read w{x}")
+        for rec in stage_writes[stage] + qrecs.get(stage, []):
+            if rec['done'] is None or not hb(rec['done'][0], rec['done'][1], w):
+                errs.append(f"staging WAW stage {stage} by w{w}: tile {rec['tile']} not complete")
+    STAGE_BYTES = 16 * 1152
+    STAGING = 32 * ((128 if KS == 2 else 64) * 2 + 16)  # per PV warp: 32 rows x (its columns + 16 B pad)
+    def staged_store(w):
+        v = w - SW
+        first, last = v * STAGING, (v + 1) * STAGING - 1
+        for s in range(first // STAGE_BYTES, last // STAGE_BYTES + 1):
+            assert s < NS, "the staging fits the stages"
+            write_stage_sync(w, s)
     # barriers
     bars = {}
     def bar_op(w, bid, cnt, is_sync):
@@ -148,8 +175,16 @@ def run(KS, nt, ring, seed):
             if t + 2 < nt and t + 2 >= NS:
                 wait(w, NS - 3)
                 yield ('arrive', BAR_KV_FULL + (t & 1), ALL)
+        # CpAsyncWait<0>: in the kernel for the page ring's last fetches (their
+        # own region, synchronous in this model); every KV load into a stage
+        # has been waited for before its tile was read.
+        wait(w, 0)
+        if PLANT == 'staging-before-final':
+            staged_store(w)
         yield ('sync', BAR_FINAL, ALL)
         for x in range(SW): read_res(w, ('invl', x), 'final')
+        if PLANT != 'staging-before-final':
+            staged_store(w)
     qrecs = {}; qreads = {}
     progs = {w: (score(w) if w < SW else pv(w)) for w in range(W)}
     # ring writes are synchronous in this model (cp.async completion approximated by the prologue wait)
