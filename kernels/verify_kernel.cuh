@@ -681,11 +681,12 @@ __device__ __forceinline__ void StoreRowStats(const VerifyParams& p, int partial
 // A warp's slice of O (columns col0 + n*8 + {0,1}, rows of the mma fragment
 // layout) times 1 / l, in bf16: to the output for an unsplit row tile
 // (partial_slot < 0), to the partial slot otherwise. Rows past the request's
-// end are skipped. Partials are bf16 since v9.1: at B=1, L=4K the fp32
-// partials (8.4 MB) took 2 us to store and another 1 us to drain before the
-// fused arrival (phase stamps, bench/NOTES.md v9.1); O / l is a convex
-// combination of V rows, so bf16 keeps its range, and the merge adds one
-// more bf16 rounding (2^-9 relative) before the output's own.
+// end are skipped. The split-K kernels' epilogue; the pipelined ones use
+// StoreOutputSliceStaged below. Partials are bf16 since v9.1 (half the
+// workspace; bytes were not what made the stores slow, their request count
+// was: bench/NOTES.md v9.1, v9.2). O / l is a convex combination of V rows,
+// so bf16 keeps its range, and the merge adds one more bf16 rounding (2^-9
+// relative) before the output's own.
 template <int kNTiles>
 __device__ __forceinline__ void StoreOutputSlice(const VerifyParams& p,
                                                  const float (&o_acc)[M_TILES][kNTiles][4],
