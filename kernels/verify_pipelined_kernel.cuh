@@ -148,9 +148,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
       if (tile_loader && t < num_tiles) issue_tile(t, t * STAGE_BYTES, first_pages[t], ld_row, ld_lane);
       ptx::CpAsyncCommit();
     }
-#ifdef MLAVERIFY_PHASE_STAMPS
     if (tid == 0) PhaseStampAfter(kStampPageIds, first_pages[0]);
-#endif
 
     uint32_t q_frag[K_STEPS][4];
     ptx::CpAsyncWait<Q_STAGE>();  // Q has landed (the tiles may still be in flight)
@@ -218,9 +216,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
       } else {
         ptx::NamedBarrierSync(BAR_KV_FULL + (t & 1), NUM_THREADS);
       }
-#ifdef MLAVERIFY_PHASE_STAMPS
       if (t == 0 && tid == 0) PhaseStamp(kStampFirstTile);
-#endif
 
       // ---- partial S[16 rows, 16 tokens] over this warp's K_SLICE dimensions:
       // two accumulator chains per n-tile (even / odd k steps) ----
@@ -424,9 +420,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   uint32_t free_stage = (NUM_STAGES - 1) * STAGE_BYTES;    // tile t-1's: loaded next
   for (int t = 0; t < num_tiles; ++t) {
     ptx::NamedBarrierSync(BAR_P_FULL + (t & 1), NUM_THREADS);
-#ifdef MLAVERIFY_PHASE_STAMPS
     if (t == 0 && tid == SCORE_THREADS) PhaseStamp(kStampPvFirstTile);
-#endif
     const float* alpha = alpha_s + (t & 1) * BLOCK_M;
     float a[M_TILES][2];
 #pragma unroll
