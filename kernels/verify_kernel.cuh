@@ -479,26 +479,6 @@ __device__ __forceinline__ void CollectStreamRound(const VerifyParams& p, const 
 struct NoSegmentHook {
   __device__ void operator()(const VerifyWorkItem&) const {}
 };
-// The reads that come right after the plan and address the first KV loads
-// (page table, layer) or scale the scores (softmax scale) wait behind the
-// plan's own read of the lengths: two cold DRAM round trips in a row when L2
-// is cold (phase stamps at B=1, L=4K: 2.5 us to the plan, 2.8 more to the page
-// ids; bench/NOTES.md v9). None of them depends on the lengths' values, so
-// every CTA asks L2 for its share of them at entry, beside the lengths read:
-// the page table, one 128-byte line per thread of the grid at most (the whole
-// [batch, stride] table up to ~4 MB; further lines are read cold as before),
-// and the per-request layer and scale arrays.
-__device__ __forceinline__ void PrefetchLaunchInputs(const VerifyParams& p) {
-  const int64_t table_lines = (static_cast<int64_t>(p.batch) * p.page_table_stride + 31) / 32;
-  const unsigned line = blockIdx.x * blockDim.x + threadIdx.x;  // < 2^31: grid x 256 threads
-  if (line < table_lines) ptx::PrefetchL2(p.page_table + static_cast<size_t>(line) * 32);
-  const int request_lines = (p.batch + 31) / 32;  // int32 / float per request
-  if (threadIdx.x < request_lines) {
-    ptx::PrefetchL2(p.layer + threadIdx.x * 32);
-    if (p.softmax_scale != nullptr) ptx::PrefetchL2(p.softmax_scale + threadIdx.x * 32);
-  }
-}
-
 template <bool kStreamPlan, typename Attend, typename After = NoSegmentHook>
 __device__ __forceinline__ void ForEachSegment(const VerifyParams& p, SegmentSmem& sm, Attend&& attend,
                                                After&& after = After{}) {
@@ -506,7 +486,6 @@ __device__ __forceinline__ void ForEachSegment(const VerifyParams& p, SegmentSme
   const bool first_warp = threadIdx.x < 32;
   if (threadIdx.x == 0) PhaseStamp(kStampEntry);
   ptx::GridDependencyWait();  // the plan kernel's output (or the writes of the grid before)
-  PrefetchLaunchInputs(p);
   if (p.plan_in_warp) {  // batch <= kPlanInWarpMaxBatch (the host checks)
     if (first_warp) {
       const WarpPlan plan = PlanInWarp(p, x, x == 0);
