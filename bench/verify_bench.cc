@@ -32,6 +32,7 @@
 #include "kernels/testing/verify_problem.h"
 #include "kernels/verify_attention_cuda.h"
 #include "kernels/verify_params.h"
+#include "kernels/verify_workspace.h"
 #include "nlohmann/json.hpp"
 
 namespace mlaverify::bench {
@@ -376,11 +377,9 @@ int Run(int argc, char** argv) {
     absl::StatusOr<Timing> timing = absl::InternalError("not run");
     if (st.ok()) timing = TimeGraph(exec, stream, reps, !no_flush, flush_buffer);
     if (st.ok() && timing.ok() && !stamps_path.empty()) {
-      // The attention and combine grids: one CTA per item of the largest plan (MaxWork).
-      const int grid_ctas = std::max(config->num_sms * config->ctas_per_sm,
-                                     s.batch * ((s.draft * s.heads + kernels::kVerifyRowsPerCta - 1) /
-                                                kernels::kVerifyRowsPerCta));
-      auto recorded = RecordPhaseStamps(exec, stream, grid_ctas, 9, flush_buffer);
+      // One stamp row per CTA of the attention and combine grids.
+      auto recorded =
+          RecordPhaseStamps(exec, stream, kernels::VerifyMaxWork(device.Args(), *config), 9, flush_buffer);
       if (!recorded.ok()) {
         st = recorded.status();
       } else {
