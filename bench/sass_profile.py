@@ -10,6 +10,17 @@
         per loop (offsets in hex, inclusive): samples and stall reasons, and
         instructions per iteration by opcode (executions / --per, e.g. the
         loop's warp-iterations: its most executed instruction's count).
+    bench/sass_profile.py stalls_sass.csv --timer-sections
+        (a phase-stamps build) cuts the code at every %globaltimer read and
+        prints, per section in code order: offsets, static instructions,
+        executions, samples and the top stall reasons; then the whole
+        kernel's stall reasons. Shows where a small launch's straight-line
+        phases (plan, merge) wait, e.g. on instruction fetch (no_inst).
+    bench/sass_profile.py stalls_sass.csv --regions 0x800
+        (any build) per 0x800-byte slice of the code that ran: executions,
+        the most any one instruction ran (132 = one warp per CTA, 1,024 =
+        eight warps of 128 CTAs, ...), samples and top stall reasons. How the
+        session-7 profile found the merge waiting on instruction fetch.
 """
 import argparse
 import collections
@@ -44,9 +55,45 @@ def main():
     ap.add_argument("--hot", type=float)
     ap.add_argument("--loop", action="append", default=[])
     ap.add_argument("--per", type=float, default=1.0)
+    ap.add_argument("--timer-sections", action="store_true")
+    ap.add_argument("--regions", type=lambda x: int(x, 0))
     a = ap.parse_args()
     ins = load(a.csv)
     total = sum(i["samples"] for i in ins)
+    if a.regions:
+        regions = collections.OrderedDict()
+        for i in ins:
+            r = regions.setdefault(i["off"] // a.regions, {"exec": 0, "max": 0, "samples": 0,
+                                                            "why": collections.Counter()})
+            r["exec"] += i["exec"]
+            r["max"] = max(r["max"], i["exec"])
+            r["samples"] += i["samples"]
+            r["why"].update(i["stalls"])
+        for k, r in regions.items():
+            if r["exec"]:
+                top = " ".join(f"{w}:{v}" for w, v in r["why"].most_common(4) if v)
+                print(f"{k * a.regions:6x} exec {r['exec']:9d} max {r['max']:6d} samples {r['samples']:6d}  {top}")
+    if a.timer_sections:
+        sections, cur = [], []
+        for i in ins:
+            cur.append(i)
+            if "GLOBALTIMER" in i["src"]:
+                sections.append(cur)
+                cur = []
+        if cur:
+            sections.append(cur)
+        overall = collections.Counter()
+        for sec in sections:
+            why = collections.Counter()
+            for i in sec:
+                why.update(i["stalls"])
+            overall.update(why)
+            samples = sum(i["samples"] for i in sec)
+            execs = sum(i["exec"] for i in sec)
+            top = " ".join(f"{k}:{v}" for k, v in why.most_common(4) if v)
+            print(f"{sec[0]['off']:6x}-{sec[-1]['off']:6x} {len(sec):5d} instr {execs:9d} exec "
+                  f"{samples:6d} samples  {top}")
+        print("whole kernel: " + " ".join(f"{k}:{v}" for k, v in overall.most_common(12) if v))
     if a.hot is not None:
         top = max(i["exec"] for i in ins)
         for i in ins:
