@@ -29,6 +29,12 @@ __device__ __forceinline__ void CpAsync4(uint32_t smem_dst, const void* gmem_src
                "r"(src_bytes));
 }
 
+// Brings the 128-byte line holding `p` into L2; no register result, no fault
+// semantics beyond an ordinary load's (callers stay inside allocations).
+__device__ __forceinline__ void PrefetchL2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 template <int kPending>

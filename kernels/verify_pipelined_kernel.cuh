@@ -35,7 +35,13 @@ namespace mlaverify::kernels::verify {
 // warps, else the PV warps): each role loops over the segments on its own
 // (see the kernel below), so that what the compiler hoists out of the segment
 // loop is one role's, not both roles' registers at once.
-template <int kKSlices, bool kPageRing, bool kScoreRole>
+// kPageLinePrefetch: the PV warps ask L2 for the segment's page-table lines
+// first (register path; see the PV prologue). Off in the fused-combine
+// instance: its segments are short (batch <= fused_combine_max_batch spread
+// over the whole grid, one page-table line or two), and with it B=1, L=64K
+// measured 5 % slower (code generation of that instance, not analysed;
+// bench/NOTES.md v12). Its PTX is then unchanged.
+template <int kKSlices, bool kPageRing, bool kScoreRole, bool kPageLinePrefetch>
 __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, const VerifyWorkItem& item,
                                                        uint8_t* smem_raw) {
   using Shape = pipelined::Shape<kKSlices>;
@@ -399,6 +405,15 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     ptx::CpAsyncWait<0>();
   } else {
     if (loader) next_page = page_of(NUM_STAGES, ld_row);
+    // The register path reads each tile's page id one tile ahead, and a
+    // page-table line (32 ids) ends every 32 pages: read cold, that read is a
+    // DRAM round trip on the PV warps' critical path, 8 times per CTA at
+    // B=32, L=64K (bench/NOTES.md v12). Ask L2 for every line of the segment's
+    // page ids now, one per loader thread (up to 128 lines: 4,096 pages).
+    const int first_line = (kv_begin >> p.page_size_log2) >> 5;
+    const int last_line = ((kv_end - 1) >> p.page_size_log2) >> 5;
+    const int line = first_line + (tid - SCORE_THREADS);
+    if (kPageLinePrefetch && loader && line <= last_line) ptx::PrefetchL2(pages + line * 32);
   }
   // V fragment addresses relative to a stage: n-tile pair np reads chunk
   // pv_warp * V_COLS_PER_WARP / 8 + 2 np (+1 for lanes 16-31); pairs 4 apart
@@ -528,12 +543,12 @@ __global__ void __launch_bounds__(pipelined::Shape<kKSlices>::NUM_THREADS, 1)
   if (threadIdx.x < pipelined::Shape<kKSlices>::SCORE_THREADS) {
     ForEachSegment<true>(
         p, segments,
-        [&](const VerifyWorkItem& item) { AttendSegmentPipelined<kKSlices, kPageRing, true>(p, item, smem_raw); },
+        [&](const VerifyWorkItem& item) { AttendSegmentPipelined<kKSlices, kPageRing, true, !kFused>(p, item, smem_raw); },
         after);
   } else {
     ForEachSegment<true>(
         p, segments,
-        [&](const VerifyWorkItem& item) { AttendSegmentPipelined<kKSlices, kPageRing, false>(p, item, smem_raw); },
+        [&](const VerifyWorkItem& item) { AttendSegmentPipelined<kKSlices, kPageRing, false, !kFused>(p, item, smem_raw); },
         after);
   }
   if constexpr (kFused) {
