@@ -136,7 +136,10 @@ if want stalls && command -v ncu >/dev/null; then
   # per-SASS-instruction stall samples (source page as CSV) at one shape.
   variant=${VARIANT:-pipelined}
   shape=${STALL_SHAPE:-8,16384,16,8}
-  timeout 300 ncu --clock-control none --section WarpStateStats --section SourceCounters \
+  # STALL_SAMPLING=0 samples every 32 cycles (small launches need it).
+  sampling=()
+  [ -n "${STALL_SAMPLING:-}" ] && sampling=(--warp-sampling-interval "$STALL_SAMPLING")
+  timeout 300 ncu --clock-control none --section WarpStateStats --section SourceCounters "${sampling[@]}" \
     --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats \
     --import-source no -k regex:Attention --launch-skip 2 --launch-count 1 -o "$out/stalls" \
     "$bundle/bin/mlaverify-bench" --variant "$variant" --shape "$shape" --reps 3 \
@@ -146,6 +149,8 @@ if want stalls && command -v ncu >/dev/null; then
   grep -E 'Throughput|Pipe|Stall|stall|Issue|Warp Cycles|Eligible|Active|Duration' \
     "$out/stalls_details.txt" | head -40
   wc -l "$out/stalls_sass.csv"; head -3 "$out/stalls_sass.csv" | cut -c1-600
+  python3 bench/sass_profile.py "$out/stalls_sass.csv" --regions 0x1000 > "$out/stalls_regions.txt" 2>&1
+  tail -12 "$out/stalls_regions.txt"
 fi
 if want sass && command -v cuobjdump >/dev/null; then
   # The attention kernels' SASS (instruction counts per loop, scheduling).
