@@ -27,11 +27,21 @@ test "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$admin_port/rea
 "${client[@]}" demo --sequences 2 --prompt-len 100 --steps 2 --drafts 6
 "${client[@]}" demo --sequences 1 --prompt-len 0 --steps 2 --drafts 1 --stream
 "${client[@]}" load --concurrency 4 --duration-s 3 --warmup-s 1 --json "$work/load.json"
-grep -q '"page_leak": false' "$work/load.json"
-curl -sf "http://127.0.0.1:$admin_port/metrics" | grep -q 'mlaverify_requests_total{code="OK",rpc="Verify"}'
+fail() {
+  echo "cli smoke test FAILED: $*" >&2
+  exit 1
+}
+grep -q '"page_leak": false' "$work/load.json" || fail "load reports a page leak: $(cat "$work/load.json")"
+# Read the whole body first: `curl | grep -q` under pipefail fails at random
+# when grep exits on its match while curl is still writing (EPIPE).
+metrics=$(curl -sf "http://127.0.0.1:$admin_port/metrics") || fail "GET /metrics"
+grep -q 'mlaverify_requests_total{code="OK",rpc="Verify"}' <<< "$metrics" ||
+  fail "/metrics has no OK Verify counter"
 
 kill -TERM "$server_pid"
-wait "$server_pid"
+server_rc=0
+wait "$server_pid" || server_rc=$?
 server_pid=""
-grep -q "stopped: 0 live sequences" "$work/server.log"
+[ "$server_rc" -eq 0 ] || fail "the server exited with $server_rc after SIGTERM: $(tail -5 "$work/server.log")"
+grep -q "stopped: 0 live sequences" "$work/server.log" || fail "no clean drain in the server log: $(tail -5 "$work/server.log")"
 echo "cli smoke test passed"
