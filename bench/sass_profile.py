@@ -49,6 +49,19 @@ def load(path):
     return out
 
 
+def summarise(instrs):
+    """Executions, the most any one instruction ran, samples and stall reasons of a slice."""
+    why = collections.Counter()
+    for i in instrs:
+        why.update(i["stalls"])
+    return {"exec": sum(i["exec"] for i in instrs), "max": max((i["exec"] for i in instrs), default=0),
+            "samples": sum(i["samples"] for i in instrs), "why": why}
+
+
+def top_reasons(why, n):
+    return " ".join(f"{k}:{v}" for k, v in why.most_common(n) if v)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("csv")
@@ -61,18 +74,14 @@ def main():
     ins = load(a.csv)
     total = sum(i["samples"] for i in ins)
     if a.regions:
-        regions = collections.OrderedDict()
+        slices = collections.OrderedDict()
         for i in ins:
-            r = regions.setdefault(i["off"] // a.regions, {"exec": 0, "max": 0, "samples": 0,
-                                                            "why": collections.Counter()})
-            r["exec"] += i["exec"]
-            r["max"] = max(r["max"], i["exec"])
-            r["samples"] += i["samples"]
-            r["why"].update(i["stalls"])
-        for k, r in regions.items():
-            if r["exec"]:
-                top = " ".join(f"{w}:{v}" for w, v in r["why"].most_common(4) if v)
-                print(f"{k * a.regions:6x} exec {r['exec']:9d} max {r['max']:6d} samples {r['samples']:6d}  {top}")
+            slices.setdefault(i["off"] // a.regions, []).append(i)
+        for k, group in slices.items():
+            g = summarise(group)
+            if g["exec"]:
+                print(f"{k * a.regions:6x} exec {g['exec']:9d} max {g['max']:6d} samples {g['samples']:6d}  "
+                      f"{top_reasons(g['why'], 4)}")
     if a.timer_sections:
         sections, cur = [], []
         for i in ins:
@@ -84,16 +93,11 @@ def main():
             sections.append(cur)
         overall = collections.Counter()
         for sec in sections:
-            why = collections.Counter()
-            for i in sec:
-                why.update(i["stalls"])
-            overall.update(why)
-            samples = sum(i["samples"] for i in sec)
-            execs = sum(i["exec"] for i in sec)
-            top = " ".join(f"{k}:{v}" for k, v in why.most_common(4) if v)
-            print(f"{sec[0]['off']:6x}-{sec[-1]['off']:6x} {len(sec):5d} instr {execs:9d} exec "
-                  f"{samples:6d} samples  {top}")
-        print("whole kernel: " + " ".join(f"{k}:{v}" for k, v in overall.most_common(12) if v))
+            g = summarise(sec)
+            overall.update(g["why"])
+            print(f"{sec[0]['off']:6x}-{sec[-1]['off']:6x} {len(sec):5d} instr {g['exec']:9d} exec "
+                  f"{g['samples']:6d} samples  {top_reasons(g['why'], 4)}")
+        print("whole kernel: " + top_reasons(overall, 12))
     if a.hot is not None:
         top = max(i["exec"] for i in ins)
         for i in ins:
@@ -104,12 +108,11 @@ def main():
         name, lo, hi = spec.split(":")
         lo, hi = int(lo, 16), int(hi, 16)
         sel = [i for i in ins if lo <= i["off"] <= hi]
-        samples = sum(i["samples"] for i in sel)
-        why = collections.Counter()
+        g = summarise(sel)
+        samples, why = g["samples"], g["why"]
         ops = collections.Counter()
         op_samples = collections.Counter()
         for i in sel:
-            why.update(i["stalls"])
             ops[i["op"]] += i["exec"] / a.per
             op_samples[i["op"]] += i["samples"]
         print(f"== {name}: {samples} samples ({100 * samples / total:.1f} % of {total}), "
