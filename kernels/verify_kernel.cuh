@@ -1015,7 +1015,6 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
   const int rows_per_round = COMBINE_WARPS / warps_per_row;
   const int sub = warp % warps_per_row;
 
-  // Output row `row` of the tile from a merged (max, sum, o).
   // Where row `row` of the tile goes: its output row (bf16) and its LSE.
   struct OutputRow {
     uint16_t* out;
@@ -1028,6 +1027,7 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
     return OutputRow{p.out + token * p.out_token_stride + static_cast<int64_t>(h) * p.out_head_stride,
                      p.lse + token * heads + h};
   };
+  // Output row `row` of the tile from a merged (max, sum, o).
   auto write_row = [&](int row, float m, float l, const float4 (&acc)[4]) {
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     const OutputRow dst_row = output_row(row);
