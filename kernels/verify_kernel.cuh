@@ -479,7 +479,42 @@ __device__ __forceinline__ void CollectStreamRound(const VerifyParams& p, const 
 struct NoSegmentHook {
   __device__ void operator()(const VerifyWorkItem&) const {}
 };
-template <bool kStreamPlan, typename Attend, typename After = NoSegmentHook>
+// The Q rows are the last cold read before the first MMA at small batch:
+// the score warps issue them after the plan and wait ~2 us for them (phase
+// stamps, bench/NOTES.md v9.4). They depend on the lengths only, not on the
+// plan: one warp (the second, idle until the plan's barrier) reads the draft
+// counts itself, and the grid asks L2 for the batch's sum(N) x H rows of 576
+// bf16 (nine 128-byte lines each), CTA x taking lines x*32 + lane, then
+// + gridDim.x*32, ... up to kQueryPrefetchRounds rounds (all of them for
+// small batches; larger batches have the time to read them cold).
+constexpr int kQueryPrefetchRounds = 4;
+__device__ __forceinline__ void PrefetchQueryRows(const VerifyParams& p) {
+  const int lane = threadIdx.x & 31;
+  int n = 0;
+  for (int b = lane; b < p.batch; b += 32) n += p.draft_len[b];
+  const unsigned tokens = __reduce_add_sync(0xffffffffu, static_cast<unsigned>(n));
+  constexpr unsigned LINES_PER_ROW = D_QK * 2 / 128;  // 9
+  const unsigned heads = static_cast<unsigned>(p.num_heads);
+  const unsigned lines = tokens * heads * LINES_PER_ROW;
+  const unsigned step = gridDim.x * 32u;
+  unsigned line = blockIdx.x * 32u + lane;
+#pragma unroll 1
+  for (int round = 0; round < kQueryPrefetchRounds && line < lines; ++round, line += step) {
+    const unsigned row = line / LINES_PER_ROW;
+    const unsigned token = row / heads;
+    const uint16_t* q_row = p.q + static_cast<int64_t>(token) * p.q_token_stride +
+                            static_cast<int64_t>(row - token * heads) * p.q_head_stride;
+    ptx::PrefetchL2(q_row + (line - row * LINES_PER_ROW) * 64);
+  }
+}
+
+// kPrefetchQueries: the second warp prefetches the batch's Q rows during the
+// warp plan (PrefetchQueryRows). The non-fused `pipelined` instances only: in
+// the 128-register kernels it cost ptxas a spill on sm_90, and in the fused
+// instance it measured B=1 0.6-1.3 us slower (bench/NOTES.md, session 7).
+// Where it pays: the stream plan's segment restarts read a cold Q
+// (B=32, L=64K, page 1: 677 -> 663 us).
+template <bool kStreamPlan, bool kPrefetchQueries = false, typename Attend, typename After = NoSegmentHook>
 __device__ __forceinline__ void ForEachSegment(const VerifyParams& p, SegmentSmem& sm, Attend&& attend,
                                                After&& after = After{}) {
   const int x = blockIdx.x;
@@ -495,6 +530,8 @@ __device__ __forceinline__ void ForEachSegment(const VerifyParams& p, SegmentSme
         sm.summary = plan.summary;
         sm.list[0] = plan.item;
       }
+    } else if (kPrefetchQueries && threadIdx.x < 64) {
+      PrefetchQueryRows(p);
     }
   } else if (threadIdx.x == 0) {
     sm.summary = *p.summary;

@@ -541,12 +541,12 @@ __global__ void __launch_bounds__(pipelined::Shape<kKSlices>::NUM_THREADS, 1)
   // Both roles pass the same block-wide barriers of ForEachSegment from their
   // own call sites (bar.sync 0 counts threads, not sites), with one shared state.
   if (threadIdx.x < pipelined::Shape<kKSlices>::SCORE_THREADS) {
-    ForEachSegment<true>(
+    ForEachSegment<true, kKSlices == 2 && !kFused>(
         p, segments,
         [&](const VerifyWorkItem& item) { AttendSegmentPipelined<kKSlices, kPageRing, true, !kFused>(p, item, smem_raw); },
         after);
   } else {
-    ForEachSegment<true>(
+    ForEachSegment<true, kKSlices == 2 && !kFused>(
         p, segments,
         [&](const VerifyWorkItem& item) { AttendSegmentPipelined<kKSlices, kPageRing, false, !kFused>(p, item, smem_raw); },
         after);
