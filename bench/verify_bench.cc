@@ -309,6 +309,23 @@ int Run(int argc, char** argv) {
               kernels::AttentionVariantName(config->attention_variant),
               kernels::VerifyAttentionSharedBytes(config->attention_variant));
 
+  // The launch floor: what a graph replay of an empty kernel with the
+  // attention grid's shape (one CTA of 256 threads per SM, the variant's
+  // shared memory) costs, timed like the rows below. A small shape's time
+  // minus this is what the kernel itself can still win.
+  const int floor_smem = kernels::VerifyAttentionSharedBytes(config->attention_variant);
+  auto launch_floor = kernels::testing::MeasureLaunchFloorUs(prop.multiProcessorCount, 256, floor_smem,
+                                                             /*cooperative=*/false, 200);
+  auto launch_floor_coop = kernels::testing::MeasureLaunchFloorUs(prop.multiProcessorCount, 256, floor_smem,
+                                                                  /*cooperative=*/true, 200);
+  if (!launch_floor.ok() || !launch_floor_coop.ok()) {
+    std::cerr << (launch_floor.ok() ? launch_floor_coop.status() : launch_floor.status()) << "\n";
+    return 3;
+  }
+  std::printf("launch floor (empty kernel, %d x 256 threads, %d B shared memory, graph replay): %.2f us, "
+              "cooperative %.2f us\n",
+              prop.multiProcessorCount, floor_smem, *launch_floor, *launch_floor_coop);
+
   DeviceBuffer flush_buffer;
   if (!flush_buffer.Allocate(size_t{256} << 20).ok()) return 3;
   cudaStream_t stream;
@@ -436,6 +453,8 @@ int Run(int argc, char** argv) {
   nlohmann::json result = {{"gpu", prop.name},
                            {"sm_count", prop.multiProcessorCount},
                            {"read_tbps", *read_bw / 1e12},
+                           {"launch_floor_us", *launch_floor},
+                           {"launch_floor_cooperative_us", *launch_floor_coop},
                            {"flop_roof_tflops", kFlopRoof / 1e12},
                            {"l2_flushed", !no_flush},
                            {"ctas_per_sm", config->ctas_per_sm},

@@ -86,6 +86,14 @@ std::string NoUsableGpuReason();
 // `bytes`), in bytes per second. Used as the memory roof in reports.
 absl::StatusOr<double> MeasureReadBandwidth(size_t bytes, int reps);
 
+// Median time, in microseconds, of a CUDA graph holding one empty kernel of
+// `ctas` x `threads` with `smem_bytes` of dynamic shared memory (launched
+// cooperatively when asked), timed with events around cudaGraphLaunch as the
+// benchmark times the verify graph: the part of a small launch's figure that
+// no kernel change can remove.
+absl::StatusOr<double> MeasureLaunchFloorUs(int ctas, int threads, int smem_bytes, bool cooperative,
+                                            int reps);
+
 }  // namespace mlaverify::kernels::testing
 
 #endif  // MLAVERIFY_KERNELS_TESTING_DEVICE_PROBLEM_H_
