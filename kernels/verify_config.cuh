@@ -137,6 +137,7 @@ constexpr int BAR_P_FULL = 4;     // + (tile & 1): P(t), alpha(t) written (score
 constexpr int BAR_P_EMPTY = 6;    // + (tile & 1): PV(t) done with P buffer and alpha slot
 constexpr int BAR_FINAL = 8;      // 1 / l and lse of every row written (score -> PV)
 constexpr int BAR_KV_FULL = 9;    // + (tile & 1): a KV tile loaded by the PV warps has landed
+constexpr int BAR_SCORE_MMA_DONE = 11;  // the score warps issued S(t+1)'s MMAs: PV(t) may issue its own
 
 template <int kKSlices>
 struct Shape {

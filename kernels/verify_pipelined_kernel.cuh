@@ -45,6 +45,8 @@ template <int kKSlices, bool kPageRing, bool kScoreRole, bool kPageLinePrefetch>
 __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, const VerifyWorkItem& item,
                                                        uint8_t* smem_raw) {
   using Shape = pipelined::Shape<kKSlices>;
+  // PV(t)'s MMAs wait for S(t+1)'s to be issued (v15); register page path only.
+  constexpr bool kPhaseOffset = !kPageRing;
   // Block-scope declarations: these hide the split-K variant's constants of the same name.
   using pipelined::BAR_FINAL;
   using pipelined::BAR_KV_FULL;
@@ -52,6 +54,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   using pipelined::BAR_P_FULL;
   using pipelined::BAR_PAIR;
   using pipelined::BAR_SCORE;
+  using pipelined::BAR_SCORE_MMA_DONE;
   using pipelined::BLOCK_N;
   using pipelined::LOADER_THREADS;
   using pipelined::P_BUFFER_BYTES;
@@ -246,6 +249,12 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
         ptx::MmaBf16(acc[s & 1][0], q_frag[s], kf[s & 1][0], kf[s & 1][1]);
         ptx::MmaBf16(acc[s & 1][1], q_frag[s], kf[s & 1][2], kf[s & 1][3]);
       }
+      // Phase offset: PV(t-1) issues its MMAs only now, while this warp
+      // exchanges and runs the softmax, so the two roles' MMA phases do not
+      // start together (bench/NOTES.md v15: -2.7 % on the compute-bound
+      // shapes). Not on the page-ring path, where delaying the PV warps'
+      // page-id fetches cost B=32 page 1 6 %.
+      if (kPhaseOffset && t >= 1) ptx::NamedBarrierArrive(BAR_SCORE_MMA_DONE, NUM_THREADS);
       // ---- reduce the partial scores of the row group's k_slices; each lane
       // ends with its own row's VALUES columns (see my_row). Accumulator
       // elements 0, 1 are row g, elements 2, 3 row g + 8 (mma layout). ----
@@ -461,6 +470,10 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     uint32_t p_frag[M_TILES][4];
 #pragma unroll
     for (int m = 0; m < M_TILES; ++m) ptx::LdMatrixX4(p_frag[m], p_frag_addr[m] + (t & 1) * P_BUFFER_BYTES);
+    // Wait until the score warps have issued S(t+1)'s MMAs (see the score
+    // loop): one arrival per tile from t = 1 on, so this barrier's phases
+    // alternate strictly (S(t+2) waits for PV(t) at P_EMPTY).
+    if (kPhaseOffset && t + 1 < num_tiles) ptx::NamedBarrierSync(BAR_SCORE_MMA_DONE, NUM_THREADS);
     uint32_t v_addr[V_OFFSETS];
 #pragma unroll
     for (int np = 0; np < V_OFFSETS; ++np) v_addr[np] = kv_base + stage + v_frag_offset[np];

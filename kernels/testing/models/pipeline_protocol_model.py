@@ -24,7 +24,7 @@ def run(KS, nt, ring, seed):
     rnd = random.Random(seed)
     SW = 2 * KS; PW = SW; NS = 5 if KS == 2 else 4; QS = NS - 2
     ALL = SW + PW
-    BAR_SCORE, BAR_PAIR, BAR_P_FULL, BAR_P_EMPTY, BAR_FINAL, BAR_KV_FULL = 1, 2, 4, 6, 8, 9
+    BAR_SCORE, BAR_PAIR, BAR_P_FULL, BAR_P_EMPTY, BAR_FINAL, BAR_KV_FULL, BAR_SCORE_MMA_DONE = 1, 2, 4, 6, 8, 9, 11
     W = SW + PW
     vc = [[0]*W for _ in range(W)]
     errs = []
@@ -145,6 +145,7 @@ def run(KS, nt, ring, seed):
                 yield ('sync', BAR_KV_FULL + (t & 1), ALL)
             read_stage(w, t % NS, t, 'score')
             yield None
+            if not ring and t >= 1: yield ('arrive', BAR_SCORE_MMA_DONE, ALL)  # S(t)'s MMAs issued: PV(t-1) may go
             write_res(w, ('xch', w), t)
             yield ('sync', BAR_PAIR + rg, KS)
             for q in range(KS): read_res(w, ('xch', rg * KS + q), t)
@@ -162,6 +163,7 @@ def run(KS, nt, ring, seed):
         for t in range(nt):
             yield ('sync', BAR_P_FULL + (t & 1), ALL)
             for x in range(SW): read_res(w, ('P', t & 1, x), t)
+            if not ring and t + 1 < nt: yield ('sync', BAR_SCORE_MMA_DONE, ALL)  # phase offset (v15, register page path)
             read_stage(w, t % NS, t, 'pv')
             yield None
             if t + 2 < nt: yield ('arrive', BAR_P_EMPTY + (t & 1), ALL)
