@@ -27,6 +27,21 @@
 
 namespace mlaverify::kernels::verify {
 
+// Diagnostic knockouts (wrong results by design; cmake -DMLAVERIFY_KNOCKOUT=bits,
+// default 0: none, the PTX is then the same as without this code): remove
+// the loop's KV loads (1), the PV MMAs (2) or the score MMAs (4), to see
+// which part sets the tile time (bench/NOTES.md session 8).
+#ifndef MLAVERIFY_KNOCKOUT
+#define MLAVERIFY_KNOCKOUT 0
+#endif
+constexpr int kKnockout = MLAVERIFY_KNOCKOUT;
+constexpr int kKnockoutLoopLoads = 1, kKnockoutPvMma = 2, kKnockoutScoreMma = 4;
+// Session 8's next step: the ~30 % of the tile that is neither MMA nor load.
+// 8: the score pair's exchange (each warp keeps its own partial scores);
+// 16: the softmax's exponentials (P = the scaled scores); 32: the PV warps'
+// alpha read and rescale check.
+constexpr int kKnockoutExchange = 8, kKnockoutExp = 16, kKnockoutAlpha = 32;
+
 // kKSlices: the pipelined::Shape (2: `pipelined`, 4: `pipelined16`).
 // kPageRing: page ids reach the PV warps' loads through a shared ring (page
 // sizes below 16 tokens) rather than a register read one step ahead; see the
@@ -246,8 +261,10 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
 #pragma unroll
       for (int s = 0; s < K_STEPS; ++s) {
         if (s + 1 < K_STEPS) ptx::LdMatrixX4(kf[(s + 1) & 1], k_addr[(s + 1) & 3] + ((s + 1) >> 2) * 128);
-        ptx::MmaBf16(acc[s & 1][0], q_frag[s], kf[s & 1][0], kf[s & 1][1]);
-        ptx::MmaBf16(acc[s & 1][1], q_frag[s], kf[s & 1][2], kf[s & 1][3]);
+        if constexpr (!(kKnockout & kKnockoutScoreMma)) {
+          ptx::MmaBf16(acc[s & 1][0], q_frag[s], kf[s & 1][0], kf[s & 1][1]);
+          ptx::MmaBf16(acc[s & 1][1], q_frag[s], kf[s & 1][2], kf[s & 1][3]);
+        }
       }
       // Phase offset: PV(t-1) issues its MMAs only now, while this warp
       // exchanges and runs the softmax, so the two roles' MMA phases do not
@@ -275,12 +292,14 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
           sc[1] = hi ? a03 : a01;
           sc[2] = hi ? a12 : a10;
           sc[3] = hi ? a13 : a11;
-          ptx::NamedBarrierSync(BAR_PAIR + row_group, 32 * kKSlices);
-          const float4 o = slots[(warp ^ 1) * 32 + lane];
-          sc[0] += o.x;
-          sc[1] += o.y;
-          sc[2] += o.z;
-          sc[3] += o.w;
+          if constexpr (!(kKnockout & kKnockoutExchange)) {
+            ptx::NamedBarrierSync(BAR_PAIR + row_group, 32 * kKSlices);
+            const float4 o = slots[(warp ^ 1) * 32 + lane];
+            sc[0] += o.x;
+            sc[1] += o.y;
+            sc[2] += o.z;
+            sc[3] += o.w;
+          }
         } else {
           // Every slice writes its partial S[16][16] row-major; each reads the
           // four partials of its rows (two adjacent columns per lane).
@@ -344,7 +363,11 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
 #pragma unroll
       for (int e = 0; e < VALUES; ++e) {
         // A masked score is -inf: -inf x scale - ref is -inf, and ex2 gives 0.
-        sc[e] = ptx::Exp2Approx(fmaf(sc[e], scale_log2, neg_ref));
+        if constexpr (kKnockout & kKnockoutExp) {
+          sc[e] = fmaf(sc[e], scale_log2, neg_ref);
+        } else {
+          sc[e] = ptx::Exp2Approx(fmaf(sc[e], scale_log2, neg_ref));
+        }
         tile_sum += sc[e];
       }
       row_sum = row_sum * alpha + tile_sum;
@@ -445,6 +468,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   for (int t = 0; t < num_tiles; ++t) {
     ptx::NamedBarrierSync(BAR_P_FULL + (t & 1), NUM_THREADS);
     if (t == 0 && tid == SCORE_THREADS) PhaseStamp(kStampPvFirstTile);
+    if constexpr (!(kKnockout & kKnockoutAlpha)) {
     const float* alpha = alpha_s + (t & 1) * BLOCK_M;
     float a[M_TILES][2];
 #pragma unroll
@@ -467,6 +491,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
           o_acc[m][n][3] *= a[m][1];
         }
     }
+    }
     uint32_t p_frag[M_TILES][4];
 #pragma unroll
     for (int m = 0; m < M_TILES; ++m) ptx::LdMatrixX4(p_frag[m], p_frag_addr[m] + (t & 1) * P_BUFFER_BYTES);
@@ -486,8 +511,10 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
       ptx::LdMatrixX4Trans(vf, v_addr[np % V_OFFSETS] + (np / V_OFFSETS) * 128);
 #pragma unroll
       for (int m = 0; m < M_TILES; ++m) {
-        ptx::MmaBf16(o_acc[m][2 * np], p_frag[m], vf[0], vf[1]);
-        ptx::MmaBf16(o_acc[m][2 * np + 1], p_frag[m], vf[2], vf[3]);
+        if constexpr (!(kKnockout & kKnockoutPvMma)) {
+          ptx::MmaBf16(o_acc[m][2 * np], p_frag[m], vf[0], vf[1]);
+          ptx::MmaBf16(o_acc[m][2 * np + 1], p_frag[m], vf[2], vf[3]);
+        }
       }
     }
     if (t + 2 < num_tiles) ptx::NamedBarrierArrive(BAR_P_EMPTY + (t & 1), NUM_THREADS);
@@ -498,7 +525,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     if (t >= 1) {
       // Stage (t-1) % NUM_STAGES is free (see the header): load tile t+NUM_STAGES-1 into it.
       const int load_tile = t + NUM_STAGES - 1;
-      if (loader && load_tile < num_tiles) {
+      if (!(kKnockout & kKnockoutLoopLoads) && loader && load_tile < num_tiles) {
         if constexpr (kPageRing) {
           __syncwarp();  // page ids fetched by the row's first thread are visible
           const int page = page_ring[(load_tile % pipelined::PAGE_RING) * BLOCK_N + ld_row];
