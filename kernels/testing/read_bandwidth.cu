@@ -96,9 +96,11 @@ absl::StatusOr<double> MeasureLaunchFloorUs(int ctas, int threads, int smem_byte
   cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal);
   const cudaError_t launch = cudaLaunchKernelExC(&config, kernel, nullptr);
   const cudaError_t capture = cudaStreamEndCapture(stream, &graph);
+  const cudaError_t instantiate = launch == cudaSuccess && capture == cudaSuccess
+                                      ? cudaGraphInstantiate(&exec, graph, 0)
+                                      : cudaErrorStreamCaptureInvalidated;
   std::vector<float> times;
-  if (launch == cudaSuccess && capture == cudaSuccess &&
-      cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) {
+  if (instantiate == cudaSuccess) {
     cudaEvent_t start, stop;
     cudaEventCreate(&start);
     cudaEventCreate(&stop);
@@ -122,9 +124,16 @@ absl::StatusOr<double> MeasureLaunchFloorUs(int ctas, int threads, int smem_byte
   if (graph != nullptr) cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
   const cudaError_t err = cudaGetLastError();
-  if (launch != cudaSuccess || err != cudaSuccess || times.size() != static_cast<size_t>(reps)) {
-    return absl::InternalError(std::string("launch floor: ") +
-                               cudaGetErrorString(launch != cudaSuccess ? launch : err));
+  const char* step = launch != cudaSuccess        ? "capture of the launch"
+                     : capture != cudaSuccess     ? "end of capture"
+                     : instantiate != cudaSuccess ? "graph instantiation"
+                                                  : "replay";
+  if (instantiate != cudaSuccess || err != cudaSuccess || times.size() != static_cast<size_t>(reps)) {
+    const cudaError_t why = launch != cudaSuccess    ? launch
+                            : capture != cudaSuccess ? capture
+                            : instantiate != cudaSuccess ? instantiate
+                                                         : err;
+    return absl::InternalError(std::string("launch floor: ") + step + " failed: " + cudaGetErrorString(why));
   }
   std::sort(times.begin(), times.end());
   return times[times.size() / 2] * 1e3;
