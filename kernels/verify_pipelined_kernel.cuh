@@ -469,28 +469,28 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     ptx::NamedBarrierSync(BAR_P_FULL + (t & 1), NUM_THREADS);
     if (t == 0 && tid == SCORE_THREADS) PhaseStamp(kStampPvFirstTile);
     if constexpr (!(kKnockout & kKnockoutAlpha)) {
-    const float* alpha = alpha_s + (t & 1) * BLOCK_M;
-    float a[M_TILES][2];
+      const float* alpha = alpha_s + (t & 1) * BLOCK_M;
+      float a[M_TILES][2];
 #pragma unroll
-    for (int m = 0; m < M_TILES; ++m) {
-      a[m][0] = alpha[m * 16 + g];
-      a[m][1] = alpha[m * 16 + g + 8];
-    }
-    // Once the running max settles alpha is 1 on every row: skip the rescale.
-    bool unchanged = true;
+      for (int m = 0; m < M_TILES; ++m) {
+        a[m][0] = alpha[m * 16 + g];
+        a[m][1] = alpha[m * 16 + g + 8];
+      }
+      // Once the running max settles alpha is 1 on every row: skip the rescale.
+      bool unchanged = true;
 #pragma unroll
-    for (int m = 0; m < M_TILES; ++m) unchanged = unchanged && a[m][0] == 1.0f && a[m][1] == 1.0f;
-    if (!__all_sync(0xffffffffu, unchanged)) {
+      for (int m = 0; m < M_TILES; ++m) unchanged = unchanged && a[m][0] == 1.0f && a[m][1] == 1.0f;
+      if (!__all_sync(0xffffffffu, unchanged)) {
 #pragma unroll
-      for (int m = 0; m < M_TILES; ++m)
+        for (int m = 0; m < M_TILES; ++m)
 #pragma unroll
-        for (int n = 0; n < O_N_TILES; ++n) {
-          o_acc[m][n][0] *= a[m][0];
-          o_acc[m][n][1] *= a[m][0];
-          o_acc[m][n][2] *= a[m][1];
-          o_acc[m][n][3] *= a[m][1];
-        }
-    }
+          for (int n = 0; n < O_N_TILES; ++n) {
+            o_acc[m][n][0] *= a[m][0];
+            o_acc[m][n][1] *= a[m][0];
+            o_acc[m][n][2] *= a[m][1];
+            o_acc[m][n][3] *= a[m][1];
+          }
+      }
     }
     uint32_t p_frag[M_TILES][4];
 #pragma unroll
