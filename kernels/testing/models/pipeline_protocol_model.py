@@ -9,6 +9,12 @@ Run: python3 kernels/testing/models/pipeline_protocol_model.py (~30 s);
 prints "bad runs: 0" and exits 0 when clean. `--plant staging-before-final`
 runs it with a fault planted on purpose (the epilogue stages O before
 BAR_FINAL, over tiles other warps may still read): it must report bad runs.
+`--plant p-empty-late` moves the score warps' P_EMPTY wait from the top of
+the tile to just before P(t) is written, for every tile: then a score warp
+can arrive at BAR_SCORE_MMA_DONE (v15.1) twice before a lagging PV warp
+has taken the first arrival. Only the slow-warp schedules find it (half
+the runs keep one warp at 2 % of its share of the scheduler); CTest runs
+both plants and expects them to fail.
 
 The epilogue (v9.2): after BAR_FINAL each PV warp writes its O slice into its
 own piece of the KV stages (StoreOutputSliceStaged), STAGING bytes per warp
@@ -138,7 +144,7 @@ def run(KS, nt, ring, seed):
             if loader and t < nt: issue(w, t, t, w)
             commit(w)
         for t in range(nt):
-            if t >= 2: yield ('sync', BAR_P_EMPTY + (t & 1), ALL)
+            if t >= 2 and PLANT != 'p-empty-late': yield ('sync', BAR_P_EMPTY + (t & 1), ALL)
             if t < NS:
                 wait(w, NS - 1 - t); yield ('sync', BAR_SCORE, SW)
             else:
@@ -150,6 +156,7 @@ def run(KS, nt, ring, seed):
             yield ('sync', BAR_PAIR + rg, KS)
             for q in range(KS): read_res(w, ('xch', rg * KS + q), t)
             yield None
+            if t >= 2 and PLANT == 'p-empty-late': yield ('sync', BAR_P_EMPTY + (t & 1), ALL)
             write_res(w, ('P', t & 1, w), t)
             yield ('arrive', BAR_P_FULL + (t & 1), ALL)
         write_res(w, ('invl', w), 'final')
@@ -191,10 +198,17 @@ def run(KS, nt, ring, seed):
     progs = {w: (score(w) if w < SW else pv(w)) for w in range(W)}
     # ring writes are synchronous in this model (cp.async completion approximated by the prologue wait)
     alive = set(range(W))
+    # Half the runs have one slow warp, scheduled only 2 % of the times it
+    # could be: uniform choice almost never lets a warp fall far behind,
+    # and some hazards (a barrier phase reused before a lagging warp reached
+    # it) need exactly that.
+    slow = rnd.randrange(W) if rnd.random() < 0.5 else -1
     while alive:
         cand = [w for w in alive if w not in blocked]
         if not cand:
             errs.append(f"deadlock nt={nt}"); break
+        if slow in cand and len(cand) > 1 and rnd.random() > 0.02:
+            cand.remove(slow)
         w = rnd.choice(cand)
         try:
             op = next(progs[w])
@@ -216,5 +230,8 @@ for KS in (2, 4):
                 if e:
                     bad += 1
                     if bad < 10: print(KS, ring, nt, seed, e[:3])
+                    if PLANT:  # a planted fault only has to be found once
+                        print("bad runs: >= 1 (planted fault found)")
+                        sys.exit(1)
 print("bad runs:", bad)
 sys.exit(1 if bad else 0)
