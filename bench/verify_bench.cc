@@ -99,37 +99,6 @@ std::vector<Shape> Suite(const std::string& name) {
   return shapes;
 }
 
-struct Timing {
-  double median_us = 0.0;
-  double min_us = 0.0;
-};
-
-absl::StatusOr<Timing> TimeGraph(cudaGraphExec_t exec, cudaStream_t stream, int reps, bool flush,
-                                 DeviceBuffer& flush_buffer) {
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  std::vector<float> times;
-  for (int r = -5; r < reps; ++r) {
-    if (flush) cudaMemsetAsync(flush_buffer.as<void>(), r & 0xff, flush_buffer.bytes(), stream);
-    cudaEventRecord(start, stream);
-    cudaGraphLaunch(exec, stream);
-    cudaEventRecord(stop, stream);
-    if (cudaEventSynchronize(stop) != cudaSuccess) break;
-    float ms = 0.0f;
-    cudaEventElapsedTime(&ms, start, stop);
-    if (r >= 0) times.push_back(ms);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess || times.empty()) {
-    return absl::InternalError(absl::StrCat("timing failed: ", cudaGetErrorString(err)));
-  }
-  std::sort(times.begin(), times.end());
-  return Timing{times[times.size() / 2] * 1e3, times.front() * 1e3};
-}
-
 // Phase stamps (kernels/phase_stamps.h; a build with -DMLAVERIFY_PHASE_STAMPS=ON):
 // `replays` graph replays, each after an L2 flush, with the kernels writing
 // their per-CTA phase times. Returns one JSON object per replay: times in ns
@@ -391,8 +360,8 @@ int Run(int argc, char** argv) {
     if (st.ok()) st = device.Download(problem, &out, &lse);
     if (st.ok()) st = kernels::WriteDraftKvCpu(problem.HostWriteArgs());
     if (st.ok()) check = kernels::testing::CompareWithReference(problem, out, lse, check_rows);
-    absl::StatusOr<Timing> timing = absl::InternalError("not run");
-    if (st.ok()) timing = TimeGraph(exec, stream, reps, !no_flush, flush_buffer);
+    absl::StatusOr<kernels::testing::GraphTiming> timing = absl::InternalError("not run");
+    if (st.ok()) timing = kernels::testing::TimeGraphReplays(exec, stream, reps, no_flush ? nullptr : &flush_buffer);
     if (st.ok() && timing.ok() && !stamps_path.empty()) {
       // One stamp row per CTA of the attention and combine grids.
       auto recorded =

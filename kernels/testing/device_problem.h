@@ -86,11 +86,23 @@ std::string NoUsableGpuReason();
 // `bytes`), in bytes per second. Used as the memory roof in reports.
 absl::StatusOr<double> MeasureReadBandwidth(size_t bytes, int reps);
 
+// Event-timed replays of an instantiated graph, the way every benchmark
+// figure is taken: 5 warm-up replays, then `reps` timed ones, each after a
+// memset of `flush` when given (it evicts L2, and it keeps the stream busy so
+// that the replay is queued before the start event fires: the host's
+// submission time is not part of the figure). Median and fastest replay.
+struct GraphTiming {
+  double median_us = 0.0;
+  double min_us = 0.0;
+};
+absl::StatusOr<GraphTiming> TimeGraphReplays(cudaGraphExec_t exec, cudaStream_t stream, int reps,
+                                             const DeviceBuffer* flush);
+
 // Median time, in microseconds, of a CUDA graph holding one empty kernel of
 // `ctas` x `threads` with `smem_bytes` of dynamic shared memory (launched
-// cooperatively when asked), timed with events around cudaGraphLaunch as the
-// benchmark times the verify graph: the part of a small launch's figure that
-// no kernel change can remove.
+// cooperatively when asked), timed by TimeGraphReplays as the benchmark times
+// the verify graph: the part of a small launch's figure that no kernel change
+// can remove.
 absl::StatusOr<double> MeasureLaunchFloorUs(int ctas, int threads, int smem_bytes, bool cooperative,
                                             int reps);
 

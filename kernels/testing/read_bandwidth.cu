@@ -1,7 +1,8 @@
-// Two device probes the benchmark reports beside its own figures: a streaming
-// read kernel (the memory roof: bytes read once, 16-byte loads, several in
-// flight per thread) and the launch floor (an empty kernel's graph replay,
-// timed the way the benchmark times the verify kernel).
+// The benchmark's device-side measurements: graph-replay timing (how every
+// row is timed), and two probes reported beside the rows: a streaming read
+// kernel (the memory roof: bytes read once, 16-byte loads, several in flight
+// per thread) and the launch floor (an empty kernel's graph, timed the same
+// way).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -69,9 +70,35 @@ absl::StatusOr<double> MeasureReadBandwidth(size_t bytes, int reps) {
   return static_cast<double>(bytes) / median_s;
 }
 
+absl::StatusOr<GraphTiming> TimeGraphReplays(cudaGraphExec_t exec, cudaStream_t stream, int reps,
+                                             const DeviceBuffer* flush) {
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  std::vector<float> times;
+  for (int r = -5; r < reps; ++r) {
+    if (flush != nullptr) cudaMemsetAsync(flush->as<void>(), r & 0xff, flush->bytes(), stream);
+    cudaEventRecord(start, stream);
+    cudaGraphLaunch(exec, stream);
+    cudaEventRecord(stop, stream);
+    if (cudaEventSynchronize(stop) != cudaSuccess) break;
+    float ms = 0.0f;
+    cudaEventElapsedTime(&ms, start, stop);
+    if (r >= 0) times.push_back(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || times.empty()) {
+    return absl::InternalError(std::string("timing failed: ") + cudaGetErrorString(err));
+  }
+  std::sort(times.begin(), times.end());
+  return GraphTiming{times[times.size() / 2] * 1e3, times.front() * 1e3};
+}
+
 absl::StatusOr<double> MeasureLaunchFloorUs(int ctas, int threads, int smem_bytes, bool cooperative,
                                             int reps) {
-  DeviceBuffer busy;
+  DeviceBuffer busy;  // the memset before each replay, as the benchmark's L2 flush
   if (auto s = busy.Allocate(size_t{256} << 20); !s.ok()) return s;
   const void* kernel = reinterpret_cast<const void*>(&EmptyKernel);
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) !=
@@ -94,49 +121,20 @@ absl::StatusOr<double> MeasureLaunchFloorUs(int ctas, int threads, int smem_byte
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal);
-  const cudaError_t launch = cudaLaunchKernelExC(&config, kernel, nullptr);
+  cudaError_t err = cudaLaunchKernelExC(&config, kernel, nullptr);
   const cudaError_t capture = cudaStreamEndCapture(stream, &graph);
-  const cudaError_t instantiate = launch == cudaSuccess && capture == cudaSuccess
-                                      ? cudaGraphInstantiate(&exec, graph, 0)
-                                      : cudaErrorStreamCaptureInvalidated;
-  std::vector<float> times;
-  if (instantiate == cudaSuccess) {
-    cudaEvent_t start, stop;
-    cudaEventCreate(&start);
-    cudaEventCreate(&stop);
-    for (int r = -5; r < reps; ++r) {
-      // As in the benchmark, a memset (its L2 flush) runs first, so the
-      // graph is queued before the start event fires and the host's
-      // submission time is not part of the figure.
-      cudaMemsetAsync(busy.as<void>(), r & 0xff, busy.bytes(), stream);
-      cudaEventRecord(start, stream);
-      cudaGraphLaunch(exec, stream);
-      cudaEventRecord(stop, stream);
-      if (cudaEventSynchronize(stop) != cudaSuccess) break;
-      float ms = 0.0f;
-      cudaEventElapsedTime(&ms, start, stop);
-      if (r >= 0) times.push_back(ms);
-    }
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
-  }
+  if (err == cudaSuccess) err = capture;
+  if (err == cudaSuccess) err = cudaGraphInstantiate(&exec, graph, 0);
+  const absl::StatusOr<GraphTiming> timing =
+      err == cudaSuccess
+          ? TimeGraphReplays(exec, stream, reps, &busy)
+          : absl::StatusOr<GraphTiming>(absl::InternalError(std::string("launch floor: graph not built: ") +
+                                                            cudaGetErrorString(err)));
   if (exec != nullptr) cudaGraphExecDestroy(exec);
   if (graph != nullptr) cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
-  const cudaError_t err = cudaGetLastError();
-  const char* step = launch != cudaSuccess        ? "capture of the launch"
-                     : capture != cudaSuccess     ? "end of capture"
-                     : instantiate != cudaSuccess ? "graph instantiation"
-                                                  : "replay";
-  if (instantiate != cudaSuccess || err != cudaSuccess || times.size() != static_cast<size_t>(reps)) {
-    const cudaError_t why = launch != cudaSuccess    ? launch
-                            : capture != cudaSuccess ? capture
-                            : instantiate != cudaSuccess ? instantiate
-                                                         : err;
-    return absl::InternalError(std::string("launch floor: ") + step + " failed: " + cudaGetErrorString(why));
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2] * 1e3;
+  if (!timing.ok()) return timing.status();
+  return timing->median_us;
 }
 
 }  // namespace mlaverify::kernels::testing
