@@ -28,18 +28,16 @@
 namespace mlaverify::kernels::verify {
 
 // Diagnostic knockouts (wrong results by design; cmake -DMLAVERIFY_KNOCKOUT=bits,
-// default 0: none, the PTX is then the same as without this code): remove
-// the loop's KV loads (1), the PV MMAs (2) or the score MMAs (4), to see
-// which part sets the tile time (bench/NOTES.md session 8).
+// default 0: none, the PTX is then the same as without this code), to see
+// which part sets the tile time (bench/NOTES.md session 8; bench/knockouts.sh):
+// 1 the loop's KV loads, 2 the PV MMAs, 4 the score MMAs, 8 the score pair's
+// exchange (each warp keeps its own partial scores), 16 the softmax's
+// exponentials (P = the scaled scores), 32 the PV warps' alpha check.
 #ifndef MLAVERIFY_KNOCKOUT
 #define MLAVERIFY_KNOCKOUT 0
 #endif
 constexpr int kKnockout = MLAVERIFY_KNOCKOUT;
 constexpr int kKnockoutLoopLoads = 1, kKnockoutPvMma = 2, kKnockoutScoreMma = 4;
-// Session 8's next step: the ~30 % of the tile that is neither MMA nor load.
-// 8: the score pair's exchange (each warp keeps its own partial scores);
-// 16: the softmax's exponentials (P = the scaled scores); 32: the PV warps'
-// alpha read and rescale check.
 constexpr int kKnockoutExchange = 8, kKnockoutExp = 16, kKnockoutAlpha = 32;
 // With an MMA knocked out, its ldmatrix results are dead, and ptxas may drop
 // the loads as well (not checked in the SASS of session 8's call-2 builds,
