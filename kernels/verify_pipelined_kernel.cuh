@@ -69,6 +69,9 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   using Shape = pipelined::Shape<kKSlices>;
   // PV(t)'s MMAs wait for S(t+1)'s to be issued (v15); register page path only.
   constexpr bool kPhaseOffset = !kPageRing;
+  // next/decouple: the score warps wait P_EMPTY late and the PV warps arrive
+  // KV_FULL before their loads (`pipelined` only: pipelined16 would spill).
+  constexpr bool kDecoupled = kKSlices == 2;
   // Block-scope declarations: these hide the split-K variant's constants of the same name.
   using pipelined::BAR_FINAL;
   using pipelined::BAR_KV_FULL;
@@ -232,8 +235,13 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     uint32_t stage = 0;  // byte offset of tile t's stage
     [[maybe_unused]] uint32_t fragment_sink = 0;  // knockout builds: keeps the fragment loads of removed MMAs
     for (int t = 0; t < num_tiles; ++t) {
-      // PV(t-2) is done with P buffer (t & 1).
-      if (t >= 2) ptx::NamedBarrierSync(BAR_P_EMPTY + (t & 1), NUM_THREADS);
+      // PV(t-2) is done with P buffer (t & 1). Decoupled (`pipelined`), from
+      // tile NUM_STAGES on this waits just before P(t) is written (below):
+      // KV_FULL(t) already orders this tile after PV(t-2)'s MMAs, and the
+      // MMAs of S(t) need only K. The prologue tiles keep it here: it is what
+      // keeps S(t) from arriving at BAR_SCORE_MMA_DONE twice in one phase
+      // (the protocol model's p-empty-late plant).
+      if (t >= 2 && (!kDecoupled || t < NUM_STAGES)) ptx::NamedBarrierSync(BAR_P_EMPTY + (t & 1), NUM_THREADS);
       if (t < NUM_STAGES) {
         // Tiles of the prologue were loaded by the score warps themselves:
         // groups Q, 0, 1, ..., NUM_STAGES-1.
@@ -383,6 +391,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
       row_sum = row_sum * alpha + tile_sum;
 
       // ---- hand P(t) (my row's columns) and alpha(t) to the PV warps ----
+      if (kDecoupled && t >= NUM_STAGES) ptx::NamedBarrierSync(BAR_P_EMPTY + (t & 1), NUM_THREADS);
       {
         auto* probs = reinterpret_cast<uint32_t*>(smem_raw + Shape::SMEM_P_OFFSET + (t & 1) * P_BUFFER_BYTES);
         if constexpr (kKSlices == 2) {
@@ -532,6 +541,15 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
       }
     }
     if (t + 2 < num_tiles) ptx::NamedBarrierArrive(BAR_P_EMPTY + (t & 1), NUM_THREADS);
+    if (kDecoupled && t + 2 < num_tiles && t + 2 >= NUM_STAGES) {
+      // Before this iteration's load is committed: groups committed so far
+      // are tiles NUM_STAGES..t+NUM_STAGES-2, so tile t+2 complete leaves the
+      // NUM_STAGES-4 newest pending. Arriving before the loads are issued
+      // (not after them) lets S(t+2) start that much sooner.
+      static_assert(!kDecoupled || NUM_STAGES >= 4, "tile t+2's group is at most the second newest here");
+      ptx::CpAsyncWait<kDecoupled ? NUM_STAGES - 4 : 0>();
+      ptx::NamedBarrierArrive(BAR_KV_FULL + (t & 1), NUM_THREADS);
+    }
     // The loads go out after the MMAs: issued before them, their address
     // registers held the MMAs back until the MIO queue had taken all nine
     // cp.async (bench/NOTES.md v4h); tile t+NUM_STAGES-1 is needed
@@ -552,7 +570,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
       }
       ptx::CpAsyncCommit();
     }
-    if (t + 2 < num_tiles && t + 2 >= NUM_STAGES) {
+    if (!kDecoupled && t + 2 < num_tiles && t + 2 >= NUM_STAGES) {
       // Groups committed so far: tiles NUM_STAGES..t+NUM_STAGES-1; tile t+2
       // complete leaves the NUM_STAGES-3 newest pending.
       ptx::CpAsyncWait<NUM_STAGES - 3>();

@@ -144,7 +144,10 @@ def run(KS, nt, ring, seed):
             if loader and t < nt: issue(w, t, t, w)
             commit(w)
         for t in range(nt):
-            if t >= 2 and PLANT != 'p-empty-late': yield ('sync', BAR_P_EMPTY + (t & 1), ALL)
+            # next/decouple: P_EMPTY at the top for the prologue tiles only; the
+            # p-empty-late plant drops it there too.
+            dec = KS == 2  # kDecoupled
+            if t >= 2 and (not dec or t < NS) and PLANT != 'p-empty-late': yield ('sync', BAR_P_EMPTY + (t & 1), ALL)
             if t < NS:
                 wait(w, NS - 1 - t); yield ('sync', BAR_SCORE, SW)
             else:
@@ -156,7 +159,8 @@ def run(KS, nt, ring, seed):
             yield ('sync', BAR_PAIR + rg, KS)
             for q in range(KS): read_res(w, ('xch', rg * KS + q), t)
             yield None
-            if t >= 2 and PLANT == 'p-empty-late': yield ('sync', BAR_P_EMPTY + (t & 1), ALL)
+            if (dec and t >= NS) or (t >= 2 and PLANT == 'p-empty-late'):
+                yield ('sync', BAR_P_EMPTY + (t & 1), ALL)  # late: just before P(t) is written
             write_res(w, ('P', t & 1, w), t)
             yield ('arrive', BAR_P_FULL + (t & 1), ALL)
         write_res(w, ('invl', w), 'final')
@@ -174,6 +178,9 @@ def run(KS, nt, ring, seed):
             read_stage(w, t % NS, t, 'pv')
             yield None
             if t + 2 < nt: yield ('arrive', BAR_P_EMPTY + (t & 1), ALL)
+            if KS == 2 and t + 2 < nt and t + 2 >= NS:  # before this iteration's loads (next/decouple)
+                wait(w, NS - 4)
+                yield ('arrive', BAR_KV_FULL + (t & 1), ALL)
             if t >= 1:
                 lt = t + NS - 1
                 if loader and lt < nt:
@@ -181,7 +188,7 @@ def run(KS, nt, ring, seed):
                     issue(w, (t - 1) % NS, lt, v)
                     if ring: write_res(w, ('ring', (lt + 4) % 8), lt + 4)
                 commit(w)
-            if t + 2 < nt and t + 2 >= NS:
+            if KS != 2 and t + 2 < nt and t + 2 >= NS:
                 wait(w, NS - 3)
                 yield ('arrive', BAR_KV_FULL + (t & 1), ALL)
         # CpAsyncWait<0>: in the kernel for the page ring's last fetches (their
