@@ -12,6 +12,10 @@
 //   PV warps:    wait P_FULL(t) -> O = alpha O + P(t) V(t) -> arrive
 //     P_EMPTY(t) -> load tile t+NUM_STAGES-1 into the stage of tile t-1 ->
 //     wait for their load of tile t+2 -> arrive KV_FULL(t+2)
+// In `pipelined` (kDecoupled) two of these move: from tile NUM_STAGES on the
+// score warps wait P_EMPTY(t-2) just before writing P(t), not at the top, and
+// the PV warps wait for tile t+2 and arrive KV_FULL(t+2) before issuing
+// their load of the iteration, not after it.
 // Every arrive has exactly one matching sync: P_EMPTY(t) is only signalled
 // for t + 2 < num_tiles (the tiles whose successor-but-one waits for it), and
 // KV_FULL(t+2) only for the PV-loaded tiles t+2 >= NUM_STAGES that exist.
@@ -69,8 +73,10 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   using Shape = pipelined::Shape<kKSlices>;
   // PV(t)'s MMAs wait for S(t+1)'s to be issued (v15); register page path only.
   constexpr bool kPhaseOffset = !kPageRing;
-  // next/decouple: the score warps wait P_EMPTY late and the PV warps arrive
-  // KV_FULL before their loads (`pipelined` only: pipelined16 would spill).
+  // Decoupled hand-over (v15.3, bench/NOTES.md session 9: -2.9 % compute-bound,
+  // -4 % at B=32): the score warps wait P_EMPTY just before writing P, and
+  // the PV warps arrive KV_FULL before issuing their loads (`pipelined` only:
+  // pipelined16 would spill).
   constexpr bool kDecoupled = kKSlices == 2;
   // Block-scope declarations: these hide the split-K variant's constants of the same name.
   using pipelined::BAR_FINAL;

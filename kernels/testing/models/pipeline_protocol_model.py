@@ -144,7 +144,7 @@ def run(KS, nt, ring, seed):
             if loader and t < nt: issue(w, t, t, w)
             commit(w)
         for t in range(nt):
-            # next/decouple: P_EMPTY at the top for the prologue tiles only; the
+            # kDecoupled (v15.3): P_EMPTY at the top for the prologue tiles only; the
             # p-empty-late plant drops it there too.
             dec = KS == 2  # kDecoupled
             if t >= 2 and (not dec or t < NS) and PLANT != 'p-empty-late': yield ('sync', BAR_P_EMPTY + (t & 1), ALL)
@@ -178,7 +178,7 @@ def run(KS, nt, ring, seed):
             read_stage(w, t % NS, t, 'pv')
             yield None
             if t + 2 < nt: yield ('arrive', BAR_P_EMPTY + (t & 1), ALL)
-            if KS == 2 and t + 2 < nt and t + 2 >= NS:  # before this iteration's loads (next/decouple)
+            if KS == 2 and t + 2 < nt and t + 2 >= NS:  # before this iteration's loads (kDecoupled, v15.3)
                 wait(w, NS - 4)
                 yield ('arrive', BAR_KV_FULL + (t & 1), ALL)
             if t >= 1:
