@@ -43,7 +43,10 @@ constexpr int kStages = 5;
 constexpr int kStageBytes = 16 * ROW_BYTES;        // 16 tokens x 576 bf16
 constexpr int kPBufferOffset = kStages * kStageBytes;
 constexpr int kPPitch = 24;                        // bf16, as pipelined::P_PITCH
-constexpr int kExchangeOffset = kPBufferOffset + 32 * kPPitch * 2;
+constexpr int kPBufferBytes = 32 * kPPitch * 2;
+constexpr int kMaxPBuffers = 4;
+constexpr int kAlphaOffset = kPBufferOffset + kMaxPBuffers * kPBufferBytes;  // [kMaxPBuffers][32] float
+constexpr int kExchangeOffset = kAlphaOffset + kMaxPBuffers * 32 * 4;
 constexpr int kExchangeBytes = 4 * 4 * 32 * 16;  // [owner][sender][lane] float4
 constexpr int kSmemBytes = kExchangeOffset + kExchangeBytes;
 constexpr int kScoreSteps = 18;                    // K_SLICE 288 / 16
@@ -64,6 +67,13 @@ enum Role : int {
   kScoreQuad = 8, // four k slices of 144 dims over all 32 rows: K read once per tile
                   // (9 ldmatrix.x4, 4 MMAs each), then a four-way exchange (3 float4
                   // out and in per lane, a barrier of the four score warps)
+  kScoreSoftmax = 9,    // kScorePair plus the kernel's softmax (stale-max fast path, four
+                        // exponentials per lane) and its P and alpha stores
+  kScoreHandOver = 10,  // kScoreSoftmax handing P to the PV warps as the kernel does:
+                        // double-buffered P and alpha, P_EMPTY / P_FULL named barriers
+  kPvHandOver = 11,     // kPvAhead taking P from them: P_FULL, the alpha check, P_EMPTY
+  kScoreHandOver3 = 12, kPvHandOver3 = 13,  // the same pair with three P buffers
+  kScoreHandOverOffset = 14, kPvHandOverOffset = 15,  // two buffers and the kernel's phase offset
 };
 
 struct ProbeArgs {
@@ -82,8 +92,16 @@ __device__ __forceinline__ uint32_t TileOffset(int row, int chunk) {
 
 // The score warp's fragment and MMA stream of one tile, `iters` times
 // (kMma false: the ldmatrix loads only, folded into a sink).
-template <bool kMma, bool kPairExchange = false>
-__device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane, int warp, float4* exchange = nullptr) {
+template <bool kMma, bool kPairExchange = false, bool kSoftmax = false, int kPBuffers = 0, bool kPhaseOffset = false>
+__device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane, int warp, uint8_t* smem = nullptr) {
+  // kPBuffers > 0: P is handed to the PV warps through that many buffers
+  // (the kernel: two), P_FULL(b) = barrier 4 + b, P_EMPTY(b) = 4 + kPBuffers + b.
+  constexpr bool kHandOver = kPBuffers > 0;
+  float4* exchange = reinterpret_cast<float4*>(smem + kExchangeOffset);
+  const int g = lane >> 2, t4 = lane & 3;
+  const int my_row = (warp >> 1) * 16 + g + 8 * (warp & 1);
+  constexpr float kScaleLog2 = 0.0721688f * 1.4426950f;  // 1/sqrt(192) in the log2 domain
+  float row_max = -INFINITY, row_sum = 0.0f;
   const int k_slice = warp & 1;
   uint32_t q_frag[kScoreSteps][4];
 #pragma unroll
@@ -115,6 +133,10 @@ __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane,
         sink ^= kf[s & 1][0] ^ kf[s & 1][1] ^ kf[s & 1][2] ^ kf[s & 1][3];
       }
     }
+    // Phase offset (the kernel's v15.1): PV(it - 1) may issue its MMAs now.
+    if constexpr (kPhaseOffset) {
+      if (it >= 1) ptx::NamedBarrierArrive(12, 256);
+    }
     // The kernel sums the two chains before its exchange: the same adds here.
     float a[2][4];
 #pragma unroll
@@ -127,8 +149,39 @@ __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane,
                                       : make_float4(a[0][2], a[0][3], a[1][2], a[1][3]);
       ptx::NamedBarrierSync(2 + (warp >> 1), 64);
       const float4 o = exchange[(warp ^ 1) * 32 + lane];
-      total += (hi ? a[0][2] : a[0][0]) + o.x + (hi ? a[0][3] : a[0][1]) + o.y + (hi ? a[1][2] : a[1][0]) + o.z +
-               (hi ? a[1][3] : a[1][1]) + o.w;
+      float sc[4] = {(hi ? a[0][2] : a[0][0]) + o.x, (hi ? a[0][3] : a[0][1]) + o.y, (hi ? a[1][2] : a[1][0]) + o.z,
+                     (hi ? a[1][3] : a[1][1]) + o.w};
+      if constexpr (kSoftmax) {
+        // The kernel's online softmax of one row (4 lanes share it), no mask.
+        float tile_max = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3])) * kScaleLog2;
+        float alpha = 1.0f;
+        if (!__all_sync(0xffffffffu, tile_max <= row_max + 8.0f)) {
+          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+          const float new_max = fmaxf(row_max, tile_max);
+          alpha = new_max == -INFINITY ? 0.0f : ptx::Exp2Approx(row_max - new_max);
+          row_max = new_max;
+        }
+        const float neg_ref = row_max == -INFINITY ? 0.0f : -row_max;
+        float tile_sum = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          sc[e] = ptx::Exp2Approx(fmaf(sc[e], kScaleLog2, neg_ref));
+          tile_sum += sc[e];
+        }
+        row_sum = row_sum * alpha + tile_sum;
+        if constexpr (kHandOver) {
+          if (it >= kPBuffers) ptx::NamedBarrierSync(4 + kPBuffers + it % kPBuffers, 256);  // P_EMPTY(it - kPBuffers)
+        }
+        const int buffer = kHandOver ? it % kPBuffers : 0;
+        auto* probs = reinterpret_cast<uint32_t*>(smem + kPBufferOffset + buffer * kPBufferBytes);
+        probs[(my_row * kPPitch + 2 * t4) / 2] = ptx::PackBf16x2(sc[0], sc[1]);
+        probs[(my_row * kPPitch + 8 + 2 * t4) / 2] = ptx::PackBf16x2(sc[2], sc[3]);
+        if (t4 == 0) reinterpret_cast<float*>(smem + kAlphaOffset)[buffer * 32 + my_row] = alpha;
+        if constexpr (kHandOver) ptx::NamedBarrierArrive(4 + buffer, 256);  // P_FULL(it)
+      } else {
+        total += sc[0] + sc[1] + sc[2] + sc[3];
+      }
     } else {
 #pragma unroll
       for (int n = 0; n < 2; ++n)
@@ -136,7 +189,7 @@ __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane,
         for (int e = 0; e < 4; ++e) total += a[n][e];
     }
   }
-  return total + static_cast<float>(sink & 1u);
+  return total + row_sum + static_cast<float>(sink & 1u);
 }
 
 // Four k slices of 144 dimensions, each over all 32 rows: a K fragment feeds
@@ -188,9 +241,17 @@ __device__ __forceinline__ float ScoreQuadStream(int iters, uint32_t base, int l
       }
     ptx::NamedBarrierSync(1, 128);
     // Mine: the row block ks of my own accumulators plus the three others'.
-    const int mm = ks >> 1, hh = ks & 1;
-    float4 sum = make_float4(hh ? acc[mm][0][2] : acc[mm][0][0], hh ? acc[mm][0][3] : acc[mm][0][1],
-                             hh ? acc[mm][1][2] : acc[mm][1][0], hh ? acc[mm][1][3] : acc[mm][1][1]);
+    // Selects over constant indices: a runtime index (acc[ks >> 1]) would put
+    // the accumulators in local memory (as in call 2's build of this probe).
+    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (2 * m + h == ks) {
+          sum = make_float4(acc[m][0][2 * h], acc[m][0][2 * h + 1], acc[m][1][2 * h], acc[m][1][2 * h + 1]);
+        }
+      }
 #pragma unroll
     for (int q = 1; q < 4; ++q) {
       const float4 o = exchange[(ks * 4 + ((ks + q) & 3)) * 32 + lane];
@@ -201,8 +262,12 @@ __device__ __forceinline__ float ScoreQuadStream(int iters, uint32_t base, int l
   return total;
 }
 
-// The PV warp's stream with each V fragment loaded one pair ahead of its MMAs.
-__device__ __forceinline__ float PvAheadStream(int iters, uint32_t base, int lane, int warp) {
+// The PV warp's stream with each V fragment loaded one pair ahead of its MMAs
+// (kHandOver: P and alpha from the score warps, as in the kernel).
+template <int kPBuffers = 0, bool kPhaseOffset = false>
+__device__ __forceinline__ float PvAheadStream(int iters, uint32_t base, int lane, int warp, const uint8_t* smem) {
+  constexpr bool kHandOver = kPBuffers > 0;
+  const int g = lane >> 2;
   const int pv_warp = warp & 3;
   const int v_token = (lane & 7) + (((lane >> 3) & 1) << 3);
   uint32_t v_frag_offset[4];
@@ -215,9 +280,31 @@ __device__ __forceinline__ float PvAheadStream(int iters, uint32_t base, int lan
   float o[2][16][4] = {};
   uint32_t stage = 0;
   for (int it = 0; it < iters; ++it) {
+    if constexpr (kHandOver) {
+      ptx::NamedBarrierSync(4 + it % kPBuffers, 256);  // P_FULL(it)
+      const float* alpha = reinterpret_cast<const float*>(smem + kAlphaOffset) + (it % kPBuffers) * 32;
+      float al[2][2];
+#pragma unroll
+      for (int m = 0; m < 2; ++m) al[m][0] = alpha[m * 16 + g], al[m][1] = alpha[m * 16 + g + 8];
+      bool unchanged = true;
+#pragma unroll
+      for (int m = 0; m < 2; ++m) unchanged = unchanged && al[m][0] == 1.0f && al[m][1] == 1.0f;
+      if (!__all_sync(0xffffffffu, unchanged)) {
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+          for (int n = 0; n < 16; ++n) {
+            o[m][n][0] *= al[m][0], o[m][n][1] *= al[m][0];
+            o[m][n][2] *= al[m][1], o[m][n][3] *= al[m][1];
+          }
+      }
+    }
     uint32_t p_frag[2][4];
 #pragma unroll
-    for (int m = 0; m < 2; ++m) ptx::LdMatrixX4(p_frag[m], p_frag_addr[m]);
+    for (int m = 0; m < 2; ++m) ptx::LdMatrixX4(p_frag[m], p_frag_addr[m] + (kHandOver ? (it % kPBuffers) * kPBufferBytes : 0));
+    if constexpr (kPhaseOffset) {
+      if (it + 1 < iters) ptx::NamedBarrierSync(12, 256);  // the score warps issued S(it + 1)'s MMAs
+    }
     uint32_t vf[2][4];
     ptx::LdMatrixX4Trans(vf[0], base + stage + v_frag_offset[0]);
 #pragma unroll
@@ -230,6 +317,9 @@ __device__ __forceinline__ float PvAheadStream(int iters, uint32_t base, int lan
       }
     }
     stage = stage == (kStages - 1) * kStageBytes ? 0 : stage + kStageBytes;
+    if constexpr (kHandOver) {
+      if (it + kPBuffers < iters) ptx::NamedBarrierArrive(4 + kPBuffers + it % kPBuffers, 256);  // P_EMPTY(it)
+    }
   }
   float total = 0.0f;
 #pragma unroll
@@ -260,11 +350,25 @@ __global__ void __launch_bounds__(kThreads, 1) TileProbeKernel(const ProbeArgs a
   } else if (role == kLdsmOnly) {
     total = ScoreStream<false>(a.iters, base, lane, warp);
   } else if (role == kScorePair) {
-    total = ScoreStream<true, true>(a.iters, base, lane, warp, reinterpret_cast<float4*>(smem + kExchangeOffset));
+    total = ScoreStream<true, true>(a.iters, base, lane, warp, smem);
+  } else if (role == kScoreSoftmax) {
+    total = ScoreStream<true, true, true>(a.iters, base, lane, warp, smem);
+  } else if (role == kScoreHandOver) {
+    total = ScoreStream<true, true, true, 2>(a.iters, base, lane, warp, smem);
+  } else if (role == kScoreHandOver3) {
+    total = ScoreStream<true, true, true, 3>(a.iters, base, lane, warp, smem);
+  } else if (role == kScoreHandOverOffset) {
+    total = ScoreStream<true, true, true, 2, true>(a.iters, base, lane, warp, smem);
+  } else if (role == kPvHandOver3) {
+    total = PvAheadStream<3>(a.iters, base, lane, warp, smem);
+  } else if (role == kPvHandOverOffset) {
+    total = PvAheadStream<2, true>(a.iters, base, lane, warp, smem);
+  } else if (role == kPvHandOver) {
+    total = PvAheadStream<2>(a.iters, base, lane, warp, smem);
   } else if (role == kScoreQuad) {
     total = ScoreQuadStream(a.iters, base, lane, warp, reinterpret_cast<float4*>(smem + kExchangeOffset));
   } else if (role == kPvAhead) {
-    total = PvAheadStream(a.iters, base, lane, warp);
+    total = PvAheadStream(a.iters, base, lane, warp, smem);
   } else if (role == kPv || role == kPvLoads) {
     const int pv_warp = warp & 3;
     const int ld_row = (tid & 127) >> 3, ld_lane = tid & 7;
@@ -387,7 +491,8 @@ int Main(int argc, char** argv) {
   CUDA_OR_DIE(cudaMalloc(&sink, sizeof(float)));
 
   const int S = kScore, P = kPv, L = kPvLoads, M = kMmaOnly, D = kLdsmOnly, A = kPvAhead, X = kScorePair,
-            Q = kScoreQuad;
+            Q = kScoreQuad, F = kScoreSoftmax, H = kScoreHandOver, V = kPvHandOver, H3 = kScoreHandOver3,
+            V3 = kPvHandOver3, HO = kScoreHandOverOffset, VO = kPvHandOverOffset;
   const std::vector<Config> configs = {
       {"score x4 (1 per sub-partition)", {S, S, S, S}},
       {"pv x4", {P, P, P, P}},
@@ -400,6 +505,11 @@ int Main(int argc, char** argv) {
       {"score-quad x4 (K read once, four-way exchange)", {Q, Q, Q, Q}},
       {"score-quad x4 + pv x4", {Q, Q, Q, Q, P, P, P, P}},
       {"score-quad x4 + pv-ahead x4", {Q, Q, Q, Q, A, A, A, A}},
+      {"score+exchange+softmax x4", {F, F, F, F}},
+      {"score+exchange+softmax x4 + pv-ahead x4", {F, F, F, F, A, A, A, A}},
+      {"the same with the P hand-over (P_FULL / P_EMPTY)", {H, H, H, H, V, V, V, V}},
+      {"the same, three P buffers", {H3, H3, H3, H3, V3, V3, V3, V3}},
+      {"the same, two P buffers and the phase offset (v15.1)", {HO, HO, HO, HO, VO, VO, VO, VO}},
       {"score x8 (2 per sub-partition)", {S, S, S, S, S, S, S, S}},
       {"pv x8", {P, P, P, P, P, P, P, P}},
       {"ldsm x4 (score fragments, no MMA)", {D, D, D, D}},
@@ -465,9 +575,11 @@ int Main(int argc, char** argv) {
     double hmma = 0, smem_bytes = 0;
     for (int r : c.roles) {
       if (r == kScore) hmma += kHmmaPerScoreTile, smem_bytes += kLdsmPerScoreTile * 512;
-      if (r == kScorePair) hmma += kHmmaPerScoreTile, smem_bytes += kLdsmPerScoreTile * 512 + 2 * 512;
+      if (r == kScorePair || r == kScoreSoftmax || r == kScoreHandOver || r == kScoreHandOver3 ||
+          r == kScoreHandOverOffset)
+        hmma += kHmmaPerScoreTile, smem_bytes += kLdsmPerScoreTile * 512 + 2 * 512;
       if (r == kScoreQuad) hmma += kHmmaPerScoreTile, smem_bytes += 9 * 512 + 6 * 512;
-      if (r == kPv || r == kPvLoads || r == kPvAhead) hmma += kHmmaPerPvTile, smem_bytes += kLdsmPerPvTile * 512;
+      if (r == kPv || r == kPvLoads || r == kPvAhead || r == kPvHandOver || r == kPvHandOver3 || r == kPvHandOverOffset) hmma += kHmmaPerPvTile, smem_bytes += kLdsmPerPvTile * 512;
       if (r == kPvLoads) smem_bytes += kStageBytes / 4;  // a quarter of the tile's writes per PV warp
       if (r == kMmaOnly) hmma += kHmmaPerScoreTile;
       if (r == kLdsmOnly) smem_bytes += kLdsmPerScoreTile * 512;
