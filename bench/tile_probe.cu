@@ -11,8 +11,11 @@
 // would take if the skeleton cost nothing. Beside it, per-warp issue limits
 // (independent mma.sync chains with no loads), the ldmatrix stream alone,
 // and candidate layouts: the V fragment one pair ahead, and the score warps
-// as four k slices over all 32 rows (K read once per tile). The SM clock
-// each CTA ran at (clock64 over globaltimer) is printed beside the cycles.
+// as four k slices over all 32 rows (K read once per tile). Then the tile is
+// built up towards the kernel: the score warp's pair exchange, its softmax and
+// P stores, the P hand-over to the PV warps (two or three buffers), and the
+// kernel's phase offset. The SM clock each CTA ran at (clock64 over
+// globaltimer) is printed beside the cycles.
 //
 //   mlaverify-tile-probe [--iters N] [--json FILE]
 #include <cuda_runtime.h>
