@@ -77,10 +77,11 @@ enum Role : int {
   kPvHandOver = 11,     // kPvAhead taking P from them: P_FULL, the alpha check, P_EMPTY
   kScoreHandOver3 = 12, kPvHandOver3 = 13,  // the same pair with three P buffers
   kScoreHandOverOffset = 14, kPvHandOverOffset = 15,  // two buffers and the kernel's phase offset
+  kScoreKernelProtocol = 16, kPvKernelProtocol = 17,   // plus the PV warps' loads and KV_FULL (v15.3)
 };
 
 struct ProbeArgs {
-  uint32_t roles;        // 4 bits per warp, warp 0 lowest
+  uint64_t roles;        // 8 bits per warp, warp 0 lowest
   int iters;
   const uint4* global;  // kPvLoads' source (L2-sized ring)
   size_t global_tiles;
@@ -95,7 +96,8 @@ __device__ __forceinline__ uint32_t TileOffset(int row, int chunk) {
 
 // The score warp's fragment and MMA stream of one tile, `iters` times
 // (kMma false: the ldmatrix loads only, folded into a sink).
-template <bool kMma, bool kPairExchange = false, bool kSoftmax = false, int kPBuffers = 0, bool kPhaseOffset = false>
+template <bool kMma, bool kPairExchange = false, bool kSoftmax = false, int kPBuffers = 0, bool kPhaseOffset = false,
+          bool kKvFull = false>
 __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane, int warp, uint8_t* smem = nullptr) {
   // kPBuffers > 0: P is handed to the PV warps through that many buffers
   // (the kernel: two), P_FULL(b) = barrier 4 + b, P_EMPTY(b) = 4 + kPBuffers + b.
@@ -119,6 +121,11 @@ __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane,
   uint32_t stage = 0, sink = 0;
   float total = 0.0f;
   for (int it = 0; it < iters; ++it) {
+    // kKvFull: tiles from kStages on are loaded by the PV warps (the kernel's
+    // KV_FULL, barriers 9 and 10); the first kStages are taken as loaded.
+    if constexpr (kKvFull) {
+      if (it >= kStages) ptx::NamedBarrierSync(9 + (it & 1), 256);
+    }
     uint32_t k_addr[4];
 #pragma unroll
     for (int s4 = 0; s4 < 4; ++s4) k_addr[s4] = base + stage + k_frag_offset[s4];
@@ -267,8 +274,12 @@ __device__ __forceinline__ float ScoreQuadStream(int iters, uint32_t base, int l
 
 // The PV warp's stream with each V fragment loaded one pair ahead of its MMAs
 // (kHandOver: P and alpha from the score warps, as in the kernel).
-template <int kPBuffers = 0, bool kPhaseOffset = false>
-__device__ __forceinline__ float PvAheadStream(int iters, uint32_t base, int lane, int warp, const uint8_t* smem) {
+template <int kPBuffers = 0, bool kPhaseOffset = false, bool kLoads = false>
+__device__ __forceinline__ float PvAheadStream(int iters, uint32_t base, int lane, int warp, const uint8_t* smem,
+                                               const uint4* global = nullptr, size_t global_tiles = 1) {
+  const int tid = threadIdx.x;
+  const int ld_row = (tid & 127) >> 3, ld_lane = tid & 7;
+  uint32_t free_stage = (kStages - 1) * kStageBytes;  // tile it - 1's
   constexpr bool kHandOver = kPBuffers > 0;
   const int g = lane >> 2;
   const int pv_warp = warp & 3;
@@ -319,11 +330,31 @@ __device__ __forceinline__ float PvAheadStream(int iters, uint32_t base, int lan
         ptx::MmaBf16(o[m][2 * np + 1], p_frag[m], vf[np & 1][2], vf[np & 1][3]);
       }
     }
+    const uint32_t prev_stage = free_stage;
+    free_stage = stage;
     stage = stage == (kStages - 1) * kStageBytes ? 0 : stage + kStageBytes;
     if constexpr (kHandOver) {
       if (it + kPBuffers < iters) ptx::NamedBarrierArrive(4 + kPBuffers + it % kPBuffers, 256);  // P_EMPTY(it)
     }
+    if constexpr (kLoads) {
+      // The kernel's order (v15.3): tile it + 2 complete (one newer group
+      // pending) -> KV_FULL(it + 2), then tile it + kStages - 1 into the stage
+      // of tile it - 1, from an L2-resident ring of tiles.
+      if (it + 2 < iters && it + 2 >= kStages) {
+        ptx::CpAsyncWait<kStages - 4>();
+        ptx::NamedBarrierArrive(9 + (it & 1), 256);
+      }
+      if (it >= 1) {
+        const size_t tile = (static_cast<size_t>(blockIdx.x) * 7 + it) % global_tiles;
+        const uint4* row = global + tile * (kStageBytes / 16) + ld_row * (ROW_BYTES / 16) + ld_lane;
+        const uint32_t dst = base + prev_stage + ld_row * ROW_BYTES + ((ld_lane ^ ld_row) & 7) * 16;
+#pragma unroll
+        for (int k = 0; k < D_QK / 64; ++k) ptx::CpAsync16(dst + k * 128, row + k * 8, true);
+        ptx::CpAsyncCommit();
+      }
+    }
   }
+  if constexpr (kLoads) ptx::CpAsyncWait<0>();
   float total = 0.0f;
 #pragma unroll
   for (int m = 0; m < 2; ++m)
@@ -336,7 +367,7 @@ template <int kChains>
 __global__ void __launch_bounds__(kThreads, 1) TileProbeKernel(const ProbeArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int role = static_cast<int>((a.roles >> (4 * warp)) & 0xfu);
+  const int role = static_cast<int>((a.roles >> (8 * warp)) & 0xffu);
   // Small bf16 values (|x| < 1), different everywhere: realistic operand toggling.
   for (int i = tid; i < kSmemBytes / 4; i += blockDim.x) {
     const uint32_t h = (i * 2654435761u) ^ (blockIdx.x * 40503u);
@@ -366,6 +397,10 @@ __global__ void __launch_bounds__(kThreads, 1) TileProbeKernel(const ProbeArgs a
     total = PvAheadStream<3>(a.iters, base, lane, warp, smem);
   } else if (role == kPvHandOverOffset) {
     total = PvAheadStream<2, true>(a.iters, base, lane, warp, smem);
+  } else if (role == kScoreKernelProtocol) {
+    total = ScoreStream<true, true, true, 2, true, true>(a.iters, base, lane, warp, smem);
+  } else if (role == kPvKernelProtocol) {
+    total = PvAheadStream<2, true, true>(a.iters, base, lane, warp, smem, a.global, a.global_tiles);
   } else if (role == kPvHandOver) {
     total = PvAheadStream<2>(a.iters, base, lane, warp, smem);
   } else if (role == kScoreQuad) {
@@ -495,7 +530,8 @@ int Main(int argc, char** argv) {
 
   const int S = kScore, P = kPv, L = kPvLoads, M = kMmaOnly, D = kLdsmOnly, A = kPvAhead, X = kScorePair,
             Q = kScoreQuad, F = kScoreSoftmax, H = kScoreHandOver, V = kPvHandOver, H3 = kScoreHandOver3,
-            V3 = kPvHandOver3, HO = kScoreHandOverOffset, VO = kPvHandOverOffset;
+            V3 = kPvHandOver3, HO = kScoreHandOverOffset, VO = kPvHandOverOffset, SK = kScoreKernelProtocol,
+            PK = kPvKernelProtocol;
   const std::vector<Config> configs = {
       {"score x4 (1 per sub-partition)", {S, S, S, S}},
       {"pv x4", {P, P, P, P}},
@@ -513,6 +549,7 @@ int Main(int argc, char** argv) {
       {"the same with the P hand-over (P_FULL / P_EMPTY)", {H, H, H, H, V, V, V, V}},
       {"the same, three P buffers", {H3, H3, H3, H3, V3, V3, V3, V3}},
       {"the same, two P buffers and the phase offset (v15.1)", {HO, HO, HO, HO, VO, VO, VO, VO}},
+      {"the same + the PV warps' loads and KV_FULL (v15.3)", {SK, SK, SK, SK, PK, PK, PK, PK}},
       {"score x8 (2 per sub-partition)", {S, S, S, S, S, S, S, S}},
       {"pv x8", {P, P, P, P, P, P, P, P}},
       {"ldsm x4 (score fragments, no MMA)", {D, D, D, D}},
@@ -536,7 +573,7 @@ int Main(int argc, char** argv) {
   CUDA_OR_DIE(cudaEventCreate(&stop));
   for (const Config& c : configs) {
     ProbeArgs args{};
-    for (size_t w = 0; w < c.roles.size(); ++w) args.roles |= static_cast<uint32_t>(c.roles[w]) << (4 * w);
+    for (size_t w = 0; w < c.roles.size(); ++w) args.roles |= static_cast<uint64_t>(c.roles[w]) << (8 * w);
     args.iters = iters;
     args.global = global;
     args.global_tiles = global_tiles;
@@ -579,11 +616,12 @@ int Main(int argc, char** argv) {
     for (int r : c.roles) {
       if (r == kScore) hmma += kHmmaPerScoreTile, smem_bytes += kLdsmPerScoreTile * 512;
       if (r == kScorePair || r == kScoreSoftmax || r == kScoreHandOver || r == kScoreHandOver3 ||
-          r == kScoreHandOverOffset)
+          r == kScoreHandOverOffset || r == kScoreKernelProtocol)
         hmma += kHmmaPerScoreTile, smem_bytes += kLdsmPerScoreTile * 512 + 2 * 512;
       if (r == kScoreQuad) hmma += kHmmaPerScoreTile, smem_bytes += 9 * 512 + 6 * 512;
-      if (r == kPv || r == kPvLoads || r == kPvAhead || r == kPvHandOver || r == kPvHandOver3 || r == kPvHandOverOffset) hmma += kHmmaPerPvTile, smem_bytes += kLdsmPerPvTile * 512;
-      if (r == kPvLoads) smem_bytes += kStageBytes / 4;  // a quarter of the tile's writes per PV warp
+      if (r == kPv || r == kPvLoads || r == kPvAhead || r == kPvHandOver || r == kPvHandOver3 || r == kPvHandOverOffset ||
+          r == kPvKernelProtocol) hmma += kHmmaPerPvTile, smem_bytes += kLdsmPerPvTile * 512;
+      if (r == kPvLoads || r == kPvKernelProtocol) smem_bytes += kStageBytes / 4;  // a quarter of the tile's writes per PV warp
       if (r == kMmaOnly) hmma += kHmmaPerScoreTile;
       if (r == kLdsmOnly) smem_bytes += kLdsmPerScoreTile * 512;
     }
