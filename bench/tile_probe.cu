@@ -78,6 +78,7 @@ enum Role : int {
   kScoreHandOver3 = 12, kPvHandOver3 = 13,  // the same pair with three P buffers
   kScoreHandOverOffset = 14, kPvHandOverOffset = 15,  // two buffers and the kernel's phase offset
   kScoreKernelProtocol = 16, kPvKernelProtocol = 17,   // plus the PV warps' loads and KV_FULL (v15.3)
+  kScorePipelined = 18,  // ScorePipelinedStream with two P buffers (its PV partner: kPvHandOver)
 };
 
 struct ProbeArgs {
@@ -120,7 +121,17 @@ __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane,
   for (int s4 = 0; s4 < 4; ++s4) k_frag_offset[s4] = TileOffset(k_token, k_slice * 36 + 2 * s4 + ((lane >> 3) & 1));
   uint32_t stage = 0, sink = 0;
   float total = 0.0f;
+  // With the phase offset, P_EMPTY(it - kPBuffers) is waited at the top of the
+  // tile wherever nothing else orders S(it)'s MMA_DONE arrival after PV(it-2)'s
+  // sync on it (the kernel's protocol, bench/NOTES.md v15.3: a score warp that
+  // ran two tiles ahead would arrive twice in one barrier phase). Without the
+  // offset, and from tile kStages on under KV_FULL, it is waited late, just
+  // before P is written.
+  auto p_empty_early = [&](int it) { return kPhaseOffset && (!kKvFull || it < kStages); };
   for (int it = 0; it < iters; ++it) {
+    if constexpr (kHandOver) {
+      if (it >= kPBuffers && p_empty_early(it)) ptx::NamedBarrierSync(4 + kPBuffers + it % kPBuffers, 256);
+    }
     // kKvFull: tiles from kStages on are loaded by the PV warps (the kernel's
     // KV_FULL, barriers 9 and 10); the first kStages are taken as loaded.
     if constexpr (kKvFull) {
@@ -181,7 +192,9 @@ __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane,
         }
         row_sum = row_sum * alpha + tile_sum;
         if constexpr (kHandOver) {
-          if (it >= kPBuffers) ptx::NamedBarrierSync(4 + kPBuffers + it % kPBuffers, 256);  // P_EMPTY(it - kPBuffers)
+          if (it >= kPBuffers && !p_empty_early(it)) {
+            ptx::NamedBarrierSync(4 + kPBuffers + it % kPBuffers, 256);  // P_EMPTY(it - kPBuffers)
+          }
         }
         const int buffer = kHandOver ? it % kPBuffers : 0;
         auto* probs = reinterpret_cast<uint32_t*>(smem + kPBufferOffset + buffer * kPBufferBytes);
@@ -200,6 +213,113 @@ __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane,
     }
   }
   return total + row_sum + static_cast<float>(sink & 1u);
+}
+
+// The score warp software-pipelined across tiles (prepared in session 9, not
+// yet run): one pair barrier per tile, at the top; the partner's partial of
+// tile it is read there, and tile it's softmax is written between tile
+// it + 1's MMAs in one basic block, so its exponentials fill the issue slots
+// that the ldmatrix -> MMA dependencies leave empty. The exchange is
+// double-buffered (a warp writes partial it + 1 while its partner may still
+// read partial it). Hand-over as kScoreHandOver, without the phase offset:
+// S(it + 1)'s MMAs are issued before P_EMPTY(it - 2) is waited, so an
+// MMA_DONE arrival here could land twice in one phase (see ScoreStream).
+template <int kPBuffers>
+__device__ __forceinline__ float ScorePipelinedStream(int iters, uint32_t base, int lane, int warp, uint8_t* smem) {
+  float4* exchange = reinterpret_cast<float4*>(smem + kExchangeOffset);  // [2][4 warps][32 lanes]
+  const int g = lane >> 2, t4 = lane & 3;
+  const int my_row = (warp >> 1) * 16 + g + 8 * (warp & 1);
+  const bool hi = (warp & 1) != 0;
+  constexpr float kScaleLog2 = 0.0721688f * 1.4426950f;
+  float row_max = -INFINITY, row_sum = 0.0f;
+  const int k_slice = warp & 1;
+  uint32_t q_frag[kScoreSteps][4];
+#pragma unroll
+  for (int s = 0; s < kScoreSteps; ++s) {
+    const int chunk = (k_slice * 288 + s * 16) / 8 + (lane >> 4);
+    ptx::LdMatrixX4(q_frag[s], base + TileOffset(lane & 15, chunk));
+  }
+  const int k_token = (lane & 7) + ((lane >> 4) << 3);
+  uint32_t k_frag_offset[4];
+#pragma unroll
+  for (int s4 = 0; s4 < 4; ++s4) k_frag_offset[s4] = TileOffset(k_token, k_slice * 36 + 2 * s4 + ((lane >> 3) & 1));
+  uint32_t stage = 0;
+  // S(tile) for this warp's k slice; `kept` are this lane's own-row values,
+  // the other four go to the partner.
+  float kept[4];
+  auto mma_tile = [&](float (&acc)[2][2][4], auto&& between) {
+    uint32_t k_addr[4];
+#pragma unroll
+    for (int s4 = 0; s4 < 4; ++s4) k_addr[s4] = base + stage + k_frag_offset[s4];
+    stage = stage == (kStages - 1) * kStageBytes ? 0 : stage + kStageBytes;
+    uint32_t kf[2][4];
+    ptx::LdMatrixX4(kf[0], k_addr[0]);
+#pragma unroll
+    for (int s = 0; s < kScoreSteps; ++s) {
+      if (s + 1 < kScoreSteps) ptx::LdMatrixX4(kf[(s + 1) & 1], k_addr[(s + 1) & 3] + ((s + 1) >> 2) * 128);
+      ptx::MmaBf16(acc[s & 1][0], q_frag[s], kf[s & 1][0], kf[s & 1][1]);
+      ptx::MmaBf16(acc[s & 1][1], q_frag[s], kf[s & 1][2], kf[s & 1][3]);
+      between(s);
+    }
+  };
+  auto publish = [&](const float (&acc)[2][2][4], int buffer) {
+    float a[2][4];
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a[n][e] = acc[0][n][e] + acc[1][n][e];
+    exchange[(buffer * 4 + warp) * 32 + lane] = hi ? make_float4(a[0][0], a[0][1], a[1][0], a[1][1])
+                                                   : make_float4(a[0][2], a[0][3], a[1][2], a[1][3]);
+    kept[0] = hi ? a[0][2] : a[0][0];
+    kept[1] = hi ? a[0][3] : a[0][1];
+    kept[2] = hi ? a[1][2] : a[1][0];
+    kept[3] = hi ? a[1][3] : a[1][1];
+  };
+  {
+    float acc[2][2][4] = {};
+    mma_tile(acc, [](int) {});
+    publish(acc, 0);
+  }
+  for (int it = 0; it < iters; ++it) {
+    ptx::NamedBarrierSync(2 + (warp >> 1), 64);  // partner's partial of tile it
+    const float4 o = exchange[((it & 1) * 4 + (warp ^ 1)) * 32 + lane];
+    float sc[4] = {kept[0] + o.x, kept[1] + o.y, kept[2] + o.z, kept[3] + o.w};
+    float tile_max = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3])) * kScaleLog2;
+    float alpha = 1.0f;
+    if (!__all_sync(0xffffffffu, tile_max <= row_max + 8.0f)) {
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+      const float new_max = fmaxf(row_max, tile_max);
+      alpha = new_max == -INFINITY ? 0.0f : ptx::Exp2Approx(row_max - new_max);
+      row_max = new_max;
+    }
+    const float neg_ref = row_max == -INFINITY ? 0.0f : -row_max;
+    float tile_sum = 0.0f;
+    auto exponent = [&](int e) {
+      sc[e] = ptx::Exp2Approx(fmaf(sc[e], kScaleLog2, neg_ref));
+      tile_sum += sc[e];
+    };
+    float acc[2][2][4] = {};
+    if (it + 1 < iters) {
+      // Tile it + 1's MMAs with tile it's exponentials between them.
+      mma_tile(acc, [&](int s) {
+        if (s >= 2 && s < 6) exponent(s - 2);
+      });
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) exponent(e);
+    }
+    row_sum = row_sum * alpha + tile_sum;
+    if (it >= kPBuffers) ptx::NamedBarrierSync(4 + kPBuffers + it % kPBuffers, 256);  // P_EMPTY(it - kPBuffers)
+    const int buffer = it % kPBuffers;
+    auto* probs = reinterpret_cast<uint32_t*>(smem + kPBufferOffset + buffer * kPBufferBytes);
+    probs[(my_row * kPPitch + 2 * t4) / 2] = ptx::PackBf16x2(sc[0], sc[1]);
+    probs[(my_row * kPPitch + 8 + 2 * t4) / 2] = ptx::PackBf16x2(sc[2], sc[3]);
+    if (t4 == 0) reinterpret_cast<float*>(smem + kAlphaOffset)[buffer * 32 + my_row] = alpha;
+    ptx::NamedBarrierArrive(4 + buffer, 256);  // P_FULL(it)
+    if (it + 1 < iters) publish(acc, (it + 1) & 1);
+  }
+  return row_sum;
 }
 
 // Four k slices of 144 dimensions, each over all 32 rows: a K fragment feeds
@@ -397,6 +517,8 @@ __global__ void __launch_bounds__(kThreads, 1) TileProbeKernel(const ProbeArgs a
     total = PvAheadStream<3>(a.iters, base, lane, warp, smem);
   } else if (role == kPvHandOverOffset) {
     total = PvAheadStream<2, true>(a.iters, base, lane, warp, smem);
+  } else if (role == kScorePipelined) {
+    total = ScorePipelinedStream<2>(a.iters, base, lane, warp, smem);
   } else if (role == kScoreKernelProtocol) {
     total = ScoreStream<true, true, true, 2, true, true>(a.iters, base, lane, warp, smem);
   } else if (role == kPvKernelProtocol) {
@@ -531,7 +653,7 @@ int Main(int argc, char** argv) {
   const int S = kScore, P = kPv, L = kPvLoads, M = kMmaOnly, D = kLdsmOnly, A = kPvAhead, X = kScorePair,
             Q = kScoreQuad, F = kScoreSoftmax, H = kScoreHandOver, V = kPvHandOver, H3 = kScoreHandOver3,
             V3 = kPvHandOver3, HO = kScoreHandOverOffset, VO = kPvHandOverOffset, SK = kScoreKernelProtocol,
-            PK = kPvKernelProtocol;
+            PK = kPvKernelProtocol, SP = kScorePipelined;
   const std::vector<Config> configs = {
       {"score x4 (1 per sub-partition)", {S, S, S, S}},
       {"pv x4", {P, P, P, P}},
@@ -550,6 +672,7 @@ int Main(int argc, char** argv) {
       {"the same, three P buffers", {H3, H3, H3, H3, V3, V3, V3, V3}},
       {"the same, two P buffers and the phase offset (v15.1)", {HO, HO, HO, HO, VO, VO, VO, VO}},
       {"the same + the PV warps' loads and KV_FULL (v15.3)", {SK, SK, SK, SK, PK, PK, PK, PK}},
+      {"hand-over (two buffers), score warps software-pipelined", {SP, SP, SP, SP, V, V, V, V}},
       {"score x8 (2 per sub-partition)", {S, S, S, S, S, S, S, S}},
       {"pv x8", {P, P, P, P, P, P, P, P}},
       {"ldsm x4 (score fragments, no MMA)", {D, D, D, D}},
@@ -616,7 +739,7 @@ int Main(int argc, char** argv) {
     for (int r : c.roles) {
       if (r == kScore) hmma += kHmmaPerScoreTile, smem_bytes += kLdsmPerScoreTile * 512;
       if (r == kScorePair || r == kScoreSoftmax || r == kScoreHandOver || r == kScoreHandOver3 ||
-          r == kScoreHandOverOffset || r == kScoreKernelProtocol)
+          r == kScoreHandOverOffset || r == kScoreKernelProtocol || r == kScorePipelined)
         hmma += kHmmaPerScoreTile, smem_bytes += kLdsmPerScoreTile * 512 + 2 * 512;
       if (r == kScoreQuad) hmma += kHmmaPerScoreTile, smem_bytes += 9 * 512 + 6 * 512;
       if (r == kPv || r == kPvLoads || r == kPvAhead || r == kPvHandOver || r == kPvHandOver3 || r == kPvHandOverOffset ||
