@@ -690,7 +690,8 @@ int Main(int argc, char** argv) {
   out["clock_mhz"] = clock_khz / 1000.0;
   out["iters"] = iters;
   std::printf("%s, %d SMs, %.0f MHz, %d tiles per warp\n", prop.name, sms, clock_khz / 1000.0, iters);
-  std::printf("%-54s %10s %12s %12s %10s %8s\n", "config", "clk/tile", "clk/HMMA/SP", "smem B/clk", "TFLOP/s", "SM MHz");
+  std::printf("%-54s %10s %12s %12s %10s %8s %9s %9s\n", "config", "clk/tile", "clk/HMMA/SP", "smem B/clk", "TFLOP/s",
+              "SM MHz", "w0-3 clk", "w4-7 clk");
   cudaEvent_t start, stop;
   CUDA_OR_DIE(cudaEventCreate(&start));
   CUDA_OR_DIE(cudaEventCreate(&stop));
@@ -732,6 +733,21 @@ int Main(int argc, char** argv) {
     }
     std::sort(mhz.begin(), mhz.end());
     const double sm_mhz = mhz.empty() ? 0.0 : mhz[mhz.size() / 2];
+    // Each half's slowest warp (warps 0-3: the score role in the mixed rows,
+    // 4-7: the PV role), median over CTAs: in the rows without a hand-over,
+    // which role is the longer one (with a hand-over they finish together).
+    auto half_median = [&](int first) {
+      if (first >= warps) return 0.0;  // (the slots of absent warps hold an earlier row's values)
+      std::vector<double> v;
+      for (int b = 0; b < sms; ++b) {
+        long long worst = 0;
+        for (int w = first; w < std::min(first + 4, warps); ++w) worst = std::max(worst, host[b * (1 + kMaxWarps) + 1 + w]);
+        v.push_back(static_cast<double>(worst) / iters);
+      }
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    const double first_half = half_median(0), second_half = half_median(4);
     std::sort(cta.begin(), cta.end());
     const double clk_per_tile = cta[cta.size() / 2];
     // Per tile and SM: HMMAs and shared-memory bytes of every warp.
@@ -750,8 +766,8 @@ int Main(int argc, char** argv) {
     }
     const double clk_per_hmma_sp = hmma > 0 ? clk_per_tile / (hmma / 4) : 0;
     const double tflops = hmma * 4096.0 * iters * sms / (ms * 1e-3) / 1e12;
-    std::printf("%-54s %10.1f %12.2f %12.1f %10.1f %8.0f\n", c.name.c_str(), clk_per_tile, clk_per_hmma_sp,
-                smem_bytes / clk_per_tile, tflops, sm_mhz);
+    std::printf("%-54s %10.1f %12.2f %12.1f %10.1f %8.0f %9.1f %9.1f\n", c.name.c_str(), clk_per_tile, clk_per_hmma_sp,
+                smem_bytes / clk_per_tile, tflops, sm_mhz, first_half, second_half);
     out["rows"].push_back({{"config", c.name},
                            {"warps", warps},
                            {"chains", c.chains},
@@ -763,6 +779,8 @@ int Main(int argc, char** argv) {
                            {"smem_bytes_per_clk", smem_bytes / clk_per_tile},
                            {"tflops", tflops},
                            {"sm_mhz", sm_mhz},
+                           {"warps_0_3_clk_per_tile", first_half},
+                           {"warps_4_7_clk_per_tile", second_half},
                            {"time_ms", ms}});
   }
   if (!json_path.empty()) {
