@@ -95,6 +95,88 @@ __device__ __forceinline__ uint32_t TileOffset(int row, int chunk) {
   return static_cast<uint32_t>(row * ROW_BYTES + SwizzledChunk(row, chunk) * 16);
 }
 
+constexpr float kScaleLog2 = 0.0721688f * 1.4426950f;  // 1/sqrt(192) in the log2 domain
+
+// A score warp's operands, as in the kernel: Q[16 rows of row group warp / 2,
+// the 288 dims of k slice warp % 2] in registers for the whole run, and the K
+// fragment offsets within a stage; `stage` walks the five stages.
+struct ScoreWarp {
+  uint32_t q_frag[kScoreSteps][4];
+  uint32_t k_frag_offset[4];
+  uint32_t stage = 0;
+
+  __device__ __forceinline__ ScoreWarp(uint32_t base, int lane, int warp) {
+    const int k_slice = warp & 1;
+#pragma unroll
+    for (int s = 0; s < kScoreSteps; ++s) {
+      const int chunk = (k_slice * 288 + s * 16) / 8 + (lane >> 4);
+      ptx::LdMatrixX4(q_frag[s], base + TileOffset(lane & 15, chunk));
+    }
+    const int k_token = (lane & 7) + ((lane >> 4) << 3);
+#pragma unroll
+    for (int s4 = 0; s4 < 4; ++s4) k_frag_offset[s4] = TileOffset(k_token, k_slice * 36 + 2 * s4 + ((lane >> 3) & 1));
+  }
+
+  // One tile's stream into acc (two chains x two n tiles), K one step ahead;
+  // kMma false: the ldmatrix loads only, folded into `sink`. `between(s)`
+  // runs after step s (the software-pipelined warp puts work there).
+  template <bool kMma, typename Between>
+  __device__ __forceinline__ void Tile(uint32_t base, float (&acc)[2][2][4], uint32_t& sink, Between&& between) {
+    uint32_t k_addr[4];
+#pragma unroll
+    for (int s4 = 0; s4 < 4; ++s4) k_addr[s4] = base + stage + k_frag_offset[s4];
+    stage = stage == (kStages - 1) * kStageBytes ? 0 : stage + kStageBytes;
+    uint32_t kf[2][4];
+    ptx::LdMatrixX4(kf[0], k_addr[0]);
+#pragma unroll
+    for (int s = 0; s < kScoreSteps; ++s) {
+      if (s + 1 < kScoreSteps) ptx::LdMatrixX4(kf[(s + 1) & 1], k_addr[(s + 1) & 3] + ((s + 1) >> 2) * 128);
+      if constexpr (kMma) {
+        ptx::MmaBf16(acc[s & 1][0], q_frag[s], kf[s & 1][0], kf[s & 1][1]);
+        ptx::MmaBf16(acc[s & 1][1], q_frag[s], kf[s & 1][2], kf[s & 1][3]);
+      } else {
+        sink ^= kf[s & 1][0] ^ kf[s & 1][1] ^ kf[s & 1][2] ^ kf[s & 1][3];
+      }
+      between(s);
+    }
+  }
+};
+
+// The kernel's online softmax of one row (four lanes share it), no mask: the
+// exponent reference is kept until a score exceeds it by 2^8.
+struct RowSoftmax {
+  float row_max = -INFINITY, row_sum = 0.0f;
+
+  // The tile's reference: returns alpha (1 on the fast path) and the negated
+  // reference the exponentials subtract.
+  __device__ __forceinline__ float Reference(const float (&sc)[4], float& neg_ref) {
+    float tile_max = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3])) * kScaleLog2;
+    float alpha = 1.0f;
+    if (!__all_sync(0xffffffffu, tile_max <= row_max + 8.0f)) {
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+      const float new_max = fmaxf(row_max, tile_max);
+      alpha = new_max == -INFINITY ? 0.0f : ptx::Exp2Approx(row_max - new_max);
+      row_max = new_max;
+    }
+    neg_ref = row_max == -INFINITY ? 0.0f : -row_max;
+    return alpha;
+  }
+  __device__ __forceinline__ static float Exponent(float score, float neg_ref) {
+    return ptx::Exp2Approx(fmaf(score, kScaleLog2, neg_ref));
+  }
+};
+
+// A lane's four P values of its row and (first lane of the row) the row's
+// alpha, into P buffer `buffer`, as the kernel writes them.
+__device__ __forceinline__ void StoreP(uint8_t* smem, int buffer, int my_row, int t4, const float (&p)[4],
+                                      float alpha) {
+  auto* probs = reinterpret_cast<uint32_t*>(smem + kPBufferOffset + buffer * kPBufferBytes);
+  probs[(my_row * kPPitch + 2 * t4) / 2] = ptx::PackBf16x2(p[0], p[1]);
+  probs[(my_row * kPPitch + 8 + 2 * t4) / 2] = ptx::PackBf16x2(p[2], p[3]);
+  if (t4 == 0) reinterpret_cast<float*>(smem + kAlphaOffset)[buffer * 32 + my_row] = alpha;
+}
+
 // The score warp's fragment and MMA stream of one tile, `iters` times
 // (kMma false: the ldmatrix loads only, folded into a sink).
 template <bool kMma, bool kPairExchange = false, bool kSoftmax = false, int kPBuffers = 0, bool kPhaseOffset = false,
@@ -106,20 +188,9 @@ __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane,
   float4* exchange = reinterpret_cast<float4*>(smem + kExchangeOffset);
   const int g = lane >> 2, t4 = lane & 3;
   const int my_row = (warp >> 1) * 16 + g + 8 * (warp & 1);
-  constexpr float kScaleLog2 = 0.0721688f * 1.4426950f;  // 1/sqrt(192) in the log2 domain
-  float row_max = -INFINITY, row_sum = 0.0f;
-  const int k_slice = warp & 1;
-  uint32_t q_frag[kScoreSteps][4];
-#pragma unroll
-  for (int s = 0; s < kScoreSteps; ++s) {
-    const int chunk = (k_slice * 288 + s * 16) / 8 + (lane >> 4);
-    ptx::LdMatrixX4(q_frag[s], base + TileOffset(lane & 15, chunk));
-  }
-  const int k_token = (lane & 7) + ((lane >> 4) << 3);
-  uint32_t k_frag_offset[4];
-#pragma unroll
-  for (int s4 = 0; s4 < 4; ++s4) k_frag_offset[s4] = TileOffset(k_token, k_slice * 36 + 2 * s4 + ((lane >> 3) & 1));
-  uint32_t stage = 0, sink = 0;
+  ScoreWarp score(base, lane, warp);
+  RowSoftmax softmax;
+  uint32_t sink = 0;
   float total = 0.0f;
   // With the phase offset, P_EMPTY(it - kPBuffers) is waited at the top of the
   // tile wherever nothing else orders S(it)'s MMA_DONE arrival after PV(it-2)'s
@@ -137,23 +208,8 @@ __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane,
     if constexpr (kKvFull) {
       if (it >= kStages) ptx::NamedBarrierSync(9 + (it & 1), 256);
     }
-    uint32_t k_addr[4];
-#pragma unroll
-    for (int s4 = 0; s4 < 4; ++s4) k_addr[s4] = base + stage + k_frag_offset[s4];
-    stage = stage == (kStages - 1) * kStageBytes ? 0 : stage + kStageBytes;
     float acc[2][2][4] = {};
-    uint32_t kf[2][4];
-    ptx::LdMatrixX4(kf[0], k_addr[0]);
-#pragma unroll
-    for (int s = 0; s < kScoreSteps; ++s) {
-      if (s + 1 < kScoreSteps) ptx::LdMatrixX4(kf[(s + 1) & 1], k_addr[(s + 1) & 3] + ((s + 1) >> 2) * 128);
-      if constexpr (kMma) {
-        ptx::MmaBf16(acc[s & 1][0], q_frag[s], kf[s & 1][0], kf[s & 1][1]);
-        ptx::MmaBf16(acc[s & 1][1], q_frag[s], kf[s & 1][2], kf[s & 1][3]);
-      } else {
-        sink ^= kf[s & 1][0] ^ kf[s & 1][1] ^ kf[s & 1][2] ^ kf[s & 1][3];
-      }
-    }
+    score.Tile<kMma>(base, acc, sink, [](int) {});
     // Phase offset (the kernel's v15.1): PV(it - 1) may issue its MMAs now.
     if constexpr (kPhaseOffset) {
       if (it >= 1) ptx::NamedBarrierArrive(12, 256);
@@ -173,34 +229,22 @@ __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane,
       float sc[4] = {(hi ? a[0][2] : a[0][0]) + o.x, (hi ? a[0][3] : a[0][1]) + o.y, (hi ? a[1][2] : a[1][0]) + o.z,
                      (hi ? a[1][3] : a[1][1]) + o.w};
       if constexpr (kSoftmax) {
-        // The kernel's online softmax of one row (4 lanes share it), no mask.
-        float tile_max = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3])) * kScaleLog2;
-        float alpha = 1.0f;
-        if (!__all_sync(0xffffffffu, tile_max <= row_max + 8.0f)) {
-          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-          const float new_max = fmaxf(row_max, tile_max);
-          alpha = new_max == -INFINITY ? 0.0f : ptx::Exp2Approx(row_max - new_max);
-          row_max = new_max;
-        }
-        const float neg_ref = row_max == -INFINITY ? 0.0f : -row_max;
+        float neg_ref;
+        const float alpha = softmax.Reference(sc, neg_ref);
         float tile_sum = 0.0f;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          sc[e] = ptx::Exp2Approx(fmaf(sc[e], kScaleLog2, neg_ref));
+          sc[e] = RowSoftmax::Exponent(sc[e], neg_ref);
           tile_sum += sc[e];
         }
-        row_sum = row_sum * alpha + tile_sum;
+        softmax.row_sum = softmax.row_sum * alpha + tile_sum;
         if constexpr (kHandOver) {
           if (it >= kPBuffers && !p_empty_early(it)) {
             ptx::NamedBarrierSync(4 + kPBuffers + it % kPBuffers, 256);  // P_EMPTY(it - kPBuffers)
           }
         }
         const int buffer = kHandOver ? it % kPBuffers : 0;
-        auto* probs = reinterpret_cast<uint32_t*>(smem + kPBufferOffset + buffer * kPBufferBytes);
-        probs[(my_row * kPPitch + 2 * t4) / 2] = ptx::PackBf16x2(sc[0], sc[1]);
-        probs[(my_row * kPPitch + 8 + 2 * t4) / 2] = ptx::PackBf16x2(sc[2], sc[3]);
-        if (t4 == 0) reinterpret_cast<float*>(smem + kAlphaOffset)[buffer * 32 + my_row] = alpha;
+        StoreP(smem, buffer, my_row, t4, sc, alpha);
         if constexpr (kHandOver) ptx::NamedBarrierArrive(4 + buffer, 256);  // P_FULL(it)
       } else {
         total += sc[0] + sc[1] + sc[2] + sc[3];
@@ -212,7 +256,7 @@ __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane,
         for (int e = 0; e < 4; ++e) total += a[n][e];
     }
   }
-  return total + row_sum + static_cast<float>(sink & 1u);
+  return total + softmax.row_sum + static_cast<float>(sink & 1u);
 }
 
 // The score warp software-pipelined across tiles (prepared in session 9, not
@@ -230,38 +274,12 @@ __device__ __forceinline__ float ScorePipelinedStream(int iters, uint32_t base, 
   const int g = lane >> 2, t4 = lane & 3;
   const int my_row = (warp >> 1) * 16 + g + 8 * (warp & 1);
   const bool hi = (warp & 1) != 0;
-  constexpr float kScaleLog2 = 0.0721688f * 1.4426950f;
-  float row_max = -INFINITY, row_sum = 0.0f;
-  const int k_slice = warp & 1;
-  uint32_t q_frag[kScoreSteps][4];
-#pragma unroll
-  for (int s = 0; s < kScoreSteps; ++s) {
-    const int chunk = (k_slice * 288 + s * 16) / 8 + (lane >> 4);
-    ptx::LdMatrixX4(q_frag[s], base + TileOffset(lane & 15, chunk));
-  }
-  const int k_token = (lane & 7) + ((lane >> 4) << 3);
-  uint32_t k_frag_offset[4];
-#pragma unroll
-  for (int s4 = 0; s4 < 4; ++s4) k_frag_offset[s4] = TileOffset(k_token, k_slice * 36 + 2 * s4 + ((lane >> 3) & 1));
-  uint32_t stage = 0;
+  ScoreWarp score(base, lane, warp);
+  RowSoftmax softmax;
+  uint32_t sink = 0;  // (unused: the MMAs are kept)
   // S(tile) for this warp's k slice; `kept` are this lane's own-row values,
   // the other four go to the partner.
   float kept[4];
-  auto mma_tile = [&](float (&acc)[2][2][4], auto&& between) {
-    uint32_t k_addr[4];
-#pragma unroll
-    for (int s4 = 0; s4 < 4; ++s4) k_addr[s4] = base + stage + k_frag_offset[s4];
-    stage = stage == (kStages - 1) * kStageBytes ? 0 : stage + kStageBytes;
-    uint32_t kf[2][4];
-    ptx::LdMatrixX4(kf[0], k_addr[0]);
-#pragma unroll
-    for (int s = 0; s < kScoreSteps; ++s) {
-      if (s + 1 < kScoreSteps) ptx::LdMatrixX4(kf[(s + 1) & 1], k_addr[(s + 1) & 3] + ((s + 1) >> 2) * 128);
-      ptx::MmaBf16(acc[s & 1][0], q_frag[s], kf[s & 1][0], kf[s & 1][1]);
-      ptx::MmaBf16(acc[s & 1][1], q_frag[s], kf[s & 1][2], kf[s & 1][3]);
-      between(s);
-    }
-  };
   auto publish = [&](const float (&acc)[2][2][4], int buffer) {
     float a[2][4];
 #pragma unroll
@@ -277,49 +295,38 @@ __device__ __forceinline__ float ScorePipelinedStream(int iters, uint32_t base, 
   };
   {
     float acc[2][2][4] = {};
-    mma_tile(acc, [](int) {});
+    score.Tile<true>(base, acc, sink, [](int) {});
     publish(acc, 0);
   }
   for (int it = 0; it < iters; ++it) {
     ptx::NamedBarrierSync(2 + (warp >> 1), 64);  // partner's partial of tile it
     const float4 o = exchange[((it & 1) * 4 + (warp ^ 1)) * 32 + lane];
     float sc[4] = {kept[0] + o.x, kept[1] + o.y, kept[2] + o.z, kept[3] + o.w};
-    float tile_max = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3])) * kScaleLog2;
-    float alpha = 1.0f;
-    if (!__all_sync(0xffffffffu, tile_max <= row_max + 8.0f)) {
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-      const float new_max = fmaxf(row_max, tile_max);
-      alpha = new_max == -INFINITY ? 0.0f : ptx::Exp2Approx(row_max - new_max);
-      row_max = new_max;
-    }
-    const float neg_ref = row_max == -INFINITY ? 0.0f : -row_max;
+    float neg_ref;
+    const float alpha = softmax.Reference(sc, neg_ref);
     float tile_sum = 0.0f;
     auto exponent = [&](int e) {
-      sc[e] = ptx::Exp2Approx(fmaf(sc[e], kScaleLog2, neg_ref));
+      sc[e] = RowSoftmax::Exponent(sc[e], neg_ref);
       tile_sum += sc[e];
     };
     float acc[2][2][4] = {};
     if (it + 1 < iters) {
       // Tile it + 1's MMAs with tile it's exponentials between them.
-      mma_tile(acc, [&](int s) {
+      score.Tile<true>(base, acc, sink, [&](int s) {
         if (s >= 2 && s < 6) exponent(s - 2);
       });
     } else {
 #pragma unroll
       for (int e = 0; e < 4; ++e) exponent(e);
     }
-    row_sum = row_sum * alpha + tile_sum;
+    softmax.row_sum = softmax.row_sum * alpha + tile_sum;
     if (it >= kPBuffers) ptx::NamedBarrierSync(4 + kPBuffers + it % kPBuffers, 256);  // P_EMPTY(it - kPBuffers)
     const int buffer = it % kPBuffers;
-    auto* probs = reinterpret_cast<uint32_t*>(smem + kPBufferOffset + buffer * kPBufferBytes);
-    probs[(my_row * kPPitch + 2 * t4) / 2] = ptx::PackBf16x2(sc[0], sc[1]);
-    probs[(my_row * kPPitch + 8 + 2 * t4) / 2] = ptx::PackBf16x2(sc[2], sc[3]);
-    if (t4 == 0) reinterpret_cast<float*>(smem + kAlphaOffset)[buffer * 32 + my_row] = alpha;
+    StoreP(smem, buffer, my_row, t4, sc, alpha);
     ptx::NamedBarrierArrive(4 + buffer, 256);  // P_FULL(it)
     if (it + 1 < iters) publish(acc, (it + 1) & 1);
   }
-  return row_sum;
+  return softmax.row_sum;
 }
 
 // Four k slices of 144 dimensions, each over all 32 rows: a K fragment feeds
@@ -392,25 +399,61 @@ __device__ __forceinline__ float ScoreQuadStream(int iters, uint32_t base, int l
   return total;
 }
 
+// A PV warp's fragment addresses, as in the kernel: V for its 128 columns
+// (pairs np and np + 4 are 128 bytes apart), P of the two m tiles in P
+// buffer 0.
+struct PvWarp {
+  uint32_t v_frag_offset[4];
+  uint32_t p_frag_addr[2];
+
+  __device__ __forceinline__ PvWarp(uint32_t base, int lane, int warp) {
+    const int pv_warp = warp & 3;
+    const int v_token = (lane & 7) + (((lane >> 3) & 1) << 3);
+#pragma unroll
+    for (int np = 0; np < 4; ++np) v_frag_offset[np] = TileOffset(v_token, pv_warp * 16 + np * 2 + (lane >> 4));
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+      p_frag_addr[m] = base + kPBufferOffset + ((m * 16 + (lane & 15)) * kPPitch + ((lane >> 4) << 3)) * 2;
+  }
+  __device__ __forceinline__ uint32_t VAddress(uint32_t base, uint32_t stage, int np) const {
+    return base + stage + v_frag_offset[np % 4] + (np / 4) * 128;
+  }
+};
+
+// One tile's cp.async by the first 128 threads of a role (8 per KV row, nine
+// 16-byte chunks each), into the stage at byte offset `stage`, from tile
+// (CTA x 7 + it) of an L2-resident ring; committed as one group.
+__device__ __forceinline__ void IssueTileLoad(uint32_t base, uint32_t stage, const uint4* global, size_t global_tiles,
+                                              int it) {
+  const int tid = threadIdx.x;
+  const int ld_row = (tid & 127) >> 3, ld_lane = tid & 7;
+  const size_t tile = (static_cast<size_t>(blockIdx.x) * 7 + it) % global_tiles;
+  const uint4* row = global + tile * (kStageBytes / 16) + ld_row * (ROW_BYTES / 16) + ld_lane;
+  const uint32_t dst = base + stage + ld_row * ROW_BYTES + ((ld_lane ^ ld_row) & 7) * 16;
+#pragma unroll
+  for (int k = 0; k < D_QK / 64; ++k) ptx::CpAsync16(dst + k * 128, row + k * 8, true);
+  ptx::CpAsyncCommit();
+}
+
+// Keeps the O accumulators alive.
+__device__ __forceinline__ float OChecksum(const float (&o)[2][16][4]) {
+  float total = 0.0f;
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int n = 0; n < 16; ++n) total += o[m][n][0] + o[m][n][3];
+  return total;
+}
+
 // The PV warp's stream with each V fragment loaded one pair ahead of its MMAs
 // (kHandOver: P and alpha from the score warps, as in the kernel).
 template <int kPBuffers = 0, bool kPhaseOffset = false, bool kLoads = false>
 __device__ __forceinline__ float PvAheadStream(int iters, uint32_t base, int lane, int warp, const uint8_t* smem,
                                                const uint4* global = nullptr, size_t global_tiles = 1) {
-  const int tid = threadIdx.x;
-  const int ld_row = (tid & 127) >> 3, ld_lane = tid & 7;
   uint32_t free_stage = (kStages - 1) * kStageBytes;  // tile it - 1's
   constexpr bool kHandOver = kPBuffers > 0;
   const int g = lane >> 2;
-  const int pv_warp = warp & 3;
-  const int v_token = (lane & 7) + (((lane >> 3) & 1) << 3);
-  uint32_t v_frag_offset[4];
-#pragma unroll
-  for (int np = 0; np < 4; ++np) v_frag_offset[np] = TileOffset(v_token, pv_warp * 16 + np * 2 + (lane >> 4));
-  uint32_t p_frag_addr[2];
-#pragma unroll
-  for (int m = 0; m < 2; ++m)
-    p_frag_addr[m] = base + kPBufferOffset + ((m * 16 + (lane & 15)) * kPPitch + ((lane >> 4) << 3)) * 2;
+  const PvWarp pv(base, lane, warp);
   float o[2][16][4] = {};
   uint32_t stage = 0;
   for (int it = 0; it < iters; ++it) {
@@ -435,15 +478,15 @@ __device__ __forceinline__ float PvAheadStream(int iters, uint32_t base, int lan
     }
     uint32_t p_frag[2][4];
 #pragma unroll
-    for (int m = 0; m < 2; ++m) ptx::LdMatrixX4(p_frag[m], p_frag_addr[m] + (kHandOver ? (it % kPBuffers) * kPBufferBytes : 0));
+    for (int m = 0; m < 2; ++m) ptx::LdMatrixX4(p_frag[m], pv.p_frag_addr[m] + (kHandOver ? (it % kPBuffers) * kPBufferBytes : 0));
     if constexpr (kPhaseOffset) {
       if (it + 1 < iters) ptx::NamedBarrierSync(12, 256);  // the score warps issued S(it + 1)'s MMAs
     }
     uint32_t vf[2][4];
-    ptx::LdMatrixX4Trans(vf[0], base + stage + v_frag_offset[0]);
+    ptx::LdMatrixX4Trans(vf[0], pv.VAddress(base, stage, 0));
 #pragma unroll
     for (int np = 0; np < 8; ++np) {
-      if (np + 1 < 8) ptx::LdMatrixX4Trans(vf[(np + 1) & 1], base + stage + v_frag_offset[(np + 1) % 4] + ((np + 1) / 4) * 128);
+      if (np + 1 < 8) ptx::LdMatrixX4Trans(vf[(np + 1) & 1], pv.VAddress(base, stage, np + 1));
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
         ptx::MmaBf16(o[m][2 * np], p_frag[m], vf[np & 1][0], vf[np & 1][1]);
@@ -464,23 +507,11 @@ __device__ __forceinline__ float PvAheadStream(int iters, uint32_t base, int lan
         ptx::CpAsyncWait<kStages - 4>();
         ptx::NamedBarrierArrive(9 + (it & 1), 256);
       }
-      if (it >= 1) {
-        const size_t tile = (static_cast<size_t>(blockIdx.x) * 7 + it) % global_tiles;
-        const uint4* row = global + tile * (kStageBytes / 16) + ld_row * (ROW_BYTES / 16) + ld_lane;
-        const uint32_t dst = base + prev_stage + ld_row * ROW_BYTES + ((ld_lane ^ ld_row) & 7) * 16;
-#pragma unroll
-        for (int k = 0; k < D_QK / 64; ++k) ptx::CpAsync16(dst + k * 128, row + k * 8, true);
-        ptx::CpAsyncCommit();
-      }
+      if (it >= 1) IssueTileLoad(base, prev_stage, global, global_tiles, it);
     }
   }
   if constexpr (kLoads) ptx::CpAsyncWait<0>();
-  float total = 0.0f;
-#pragma unroll
-  for (int m = 0; m < 2; ++m)
-#pragma unroll
-    for (int n = 0; n < 16; ++n) total += o[m][n][0] + o[m][n][3];
-  return total;
+  return OChecksum(o);
 }
 
 template <int kChains>
@@ -530,27 +561,18 @@ __global__ void __launch_bounds__(kThreads, 1) TileProbeKernel(const ProbeArgs a
   } else if (role == kPvAhead) {
     total = PvAheadStream(a.iters, base, lane, warp, smem);
   } else if (role == kPv || role == kPvLoads) {
-    const int pv_warp = warp & 3;
-    const int ld_row = (tid & 127) >> 3, ld_lane = tid & 7;
-    const int v_token = (lane & 7) + (((lane >> 3) & 1) << 3);
-    uint32_t v_frag_offset[4];
-#pragma unroll
-    for (int np = 0; np < 4; ++np) v_frag_offset[np] = TileOffset(v_token, pv_warp * 16 + np * 2 + (lane >> 4));
-    uint32_t p_frag_addr[2];
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-      p_frag_addr[m] = base + kPBufferOffset + ((m * 16 + (lane & 15)) * kPPitch + ((lane >> 4) << 3)) * 2;
+    const PvWarp pv(base, lane, warp);
     float o[2][16][4] = {};
     uint32_t stage = 0;
     for (int it = 0; it < a.iters; ++it) {
       uint32_t p_frag[2][4];
 #pragma unroll
-      for (int m = 0; m < 2; ++m) ptx::LdMatrixX4(p_frag[m], p_frag_addr[m]);
+      for (int m = 0; m < 2; ++m) ptx::LdMatrixX4(p_frag[m], pv.p_frag_addr[m]);
       const uint32_t load_stage = stage;  // the probe overwrites what it reads: timing only
 #pragma unroll
       for (int np = 0; np < 8; ++np) {
         uint32_t vf[4];
-        ptx::LdMatrixX4Trans(vf, base + stage + v_frag_offset[np % 4] + (np / 4) * 128);
+        ptx::LdMatrixX4Trans(vf, pv.VAddress(base, stage, np));
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
           ptx::MmaBf16(o[m][2 * np], p_frag[m], vf[0], vf[1]);
@@ -559,20 +581,12 @@ __global__ void __launch_bounds__(kThreads, 1) TileProbeKernel(const ProbeArgs a
       }
       stage = stage == (kStages - 1) * kStageBytes ? 0 : stage + kStageBytes;
       if (role == kPvLoads) {
-        const size_t tile = (static_cast<size_t>(blockIdx.x) * 7 + it) % a.global_tiles;
-        const uint4* row = a.global + tile * (kStageBytes / 16) + ld_row * (ROW_BYTES / 16) + ld_lane;
-        const uint32_t dst = base + load_stage + ld_row * ROW_BYTES + ((ld_lane ^ ld_row) & 7) * 16;
-#pragma unroll
-        for (int k = 0; k < D_QK / 64; ++k) ptx::CpAsync16(dst + k * 128, row + k * 8, true);
-        ptx::CpAsyncCommit();
+        IssueTileLoad(base, load_stage, a.global, a.global_tiles, it);
         ptx::CpAsyncWait<2>();
       }
     }
     ptx::CpAsyncWait<0>();
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-      for (int n = 0; n < 16; ++n) total += o[m][n][0] + o[m][n][3];
+    total = OChecksum(o);
   } else if (role == kMmaOnly) {
     uint32_t af[4], bf[2];
 #pragma unroll
