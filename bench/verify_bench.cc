@@ -278,15 +278,18 @@ int Run(int argc, char** argv) {
               kernels::AttentionVariantName(config->attention_variant),
               kernels::VerifyAttentionSharedBytes(config->attention_variant));
 
+  DeviceBuffer flush_buffer;
+  if (!flush_buffer.Allocate(size_t{256} << 20).ok()) return 3;
+
   // The launch floor: what a graph replay of an empty kernel with the
   // attention grid's shape (one CTA of 256 threads per SM, the variant's
   // shared memory) costs, timed like the rows below. A small shape's time
   // minus this is what the kernel itself can still win.
   const int floor_smem = kernels::VerifyAttentionSharedBytes(config->attention_variant);
   auto launch_floor = kernels::testing::MeasureLaunchFloorUs(prop.multiProcessorCount, 256, floor_smem,
-                                                             /*cooperative=*/false, 200);
+                                                             /*cooperative=*/false, 200, flush_buffer);
   auto launch_floor_coop = kernels::testing::MeasureLaunchFloorUs(prop.multiProcessorCount, 256, floor_smem,
-                                                                  /*cooperative=*/true, 200);
+                                                                  /*cooperative=*/true, 200, flush_buffer);
   if (!launch_floor.ok() || !launch_floor_coop.ok()) {
     std::cerr << (launch_floor.ok() ? launch_floor_coop.status() : launch_floor.status()) << "\n";
     return 3;
@@ -295,8 +298,6 @@ int Run(int argc, char** argv) {
               "cooperative %.2f us\n",
               prop.multiProcessorCount, floor_smem, *launch_floor, *launch_floor_coop);
 
-  DeviceBuffer flush_buffer;
-  if (!flush_buffer.Allocate(size_t{256} << 20).ok()) return 3;
   cudaStream_t stream;
   cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
 

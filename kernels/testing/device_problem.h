@@ -100,11 +100,11 @@ absl::StatusOr<GraphTiming> TimeGraphReplays(cudaGraphExec_t exec, cudaStream_t 
 
 // Median time, in microseconds, of a CUDA graph holding one empty kernel of
 // `ctas` x `threads` with `smem_bytes` of dynamic shared memory (launched
-// cooperatively when asked), timed by TimeGraphReplays as the benchmark times
-// the verify graph: the part of a small launch's figure that no kernel change
-// can remove.
+// cooperatively when asked), timed by TimeGraphReplays with the benchmark's
+// `flush` buffer as the benchmark times the verify graph: the part of a small
+// launch's figure that no kernel change can remove.
 absl::StatusOr<double> MeasureLaunchFloorUs(int ctas, int threads, int smem_bytes, bool cooperative,
-                                            int reps);
+                                            int reps, const DeviceBuffer& flush);
 
 }  // namespace mlaverify::kernels::testing
 

@@ -97,9 +97,7 @@ absl::StatusOr<GraphTiming> TimeGraphReplays(cudaGraphExec_t exec, cudaStream_t 
 }
 
 absl::StatusOr<double> MeasureLaunchFloorUs(int ctas, int threads, int smem_bytes, bool cooperative,
-                                            int reps) {
-  DeviceBuffer busy;  // the memset before each replay, as the benchmark's L2 flush
-  if (auto s = busy.Allocate(size_t{256} << 20); !s.ok()) return s;
+                                            int reps, const DeviceBuffer& flush) {
   const void* kernel = reinterpret_cast<const void*>(&EmptyKernel);
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) !=
       cudaSuccess) {
@@ -127,7 +125,7 @@ absl::StatusOr<double> MeasureLaunchFloorUs(int ctas, int threads, int smem_byte
   if (err == cudaSuccess) err = cudaGraphInstantiate(&exec, graph, 0);
   const absl::StatusOr<GraphTiming> timing =
       err == cudaSuccess
-          ? TimeGraphReplays(exec, stream, reps, &busy)
+          ? TimeGraphReplays(exec, stream, reps, &flush)
           : absl::StatusOr<GraphTiming>(absl::InternalError(std::string("launch floor: graph not built: ") +
                                                             cudaGetErrorString(err)));
   if (exec != nullptr) cudaGraphExecDestroy(exec);
