@@ -79,6 +79,12 @@ enum Role : int {
   kScoreHandOverOffset = 14, kPvHandOverOffset = 15,  // two buffers and the kernel's phase offset
   kScoreKernelProtocol = 16, kPvKernelProtocol = 17,   // plus the PV warps' loads and KV_FULL (v15.3)
   kScorePipelined = 18,  // ScorePipelinedStream with two P buffers (its PV partner: kPvHandOver)
+  // Session 10: the pipelined score warps with the PV warps' loads and KV_FULL. (A ninth
+  // warp that only loads is not an option: ptxas caps a CTA of 288 threads at 168
+  // registers, as for 384, on sm_90 and sm_120; bench/NOTES.md session 10.)
+  kScorePipelinedKv = 19,  // kScorePipelined, one exchange buffer, KV_FULL(t + 1) before S(t + 1)
+  kPvLoadsEarlyKv = 20,    // kPvHandOver + the loads; KV_FULL(t + 2) arrived right after P_FULL(t)
+  kPvLoadsLateKv = 21,     // the same with KV_FULL(t + 2) after the MMAs (v15.3's place)
 };
 
 struct ProbeArgs {
@@ -180,7 +186,7 @@ __device__ __forceinline__ void StoreP(uint8_t* smem, int buffer, int my_row, in
 // The score warp's fragment and MMA stream of one tile, `iters` times
 // (kMma false: the ldmatrix loads only, folded into a sink).
 template <bool kMma, bool kPairExchange = false, bool kSoftmax = false, int kPBuffers = 0, bool kPhaseOffset = false,
-          bool kKvFull = false>
+          bool kKvFull = false, int kKvFullCount = 256>
 __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane, int warp, uint8_t* smem = nullptr) {
   // kPBuffers > 0: P is handed to the PV warps through that many buffers
   // (the kernel: two), P_FULL(b) = barrier 4 + b, P_EMPTY(b) = 4 + kPBuffers + b.
@@ -206,7 +212,7 @@ __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane,
     // kKvFull: tiles from kStages on are loaded by the PV warps (the kernel's
     // KV_FULL, barriers 9 and 10); the first kStages are taken as loaded.
     if constexpr (kKvFull) {
-      if (it >= kStages) ptx::NamedBarrierSync(9 + (it & 1), 256);
+      if (it >= kStages) ptx::NamedBarrierSync(9 + (it & 1), kKvFullCount);
     }
     float acc[2][2][4] = {};
     score.Tile<kMma>(base, acc, sink, [](int) {});
@@ -268,7 +274,14 @@ __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane,
 // read partial it). Hand-over as kScoreHandOver, without the phase offset:
 // S(it + 1)'s MMAs are issued before P_EMPTY(it - 2) is waited, so an
 // MMA_DONE arrival here could land twice in one phase (see ScoreStream).
-template <int kPBuffers>
+// The PV warps' MMAs of tile it start after P_FULL(it), which now comes after
+// S(it + 1)'s MMAs: the offset is built in.
+// kKvFull: tile it + 1 from kStages on is waited (KV_FULL, kKvFullCount
+// threads) just before its MMAs. kSingleExchange: one exchange buffer, as the
+// kernel has room for: a warp publishes partial it + 1 after its P_EMPTY(it - 2)
+// sync, which all four score warps pass only after reading partial it at the
+// top; the first kPBuffers tiles take a pair barrier there instead.
+template <int kPBuffers, bool kKvFull = false, int kKvFullCount = 256, bool kSingleExchange = false>
 __device__ __forceinline__ float ScorePipelinedStream(int iters, uint32_t base, int lane, int warp, uint8_t* smem) {
   float4* exchange = reinterpret_cast<float4*>(smem + kExchangeOffset);  // [2][4 warps][32 lanes]
   const int g = lane >> 2, t4 = lane & 3;
@@ -300,7 +313,7 @@ __device__ __forceinline__ float ScorePipelinedStream(int iters, uint32_t base, 
   }
   for (int it = 0; it < iters; ++it) {
     ptx::NamedBarrierSync(2 + (warp >> 1), 64);  // partner's partial of tile it
-    const float4 o = exchange[((it & 1) * 4 + (warp ^ 1)) * 32 + lane];
+    const float4 o = exchange[((kSingleExchange ? 0 : it & 1) * 4 + (warp ^ 1)) * 32 + lane];
     float sc[4] = {kept[0] + o.x, kept[1] + o.y, kept[2] + o.z, kept[3] + o.w};
     float neg_ref;
     const float alpha = softmax.Reference(sc, neg_ref);
@@ -311,6 +324,9 @@ __device__ __forceinline__ float ScorePipelinedStream(int iters, uint32_t base, 
     };
     float acc[2][2][4] = {};
     if (it + 1 < iters) {
+      if constexpr (kKvFull) {
+        if (it + 1 >= kStages) ptx::NamedBarrierSync(9 + ((it + 1) & 1), kKvFullCount);
+      }
       // Tile it + 1's MMAs with tile it's exponentials between them.
       score.Tile<true>(base, acc, sink, [&](int s) {
         if (s >= 2 && s < 6) exponent(s - 2);
@@ -324,7 +340,10 @@ __device__ __forceinline__ float ScorePipelinedStream(int iters, uint32_t base, 
     const int buffer = it % kPBuffers;
     StoreP(smem, buffer, my_row, t4, sc, alpha);
     ptx::NamedBarrierArrive(4 + buffer, 256);  // P_FULL(it)
-    if (it + 1 < iters) publish(acc, (it + 1) & 1);
+    if (it + 1 < iters) {
+      if (kSingleExchange && it < kPBuffers) ptx::NamedBarrierSync(2 + (warp >> 1), 64);  // partner read partial it
+      publish(acc, kSingleExchange ? 0 : (it + 1) & 1);
+    }
   }
   return softmax.row_sum;
 }
@@ -447,7 +466,10 @@ __device__ __forceinline__ float OChecksum(const float (&o)[2][16][4]) {
 
 // The PV warp's stream with each V fragment loaded one pair ahead of its MMAs
 // (kHandOver: P and alpha from the score warps, as in the kernel).
-template <int kPBuffers = 0, bool kPhaseOffset = false, bool kLoads = false>
+// kEarlyKv (with kLoads): KV_FULL(it + 2) is arrived right after P_FULL(it),
+// before the MMAs (the pipelined score warps wait for tile it + 1 before
+// S(it + 1)'s MMAs, one tile sooner than the kernel's).
+template <int kPBuffers = 0, bool kPhaseOffset = false, bool kLoads = false, bool kEarlyKv = false>
 __device__ __forceinline__ float PvAheadStream(int iters, uint32_t base, int lane, int warp, const uint8_t* smem,
                                                const uint4* global = nullptr, size_t global_tiles = 1) {
   uint32_t free_stage = (kStages - 1) * kStageBytes;  // tile it - 1's
@@ -474,6 +496,12 @@ __device__ __forceinline__ float PvAheadStream(int iters, uint32_t base, int lan
             o[m][n][0] *= al[m][0], o[m][n][1] *= al[m][0];
             o[m][n][2] *= al[m][1], o[m][n][3] *= al[m][1];
           }
+      }
+    }
+    if constexpr (kLoads && kEarlyKv) {
+      if (it + 2 < iters && it + 2 >= kStages) {
+        ptx::CpAsyncWait<kStages - 4>();
+        ptx::NamedBarrierArrive(9 + (it & 1), 256);
       }
     }
     uint32_t p_frag[2][4];
@@ -503,7 +531,7 @@ __device__ __forceinline__ float PvAheadStream(int iters, uint32_t base, int lan
       // The kernel's order (v15.3): tile it + 2 complete (one newer group
       // pending) -> KV_FULL(it + 2), then tile it + kStages - 1 into the stage
       // of tile it - 1, from an L2-resident ring of tiles.
-      if (it + 2 < iters && it + 2 >= kStages) {
+      if (!kEarlyKv && it + 2 < iters && it + 2 >= kStages) {
         ptx::CpAsyncWait<kStages - 4>();
         ptx::NamedBarrierArrive(9 + (it & 1), 256);
       }
@@ -556,6 +584,13 @@ __global__ void __launch_bounds__(kThreads, 1) TileProbeKernel(const ProbeArgs a
     total = PvAheadStream<2, true, true>(a.iters, base, lane, warp, smem, a.global, a.global_tiles);
   } else if (role == kPvHandOver) {
     total = PvAheadStream<2>(a.iters, base, lane, warp, smem);
+  } else if (role == kScorePipelinedKv) {
+    total = ScorePipelinedStream<2, true, 256, true>(a.iters, base, lane, warp, smem);
+  } else if (role == kPvLoadsEarlyKv) {
+    total = PvAheadStream<2, false, true, true>(a.iters, base, lane, warp, smem, a.global, a.global_tiles);
+  } else if (role == kPvLoadsLateKv) {
+    total = PvAheadStream<2, false, true, false>(a.iters, base, lane, warp, smem, a.global, a.global_tiles);
+
   } else if (role == kScoreQuad) {
     total = ScoreQuadStream(a.iters, base, lane, warp, reinterpret_cast<float4*>(smem + kExchangeOffset));
   } else if (role == kPvAhead) {
@@ -667,7 +702,8 @@ int Main(int argc, char** argv) {
   const int S = kScore, P = kPv, L = kPvLoads, M = kMmaOnly, D = kLdsmOnly, A = kPvAhead, X = kScorePair,
             Q = kScoreQuad, F = kScoreSoftmax, H = kScoreHandOver, V = kPvHandOver, H3 = kScoreHandOver3,
             V3 = kPvHandOver3, HO = kScoreHandOverOffset, VO = kPvHandOverOffset, SK = kScoreKernelProtocol,
-            PK = kPvKernelProtocol, SP = kScorePipelined;
+            PK = kPvKernelProtocol, SP = kScorePipelined, SPK = kScorePipelinedKv, PE = kPvLoadsEarlyKv,
+            PL = kPvLoadsLateKv;
   const std::vector<Config> configs = {
       {"score x4 (1 per sub-partition)", {S, S, S, S}},
       {"pv x4", {P, P, P, P}},
@@ -687,6 +723,8 @@ int Main(int argc, char** argv) {
       {"the same, two P buffers and the phase offset (v15.1)", {HO, HO, HO, HO, VO, VO, VO, VO}},
       {"the same + the PV warps' loads and KV_FULL (v15.3)", {SK, SK, SK, SK, PK, PK, PK, PK}},
       {"hand-over (two buffers), score warps software-pipelined", {SP, SP, SP, SP, V, V, V, V}},
+      {"pipelined + PV loads, KV_FULL right after P_FULL", {SPK, SPK, SPK, SPK, PE, PE, PE, PE}},
+      {"pipelined + PV loads, KV_FULL after the PV MMAs", {SPK, SPK, SPK, SPK, PL, PL, PL, PL}},
       {"score x8 (2 per sub-partition)", {S, S, S, S, S, S, S, S}},
       {"pv x8", {P, P, P, P, P, P, P, P}},
       {"ldsm x4 (score fragments, no MMA)", {D, D, D, D}},
@@ -769,12 +807,13 @@ int Main(int argc, char** argv) {
     for (int r : c.roles) {
       if (r == kScore) hmma += kHmmaPerScoreTile, smem_bytes += kLdsmPerScoreTile * 512;
       if (r == kScorePair || r == kScoreSoftmax || r == kScoreHandOver || r == kScoreHandOver3 ||
-          r == kScoreHandOverOffset || r == kScoreKernelProtocol || r == kScorePipelined)
+          r == kScoreHandOverOffset || r == kScoreKernelProtocol || r == kScorePipelined || r == kScorePipelinedKv)
         hmma += kHmmaPerScoreTile, smem_bytes += kLdsmPerScoreTile * 512 + 2 * 512;
       if (r == kScoreQuad) hmma += kHmmaPerScoreTile, smem_bytes += 9 * 512 + 6 * 512;
       if (r == kPv || r == kPvLoads || r == kPvAhead || r == kPvHandOver || r == kPvHandOver3 || r == kPvHandOverOffset ||
-          r == kPvKernelProtocol) hmma += kHmmaPerPvTile, smem_bytes += kLdsmPerPvTile * 512;
-      if (r == kPvLoads || r == kPvKernelProtocol) smem_bytes += kStageBytes / 4;  // a quarter of the tile's writes per PV warp
+          r == kPvKernelProtocol || r == kPvLoadsEarlyKv || r == kPvLoadsLateKv) hmma += kHmmaPerPvTile, smem_bytes += kLdsmPerPvTile * 512;
+      if (r == kPvLoads || r == kPvKernelProtocol || r == kPvLoadsEarlyKv || r == kPvLoadsLateKv)
+        smem_bytes += kStageBytes / 4;  // a quarter of the tile's writes per PV warp
       if (r == kMmaOnly) hmma += kHmmaPerScoreTile;
       if (r == kLdsmOnly) smem_bytes += kLdsmPerScoreTile * 512;
     }
