@@ -35,6 +35,11 @@ enum PhaseSlot : int {
   kStampPlanChunk = 17,    // warp plan: the chunk length is chosen
   kStampPlanItems = 18,    // warp plan: the items are counted and scanned
   kStampPlanItem = 19,     // warp plan: this CTA's item is made
+  // Inside a merge (fused or combine kernel), warp 0, the CTA's first row:
+  kStampMergeStart = 20,   // the merge begins (the block barrier after the wait is passed)
+  kStampMergeLoaded = 21,  // warp 0's first round of partials has landed
+  kStampMergeSummed = 22,  // warp 0's splits are summed
+  kStampMergeShared = 23,  // the row's warps have met in shared memory (before the row is written)
   kPhaseSlots = 24,
 };
 
@@ -60,6 +65,10 @@ inline const char* PhaseSlotName(int slot) {
     case kStampPlanChunk: return "plan_chunk";
     case kStampPlanItems: return "plan_items";
     case kStampPlanItem: return "plan_item";
+    case kStampMergeStart: return "merge_start";
+    case kStampMergeLoaded: return "merge_loaded";
+    case kStampMergeSummed: return "merge_summed";
+    case kStampMergeShared: return "merge_shared";
     default: return nullptr;
   }
 }

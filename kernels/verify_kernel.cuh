@@ -1051,6 +1051,7 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
   while (warps_per_row > 1 && warps_per_row * n_rows > COMBINE_WARPS) warps_per_row >>= 1;
   const int rows_per_round = COMBINE_WARPS / warps_per_row;
   const int sub = warp % warps_per_row;
+  if (threadIdx.x == 0) PhaseStamp(kStampMergeStart);
 
   // Where row `row` of the tile goes: its output row (bf16) and its LSE.
   struct OutputRow {
@@ -1109,6 +1110,9 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
           for (int k = 0; k < 4; ++k) o_v[u][k] = valid ? row_out[k * 32] : make_uint2(0u, 0u);
         }
       }
+      if (threadIdx.x == 0 && round == 0 && s0 == 0) {
+        PhaseStampAfter(kStampMergeLoaded, __float_as_int(lse_v[0]) ^ o_v[0][0].x ^ o_v[COMBINE_UNROLL - 1][3].y);
+      }
 #pragma unroll
       for (int u = 0; u < COMBINE_UNROLL; ++u) {
         const float m_new = fmaxf(m, lse_v[u]);
@@ -1129,6 +1133,7 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
         m = m_new;
       }
     }
+    if (threadIdx.x == 0 && round == 0) PhaseStampAfter(kStampMergeSummed, __float_as_int(acc[3].w + l));
     if (warps_per_row == 1) {
       if (active) write_row(row, m, l, acc);
       continue;
@@ -1143,6 +1148,7 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
       s_sum[warp] = l;
     }
     __syncthreads();
+    if (threadIdx.x == 0 && round == 0) PhaseStamp(kStampMergeShared);
     if (active) {
       const int w0 = warp - sub;  // the row's first warp
       float max_all = -INFINITY;
