@@ -1253,22 +1253,33 @@ __device__ __forceinline__ void MergeCtaSplits(const VerifyParams& p, const Veri
   }
   auto merge = [&](const VerifyWorkItem& item, int slot_base, int slot_stride, int extra) {
     if (item.splits <= 1) return;
+    // Fused: thread 0 counts the CTA in on done[key] once past its wait. The
+    // count's old value is only looked at after the merge, so the atomic's
+    // round trip to L2 overlaps the merge instead of holding the whole CTA
+    // at the barrier below (0.6-0.7 us of the 2.9 us fused merge at B=1,
+    // L=4K; bench/NOTES.md session 10). The last split's CTA resets both
+    // counters then: every split is past its wait by then, as before.
+    [[maybe_unused]] unsigned int done_before = 0;
+    [[maybe_unused]] int key = 0;
     if constexpr (kFused) {
       if (threadIdx.x == 0) {
-        const unsigned int splits = static_cast<unsigned int>(item.splits);
-        const int key = SplitTileKey(p, summary, item, x);
-        while (LoadAcquireGpu(p.split_arrivals + key) != splits) __nanosleep(32);
+        key = SplitTileKey(p, summary, item, x);
+        while (LoadAcquireGpu(p.split_arrivals + key) != static_cast<unsigned int>(item.splits)) __nanosleep(32);
         PhaseStamp(kStampMergeWaited);
-        if (atomicAdd(p.split_done + key, 1u) == splits - 1) {  // the row tile's last split past its wait
-          p.split_arrivals[key] = 0;
-          p.split_done[key] = 0;
-        }
+        done_before = atomicAdd(p.split_done + key, 1u);
       }
       __syncthreads();
     }
-    if (item.split >= BLOCK_M) return;  // uniform: no row of this split
-    MergeSplitRows<kFused>(p, item, slot_base, slot_stride, extra, ms);
-    if (threadIdx.x == 0) PhaseStamp(kFused ? kStampMergeDone : kStampCombineDone);
+    if (item.split < BLOCK_M) {  // uniform: else no row of this split
+      MergeSplitRows<kFused>(p, item, slot_base, slot_stride, extra, ms);
+      if (threadIdx.x == 0) PhaseStamp(kFused ? kStampMergeDone : kStampCombineDone);
+    }
+    if constexpr (kFused) {
+      if (threadIdx.x == 0 && done_before == static_cast<unsigned int>(item.splits) - 1) {
+        p.split_arrivals[key] = 0;  // the row tile's last split past its wait
+        p.split_done[key] = 0;
+      }
+    }
   };
   if (summary.stream_groups == 0) {
     // Chunk plan: item w = base_b + split * row_tiles_b + row_tile in slot w.
