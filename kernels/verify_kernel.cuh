@@ -1015,7 +1015,7 @@ struct MergeSmem {
 };
 
 // Merges rows item.split, item.split + item.splits, ... of the item's row
-// tile. The partial of split s sits in slot
+// tile (`rows`: the request's draft tokens x heads). The partial of split s sits in slot
 //   slot_base + s * slot_stride + (s == 0 ? slot0_extra : 0).
 // kL2Loads (the fused combine): partials are read through L2 (ld.global.cg):
 // they were written by other CTAs of the same grid, and L1 is not coherent
@@ -1024,15 +1024,13 @@ struct MergeSmem {
 // a spill on sm_120).
 template <bool kL2Loads>
 __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const VerifyWorkItem& item,
-                                               int slot_base, int slot_stride, int slot0_extra,
+                                               int slot_base, int slot_stride, int slot0_extra, int rows,
                                                MergeSmem& ms) {
   float4 (&s_acc)[COMBINE_WARPS][D_V / 4] = ms.acc;
   float (&s_max)[COMBINE_WARPS] = ms.max;
   float (&s_sum)[COMBINE_WARPS] = ms.sum;
-  const int b = item.request;
   const int splits = item.splits;
   const int heads = p.num_heads;
-  const int rows = p.draft_len[b] * heads;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const float* lse_of = p.partial_lse + static_cast<int64_t>(slot_base) * BLOCK_M;
@@ -1261,6 +1259,10 @@ __device__ __forceinline__ void MergeCtaSplits(const VerifyParams& p, const Veri
     // counters then: every split is past its wait by then, as before.
     [[maybe_unused]] unsigned int done_before = 0;
     [[maybe_unused]] int key = 0;
+    // The request's rows (tokens x heads), read before the wait so that the
+    // merge does not start with this load's round trip (fused, B=1, L=4K:
+    // ~0.5 us after the wait; bench/NOTES.md session 10).
+    const int rows = p.draft_len[item.request] * p.num_heads;
     if constexpr (kFused) {
       if (threadIdx.x == 0) {
         key = SplitTileKey(p, summary, item, x);
@@ -1271,7 +1273,7 @@ __device__ __forceinline__ void MergeCtaSplits(const VerifyParams& p, const Veri
       __syncthreads();
     }
     if (item.split < BLOCK_M) {  // uniform: else no row of this split
-      MergeSplitRows<kFused>(p, item, slot_base, slot_stride, extra, ms);
+      MergeSplitRows<kFused>(p, item, slot_base, slot_stride, extra, rows, ms);
       if (threadIdx.x == 0) PhaseStamp(kFused ? kStampMergeDone : kStampCombineDone);
     }
     if constexpr (kFused) {
