@@ -13,9 +13,10 @@
 // and candidate layouts: the V fragment one pair ahead, and the score warps
 // as four k slices over all 32 rows (K read once per tile). Then the tile is
 // built up towards the kernel: the score warp's pair exchange, its softmax and
-// P stores, the P hand-over to the PV warps (two or three buffers), and the
-// kernel's phase offset. The SM clock each CTA ran at (clock64 over
-// globaltimer) is printed beside the cycles.
+// P stores, the P hand-over to the PV warps (two or three buffers), the
+// kernel's phase offset, the PV warps' loads and KV_FULL, and the score warps
+// software-pipelined across tiles (bench/NOTES.md session 10). The SM clock
+// each CTA ran at (clock64 over globaltimer) is printed beside the cycles.
 //
 //   mlaverify-tile-probe [--iters N] [--json FILE]
 #include <cuda_runtime.h>
