@@ -86,6 +86,11 @@ enum Role : int {
   kScorePipelinedKv = 19,  // kScorePipelined, one exchange buffer, KV_FULL(t + 1) before S(t + 1)
   kPvLoadsEarlyKv = 20,    // kPvHandOver + the loads; KV_FULL(t + 2) arrived right after P_FULL(t)
   kPvLoadsLateKv = 21,     // the same with KV_FULL(t + 2) after the MMAs (v15.3's place)
+  // What the kernel-protocol row still lacks (NOTES next idea 1 after session 10), beside
+  // kScoreKernelProtocol: each tile's address from a page id read from global memory one
+  // tile ahead, as the kernel's register path does (L2-resident ring), and the same with
+  // the tiles spread over a 2 GB ring (DRAM, as the kernel's first reader of a tile).
+  kPvKernelPageIds = 22, kPvKernelPageIdsDram = 23,
 };
 
 struct ProbeArgs {
@@ -93,6 +98,10 @@ struct ProbeArgs {
   int iters;
   const uint4* global;  // kPvLoads' source (L2-sized ring)
   size_t global_tiles;
+  const uint4* dram;    // kPvKernelPageIdsDram's source (2 GB ring)
+  size_t dram_tiles;
+  const int* page_table;  // kPvKernelPageIds*: tile index of load i of a CTA, random
+  int page_count;
   long long* cycles;    // per CTA: [0] all warps, [1 + w] warp w
   long long* nanoseconds;  // per CTA: globaltimer span of the same interval
   float* sink;
@@ -443,16 +452,18 @@ struct PvWarp {
 // One tile's cp.async by the first 128 threads of a role (8 per KV row, nine
 // 16-byte chunks each), into the stage at byte offset `stage`, from tile
 // (CTA x 7 + it) of an L2-resident ring; committed as one group.
-__device__ __forceinline__ void IssueTileLoad(uint32_t base, uint32_t stage, const uint4* global, size_t global_tiles,
-                                              int it) {
+__device__ __forceinline__ void IssueTileLoadAt(uint32_t base, uint32_t stage, const uint4* global, size_t tile) {
   const int tid = threadIdx.x;
   const int ld_row = (tid & 127) >> 3, ld_lane = tid & 7;
-  const size_t tile = (static_cast<size_t>(blockIdx.x) * 7 + it) % global_tiles;
   const uint4* row = global + tile * (kStageBytes / 16) + ld_row * (ROW_BYTES / 16) + ld_lane;
   const uint32_t dst = base + stage + ld_row * ROW_BYTES + ((ld_lane ^ ld_row) & 7) * 16;
 #pragma unroll
   for (int k = 0; k < D_QK / 64; ++k) ptx::CpAsync16(dst + k * 128, row + k * 8, true);
   ptx::CpAsyncCommit();
+}
+__device__ __forceinline__ void IssueTileLoad(uint32_t base, uint32_t stage, const uint4* global, size_t global_tiles,
+                                              int it) {
+  IssueTileLoadAt(base, stage, global, (static_cast<size_t>(blockIdx.x) * 7 + it) % global_tiles);
 }
 
 // Keeps the O accumulators alive.
@@ -470,9 +481,15 @@ __device__ __forceinline__ float OChecksum(const float (&o)[2][16][4]) {
 // kEarlyKv (with kLoads): KV_FULL(it + 2) is arrived right after P_FULL(it),
 // before the MMAs (the pipelined score warps wait for tile it + 1 before
 // S(it + 1)'s MMAs, one tile sooner than the kernel's).
-template <int kPBuffers = 0, bool kPhaseOffset = false, bool kLoads = false, bool kEarlyKv = false>
+// kPageIds (with kLoads): each load's tile comes from page_table, read one
+// load ahead into a register, as the kernel's register page path does.
+template <int kPBuffers = 0, bool kPhaseOffset = false, bool kLoads = false, bool kEarlyKv = false,
+          bool kPageIds = false>
 __device__ __forceinline__ float PvAheadStream(int iters, uint32_t base, int lane, int warp, const uint8_t* smem,
-                                               const uint4* global = nullptr, size_t global_tiles = 1) {
+                                               const uint4* global = nullptr, size_t global_tiles = 1,
+                                               const int* page_table = nullptr, int page_count = 1) {
+  int next_page = 0;
+  if constexpr (kPageIds) next_page = page_table[(blockIdx.x * 7 + 1) % page_count];
   uint32_t free_stage = (kStages - 1) * kStageBytes;  // tile it - 1's
   constexpr bool kHandOver = kPBuffers > 0;
   const int g = lane >> 2;
@@ -536,7 +553,14 @@ __device__ __forceinline__ float PvAheadStream(int iters, uint32_t base, int lan
         ptx::CpAsyncWait<kStages - 4>();
         ptx::NamedBarrierArrive(9 + (it & 1), 256);
       }
-      if (it >= 1) IssueTileLoad(base, prev_stage, global, global_tiles, it);
+      if (it >= 1) {
+        if constexpr (kPageIds) {
+          IssueTileLoadAt(base, prev_stage, global, static_cast<size_t>(next_page));
+          next_page = page_table[(blockIdx.x * 7 + it + 1) % page_count];
+        } else {
+          IssueTileLoad(base, prev_stage, global, global_tiles, it);
+        }
+      }
     }
   }
   if constexpr (kLoads) ptx::CpAsyncWait<0>();
@@ -581,6 +605,12 @@ __global__ void __launch_bounds__(kThreads, 1) TileProbeKernel(const ProbeArgs a
     total = ScorePipelinedStream<2>(a.iters, base, lane, warp, smem);
   } else if (role == kScoreKernelProtocol) {
     total = ScoreStream<true, true, true, 2, true, true>(a.iters, base, lane, warp, smem);
+  } else if (role == kPvKernelPageIds) {
+    total = PvAheadStream<2, true, true, false, true>(a.iters, base, lane, warp, smem, a.global, a.global_tiles,
+                                                       a.page_table, a.page_count);
+  } else if (role == kPvKernelPageIdsDram) {
+    total = PvAheadStream<2, true, true, false, true>(a.iters, base, lane, warp, smem, a.dram, a.dram_tiles,
+                                                       a.page_table + a.page_count, a.page_count);
   } else if (role == kPvKernelProtocol) {
     total = PvAheadStream<2, true, true>(a.iters, base, lane, warp, smem, a.global, a.global_tiles);
   } else if (role == kPvHandOver) {
@@ -699,12 +729,29 @@ int Main(int argc, char** argv) {
   CUDA_OR_DIE(cudaMalloc(&cycles, sizeof(long long) * sms * (1 + kMaxWarps)));
   CUDA_OR_DIE(cudaMalloc(&nanoseconds, sizeof(long long) * sms));
   CUDA_OR_DIE(cudaMalloc(&sink, sizeof(float)));
+  // The page-id rows: a 2 GB ring (DRAM-resident: well past the 60 MB L2) and
+  // a table of random tile indices per ring (host LCG), 1 Mi entries each.
+  const size_t dram_tiles = (size_t{2} << 30) / kStageBytes;
+  uint4* dram = nullptr;
+  CUDA_OR_DIE(cudaMalloc(&dram, dram_tiles * kStageBytes));
+  CUDA_OR_DIE(cudaMemset(dram, 0x3c, dram_tiles * kStageBytes));
+  const int page_count = 1 << 20;
+  std::vector<int> pages(2 * static_cast<size_t>(page_count));
+  uint64_t lcg = 0x9e3779b97f4a7c15ull;
+  for (size_t i = 0; i < pages.size(); ++i) {
+    lcg = lcg * 6364136223846793005ull + 1442695040888963407ull;
+    const uint64_t tiles = i < static_cast<size_t>(page_count) ? global_tiles : dram_tiles;
+    pages[i] = static_cast<int>((lcg >> 33) % tiles);
+  }
+  int* page_table = nullptr;
+  CUDA_OR_DIE(cudaMalloc(&page_table, pages.size() * sizeof(int)));
+  CUDA_OR_DIE(cudaMemcpy(page_table, pages.data(), pages.size() * sizeof(int), cudaMemcpyHostToDevice));
 
   const int S = kScore, P = kPv, L = kPvLoads, M = kMmaOnly, D = kLdsmOnly, A = kPvAhead, X = kScorePair,
             Q = kScoreQuad, F = kScoreSoftmax, H = kScoreHandOver, V = kPvHandOver, H3 = kScoreHandOver3,
             V3 = kPvHandOver3, HO = kScoreHandOverOffset, VO = kPvHandOverOffset, SK = kScoreKernelProtocol,
             PK = kPvKernelProtocol, SP = kScorePipelined, SPK = kScorePipelinedKv, PE = kPvLoadsEarlyKv,
-            PL = kPvLoadsLateKv;
+            PL = kPvLoadsLateKv, PI = kPvKernelPageIds, PD = kPvKernelPageIdsDram;
   const std::vector<Config> configs = {
       {"score x4 (1 per sub-partition)", {S, S, S, S}},
       {"pv x4", {P, P, P, P}},
@@ -723,6 +770,8 @@ int Main(int argc, char** argv) {
       {"the same, three P buffers", {H3, H3, H3, H3, V3, V3, V3, V3}},
       {"the same, two P buffers and the phase offset (v15.1)", {HO, HO, HO, HO, VO, VO, VO, VO}},
       {"the same + the PV warps' loads and KV_FULL (v15.3)", {SK, SK, SK, SK, PK, PK, PK, PK}},
+      {"the same + page ids read one tile ahead", {SK, SK, SK, SK, PI, PI, PI, PI}},
+      {"the same, tiles from a 2 GB ring (DRAM)", {SK, SK, SK, SK, PD, PD, PD, PD}},
       {"hand-over (two buffers), score warps software-pipelined", {SP, SP, SP, SP, V, V, V, V}},
       {"pipelined + PV loads, KV_FULL right after P_FULL", {SPK, SPK, SPK, SPK, PE, PE, PE, PE}},
       {"pipelined + PV loads, KV_FULL after the PV MMAs", {SPK, SPK, SPK, SPK, PL, PL, PL, PL}},
@@ -754,6 +803,10 @@ int Main(int argc, char** argv) {
     args.iters = iters;
     args.global = global;
     args.global_tiles = global_tiles;
+    args.dram = dram;
+    args.dram_tiles = dram_tiles;
+    args.page_table = page_table;
+    args.page_count = page_count;
     args.cycles = cycles;
     args.nanoseconds = nanoseconds;
     args.sink = sink;
@@ -812,8 +865,10 @@ int Main(int argc, char** argv) {
         hmma += kHmmaPerScoreTile, smem_bytes += kLdsmPerScoreTile * 512 + 2 * 512;
       if (r == kScoreQuad) hmma += kHmmaPerScoreTile, smem_bytes += 9 * 512 + 6 * 512;
       if (r == kPv || r == kPvLoads || r == kPvAhead || r == kPvHandOver || r == kPvHandOver3 || r == kPvHandOverOffset ||
-          r == kPvKernelProtocol || r == kPvLoadsEarlyKv || r == kPvLoadsLateKv) hmma += kHmmaPerPvTile, smem_bytes += kLdsmPerPvTile * 512;
-      if (r == kPvLoads || r == kPvKernelProtocol || r == kPvLoadsEarlyKv || r == kPvLoadsLateKv)
+          r == kPvKernelProtocol || r == kPvLoadsEarlyKv || r == kPvLoadsLateKv || r == kPvKernelPageIds ||
+          r == kPvKernelPageIdsDram) hmma += kHmmaPerPvTile, smem_bytes += kLdsmPerPvTile * 512;
+      if (r == kPvLoads || r == kPvKernelProtocol || r == kPvLoadsEarlyKv || r == kPvLoadsLateKv ||
+          r == kPvKernelPageIds || r == kPvKernelPageIdsDram)
         smem_bytes += kStageBytes / 4;  // a quarter of the tile's writes per PV warp
       if (r == kMmaOnly) hmma += kHmmaPerScoreTile;
       if (r == kLdsmOnly) smem_bytes += kLdsmPerScoreTile * 512;
@@ -842,6 +897,8 @@ int Main(int argc, char** argv) {
     std::printf("wrote %s\n", json_path.c_str());
   }
   cudaFree(global);
+  cudaFree(dram);
+  cudaFree(page_table);
   cudaFree(cycles);
   cudaFree(nanoseconds);
   cudaFree(sink);
