@@ -1015,8 +1015,8 @@ struct MergeSmem {
 };
 
 // Merges rows item.split, item.split + item.splits, ... of the item's row
-// tile (`rows`: the request's draft tokens x heads). The partial of split s sits in slot
-//   slot_base + s * slot_stride + (s == 0 ? slot0_extra : 0).
+// tile (`rows`: the request's draft tokens x heads). The partial of split s
+// sits in slot slot_base + s * slot_stride + (s == 0 ? slot0_extra : 0).
 // kL2Loads (the fused combine): partials are read through L2 (ld.global.cg):
 // they were written by other CTAs of the same grid, and L1 is not coherent
 // with those writes. The combine kernel reads them with plain loads (written
