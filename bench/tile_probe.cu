@@ -196,7 +196,7 @@ __device__ __forceinline__ void StoreP(uint8_t* smem, int buffer, int my_row, in
 // The score warp's fragment and MMA stream of one tile, `iters` times
 // (kMma false: the ldmatrix loads only, folded into a sink).
 template <bool kMma, bool kPairExchange = false, bool kSoftmax = false, int kPBuffers = 0, bool kPhaseOffset = false,
-          bool kKvFull = false, int kKvFullCount = 256>
+          bool kKvFull = false>
 __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane, int warp, uint8_t* smem = nullptr) {
   // kPBuffers > 0: P is handed to the PV warps through that many buffers
   // (the kernel: two), P_FULL(b) = barrier 4 + b, P_EMPTY(b) = 4 + kPBuffers + b.
@@ -222,7 +222,7 @@ __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane,
     // kKvFull: tiles from kStages on are loaded by the PV warps (the kernel's
     // KV_FULL, barriers 9 and 10); the first kStages are taken as loaded.
     if constexpr (kKvFull) {
-      if (it >= kStages) ptx::NamedBarrierSync(9 + (it & 1), kKvFullCount);
+      if (it >= kStages) ptx::NamedBarrierSync(9 + (it & 1), 256);
     }
     float acc[2][2][4] = {};
     score.Tile<kMma>(base, acc, sink, [](int) {});
@@ -286,12 +286,12 @@ __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane,
 // MMA_DONE arrival here could land twice in one phase (see ScoreStream).
 // The PV warps' MMAs of tile it start after P_FULL(it), which now comes after
 // S(it + 1)'s MMAs: the offset is built in.
-// kKvFull: tile it + 1 from kStages on is waited (KV_FULL, kKvFullCount
-// threads) just before its MMAs. kSingleExchange: one exchange buffer, as the
+// kKvFull: tile it + 1 from kStages on is waited (KV_FULL) just before its
+// MMAs. kSingleExchange: one exchange buffer, as the
 // kernel has room for: a warp publishes partial it + 1 after its P_EMPTY(it - 2)
 // sync, which all four score warps pass only after reading partial it at the
 // top; the first kPBuffers tiles take a pair barrier there instead.
-template <int kPBuffers, bool kKvFull = false, int kKvFullCount = 256, bool kSingleExchange = false>
+template <int kPBuffers, bool kKvFull = false, bool kSingleExchange = false>
 __device__ __forceinline__ float ScorePipelinedStream(int iters, uint32_t base, int lane, int warp, uint8_t* smem) {
   float4* exchange = reinterpret_cast<float4*>(smem + kExchangeOffset);  // [2][4 warps][32 lanes]
   const int g = lane >> 2, t4 = lane & 3;
@@ -335,7 +335,7 @@ __device__ __forceinline__ float ScorePipelinedStream(int iters, uint32_t base, 
     float acc[2][2][4] = {};
     if (it + 1 < iters) {
       if constexpr (kKvFull) {
-        if (it + 1 >= kStages) ptx::NamedBarrierSync(9 + ((it + 1) & 1), kKvFullCount);
+        if (it + 1 >= kStages) ptx::NamedBarrierSync(9 + ((it + 1) & 1), 256);
       }
       // Tile it + 1's MMAs with tile it's exponentials between them.
       score.Tile<true>(base, acc, sink, [&](int s) {
@@ -616,7 +616,7 @@ __global__ void __launch_bounds__(kThreads, 1) TileProbeKernel(const ProbeArgs a
   } else if (role == kPvHandOver) {
     total = PvAheadStream<2>(a.iters, base, lane, warp, smem);
   } else if (role == kScorePipelinedKv) {
-    total = ScorePipelinedStream<2, true, 256, true>(a.iters, base, lane, warp, smem);
+    total = ScorePipelinedStream<2, true, true>(a.iters, base, lane, warp, smem);
   } else if (role == kPvLoadsEarlyKv) {
     total = PvAheadStream<2, false, true, true>(a.iters, base, lane, warp, smem, a.global, a.global_tiles);
   } else if (role == kPvLoadsLateKv) {
