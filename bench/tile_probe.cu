@@ -678,6 +678,35 @@ __global__ void __launch_bounds__(kThreads, 1) TileProbeKernel(const ProbeArgs a
   if (total == 1.2345f) a.sink[0] = total;  // keeps the MMAs alive
 }
 
+// One warp's HMMAs and shared-memory bytes (ldmatrix reads, exchange,
+// cp.async writes) per tile, by role: what the clk/HMMA and B/clk columns
+// divide.
+struct RoleWork {
+  double hmma = 0, smem_bytes = 0;
+};
+RoleWork WorkPerTile(int role) {
+  switch (role) {
+    case kScore:
+      return {kHmmaPerScoreTile, kLdsmPerScoreTile * 512.0};
+    case kScorePair: case kScoreSoftmax: case kScoreHandOver: case kScoreHandOver3: case kScoreHandOverOffset:
+    case kScoreKernelProtocol: case kScorePipelined: case kScorePipelinedKv:
+      return {kHmmaPerScoreTile, kLdsmPerScoreTile * 512.0 + 2 * 512};  // + the pair exchange
+    case kScoreQuad:
+      return {kHmmaPerScoreTile, 9 * 512.0 + 6 * 512};
+    case kPv: case kPvAhead: case kPvHandOver: case kPvHandOver3: case kPvHandOverOffset:
+      return {kHmmaPerPvTile, kLdsmPerPvTile * 512.0};
+    case kPvLoads: case kPvKernelProtocol: case kPvLoadsEarlyKv: case kPvLoadsLateKv: case kPvKernelPageIds:
+    case kPvKernelPageIdsDram:
+      return {kHmmaPerPvTile, kLdsmPerPvTile * 512.0 + kStageBytes / 4};  // + a quarter of the tile's writes
+    case kMmaOnly:
+      return {kHmmaPerScoreTile, 0};
+    case kLdsmOnly:
+      return {0, kLdsmPerScoreTile * 512.0};
+    default:
+      return {};
+  }
+}
+
 struct Config {
   std::string name;
   std::vector<int> roles;
@@ -859,19 +888,9 @@ int Main(int argc, char** argv) {
     // Per tile and SM: HMMAs and shared-memory bytes of every warp.
     double hmma = 0, smem_bytes = 0;
     for (int r : c.roles) {
-      if (r == kScore) hmma += kHmmaPerScoreTile, smem_bytes += kLdsmPerScoreTile * 512;
-      if (r == kScorePair || r == kScoreSoftmax || r == kScoreHandOver || r == kScoreHandOver3 ||
-          r == kScoreHandOverOffset || r == kScoreKernelProtocol || r == kScorePipelined || r == kScorePipelinedKv)
-        hmma += kHmmaPerScoreTile, smem_bytes += kLdsmPerScoreTile * 512 + 2 * 512;
-      if (r == kScoreQuad) hmma += kHmmaPerScoreTile, smem_bytes += 9 * 512 + 6 * 512;
-      if (r == kPv || r == kPvLoads || r == kPvAhead || r == kPvHandOver || r == kPvHandOver3 || r == kPvHandOverOffset ||
-          r == kPvKernelProtocol || r == kPvLoadsEarlyKv || r == kPvLoadsLateKv || r == kPvKernelPageIds ||
-          r == kPvKernelPageIdsDram) hmma += kHmmaPerPvTile, smem_bytes += kLdsmPerPvTile * 512;
-      if (r == kPvLoads || r == kPvKernelProtocol || r == kPvLoadsEarlyKv || r == kPvLoadsLateKv ||
-          r == kPvKernelPageIds || r == kPvKernelPageIdsDram)
-        smem_bytes += kStageBytes / 4;  // a quarter of the tile's writes per PV warp
-      if (r == kMmaOnly) hmma += kHmmaPerScoreTile;
-      if (r == kLdsmOnly) smem_bytes += kLdsmPerScoreTile * 512;
+      const RoleWork work = WorkPerTile(r);
+      hmma += work.hmma;
+      smem_bytes += work.smem_bytes;
     }
     const double clk_per_hmma_sp = hmma > 0 ? clk_per_tile / (hmma / 4) : 0;
     const double tflops = hmma * 4096.0 * iters * sms / (ms * 1e-3) / 1e12;
