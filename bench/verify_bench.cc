@@ -128,17 +128,28 @@ absl::StatusOr<nlohmann::json> RecordPhaseStamps(cudaGraphExec_t exec, cudaStrea
     for (int c = 0; c < ctas; ++c) {
       const uint64_t entry = host[static_cast<size_t>(c) * kPhaseSlots + kernels::kStampEntry];
       if (entry != 0) t0 = std::min(t0, entry);
-      for (int k = 0; k < kPhaseSlots; ++k) t1 = std::max(t1, host[static_cast<size_t>(c) * kPhaseSlots + k]);
+      for (int k = 0; k < kernels::kFirstRawSlot; ++k) t1 = std::max(t1, host[static_cast<size_t>(c) * kPhaseSlots + k]);
     }
     if (t0 == UINT64_MAX) {
       (void)kernels::SetVerifyPhaseStamps(nullptr);
       return absl::InternalError("no CTA stamped its entry");
     }
+    // Times relative to t0; the raw slots (clock64 counts, the tile count)
+    // are replaced by the CTA's SM clock in MHz and its cycles per KV tile
+    // (-1 where the CTA ran no tiles).
     std::vector<std::vector<int64_t>> rel(ctas, std::vector<int64_t>(kPhaseSlots, -1));
     for (int c = 0; c < ctas; ++c) {
-      for (int k = 0; k < kPhaseSlots; ++k) {
-        const uint64_t v = host[static_cast<size_t>(c) * kPhaseSlots + k];
-        if (v != 0) rel[c][k] = static_cast<int64_t>(v - t0);
+      const uint64_t* cta = &host[static_cast<size_t>(c) * kPhaseSlots];
+      for (int k = 0; k < kernels::kFirstRawSlot; ++k) {
+        if (cta[k] != 0) rel[c][k] = static_cast<int64_t>(cta[k] - t0);
+      }
+      const uint64_t ns = cta[kernels::kStampPvDone] - cta[kernels::kStampEntry];
+      const uint64_t cycles = cta[kernels::kStampClockPvDone] - cta[kernels::kStampClockEntry];
+      const uint64_t tiles = cta[kernels::kStampTiles];
+      if (cta[kernels::kStampPvDone] != 0 && cta[kernels::kStampEntry] != 0 && ns > 0 && tiles > 0) {
+        rel[c][kernels::kStampClockEntry] = static_cast<int64_t>(1e3 * static_cast<double>(cycles) / ns);  // MHz
+        rel[c][kernels::kStampClockPvDone] = static_cast<int64_t>(cycles / tiles);  // cycles per tile
+        rel[c][kernels::kStampTiles] = static_cast<int64_t>(tiles);
       }
     }
     spans.push_back({static_cast<double>(t1 - t0), r});
@@ -151,7 +162,7 @@ absl::StatusOr<nlohmann::json> RecordPhaseStamps(cudaGraphExec_t exec, cudaStrea
   std::printf("  phase stamps (replay of median span %.2f us; us after the first CTA entry, over CTAs that reached it):\n",
               spans[spans.size() / 2].first / 1e3);
   std::vector<std::pair<int64_t, std::string>> lines;  // printed in order of their median
-  for (int k = 0; k < kPhaseSlots; ++k) {
+  for (int k = 0; k < kernels::kFirstRawSlot; ++k) {
     const char* name = kernels::PhaseSlotName(k);
     if (name == nullptr) continue;
     std::vector<int64_t> v;
@@ -167,6 +178,21 @@ absl::StatusOr<nlohmann::json> RecordPhaseStamps(cudaGraphExec_t exec, cudaStrea
   std::stable_sort(lines.begin(), lines.end(),
                    [](const auto& a, const auto& b) { return a.first < b.first; });
   for (const auto& line : lines) std::fputs(line.second.c_str(), stdout);
+  // The SM clock between entry and the last tile, and the cycles per tile
+  // over that span (it includes the plan and the prologue: a long segment's
+  // per-tile figure, a short one's upper bound).
+  const char* raw_labels[] = {"SM MHz", "cycles/tile", "tiles"};
+  for (int k = kernels::kFirstRawSlot; k < kPhaseSlots; ++k) {
+    std::vector<int64_t> v;
+    for (const auto& cta : median) {
+      if (cta[k] >= 0) v.push_back(cta[k]);
+    }
+    if (v.empty()) continue;
+    std::sort(v.begin(), v.end());
+    std::printf("    %-14s n=%-4zu min %7lld  median %7lld  max %7lld\n", raw_labels[k - kernels::kFirstRawSlot],
+                v.size(), static_cast<long long>(v.front()), static_cast<long long>(v[v.size() / 2]),
+                static_cast<long long>(v.back()));
+  }
   return out;
 }
 

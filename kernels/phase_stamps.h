@@ -40,8 +40,15 @@ enum PhaseSlot : int {
   kStampMergeLoaded = 21,  // warp 0's first round of partials has landed
   kStampMergeSummed = 22,  // warp 0's splits are summed
   kStampMergeShared = 23,  // the row's warps have met in shared memory (before the row is written)
-  kPhaseSlots = 24,
+  // Raw values, not times (kFirstRawSlot on): the SM clock the CTA ran at,
+  // as clock64 cycles over %globaltimer ns between its entry and the PV
+  // warps' last tile, and the cycles per tile (bench/NOTES.md session 11).
+  kStampClockEntry = 24,   // clock64 where kStampEntry is taken
+  kStampClockPvDone = 25,  // clock64 where kStampPvDone is taken (the CTA's last segment)
+  kStampTiles = 26,        // KV tiles the CTA's PV warps ran, summed over its segments
+  kPhaseSlots = 27,
 };
+constexpr int kFirstRawSlot = kStampClockEntry;
 
 inline const char* PhaseSlotName(int slot) {
   switch (slot) {
@@ -69,6 +76,10 @@ inline const char* PhaseSlotName(int slot) {
     case kStampMergeLoaded: return "merge_loaded";
     case kStampMergeSummed: return "merge_summed";
     case kStampMergeShared: return "merge_shared";
+    // (The bench's JSON holds these derived figures in the raw slots.)
+    case kStampClockEntry: return "sm_mhz";
+    case kStampClockPvDone: return "cycles_per_tile";
+    case kStampTiles: return "tiles";
     default: return nullptr;
   }
 }

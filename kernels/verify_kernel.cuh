@@ -33,9 +33,19 @@ __device__ unsigned long long* g_phase_stamps = nullptr;  // [ctas][kPhaseSlots]
 __device__ __forceinline__ void PhaseStamp(int slot) {
   unsigned long long* stamps = g_phase_stamps;
   if (stamps == nullptr) return;
-  unsigned long long now;
+  unsigned long long now, cycles;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  asm volatile("mov.u64 %0, %%clock64;" : "=l"(cycles));
   stamps[blockIdx.x * kPhaseSlots + slot] = now;
+  // Two stamps also keep the SM clock's count: the bench divides the cycles
+  // by the nanoseconds between them (slot is a constant at every call site).
+  if (slot == kStampEntry) stamps[blockIdx.x * kPhaseSlots + kStampClockEntry] = cycles;
+  if (slot == kStampPvDone) stamps[blockIdx.x * kPhaseSlots + kStampClockPvDone] = cycles;
+}
+// Adds a segment's KV tiles to the CTA's count (one thread per CTA calls it).
+__device__ __forceinline__ void PhaseCountTiles(int tiles) {
+  unsigned long long* stamps = g_phase_stamps;
+  if (stamps != nullptr) stamps[blockIdx.x * kPhaseSlots + kStampTiles] += static_cast<unsigned>(tiles);
 }
 // A stamp taken once `value` has arrived (the asm consumes it).
 __device__ __forceinline__ void PhaseStampAfter(int slot, int value) {
@@ -45,6 +55,7 @@ __device__ __forceinline__ void PhaseStampAfter(int slot, int value) {
 #else
 __device__ __forceinline__ void PhaseStamp(int) {}
 __device__ __forceinline__ void PhaseStampAfter(int, int) {}
+__device__ __forceinline__ void PhaseCountTiles(int) {}
 #endif
 
 // "No split": larger than any request's tile count (positions are int32).

@@ -587,7 +587,10 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   // ---- epilogue: normalised O, bf16 to the output or fp32 to the partials ----
   // No cp.async may still write this CTA's shared memory when it exits (the
   // ring's last page-id fetches are never waited for in the loop).
-  if (tid == SCORE_THREADS) PhaseStamp(kStampPvDone);
+  if (tid == SCORE_THREADS) {
+    PhaseStamp(kStampPvDone);
+    PhaseCountTiles(num_tiles);
+  }
   KeepFragmentLoads(p, fragment_sink);
   ptx::CpAsyncWait<0>();
   // After BAR_FINAL every warp is past its last tile: the KV stages are free
