@@ -1105,42 +1105,64 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
       uint2 o_v[COMBINE_UNROLL][4];  // bf16 columns 4 lane + 128 k + {0..3}
 #pragma unroll
       for (int u = 0; u < COMBINE_UNROLL; ++u) {
+        // Past the last split, load split 0's row again and drop it: loads
+        // under a condition became a branch around each of the 25 (the merge's
+        // time is its code streaming in, bench/NOTES.md v10 and session 10).
         const int s = s0 + u * warps_per_row;
         const bool valid = s < splits;
-        const int64_t slot_row = s * split_stride + (s == 0 ? split0_extra : 0) + row;
+        const int64_t slot_row = valid ? s * split_stride + (s == 0 ? split0_extra : 0) + row : split0_extra + row;
         const uint2* row_out = reinterpret_cast<const uint2*>(out_of + slot_row * D_V + lane * 4);
         if constexpr (kL2Loads) {
-          lse_v[u] = valid ? __ldcg(lse_of + slot_row) : -INFINITY;
+          lse_v[u] = __ldcg(lse_of + slot_row);
 #pragma unroll
-          for (int k = 0; k < 4; ++k) o_v[u][k] = valid ? __ldcg(row_out + k * 32) : make_uint2(0u, 0u);
+          for (int k = 0; k < 4; ++k) o_v[u][k] = __ldcg(row_out + k * 32);
         } else {
-          lse_v[u] = valid ? lse_of[slot_row] : -INFINITY;
+          lse_v[u] = lse_of[slot_row];
 #pragma unroll
-          for (int k = 0; k < 4; ++k) o_v[u][k] = valid ? row_out[k * 32] : make_uint2(0u, 0u);
+          for (int k = 0; k < 4; ++k) o_v[u][k] = row_out[k * 32];
         }
+        if (!valid) {
+          lse_v[u] = -INFINITY;
+#pragma unroll
+          for (int k = 0; k < 4; ++k) o_v[u][k] = make_uint2(0u, 0u);
+        }
+      }
+      // One reference per round, the largest LSE among its splits and the
+      // rounds before (the same in every lane): the earlier rounds' sums
+      // rescale once, and each split adds w o with one FFMA per column. (An
+      // online max per split, rescaling before every split, was 2.5x the
+      // code; the merge's time is its code streaming in, bench/NOTES.md v10
+      // and session 10.)
+      float m_new = m;
+#pragma unroll
+      for (int u = 0; u < COMBINE_UNROLL; ++u) m_new = fmaxf(m_new, lse_v[u]);
+      if (m_new == -INFINITY) continue;  // uniform: no visible key in any split so far
+      const float scale = __expf(m - m_new);  // m = -inf: 0
+      l *= scale;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        acc[k].x *= scale;
+        acc[k].y *= scale;
+        acc[k].z *= scale;
+        acc[k].w *= scale;
       }
       if (threadIdx.x == 0 && round == 0 && s0 == 0) {
         PhaseStampAfter(kStampMergeLoaded, __float_as_int(lse_v[0]) ^ o_v[0][0].x ^ o_v[COMBINE_UNROLL - 1][3].y);
       }
 #pragma unroll
       for (int u = 0; u < COMBINE_UNROLL; ++u) {
-        const float m_new = fmaxf(m, lse_v[u]);
-        if (m_new == -INFINITY) continue;  // uniform: lse is the same in every lane
-        const float scale = __expf(m - m_new);  // m = -inf: 0
-        const float w = __expf(lse_v[u] - m_new);
-        l = l * scale + w;
+        const float w = __expf(lse_v[u] - m_new);  // a split with no visible key (or none): 0
+        l += w;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           // bf16 -> fp32: the 16 bits are the top half of the float.
-          const float o0 = __uint_as_float(o_v[u][k].x << 16), o1 = __uint_as_float(o_v[u][k].x & 0xffff0000u);
-          const float o2 = __uint_as_float(o_v[u][k].y << 16), o3 = __uint_as_float(o_v[u][k].y & 0xffff0000u);
-          acc[k].x = acc[k].x * scale + w * o0;
-          acc[k].y = acc[k].y * scale + w * o1;
-          acc[k].z = acc[k].z * scale + w * o2;
-          acc[k].w = acc[k].w * scale + w * o3;
+          acc[k].x = fmaf(w, __uint_as_float(o_v[u][k].x << 16), acc[k].x);
+          acc[k].y = fmaf(w, __uint_as_float(o_v[u][k].x & 0xffff0000u), acc[k].y);
+          acc[k].z = fmaf(w, __uint_as_float(o_v[u][k].y << 16), acc[k].z);
+          acc[k].w = fmaf(w, __uint_as_float(o_v[u][k].y & 0xffff0000u), acc[k].w);
         }
-        m = m_new;
       }
+      m = m_new;
     }
     if (threadIdx.x == 0 && round == 0) PhaseStampAfter(kStampMergeSummed, __float_as_int(acc[3].w + l));
     if (warps_per_row == 1) {
@@ -1159,24 +1181,43 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
     __syncthreads();
     if (threadIdx.x == 0 && round == 0) PhaseStamp(kStampMergeShared);
     if (active) {
-      const int w0 = warp - sub;  // the row's first warp
+      // Loops over the row's warps are unrolled to all eight with a guard:
+      // with a run-time trip count ptxas emitted unrolled copies plus
+      // remainder loops, code the merge streams in before it can run.
+      const int w0 = warp - sub;  // the row's first warp; every access below is under j < warps_per_row
       float max_all = -INFINITY;
-      for (int w = w0; w < w0 + warps_per_row; ++w) max_all = fmaxf(max_all, s_max[w]);
+#pragma unroll
+      for (int j = 0; j < COMBINE_WARPS; ++j) {
+        if (j < warps_per_row) max_all = fmaxf(max_all, s_max[w0 + j]);
+      }
       const float ref = max_all == -INFINITY ? 0.0f : max_all;
+      float e[COMBINE_WARPS];  // the warps' weights (a warp with no split or no visible key: 0)
       float sum = 0.0f;
-      for (int w = w0; w < w0 + warps_per_row; ++w) sum += __expf(s_max[w] - ref) * s_sum[w];
+#pragma unroll
+      for (int j = 0; j < COMBINE_WARPS; ++j) {
+        e[j] = 0.0f;
+        if (j < warps_per_row) {
+          e[j] = __expf(s_max[w0 + j] - ref);
+          sum += e[j] * s_sum[w0 + j];
+        }
+      }
       const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
       const int cols = 16 / warps_per_row;                  // 2, 4 or 8
       const int col0 = (sub * 32 + lane) * cols;
       const OutputRow dst_row = output_row(row);
       uint16_t* dst = dst_row.out;
-      for (int c = col0; c < col0 + cols; c += 2) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if (2 * i >= cols) break;  // uniform
+        const int c = col0 + 2 * i;
         float2 o = make_float2(0.0f, 0.0f);
-        for (int w = w0; w < w0 + warps_per_row; ++w) {
-          const float e = __expf(s_max[w] - ref);  // a warp with no split or no visible key: 0
-          const float2 a = *reinterpret_cast<const float2*>(reinterpret_cast<const float*>(s_acc[w]) + c);
-          o.x += e * a.x;
-          o.y += e * a.y;
+#pragma unroll
+        for (int j = 0; j < COMBINE_WARPS; ++j) {
+          if (j < warps_per_row) {
+            const float2 a = *reinterpret_cast<const float2*>(reinterpret_cast<const float*>(s_acc[w0 + j]) + c);
+            o.x += e[j] * a.x;
+            o.y += e[j] * a.y;
+          }
         }
         *reinterpret_cast<uint32_t*>(dst + c) = ptx::PackBf16x2(o.x * inv, o.y * inv);
       }
