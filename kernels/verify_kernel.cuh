@@ -1106,8 +1106,7 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
 #pragma unroll
       for (int u = 0; u < COMBINE_UNROLL; ++u) {
         // Past the last split, load split 0's row again and drop it: loads
-        // under a condition became a branch around each of the 25 (the merge's
-        // time is its code streaming in, bench/NOTES.md v10 and session 10).
+        // under a condition became a branch around each of the 25.
         const int s = s0 + u * warps_per_row;
         const bool valid = s < splits;
         const int64_t slot_row = valid ? s * split_stride + (s == 0 ? split0_extra : 0) + row : split0_extra + row;
@@ -1131,8 +1130,8 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
       // rounds before (the same in every lane): the earlier rounds' sums
       // rescale once, and each split adds w o with one FFMA per column. (An
       // online max per split, rescaling before every split, was 2.5x the
-      // code; the merge's time is its code streaming in, bench/NOTES.md v10
-      // and session 10.)
+      // code, and the combine kernel's merge waits on its code streaming in:
+      // -1 to -1.5 us, bench/NOTES.md v10 and session 10's v17.)
       float m_new = m;
 #pragma unroll
       for (int u = 0; u < COMBINE_UNROLL; ++u) m_new = fmaxf(m_new, lse_v[u]);
