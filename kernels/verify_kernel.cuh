@@ -1132,11 +1132,16 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
       // online max per split, rescaling before every split, was 2.5x the
       // code, and the combine kernel's merge waits on its code streaming in:
       // -1 to -1.5 us, bench/NOTES.md v10 and session 10's v17.)
+      // No branch on the LSEs here: with one (`continue` while every LSE so
+      // far is -inf) ptxas issued the partials' loads only after it, a second
+      // L2 round trip after the LSEs' (fused merge, B=1, L=4K: 0.45 -> 1.09 us
+      // to the first round's data; bench/NOTES.md session 11). A reference of
+      // 0 while all are -inf keeps every weight and scale 0.
       float m_new = m;
 #pragma unroll
       for (int u = 0; u < COMBINE_UNROLL; ++u) m_new = fmaxf(m_new, lse_v[u]);
-      if (m_new == -INFINITY) continue;  // uniform: no visible key in any split so far
-      const float scale = __expf(m - m_new);  // m = -inf: 0
+      const float ref = m_new == -INFINITY ? 0.0f : m_new;
+      const float scale = __expf(m - ref);  // m = -inf: 0
       l *= scale;
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
@@ -1150,7 +1155,7 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
       }
 #pragma unroll
       for (int u = 0; u < COMBINE_UNROLL; ++u) {
-        const float w = __expf(lse_v[u] - m_new);  // a split with no visible key (or none): 0
+        const float w = __expf(lse_v[u] - ref);  // a split with no visible key (or none): 0
         l += w;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
