@@ -52,7 +52,8 @@ constexpr int kMaxPBuffers = 4;
 constexpr int kAlphaOffset = kPBufferOffset + kMaxPBuffers * kPBufferBytes;  // [kMaxPBuffers][32] float
 constexpr int kExchangeOffset = kAlphaOffset + kMaxPBuffers * 32 * 4;
 constexpr int kExchangeBytes = 4 * 4 * 32 * 16;  // [owner][sender][lane] float4
-constexpr int kSmemBytes = kExchangeOffset + kExchangeBytes;
+constexpr int kMbarrierOffset = kExchangeOffset + kExchangeBytes;  // [kStages] uint64: the bulk rows' stage barriers
+constexpr int kSmemBytes = kMbarrierOffset + kStages * 8;
 constexpr int kScoreSteps = 18;                    // K_SLICE 288 / 16
 constexpr int kHmmaPerScoreTile = 2 * kScoreSteps;
 constexpr int kHmmaPerPvTile = 2 * 16;             // 2 m tiles x 16 n tiles of 8 columns
@@ -91,6 +92,12 @@ enum Role : int {
   // tile ahead, as the kernel's register path does (L2-resident ring), and the same with
   // the tiles spread over a 2 GB ring (DRAM, as the kernel's first reader of a tile).
   kPvKernelPageIds = 22, kPvKernelPageIdsDram = 23,
+  // Session 11: the loads as one cp.async.bulk per KV row (1,152 bytes; lanes 0-3 of each
+  // PV warp, four rows each) completing on a per-stage mbarrier that the score warps wait
+  // on instead of KV_FULL: what the 128 loader threads' nine cp.async each per tile, their
+  // wait_group and the KV_FULL barrier cost the PV warps (bench/NOTES.md session 11).
+  // Timing only: the rows land unswizzled, the ldmatrix addresses stay the kernel's.
+  kScoreKernelBulk = 24, kPvKernelBulk = 25, kPvKernelBulkDram = 26,
 };
 
 struct ProbeArgs {
@@ -193,10 +200,41 @@ __device__ __forceinline__ void StoreP(uint8_t* smem, int buffer, int my_row, in
   if (t4 == 0) reinterpret_cast<float*>(smem + kAlphaOffset)[buffer * 32 + my_row] = alpha;
 }
 
+// The bulk-row rows' pieces (sm_90 and later, sm_120 included): a stage's
+// mbarrier, its expected bytes, one row's bulk copy, and the wait on a phase.
+__device__ __forceinline__ uint32_t StageMbarrier(uint32_t base, int stage_index) {
+  return base + kMbarrierOffset + stage_index * 8;
+}
+__device__ __forceinline__ void MbarrierInit(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void MbarrierArriveExpectTx(uint32_t bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void MbarrierWait(uint32_t bar, int parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n"
+      "wait_%=:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra wait_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void BulkCopyRow(uint32_t dst, const void* src, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+      "l"(src), "n"(ROW_BYTES), "r"(bar)
+      : "memory");
+}
+// The KV_FULL of the bulk rows: tile it (from kStages on) has landed.
+__device__ __forceinline__ void WaitBulkTile(uint32_t base, int it) {
+  MbarrierWait(StageMbarrier(base, it % kStages), ((it / kStages) + 1) & 1);
+}
+
 // The score warp's fragment and MMA stream of one tile, `iters` times
 // (kMma false: the ldmatrix loads only, folded into a sink).
+// kKvBulk (with kKvFull): the tile's stage mbarrier instead of KV_FULL.
 template <bool kMma, bool kPairExchange = false, bool kSoftmax = false, int kPBuffers = 0, bool kPhaseOffset = false,
-          bool kKvFull = false>
+          bool kKvFull = false, bool kKvBulk = false>
 __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane, int warp, uint8_t* smem = nullptr) {
   // kPBuffers > 0: P is handed to the PV warps through that many buffers
   // (the kernel: two), P_FULL(b) = barrier 4 + b, P_EMPTY(b) = 4 + kPBuffers + b.
@@ -222,7 +260,13 @@ __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane,
     // kKvFull: tiles from kStages on are loaded by the PV warps (the kernel's
     // KV_FULL, barriers 9 and 10); the first kStages are taken as loaded.
     if constexpr (kKvFull) {
-      if (it >= kStages) ptx::NamedBarrierSync(9 + (it & 1), 256);
+      if (it >= kStages) {
+        if constexpr (kKvBulk) {
+          WaitBulkTile(base, it);
+        } else {
+          ptx::NamedBarrierSync(9 + (it & 1), 256);
+        }
+      }
     }
     float acc[2][2][4] = {};
     score.Tile<kMma>(base, acc, sink, [](int) {});
@@ -483,8 +527,11 @@ __device__ __forceinline__ float OChecksum(const float (&o)[2][16][4]) {
 // S(it + 1)'s MMAs, one tile sooner than the kernel's).
 // kPageIds (with kLoads): each load's tile comes from page_table, read one
 // load ahead into a register, as the kernel's register page path does.
+// kBulk (with kLoads and kPageIds): each tile as 16 bulk row copies, lanes
+// 0-3 of each PV warp one row each, on the stage's mbarrier (no wait_group, no
+// KV_FULL: the score warps wait on the mbarrier).
 template <int kPBuffers = 0, bool kPhaseOffset = false, bool kLoads = false, bool kEarlyKv = false,
-          bool kPageIds = false>
+          bool kPageIds = false, bool kBulk = false>
 __device__ __forceinline__ float PvAheadStream(int iters, uint32_t base, int lane, int warp, const uint8_t* smem,
                                                const uint4* global = nullptr, size_t global_tiles = 1,
                                                const int* page_table = nullptr, int page_count = 1) {
@@ -549,12 +596,26 @@ __device__ __forceinline__ float PvAheadStream(int iters, uint32_t base, int lan
       // The kernel's order (v15.3): tile it + 2 complete (one newer group
       // pending) -> KV_FULL(it + 2), then tile it + kStages - 1 into the stage
       // of tile it - 1, from an L2-resident ring of tiles.
-      if (!kEarlyKv && it + 2 < iters && it + 2 >= kStages) {
+      if (!kBulk && !kEarlyKv && it + 2 < iters && it + 2 >= kStages) {
         ptx::CpAsyncWait<kStages - 4>();
         ptx::NamedBarrierArrive(9 + (it & 1), 256);
       }
       if (it >= 1) {
-        if constexpr (kPageIds) {
+        if constexpr (kBulk) {
+          const uint32_t bar = StageMbarrier(base, prev_stage / kStageBytes);
+          const int pv_warp = warp & 3;
+          if (lane == 0) MbarrierArriveExpectTx(bar, 4 * ROW_BYTES);
+          __syncwarp();
+          if (lane < 4) {
+            // The stage was last read through the generic proxy (ldmatrix);
+            // the bulk copy writes it through the async proxy.
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            const int row = pv_warp * 4 + lane;
+            BulkCopyRow(base + prev_stage + row * ROW_BYTES,
+                        global + static_cast<size_t>(next_page) * (kStageBytes / 16) + row * (ROW_BYTES / 16), bar);
+          }
+          next_page = page_table[(blockIdx.x * 7 + it + 1) % page_count];
+        } else if constexpr (kPageIds) {
           IssueTileLoadAt(base, prev_stage, global, static_cast<size_t>(next_page));
           next_page = page_table[(blockIdx.x * 7 + it + 1) % page_count];
         } else {
@@ -563,7 +624,12 @@ __device__ __forceinline__ float PvAheadStream(int iters, uint32_t base, int lan
       }
     }
   }
-  if constexpr (kLoads) ptx::CpAsyncWait<0>();
+  if constexpr (kLoads && !kBulk) ptx::CpAsyncWait<0>();
+  if constexpr (kBulk) {
+    // No bulk copy may still write shared memory when the CTA exits: wait for
+    // the last kStages - 1 tiles issued (tiles iters .. iters + kStages - 2).
+    for (int t = iters; t < iters + kStages - 1; ++t) WaitBulkTile(base, t);
+  }
   return OChecksum(o);
 }
 
@@ -579,6 +645,10 @@ __global__ void __launch_bounds__(kThreads, 1) TileProbeKernel(const ProbeArgs a
   }
   __syncthreads();
   const uint32_t base = ptx::SmemAddress(smem);
+  // The bulk rows' stage barriers: one arrival per PV warp per tile.
+  if (tid < kStages) MbarrierInit(StageMbarrier(base, tid), 4);
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  __syncthreads();
   float total = 0.0f;
   const long long start = clock64();
   uint64_t start_ns;
@@ -611,6 +681,14 @@ __global__ void __launch_bounds__(kThreads, 1) TileProbeKernel(const ProbeArgs a
   } else if (role == kPvKernelPageIdsDram) {
     total = PvAheadStream<2, true, true, false, true>(a.iters, base, lane, warp, smem, a.dram, a.dram_tiles,
                                                        a.page_table + a.page_count, a.page_count);
+  } else if (role == kScoreKernelBulk) {
+    total = ScoreStream<true, true, true, 2, true, true, true>(a.iters, base, lane, warp, smem);
+  } else if (role == kPvKernelBulk) {
+    total = PvAheadStream<2, true, true, false, true, true>(a.iters, base, lane, warp, smem, a.global, a.global_tiles,
+                                                             a.page_table, a.page_count);
+  } else if (role == kPvKernelBulkDram) {
+    total = PvAheadStream<2, true, true, false, true, true>(a.iters, base, lane, warp, smem, a.dram, a.dram_tiles,
+                                                             a.page_table + a.page_count, a.page_count);
   } else if (role == kPvKernelProtocol) {
     total = PvAheadStream<2, true, true>(a.iters, base, lane, warp, smem, a.global, a.global_tiles);
   } else if (role == kPvHandOver) {
@@ -689,14 +767,14 @@ RoleWork WorkPerTile(int role) {
     case kScore:
       return {kHmmaPerScoreTile, kLdsmPerScoreTile * 512.0};
     case kScorePair: case kScoreSoftmax: case kScoreHandOver: case kScoreHandOver3: case kScoreHandOverOffset:
-    case kScoreKernelProtocol: case kScorePipelined: case kScorePipelinedKv:
+    case kScoreKernelProtocol: case kScorePipelined: case kScorePipelinedKv: case kScoreKernelBulk:
       return {kHmmaPerScoreTile, kLdsmPerScoreTile * 512.0 + 2 * 512};  // + the pair exchange
     case kScoreQuad:
       return {kHmmaPerScoreTile, 9 * 512.0 + 6 * 512};
     case kPv: case kPvAhead: case kPvHandOver: case kPvHandOver3: case kPvHandOverOffset:
       return {kHmmaPerPvTile, kLdsmPerPvTile * 512.0};
     case kPvLoads: case kPvKernelProtocol: case kPvLoadsEarlyKv: case kPvLoadsLateKv: case kPvKernelPageIds:
-    case kPvKernelPageIdsDram:
+    case kPvKernelPageIdsDram: case kPvKernelBulk: case kPvKernelBulkDram:
       return {kHmmaPerPvTile, kLdsmPerPvTile * 512.0 + kStageBytes / 4};  // + a quarter of the tile's writes
     case kMmaOnly:
       return {kHmmaPerScoreTile, 0};
@@ -780,7 +858,8 @@ int Main(int argc, char** argv) {
             Q = kScoreQuad, F = kScoreSoftmax, H = kScoreHandOver, V = kPvHandOver, H3 = kScoreHandOver3,
             V3 = kPvHandOver3, HO = kScoreHandOverOffset, VO = kPvHandOverOffset, SK = kScoreKernelProtocol,
             PK = kPvKernelProtocol, SP = kScorePipelined, SPK = kScorePipelinedKv, PE = kPvLoadsEarlyKv,
-            PL = kPvLoadsLateKv, PI = kPvKernelPageIds, PD = kPvKernelPageIdsDram;
+            PL = kPvLoadsLateKv, PI = kPvKernelPageIds, PD = kPvKernelPageIdsDram, SB = kScoreKernelBulk,
+            PB = kPvKernelBulk, PBD = kPvKernelBulkDram;
   const std::vector<Config> configs = {
       {"score x4 (1 per sub-partition)", {S, S, S, S}},
       {"pv x4", {P, P, P, P}},
@@ -801,6 +880,8 @@ int Main(int argc, char** argv) {
       {"the same + the PV warps' loads and KV_FULL (v15.3)", {SK, SK, SK, SK, PK, PK, PK, PK}},
       {"the same + page ids read one tile ahead", {SK, SK, SK, SK, PI, PI, PI, PI}},
       {"the same, tiles from a 2 GB ring (DRAM)", {SK, SK, SK, SK, PD, PD, PD, PD}},
+      {"page ids, a bulk copy per row, stage mbarriers", {SB, SB, SB, SB, PB, PB, PB, PB}},
+      {"the same, tiles from a 2 GB ring (DRAM)", {SB, SB, SB, SB, PBD, PBD, PBD, PBD}},
       {"hand-over (two buffers), score warps software-pipelined", {SP, SP, SP, SP, V, V, V, V}},
       {"pipelined + PV loads, KV_FULL right after P_FULL", {SPK, SPK, SPK, SPK, PE, PE, PE, PE}},
       {"pipelined + PV loads, KV_FULL after the PV MMAs", {SPK, SPK, SPK, SPK, PL, PL, PL, PL}},

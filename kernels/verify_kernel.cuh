@@ -1132,11 +1132,11 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
       // online max per split, rescaling before every split, was 2.5x the
       // code, and the combine kernel's merge waits on its code streaming in:
       // -1 to -1.5 us, bench/NOTES.md v10 and session 10's v17.)
-      // No branch on the LSEs here: with one (`continue` while every LSE so
-      // far is -inf) ptxas issued the partials' loads only after it, a second
-      // L2 round trip after the LSEs' (fused merge, B=1, L=4K: 0.45 -> 1.09 us
-      // to the first round's data; bench/NOTES.md session 11). A reference of
-      // 0 while all are -inf keeps every weight and scale 0.
+      // No branch on the LSEs here (v17 had `continue` while every LSE so far
+      // is -inf): a reference of 0 then keeps every weight and scale 0. It
+      // took 0.2-0.3 us off the fused merge's first round (B=1, L=4K), which
+      // still waits ~0.85 us for its partials against the old merge's ~0.45
+      // (cause not found; bench/NOTES.md session 11).
       float m_new = m;
 #pragma unroll
       for (int u = 0; u < COMBINE_UNROLL; ++u) m_new = fmaxf(m_new, lse_v[u]);
