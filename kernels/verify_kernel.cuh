@@ -1002,8 +1002,9 @@ __global__ void __launch_bounds__(WarpLayout<kWarps>::NUM_THREADS, 1)
 // A row is merged by 1, 2, 4 or 8 warps (as many as the CTA's rows leave
 // free: all eight when it has one row, one per row from eight rows up), the
 // warps of a row taking its splits round robin, each lane 16 of the 512
-// columns as four float4, with an online (max, sum, o) per warp; a row's
-// warps are merged through shared memory. All of a warp's loads for
+// columns as four float4, with a running (max, sum, o) per warp that is
+// rescaled once per round of COMBINE_UNROLL splits (v17); a row's warps are
+// merged through shared memory. All of a warp's loads for
 // COMBINE_UNROLL splits go out together, so a CTA costs a few L2 round trips
 // whatever its rows and splits (bench/NOTES.md v6, v7). A combine CTA finds
 // its split segments as the attention CTA of the same index did (the work
