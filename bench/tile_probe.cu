@@ -98,6 +98,15 @@ enum Role : int {
   // wait_group and the KV_FULL barrier cost the PV warps (bench/NOTES.md session 11).
   // Timing only: the rows land unswizzled, the ldmatrix addresses stay the kernel's.
   kScoreKernelBulk = 24, kPvKernelBulk = 25, kPvKernelBulkDram = 26,
+  // The kernel-protocol score role with P_EMPTY always waited at the top of the tile (as the
+  // bulk rows must), beside kPvKernelPageIds: what the early P_EMPTY alone costs.
+  kScoreKernelEarlyEmpty = 27,
+  // Score warps that split a tile's 16 keys instead of its 576 dims (next idea 2 after
+  // session 11): warp = row group x key half, Q[16 rows x 576] in 144 registers, 36 MMAs
+  // per tile into one n tile (four chains), no partial-score exchange; the pair agrees on
+  // a change of a row's exponent reference with one barrier reduction per tile
+  // (bar.red.or), the rare change itself through shared memory. Kernel protocol otherwise.
+  kScoreKeySplit = 28,
 };
 
 struct ProbeArgs {
@@ -247,7 +256,7 @@ __device__ __forceinline__ void WaitBulkTile(uint32_t base, int it) {
 // (kMma false: the ldmatrix loads only, folded into a sink).
 // kKvBulk (with kKvFull): the tile's stage mbarrier instead of KV_FULL.
 template <bool kMma, bool kPairExchange = false, bool kSoftmax = false, int kPBuffers = 0, bool kPhaseOffset = false,
-          bool kKvFull = false, bool kKvBulk = false>
+          bool kKvFull = false, bool kKvBulk = false, bool kEarlyEmpty = false>
 __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane, int warp, uint8_t* smem = nullptr) {
   // kPBuffers > 0: P is handed to the PV warps through that many buffers
   // (the kernel: two), P_FULL(b) = barrier 4 + b, P_EMPTY(b) = 4 + kPBuffers + b.
@@ -268,7 +277,7 @@ __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane,
   // warps run up to four tiles ahead (KV_FULL(t + 2) is arrived only after
   // PV(t)'s sync on the offset barrier), so there P_EMPTY is always waited
   // early (session 11: with it late the bulk rows hung).
-  auto p_empty_early = [&](int it) { return kPhaseOffset && (!kKvFull || kKvBulk || it < kStages); };
+  auto p_empty_early = [&](int it) { return kPhaseOffset && (!kKvFull || kKvBulk || kEarlyEmpty || it < kStages); };
   for (int it = 0; it < iters; ++it) {
     if constexpr (kHandOver) {
       if (it >= kPBuffers && p_empty_early(it)) ptx::NamedBarrierSync(4 + kPBuffers + it % kPBuffers, 256);
@@ -333,6 +342,85 @@ __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane,
     }
   }
   return total + softmax.row_sum + static_cast<float>(sink & 1u);
+}
+
+// kScoreKeySplit: the score warp of row group warp / 2 and key half warp % 2
+// (keys 8 kh .. 8 kh + 7 of each tile) over all 576 dims, in the kernel's
+// protocol (two P buffers, the phase offset, KV_FULL, P_EMPTY late from tile
+// kStages on). A lane's C fragment holds rows g and g + 8, keys 2 t4, 2 t4 + 1.
+__device__ __forceinline__ float ScoreKeySplitStream(int iters, uint32_t base, int lane, int warp, uint8_t* smem) {
+  constexpr int kSteps = D_QK / 16;  // 36
+  const int rg = warp >> 1, kh = warp & 1;
+  const int g = lane >> 2, t4 = lane & 3;
+  uint32_t q_frag[kSteps][4];
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s) ptx::LdMatrixX4(q_frag[s], base + TileOffset(rg * 16 + (lane & 15), 2 * s + (lane >> 4)));
+  // ldmatrix.x4 j reads keys 8 kh + (lane & 7), chunks 4 j + (lane >> 3): k steps 2 j and 2 j + 1.
+  const uint32_t k_off[2] = {TileOffset(kh * 8 + (lane & 7), lane >> 3), TileOffset(kh * 8 + (lane & 7), 4 + (lane >> 3))};
+  float* maxima = reinterpret_cast<float*>(smem + kExchangeOffset);  // [4 warps][16 rows], the rare path
+  float ref[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+  uint32_t stage = 0;
+  for (int it = 0; it < iters; ++it) {
+    const bool empty_early = it < kStages;
+    if (it >= 2 && empty_early) ptx::NamedBarrierSync(6 + (it & 1), 256);  // P_EMPTY(it - 2)
+    if (it >= kStages) ptx::NamedBarrierSync(9 + (it & 1), 256);           // KV_FULL(it)
+    float acc[4][4] = {};
+    const uint32_t k_base = base + stage;
+    stage = stage == (kStages - 1) * kStageBytes ? 0 : stage + kStageBytes;
+    uint32_t kf[2][4];
+    ptx::LdMatrixX4(kf[0], k_base + k_off[0]);
+#pragma unroll
+    for (int j = 0; j < kSteps / 2; ++j) {
+      if (j + 1 < kSteps / 2) ptx::LdMatrixX4(kf[(j + 1) & 1], k_base + k_off[(j + 1) & 1] + ((j + 1) >> 1) * 128);
+      ptx::MmaBf16(acc[(2 * j) & 3], q_frag[2 * j], kf[j & 1][0], kf[j & 1][1]);
+      ptx::MmaBf16(acc[(2 * j + 1) & 3], q_frag[2 * j + 1], kf[j & 1][2], kf[j & 1][3]);
+    }
+    if (it >= 1) ptx::NamedBarrierArrive(12, 256);  // the phase offset: PV(it - 1) may issue its MMAs
+    float sc[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sc[e] = ((acc[0][e] + acc[1][e]) + (acc[2][e] + acc[3][e])) * kScaleLog2;
+    const float m0 = fmaxf(sc[0], sc[1]), m1 = fmaxf(sc[2], sc[3]);
+    const bool change_mine = !(m0 <= ref[0] + 8.0f && m1 <= ref[1] + 8.0f);
+    int change;
+    asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n barrier.cta.red.or.pred q, %2, 64, p;\n"
+                 " selp.u32 %0, 1, 0, q;\n}\n"
+                 : "=r"(change)
+                 : "r"(static_cast<uint32_t>(change_mine)), "r"(2 + rg)
+                 : "memory");
+    float alpha[2] = {1.0f, 1.0f};
+    if (change) {  // uniform over the pair: both warps take the same new reference
+      float r0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 1));
+      r0 = fmaxf(r0, __shfl_xor_sync(0xffffffffu, r0, 2));
+      float r1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, 1));
+      r1 = fmaxf(r1, __shfl_xor_sync(0xffffffffu, r1, 2));
+      if (t4 == 0) maxima[warp * 16 + g] = r0, maxima[warp * 16 + g + 8] = r1;
+      ptx::NamedBarrierSync(2 + rg, 64);
+      r0 = fmaxf(r0, maxima[(warp ^ 1) * 16 + g]);
+      r1 = fmaxf(r1, maxima[(warp ^ 1) * 16 + g + 8]);
+      ptx::NamedBarrierSync(2 + rg, 64);  // both read before the next change writes
+      const float n0 = fmaxf(ref[0], r0), n1 = fmaxf(ref[1], r1);
+      alpha[0] = n0 == -INFINITY ? 0.0f : ptx::Exp2Approx(ref[0] - n0);
+      alpha[1] = n1 == -INFINITY ? 0.0f : ptx::Exp2Approx(ref[1] - n1);
+      ref[0] = n0, ref[1] = n1;
+    }
+    const float neg0 = ref[0] == -INFINITY ? 0.0f : -ref[0], neg1 = ref[1] == -INFINITY ? 0.0f : -ref[1];
+    float pv[4];
+    pv[0] = ptx::Exp2Approx(sc[0] + neg0), pv[1] = ptx::Exp2Approx(sc[1] + neg0);
+    pv[2] = ptx::Exp2Approx(sc[2] + neg1), pv[3] = ptx::Exp2Approx(sc[3] + neg1);
+    row_sum[0] = row_sum[0] * alpha[0] + pv[0] + pv[1];
+    row_sum[1] = row_sum[1] * alpha[1] + pv[2] + pv[3];
+    if (it >= 2 && !empty_early) ptx::NamedBarrierSync(6 + (it & 1), 256);  // P_EMPTY(it - 2)
+    auto* probs = reinterpret_cast<uint32_t*>(smem + kPBufferOffset + (it & 1) * kPBufferBytes);
+    const int row0 = rg * 16 + g;
+    probs[(row0 * kPPitch + kh * 8 + 2 * t4) / 2] = ptx::PackBf16x2(pv[0], pv[1]);
+    probs[((row0 + 8) * kPPitch + kh * 8 + 2 * t4) / 2] = ptx::PackBf16x2(pv[2], pv[3]);
+    if (kh == 0 && t4 == 0) {
+      float* a = reinterpret_cast<float*>(smem + kAlphaOffset) + (it & 1) * 32;
+      a[row0] = alpha[0], a[row0 + 8] = alpha[1];
+    }
+    ptx::NamedBarrierArrive(4 + (it & 1), 256);  // P_FULL(it)
+  }
+  return row_sum[0] + row_sum[1];
 }
 
 // The score warp software-pipelined across tiles (prepared in session 9, not
@@ -649,11 +737,12 @@ __device__ __forceinline__ float PvAheadStream(int iters, uint32_t base, int lan
   return OChecksum(o);
 }
 
-// kBulkRows: the instance that runs only the bulk-row roles (their own
-// instance, so that their code does not change the other rows' register
-// allocation and schedule; adding them to the one instance moved those rows
-// by 3-5 %, session 11).
-template <int kChains, bool kBulkRows>
+// kInstance: 0 the rows up to session 10; 1 the load-protocol rows of session
+// 11 (bulk copies, P_EMPTY early); 2 the key-split score warps. Each instance
+// holds only its rows' roles plus the kernel-protocol pair (SK + PI), run in
+// each as that instance's reference: adding the bulk code to the one
+// instance had moved the other rows by 3-5 % (session 11).
+template <int kChains, int kInstance>
 __global__ void __launch_bounds__(kThreads, 1) TileProbeKernel(const ProbeArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -665,7 +754,7 @@ __global__ void __launch_bounds__(kThreads, 1) TileProbeKernel(const ProbeArgs a
   }
   __syncthreads();
   const uint32_t base = ptx::SmemAddress(smem);
-  if constexpr (kBulkRows) {
+  if constexpr (kInstance == 1) {
     // The bulk rows' stage barriers: one arrival per PV warp per tile.
     if (tid < kStages) MbarrierInit(StageMbarrier(base, tid), 4);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -675,13 +764,22 @@ __global__ void __launch_bounds__(kThreads, 1) TileProbeKernel(const ProbeArgs a
   const long long start = clock64();
   uint64_t start_ns;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start_ns));
-  if constexpr (kBulkRows) {
-    if (role == kScoreKernelBulk) {
+  if constexpr (kInstance != 0) {
+    if (kInstance == 2 && role == kScoreKeySplit) {
+      total = ScoreKeySplitStream(a.iters, base, lane, warp, smem);
+    } else if (role == kScoreKernelProtocol) {
+      total = ScoreStream<true, true, true, 2, true, true>(a.iters, base, lane, warp, smem);
+    } else if (role == kPvKernelPageIds) {
+      total = PvAheadStream<2, true, true, false, true>(a.iters, base, lane, warp, smem, a.global, a.global_tiles,
+                                                         a.page_table, a.page_count);
+    } else if (kInstance == 1 && role == kScoreKernelEarlyEmpty) {
+      total = ScoreStream<true, true, true, 2, true, true, false, true>(a.iters, base, lane, warp, smem);
+    } else if (kInstance == 1 && role == kScoreKernelBulk) {
       total = ScoreStream<true, true, true, 2, true, true, true>(a.iters, base, lane, warp, smem);
-    } else if (role == kPvKernelBulk) {
+    } else if (kInstance == 1 && role == kPvKernelBulk) {
       total = PvAheadStream<2, true, true, false, true, true>(a.iters, base, lane, warp, smem, a.global,
                                                                a.global_tiles, a.page_table, a.page_count);
-    } else if (role == kPvKernelBulkDram) {
+    } else if (kInstance == 1 && role == kPvKernelBulkDram) {
       total = PvAheadStream<2, true, true, false, true, true>(a.iters, base, lane, warp, smem, a.dram, a.dram_tiles,
                                                                a.page_table + a.page_count, a.page_count);
     }
@@ -792,7 +890,10 @@ RoleWork WorkPerTile(int role) {
       return {kHmmaPerScoreTile, kLdsmPerScoreTile * 512.0};
     case kScorePair: case kScoreSoftmax: case kScoreHandOver: case kScoreHandOver3: case kScoreHandOverOffset:
     case kScoreKernelProtocol: case kScorePipelined: case kScorePipelinedKv: case kScoreKernelBulk:
+    case kScoreKernelEarlyEmpty:
       return {kHmmaPerScoreTile, kLdsmPerScoreTile * 512.0 + 2 * 512};  // + the pair exchange
+    case kScoreKeySplit:
+      return {kHmmaPerScoreTile, kLdsmPerScoreTile * 512.0};  // no exchange
     case kScoreQuad:
       return {kHmmaPerScoreTile, 9 * 512.0 + 6 * 512};
     case kPv: case kPvAhead: case kPvHandOver: case kPvHandOver3: case kPvHandOverOffset:
@@ -813,6 +914,7 @@ struct Config {
   std::string name;
   std::vector<int> roles;
   int chains = 2;
+  int instance = 0;  // TileProbeKernel's kInstance
 };
 
 #define CUDA_OR_DIE(expr)                                                                      \
@@ -824,11 +926,11 @@ struct Config {
     }                                                                                          \
   } while (0)
 
-template <int kChains, bool kBulkRows = false>
+template <int kChains, int kInstance = 0>
 void Launch(const ProbeArgs& args, int sms, int warps) {
-  CUDA_OR_DIE(cudaFuncSetAttribute(TileProbeKernel<kChains, kBulkRows>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  CUDA_OR_DIE(cudaFuncSetAttribute(TileProbeKernel<kChains, kInstance>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    kSmemBytes));
-  TileProbeKernel<kChains, kBulkRows><<<sms, warps * 32, kSmemBytes>>>(args);
+  TileProbeKernel<kChains, kInstance><<<sms, warps * 32, kSmemBytes>>>(args);
 }
 
 int Main(int argc, char** argv) {
@@ -885,7 +987,7 @@ int Main(int argc, char** argv) {
             V3 = kPvHandOver3, HO = kScoreHandOverOffset, VO = kPvHandOverOffset, SK = kScoreKernelProtocol,
             PK = kPvKernelProtocol, SP = kScorePipelined, SPK = kScorePipelinedKv, PE = kPvLoadsEarlyKv,
             PL = kPvLoadsLateKv, PI = kPvKernelPageIds, PD = kPvKernelPageIdsDram, SB = kScoreKernelBulk,
-            PB = kPvKernelBulk, PBD = kPvKernelBulkDram;
+            PB = kPvKernelBulk, PBD = kPvKernelBulkDram, SE = kScoreKernelEarlyEmpty, KS = kScoreKeySplit;
   const std::vector<Config> configs = {
       {"score x4 (1 per sub-partition)", {S, S, S, S}},
       {"pv x4", {P, P, P, P}},
@@ -906,8 +1008,12 @@ int Main(int argc, char** argv) {
       {"the same + the PV warps' loads and KV_FULL (v15.3)", {SK, SK, SK, SK, PK, PK, PK, PK}},
       {"the same + page ids read one tile ahead", {SK, SK, SK, SK, PI, PI, PI, PI}},
       {"the same, tiles from a 2 GB ring (DRAM)", {SK, SK, SK, SK, PD, PD, PD, PD}},
-      {"page ids, a bulk copy per row, stage mbarriers", {SB, SB, SB, SB, PB, PB, PB, PB}},
-      {"the bulk copies, tiles from a 2 GB ring (DRAM)", {SB, SB, SB, SB, PBD, PBD, PBD, PBD}},
+      {"load protocols: kernel protocol + page ids (reference)", {SK, SK, SK, SK, PI, PI, PI, PI}, 2, 1},
+      {"load protocols: the same, P_EMPTY early", {SE, SE, SE, SE, PI, PI, PI, PI}, 2, 1},
+      {"load protocols: page ids, a bulk copy per row, mbarriers", {SB, SB, SB, SB, PB, PB, PB, PB}, 2, 1},
+      {"load protocols: the bulk copies from a 2 GB ring (DRAM)", {SB, SB, SB, SB, PBD, PBD, PBD, PBD}, 2, 1},
+      {"key split: kernel protocol + page ids (reference)", {SK, SK, SK, SK, PI, PI, PI, PI}, 2, 2},
+      {"key split: score warps split keys, no exchange", {KS, KS, KS, KS, PI, PI, PI, PI}, 2, 2},
       {"hand-over (two buffers), score warps software-pipelined", {SP, SP, SP, SP, V, V, V, V}},
       {"pipelined + PV loads, KV_FULL right after P_FULL", {SPK, SPK, SPK, SPK, PE, PE, PE, PE}},
       {"pipelined + PV loads, KV_FULL after the PV MMAs", {SPK, SPK, SPK, SPK, PL, PL, PL, PL}},
@@ -948,11 +1054,9 @@ int Main(int argc, char** argv) {
     args.nanoseconds = nanoseconds;
     args.sink = sink;
     const int warps = static_cast<int>(c.roles.size());
-    const bool bulk = std::any_of(c.roles.begin(), c.roles.end(), [](int r) {
-      return r == kScoreKernelBulk || r == kPvKernelBulk || r == kPvKernelBulkDram;
-    });
     auto launch = [&] {
-      if (bulk) return Launch<2, true>(args, sms, warps);
+      if (c.instance == 1) return Launch<2, 1>(args, sms, warps);
+      if (c.instance == 2) return Launch<2, 2>(args, sms, warps);
       switch (c.chains) {
         case 1: Launch<1>(args, sms, warps); break;
         case 2: Launch<2>(args, sms, warps); break;
