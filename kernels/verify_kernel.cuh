@@ -33,14 +33,16 @@ __device__ unsigned long long* g_phase_stamps = nullptr;  // [ctas][kPhaseSlots]
 __device__ __forceinline__ void PhaseStamp(int slot) {
   unsigned long long* stamps = g_phase_stamps;
   if (stamps == nullptr) return;
-  unsigned long long now, cycles;
+  unsigned long long now;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-  asm volatile("mov.u64 %0, %%clock64;" : "=l"(cycles));
   stamps[blockIdx.x * kPhaseSlots + slot] = now;
   // Two stamps also keep the SM clock's count: the bench divides the cycles
   // by the nanoseconds between them (slot is a constant at every call site).
-  if (slot == kStampEntry) stamps[blockIdx.x * kPhaseSlots + kStampClockEntry] = cycles;
-  if (slot == kStampPvDone) stamps[blockIdx.x * kPhaseSlots + kStampClockPvDone] = cycles;
+  if (slot == kStampEntry || slot == kStampPvDone) {
+    unsigned long long cycles;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(cycles));
+    stamps[blockIdx.x * kPhaseSlots + (slot == kStampEntry ? kStampClockEntry : kStampClockPvDone)] = cycles;
+  }
 }
 // Adds a segment's KV tiles to the CTA's count (one thread per CTA calls it).
 __device__ __forceinline__ void PhaseCountTiles(int tiles) {
@@ -1133,11 +1135,9 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
       // online max per split, rescaling before every split, was 2.5x the
       // code, and the combine kernel's merge waits on its code streaming in:
       // -1 to -1.5 us, bench/NOTES.md v10 and session 10's v17.)
-      // No branch on the LSEs here (v17 had `continue` while every LSE so far
-      // is -inf): a reference of 0 then keeps every weight and scale 0. It
-      // took 0.2-0.3 us off the fused merge's first round (B=1, L=4K), which
-      // still waits ~0.85 us for its partials against the old merge's ~0.45
-      // (cause not found; bench/NOTES.md session 11).
+      // No branch on the LSEs (v17 had `continue` while all were -inf): a
+      // reference of 0 then keeps every weight and scale 0 (v17.1: -0.1 to
+      // -0.3 us in the fused merge, bench/NOTES.md session 11).
       float m_new = m;
 #pragma unroll
       for (int u = 0; u < COMBINE_UNROLL; ++u) m_new = fmaxf(m_new, lse_v[u]);
