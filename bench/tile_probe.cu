@@ -609,6 +609,22 @@ __device__ __forceinline__ void IssueTileLoadAt(uint32_t base, uint32_t stage, c
   for (int k = 0; k < D_QK / 64; ++k) ptx::CpAsync16(dst + k * 128, row + k * 8, true);
   ptx::CpAsyncCommit();
 }
+// The same tile as 16 bulk row copies: lanes 0-3 of each PV warp one row
+// each, completing on the stage's mbarrier (lane 0 arrives with the warp's
+// bytes first).
+__device__ __forceinline__ void IssueTileBulkAt(uint32_t base, uint32_t stage, const uint4* global, size_t tile,
+                                                int warp, int lane) {
+  const uint32_t bar = StageMbarrier(base, stage / kStageBytes);
+  if (lane == 0) MbarrierArriveExpectTx(bar, 4 * ROW_BYTES);
+  __syncwarp();
+  if (lane < 4) {
+    // The stage was last read through the generic proxy (ldmatrix); the bulk
+    // copy writes it through the async proxy.
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    const int row = (warp & 3) * 4 + lane;
+    BulkCopyRow(base + stage + row * ROW_BYTES, global + tile * (kStageBytes / 16) + row * (ROW_BYTES / 16), bar);
+  }
+}
 __device__ __forceinline__ void IssueTileLoad(uint32_t base, uint32_t stage, const uint4* global, size_t global_tiles,
                                               int it) {
   IssueTileLoadAt(base, stage, global, (static_cast<size_t>(blockIdx.x) * 7 + it) % global_tiles);
@@ -705,22 +721,12 @@ __device__ __forceinline__ float PvAheadStream(int iters, uint32_t base, int lan
         ptx::NamedBarrierArrive(9 + (it & 1), 256);
       }
       if (it >= 1) {
-        if constexpr (kBulk) {
-          const uint32_t bar = StageMbarrier(base, prev_stage / kStageBytes);
-          const int pv_warp = warp & 3;
-          if (lane == 0) MbarrierArriveExpectTx(bar, 4 * ROW_BYTES);
-          __syncwarp();
-          if (lane < 4) {
-            // The stage was last read through the generic proxy (ldmatrix);
-            // the bulk copy writes it through the async proxy.
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            const int row = pv_warp * 4 + lane;
-            BulkCopyRow(base + prev_stage + row * ROW_BYTES,
-                        global + static_cast<size_t>(next_page) * (kStageBytes / 16) + row * (ROW_BYTES / 16), bar);
+        if constexpr (kPageIds) {
+          if constexpr (kBulk) {
+            IssueTileBulkAt(base, prev_stage, global, static_cast<size_t>(next_page), warp, lane);
+          } else {
+            IssueTileLoadAt(base, prev_stage, global, static_cast<size_t>(next_page));
           }
-          next_page = page_table[(blockIdx.x * 7 + it + 1) % page_count];
-        } else if constexpr (kPageIds) {
-          IssueTileLoadAt(base, prev_stage, global, static_cast<size_t>(next_page));
           next_page = page_table[(blockIdx.x * 7 + it + 1) % page_count];
         } else {
           IssueTileLoad(base, prev_stage, global, global_tiles, it);
