@@ -127,17 +127,28 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   // thread `lane` taking 16-byte chunks lane + 8k. A chunk lands at a fixed
   // offset from the row's swizzled base (SwizzledChunk keeps bits 3.. of the
   // chunk index), so one base address per thread and immediate offsets do. ----
-  const int32_t* pages = p.page_table + b * p.page_table_stride;
+  // Both 64-bit bases below go through an opaque move: without it ptxas
+  // rebuilt them from the kernel parameters inside the PV loop every tile
+  // (two constant loads and five 64-bit multiply-adds for the page id's
+  // address, a 64-bit add and two selects for the row's; bench/NOTES.md
+  // session 11: each instruction on the PV warps' path costs ~2.6 cycles
+  // per tile). Not in the 16-warp variant: at its 128 registers the two
+  // held pointers spill.
+  constexpr bool kHoldBases = kKSlices == 2;
+  const int32_t* pages = ptx::Opaque<kHoldBases>(p.page_table + b * p.page_table_stride);
   const int page_mask = (1 << p.page_size_log2) - 1;
   const uint16_t* layer_base = p.pool + static_cast<int64_t>(p.layer[b]) * p.num_pages *
                                             (int64_t{D_QK} << p.page_size_log2);
+  // This thread's chunk of token 0 of the layer (every caller passes its
+  // ld_lane as `lane`, see below).
+  const uint8_t* lane_base = ptx::Opaque<kHoldBases>(reinterpret_cast<const uint8_t*>(layer_base) + (tid & 7) * 16);
   auto page_of = [&](int tile, int row) -> int {
     const int j = kv_begin + tile * BLOCK_N + row;
     return j < kv_end ? pages[j >> p.page_size_log2] : 0;
   };
   // `stage` is the byte offset of the tile's stage. The row's address is
-  // layer base + 32-bit token index x 1152 (one wide multiply-add; CanImplement
-  // keeps a layer below 2^31 tokens).
+  // the lane's base + 32-bit token index x 1152 bytes (one wide multiply-add;
+  // CanImplement keeps a layer below 2^31 tokens).
   auto issue_tile = [&](int tile, uint32_t stage, int page, int row, int lane) {
     const int j = kv_begin + tile * BLOCK_N + row;
     const bool valid = j < kv_end;
@@ -145,7 +156,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     const uint32_t token =
         valid ? (static_cast<uint32_t>(page) << p.page_size_log2) | static_cast<uint32_t>(j & page_mask)
               : 0u;
-    const uint16_t* src = layer_base + static_cast<uint64_t>(token) * D_QK + lane * 8;
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(lane_base + static_cast<uint64_t>(token) * ROW_BYTES);
     const uint32_t dst = kv_base + stage + static_cast<uint32_t>(row * ROW_BYTES + ((lane ^ row) & 7) * 16);
 #pragma unroll
     for (int k = 0; k < ROW_CHUNKS / 8; ++k) ptx::CpAsync16(dst + k * 128, src + k * 64, valid);
