@@ -85,6 +85,7 @@ class RunControl {
 
 struct WorkerResult {
   std::vector<double> latencies_ms;
+  LoadReport::SlowestCall slowest;
   int64_t verify_calls = 0;
   int64_t draft_tokens = 0;
   int64_t steps_committed = 0;
@@ -217,6 +218,10 @@ class LoadWorker {
         ++result_.errors[kNonFiniteOutput];
       }
       if (measured) {
+        if (ms > result_.slowest.ms) {
+          result_.slowest = {ms, std::chrono::duration<double>(start - plan_.measure_start).count(), index_, layer,
+                             length_};
+        }
         result_.latencies_ms.push_back(ms);
         ++result_.verify_calls;
         result_.draft_tokens += plan_.num_drafts;
@@ -355,6 +360,7 @@ absl::StatusOr<LoadReport> RunLoad(VerifyClient& client, const LoadOptions& opti
   std::vector<double> latencies;
   for (WorkerResult& result : results) {
     latencies.insert(latencies.end(), result.latencies_ms.begin(), result.latencies_ms.end());
+    if (result.slowest.ms > report.slowest.ms) report.slowest = result.slowest;
     report.verify_calls += result.verify_calls;
     report.draft_tokens += result.draft_tokens;
     report.steps_committed += result.steps_committed;
@@ -391,6 +397,11 @@ void PrintLoadReport(const LoadReport& report) {
                report.calls_per_second, report.draft_tokens_per_second);
   absl::PrintF("latency ms:   p50 %.3f  p90 %.3f  p99 %.3f  p99.9 %.3f  max %.3f  (mean %.3f)\n",
                l.p50, l.p90, l.p99, l.p999, l.max, l.mean);
+  if (report.slowest.worker >= 0) {
+    absl::PrintF("slowest call: %.3f ms, %.3f s into the window (worker %d, layer %d, sequence at %d tokens)\n",
+                 report.slowest.ms, report.slowest.started_s, report.slowest.worker, report.slowest.layer,
+                 report.slowest.sequence_len);
+  }
   absl::PrintF("steps:        %d committed, %d sequences created\n", report.steps_committed,
                report.sequences_created);
   std::vector<std::string> errors;
@@ -435,6 +446,12 @@ nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
         {"p99", l.p99},
         {"p99_9", l.p999},
         {"max", l.max}}},
+      {"slowest_call",
+       {{"ms", report.slowest.ms},
+        {"started_s", report.slowest.started_s},
+        {"worker", report.slowest.worker},
+        {"layer", report.slowest.layer},
+        {"sequence_len", report.slowest.sequence_len}}},
       {"errors", report.errors},
       {"total_errors", report.total_errors},
       {"free_pages_before", report.free_pages_before},

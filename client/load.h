@@ -46,6 +46,17 @@ struct LoadReport {
   double calls_per_second = 0.0;
   double draft_tokens_per_second = 0.0;
   LatencySummary latency_ms;              // of measured, successful Verify calls
+  // The slowest of those calls: when it started (seconds after the measured
+  // window opened), which worker sent it, for which layer, and the
+  // sequence's length then, so that an outlier can be matched with the
+  // server's slow-call warning and with what the run was doing at the time.
+  struct SlowestCall {
+    double ms = 0.0;
+    double started_s = 0.0;
+    int worker = -1;  // -1: no measured call
+    int layer = 0;
+    int64_t sequence_len = 0;
+  } slowest;
   std::map<std::string, int64_t> errors;  // by gRPC code name, all phases
   int64_t total_errors = 0;
   int64_t free_pages_before = 0;

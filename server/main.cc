@@ -68,6 +68,7 @@ struct Flags {
   int cpu_threads = 0;
   int workers = 8;
   double drain_timeout_s = 10;
+  double slow_call_ms = 100;
   std::string tls_cert, tls_key, tls_client_ca;
   std::string log_level = "info";
 };
@@ -106,6 +107,9 @@ int Run(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--cpu-threads", f.cpu_threads, "CPU backend threads per verify (0: all)")->capture_default_str();
   app.add_option("--workers", f.workers, "threads running engine calls for RPCs")->capture_default_str();
+  app.add_option("--slow-call-ms", f.slow_call_ms,
+                 "log a warning for calls this long in the server, at most one a second (0: off)")
+      ->capture_default_str();
   app.add_option("--drain-timeout-s", f.drain_timeout_s, "grace for calls in flight on SIGTERM")
       ->capture_default_str();
   app.add_option("--tls-cert", f.tls_cert, "server certificate (PEM); with --tls-key enables TLS");
@@ -170,6 +174,7 @@ int Run(int argc, char** argv) {
   options.service.version = kVersion;
   options.service.max_message_bytes = static_cast<int64_t>(f.max_message_bytes);
   options.service.worker_threads = f.workers;
+  options.service.slow_call_seconds = f.slow_call_ms / 1e3;
   options.tls_cert_file = f.tls_cert;
   options.tls_key_file = f.tls_key;
   options.tls_client_ca_file = f.tls_client_ca;

@@ -32,6 +32,13 @@ fail() {
   exit 1
 }
 grep -q '"page_leak": false' "$work/load.json" || fail "load reports a page leak: $(cat "$work/load.json")"
+# The slowest call the report names is the latency maximum it prints.
+python3 - "$work/load.json" <<'PY' || fail "load's slowest_call does not match its max: $(cat "$work/load.json")"
+import json, sys
+r = json.load(open(sys.argv[1]))
+s, l = r["slowest_call"], r["latency_ms"]
+assert s["worker"] >= 0 and s["ms"] == l["max"] and 0 <= s["started_s"] <= r["measured_seconds"], (s, l)
+PY
 # Read the whole body first: `curl | grep -q` under pipefail fails at random
 # when grep exits on its match while curl is still writing (EPIPE).
 metrics=$(curl -sf "http://127.0.0.1:$admin_port/metrics") || fail "GET /metrics"

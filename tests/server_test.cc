@@ -16,6 +16,7 @@
 #include "kernels/verify_attention.h"
 #include "server/engine/engine.h"
 #include "server/transport/grpc_server.h"
+#include "server/transport/slow_call_log.h"
 
 namespace mlaverify {
 namespace {
@@ -401,6 +402,30 @@ TEST_F(ServerTest, ExpiredDeadlineIsHonoured) {
   v1::CreateSequenceResponse resp;
   EXPECT_EQ(stub_->CreateSequence(&ctx, r, &resp).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   EXPECT_EQ(engine_->Stats().live_sequences, 0);
+}
+
+// The slow-call warning: written for calls at or over the threshold, with the
+// queue and work split; at most one per interval, the held-back ones counted
+// into the next; a threshold of 0 turns it off.
+TEST(SlowCallLogTest, WarnsAboutSlowCallsAtMostOncePerInterval) {
+  using transport::SlowCallLog;
+  const SlowCallLog::Clock::time_point t0{};
+  SlowCallLog log(0.1, std::chrono::seconds(1));
+  EXPECT_FALSE(log.Report("Verify", "OK", 0.001, 0.098, t0).has_value());
+  const auto first = log.Report("Verify", "OK", 0.002, 0.275, t0);
+  ASSERT_TRUE(first.has_value());
+  EXPECT_THAT(*first, HasSubstr("slow Verify (OK): 277.0 ms in the server, 2.0 ms queued for a worker, 275.0 ms working"));
+  EXPECT_FALSE(log.Report("Commit", "OK", 0.0, 0.2, t0 + std::chrono::milliseconds(500)).has_value());
+  EXPECT_FALSE(log.Report("Verify", "INTERNAL", 0.0, 0.3, t0 + std::chrono::milliseconds(999)).has_value());
+  const auto next = log.Report("Verify", "OK", 0.0, 0.15, t0 + std::chrono::milliseconds(1000));
+  ASSERT_TRUE(next.has_value());
+  EXPECT_THAT(*next, HasSubstr("; 2 more slow calls since the last warning"));
+  const auto after = log.Report("Verify", "OK", 0.0, 0.15, t0 + std::chrono::milliseconds(2500));
+  ASSERT_TRUE(after.has_value());
+  EXPECT_THAT(*after, ::testing::Not(HasSubstr("more slow calls")));
+
+  SlowCallLog off(0.0, std::chrono::seconds(1));
+  EXPECT_FALSE(off.Report("Verify", "OK", 10.0, 10.0, t0).has_value());
 }
 
 }  // namespace

@@ -17,10 +17,6 @@ using kernels::kLatentDim;
 using kernels::kValueDim;
 using Clock = std::chrono::steady_clock;
 
-double SecondsSince(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
 }  // namespace
 
 VerifyServiceImpl::VerifyServiceImpl(engine::Engine* engine, const ServiceOptions& options,
@@ -30,6 +26,7 @@ VerifyServiceImpl::VerifyServiceImpl(engine::Engine* engine, const ServiceOption
       options_(options),
       observer_(observer),
       state_(state),
+      slow_calls_(options.slow_call_seconds, std::chrono::seconds(1)),
       queue_(options.worker_threads) {}
 
 VerifyServiceImpl::~VerifyServiceImpl() = default;
@@ -50,8 +47,13 @@ absl::Status VerifyServiceImpl::Admit(grpc::CallbackServerContext* ctx,
   return absl::OkStatus();
 }
 
-void VerifyServiceImpl::Observe(absl::string_view rpc, grpc::StatusCode code, double seconds) {
-  if (observer_ != nullptr) observer_->OnRpc(rpc, code, seconds);
+void VerifyServiceImpl::Observe(absl::string_view rpc, grpc::StatusCode code, Clock::time_point arrived,
+                                Clock::time_point started) {
+  const Clock::time_point now = Clock::now();
+  const double queued = std::chrono::duration<double>(started - arrived).count();
+  const double working = std::chrono::duration<double>(now - started).count();
+  if (observer_ != nullptr) observer_->OnRpc(rpc, code, queued + working);
+  slow_calls_.Report(rpc, GrpcCodeName(code), queued, working, now);
 }
 
 template <typename Body>
@@ -61,13 +63,14 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::RunUnary(absl::string_view rpc,
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   const Clock::time_point start = Clock::now();
   queue_.Submit([this, rpc, ctx, reactor, start, allowed_while_draining, body]() mutable {
+    const Clock::time_point started = Clock::now();
     absl::Status status = Admit(ctx, allowed_while_draining);
     if (status.ok()) status = body();
     const grpc::Status reply = ToGrpcStatus(status);
     if (!status.ok() && status.code() != absl::StatusCode::kNotFound) {
       spdlog::warn("{} from {}: {}", std::string(rpc), ctx->peer(), status.ToString());
     }
-    Observe(rpc, reply.error_code(), SecondsSince(start));
+    Observe(rpc, reply.error_code(), start, started);
     reactor->Finish(reply);
   });
   return reactor;
@@ -233,6 +236,7 @@ class VerifyServiceImpl::StreamReactor final
     }
     const Clock::time_point start = Clock::now();
     service_->queue_.Submit([this, start] {
+      const Clock::time_point started = Clock::now();
       response_.Clear();
       absl::Status status = service_->Admit(ctx_, /*allowed_while_draining=*/false);
       if (status.ok()) status = service_->DoVerify(request_, &response_);
@@ -243,7 +247,7 @@ class VerifyServiceImpl::StreamReactor final
         response_.set_error_code(static_cast<int32_t>(status.code()));
         response_.set_error_message(std::string(status.message()));
       }
-      service_->Observe("VerifyStream", ToGrpcStatus(status).error_code(), SecondsSince(start));
+      service_->Observe("VerifyStream", ToGrpcStatus(status).error_code(), start, started);
       StartWrite(&response_);
     });
   }

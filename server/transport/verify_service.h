@@ -6,6 +6,7 @@
 #define MLAVERIFY_SERVER_TRANSPORT_VERIFY_SERVICE_H_
 
 #include <atomic>
+#include <chrono>
 #include <string>
 
 #include <grpcpp/grpcpp.h>
@@ -13,6 +14,7 @@
 #include "absl/strings/string_view.h"
 #include "mlaverify/v1/verify.grpc.pb.h"
 #include "server/engine/engine.h"
+#include "server/transport/slow_call_log.h"
 #include "server/transport/work_queue.h"
 
 namespace mlaverify::transport {
@@ -32,6 +34,9 @@ struct ServiceOptions {
   std::string version = "0.1.0";
   int64_t max_message_bytes = 64 << 20;
   int worker_threads = 8;
+  // Calls that spend at least this long in the server (queue wait plus
+  // work) are logged as warnings, at most one a second; <= 0: off.
+  double slow_call_seconds = 0.1;
 };
 
 class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
@@ -74,12 +79,16 @@ class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
   grpc::ServerUnaryReactor* RunUnary(absl::string_view rpc, grpc::CallbackServerContext* ctx,
                                      bool allowed_while_draining, Body body);
   absl::Status Admit(grpc::CallbackServerContext* ctx, bool allowed_while_draining) const;
-  void Observe(absl::string_view rpc, grpc::StatusCode code, double seconds);
+  // One finished call (or stream message), timed from its arrival: `started`
+  // is when a worker thread took it up.
+  void Observe(absl::string_view rpc, grpc::StatusCode code, std::chrono::steady_clock::time_point arrived,
+               std::chrono::steady_clock::time_point started);
 
   engine::Engine* const engine_;
   const ServiceOptions options_;
   RpcObserver* const observer_;
   const std::atomic<ServingState>* const state_;
+  SlowCallLog slow_calls_;
   WorkQueue queue_;
 };
 
