@@ -107,6 +107,19 @@ __device__ __forceinline__ void NamedBarrierSync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
+// bar.sync on named barrier `id` for `count` threads that also returns
+// whether any of them passed `pred` true (barrier.cta.red.or).
+__device__ __forceinline__ bool NamedBarrierAny(int id, int count, bool pred) {
+  uint32_t any;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n barrier.cta.red.or.pred q, %2, %3, p;\n"
+      " selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(any)
+      : "r"(static_cast<uint32_t>(pred)), "r"(id), "r"(count)
+      : "memory");
+  return any != 0;
+}
+
 __device__ __forceinline__ void NamedBarrierArrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }

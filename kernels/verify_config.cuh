@@ -92,6 +92,10 @@ static_assert(SMEM_BYTES <= SM120_MAX_SMEM_PER_BLOCK, "over the sm_120 shared-me
 //     in registers; a partial S over their dimensions, reduced with the other
 //     k_slices of the row group through shared memory; each warp then runs
 //     the online softmax of its share of the rows and writes their P(t).
+//     Shape<2> splits keys instead (v22, kScoreKeySplit): warp = (row_group,
+//     key half), Q[16 rows, 576 dims] in 144 registers, S of its 8 keys with
+//     no exchange; the pair only agrees on changes of a row's exponent
+//     reference (verify_pipelined_kernel.cuh, ScoreTilesKeySplit).
 //   PV warps: O[32 rows, 512 / PV_WARPS columns] in registers;
 //     O = alpha O + P(t) V(t) while the score warps already work on tile t+1.
 //     They also issue the KV loads (the first 128 PV threads), which keeps

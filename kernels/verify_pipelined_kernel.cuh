@@ -8,7 +8,10 @@
 //   score warps: wait P_EMPTY(t-2) -> wait for tile t (their own prologue
 //     loads for t < NUM_STAGES, else KV_FULL(t)) -> S partial -> exchange with
 //     the row group's other k_slices -> softmax of the warp's rows -> write
-//     their P(t), alpha(t) -> arrive P_FULL(t)
+//     their P(t), alpha(t) -> arrive P_FULL(t). In `pipelined` (v22) the pair
+//     splits the tile's keys instead: S of its 8 keys over all 576 dims, and
+//     in place of the exchange one barrier reduction that says whether a row's
+//     exponent reference changes (ScoreTilesKeySplit).
 //   PV warps:    wait P_FULL(t) -> O = alpha O + P(t) V(t) -> arrive
 //     P_EMPTY(t) -> load tile t+NUM_STAGES-1 into the stage of tile t-1 ->
 //     wait for their load of tile t+2 -> arrive KV_FULL(t+2)
@@ -35,7 +38,8 @@ namespace mlaverify::kernels::verify {
 // default 0: none, the PTX is then the same as without this code), to see
 // which part sets the tile time (bench/NOTES.md session 8; bench/knockouts.sh):
 // 1 the loop's KV loads, 2 the PV MMAs, 4 the score MMAs, 8 the score pair's
-// exchange (each warp keeps its own partial scores), 16 the softmax's
+// exchange (each warp keeps its own partial scores; dimension split only, so
+// `pipelined` needs MLAVERIFY_SCORE_KEY_SPLIT=0 for it), 16 the softmax's
 // exponentials (P = the scaled scores), 32 the PV warps' alpha check.
 #ifndef MLAVERIFY_KNOCKOUT
 #define MLAVERIFY_KNOCKOUT 0
@@ -51,6 +55,200 @@ __device__ __forceinline__ void KeepFragmentLoads(const VerifyParams& p, uint32_
   if constexpr (kKnockout & (kKnockoutPvMma | kKnockoutScoreMma)) {
     if (sink == 0x9e3779b9u && p.lse != nullptr) p.lse[0] = static_cast<float>(sink);
   }
+}
+
+// v22: the `pipelined` score warps split each 16-key tile by keys instead of
+// splitting Q's 576 dimensions (CMAKE_CUDA_FLAGS=-DMLAVERIFY_SCORE_KEY_SPLIT=0 restores
+// the dimension split, for A/B runs). The tile probe priced it at -4 %
+// (bench/NOTES.md session 11, call 4): the partial-score exchange through
+// shared memory goes away, and the pair synchronises once per tile with a
+// barrier reduction that only says whether a row's exponent reference must
+// change.
+#ifndef MLAVERIFY_SCORE_KEY_SPLIT
+#define MLAVERIFY_SCORE_KEY_SPLIT 1
+#endif
+constexpr bool kScoreKeySplit = MLAVERIFY_SCORE_KEY_SPLIT != 0;
+
+// The key-split score loop (`pipelined`, after the prologue of
+// AttendSegmentPipelined): warp = row group x key half. The warp computes
+// S[16 rows, keys 8 kh .. 8 kh + 7] over all 576 dimensions, 36 MMAs into one
+// n tile (four accumulator chains); a lane's C fragment holds rows g and
+// g + 8, keys 2 t4 and 2 t4 + 1. Both warps of a pair must use the same
+// exponent reference for a row (the PV warps' k16 step spans both halves):
+// one `barrier.cta.red.or` per tile tells them whether any row of either half
+// exceeds its reference by more than REFERENCE_SLACK, and only then (rare once
+// the running max settles) do they swap their tile maxima through shared
+// memory and both take the larger. Hand-over to the PV warps as in the
+// dimension split (see the header).
+template <bool kPhaseOffset, bool kDecoupled, int kQSteps>
+__device__ __forceinline__ void ScoreTilesKeySplit(const VerifyParams& p, const VerifyWorkItem& item,
+                                                   uint8_t* smem_raw, const uint32_t (&q_frag)[kQSteps][4],
+                                                   int row_group, int key_half, int num_tiles, float scale_log2,
+                                                   int prefix) {
+  using Shape = pipelined::Shape<2>;
+  using pipelined::BAR_FINAL;
+  using pipelined::BAR_KV_FULL;
+  using pipelined::BAR_P_EMPTY;
+  using pipelined::BAR_P_FULL;
+  using pipelined::BAR_PAIR;
+  using pipelined::BAR_SCORE;
+  using pipelined::BAR_SCORE_MMA_DONE;
+  using pipelined::BLOCK_N;
+  using pipelined::P_BUFFER_BYTES;
+  using pipelined::P_PITCH;
+  using pipelined::REFERENCE_SLACK;
+  using pipelined::STAGE_BYTES;
+  constexpr int NUM_STAGES = Shape::NUM_STAGES;
+  constexpr int NUM_THREADS = Shape::NUM_THREADS;
+  constexpr int SCORE_THREADS = Shape::SCORE_THREADS;
+  static_assert(kQSteps == D_QK / 16 && kQSteps % 4 == 0, "whole Q; four chains");
+  static_assert(Shape::EXCHANGE_BYTES >= (4 * 16 + 2 * 16) * 4, "tile maxima and the row sums fit the exchange");
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int g = lane >> 2;
+  const int t4 = lane & 3;
+  const int b = item.request;
+  const int heads = p.num_heads;
+  const int rows = p.draft_len[b] * heads;
+  const int kv_begin = item.kv_begin;
+  const int kv_end = item.kv_end;
+  const int row0 = row_group * 16 + g;                // this lane's rows: row0, row0 + 8
+  const int r0 = item.row_tile * BLOCK_M + row0;      // request rows
+  const uint64_t vis0 = r0 < rows ? p.visibility[item.q_row + r0 / heads] : 0;
+  const uint64_t vis1 = r0 + 8 < rows ? p.visibility[item.q_row + (r0 + 8) / heads] : 0;
+  const int unmasked_end = min(prefix, kv_end);
+  const uint32_t kv_base = ptx::SmemAddress(smem_raw + Shape::SMEM_KV_OFFSET);
+  // [4 warps][16 rows] tile maxima (the rare reference change), then
+  // [2 row groups][16 rows] the key half 1 row sums (once, at the end).
+  float* maxima = reinterpret_cast<float*>(smem_raw + Shape::SMEM_EXCHANGE_OFFSET);
+  float* half_sums = maxima + 4 * 16;
+  float* alpha_s = reinterpret_cast<float*>(smem_raw + Shape::SMEM_ALPHA_OFFSET);
+  float* inv_l_s = reinterpret_cast<float*>(smem_raw + Shape::SMEM_INV_L_OFFSET);
+
+  // ldmatrix.x4 number j reads keys 8 kh + (lane & 7), chunks 4 j + (lane >> 3):
+  // the B fragments of k steps 2 j and 2 j + 1. Chunks 8 apart keep their
+  // swizzle: pair j is k_off[j % 2] + 128 bytes x (j / 2).
+  const uint32_t k_off[2] = {TileOffset(key_half * 8 + (lane & 7), lane >> 3),
+                             TileOffset(key_half * 8 + (lane & 7), 4 + (lane >> 3))};
+  float ref[2] = {-INFINITY, -INFINITY};  // exponent references of rows row0, row0 + 8 (log2 domain)
+  float row_sum[2] = {0.0f, 0.0f};        // this lane's share of their running sums
+  uint32_t stage = 0;
+  for (int t = 0; t < num_tiles; ++t) {
+    // As in the dimension split: P_EMPTY(t-2) at the top for the prologue
+    // tiles, later just before P(t) is written.
+    if (t >= 2 && (!kDecoupled || t < NUM_STAGES)) ptx::NamedBarrierSync(BAR_P_EMPTY + (t & 1), NUM_THREADS);
+    if (t < NUM_STAGES) {
+      switch (NUM_STAGES - 1 - t) {
+        case 0: ptx::CpAsyncWait<0>(); break;
+        case 1: ptx::CpAsyncWait<1>(); break;
+        case 2: ptx::CpAsyncWait<2>(); break;
+        case 3: ptx::CpAsyncWait<3>(); break;
+        default: ptx::CpAsyncWait<4>(); break;
+      }
+      ptx::NamedBarrierSync(BAR_SCORE, SCORE_THREADS);
+    } else {
+      ptx::NamedBarrierSync(BAR_KV_FULL + (t & 1), NUM_THREADS);
+    }
+    if (t == 0 && tid == 0) PhaseStamp(kStampFirstTile);
+
+    const uint32_t k_base = kv_base + stage;
+    stage = stage == (NUM_STAGES - 1) * STAGE_BYTES ? 0 : stage + STAGE_BYTES;
+    float acc[4][4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[c][e] = 0.0f;
+    uint32_t kf[2][4];
+    ptx::LdMatrixX4(kf[0], k_base + k_off[0]);
+#pragma unroll
+    for (int j = 0; j < kQSteps / 2; ++j) {
+      if (j + 1 < kQSteps / 2) ptx::LdMatrixX4(kf[(j + 1) & 1], k_base + k_off[(j + 1) & 1] + ((j + 1) >> 1) * 128);
+      ptx::MmaBf16(acc[(2 * j) & 3], q_frag[2 * j], kf[j & 1][0], kf[j & 1][1]);
+      ptx::MmaBf16(acc[(2 * j + 1) & 3], q_frag[2 * j + 1], kf[j & 1][2], kf[j & 1][3]);
+    }
+    if (kPhaseOffset && t >= 1) ptx::NamedBarrierArrive(BAR_SCORE_MMA_DONE, NUM_THREADS);
+    float sc[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sc[e] = (acc[0][e] + acc[1][e]) + (acc[2][e] + acc[3][e]);
+
+    const int tile_begin = kv_begin + t * BLOCK_N;
+    if (tile_begin + BLOCK_N > unmasked_end) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = tile_begin + key_half * 8 + 2 * t4 + (e & 1);
+        const uint64_t vis = e < 2 ? vis0 : vis1;
+        const bool visible = j < kv_end && (j < prefix || ((vis >> ((j - prefix) & 63)) & 1u) != 0);
+        sc[e] = visible ? sc[e] : -INFINITY;
+      }
+    }
+    // Tile maxima, scaled after the max (scale > 0); -inf + slack is -inf.
+    float m[2] = {fmaxf(sc[0], sc[1]) * scale_log2, fmaxf(sc[2], sc[3]) * scale_log2};
+    const bool change_mine = !(m[0] <= ref[0] + REFERENCE_SLACK && m[1] <= ref[1] + REFERENCE_SLACK);
+    float alpha[2] = {1.0f, 1.0f};
+    if (ptx::NamedBarrierAny(BAR_PAIR + row_group, 64, change_mine)) {
+      // Uniform over the pair: both warps compute the same new references.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        m[h] = fmaxf(m[h], __shfl_xor_sync(0xffffffffu, m[h], 1));
+        m[h] = fmaxf(m[h], __shfl_xor_sync(0xffffffffu, m[h], 2));
+      }
+      if (t4 == 0) {
+        maxima[warp * 16 + g] = m[0];
+        maxima[warp * 16 + g + 8] = m[1];
+      }
+      // The next write of these slots comes after the next tile's reduction,
+      // which the partner reaches only after reading them here.
+      ptx::NamedBarrierSync(BAR_PAIR + row_group, 64);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float new_ref = fmaxf(ref[h], fmaxf(m[h], maxima[(warp ^ 1) * 16 + g + 8 * h]));
+        // exp2(-inf - -inf) would be NaN: a row with no visible key yet scales by 0.
+        alpha[h] = new_ref == -INFINITY ? 0.0f : ptx::Exp2Approx(ref[h] - new_ref);
+        ref[h] = new_ref;
+      }
+    }
+    // A row that has seen no visible key keeps -inf: 0 as its reference makes
+    // exp2(-inf - ref) 0 rather than NaN.
+    const float neg_ref0 = ref[0] == -INFINITY ? 0.0f : -ref[0];
+    const float neg_ref1 = ref[1] == -INFINITY ? 0.0f : -ref[1];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sc[e] = ptx::Exp2Approx(fmaf(sc[e], scale_log2, e < 2 ? neg_ref0 : neg_ref1));
+    row_sum[0] = row_sum[0] * alpha[0] + (sc[0] + sc[1]);
+    row_sum[1] = row_sum[1] * alpha[1] + (sc[2] + sc[3]);
+
+    if (kDecoupled && t >= NUM_STAGES) ptx::NamedBarrierSync(BAR_P_EMPTY + (t & 1), NUM_THREADS);
+    auto* probs = reinterpret_cast<uint32_t*>(smem_raw + Shape::SMEM_P_OFFSET + (t & 1) * P_BUFFER_BYTES);
+    probs[(row0 * P_PITCH + key_half * 8 + 2 * t4) / 2] = ptx::PackBf16x2(sc[0], sc[1]);
+    probs[((row0 + 8) * P_PITCH + key_half * 8 + 2 * t4) / 2] = ptx::PackBf16x2(sc[2], sc[3]);
+    if (key_half == 0 && t4 == 0) {
+      alpha_s[(t & 1) * BLOCK_M + row0] = alpha[0];
+      alpha_s[(t & 1) * BLOCK_M + row0 + 8] = alpha[1];
+    }
+    ptx::NamedBarrierArrive(BAR_P_FULL + (t & 1), NUM_THREADS);
+  }
+
+  if (tid == 0) PhaseStamp(kStampScoreDone);
+  // ---- 1 / l and lse: the quad's, then the pair's sums (key half 0 stores) ----
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 1);
+    row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 2);
+  }
+  if (key_half == 1 && t4 == 0) {
+    half_sums[row_group * 16 + g] = row_sum[0];
+    half_sums[row_group * 16 + g + 8] = row_sum[1];
+  }
+  ptx::NamedBarrierSync(BAR_PAIR + row_group, 64);
+  if (key_half == 0 && t4 == 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      StoreRowStats(p, item.partial_slot, row0 + 8 * h, r0 + 8 * h, rows, item.q_row, heads, ref[h],
+                    row_sum[h] + half_sums[row_group * 16 + g + 8 * h], inv_l_s);
+    }
+  }
+  ptx::NamedBarrierArrive(BAR_FINAL, NUM_THREADS);
 }
 
 // kKSlices: the pipelined::Shape (2: `pipelined`, 4: `pipelined16`).
@@ -78,6 +276,10 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   // the PV warps arrive KV_FULL before issuing their loads (`pipelined` only:
   // pipelined16 would spill).
   constexpr bool kDecoupled = kKSlices == 2;
+  // Score warps that split a tile's keys rather than Q's dimensions (v22;
+  // see ScoreTilesKeySplit). `pipelined` only: pipelined16's 128 registers
+  // cannot hold a row group's whole Q.
+  constexpr bool kKeySplit = kKSlices == 2 && kScoreKeySplit;
   // Block-scope declarations: these hide the split-K variant's constants of the same name.
   using pipelined::BAR_FINAL;
   using pipelined::BAR_KV_FULL;
@@ -201,14 +403,17 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     }
     if (tid == 0) PhaseStampAfter(kStampPageIds, first_pages[0]);
 
-    uint32_t q_frag[K_STEPS][4];
+    // Key split (`pipelined`): each warp holds its row group's Q over all
+    // 576 dimensions; otherwise its k slice.
+    constexpr int Q_STEPS = kKeySplit ? D_QK / 16 : K_STEPS;
+    uint32_t q_frag[Q_STEPS][4];
     ptx::CpAsyncWait<Q_STAGE>();  // Q has landed (the tiles may still be in flight)
     ptx::NamedBarrierSync(BAR_SCORE, SCORE_THREADS);
     {
       const int row = row_group * 16 + (lane & 15);
 #pragma unroll
-      for (int s = 0; s < K_STEPS; ++s) {
-        const int chunk = (k_slice * K_SLICE + s * 16) / 8 + (lane >> 4);
+      for (int s = 0; s < Q_STEPS; ++s) {
+        const int chunk = ((kKeySplit ? 0 : k_slice * K_SLICE) + s * 16) / 8 + (lane >> 4);
         ptx::LdMatrixX4(q_frag[s], stage_addr(Q_STAGE) + TileOffset(row, chunk));
       }
     }
@@ -221,6 +426,11 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
       ptx::CpAsyncCommit();
     }
 
+    if constexpr (kKeySplit) {
+      ScoreTilesKeySplit<kPhaseOffset, kDecoupled>(p, item, smem_raw, q_frag, row_group, k_slice, num_tiles,
+                                                    scale_log2, prefix);
+      return;
+    }
     // The row group's k_slices split the softmax by row. Two slices: slice 0
     // owns row g of the row group, slice 1 row g + 8 (each lane: one row,
     // columns n*8 + 2*t4 + {0,1} of both n-tiles, the mma layout). Four

@@ -5,6 +5,14 @@ Shape<4> with and without the page-id ring: random warp interleavings over
 0..13 tiles, checking named-barrier arrival counts, deadlocks, shared-memory
 read/write order (vector clocks) and cp.async group completion. It mirrors the
 kernel by hand: update it with any change to the barriers, stages or groups.
+Shape<2>'s score pair splits keys (v22): per tile one pair barrier (the
+reduction) and, on a random third of the tiles (the same choice in both warps,
+as the reduction's result is), the tile maxima written, a second pair barrier
+and the partner's read; at the end key half 1 hands its row sums to key half
+0, which alone writes the rows' 1 / l. `--dim-split` models the earlier
+partial-score exchange instead. `--plant max-unsynced` drops the barrier
+between writing the tile maxima and reading the partner's: it must report bad
+runs.
 Run: python3 kernels/testing/models/pipeline_protocol_model.py (~30 s);
 prints "bad runs: 0" and exits 0 when clean. `--plant staging-before-final`
 runs it with a fault planted on purpose (the epilogue stages O before
@@ -25,6 +33,9 @@ which must come after every read of them and after every cp.async into them.
 import random, sys
 
 PLANT = sys.argv[sys.argv.index('--plant') + 1] if '--plant' in sys.argv else None
+# Shape<2>'s score warps split keys (v22, kScoreKeySplit); --dim-split models
+# the dimension split with its partial-score exchange instead.
+KEY_SPLIT = '--dim-split' not in sys.argv
 
 def run(KS, nt, ring, seed):
     rnd = random.Random(seed)
@@ -155,15 +166,33 @@ def run(KS, nt, ring, seed):
             read_stage(w, t % NS, t, 'score')
             yield None
             if not ring and t >= 1: yield ('arrive', BAR_SCORE_MMA_DONE, ALL)  # S(t)'s MMAs issued: PV(t-1) may go
-            write_res(w, ('xch', w), t)
-            yield ('sync', BAR_PAIR + rg, KS)
-            for q in range(KS): read_res(w, ('xch', rg * KS + q), t)
+            if KEY_SPLIT and KS == 2:
+                # v22: one barrier reduction per tile; on the rare reference
+                # change (the same choice in both warps of the pair: it is the
+                # reduction's result) the tile maxima go through shared memory.
+                yield ('sync', BAR_PAIR + rg, KS)
+                if random.Random(seed * 7919 + t * 31 + rg).random() < 0.3:
+                    write_res(w, ('max', w), t)
+                    if PLANT != 'max-unsynced': yield ('sync', BAR_PAIR + rg, KS)
+                    read_res(w, ('max', w ^ 1), t)
+            else:
+                write_res(w, ('xch', w), t)
+                yield ('sync', BAR_PAIR + rg, KS)
+                for q in range(KS): read_res(w, ('xch', rg * KS + q), t)
             yield None
             if (dec and t >= NS) or (t >= 2 and PLANT == 'p-empty-late'):
                 yield ('sync', BAR_P_EMPTY + (t & 1), ALL)  # late: just before P(t) is written
             write_res(w, ('P', t & 1, w), t)
             yield ('arrive', BAR_P_FULL + (t & 1), ALL)
-        write_res(w, ('invl', w), 'final')
+        if KEY_SPLIT and KS == 2:
+            # key half 1 hands its row sums to key half 0, which stores the rows' stats
+            if ks == 1: write_res(w, ('sum', w), 'final')
+            yield ('sync', BAR_PAIR + rg, KS)
+            if ks == 0:
+                read_res(w, ('sum', w + 1), 'final')
+                write_res(w, ('invl', w), 'final')
+        else:
+            write_res(w, ('invl', w), 'final')
         yield ('arrive', BAR_FINAL, ALL)
     def pv(w):
         v = w - SW; loader = v < 4
@@ -198,7 +227,8 @@ def run(KS, nt, ring, seed):
         if PLANT == 'staging-before-final':
             staged_store(w)
         yield ('sync', BAR_FINAL, ALL)
-        for x in range(SW): read_res(w, ('invl', x), 'final')
+        for x in range(SW):
+            if not (KEY_SPLIT and KS == 2) or x % 2 == 0: read_res(w, ('invl', x), 'final')
         if PLANT != 'staging-before-final':
             staged_store(w)
     qrecs = {}; qreads = {}
