@@ -42,7 +42,7 @@ if want service && [ -x "$bundle/bin/mlaverify-server" ]; then
   # client's checked demo, then a load run.
   "$bundle/bin/mlaverify-server" --listen 127.0.0.1:0 --admin-host 127.0.0.1 --admin-port 0 \
     --port-file "$out/ports" --backend cuda --layers 61 --heads 8 --page-size 64 \
-    --pool-bytes 16GiB > "$out/gpu_server.log" 2>&1 &
+    --pool-bytes 16GiB --slow-call-ms 20 > "$out/gpu_server.log" 2>&1 &
   spid=$!
   for _ in $(seq 1 300); do [ -s "$out/ports" ] && break; sleep 0.1; done
   read -r gport aport < "$out/ports"
@@ -57,7 +57,7 @@ if want service && [ -x "$bundle/bin/mlaverify-server" ]; then
   tail -9 "$out/gpu_load.log"
   curl -s "http://127.0.0.1:$aport/metrics" > "$out/gpu_metrics.txt" || true
   kill -TERM $spid; wait $spid; summary+=("gpu server exit=$?")
-  head -3 "$out/gpu_server.log"; tail -2 "$out/gpu_server.log"
+  head -3 "$out/gpu_server.log"; grep -c "slow " "$out/gpu_server.log"; grep "slow " "$out/gpu_server.log" | head -5; tail -2 "$out/gpu_server.log"
 fi
 if want anchor; then
   timeout 400 "$bundle/bin/mlaverify-bench" --suite anchor --out "$out/anchor.json" 2>&1 |

@@ -11,9 +11,11 @@
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "client/server_info_text.h"
 #include "client/workload.h"
 #include "kernels/status_macros.h"
@@ -55,6 +57,32 @@ class RunControl {
  public:
   explicit RunControl(const LoadPlan& plan) : plan_(plan) {}
 
+  // The ramp-up: every worker first gets its sequence (prompt appended, or
+  // given up after its failures), then waits here until RunLoad has seen all
+  // of them ready and set the run's clock (Start). The prompts' uploads are
+  // megabytes each and share the channel with the Verify calls: timed, the
+  // first steps' Verify calls waited behind other workers' uploads (a 453 ms
+  // maximum against a 13 ms p99.9 on the H200, bench/NOTES.md session 12).
+  void WorkerReady() {
+    absl::MutexLock lock(&mu_);
+    ++ready_;
+  }
+  void AwaitAllReady(int workers) {
+    absl::MutexLock lock(&mu_);
+    const auto all_ready = [this, workers]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ready_ >= workers; };
+    mu_.Await(absl::Condition(&all_ready));
+  }
+  void AwaitStart() {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(&started_));
+  }
+  // Releases the workers; `plan`'s clock fields are written before this and
+  // read by the workers only after AwaitStart (ordered by mu_).
+  void Start() {
+    absl::MutexLock lock(&mu_);
+    started_ = true;
+  }
+
   // Called before each Verify. False when the run is over; otherwise sets
   // `measured` to whether the call counts (it starts after the warm-up and,
   // with a request bound, got one of the measured slots).
@@ -81,6 +109,9 @@ class RunControl {
   const LoadPlan& plan_;
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> issued_{0};
+  absl::Mutex mu_;
+  int ready_ ABSL_GUARDED_BY(mu_) = 0;
+  bool started_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 struct WorkerResult {
@@ -115,6 +146,12 @@ class LoadWorker {
     FillUniformBf16(rng_, -2.0f, 2.0f, absl::MakeSpan(q_));
     draft_kv_.resize(static_cast<size_t>(plan_.num_drafts) * kLatentDim);
     FillUniformBf16(rng_, -1.0f, 1.0f, absl::MakeSpan(draft_kv_));
+
+    // Ramp-up (untimed): this worker's first sequence, or its failures up
+    // to the limit, before the run's clock starts.
+    while (!sequence_id_.has_value() && consecutive_failures_ < kMaxConsecutiveFailures) StartSequence();
+    control_.WorkerReady();
+    control_.AwaitStart();
 
     while (!control_.stopped()) {
       if (consecutive_failures_ >= kMaxConsecutiveFailures) {
@@ -324,7 +361,19 @@ absl::StatusOr<LoadReport> RunLoad(VerifyClient& client, const LoadOptions& opti
       options.warmup_s, plan.num_drafts, plan.prompt_len, plan.max_sequence_len,
       options.stream ? "streamed" : "unary");
 
+  RunControl control(plan);
+  std::vector<WorkerResult> results(options.concurrency);
+  std::vector<std::thread> threads;
+  threads.reserve(options.concurrency);
+  for (int w = 0; w < options.concurrency; ++w) {
+    threads.emplace_back([&, w] { results[w] = LoadWorker(client, plan, control, w).Run(); });
+  }
+  const Clock::time_point ramp_up_start = Clock::now();
+  control.AwaitAllReady(options.concurrency);
   const Clock::time_point start = Clock::now();
+  report.ramp_up_seconds = std::chrono::duration<double>(start - ramp_up_start).count();
+  absl::PrintF("ramp-up:      %d sequences ready (prompts appended) in %.2f s, not timed\n", options.concurrency,
+               report.ramp_up_seconds);
   plan.measure_start = start + std::chrono::duration_cast<Clock::duration>(
                                    std::chrono::duration<double>(options.warmup_s));
   if (options.duration_s > 0) {
@@ -345,13 +394,7 @@ absl::StatusOr<LoadReport> RunLoad(VerifyClient& client, const LoadOptions& opti
                                                     absl::ToChronoMicroseconds(after_warmup));
   }
 
-  RunControl control(plan);
-  std::vector<WorkerResult> results(options.concurrency);
-  std::vector<std::thread> threads;
-  threads.reserve(options.concurrency);
-  for (int w = 0; w < options.concurrency; ++w) {
-    threads.emplace_back([&, w] { results[w] = LoadWorker(client, plan, control, w).Run(); });
-  }
+  control.Start();
   for (std::thread& thread : threads) thread.join();
   const Clock::time_point end = Clock::now();
   report.measured_seconds =
@@ -431,6 +474,7 @@ nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
        {{"num_layers", report.num_layers},
         {"num_heads", report.num_heads},
         {"num_drafts", report.num_drafts}}},
+      {"ramp_up_seconds", report.ramp_up_seconds},
       {"measured_seconds", report.measured_seconds},
       {"verify_calls", report.verify_calls},
       {"draft_tokens", report.draft_tokens},

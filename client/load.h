@@ -22,7 +22,9 @@ struct LoadOptions {
   // The run ends at whichever bound comes first; at least one must be set.
   double duration_s = 10.0;  // measured seconds after warm-up; <= 0: no time bound
   int64_t requests = 0;      // measured Verify calls; 0: no count bound
-  double warmup_s = 2.0;     // calls that start earlier are not measured
+  // Calls that start earlier are not measured. The clock starts after the
+  // ramp-up: every worker has created its first sequence and appended its prompt.
+  double warmup_s = 2.0;
   int64_t prompt_len = 64;
   int drafts = 4;  // N, capped by the server's max_draft_len
   // A sequence longer than this is released and replaced (bounds memory per
@@ -38,6 +40,8 @@ struct LoadReport {
   int num_drafts = 0;  // N actually used
   int num_layers = 0;
   int num_heads = 0;
+  // Untimed: until every worker had its first sequence (prompt appended).
+  double ramp_up_seconds = 0.0;
   double measured_seconds = 0.0;
   int64_t verify_calls = 0;     // measured, successful
   int64_t draft_tokens = 0;     // drafts in those calls

@@ -5,7 +5,7 @@
 //
 // At most one warning per `min_interval` (a server that is slow on every call
 // would otherwise log thousands of lines a second); the ones held back are
-// counted and reported with the next warning that is written.
+// counted, and the slowest of them described, in the next warning written.
 //
 // Thread-safety: Report may be called from any thread.
 #ifndef MLAVERIFY_SERVER_TRANSPORT_SLOW_CALL_LOG_H_
@@ -40,8 +40,16 @@ class SlowCallLog {
   const double threshold_seconds_;
   const Clock::duration min_interval_;
   absl::Mutex mu_;
+  struct Call {
+    std::string rpc, code;
+    double queued_seconds = 0.0, work_seconds = 0.0;
+    double total() const { return queued_seconds + work_seconds; }
+  };
+  static std::string Describe(const Call& call);
+
   std::optional<Clock::time_point> last_written_ ABSL_GUARDED_BY(mu_);
   int64_t held_back_ ABSL_GUARDED_BY(mu_) = 0;
+  Call slowest_held_back_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace mlaverify::transport
