@@ -69,6 +69,13 @@ __device__ __forceinline__ void KeepFragmentLoads(const VerifyParams& p, uint32_
 #endif
 constexpr bool kScoreKeySplit = MLAVERIFY_SCORE_KEY_SPLIT != 0;
 
+// Where the PV warps arrive KV_FULL(t+2) in their iteration t (v23, see
+// arrive_kv_full in the PV loop): 0 after their MMAs, 1 before, 2 halfway.
+#ifndef MLAVERIFY_KV_FULL_AT
+#define MLAVERIFY_KV_FULL_AT 0
+#endif
+constexpr int kKvFullAt = MLAVERIFY_KV_FULL_AT;
+
 // The key-split score loop (`pipelined`, after the prologue of
 // AttendSegmentPipelined): warp = row group x key half. The warp computes
 // S[16 rows, keys 8 kh .. 8 kh + 7] over all 576 dimensions, 36 MMAs into one
@@ -710,6 +717,22 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   for (int m = 0; m < M_TILES; ++m) {
     p_frag_addr[m] = probs_addr + ((m * 16 + (lane & 15)) * P_PITCH + ((lane >> 4) << 3)) * 2;
   }
+  // Tile t+2 has landed: KV_FULL(t+2) lets S(t+2) start. Before this
+  // iteration's load is committed: groups committed so far are tiles
+  // NUM_STAGES..t+NUM_STAGES-2, so tile t+2 complete leaves the NUM_STAGES-4
+  // newest pending. Where in the iteration (kKvFullAt): 0 after the MMAs
+  // (v15.3: before the loads, not after them), 1 before the MMAs (right after
+  // BAR_SCORE_MMA_DONE, never before it: S(t+2) would then arrive there a
+  // second time in the phase PV(t) has yet to take), 2 after half of the V
+  // pairs. Earlier lets S(t+2)'s MMAs overlap PV(t)'s instead of following
+  // them, and gives each load less time to land.
+  [[maybe_unused]] auto arrive_kv_full = [&](int t) {
+    if (kDecoupled && t + 2 < num_tiles && t + 2 >= NUM_STAGES) {
+      static_assert(!kDecoupled || NUM_STAGES >= 4, "tile t+2's group is at most the second newest here");
+      ptx::CpAsyncWait<kDecoupled ? NUM_STAGES - 4 : 0>();
+      ptx::NamedBarrierArrive(BAR_KV_FULL + (t & 1), NUM_THREADS);
+    }
+  };
   uint32_t stage = 0;                                      // byte offset of tile t's stage
   [[maybe_unused]] uint32_t fragment_sink = 0;  // knockout builds: keeps the fragment loads of removed MMAs
   uint32_t free_stage = (NUM_STAGES - 1) * STAGE_BYTES;    // tile t-1's: loaded next
@@ -747,6 +770,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     // loop): one arrival per tile from t = 1 on, so this barrier's phases
     // alternate strictly (S(t+2) waits for PV(t) at P_EMPTY).
     if (kPhaseOffset && t + 1 < num_tiles) ptx::NamedBarrierSync(BAR_SCORE_MMA_DONE, NUM_THREADS);
+    if (kKvFullAt == 1) arrive_kv_full(t);
     uint32_t v_addr[V_OFFSETS];
 #pragma unroll
     for (int np = 0; np < V_OFFSETS; ++np) v_addr[np] = kv_base + stage + v_frag_offset[np];
@@ -755,6 +779,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     stage = stage == (NUM_STAGES - 1) * STAGE_BYTES ? 0 : stage + STAGE_BYTES;
 #pragma unroll
     for (int np = 0; np < O_N_TILES / 2; ++np) {
+      if (kKvFullAt == 2 && np == O_N_TILES / 4) arrive_kv_full(t);
       uint32_t vf[4];
       ptx::LdMatrixX4Trans(vf, v_addr[np % V_OFFSETS] + (np / V_OFFSETS) * 128);
 #pragma unroll
@@ -768,15 +793,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
       }
     }
     if (t + 2 < num_tiles) ptx::NamedBarrierArrive(BAR_P_EMPTY + (t & 1), NUM_THREADS);
-    if (kDecoupled && t + 2 < num_tiles && t + 2 >= NUM_STAGES) {
-      // Before this iteration's load is committed: groups committed so far
-      // are tiles NUM_STAGES..t+NUM_STAGES-2, so tile t+2 complete leaves the
-      // NUM_STAGES-4 newest pending. Arriving before the loads are issued
-      // (not after them) lets S(t+2) start that much sooner.
-      static_assert(!kDecoupled || NUM_STAGES >= 4, "tile t+2's group is at most the second newest here");
-      ptx::CpAsyncWait<kDecoupled ? NUM_STAGES - 4 : 0>();
-      ptx::NamedBarrierArrive(BAR_KV_FULL + (t & 1), NUM_THREADS);
-    }
+    if (kKvFullAt == 0) arrive_kv_full(t);
     // The loads go out after the MMAs: issued before them, their address
     // registers held the MMAs back until the MIO queue had taken all nine
     // cp.async (bench/NOTES.md v4h); tile t+NUM_STAGES-1 is needed

@@ -36,6 +36,10 @@ PLANT = sys.argv[sys.argv.index('--plant') + 1] if '--plant' in sys.argv else No
 # Shape<2>'s score warps split keys (v22, kScoreKeySplit); --dim-split models
 # the dimension split with its partial-score exchange instead.
 KEY_SPLIT = '--dim-split' not in sys.argv
+# --kv-full-early: the PV warps arrive KV_FULL(t+2) before their MMAs of
+# tile t (MLAVERIFY_KV_FULL_AT=1; halfway, =2, orders the same against the
+# other warps: PV(t) reads only stage t's tile either way).
+KV_FULL_EARLY = '--kv-full-early' in sys.argv
 
 def run(KS, nt, ring, seed):
     rnd = random.Random(seed)
@@ -204,10 +208,14 @@ def run(KS, nt, ring, seed):
             yield ('sync', BAR_P_FULL + (t & 1), ALL)
             for x in range(SW): read_res(w, ('P', t & 1, x), t)
             if not ring and t + 1 < nt: yield ('sync', BAR_SCORE_MMA_DONE, ALL)  # phase offset (v15, register page path)
+            kv_full = KS == 2 and t + 2 < nt and t + 2 >= NS
+            if kv_full and KV_FULL_EARLY:  # v23: before the MMAs (after the phase-offset sync)
+                wait(w, NS - 4)
+                yield ('arrive', BAR_KV_FULL + (t & 1), ALL)
             read_stage(w, t % NS, t, 'pv')
             yield None
             if t + 2 < nt: yield ('arrive', BAR_P_EMPTY + (t & 1), ALL)
-            if KS == 2 and t + 2 < nt and t + 2 >= NS:  # before this iteration's loads (kDecoupled, v15.3)
+            if kv_full and not KV_FULL_EARLY:  # before this iteration's loads (kDecoupled, v15.3)
                 wait(w, NS - 4)
                 yield ('arrive', BAR_KV_FULL + (t & 1), ALL)
             if t >= 1:
