@@ -70,9 +70,12 @@ __device__ __forceinline__ void KeepFragmentLoads(const VerifyParams& p, uint32_
 constexpr bool kScoreKeySplit = MLAVERIFY_SCORE_KEY_SPLIT != 0;
 
 // Where the PV warps arrive KV_FULL(t+2) in their iteration t (v23, see
-// arrive_kv_full in the PV loop): 0 after their MMAs, 1 before, 2 halfway.
+// arrive_kv_full in the PV loop): 0 after their MMAs, 1 before, 2 halfway
+// (default). Session 12, call 4 (H200, two passes, against 0): 2 took the
+// compute-bound shape 6.9 % and B=8 L=16K 6.0 % faster, B=32 1.2 % slower;
+// 1 gained 6.0 % and cost B=32 3.0 % (bench/NOTES.md v23).
 #ifndef MLAVERIFY_KV_FULL_AT
-#define MLAVERIFY_KV_FULL_AT 0
+#define MLAVERIFY_KV_FULL_AT 2
 #endif
 constexpr int kKvFullAt = MLAVERIFY_KV_FULL_AT;
 

@@ -12,7 +12,9 @@ and the partner's read; at the end key half 1 hands its row sums to key half
 0, which alone writes the rows' 1 / l. `--dim-split` models the earlier
 partial-score exchange instead. `--plant max-unsynced` drops the barrier
 between writing the tile maxima and reading the partner's: it must report bad
-runs.
+runs. `--plant kv-full-before-offset` has the PV warps arrive KV_FULL(t+2)
+before their BAR_SCORE_MMA_DONE sync (v23's early arrival one step too
+early): S(t+2) can then arrive at MMA_DONE twice in one phase.
 Run: python3 kernels/testing/models/pipeline_protocol_model.py (~30 s);
 prints "bad runs: 0" and exits 0 when clean. `--plant staging-before-final`
 runs it with a fault planted on purpose (the epilogue stages O before
@@ -36,10 +38,11 @@ PLANT = sys.argv[sys.argv.index('--plant') + 1] if '--plant' in sys.argv else No
 # Shape<2>'s score warps split keys (v22, kScoreKeySplit); --dim-split models
 # the dimension split with its partial-score exchange instead.
 KEY_SPLIT = '--dim-split' not in sys.argv
-# --kv-full-early: the PV warps arrive KV_FULL(t+2) before their MMAs of
-# tile t (MLAVERIFY_KV_FULL_AT=1; halfway, =2, orders the same against the
-# other warps: PV(t) reads only stage t's tile either way).
-KV_FULL_EARLY = '--kv-full-early' in sys.argv
+# The PV warps arrive KV_FULL(t+2) during their MMAs of tile t (v23,
+# MLAVERIFY_KV_FULL_AT=2, halfway; =1, before them, orders the same against
+# the other warps: PV(t) reads only stage t's tile either way), after the
+# phase-offset sync; --kv-full-late models =0, after the MMAs.
+KV_FULL_EARLY = '--kv-full-late' not in sys.argv
 
 def run(KS, nt, ring, seed):
     rnd = random.Random(seed)
@@ -207,9 +210,13 @@ def run(KS, nt, ring, seed):
         for t in range(nt):
             yield ('sync', BAR_P_FULL + (t & 1), ALL)
             for x in range(SW): read_res(w, ('P', t & 1, x), t)
-            if not ring and t + 1 < nt: yield ('sync', BAR_SCORE_MMA_DONE, ALL)  # phase offset (v15, register page path)
             kv_full = KS == 2 and t + 2 < nt and t + 2 >= NS
-            if kv_full and KV_FULL_EARLY:  # v23: before the MMAs (after the phase-offset sync)
+            if kv_full and KV_FULL_EARLY and PLANT == 'kv-full-before-offset':
+                wait(w, NS - 4)
+                yield ('arrive', BAR_KV_FULL + (t & 1), ALL)
+                kv_full = False
+            if not ring and t + 1 < nt: yield ('sync', BAR_SCORE_MMA_DONE, ALL)  # phase offset (v15, register page path)
+            if kv_full and KV_FULL_EARLY:  # v23: during the MMAs (after the phase-offset sync)
                 wait(w, NS - 4)
                 yield ('arrive', BAR_KV_FULL + (t & 1), ALL)
             read_stage(w, t % NS, t, 'pv')
