@@ -18,7 +18,8 @@
 // In `pipelined` (kDecoupled) two of these move: from tile NUM_STAGES on the
 // score warps wait P_EMPTY(t-2) just before writing P(t), not at the top, and
 // the PV warps wait for tile t+2 and arrive KV_FULL(t+2) before issuing
-// their load of the iteration, not after it.
+// their load of the iteration, not after it: by default halfway through
+// their MMAs of tile t (v23b, kKvFullAt).
 // Every arrive has exactly one matching sync: P_EMPTY(t) is only signalled
 // for t + 2 < num_tiles (the tiles whose successor-but-one waits for it), and
 // KV_FULL(t+2) only for the PV-loaded tiles t+2 >= NUM_STAGES that exist.
