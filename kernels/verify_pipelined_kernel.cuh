@@ -80,6 +80,36 @@ constexpr bool kScoreKeySplit = MLAVERIFY_SCORE_KEY_SPLIT != 0;
 #endif
 constexpr int kKvFullAt = MLAVERIFY_KV_FULL_AT;
 
+// The score warps' wait for tile t, the same in both splits. PV(t-2) is done
+// with P buffer (t & 1). Decoupled (`pipelined`), from tile NUM_STAGES on
+// that is waited just before P(t) is written (in the callers): KV_FULL(t)
+// already orders this tile after PV(t-2)'s MMAs, and the MMAs of S(t) need
+// only K. The prologue tiles keep it here: it is what keeps S(t) from
+// arriving at BAR_SCORE_MMA_DONE twice in one phase (the protocol model's
+// p-empty-late plant). Tiles of the prologue were loaded by the score warps
+// themselves (groups Q, 0, 1, ..., NUM_STAGES-1); later ones by the PV warps,
+// which arrive KV_FULL(t).
+template <int kKSlices, bool kDecoupled>
+__device__ __forceinline__ void ScoreWaitForTile(int t) {
+  using Shape = pipelined::Shape<kKSlices>;
+  constexpr int NUM_STAGES = Shape::NUM_STAGES;
+  constexpr int NUM_THREADS = Shape::NUM_THREADS;
+  if (t >= 2 && (!kDecoupled || t < NUM_STAGES)) ptx::NamedBarrierSync(pipelined::BAR_P_EMPTY + (t & 1), NUM_THREADS);
+  if (t < NUM_STAGES) {
+    switch (NUM_STAGES - 1 - t) {
+      case 0: ptx::CpAsyncWait<0>(); break;
+      case 1: ptx::CpAsyncWait<1>(); break;
+      case 2: ptx::CpAsyncWait<2>(); break;
+      case 3: ptx::CpAsyncWait<3>(); break;
+      default: ptx::CpAsyncWait<4>(); break;
+    }
+    ptx::NamedBarrierSync(pipelined::BAR_SCORE, Shape::SCORE_THREADS);
+  } else {
+    ptx::NamedBarrierSync(pipelined::BAR_KV_FULL + (t & 1), NUM_THREADS);
+  }
+  if (t == 0 && threadIdx.x == 0) PhaseStamp(kStampFirstTile);
+}
+
 // The key-split score loop (`pipelined`, after the prologue of
 // AttendSegmentPipelined): warp = row group x key half. The warp computes
 // S[16 rows, keys 8 kh .. 8 kh + 7] over all 576 dimensions, 36 MMAs into one
@@ -98,11 +128,9 @@ __device__ __forceinline__ void ScoreTilesKeySplit(const VerifyParams& p, const 
                                                    int prefix) {
   using Shape = pipelined::Shape<2>;
   using pipelined::BAR_FINAL;
-  using pipelined::BAR_KV_FULL;
   using pipelined::BAR_P_EMPTY;
   using pipelined::BAR_P_FULL;
   using pipelined::BAR_PAIR;
-  using pipelined::BAR_SCORE;
   using pipelined::BAR_SCORE_MMA_DONE;
   using pipelined::BLOCK_N;
   using pipelined::P_BUFFER_BYTES;
@@ -111,7 +139,6 @@ __device__ __forceinline__ void ScoreTilesKeySplit(const VerifyParams& p, const 
   using pipelined::STAGE_BYTES;
   constexpr int NUM_STAGES = Shape::NUM_STAGES;
   constexpr int NUM_THREADS = Shape::NUM_THREADS;
-  constexpr int SCORE_THREADS = Shape::SCORE_THREADS;
   static_assert(kQSteps == D_QK / 16 && kQSteps % 4 == 0, "whole Q; four chains");
   static_assert(Shape::EXCHANGE_BYTES >= (4 * 16 + 2 * 16) * 4, "tile maxima and the row sums fit the exchange");
 
@@ -147,22 +174,7 @@ __device__ __forceinline__ void ScoreTilesKeySplit(const VerifyParams& p, const 
   float row_sum[2] = {0.0f, 0.0f};        // this lane's share of their running sums
   uint32_t stage = 0;
   for (int t = 0; t < num_tiles; ++t) {
-    // As in the dimension split: P_EMPTY(t-2) at the top for the prologue
-    // tiles, later just before P(t) is written.
-    if (t >= 2 && (!kDecoupled || t < NUM_STAGES)) ptx::NamedBarrierSync(BAR_P_EMPTY + (t & 1), NUM_THREADS);
-    if (t < NUM_STAGES) {
-      switch (NUM_STAGES - 1 - t) {
-        case 0: ptx::CpAsyncWait<0>(); break;
-        case 1: ptx::CpAsyncWait<1>(); break;
-        case 2: ptx::CpAsyncWait<2>(); break;
-        case 3: ptx::CpAsyncWait<3>(); break;
-        default: ptx::CpAsyncWait<4>(); break;
-      }
-      ptx::NamedBarrierSync(BAR_SCORE, SCORE_THREADS);
-    } else {
-      ptx::NamedBarrierSync(BAR_KV_FULL + (t & 1), NUM_THREADS);
-    }
-    if (t == 0 && tid == 0) PhaseStamp(kStampFirstTile);
+    ScoreWaitForTile<2, kDecoupled>(t);
 
     const uint32_t k_base = kv_base + stage;
     stage = stage == (NUM_STAGES - 1) * STAGE_BYTES ? 0 : stage + STAGE_BYTES;
@@ -473,28 +485,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     uint32_t stage = 0;  // byte offset of tile t's stage
     [[maybe_unused]] uint32_t fragment_sink = 0;  // knockout builds: keeps the fragment loads of removed MMAs
     for (int t = 0; t < num_tiles; ++t) {
-      // PV(t-2) is done with P buffer (t & 1). Decoupled (`pipelined`), from
-      // tile NUM_STAGES on this waits just before P(t) is written (below):
-      // KV_FULL(t) already orders this tile after PV(t-2)'s MMAs, and the
-      // MMAs of S(t) need only K. The prologue tiles keep it here: it is what
-      // keeps S(t) from arriving at BAR_SCORE_MMA_DONE twice in one phase
-      // (the protocol model's p-empty-late plant).
-      if (t >= 2 && (!kDecoupled || t < NUM_STAGES)) ptx::NamedBarrierSync(BAR_P_EMPTY + (t & 1), NUM_THREADS);
-      if (t < NUM_STAGES) {
-        // Tiles of the prologue were loaded by the score warps themselves:
-        // groups Q, 0, 1, ..., NUM_STAGES-1.
-        switch (NUM_STAGES - 1 - t) {
-          case 0: ptx::CpAsyncWait<0>(); break;
-          case 1: ptx::CpAsyncWait<1>(); break;
-          case 2: ptx::CpAsyncWait<2>(); break;
-          case 3: ptx::CpAsyncWait<3>(); break;
-          default: ptx::CpAsyncWait<4>(); break;
-        }
-        ptx::NamedBarrierSync(BAR_SCORE, SCORE_THREADS);
-      } else {
-        ptx::NamedBarrierSync(BAR_KV_FULL + (t & 1), NUM_THREADS);
-      }
-      if (t == 0 && tid == 0) PhaseStamp(kStampFirstTile);
+      ScoreWaitForTile<kKSlices, kDecoupled>(t);
 
       // ---- partial S[16 rows, 16 tokens] over this warp's K_SLICE dimensions:
       // two accumulator chains per n-tile (even / odd k steps) ----
