@@ -18,8 +18,9 @@
 // In `pipelined` (kDecoupled) two of these move: from tile NUM_STAGES on the
 // score warps wait P_EMPTY(t-2) just before writing P(t), not at the top, and
 // the PV warps wait for tile t+2 and arrive KV_FULL(t+2) before issuing
-// their load of the iteration, not after it: by default halfway through
-// their MMAs of tile t (v23b, kKvFullAt).
+// their load of the iteration, not after it: by default after three
+// quarters of their MMAs of tile t (v23d), halfway in the page-1 ring
+// instance (v23b; kKvFullAt).
 // Every arrive has exactly one matching sync: P_EMPTY(t) is only signalled
 // for t + 2 < num_tiles (the tiles whose successor-but-one waits for it), and
 // KV_FULL(t+2) only for the PV-loaded tiles t+2 >= NUM_STAGES that exist.
@@ -71,14 +72,26 @@ __device__ __forceinline__ void KeepFragmentLoads(const VerifyParams& p, uint32_
 constexpr bool kScoreKeySplit = MLAVERIFY_SCORE_KEY_SPLIT != 0;
 
 // Where the PV warps arrive KV_FULL(t+2) in their iteration t (v23, see
-// arrive_kv_full in the PV loop): 0 after their MMAs, 1 before, 2 halfway
-// (default). Session 12, call 4 (H200, two passes, against 0): 2 took the
-// compute-bound shape 6.9 % and B=8 L=16K 6.0 % faster, B=32 1.2 % slower;
-// 1 gained 6.0 % and cost B=32 3.0 % (bench/NOTES.md v23).
+// arrive_kv_full in the PV loop): 0 after their MMAs, 1 before, 2 halfway,
+// 3 after a quarter of their V pairs, 4 after three quarters (default).
+// Session 12, call 4 (H200, two passes, against 0): 2 took the compute-bound
+// shape 6.9 % and B=8 L=16K 6.0 % faster, B=32 1.2 % slower; 1 gained 6.0 %
+// and cost B=32 3.0 % (bench/NOTES.md v23). Session 13, call 2 (against 2):
+// 4 the same on the compute-bound shapes (within ±0.5 %) and B=32 0.9 %
+// faster; 3 no better than 2 anywhere (bench/NOTES.md v23d).
+// The page-1 ring instance (kPageRing, no phase offset) has its own place,
+// MLAVERIFY_KV_FULL_AT_RING, default 2: session 13's committed table (call
+// 3) had its compute-bound rows 2.8 % slower at 4 than at 2 (call 1).
 #ifndef MLAVERIFY_KV_FULL_AT
-#define MLAVERIFY_KV_FULL_AT 2
+#define MLAVERIFY_KV_FULL_AT 4
 #endif
-constexpr int kKvFullAt = MLAVERIFY_KV_FULL_AT;
+#ifndef MLAVERIFY_KV_FULL_AT_RING
+#define MLAVERIFY_KV_FULL_AT_RING 2
+#endif
+constexpr int kKvFullAtRegister = MLAVERIFY_KV_FULL_AT;
+constexpr int kKvFullAtRing = MLAVERIFY_KV_FULL_AT_RING;
+static_assert(kKvFullAtRegister >= 0 && kKvFullAtRegister <= 4, "MLAVERIFY_KV_FULL_AT: 0..4");
+static_assert(kKvFullAtRing >= 0 && kKvFullAtRing <= 4, "MLAVERIFY_KV_FULL_AT_RING: 0..4");
 
 // The score warps' wait for tile t, the same in both splits. PV(t-2) is done
 // with P buffer (t & 1). Decoupled (`pipelined`), from tile NUM_STAGES on
@@ -718,9 +731,11 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   // newest pending. Where in the iteration (kKvFullAt): 0 after the MMAs
   // (v15.3: before the loads, not after them), 1 before the MMAs (right after
   // BAR_SCORE_MMA_DONE, never before it: S(t+2) would then arrive there a
-  // second time in the phase PV(t) has yet to take), 2 after half of the V
-  // pairs. Earlier lets S(t+2)'s MMAs overlap PV(t)'s instead of following
-  // them, and gives each load less time to land.
+  // second time in the phase PV(t) has yet to take), 2, 3, 4 after a half,
+  // a quarter, three quarters of the V pairs. Earlier lets S(t+2)'s MMAs
+  // overlap PV(t)'s instead of following them, and gives each load less time
+  // to land.
+  constexpr int kKvFullAt = kPageRing ? kKvFullAtRing : kKvFullAtRegister;
   [[maybe_unused]] auto arrive_kv_full = [&](int t) {
     if (kDecoupled && t + 2 < num_tiles && t + 2 >= NUM_STAGES) {
       static_assert(!kDecoupled || NUM_STAGES >= 4, "tile t+2's group is at most the second newest here");
@@ -774,7 +789,13 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     stage = stage == (NUM_STAGES - 1) * STAGE_BYTES ? 0 : stage + STAGE_BYTES;
 #pragma unroll
     for (int np = 0; np < O_N_TILES / 2; ++np) {
-      if (kKvFullAt == 2 && np == O_N_TILES / 4) arrive_kv_full(t);
+      // 2: halfway; 3: after a quarter of the pairs; 4: after three quarters.
+      if (np == (kKvFullAt == 2   ? O_N_TILES / 4
+                 : kKvFullAt == 3 ? O_N_TILES / 8
+                 : kKvFullAt == 4 ? 3 * O_N_TILES / 8
+                                  : -1)) {
+        arrive_kv_full(t);
+      }
       uint32_t vf[4];
       ptx::LdMatrixX4Trans(vf, v_addr[np % V_OFFSETS] + (np / V_OFFSETS) * 128);
 #pragma unroll

@@ -39,7 +39,8 @@ PLANT = sys.argv[sys.argv.index('--plant') + 1] if '--plant' in sys.argv else No
 # the dimension split with its partial-score exchange instead.
 KEY_SPLIT = '--dim-split' not in sys.argv
 # The PV warps arrive KV_FULL(t+2) during their MMAs of tile t (v23,
-# MLAVERIFY_KV_FULL_AT=2, halfway; =1, before them, orders the same against
+# MLAVERIFY_KV_FULL_AT=4, after three quarters (default); =2, =3, halfway and
+# after a quarter; =1, before them: all order the same against
 # the other warps: PV(t) reads only stage t's tile either way), after the
 # phase-offset sync; --kv-full-late models =0, after the MMAs.
 KV_FULL_EARLY = '--kv-full-late' not in sys.argv
