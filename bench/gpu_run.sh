@@ -150,6 +150,8 @@ if want stalls && command -v ncu >/dev/null; then
     "$out/stalls_details.txt" | head -40
   wc -l "$out/stalls_sass.csv"; head -3 "$out/stalls_sass.csv" | cut -c1-600
   python3 bench/sass_profile.py "$out/stalls_sass.csv" --regions 0x1000 > "$out/stalls_regions.txt" 2>&1
+  python3 bench/sass_profile.py "$out/stalls_sass.csv" --loops > "$out/stalls_loops.txt" 2>&1
+  grep -E "^== |stalls:" "$out/stalls_loops.txt"
   tail -12 "$out/stalls_regions.txt"
 fi
 if want sass && command -v cuobjdump >/dev/null; then

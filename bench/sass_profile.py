@@ -16,6 +16,12 @@
         executions, samples and the top stall reasons; then the whole
         kernel's stall reasons. Shows where a small launch's straight-line
         phases (plan, merge) wait, e.g. on instruction fetch (no_inst).
+    bench/sass_profile.py stalls_sass.csv[.gz] --loops
+        finds the hot loops itself (runs of instructions executed at least
+        0.9 x the most executed one, gaps under 0x1000 bytes bridged) and
+        prints for each what --loop prints, with --per set to its most
+        executed instruction's count, plus its eight instructions with the
+        most samples (bench/NOTES.md session 13, call 5).
     bench/sass_profile.py stalls_sass.csv --regions 0x800
         (any build) per 0x800-byte slice of the code that ran: executions,
         the most any one instruction ran (132 = one warp per CTA, 1,024 =
@@ -25,10 +31,13 @@
 import argparse
 import collections
 import csv
+import gzip
 
 
 def load(path):
-    rows = list(csv.reader(open(path)))
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        rows = list(csv.reader(f))
     header, data = rows[1], rows[2:]
     col = {h: i for i, h in enumerate(header)}
     stalls = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
@@ -58,6 +67,41 @@ def summarise(instrs):
             "samples": sum(i["samples"] for i in instrs), "why": why}
 
 
+def hot_loops(ins, fraction=0.9, gap=0x1000):
+    """(first offset, last offset, most executions) of each run of hot instructions."""
+    top = max(i["exec"] for i in ins)
+    runs = []
+    for i in ins:
+        if i["exec"] < fraction * top:
+            continue
+        if runs and i["off"] - runs[-1][1] < gap:
+            runs[-1][1] = i["off"]
+        else:
+            runs.append([i["off"], i["off"]])
+    return [(lo, hi, max(i["exec"] for i in ins if lo <= i["off"] <= hi)) for lo, hi in runs]
+
+
+def print_loop(name, ins, lo, hi, per, total, hotspots=0):
+    sel = [i for i in ins if lo <= i["off"] <= hi]
+    g = summarise(sel)
+    samples, why = g["samples"], g["why"]
+    ops = collections.Counter()
+    op_samples = collections.Counter()
+    for i in sel:
+        ops[i["op"]] += i["exec"] / per
+        op_samples[i["op"]] += i["samples"]
+    print(f"== {name}: {samples} samples ({100 * samples / total:.1f} % of {total}), "
+          f"{sum(ops.values()):.1f} instructions per iteration")
+    print("   stalls: " + " ".join(f"{k}:{v}" for k, v in why.most_common(8)))
+    for op, n in ops.most_common(24):
+        print(f"   {op:10s} {n:6.1f} per iteration, {op_samples[op]:5d} samples")
+    if hotspots:
+        print(f"   the {hotspots} instructions with the most samples (share of the loop's):")
+        for i in sorted(sel, key=lambda i: -i["samples"])[:hotspots]:
+            print(f"   {i['off']:6x} {100 * i['samples'] / max(samples, 1):5.1f} %  {i['src'][:56]:56s} "
+                  f"{top_reasons(i['stalls'], 3)}")
+
+
 def top_reasons(why, n):
     return " ".join(f"{k}:{v}" for k, v in why.most_common(n) if v)
 
@@ -70,6 +114,7 @@ def main():
     ap.add_argument("--per", type=float, default=1.0)
     ap.add_argument("--timer-sections", action="store_true")
     ap.add_argument("--regions", type=lambda x: int(x, 0))
+    ap.add_argument("--loops", action="store_true")
     a = ap.parse_args()
     ins = load(a.csv)
     total = sum(i["samples"] for i in ins)
@@ -106,20 +151,10 @@ def main():
                 print(f"{i['off']:6x} {i['exec']:9d} {i['samples']:5d} {i['src'][:60]:60s} {why}")
     for spec in a.loop:
         name, lo, hi = spec.split(":")
-        lo, hi = int(lo, 16), int(hi, 16)
-        sel = [i for i in ins if lo <= i["off"] <= hi]
-        g = summarise(sel)
-        samples, why = g["samples"], g["why"]
-        ops = collections.Counter()
-        op_samples = collections.Counter()
-        for i in sel:
-            ops[i["op"]] += i["exec"] / a.per
-            op_samples[i["op"]] += i["samples"]
-        print(f"== {name}: {samples} samples ({100 * samples / total:.1f} % of {total}), "
-              f"{sum(ops.values()):.1f} instructions per iteration")
-        print("   stalls: " + " ".join(f"{k}:{v}" for k, v in why.most_common(8)))
-        for op, n in ops.most_common(24):
-            print(f"   {op:10s} {n:6.1f} per iteration, {op_samples[op]:5d} samples")
+        print_loop(name, ins, int(lo, 16), int(hi, 16), a.per, total)
+    if a.loops:
+        for lo, hi, most in hot_loops(ins):
+            print_loop(f"loop {lo:x}-{hi:x} ({most} iterations)", ins, lo, hi, most, total, hotspots=8)
 
 
 if __name__ == "__main__":
