@@ -80,8 +80,10 @@ constexpr bool kScoreKeySplit = MLAVERIFY_SCORE_KEY_SPLIT != 0;
 // 4 the same on the compute-bound shapes (within ±0.5 %) and B=32 0.9 %
 // faster; 3 no better than 2 anywhere (bench/NOTES.md v23d).
 // The page-1 ring instance (kPageRing, no phase offset) has its own place,
-// MLAVERIFY_KV_FULL_AT_RING, default 2: session 13's committed table (call
-// 3) had its compute-bound rows 2.8 % slower at 4 than at 2 (call 1).
+// MLAVERIFY_KV_FULL_AT_RING, default 2 (v23e): session 13, call 4, 2 against
+// 4 at page 1 took B=8 L=64K N=16 H=16 2.8 % faster and cost B=32 0.4 %;
+// call 5, 1 against 2 cost the compute-bound shapes 3-4 %. (Only `pipelined`
+// is decoupled: in `pipelined16` arrive_kv_full is empty.)
 #ifndef MLAVERIFY_KV_FULL_AT
 #define MLAVERIFY_KV_FULL_AT 4
 #endif
