@@ -738,6 +738,11 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   // overlap PV(t)'s instead of following them, and gives each load less time
   // to land.
   constexpr int kKvFullAt = kPageRing ? kKvFullAtRing : kKvFullAtRegister;
+  // The V pair before which places 2, 3 and 4 arrive (-1: not in the pair loop).
+  constexpr int kKvFullPair = kKvFullAt == 2   ? O_N_TILES / 4
+                              : kKvFullAt == 3 ? O_N_TILES / 8
+                              : kKvFullAt == 4 ? 3 * O_N_TILES / 8
+                                               : -1;
   [[maybe_unused]] auto arrive_kv_full = [&](int t) {
     if (kDecoupled && t + 2 < num_tiles && t + 2 >= NUM_STAGES) {
       static_assert(!kDecoupled || NUM_STAGES >= 4, "tile t+2's group is at most the second newest here");
@@ -791,13 +796,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     stage = stage == (NUM_STAGES - 1) * STAGE_BYTES ? 0 : stage + STAGE_BYTES;
 #pragma unroll
     for (int np = 0; np < O_N_TILES / 2; ++np) {
-      // 2: halfway; 3: after a quarter of the pairs; 4: after three quarters.
-      if (np == (kKvFullAt == 2   ? O_N_TILES / 4
-                 : kKvFullAt == 3 ? O_N_TILES / 8
-                 : kKvFullAt == 4 ? 3 * O_N_TILES / 8
-                                  : -1)) {
-        arrive_kv_full(t);
-      }
+      if (np == kKvFullPair) arrive_kv_full(t);
       uint32_t vf[4];
       ptx::LdMatrixX4Trans(vf, v_addr[np % V_OFFSETS] + (np / V_OFFSETS) * 128);
 #pragma unroll
