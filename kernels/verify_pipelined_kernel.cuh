@@ -90,8 +90,16 @@ constexpr bool kScoreKeySplit = MLAVERIFY_SCORE_KEY_SPLIT != 0;
 #ifndef MLAVERIFY_KV_FULL_AT_RING
 #define MLAVERIFY_KV_FULL_AT_RING 2
 #endif
+// The fused-combine ring instance's own place (session 14, call 1): 1, before
+// the PV MMAs, takes it 1.8-2.2 % faster on its page-1 shapes (B <= 4), where
+// the non-fused ring instances lose 3-4 % with 1 (session 13, call 5).
+#ifndef MLAVERIFY_KV_FULL_AT_RING_FUSED
+#define MLAVERIFY_KV_FULL_AT_RING_FUSED 1
+#endif
 constexpr int kKvFullAtRegister = MLAVERIFY_KV_FULL_AT;
 constexpr int kKvFullAtRing = MLAVERIFY_KV_FULL_AT_RING;
+constexpr int kKvFullAtRingFused = MLAVERIFY_KV_FULL_AT_RING_FUSED;
+static_assert(kKvFullAtRingFused >= 0 && kKvFullAtRingFused <= 4, "MLAVERIFY_KV_FULL_AT_RING_FUSED: 0..4");
 static_assert(kKvFullAtRegister >= 0 && kKvFullAtRegister <= 4, "MLAVERIFY_KV_FULL_AT: 0..4");
 static_assert(kKvFullAtRing >= 0 && kKvFullAtRing <= 4, "MLAVERIFY_KV_FULL_AT_RING: 0..4");
 
@@ -737,7 +745,9 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   // a quarter, three quarters of the V pairs. Earlier lets S(t+2)'s MMAs
   // overlap PV(t)'s instead of following them, and gives each load less time
   // to land.
-  constexpr int kKvFullAt = kPageRing ? kKvFullAtRing : kKvFullAtRegister;
+  // (kPageLinePrefetch: the non-fused instances.)
+  constexpr int kKvFullAt =
+      kPageRing ? (kPageLinePrefetch ? kKvFullAtRing : kKvFullAtRingFused) : kKvFullAtRegister;
   // The V pair before which places 2, 3 and 4 arrive (-1: not in the pair loop).
   constexpr int kKvFullPair = kKvFullAt == 2   ? O_N_TILES / 4
                               : kKvFullAt == 3 ? O_N_TILES / 8
