@@ -147,11 +147,13 @@ HostVerifyProblem MakeProblem(const VerifyProblemSpec& spec) {
     p.layer[b] = static_cast<int32_t>(rng() % spec.num_layers);
     const int32_t* pages = p.page_table.data() + b * p.page_table_stride;
     const uint64_t seed = SplitMix64(spec.seed + 1000 + b);
+    const double ramp_per_row = spec.kv_ramp / std::max(1, p.prefix_len[b]);
     ParallelFor(p.prefix_len[b], 0, [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j) {
         Bf16* row = p.pool.data() + view.RowOffset(p.layer[b], pages, j);
+        const float range = static_cast<float>(spec.kv_range * (1.0 + ramp_per_row * static_cast<double>(j)));
         for (int d = 0; d < kLatentDim; ++d) {
-          row[d] = FloatToBf16(HashUniform(seed, j * kLatentDim + d, spec.kv_range));
+          row[d] = FloatToBf16(HashUniform(seed, j * kLatentDim + d, range));
         }
       }
     });

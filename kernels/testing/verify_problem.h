@@ -38,6 +38,10 @@ struct VerifyProblemSpec {
   int64_t out_head_pad = 0;
   float q_range = 2.0f;         // q ~ U(-q_range, q_range)
   float kv_range = 1.0f;        // kv ~ U(-kv_range, kv_range)
+  // Prefix row j's range grows to kv_range * (1 + kv_ramp * j / P): scores
+  // that keep rising along the prefix move the softmax's exponent reference
+  // many times inside one split.
+  float kv_ramp = 0.0f;
 };
 
 // A problem on the host. The pool holds the prefix rows of every request; the
