@@ -197,7 +197,9 @@ TEST_F(GpuKernelTest, RisingScoresMoveTheExponentReference) {
       {{5000}, {64}, 16, 1, MaskKind::kTree},
       {{1000, 3000}, {7, 16}, 128, 16, MaskKind::kChain},
   };
-  // Unsplit requests (the plan kernel's batch): one CTA sees the whole ramp.
+  // A batch past the warp plan (the plan kernel's) with ~100 row tiles, fewer
+  // than an H200's 132 CTAs: most requests get one split, so one CTA
+  // attends a whole ramp.
   GridCase many{{}, {}, 8, 64, MaskKind::kTree};
   for (int i = 0; i < kPlanInWarpMaxBatch + 8; ++i) {
     many.prefix_len.push_back(2000 + 97 * i);
