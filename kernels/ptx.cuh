@@ -139,6 +139,26 @@ __device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
   return r;
 }
 
+// Shared-memory words read and written by warps that do not synchronise
+// (relaxed: a read returns some value the word held, never a torn one).
+__device__ __forceinline__ float LdRelaxedShared(const float* p) {
+  float v;
+  asm volatile("ld.relaxed.cta.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(SmemAddress(p)));
+  return v;
+}
+__device__ __forceinline__ void StRelaxedShared(float* p, float v) {
+  asm volatile("st.relaxed.cta.shared.f32 [%0], %1;\n" ::"r"(SmemAddress(p)), "f"(v));
+}
+
+// a * b per bf16 half, rounded to nearest (fma.rn.bf16x2 with -0 added, so
+// that +0 stays +0). With b a power of two the product is exact unless it
+// falls below bf16's normal range.
+__device__ __forceinline__ uint32_t MulBf16x2(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
+  return r;
+}
+
 }  // namespace mlaverify::kernels::ptx
 
 #endif  // MLAVERIFY_KERNELS_PTX_CUH_

@@ -71,6 +71,46 @@ __device__ __forceinline__ void KeepFragmentLoads(const VerifyParams& p, uint32_
 #endif
 constexpr bool kScoreKeySplit = MLAVERIFY_SCORE_KEY_SPLIT != 0;
 
+// Per-half exponent references (v26c, session 14; bench/NOTES.md). The two
+// key-split score warps of a row group need not meet at a barrier each tile
+// to agree on a row's reference. Each keeps its own, as a whole number in the
+// log2 domain (the ceiling of a tile max). It publishes the reference in
+// shared memory when it moves, and takes the partner's published one when
+// that is larger (a relaxed read, one tile late at worst). Each tile it
+// writes one "dirty" flag: it moved, or it differs from the partner's as
+// read. The PV warps load the four flags with one 16-byte load. Only on a
+// dirty tile do they read the references, scale each half of P by
+// 2^(ref - R) (a power of two: exact in bf16) and O by 2^(R_old - R), R the
+// largest.
+//
+// MLAVERIFY_HALF_REFS picks the instances:
+// - 0: none.
+// - 1: every key-split instance.
+// - 2 (default): the page-ring instances (page < 16) only. They have no
+//   phase offset; there this gained 1.2-2.8 % on the page-1 shapes (call 7).
+//
+// On the register page path (page >= 16) the pair's barrier paces the tile:
+// v26, v26b and v26c there were 3.9-5.1 % slower compute-bound (calls 2, 3
+// and 6). The score warps then wait for the PV warps (ncu, call 5).
+#ifndef MLAVERIFY_HALF_REFS
+#define MLAVERIFY_HALF_REFS 2
+#endif
+static_assert(MLAVERIFY_HALF_REFS >= 0 && MLAVERIFY_HALF_REFS <= 2, "MLAVERIFY_HALF_REFS: 0..2");
+template <bool kPageRing>
+constexpr bool kHalfRefsIn = kScoreKeySplit && (MLAVERIFY_HALF_REFS == 1 || (MLAVERIFY_HALF_REFS == 2 && kPageRing));
+namespace half_refs {
+// Float indices into the exchange area: [4 warps][16 rows] published
+// references, [2 row groups][16] key half 1's final references, then
+// [2 tiles][BLOCK_M rows][2 key halves] the references each tile's P used.
+constexpr int kPublishedAt = 0;
+constexpr int kFinalRefsAt = 96;
+constexpr int kTileRefsAt = 128;
+// [2 tiles][4 score warps] int32: the warp's references for the tile may
+// differ from O's (it moved them, or they differ from the partner's as last
+// read). All four zero: the PV warps have nothing to do (v26c).
+constexpr int kDirtyAt = 256;
+}  // namespace half_refs
+
 // Where the PV warps arrive KV_FULL(t+2) in their iteration t (v23, see
 // arrive_kv_full in the PV loop): 0 after their MMAs, 1 before, 2 halfway,
 // 3 after a quarter of their V pairs, 4 after three quarters (default).
@@ -144,7 +184,7 @@ __device__ __forceinline__ void ScoreWaitForTile(int t) {
 // the running max settles) do they swap their tile maxima through shared
 // memory and both take the larger. Hand-over to the PV warps as in the
 // dimension split (see the header).
-template <bool kPhaseOffset, bool kDecoupled, int kQSteps>
+template <bool kPhaseOffset, bool kDecoupled, bool kHalfRefs, int kQSteps>
 __device__ __forceinline__ void ScoreTilesKeySplit(const VerifyParams& p, const VerifyWorkItem& item,
                                                    uint8_t* smem_raw, const uint32_t (&q_frag)[kQSteps][4],
                                                    int row_group, int key_half, int num_tiles, float scale_log2,
@@ -195,9 +235,38 @@ __device__ __forceinline__ void ScoreTilesKeySplit(const VerifyParams& p, const 
                              TileOffset(key_half * 8 + (lane & 7), 4 + (lane >> 3))};
   float ref[2] = {-INFINITY, -INFINITY};  // exponent references of rows row0, row0 + 8 (log2 domain)
   float row_sum[2] = {0.0f, 0.0f};        // this lane's share of their running sums
+  // Per-half references (kHalfRefs): tiles still to receive them for the PV
+  // warps (each P buffer has its own slot, so a move is written twice), and
+  // the areas.
+  [[maybe_unused]] int refs_to_write = 2;
+  [[maybe_unused]] float* published = maxima + half_refs::kPublishedAt;
+  [[maybe_unused]] float* tile_refs = maxima + half_refs::kTileRefsAt;
+  [[maybe_unused]] float* final_refs = maxima + half_refs::kFinalRefsAt;
+  [[maybe_unused]] int* dirty_flags = reinterpret_cast<int*>(maxima + half_refs::kDirtyAt);
+  static_assert(half_refs::kDirtyAt >= half_refs::kTileRefsAt + 2 * 2 * BLOCK_M &&
+                    Shape::EXCHANGE_BYTES >= (half_refs::kDirtyAt + 2 * 4) * 4 && half_refs::kDirtyAt % 4 == 0,
+                "the dirty flags fit the exchange area, 16-byte aligned");
+  static_assert(Shape::EXCHANGE_BYTES >= (half_refs::kTileRefsAt + 2 * 2 * BLOCK_M) * 4 &&
+                    half_refs::kFinalRefsAt >= 4 * 16 + 2 * 16 &&
+                    half_refs::kFinalRefsAt + 2 * 16 <= half_refs::kTileRefsAt,
+                "the per-half references fit the exchange area beside the row sums");
+  if constexpr (kHalfRefs) {
+    // Before tile 0's BAR_SCORE: the partner reads this only after it. The
+    // previous segment's readers are past the pair barrier at its end.
+    if (t4 == 0) {
+      ptx::StRelaxedShared(published + warp * 16 + g, -INFINITY);
+      ptx::StRelaxedShared(published + warp * 16 + g + 8, -INFINITY);
+    }
+  }
   uint32_t stage = 0;
   for (int t = 0; t < num_tiles; ++t) {
     ScoreWaitForTile<2, kDecoupled>(t);
+    // Per-half references: the partner's as last published (used after the MMAs).
+    [[maybe_unused]] float partner[2];
+    if constexpr (kHalfRefs) {
+      partner[0] = ptx::LdRelaxedShared(published + (warp ^ 1) * 16 + g);
+      partner[1] = ptx::LdRelaxedShared(published + (warp ^ 1) * 16 + g + 8);
+    }
 
     const uint32_t k_base = kv_base + stage;
     stage = stage == (NUM_STAGES - 1) * STAGE_BYTES ? 0 : stage + STAGE_BYTES;
@@ -233,7 +302,35 @@ __device__ __forceinline__ void ScoreTilesKeySplit(const VerifyParams& p, const 
     float m[2] = {fmaxf(sc[0], sc[1]) * scale_log2, fmaxf(sc[2], sc[3]) * scale_log2};
     const bool change_mine = !(m[0] <= ref[0] + REFERENCE_SLACK && m[1] <= ref[1] + REFERENCE_SLACK);
     float alpha[2] = {1.0f, 1.0f};
-    if (ptx::NamedBarrierAny(BAR_PAIR + row_group, 64, change_mine)) {
+    [[maybe_unused]] bool dirty = false;
+    if constexpr (kHalfRefs) {
+      // Per-half references: this warp's own; the quad that shares a row agrees
+      // by two shuffles, the partner only through what it published.
+      // One vote also says whether they may differ from O's for the PV
+      // warps ("dirty": a move, or a difference from the partner's as read).
+      // Every score warp passes each tile's KV_FULL / BAR_SCORE before this
+      // tile's read, so the partner's value read is its reference at t - 1
+      // or t. Two clean warps at t then hold equal references, unchanged since
+      // t - 1, which is what O's reference is after tile t - 1.
+      const bool move = change_mine || partner[0] > ref[0] || partner[1] > ref[1];
+      dirty = __any_sync(0xffffffffu, move || partner[0] != ref[0] || partner[1] != ref[1]);
+      if (dirty) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          m[h] = fmaxf(m[h], __shfl_xor_sync(0xffffffffu, m[h], 1));
+          m[h] = fmaxf(m[h], __shfl_xor_sync(0xffffffffu, m[h], 2));
+          float new_ref = fmaxf(ref[h], partner[h]);
+          if (!(m[h] <= new_ref + REFERENCE_SLACK)) new_ref = ceilf(m[h]);
+          alpha[h] = new_ref == -INFINITY ? 0.0f : ptx::Exp2Approx(ref[h] - new_ref);
+          ref[h] = new_ref;
+        }
+        if (t4 == 0) {
+          ptx::StRelaxedShared(published + warp * 16 + g, ref[0]);
+          ptx::StRelaxedShared(published + warp * 16 + g + 8, ref[1]);
+        }
+        refs_to_write = 2;
+      }
+    } else if (ptx::NamedBarrierAny(BAR_PAIR + row_group, 64, change_mine)) {
       // Uniform over the pair: both warps compute the same new references.
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -268,7 +365,16 @@ __device__ __forceinline__ void ScoreTilesKeySplit(const VerifyParams& p, const 
     auto* probs = reinterpret_cast<uint32_t*>(smem_raw + Shape::SMEM_P_OFFSET + (t & 1) * P_BUFFER_BYTES);
     probs[(row0 * P_PITCH + key_half * 8 + 2 * t4) / 2] = ptx::PackBf16x2(sc[0], sc[1]);
     probs[((row0 + 8) * P_PITCH + key_half * 8 + 2 * t4) / 2] = ptx::PackBf16x2(sc[2], sc[3]);
-    if (key_half == 0 && t4 == 0) {
+    if constexpr (kHalfRefs) {
+      if (refs_to_write > 0) {  // warp-uniform
+        --refs_to_write;
+        if (t4 == 0) {
+          tile_refs[((t & 1) * BLOCK_M + row0) * 2 + key_half] = ref[0];
+          tile_refs[((t & 1) * BLOCK_M + row0 + 8) * 2 + key_half] = ref[1];
+        }
+      }
+      if (lane == 0) dirty_flags[(t & 1) * 4 + warp] = dirty ? 1 : 0;
+    } else if (key_half == 0 && t4 == 0) {
       alpha_s[(t & 1) * BLOCK_M + row0] = alpha[0];
       alpha_s[(t & 1) * BLOCK_M + row0 + 8] = alpha[1];
     }
@@ -285,13 +391,29 @@ __device__ __forceinline__ void ScoreTilesKeySplit(const VerifyParams& p, const 
   if (key_half == 1 && t4 == 0) {
     half_sums[row_group * 16 + g] = row_sum[0];
     half_sums[row_group * 16 + g + 8] = row_sum[1];
+    if constexpr (kHalfRefs) {
+      final_refs[row_group * 16 + g] = ref[0];
+      final_refs[row_group * 16 + g + 8] = ref[1];
+    }
   }
   ptx::NamedBarrierSync(BAR_PAIR + row_group, 64);
   if (key_half == 0 && t4 == 0) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      StoreRowStats(p, item.partial_slot, row0 + 8 * h, r0 + 8 * h, rows, item.q_row, heads, ref[h],
-                    row_sum[h] + half_sums[row_group * 16 + g + 8 * h], inv_l_s);
+      if constexpr (kHalfRefs) {
+        const float other_sum = half_sums[row_group * 16 + g + 8 * h];
+        // The PV warps' O is relative to the larger of the two references
+        // (the running max of both): bring both sums to it.
+        const float other_ref = final_refs[row_group * 16 + g + 8 * h];
+        const float r = fmaxf(ref[h], other_ref);
+        const float sum = r == -INFINITY ? 0.0f
+                                         : row_sum[h] * ptx::Exp2Approx(ref[h] - r) +
+                                               other_sum * ptx::Exp2Approx(other_ref - r);
+        StoreRowStats(p, item.partial_slot, row0 + 8 * h, r0 + 8 * h, rows, item.q_row, heads, r, sum, inv_l_s);
+      } else {
+        StoreRowStats(p, item.partial_slot, row0 + 8 * h, r0 + 8 * h, rows, item.q_row, heads, ref[h],
+                      row_sum[h] + half_sums[row_group * 16 + g + 8 * h], inv_l_s);
+      }
     }
   }
   ptx::NamedBarrierArrive(BAR_FINAL, NUM_THREADS);
@@ -326,6 +448,8 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   // see ScoreTilesKeySplit). `pipelined` only: pipelined16's 128 registers
   // cannot hold a row group's whole Q.
   constexpr bool kKeySplit = kKSlices == 2 && kScoreKeySplit;
+  // This instance's score warps keep per-half references (see MLAVERIFY_HALF_REFS).
+  constexpr bool kHalfRefs = kKeySplit && kHalfRefsIn<kPageRing>;
   // Block-scope declarations: these hide the split-K variant's constants of the same name.
   using pipelined::BAR_FINAL;
   using pipelined::BAR_KV_FULL;
@@ -473,7 +597,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     }
 
     if constexpr (kKeySplit) {
-      ScoreTilesKeySplit<kPhaseOffset, kDecoupled>(p, item, smem_raw, q_frag, row_group, k_slice, num_tiles,
+      ScoreTilesKeySplit<kPhaseOffset, kDecoupled, kHalfRefs>(p, item, smem_raw, q_frag, row_group, k_slice, num_tiles,
                                                     scale_log2, prefix);
       return;
     }
@@ -763,10 +887,19 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   uint32_t stage = 0;                                      // byte offset of tile t's stage
   [[maybe_unused]] uint32_t fragment_sink = 0;  // knockout builds: keeps the fragment loads of removed MMAs
   uint32_t free_stage = (NUM_STAGES - 1) * STAGE_BYTES;    // tile t-1's: loaded next
+  // Per-half references: O's per row of this lane (rows m * 16 + g + 8 h),
+  // and the score warps' per-tile references.
+  [[maybe_unused]] float o_ref[M_TILES][2];
+#pragma unroll
+  for (int m = 0; m < M_TILES; ++m) o_ref[m][0] = o_ref[m][1] = -INFINITY;
+  [[maybe_unused]] const float* tile_refs =
+      reinterpret_cast<const float*>(smem_raw + Shape::SMEM_EXCHANGE_OFFSET) + half_refs::kTileRefsAt;
+  [[maybe_unused]] const int* dirty_flags =
+      reinterpret_cast<const int*>(smem_raw + Shape::SMEM_EXCHANGE_OFFSET) + half_refs::kDirtyAt;
   for (int t = 0; t < num_tiles; ++t) {
     ptx::NamedBarrierSync(BAR_P_FULL + (t & 1), NUM_THREADS);
     if (t == 0 && tid == SCORE_THREADS) PhaseStamp(kStampPvFirstTile);
-    if constexpr (!(kKnockout & kKnockoutAlpha)) {
+    if constexpr (!(kHalfRefs && kKeySplit) && !(kKnockout & kKnockoutAlpha)) {
       const float* alpha = alpha_s + (t & 1) * BLOCK_M;
       float a[M_TILES][2];
 #pragma unroll
@@ -793,6 +926,52 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     uint32_t p_frag[M_TILES][4];
 #pragma unroll
     for (int m = 0; m < M_TILES; ++m) ptx::LdMatrixX4(p_frag[m], p_frag_addr[m] + (t & 1) * P_BUFFER_BYTES);
+    if constexpr (kHalfRefs && kKeySplit && !(kKnockout & kKnockoutAlpha)) {
+      // Per-half references (see MLAVERIFY_HALF_REFS): nothing to do while
+      // both halves used O's reference; else R = the largest per row, each
+      // half of P scaled by 2^(ref - R) and O by 2^(R_old - R). In the A
+      // fragment, registers 0, 1 hold keys 0-7 (key half 0) of rows g, g + 8,
+      // registers 2, 3 keys 8-15. The score warps' flags say whether any row
+      // may differ; all lanes read the same four words: the branch is uniform.
+      const int4 flags = *reinterpret_cast<const int4*>(dirty_flags + (t & 1) * 4);
+      if ((flags.x | flags.y | flags.z | flags.w) != 0) {
+        const float2* refs = reinterpret_cast<const float2*>(tile_refs) + (t & 1) * BLOCK_M;
+        float2 r[M_TILES][2];
+        bool same = true;
+#pragma unroll
+        for (int m = 0; m < M_TILES; ++m)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            r[m][h] = refs[m * 16 + g + 8 * h];
+            same = same && r[m][h].x == o_ref[m][h] && r[m][h].y == o_ref[m][h];
+          }
+        if (!__all_sync(0xffffffffu, same)) {
+          // A row with no visible key in either half nor in O scales by 0.
+          auto power = [](float x, float big) { return big == -INFINITY ? 0.0f : ptx::Exp2Approx(x - big); };
+#pragma unroll
+          for (int m = 0; m < M_TILES; ++m) {
+            float a[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const float big = fmaxf(o_ref[m][h], fmaxf(r[m][h].x, r[m][h].y));
+              a[h] = power(o_ref[m][h], big);
+              const float s0 = power(r[m][h].x, big);
+              const float s1 = power(r[m][h].y, big);
+              p_frag[m][h] = ptx::MulBf16x2(p_frag[m][h], ptx::PackBf16x2(s0, s0));
+              p_frag[m][2 + h] = ptx::MulBf16x2(p_frag[m][2 + h], ptx::PackBf16x2(s1, s1));
+              o_ref[m][h] = big;
+            }
+#pragma unroll
+            for (int n = 0; n < O_N_TILES; ++n) {
+              o_acc[m][n][0] *= a[0];
+              o_acc[m][n][1] *= a[0];
+              o_acc[m][n][2] *= a[1];
+              o_acc[m][n][3] *= a[1];
+            }
+          }
+        }
+      }
+    }
     // Wait until the score warps have issued S(t+1)'s MMAs (see the score
     // loop): one arrival per tile from t = 1 on, so this barrier's phases
     // alternate strictly (S(t+2) waits for PV(t) at P_EMPTY).
