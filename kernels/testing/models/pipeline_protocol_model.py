@@ -19,6 +19,9 @@ Run: python3 kernels/testing/models/pipeline_protocol_model.py (~30 s);
 prints "bad runs: 0" and exits 0 when clean. `--plant staging-before-final`
 runs it with a fault planted on purpose (the epilogue stages O before
 BAR_FINAL, over tiles other warps may still read): it must report bad runs.
+`--plant published-early` reads the partner's published references
+(MLAVERIFY_HALF_REFS) before the tile's BAR_SCORE / KV_FULL sync instead of
+after it: tile t - 1's value is then not guaranteed visible.
 `--plant p-empty-late` moves the score warps' P_EMPTY wait from the top of
 the tile to just before P(t) is written, for every tile: then a score warp
 can arrive at BAR_SCORE_MMA_DONE (v15.1) twice before a lagging PV warp
@@ -44,6 +47,13 @@ KEY_SPLIT = '--dim-split' not in sys.argv
 # the other warps: PV(t) reads only stage t's tile either way), after the
 # phase-offset sync; --kv-full-late models =0, after the MMAs.
 KV_FULL_EARLY = '--kv-full-late' not in sys.argv
+# Per-half exponent references (MLAVERIFY_HALF_REFS, session 14): the key-split
+# pair drops its per-tile barrier; each score warp publishes its references
+# (a relaxed word, read by the partner at the top of the next tiles) and
+# writes the tile's references and dirty flag beside P. Default 2: the
+# page-ring instances only; --half-refs-all: every key-split instance (1);
+# --half-refs-none: none (0).
+HALF_REFS = 1 if '--half-refs-all' in sys.argv else 0 if '--half-refs-none' in sys.argv else 2
 
 def run(KS, nt, ring, seed):
     rnd = random.Random(seed)
@@ -66,6 +76,18 @@ def run(KS, nt, ring, seed):
             if x != w and not hb(x, tr, w): errs.append(f"WAR {r} by w{w} tag {tag} vs read w{x}")
         reads[r] = []
         res_write[r] = (w, t, tag)
+    # A relaxed shared word (the published references): no ordering is
+    # required for the kernel to be correct, except that the partner's value
+    # of tile t - 1 is visible at tile t (what the dirty flag's argument uses).
+    pub = {}  # warp -> {tile: (writer time)}
+    def publish(w, t):
+        pub.setdefault(w, {})[t] = tick(w)
+    def read_published(w, partner, t):
+        tick(w)
+        if t >= 1:
+            wt = pub.get(partner, {}).get(t - 1)
+            if wt is None or not hb(partner, wt, w):
+                errs.append(f"published reference of w{partner} at tile {t - 1} not visible to w{w} at {t}")
     def read_res(w, r, tag):
         t = tick(w)
         if r not in res_write: errs.append(f"read unwritten {r}"); return
@@ -163,6 +185,10 @@ def run(KS, nt, ring, seed):
             if loader and t < nt: issue(w, t, t, w)
             commit(w)
         for t in range(nt):
+            half = KEY_SPLIT and KS == 2 and (HALF_REFS == 1 or (HALF_REFS == 2 and ring))
+            # --plant published-early: the partner's published references read
+            # before this tile's BAR_SCORE / KV_FULL: tile t - 1's may not be there.
+            if half and PLANT == 'published-early': read_published(w, w ^ 1, t)
             # kDecoupled (v15.3): P_EMPTY at the top for the prologue tiles only; the
             # p-empty-late plant drops it there too.
             dec = KS == 2  # kDecoupled
@@ -171,10 +197,15 @@ def run(KS, nt, ring, seed):
                 wait(w, NS - 1 - t); yield ('sync', BAR_SCORE, SW)
             else:
                 yield ('sync', BAR_KV_FULL + (t & 1), ALL)
+            if half and PLANT != 'published-early': read_published(w, w ^ 1, t)
             read_stage(w, t % NS, t, 'score')
             yield None
             if not ring and t >= 1: yield ('arrive', BAR_SCORE_MMA_DONE, ALL)  # S(t)'s MMAs issued: PV(t-1) may go
-            if KEY_SPLIT and KS == 2:
+            if half:
+                # No pair barrier: the references go out as a relaxed word (in
+                # the kernel only when they move; here every tile, a superset).
+                publish(w, t)
+            elif KEY_SPLIT and KS == 2:
                 # v22: one barrier reduction per tile; on the rare reference
                 # change (the same choice in both warps of the pair: it is the
                 # reduction's result) the tile maxima go through shared memory.
@@ -191,6 +222,9 @@ def run(KS, nt, ring, seed):
             if (dec and t >= NS) or (t >= 2 and PLANT == 'p-empty-late'):
                 yield ('sync', BAR_P_EMPTY + (t & 1), ALL)  # late: just before P(t) is written
             write_res(w, ('P', t & 1, w), t)
+            # the tile's references and dirty flag, beside P (in the kernel the
+            # references only on the two tiles after a move: a subset)
+            if half: write_res(w, ('refs', t & 1, w), t)
             yield ('arrive', BAR_P_FULL + (t & 1), ALL)
         if KEY_SPLIT and KS == 2:
             # key half 1 hands its row sums to key half 0, which stores the rows' stats
@@ -211,6 +245,8 @@ def run(KS, nt, ring, seed):
         for t in range(nt):
             yield ('sync', BAR_P_FULL + (t & 1), ALL)
             for x in range(SW): read_res(w, ('P', t & 1, x), t)
+            if KEY_SPLIT and KS == 2 and (HALF_REFS == 1 or (HALF_REFS == 2 and ring)):
+                for x in range(SW): read_res(w, ('refs', t & 1, x), t)
             kv_full = KS == 2 and t + 2 < nt and t + 2 >= NS
             if kv_full and KV_FULL_EARLY and PLANT == 'kv-full-before-offset':
                 wait(w, NS - 4)
