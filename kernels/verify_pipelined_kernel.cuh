@@ -182,8 +182,10 @@ __device__ __forceinline__ void ScoreWaitForTile(int t) {
 // one `barrier.cta.red.or` per tile tells them whether any row of either half
 // exceeds its reference by more than REFERENCE_SLACK, and only then (rare once
 // the running max settles) do they swap their tile maxima through shared
-// memory and both take the larger. Hand-over to the PV warps as in the
-// dimension split (see the header).
+// memory and both take the larger. With kHalfRefs (the page-ring instances by
+// default, see MLAVERIFY_HALF_REFS) there is no such barrier: each warp keeps
+// its own references and the PV warps reconcile them. Hand-over to the PV
+// warps as in the dimension split (see the header).
 template <bool kPhaseOffset, bool kDecoupled, bool kHalfRefs, int kQSteps>
 __device__ __forceinline__ void ScoreTilesKeySplit(const VerifyParams& p, const VerifyWorkItem& item,
                                                    uint8_t* smem_raw, const uint32_t (&q_frag)[kQSteps][4],
@@ -427,16 +429,18 @@ __device__ __forceinline__ void ScoreTilesKeySplit(const VerifyParams& p, const 
 // warps, else the PV warps): each role loops over the segments on its own
 // (see the kernel below), so that what the compiler hoists out of the segment
 // loop is one role's, not both roles' registers at once.
-// kPageLinePrefetch: the PV warps ask L2 for the segment's page-table lines
-// first (register path; see the PV prologue). Off in the fused-combine
-// instance: its segments are short (batch <= fused_combine_max_batch spread
-// over the whole grid, one page-table line or two), and with it B=1, L=64K
-// measured 5 % slower (code generation of that instance, not analysed;
-// bench/NOTES.md v12). Its PTX is then unchanged.
-template <int kKSlices, bool kPageRing, bool kScoreRole, bool kPageLinePrefetch>
+// kFused: the fused-combine instance (see PipelinedAttentionKernel).
+template <int kKSlices, bool kPageRing, bool kScoreRole, bool kFused>
 __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, const VerifyWorkItem& item,
                                                        uint8_t* smem_raw) {
   using Shape = pipelined::Shape<kKSlices>;
+  // The PV warps ask L2 for the segment's page-table lines first (register
+  // path; see the PV prologue). Not in the fused-combine instance: its
+  // segments are short (batch <= fused_combine_max_batch spread over the
+  // whole grid, one page-table line or two), and with it B=1, L=64K measured
+  // 5 % slower (code generation of that instance, not analysed;
+  // bench/NOTES.md v12). Its PTX is then unchanged.
+  constexpr bool kPageLinePrefetch = !kFused;
   // PV(t)'s MMAs wait for S(t+1)'s to be issued (v15); register page path only.
   constexpr bool kPhaseOffset = !kPageRing;
   // Decoupled hand-over (v15.3, bench/NOTES.md session 9: -2.9 % compute-bound,
@@ -869,9 +873,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   // a quarter, three quarters of the V pairs. Earlier lets S(t+2)'s MMAs
   // overlap PV(t)'s instead of following them, and gives each load less time
   // to land.
-  // (kPageLinePrefetch: the non-fused instances.)
-  constexpr int kKvFullAt =
-      kPageRing ? (kPageLinePrefetch ? kKvFullAtRing : kKvFullAtRingFused) : kKvFullAtRegister;
+  constexpr int kKvFullAt = kPageRing ? (kFused ? kKvFullAtRingFused : kKvFullAtRing) : kKvFullAtRegister;
   // The V pair before which places 2, 3 and 4 arrive (-1: not in the pair loop).
   constexpr int kKvFullPair = kKvFullAt == 2   ? O_N_TILES / 4
                               : kKvFullAt == 3 ? O_N_TILES / 8
@@ -1069,12 +1071,12 @@ __global__ void __launch_bounds__(pipelined::Shape<kKSlices>::NUM_THREADS, 1)
   if (threadIdx.x < pipelined::Shape<kKSlices>::SCORE_THREADS) {
     ForEachSegment<true, kKSlices == 2 && !kFused>(
         p, segments,
-        [&](const VerifyWorkItem& item) { AttendSegmentPipelined<kKSlices, kPageRing, true, !kFused>(p, item, smem_raw); },
+        [&](const VerifyWorkItem& item) { AttendSegmentPipelined<kKSlices, kPageRing, true, kFused>(p, item, smem_raw); },
         after);
   } else {
     ForEachSegment<true, kKSlices == 2 && !kFused>(
         p, segments,
-        [&](const VerifyWorkItem& item) { AttendSegmentPipelined<kKSlices, kPageRing, false, !kFused>(p, item, smem_raw); },
+        [&](const VerifyWorkItem& item) { AttendSegmentPipelined<kKSlices, kPageRing, false, kFused>(p, item, smem_raw); },
         after);
   }
   if constexpr (kFused) {

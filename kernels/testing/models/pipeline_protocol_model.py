@@ -55,6 +55,10 @@ KV_FULL_EARLY = '--kv-full-late' not in sys.argv
 # --half-refs-none: none (0).
 HALF_REFS = 1 if '--half-refs-all' in sys.argv else 0 if '--half-refs-none' in sys.argv else 2
 
+def half_refs_in(KS, ring):
+    """Whether this instance's key-split pair keeps per-half references."""
+    return KEY_SPLIT and KS == 2 and (HALF_REFS == 1 or (HALF_REFS == 2 and ring))
+
 def run(KS, nt, ring, seed):
     rnd = random.Random(seed)
     SW = 2 * KS; PW = SW; NS = 5 if KS == 2 else 4; QS = NS - 2
@@ -185,7 +189,7 @@ def run(KS, nt, ring, seed):
             if loader and t < nt: issue(w, t, t, w)
             commit(w)
         for t in range(nt):
-            half = KEY_SPLIT and KS == 2 and (HALF_REFS == 1 or (HALF_REFS == 2 and ring))
+            half = half_refs_in(KS, ring)
             # --plant published-early: the partner's published references read
             # before this tile's BAR_SCORE / KV_FULL: tile t - 1's may not be there.
             if half and PLANT == 'published-early': read_published(w, w ^ 1, t)
@@ -245,7 +249,7 @@ def run(KS, nt, ring, seed):
         for t in range(nt):
             yield ('sync', BAR_P_FULL + (t & 1), ALL)
             for x in range(SW): read_res(w, ('P', t & 1, x), t)
-            if KEY_SPLIT and KS == 2 and (HALF_REFS == 1 or (HALF_REFS == 2 and ring)):
+            if half_refs_in(KS, ring):
                 for x in range(SW): read_res(w, ('refs', t & 1, x), t)
             kv_full = KS == 2 and t + 2 < nt and t + 2 >= NS
             if kv_full and KV_FULL_EARLY and PLANT == 'kv-full-before-offset':
