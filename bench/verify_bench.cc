@@ -222,6 +222,11 @@ int Run(int argc, char** argv) {
   bool plan_kernel = false;
   app.add_flag("--plan-kernel", plan_kernel,
                "always launch the plan kernel (default: batches <= 32 plan in the attention kernel)");
+  bool reuse_plan = false;
+  app.add_flag("--reuse-plan", reuse_plan,
+               "time launches that read the plan a previous launch left in the workspace "
+               "(VerifyLaunchConfig::reuse_plan: every layer of a verify step after the first); "
+               "one planning launch runs before the capture");
   bool chunk_plan = false;
   app.add_flag("--chunk-plan", chunk_plan,
                "never use the stream plan (equal KV ranges across requests); default: the plan chooses");
@@ -275,6 +280,7 @@ int Run(int argc, char** argv) {
     return 2;
   }
   if (plan_kernel) config->plan_in_warp_max_batch = 0;
+  if (reuse_plan) config->reuse_plan = true;
   if (chunk_plan) config->stream_plan = false;
   if (fused_combine && no_fused_combine) {
     std::cerr << "--fused-combine and --no-fused-combine contradict each other\n";
@@ -350,6 +356,12 @@ int Run(int argc, char** argv) {
     absl::Status st = device.Init(kernels::testing::CapacityFor(problem), *config);
     if (st.ok()) st = device.Upload(problem);
     if (st.ok()) st = kernels::LaunchWriteDraftKv(device.WriteArgs(), stream);
+    if (st.ok() && config->reuse_plan) {  // the step's first layer: it plans
+      kernels::VerifyLaunchConfig planning = *config;
+      planning.reuse_plan = false;
+      st = kernels::LaunchVerifyAttention(device.Args(), planning, device.workspace(), device.workspace_bytes(),
+                                          stream);
+    }
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
     if (st.ok()) {
@@ -457,6 +469,7 @@ int Run(int argc, char** argv) {
                            {"min_chunk_tiles", config->min_chunk_tiles},
                            {"programmatic_launch", config->programmatic_launch},
                            {"plan_in_warp_max_batch", config->plan_in_warp_max_batch},
+                           {"reuse_plan", config->reuse_plan},
                            {"stream_plan", config->stream_plan},
                            {"fused_combine_max_batch", config->fused_combine_max_batch},
                            {"attention_variant", kernels::AttentionVariantName(config->attention_variant)},

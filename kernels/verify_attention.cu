@@ -145,7 +145,7 @@ int FusedAttentionCtasPerSm() {
 }
 
 cudaError_t LaunchVerifyKernels(const VerifyParams& p, AttentionVariant variant,
-                                bool programmatic_launch, cudaStream_t stream) {
+                                bool programmatic_launch, bool launch_plan, cudaStream_t stream) {
   if (!IsSupportedAttentionVariant(variant)) return cudaErrorInvalidValue;
   if (p.plan_in_warp && p.batch > kPlanInWarpMaxBatch) return cudaErrorInvalidValue;
   if (p.stream_plan && !RunsStreamPlan(variant)) return cudaErrorInvalidValue;
@@ -155,7 +155,7 @@ cudaError_t LaunchVerifyKernels(const VerifyParams& p, AttentionVariant variant,
     return cudaErrorInvalidValue;
   }
   cudaError_t err = cudaSuccess;
-  if (!p.plan_in_warp) {
+  if (!p.plan_in_warp && launch_plan) {
     verify::PlanKernel<<<1, verify::PLAN_THREADS, 0, stream>>>(p);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;

@@ -150,14 +150,17 @@ absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchC
   p.max_work = VerifyMaxWork(a, c);
   p.target_ctas = VerifyTargetCtas(c);
   p.min_chunk_tiles = c.min_chunk_tiles;
-  p.plan_in_warp = a.batch <= c.plan_in_warp_max_batch ? 1 : 0;
+  // reuse_plan: the attention CTAs read the workspace's plan (as after a plan
+  // kernel) and no plan kernel is launched.
+  p.plan_in_warp = !c.reuse_plan && a.batch <= c.plan_in_warp_max_batch ? 1 : 0;
   p.stream_plan = c.stream_plan && RunsStreamPlan(c.attention_variant) ? 1 : 0;
   p.split_arrivals = reinterpret_cast<unsigned int*>(base + l.split_arrivals);
   p.split_done = reinterpret_cast<unsigned int*>(base + l.split_done);
   p.fused_magic = reinterpret_cast<const unsigned long long*>(base + l.fused_magic);
   p.fused_combine = UsesFusedCombine(c, a.batch, p.max_work) ? 1 : 0;
-  return CudaErrorToStatus(LaunchVerifyKernels(p, c.attention_variant, c.programmatic_launch, stream),
-                    "verify launch");
+  return CudaErrorToStatus(
+      LaunchVerifyKernels(p, c.attention_variant, c.programmatic_launch, /*launch_plan=*/!c.reuse_plan, stream),
+      "verify launch");
 }
 
 absl::StatusOr<VerifyPlanSummary> ReadVerifyPlanSummary(const VerifyArguments& a,

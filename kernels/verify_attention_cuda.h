@@ -57,6 +57,19 @@ struct VerifyLaunchConfig {
   // per SM); set by PrepareVerifyLaunch from the occupancy calculator. 0: no
   // fused launch.
   int resident_ctas = 0;
+  // Plan once, attend many times (FlashInfer's plan/run, FlashMLA's metadata):
+  // the 61 layers of a verify step share their lengths, so only the first
+  // launch of a step needs to plan. true: this launch neither launches the
+  // plan kernel nor plans in the attention kernel; it reads the plan the
+  // previous launch on the same workspace left there (every launch leaves
+  // its plan there, whichever way it planned). The caller guarantees that
+  // that launch had the same batch, the same device lengths (the contents
+  // of prefix_len and draft_len) and the same launch config; the other
+  // arguments (q, layer, page table, visibility words, scale, outputs) may
+  // differ. A stale plan is not detected: attention runs over the old
+  // ranges. Saves the warp plan's ~2.3 us per launch (bench/NOTES.md
+  // session 15).
+  bool reuse_plan = false;
 };
 
 // "splitk8", "splitk16", "pipelined", "pipelined16": the names the benchmark

@@ -153,8 +153,10 @@ enum class AttentionVariant : int { kSplitK8 = 0, kSplitK16 = 1, kPipelined = 2,
 
 // Launchers defined in the .cu files: they enqueue kernels on `stream` and
 // return the launch error; no allocation, no host synchronisation.
+// launch_plan false with params.plan_in_warp 0: no plan kernel either, the
+// attention reads the plan already in the workspace (VerifyLaunchConfig::reuse_plan).
 cudaError_t LaunchVerifyKernels(const VerifyParams& params, AttentionVariant variant,
-                                bool programmatic_launch, cudaStream_t stream);
+                                bool programmatic_launch, bool launch_plan, cudaStream_t stream);
 bool IsSupportedAttentionVariant(AttentionVariant variant);
 // Whether the variant's kernel runs the stream plan (the pipelined ones; the
 // split-K kernels have no segment loop and run the chunk plan only).

@@ -413,6 +413,84 @@ TEST_F(GpuKernelTest, FusedCombineMatchesTheCombineKernelBitForBit) {
   }
 }
 
+// VerifyLaunchConfig::reuse_plan, the pattern of a verify step: the first
+// layer's launch plans, the next layers' launches read that plan. Layer B has
+// the same lengths as layer A and fresh data (q, pool rows, page table,
+// trees), so a launch that reads A's plan must match B's reference. And the
+// reuse is real: after a layer with shorter prefixes, a reusing launch
+// attends over the old, shorter ranges and misses B's reference (ranges
+// inside B's, so nothing out of bounds is read).
+TEST_F(GpuKernelTest, ReusedPlanServesTheNextLayers) {
+  struct ReuseCase {
+    GridCase shape;
+    std::vector<int> shorter_prefix;  // a previous layer's lengths, for the stale-plan check
+  };
+  std::vector<ReuseCase> cases;
+  cases.push_back({{{4096}, {16}, 8, 64, MaskKind::kTree}, {2000}});  // fused combine, chunk plan
+  {
+    ReuseCase c{{{}, {}, 16, 1, MaskKind::kTree}, {}};  // equal row tiles: the stream plan, combine kernel
+    for (int i = 0; i < 8; ++i) {
+      c.shape.prefix_len.push_back(3000 + 500 * i);
+      c.shape.draft_len.push_back(16);
+      c.shorter_prefix.push_back(1000 + 200 * i);
+    }
+    cases.push_back(c);
+  }
+  cases.push_back({{{0, 65, 1000, 63, 7000}, {1, 7, 64, 16, 2}, 8, 16, MaskKind::kTree}, {0, 1, 500, 63, 1000}});
+  int index = 0;
+  for (const ReuseCase& c : cases) {
+    for (const AttentionVariant variant : {AttentionVariant::kPipelined, AttentionVariant::kSplitK8}) {
+      for (const int plan_in_warp : {kPlanInWarpMaxBatch, 0}) {  // the plan that is reused: in-warp or kernel
+        VerifyLaunchConfig first = config_;
+        first.attention_variant = variant;
+        first.plan_in_warp_max_batch = plan_in_warp;
+        VerifyLaunchConfig next = first;
+        next.reuse_plan = true;
+        const std::string where = absl::StrCat(c.shape.Name(), " ", AttentionVariantName(variant),
+                                               plan_in_warp ? " plan in warp" : " plan kernel");
+        const uint64_t seed = 9500 + 10 * index++;
+        VerifyProblemSpec spec_a = c.shape.Spec(seed);
+        VerifyProblemSpec spec_b = c.shape.Spec(seed + 1);
+        spec_b.num_layers = spec_a.num_layers;
+        HostVerifyProblem layer_a = MakeProblem(spec_a);
+        HostVerifyProblem layer_b = MakeProblem(spec_b);
+        VerifyProblemSpec spec_short = spec_a;
+        spec_short.prefix_len = c.shorter_prefix;
+        spec_short.min_num_pages = std::max(layer_a.num_pages, layer_b.num_pages);
+        spec_short.min_page_table_stride = std::max(layer_a.page_table_stride, layer_b.page_table_stride);
+        HostVerifyProblem layer_short = MakeProblem(spec_short);
+
+        DeviceVerifyProblem device;
+        ASSERT_TRUE(device.Init(CapacityFor(layer_a), first).ok()) << where;
+        auto run = [&](HostVerifyProblem& problem, const VerifyLaunchConfig& config) {
+          EXPECT_TRUE(device.Upload(problem).ok()) << where;
+          EXPECT_TRUE(LaunchWriteDraftKv(device.WriteArgs(), nullptr).ok()) << where;
+          const absl::Status launched = LaunchVerifyAttention(device.Args(), config, device.workspace(),
+                                                              device.workspace_bytes(), nullptr);
+          EXPECT_TRUE(launched.ok()) << where << ": " << launched;
+          EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess) << where;
+          std::vector<Bf16> out;
+          std::vector<float> lse;
+          EXPECT_TRUE(device.Download(problem, &out, &lse).ok()) << where;
+          EXPECT_TRUE(WriteDraftKvCpu(problem.HostWriteArgs()).ok());
+          return testing::CompareWithReference(problem, out, lse, kMaxCheckedRows);
+        };
+        const Comparison a = run(layer_a, first);
+        EXPECT_TRUE(a.ok()) << where << " layer A (plans): " << a.ToString();
+        const Comparison b = run(layer_b, next);
+        EXPECT_TRUE(b.ok()) << where << " layer B (reuses A's plan): " << b.ToString();
+        // A stale plan: the shorter layer plans, B reuses it and must miss.
+        const Comparison s = run(layer_short, first);
+        EXPECT_TRUE(s.ok()) << where << " shorter layer (plans): " << s.ToString();
+        HostVerifyProblem layer_b_again = MakeProblem(spec_b);
+        const Comparison stale = run(layer_b_again, next);
+        EXPECT_FALSE(stale.ok()) << where << ": a launch reusing the shorter layer's plan matched B's "
+                                 << "reference, so reuse_plan did not reuse the plan";
+      }
+    }
+  }
+}
+
 // The engine's pattern (server/engine/cuda_backend.cc): one workspace sized
 // and initialised once for the largest batch, then launches of whatever
 // batch is at hand. The fused combine's counters and mark must sit where the
