@@ -66,9 +66,11 @@ struct VerifyLaunchConfig {
   // that launch had the same batch, the same device lengths (the contents
   // of prefix_len and draft_len) and the same launch config; the other
   // arguments (q, layer, page table, visibility words, scale, outputs) may
-  // differ. A stale plan is not detected: attention runs over the old
-  // ranges. Saves the warp plan's ~2.3 us per launch (bench/NOTES.md
-  // session 15).
+  // differ. Nothing checks that: with other lengths, batch or config, or
+  // with no planning launch on the workspace before, the result is wrong
+  // and the launch may read out of bounds (a stale stream plan did in the
+  // GPU test's first version). Measured -1.6 to -1.8 us per launch up to
+  // B=8 (B=1, L=4K: 18.6 -> 16.8 us), +1 us at B=32 (bench/NOTES.md v28).
   bool reuse_plan = false;
 };
 
