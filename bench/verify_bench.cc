@@ -181,7 +181,9 @@ absl::StatusOr<nlohmann::json> RecordPhaseStamps(cudaGraphExec_t exec, cudaStrea
   // The SM clock between entry and the last tile, and the cycles per tile
   // over that span (it includes the plan and the prologue: a long segment's
   // per-tile figure, a short one's upper bound).
-  const char* raw_labels[] = {"SM MHz", "cycles/tile", "tiles"};
+  // (Session 13 read the B=1, L=64K figure as a slower tile; it was the
+  // head: bench/NOTES.md session 15, call 2. Hence the label.)
+  const char* raw_labels[] = {"SM MHz", "cyc/tile+head", "tiles"};
   for (int k = kernels::kFirstRawSlot; k < kPhaseSlots; ++k) {
     std::vector<int64_t> v;
     for (const auto& cta : median) {
@@ -193,6 +195,8 @@ absl::StatusOr<nlohmann::json> RecordPhaseStamps(cudaGraphExec_t exec, cudaStrea
                 v.size(), static_cast<long long>(v.front()), static_cast<long long>(v[v.size() / 2]),
                 static_cast<long long>(v.back()));
   }
+  std::printf("    (cyc/tile+head: cycles from the CTA's entry to its last PV tile over its tiles, plan and\n"
+              "     prologue included; the marginal tile is (score_done - first_tile) / tiles)\n");
   return out;
 }
 
