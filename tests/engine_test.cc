@@ -15,6 +15,7 @@
 #include "kernels/cpu_reference.h"
 #include "kernels/draft_tree.h"
 #include "server/engine/page_allocator.h"
+#include "server/engine/plan_reuse.h"
 
 namespace mlaverify::engine {
 namespace {
@@ -53,6 +54,26 @@ TEST(PageAllocatorDeathTest, DoubleFreeAborts) {
   ASSERT_TRUE(a.ok());
   pages.Free(*a);
   EXPECT_DEATH(pages.Free(*a), "freed but not allocated");
+}
+
+// The CUDA backend reuses a verify plan only for a launch with the lengths
+// of the last completed one (kernels::VerifyLaunchConfig::reuse_plan): the
+// layers of one step of one batch.
+TEST(PlanReuseTracker, ReusesOnlyTheLastCompletedLaunchsLengths) {
+  PlanReuseTracker t;
+  const std::vector<int32_t> prefix = {4096, 17}, draft = {16, 4};
+  EXPECT_FALSE(t.CanReuse(prefix, draft)) << "nothing planned yet";
+  t.Planned(prefix, draft);
+  EXPECT_TRUE(t.CanReuse(prefix, draft)) << "the next layer of the same step";
+  EXPECT_FALSE(t.CanReuse(std::vector<int32_t>{4096, 18}, draft)) << "a prefix moved";
+  EXPECT_FALSE(t.CanReuse(prefix, std::vector<int32_t>{16, 5})) << "a draft count moved";
+  EXPECT_FALSE(t.CanReuse(std::vector<int32_t>{4096}, std::vector<int32_t>{16})) << "another batch";
+  EXPECT_FALSE(t.CanReuse(std::vector<int32_t>{17, 4096}, std::vector<int32_t>{4, 16})) << "requests reordered";
+  t.Planned(std::vector<int32_t>{100}, std::vector<int32_t>{2});
+  EXPECT_FALSE(t.CanReuse(prefix, draft)) << "another batch planned in between";
+  EXPECT_TRUE(t.CanReuse(std::vector<int32_t>{100}, std::vector<int32_t>{2}));
+  t.Invalidate();
+  EXPECT_FALSE(t.CanReuse(std::vector<int32_t>{100}, std::vector<int32_t>{2})) << "after a failed launch";
 }
 
 TEST(EngineConfig, RejectsBadSettings) {

@@ -17,6 +17,7 @@
 #include "kernels/status_macros.h"
 #include "kernels/verify_attention_cuda.h"
 #include "server/engine/backend.h"
+#include "server/engine/plan_reuse.h"
 #include "spdlog/spdlog.h"
 
 namespace mlaverify::engine {
@@ -197,7 +198,14 @@ class CudaBackend final : public Backend {
     a.out_token_stride = static_cast<int64_t>(heads) * kValueDim;
     a.out_head_stride = kValueDim;
     a.lse = lse_.as<float>();
-    RETURN_IF_ERROR(kernels::LaunchVerifyAttention(a, config_, workspace_.as<void>(),
+    // The layers of one step of this batch share the plan of its first
+    // launch (plan_reuse.h): equal lengths, one workspace, one config.
+    const absl::Span<const int32_t> prefix_lens(scalars.data(), batch);
+    const absl::Span<const int32_t> draft_lens(scalars.data() + batch, batch);
+    kernels::VerifyLaunchConfig config = config_;
+    config.reuse_plan = plan_reuse_.CanReuse(prefix_lens, draft_lens);
+    plan_reuse_.Invalidate();  // until this launch has completed
+    RETURN_IF_ERROR(kernels::LaunchVerifyAttention(a, config, workspace_.as<void>(),
                                                    workspace_.bytes(), stream_));
     row = 0;
     for (const BackendVerifyRequest& r : requests) {
@@ -211,7 +219,9 @@ class CudaBackend final : public Backend {
                            "lse download"));
       row += r.draft_len;
     }
-    return CudaErrorToStatus(cudaStreamSynchronize(stream_), "verify");
+    RETURN_IF_ERROR(CudaErrorToStatus(cudaStreamSynchronize(stream_), "verify"));
+    plan_reuse_.Planned(prefix_lens, draft_lens);
+    return absl::OkStatus();
   }
 
   absl::Status Compact(absl::Span<const int32_t> page_table, int64_t prefix_len,
@@ -289,6 +299,7 @@ class CudaBackend final : public Backend {
   absl::Mutex mu_;
   PoolGeometry g_;
   kernels::VerifyLaunchConfig config_;
+  PlanReuseTracker plan_reuse_ ABSL_GUARDED_BY(mu_);
   cudaStream_t stream_ = nullptr;
   DeviceAllocation pool_, q_, draft_kv_, out_, lse_, visibility_, requests_, page_tables_,
       accepted_, rows_, workspace_;
