@@ -82,27 +82,14 @@ def problems(rows, archs, expected):
 
 
 def short(kernel):
-    """The kernel's own name from an Itanium-mangled nested name, with its
-    template arguments as mangled (e.g. PipelinedAttentionKernel<ILi2ELb0ELb1EE>)."""
-    if not kernel.startswith("_ZN"):
+    """The kernel's readable name: c++filt (binutils, with the compiler) without
+    the namespaces, e.g. PipelinedAttentionKernel<2, false, true>; the mangled
+    name where c++filt is missing."""
+    try:
+        name = subprocess.run(["c++filt", "-p", kernel], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
         return kernel
-    i, name = 3, kernel
-    while i < len(kernel) and kernel[i].isdigit():
-        j = i
-        while kernel[j].isdigit():
-            j += 1
-        n = int(kernel[i:j])
-        name, i = kernel[j:j + n], j + n
-        if kernel.startswith("I", i):  # template arguments up to the nested name's end
-            depth, k = 0, i
-            while k < len(kernel):
-                depth += kernel[k] in "IL"  # template arguments and literals (Li2E) open
-                depth -= kernel[k] == "E"
-                k += 1
-                if depth == 0:
-                    break
-            return f"{name}<{kernel[i:k]}>"
-    return name
+    return re.sub(r"^(?:[\w]+::)+", "", name.replace("(anonymous namespace)::", ""))
 
 
 def compile_report(nvcc, root, archs, flags, source):
