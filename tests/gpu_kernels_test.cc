@@ -65,6 +65,15 @@ class GpuKernelTest : public ::testing::Test {
                            std::vector<Bf16>* out_copy = nullptr, std::vector<float>* lse_copy = nullptr) {
     DeviceVerifyProblem device;
     EXPECT_TRUE(device.Init(CapacityFor(problem), config).ok());
+    return RunAndCompareOn(device, problem, config, plan, launches, workspace_fill, out_copy, lse_copy);
+  }
+
+  // The same on an initialised `device`, whose workspace keeps what earlier
+  // launches left in it (the reuse_plan test).
+  Comparison RunAndCompareOn(DeviceVerifyProblem& device, HostVerifyProblem& problem,
+                             const VerifyLaunchConfig& config, VerifyPlanSummary* plan = nullptr,
+                             int launches = 1, int workspace_fill = -1, std::vector<Bf16>* out_copy = nullptr,
+                             std::vector<float>* lse_copy = nullptr) {
     EXPECT_TRUE(device.Upload(problem).ok());
     EXPECT_TRUE(LaunchWriteDraftKv(device.WriteArgs(), nullptr).ok());
     if (workspace_fill >= 0) {  // garbage, then the initialisation every workspace gets
@@ -465,34 +474,22 @@ TEST_F(GpuKernelTest, ReusedPlanServesTheNextLayers) {
         spec_short.min_page_table_stride = std::max(layer_a.page_table_stride, layer_b.page_table_stride);
         HostVerifyProblem layer_short = MakeProblem(spec_short);
 
+        SCOPED_TRACE(where);
         DeviceVerifyProblem device;
         ASSERT_TRUE(device.Init(CapacityFor(layer_a), first).ok()) << where;
-        auto run = [&](HostVerifyProblem& problem, const VerifyLaunchConfig& config) {
-          EXPECT_TRUE(device.Upload(problem).ok()) << where;
-          EXPECT_TRUE(LaunchWriteDraftKv(device.WriteArgs(), nullptr).ok()) << where;
-          const absl::Status launched = LaunchVerifyAttention(device.Args(), config, device.workspace(),
-                                                              device.workspace_bytes(), nullptr);
-          EXPECT_TRUE(launched.ok()) << where << ": " << launched;
-          EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess) << where;
-          std::vector<Bf16> out;
-          std::vector<float> lse;
-          EXPECT_TRUE(device.Download(problem, &out, &lse).ok()) << where;
-          EXPECT_TRUE(WriteDraftKvCpu(problem.HostWriteArgs()).ok());
-          return testing::CompareWithReference(problem, out, lse, kMaxCheckedRows);
-        };
-        const Comparison a = run(layer_a, first);
+        const Comparison a = RunAndCompareOn(device, layer_a, first);
         EXPECT_TRUE(a.ok()) << where << " layer A (plans): " << a.ToString();
-        const Comparison b = run(layer_b, next);
+        const Comparison b = RunAndCompareOn(device, layer_b, next);
         EXPECT_TRUE(b.ok()) << where << " layer B (reuses A's plan): " << b.ToString();
         // A stale plan: the shorter layer plans, B reuses it and must miss.
-        const Comparison s = run(layer_short, first);
+        const Comparison s = RunAndCompareOn(device, layer_short, first);
         EXPECT_TRUE(s.ok()) << where << " shorter layer (plans): " << s.ToString();
         auto short_plan = ReadVerifyPlanSummary(device.Args(), first, device.workspace(), nullptr);
         ASSERT_TRUE(short_plan.ok()) << where << ": " << short_plan.status();
         if (short_plan->stream_groups > 0) continue;  // see above
         ++stale_checks;
         HostVerifyProblem layer_b_again = MakeProblem(spec_b);
-        const Comparison stale = run(layer_b_again, next);
+        const Comparison stale = RunAndCompareOn(device, layer_b_again, next);
         EXPECT_FALSE(stale.ok()) << where << ": a launch reusing the shorter layer's plan matched B's "
                                  << "reference, so reuse_plan did not reuse the plan";
       }
