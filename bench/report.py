@@ -62,14 +62,21 @@ def main():
         json.dump(report, f, indent=1)
         f.write("\n")
 
-    print("| B | L | N | H | page | mask | µs | TB/s | TFLOP/s | × floor | Triton µs | speed-up | rel err |")
-    print("|--:|--:|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|")
+    # "plan reused": the same launch as a verify step's later layers run it
+    # (VerifyLaunchConfig::reuse_plan), when the run measured it.
+    reused = any("time_us_reused_plan" in r for r in rows)
+    print("| B | L | N | H | page | mask | µs |%s TB/s | TFLOP/s | × floor | Triton µs | speed-up | rel err |"
+          % (" plan reused µs |" if reused else ""))
+    print("|--:|--:|--:|--:|--:|---|--:|%s--:|--:|--:|--:|--:|--:|" % ("--:|" if reused else ""))
     for r in rows:
         tri = "%.1f" % r["triton_time_us"] if r["triton_time_us"] else "–"
         spd = "%.1f×" % r["speedup_vs_triton"] if r["speedup_vs_triton"] else "–"
-        print("| %d | %d | %d | %d | %d | %s | %.1f | %.2f | %.0f | %.2f | %s | %s | %.1e |" % (
+        rp = ""
+        if reused:
+            rp = " %s |" % ("%.1f" % r["time_us_reused_plan"] if "time_us_reused_plan" in r else "–")
+        print("| %d | %d | %d | %d | %d | %s | %.1f |%s %.2f | %.0f | %.2f | %s | %s | %.1e |" % (
             r["batch"], r["prefix_len"], r["draft_len"], r["heads"], r["page_size"], r["mask"],
-            r["time_us"], r["tbps"], r["tflops"], r["time_over_floor"], tri, spd, r["rel_err"]))
+            r["time_us"], rp, r["tbps"], r["tflops"], r["time_over_floor"], tri, spd, r["rel_err"]))
 
     try:
         import matplotlib

@@ -107,6 +107,13 @@ enum Role : int {
   // a change of a row's exponent reference with one barrier reduction per tile
   // (bar.red.or), the rare change itself through shared memory. Kernel protocol otherwise.
   kScoreKeySplit = 28,
+  // The K-once two-way layout (NOTES next idea 4 after session 15): warp = dims half x key
+  // half, Q[32 rows x 288 dims] in 144 registers, 9 ldmatrix.x4 and 36 MMAs per tile (K read
+  // once per tile by the four warps, half the key split's 18 ldmatrix), then the partner
+  // with the other dims half swaps one float4 per lane (named barrier of the pair) so that
+  // each warp holds whole scores of 16 rows x 8 keys, as kScoreKeySplit; the rest is
+  // kScoreKeySplit's (bar.red.or of the key halves, softmax, P hand-over).
+  kScoreTwoWay = 29,
 };
 
 struct ProbeArgs {
@@ -348,15 +355,32 @@ __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane,
 // (keys 8 kh .. 8 kh + 7 of each tile) over all 576 dims, in the kernel's
 // protocol (two P buffers, the phase offset, KV_FULL, P_EMPTY late from tile
 // kStages on). A lane's C fragment holds rows g and g + 8, keys 2 t4, 2 t4 + 1.
+// kTwoWay (kScoreTwoWay): warp = dims half dh (warp / 2) x key half kh; the
+// MMAs cover both row groups over dh's 288 dims, and the pair (dh, kh),
+// (1 - dh, kh) swap the other row group's partial: afterwards row group rg = dh.
+template <bool kTwoWay = false>
 __device__ __forceinline__ float ScoreKeySplitStream(int iters, uint32_t base, int lane, int warp, uint8_t* smem) {
   constexpr int kSteps = D_QK / 16;  // 36
   const int rg = warp >> 1, kh = warp & 1;
   const int g = lane >> 2, t4 = lane & 3;
+  // Key split: Q[16 rows of rg][36 k steps]; two-way: Q[2 row groups][18 k steps of dims half rg].
   uint32_t q_frag[kSteps][4];
 #pragma unroll
-  for (int s = 0; s < kSteps; ++s) ptx::LdMatrixX4(q_frag[s], base + TileOffset(rg * 16 + (lane & 15), 2 * s + (lane >> 4)));
-  // ldmatrix.x4 j reads keys 8 kh + (lane & 7), chunks 4 j + (lane >> 3): k steps 2 j and 2 j + 1.
-  const uint32_t k_off[2] = {TileOffset(kh * 8 + (lane & 7), lane >> 3), TileOffset(kh * 8 + (lane & 7), 4 + (lane >> 3))};
+  for (int s = 0; s < kSteps; ++s) {
+    if constexpr (kTwoWay) {
+      const int m = s / (kSteps / 2), ds = s % (kSteps / 2);
+      ptx::LdMatrixX4(q_frag[s], base + TileOffset(m * 16 + (lane & 15), rg * 36 + 2 * ds + (lane >> 4)));
+    } else {
+      ptx::LdMatrixX4(q_frag[s], base + TileOffset(rg * 16 + (lane & 15), 2 * s + (lane >> 4)));
+    }
+  }
+  // ldmatrix.x4 j reads keys 8 kh + (lane & 7), chunks 4 j + (lane >> 3): k steps 2 j and 2 j + 1
+  // (two-way: of dims half rg, chunks from 36 rg).
+  const int chunk0 = kTwoWay ? rg * 36 : 0;
+  const uint32_t k_off[2] = {TileOffset(kh * 8 + (lane & 7), chunk0 + (lane >> 3)),
+                             TileOffset(kh * 8 + (lane & 7), chunk0 + 4 + (lane >> 3))};
+  // Two-way: [2 buffers][4 warps][32 lanes] float4 after the key split's maxima.
+  float4* swap = reinterpret_cast<float4*>(smem + kExchangeOffset + 1024);
   float* maxima = reinterpret_cast<float*>(smem + kExchangeOffset);  // [4 warps][16 rows], the rare path
   float ref[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
   uint32_t stage = 0;
@@ -369,16 +393,43 @@ __device__ __forceinline__ float ScoreKeySplitStream(int iters, uint32_t base, i
     stage = stage == (kStages - 1) * kStageBytes ? 0 : stage + kStageBytes;
     uint32_t kf[2][4];
     ptx::LdMatrixX4(kf[0], k_base + k_off[0]);
-#pragma unroll
-    for (int j = 0; j < kSteps / 2; ++j) {
-      if (j + 1 < kSteps / 2) ptx::LdMatrixX4(kf[(j + 1) & 1], k_base + k_off[(j + 1) & 1] + ((j + 1) >> 1) * 128);
-      ptx::MmaBf16(acc[(2 * j) & 3], q_frag[2 * j], kf[j & 1][0], kf[j & 1][1]);
-      ptx::MmaBf16(acc[(2 * j + 1) & 3], q_frag[2 * j + 1], kf[j & 1][2], kf[j & 1][3]);
-    }
-    if (it >= 1) ptx::NamedBarrierArrive(12, 256);  // the phase offset: PV(it - 1) may issue its MMAs
     float sc[4];
+    if constexpr (kTwoWay) {
+      // acc[2 m + c]: row group m, chain c (k step 2 j + c).
+      constexpr int kJ = kSteps / 4;  // 9 ldmatrix.x4 per tile
 #pragma unroll
-    for (int e = 0; e < 4; ++e) sc[e] = ((acc[0][e] + acc[1][e]) + (acc[2][e] + acc[3][e])) * kScaleLog2;
+      for (int j = 0; j < kJ; ++j) {
+        if (j + 1 < kJ) ptx::LdMatrixX4(kf[(j + 1) & 1], k_base + k_off[(j + 1) & 1] + ((j + 1) >> 1) * 128);
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          ptx::MmaBf16(acc[2 * m], q_frag[m * (kSteps / 2) + 2 * j], kf[j & 1][0], kf[j & 1][1]);
+          ptx::MmaBf16(acc[2 * m + 1], q_frag[m * (kSteps / 2) + 2 * j + 1], kf[j & 1][2], kf[j & 1][3]);
+        }
+      }
+      if (it >= 1) ptx::NamedBarrierArrive(12, 256);  // the phase offset: PV(it - 1) may issue its MMAs
+      float a0[4], a1[4];  // row group 0's and 1's partial over this warp's dims half
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a0[e] = acc[0][e] + acc[1][e], a1[e] = acc[2][e] + acc[3][e];
+      const bool dh = rg != 0;
+      float4* out = swap + ((it & 1) * 4 + warp) * 32 + lane;
+      *out = dh ? make_float4(a0[0], a0[1], a0[2], a0[3]) : make_float4(a1[0], a1[1], a1[2], a1[3]);
+      ptx::NamedBarrierSync(13 + kh, 64);  // the pair of this key half: warps kh and kh + 2
+      const float4 o = swap[((it & 1) * 4 + (warp ^ 2)) * 32 + lane];
+      sc[0] = ((dh ? a1[0] : a0[0]) + o.x) * kScaleLog2;
+      sc[1] = ((dh ? a1[1] : a0[1]) + o.y) * kScaleLog2;
+      sc[2] = ((dh ? a1[2] : a0[2]) + o.z) * kScaleLog2;
+      sc[3] = ((dh ? a1[3] : a0[3]) + o.w) * kScaleLog2;
+    } else {
+#pragma unroll
+      for (int j = 0; j < kSteps / 2; ++j) {
+        if (j + 1 < kSteps / 2) ptx::LdMatrixX4(kf[(j + 1) & 1], k_base + k_off[(j + 1) & 1] + ((j + 1) >> 1) * 128);
+        ptx::MmaBf16(acc[(2 * j) & 3], q_frag[2 * j], kf[j & 1][0], kf[j & 1][1]);
+        ptx::MmaBf16(acc[(2 * j + 1) & 3], q_frag[2 * j + 1], kf[j & 1][2], kf[j & 1][3]);
+      }
+      if (it >= 1) ptx::NamedBarrierArrive(12, 256);  // the phase offset: PV(it - 1) may issue its MMAs
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[e] = ((acc[0][e] + acc[1][e]) + (acc[2][e] + acc[3][e])) * kScaleLog2;
+    }
     const float m0 = fmaxf(sc[0], sc[1]), m1 = fmaxf(sc[2], sc[3]);
     const bool change_mine = !(m0 <= ref[0] + 8.0f && m1 <= ref[1] + 8.0f);
     int change;
@@ -744,7 +795,8 @@ __device__ __forceinline__ float PvAheadStream(int iters, uint32_t base, int lan
 }
 
 // kInstance: 0 the rows up to session 10; 1 the load-protocol rows of session
-// 11 (bulk copies, P_EMPTY early); 2 the key-split score warps. Each instance
+// 11 (bulk copies, P_EMPTY early); 2 the key-split score warps; 3 (session 16)
+// the K-once two-way score warps beside the key split. Each instance
 // holds only its rows' roles plus the kernel-protocol pair (SK + PI), run in
 // each as that instance's reference: adding the bulk code to the one
 // instance had moved the other rows by 3-5 % (session 11).
@@ -771,8 +823,10 @@ __global__ void __launch_bounds__(kThreads, 1) TileProbeKernel(const ProbeArgs a
   uint64_t start_ns;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start_ns));
   if constexpr (kInstance != 0) {
-    if (kInstance == 2 && role == kScoreKeySplit) {
+    if ((kInstance == 2 || kInstance == 3) && role == kScoreKeySplit) {
       total = ScoreKeySplitStream(a.iters, base, lane, warp, smem);
+    } else if (kInstance == 3 && role == kScoreTwoWay) {
+      total = ScoreKeySplitStream<true>(a.iters, base, lane, warp, smem);
     } else if (role == kScoreKernelProtocol) {
       total = ScoreStream<true, true, true, 2, true, true>(a.iters, base, lane, warp, smem);
     } else if (role == kPvKernelPageIds) {
@@ -900,6 +954,8 @@ RoleWork WorkPerTile(int role) {
       return {kHmmaPerScoreTile, kLdsmPerScoreTile * 512.0 + 2 * 512};  // + the pair exchange
     case kScoreKeySplit:
       return {kHmmaPerScoreTile, kLdsmPerScoreTile * 512.0};  // no exchange
+    case kScoreTwoWay:
+      return {kHmmaPerScoreTile, kLdsmPerScoreTile / 2 * 512.0 + 2 * 512};  // K once + a float4 out and in
     case kScoreQuad:
       return {kHmmaPerScoreTile, 9 * 512.0 + 6 * 512};
     case kPv: case kPvAhead: case kPvHandOver: case kPvHandOver3: case kPvHandOverOffset:
@@ -993,7 +1049,7 @@ int Main(int argc, char** argv) {
             V3 = kPvHandOver3, HO = kScoreHandOverOffset, VO = kPvHandOverOffset, SK = kScoreKernelProtocol,
             PK = kPvKernelProtocol, SP = kScorePipelined, SPK = kScorePipelinedKv, PE = kPvLoadsEarlyKv,
             PL = kPvLoadsLateKv, PI = kPvKernelPageIds, PD = kPvKernelPageIdsDram, SB = kScoreKernelBulk,
-            PB = kPvKernelBulk, PBD = kPvKernelBulkDram, SE = kScoreKernelEarlyEmpty, KS = kScoreKeySplit;
+            PB = kPvKernelBulk, PBD = kPvKernelBulkDram, SE = kScoreKernelEarlyEmpty, KS = kScoreKeySplit, KT = kScoreTwoWay;
   const std::vector<Config> configs = {
       {"score x4 (1 per sub-partition)", {S, S, S, S}},
       {"pv x4", {P, P, P, P}},
@@ -1020,6 +1076,10 @@ int Main(int argc, char** argv) {
       {"load protocols: the bulk copies from a 2 GB ring (DRAM)", {SB, SB, SB, SB, PBD, PBD, PBD, PBD}, 2, 1},
       {"key split: kernel protocol + page ids (reference)", {SK, SK, SK, SK, PI, PI, PI, PI}, 2, 2},
       {"key split: score warps split keys, no exchange", {KS, KS, KS, KS, PI, PI, PI, PI}, 2, 2},
+      // Session 16 (NOTES next idea 4 after session 15), an instance of its own.
+      {"two-way: kernel protocol + page ids (reference)", {SK, SK, SK, SK, PI, PI, PI, PI}, 2, 3},
+      {"two-way: key split (the kernel's layout)", {KS, KS, KS, KS, PI, PI, PI, PI}, 2, 3},
+      {"two-way: K read once, dims x keys, float4 swap", {KT, KT, KT, KT, PI, PI, PI, PI}, 2, 3},
       {"hand-over (two buffers), score warps software-pipelined", {SP, SP, SP, SP, V, V, V, V}},
       {"pipelined + PV loads, KV_FULL right after P_FULL", {SPK, SPK, SPK, SPK, PE, PE, PE, PE}},
       {"pipelined + PV loads, KV_FULL after the PV MMAs", {SPK, SPK, SPK, SPK, PL, PL, PL, PL}},
@@ -1063,6 +1123,7 @@ int Main(int argc, char** argv) {
     auto launch = [&] {
       if (c.instance == 1) return Launch<2, 1>(args, sms, warps);
       if (c.instance == 2) return Launch<2, 2>(args, sms, warps);
+      if (c.instance == 3) return Launch<2, 3>(args, sms, warps);
       switch (c.chains) {
         case 1: Launch<1>(args, sms, warps); break;
         case 2: Launch<2>(args, sms, warps); break;
