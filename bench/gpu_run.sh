@@ -60,7 +60,7 @@ if want service && [ -x "$bundle/bin/mlaverify-server" ]; then
   head -3 "$out/gpu_server.log"; grep -c "slow " "$out/gpu_server.log"; grep "slow " "$out/gpu_server.log" | head -5; tail -2 "$out/gpu_server.log"
 fi
 if want anchor; then
-  timeout 400 "$bundle/bin/mlaverify-bench" --suite anchor --out "$out/anchor.json" 2>&1 |
+  timeout 450 "$bundle/bin/mlaverify-bench" --suite anchor --out "$out/anchor.json" 2>&1 |
     tee "$out/anchor.log"
   summary+=("anchor rc=${PIPESTATUS[0]}")
 fi
