@@ -16,8 +16,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
-#include <optional>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -201,39 +201,58 @@ absl::StatusOr<nlohmann::json> RecordPhaseStamps(cudaGraphExec_t exec, cudaStrea
   return out;
 }
 
+// One verify launch captured into a CUDA graph (freed with the object).
+struct CapturedVerify {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CapturedVerify() = default;
+  CapturedVerify(const CapturedVerify&) = delete;
+  CapturedVerify& operator=(const CapturedVerify&) = delete;
+  ~CapturedVerify() {
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+  }
+};
+
+// Captures LaunchVerifyAttention with `config` over the device problem,
+// instantiates it and replays it once (on the outputs as they are: the caller
+// poisons them first), so that the caller can check this very configuration.
+absl::Status CaptureAndReplayOnce(const DeviceVerifyProblem& device, const kernels::VerifyLaunchConfig& config,
+                                  cudaStream_t stream, CapturedVerify* captured) {
+  cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal);
+  absl::Status st =
+      kernels::LaunchVerifyAttention(device.Args(), config, device.workspace(), device.workspace_bytes(), stream);
+  if (cudaStreamEndCapture(stream, &captured->graph) != cudaSuccess && st.ok()) {
+    st = absl::InternalError("graph capture failed");
+  }
+  RETURN_IF_ERROR(st);
+  if (cudaGraphInstantiate(&captured->exec, captured->graph, 0) != cudaSuccess) {
+    return absl::InternalError("graph instantiation failed");
+  }
+  cudaGraphLaunch(captured->exec, stream);
+  if (cudaStreamSynchronize(stream) != cudaSuccess) return absl::InternalError("replay failed");
+  return absl::OkStatus();
+}
+
 // The launch the layers of a verify step after its first run: `reusing`
 // has reuse_plan set, and the workspace holds this problem's plan (the
 // planning launches before left it there). The outputs are poisoned, one
-// replay is compared with the reference (`check`), then the graph is timed
-// like every row. Returns the median in microseconds.
+// replay is compared with the reference (`check`; the pool already holds the
+// drafts), then the graph is timed like every row. Returns the median in
+// microseconds.
 absl::StatusOr<double> TimeReusedPlan(DeviceVerifyProblem& device, HostVerifyProblem& problem,
                                       const kernels::VerifyLaunchConfig& reusing, cudaStream_t stream, int reps,
                                       const DeviceBuffer* flush, int check_rows, Comparison* check) {
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  absl::Status st = device.PoisonOutputs(stream);
-  if (st.ok()) {
-    cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal);
-    st = kernels::LaunchVerifyAttention(device.Args(), reusing, device.workspace(), device.workspace_bytes(), stream);
-    if (cudaStreamEndCapture(stream, &graph) != cudaSuccess && st.ok()) st = absl::InternalError("graph capture failed");
-  }
-  if (st.ok() && cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) st = absl::InternalError("graph instantiation failed");
-  if (st.ok()) {
-    cudaGraphLaunch(exec, stream);
-    if (cudaStreamSynchronize(stream) != cudaSuccess) st = absl::InternalError("reused-plan replay failed");
-  }
+  CapturedVerify captured;
+  RETURN_IF_ERROR(device.PoisonOutputs(stream));
+  RETURN_IF_ERROR(CaptureAndReplayOnce(device, reusing, stream, &captured));
   std::vector<Bf16> out;
   std::vector<float> lse;
-  if (st.ok()) st = device.Download(problem, &out, &lse);
-  // The pool already holds the drafts (the caller wrote them on both sides).
-  if (st.ok()) *check = kernels::testing::CompareWithReference(problem, out, lse, check_rows);
-  absl::StatusOr<kernels::testing::GraphTiming> timing = absl::InternalError("not run");
-  if (st.ok()) timing = kernels::testing::TimeGraphReplays(exec, stream, reps, flush);
-  if (exec) cudaGraphExecDestroy(exec);
-  if (graph) cudaGraphDestroy(graph);
-  if (!st.ok()) return st;
-  if (!timing.ok()) return timing.status();
-  return timing->median_us;
+  RETURN_IF_ERROR(device.Download(problem, &out, &lse));
+  *check = kernels::testing::CompareWithReference(problem, out, lse, check_rows);
+  ASSIGN_OR_RETURN(const kernels::testing::GraphTiming timing,
+                   kernels::testing::TimeGraphReplays(captured.exec, stream, reps, flush));
+  return timing.median_us;
 }
 
 int Run(int argc, char** argv) {
@@ -402,25 +421,11 @@ int Run(int argc, char** argv) {
       st = kernels::LaunchVerifyAttention(device.Args(), planning, device.workspace(), device.workspace_bytes(),
                                           stream);
     }
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    if (st.ok()) {
-      cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal);
-      st = kernels::LaunchVerifyAttention(device.Args(), *config, device.workspace(),
-                                          device.workspace_bytes(), stream);
-      if (cudaStreamEndCapture(stream, &graph) != cudaSuccess && st.ok()) {
-        st = absl::InternalError("graph capture failed");
-      }
-    }
-    if (st.ok() && cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) {
-      st = absl::InternalError("graph instantiation failed");
-    }
+    // Correctness of this very configuration: one replay on the outputs that
+    // Upload poisoned.
+    CapturedVerify captured;
+    if (st.ok()) st = CaptureAndReplayOnce(device, *config, stream, &captured);
     Comparison check;
-    if (st.ok()) {
-      // Correctness of this very configuration: one replay on poisoned outputs.
-      cudaGraphLaunch(exec, stream);
-      if (cudaStreamSynchronize(stream) != cudaSuccess) st = absl::InternalError("replay failed");
-    }
     // What the plan chose for this shape, for the report.
     std::string plan_name = "?";
     if (st.ok()) {
@@ -440,11 +445,11 @@ int Run(int argc, char** argv) {
     if (st.ok()) st = kernels::WriteDraftKvCpu(problem.HostWriteArgs());
     if (st.ok()) check = kernels::testing::CompareWithReference(problem, out, lse, check_rows);
     absl::StatusOr<kernels::testing::GraphTiming> timing = absl::InternalError("not run");
-    if (st.ok()) timing = kernels::testing::TimeGraphReplays(exec, stream, reps, no_flush ? nullptr : &flush_buffer);
+    if (st.ok()) timing = kernels::testing::TimeGraphReplays(captured.exec, stream, reps, no_flush ? nullptr : &flush_buffer);
     if (st.ok() && timing.ok() && !stamps_path.empty()) {
       // One stamp row per CTA of the attention and combine grids.
       auto recorded =
-          RecordPhaseStamps(exec, stream, kernels::VerifyMaxWork(device.Args(), *config), 9, flush_buffer);
+          RecordPhaseStamps(captured.exec, stream, kernels::VerifyMaxWork(device.Args(), *config), 9, flush_buffer);
       if (!recorded.ok()) {
         st = recorded.status();
       } else {
@@ -454,8 +459,6 @@ int Run(int argc, char** argv) {
                               {"replays", *recorded}});
       }
     }
-    if (exec) cudaGraphExecDestroy(exec);
-    if (graph) cudaGraphDestroy(graph);
     // The same shape as the layers of a verify step after the first run it
     // (VerifyLaunchConfig::reuse_plan; the engine's PlanReuseTracker): the
     // replays above left this shape's plan in the workspace. Checked against
