@@ -28,7 +28,7 @@
 #include "absl/strings/str_split.h"
 #include "kernels/cpu_reference.h"
 #include "kernels/phase_stamps.h"
-#include "kernels/status_macros.h"
+#include "common/status_macros.h"
 #include "kernels/testing/device_problem.h"
 #include "kernels/testing/verify_problem.h"
 #include "kernels/verify_attention_cuda.h"

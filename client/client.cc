@@ -11,8 +11,8 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
-#include "kernels/status_macros.h"
-#include "kernels/verify_attention.h"
+#include "common/status_macros.h"
+#include "common/geometry.h"
 
 namespace mlaverify::client {
 namespace {
@@ -231,7 +231,7 @@ absl::StatusOr<int64_t> VerifyClient::ServerMessageLimit() {
 absl::StatusOr<AppendKvResult> VerifyClient::AppendKv(uint64_t sequence_id, int64_t start_position,
                                                       int num_layers, int64_t tokens,
                                                       absl::Span<const Bf16> kv) {
-  using kernels::kLatentDim;
+  using mlaverify::kLatentDim;
   if (num_layers < 1 || tokens < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "AppendKv needs num_layers >= 1 and tokens >= 1; got ", num_layers, " and ", tokens));

@@ -29,7 +29,7 @@
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/support/sync_stream.h"
-#include "kernels/bf16.h"
+#include "common/bf16.h"
 #include "mlaverify/v1/verify.grpc.pb.h"
 
 namespace mlaverify::client {

@@ -12,14 +12,14 @@
 #include "client/reference_check.h"
 #include "client/server_info_text.h"
 #include "client/workload.h"
-#include "kernels/draft_tree.h"
-#include "kernels/verify_attention.h"
+#include "common/draft_tree.h"
+#include "common/geometry.h"
 
 namespace mlaverify::client {
 namespace {
 
-using kernels::kLatentDim;
-using kernels::kValueDim;
+using mlaverify::kLatentDim;
+using mlaverify::kValueDim;
 
 // Value ranges of the random inputs: |q| up to 2 and |kv| up to 1 give scores
 // of a few units at the default scale, so the softmax is neither flat nor

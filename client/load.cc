@@ -18,15 +18,15 @@
 #include "absl/synchronization/mutex.h"
 #include "client/server_info_text.h"
 #include "client/workload.h"
-#include "kernels/status_macros.h"
-#include "kernels/verify_attention.h"
+#include "common/status_macros.h"
+#include "common/geometry.h"
 #include "spdlog/spdlog.h"
 
 namespace mlaverify::client {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using kernels::kLatentDim;
+using mlaverify::kLatentDim;
 
 // A worker that fails this many operations in a row (server gone, pool full
 // for good) stops instead of spinning on errors until the deadline.

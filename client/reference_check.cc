@@ -5,14 +5,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu_reference.h"
-#include "kernels/draft_tree.h"
-#include "kernels/status_macros.h"
+#include "common/draft_tree.h"
+#include "common/status_macros.h"
 #include "kernels/verify_attention.h"
 
 namespace mlaverify::client {
 
-using kernels::kLatentDim;
-using kernels::kValueDim;
+using mlaverify::kLatentDim;
+using mlaverify::kValueDim;
 
 void SequenceMirror::AppendPrompt(absl::Span<const Bf16> kv, int64_t tokens) {
   for (int layer = 0; layer < num_layers(); ++layer) {
@@ -46,7 +46,7 @@ absl::StatusOr<ReferenceComparison> CompareWithReference(const SequenceMirror& m
   const int32_t n = static_cast<int32_t>(item.parents.size());
   const int heads = result.num_heads;
   const int32_t prefix = static_cast<int32_t>(mirror.length());
-  ASSIGN_OR_RETURN(std::vector<uint64_t> visibility, kernels::BuildVisibility(item.parents));
+  ASSIGN_OR_RETURN(std::vector<uint64_t> visibility, mlaverify::BuildVisibility(item.parents));
 
   // A one-layer "pool" with one token per page and the identity page table:
   // the prefix rows, then the drafts at P..P+N-1, where the server writes them.

@@ -12,7 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "client/wire.h"
-#include "kernels/bf16.h"
+#include "common/bf16.h"
 
 namespace mlaverify::client {
 

@@ -6,14 +6,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "kernels/status_macros.h"
-#include "kernels/verify_attention.h"
+#include "common/status_macros.h"
+#include "common/geometry.h"
 
 namespace mlaverify::client {
 namespace {
 
-using kernels::kLatentDim;
-using kernels::kValueDim;
+using mlaverify::kLatentDim;
+using mlaverify::kValueDim;
 
 // Everything in an AppendKv request besides the tensor bytes is a few dozen
 // bytes; this bound is generous so a tiny limit still leaves a sane budget.

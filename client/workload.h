@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "absl/types/span.h"
-#include "kernels/bf16.h"
+#include "common/bf16.h"
 
 namespace mlaverify::client {
 
@@ -27,7 +27,7 @@ std::vector<int> NodeDepths(absl::Span<const int32_t> parents);
 
 // A random accepted path: empty (every draft rejected) with probability 1/4,
 // the longest root-to-node path with probability 1/4, else the path to a
-// uniformly chosen node. Always valid for kernels::ValidateAcceptedPath.
+// uniformly chosen node. Always valid for mlaverify::ValidateAcceptedPath.
 std::vector<int32_t> RandomAcceptedPath(std::mt19937_64& rng, absl::Span<const int32_t> parents);
 
 // Fills `values` with bf16 roundings of uniform draws from [lo, hi].

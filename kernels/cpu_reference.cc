@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "kernels/parallel_for.h"
-#include "kernels/status_macros.h"
+#include "common/status_macros.h"
 
 namespace mlaverify::kernels {
 namespace {

@@ -15,20 +15,11 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
-#include "kernels/bf16.h"
-#include "kernels/draft_tree.h"
+#include "common/bf16.h"
+#include "common/draft_tree.h"
+#include "common/geometry.h"
 
 namespace mlaverify::kernels {
-
-inline constexpr int kLatentDim = 576;  // d_qk: kv_lora_rank (512) + rope (64)
-inline constexpr int kValueDim = 512;   // d_v: the first 512 latent columns
-inline constexpr int kRopeDim = kLatentDim - kValueDim;
-inline constexpr int kMaxHeads = 128;
-inline constexpr int kMaxPageSize = 256;
-// Longest sequence (prefix + drafts) a request may have: the kernels index
-// positions with int32 and split KV ranges in int32 arithmetic.
-inline constexpr int kMaxSequenceLen = 1 << 30;
-inline constexpr int kMaxBatch = 1024;
 
 // The paged latent KV pool of one device: layer-major
 // [num_layers][num_pages][page_size][576] bf16. A sequence's page table

@@ -5,7 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda_status.h"
-#include "kernels/status_macros.h"
+#include "common/status_macros.h"
 #include "kernels/verify_params.h"
 #include "kernels/verify_workspace.h"
 

@@ -16,14 +16,14 @@
 #include "client/wire.h"
 #include "client/workload.h"
 #include "gtest/gtest.h"
-#include "kernels/draft_tree.h"
+#include "common/draft_tree.h"
 #include "kernels/verify_attention.h"
 
 namespace mlaverify::client {
 namespace {
 
-using kernels::kLatentDim;
-using kernels::kValueDim;
+using mlaverify::kLatentDim;
+using mlaverify::kValueDim;
 
 // ---- FromGrpcStatus ---------------------------------------------------------
 
@@ -267,10 +267,10 @@ TEST(Workload, RandomTreesAreValidForests) {
   std::mt19937_64 rng(3);
   bool saw_chain_link = false, saw_branch = false, saw_second_root = false;
   for (int trial = 0; trial < 500; ++trial) {
-    const int n = 1 + trial % kernels::kMaxDraftLen;
+    const int n = 1 + trial % mlaverify::kMaxDraftLen;
     const std::vector<int32_t> parents = RandomDraftTree(rng, n);
     ASSERT_EQ(static_cast<int>(parents.size()), n);
-    ASSERT_TRUE(kernels::ValidateDraftTree(parents).ok()) << "trial " << trial;
+    ASSERT_TRUE(mlaverify::ValidateDraftTree(parents).ok()) << "trial " << trial;
     EXPECT_EQ(parents[0], -1);
     std::vector<int> children(n, 0);
     for (int i = 1; i < n; ++i) {
@@ -290,7 +290,7 @@ TEST(Workload, AcceptedPathsAreRootToNodePaths) {
   for (int trial = 0; trial < 400; ++trial) {
     const std::vector<int32_t> parents = RandomDraftTree(rng, 1 + trial % 16);
     const std::vector<int32_t> path = RandomAcceptedPath(rng, parents);
-    ASSERT_TRUE(kernels::ValidateAcceptedPath(parents, path).ok()) << "trial " << trial;
+    ASSERT_TRUE(mlaverify::ValidateAcceptedPath(parents, path).ok()) << "trial " << trial;
     const std::vector<int> depth = NodeDepths(parents);
     empty += path.empty();
     longest += static_cast<int>(path.size()) == *std::max_element(depth.begin(), depth.end());

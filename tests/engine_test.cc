@@ -13,7 +13,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_reference.h"
-#include "kernels/draft_tree.h"
+#include "common/draft_tree.h"
 #include "server/engine/page_allocator.h"
 #include "server/engine/plan_reuse.h"
 
@@ -21,8 +21,8 @@ namespace mlaverify::engine {
 namespace {
 
 using ::testing::HasSubstr;
-using kernels::kLatentDim;
-using kernels::kValueDim;
+using mlaverify::kLatentDim;
+using mlaverify::kValueDim;
 
 TEST(PageAllocator, AllOrNothingExhaustionAndReuse) {
   PageAllocator pages(10);
@@ -124,7 +124,7 @@ void Reference(const Mirror& m, int layer, const std::vector<Bf16>& draft_kv,
   pool.insert(pool.end(), draft_kv.begin(), draft_kv.end());
   std::vector<int32_t> pages(prefix + n);
   for (int32_t k = 0; k < prefix + n; ++k) pages[k] = k;
-  const auto vis = kernels::BuildVisibility(parents);
+  const auto vis = mlaverify::BuildVisibility(parents);
   const int32_t zero = 0;
   out->assign(static_cast<size_t>(n) * heads * kValueDim, Bf16{0});
   lse->assign(static_cast<size_t>(n) * heads, 0.0f);

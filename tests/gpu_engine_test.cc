@@ -18,8 +18,8 @@
 namespace mlaverify::engine {
 namespace {
 
-using kernels::kLatentDim;
-using kernels::kValueDim;
+using mlaverify::kLatentDim;
+using mlaverify::kValueDim;
 
 constexpr int kLayers = 3, kHeads = 8, kPage = 16;
 

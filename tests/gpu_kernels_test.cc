@@ -16,7 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_reference.h"
-#include "kernels/draft_tree.h"
+#include "common/draft_tree.h"
 #include "kernels/testing/device_problem.h"
 #include "kernels/testing/verify_problem.h"
 #include "kernels/verify_attention_cuda.h"

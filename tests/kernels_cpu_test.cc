@@ -10,7 +10,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_reference.h"
-#include "kernels/draft_tree.h"
+#include "common/draft_tree.h"
 #include "kernels/testing/verify_problem.h"
 
 namespace mlaverify::kernels {

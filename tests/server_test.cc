@@ -22,10 +22,10 @@ namespace mlaverify {
 namespace {
 
 using ::testing::HasSubstr;
-using kernels::kLatentDim;
+using mlaverify::kLatentDim;
 
 constexpr int kLayers = 2, kHeads = 4, kPage = 8, kMaxDraft = 8, kMaxBatch = 4;
-constexpr int64_t kRow = kernels::kLatentDim;  // int64_t so {kLayers, T, kRow} is a shape
+constexpr int64_t kRow = mlaverify::kLatentDim;  // int64_t so {kLayers, T, kRow} is a shape
 constexpr int64_t kPoolPages = 48;
 constexpr int64_t kMaxMessageBytes = 1 << 20;
 

@@ -5,7 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda_status.h"
-#include "kernels/status_macros.h"
+#include "common/status_macros.h"
 
 namespace mlaverify::kernels::testing {
 namespace {

@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_format.h"
 #include "kernels/cpu_reference.h"
-#include "kernels/draft_tree.h"
+#include "common/draft_tree.h"
 #include "kernels/parallel_for.h"
 
 namespace mlaverify::kernels::testing {

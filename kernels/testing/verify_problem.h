@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/bf16.h"
+#include "common/bf16.h"
 #include "kernels/kv_cache.h"
 #include "kernels/verify_attention.h"
 

@@ -6,14 +6,14 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu_reference.h"
 #include "kernels/parallel_for.h"
-#include "kernels/status_macros.h"
+#include "common/status_macros.h"
 #include "server/engine/backend.h"
 
 namespace mlaverify::engine {
 namespace {
 
-using kernels::kLatentDim;
-using kernels::kValueDim;
+using mlaverify::kLatentDim;
+using mlaverify::kValueDim;
 
 class CpuBackend final : public Backend {
  public:
@@ -100,7 +100,7 @@ class CpuBackend final : public Backend {
 
   absl::Status Compact(absl::Span<const int32_t> page_table, int64_t prefix_len,
                        absl::Span<const int32_t> accepted) override {
-    std::vector<int32_t> path(kernels::kMaxDraftLen, 0);
+    std::vector<int32_t> path(mlaverify::kMaxDraftLen, 0);
     std::copy(accepted.begin(), accepted.end(), path.begin());
     const int32_t prefix = static_cast<int32_t>(prefix_len);
     const int32_t count = static_cast<int32_t>(accepted.size());

@@ -14,7 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/cuda_status.h"
-#include "kernels/status_macros.h"
+#include "common/status_macros.h"
 #include "kernels/verify_attention_cuda.h"
 #include "server/engine/backend.h"
 #include "server/engine/plan_reuse.h"
@@ -23,9 +23,9 @@
 namespace mlaverify::engine {
 namespace {
 
-using kernels::kLatentDim;
-using kernels::kMaxDraftLen;
-using kernels::kValueDim;
+using mlaverify::kLatentDim;
+using mlaverify::kMaxDraftLen;
+using mlaverify::kValueDim;
 
 // Staging for AppendKv / ReadKv rows; larger writes go in chunks.
 constexpr size_t kRowStagingBytes = size_t{64} << 20;

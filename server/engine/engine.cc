@@ -4,16 +4,16 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/draft_tree.h"
-#include "kernels/status_macros.h"
+#include "common/draft_tree.h"
+#include "common/status_macros.h"
 #include "kernels/verify_attention.h"
 #include "spdlog/spdlog.h"
 
 namespace mlaverify::engine {
 namespace {
 
-using kernels::kLatentDim;
-using kernels::kValueDim;
+using mlaverify::kLatentDim;
+using mlaverify::kValueDim;
 
 // How many recently expired ids NOT_FOUND can still explain.
 constexpr size_t kExpiredIdsRemembered = 4096;
@@ -197,7 +197,7 @@ absl::Status Engine::Verify(int layer, float softmax_scale, absl::Span<VerifyIte
                                                      "): ", n, " drafts; need 1..",
                                                      config_.max_draft_len()));
     }
-    absl::StatusOr<std::vector<uint64_t>> words = kernels::BuildVisibility(it.parents);
+    absl::StatusOr<std::vector<uint64_t>> words = mlaverify::BuildVisibility(it.parents);
     if (!words.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("item ", k, " (sequence ", it.sequence_id,
                                                      "): ", words.status().message()));
@@ -349,7 +349,7 @@ absl::StatusOr<CommitResult> Engine::Commit(uint64_t sequence_id,
     return absl::FailedPreconditionError(absl::StrCat(
         "sequence ", sequence_id, " has no pending verify step: Verify before Commit"));
   }
-  RETURN_IF_ERROR(kernels::ValidateAcceptedPath(s.parents, accepted));
+  RETURN_IF_ERROR(mlaverify::ValidateAcceptedPath(s.parents, accepted));
   const int k = static_cast<int>(accepted.size());
   if (k > 0 && s.layers_verified < config_.num_layers) {
     return absl::FailedPreconditionError(absl::StrCat(

@@ -27,7 +27,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "kernels/bf16.h"
+#include "common/bf16.h"
 #include "server/engine/backend.h"
 #include "server/engine/engine_config.h"
 #include "server/engine/page_allocator.h"

@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "kernels/draft_tree.h"
+#include "common/draft_tree.h"
 #include "kernels/verify_attention.h"
 
 namespace mlaverify::engine {
@@ -30,16 +30,16 @@ absl::Status EngineConfig::Validate() const {
   if (num_layers < 1 || num_layers > 1024) {
     return absl::InvalidArgumentError(absl::StrCat("num_layers = ", num_layers, ": need 1..1024"));
   }
-  if (num_heads < 1 || num_heads > kernels::kMaxHeads) {
+  if (num_heads < 1 || num_heads > mlaverify::kMaxHeads) {
     return absl::InvalidArgumentError(
-        absl::StrCat("num_heads = ", num_heads, ": need 1..", kernels::kMaxHeads));
+        absl::StrCat("num_heads = ", num_heads, ": need 1..", mlaverify::kMaxHeads));
   }
-  if (page_size < 1 || page_size > kernels::kMaxPageSize || (page_size & (page_size - 1)) != 0) {
+  if (page_size < 1 || page_size > mlaverify::kMaxPageSize || (page_size & (page_size - 1)) != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "page_size = ", page_size, ": need a power of two in 1..", kernels::kMaxPageSize));
+        "page_size = ", page_size, ": need a power of two in 1..", mlaverify::kMaxPageSize));
   }
-  if (auto s = CheckBuckets(draft_buckets, "draft_buckets", kernels::kMaxDraftLen); !s.ok()) return s;
-  if (auto s = CheckBuckets(batch_buckets, "batch_buckets", kernels::kMaxBatch); !s.ok()) return s;
+  if (auto s = CheckBuckets(draft_buckets, "draft_buckets", mlaverify::kMaxDraftLen); !s.ok()) return s;
+  if (auto s = CheckBuckets(batch_buckets, "batch_buckets", mlaverify::kMaxBatch); !s.ok()) return s;
   if (!(default_softmax_scale > 0.0f) || !std::isfinite(default_softmax_scale)) {
     return absl::InvalidArgumentError(
         absl::StrCat("default_softmax_scale = ", default_softmax_scale, ": need a finite value > 0"));

@@ -11,7 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "kernels/bf16.h"
+#include "common/bf16.h"
 #include "mlaverify/v1/verify.pb.h"
 
 namespace mlaverify::transport {

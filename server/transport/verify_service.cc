@@ -4,8 +4,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/status_macros.h"
-#include "kernels/verify_attention.h"
+#include "common/status_macros.h"
+#include "common/geometry.h"
 #include "server/transport/status_mapping.h"
 #include "server/transport/tensor_codec.h"
 #include "spdlog/spdlog.h"
@@ -13,8 +13,8 @@
 namespace mlaverify::transport {
 namespace {
 
-using kernels::kLatentDim;
-using kernels::kValueDim;
+using mlaverify::kLatentDim;
+using mlaverify::kValueDim;
 using Clock = std::chrono::steady_clock;
 
 }  // namespace
@@ -93,7 +93,7 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::GetServerInfo(grpc::CallbackServerC
     r->set_num_heads(c.num_heads);
     r->set_latent_dim(kLatentDim);
     r->set_value_dim(kValueDim);
-    r->set_rope_dim(kernels::kRopeDim);
+    r->set_rope_dim(mlaverify::kRopeDim);
     r->set_page_size(c.page_size);
     r->set_total_pages(s.total_pages);
     r->set_free_pages(s.free_pages);

@@ -1,10 +1,10 @@
-#include "kernels/draft_tree.h"
+#include "common/draft_tree.h"
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "kernels/status_macros.h"
+#include "common/status_macros.h"
 
-namespace mlaverify::kernels {
+namespace mlaverify {
 
 absl::Status ValidateDraftTree(absl::Span<const int32_t> parents) {
   if (parents.empty()) {
@@ -57,4 +57,4 @@ absl::Status ValidateAcceptedPath(absl::Span<const int32_t> parents,
   return absl::OkStatus();
 }
 
-}  // namespace mlaverify::kernels
+}  // namespace mlaverify

@@ -1,18 +1,16 @@
 // The draft tree of one verify step: validation and the per-row visibility
 // words the attention kernels consume.
-#ifndef MLAVERIFY_KERNELS_DRAFT_TREE_H_
-#define MLAVERIFY_KERNELS_DRAFT_TREE_H_
+#ifndef MLAVERIFY_COMMON_DRAFT_TREE_H_
+#define MLAVERIFY_COMMON_DRAFT_TREE_H_
 
 #include <cstdint>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/geometry.h"
 
-namespace mlaverify::kernels {
-
-// Largest draft count one request may carry: a visibility word is 64 bits.
-inline constexpr int kMaxDraftLen = 64;
+namespace mlaverify {
 
 // Checks that `parents` describes a forest whose parents come before their
 // children (parents[i] in {-1, 0..i-1}) and that it holds 1..kMaxDraftLen
@@ -33,6 +31,6 @@ absl::StatusOr<std::vector<uint64_t>> BuildVisibility(
 absl::Status ValidateAcceptedPath(absl::Span<const int32_t> parents,
                                   absl::Span<const int32_t> accepted);
 
-}  // namespace mlaverify::kernels
+}  // namespace mlaverify
 
-#endif  // MLAVERIFY_KERNELS_DRAFT_TREE_H_
+#endif  // MLAVERIFY_COMMON_DRAFT_TREE_H_

@@ -1,7 +1,7 @@
 // bfloat16 storage type shared by host code (no CUDA headers needed) and the
 // CUDA kernels (which reinterpret it as __nv_bfloat16; same 16-bit layout).
-#ifndef MLAVERIFY_KERNELS_BF16_H_
-#define MLAVERIFY_KERNELS_BF16_H_
+#ifndef MLAVERIFY_COMMON_BF16_H_
+#define MLAVERIFY_COMMON_BF16_H_
 
 #include <cmath>
 #include <cstdint>
@@ -41,4 +41,4 @@ inline Bf16 Bf16QuietNaN() { return Bf16{0x7fc0}; }
 
 }  // namespace mlaverify
 
-#endif  // MLAVERIFY_KERNELS_BF16_H_
+#endif  // MLAVERIFY_COMMON_BF16_H_

@@ -1,8 +1,8 @@
 // Early-return helpers for absl::Status / absl::StatusOr. The Abseil on
 // Debian 12 (20220623) predates its own status macros, so the project keeps
 // these two; every layer above kernels/ uses them too.
-#ifndef MLAVERIFY_KERNELS_STATUS_MACROS_H_
-#define MLAVERIFY_KERNELS_STATUS_MACROS_H_
+#ifndef MLAVERIFY_COMMON_STATUS_MACROS_H_
+#define MLAVERIFY_COMMON_STATUS_MACROS_H_
 
 #include <utility>
 
@@ -35,4 +35,4 @@
   }                                                  \
   lhs = std::move(statusor).value()
 
-#endif  // MLAVERIFY_KERNELS_STATUS_MACROS_H_
+#endif  // MLAVERIFY_COMMON_STATUS_MACROS_H_
