@@ -20,9 +20,10 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
+#include "server/engine/engine_observer.h"
 #include "server/admin/admin_http_server.h"
 #include "server/admin/metrics.h"
-#include "server/engine/backend.h"
+#include "server/engine/device.h"
 #include "server/engine/engine.h"
 #include "server/transport/grpc_server.h"
 #include "server/transport/status_mapping.h"
@@ -34,16 +35,28 @@ namespace {
 
 constexpr char kVersion[] = "0.1.0";
 
-// Feeds RPC outcomes to the Prometheus registry.
-class MetricsObserver final : public transport::RpcObserver {
+// Feeds RPC outcomes and engine events to the Prometheus registry.
+class MetricsObserver final : public transport::RpcObserver, public engine::EngineObserver {
  public:
   explicit MetricsObserver(admin::Metrics* metrics) : metrics_(metrics) {}
   void OnRpc(absl::string_view rpc, grpc::StatusCode code, double seconds) override {
     metrics_->RecordRpc(rpc, transport::GrpcCodeName(code), seconds);
   }
-  void OnVerify(int items, int64_t draft_tokens) override {
-    metrics_->RecordVerify(items, draft_tokens, /*padded_batch_bucket=*/0);  // eager path
+  void OnBatch(const engine::BatchReport& report) override {
+    const std::string* name = report.device < static_cast<int>(device_names.size())
+                                  ? &device_names[report.device]
+                                  : nullptr;
+    metrics_->RecordBatch(report, name != nullptr ? *name : std::to_string(report.device));
   }
+  void OnVerifyDone(const engine::VerifyTiming& timing) override {
+    metrics_->RecordVerifyTiming(timing);
+  }
+  void OnDeviceFault(const std::string& device, const absl::Status&) override {
+    metrics_->RecordDeviceFault(device);
+  }
+
+  // Names of the engine's devices by index; set before the engine starts.
+  std::vector<std::string> device_names;
 
  private:
   admin::Metrics* const metrics_;
@@ -60,18 +73,59 @@ struct Flags {
   uint64_t pool_bytes = uint64_t{1} << 30;
   int64_t max_sequence_len = int64_t{1} << 17;
   std::string backend = "auto";
+  std::vector<int> devices = {0};
+  std::string parallel_mode = "tp";
+  bool cuda_graphs = true;
   std::vector<int> draft_buckets = {1, 2, 4, 8, 16, 32, 64};
   std::vector<int> batch_buckets = {1, 2, 4, 8, 16, 32};
+  double max_queue_delay_us = 0;
+  int max_queued_calls = 4096;
+  uint64_t max_queued_bytes = uint64_t{2} << 30;
+  int64_t max_live_sequences = 65536;
+  int copy_threads = 4;
   double idle_timeout_s = 0;
   uint64_t max_message_bytes = uint64_t{64} << 20;
   float softmax_scale = 1.0f / std::sqrt(192.0f);
   int cpu_threads = 0;
-  int workers = 8;
+  int stream_max_in_flight = 8;
   double drain_timeout_s = 10;
   double slow_call_ms = 100;
+  int testing_fault_after_launches = 0;
   std::string tls_cert, tls_key, tls_client_ca;
   std::string log_level = "info";
 };
+
+// One device per --devices entry: CUDA devices by ordinal (the same ordinal
+// may repeat: each entry is its own pool replica and worker), or host (CPU)
+// devices, one per entry, for the CPU backend.
+absl::StatusOr<std::vector<std::unique_ptr<engine::Device>>> MakeDevices(const Flags& f,
+                                                                         std::string* backend) {
+  std::vector<std::unique_ptr<engine::Device>> devices;
+  if (f.backend != "cpu") {
+    bool usable = true;
+    absl::Status why;
+    for (size_t k = 0; k < f.devices.size() && usable; ++k) {
+      // The fault injection applies to the first device only.
+      auto cuda = engine::MakeCudaDevice(f.devices[k], k == 0 ? f.testing_fault_after_launches : 0);
+      if (cuda.ok()) {
+        devices.push_back(*std::move(cuda));
+      } else {
+        usable = false;
+        why = cuda.status();
+      }
+    }
+    if (usable) {
+      *backend = "cuda";
+      return devices;
+    }
+    devices.clear();
+    if (f.backend == "cuda") return why;
+    spdlog::info("serving on the CPU backend: {}", std::string(why.message()));
+  }
+  *backend = "cpu";
+  for (size_t k = 0; k < f.devices.size(); ++k) devices.push_back(engine::MakeCpuDevice(f.cpu_threads));
+  return devices;
+}
 
 int Run(int argc, char** argv) {
   Flags f;
@@ -82,21 +136,51 @@ int Run(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--port-file", f.port_file, "write the bound gRPC and admin ports here (\"grpc admin\")");
   app.add_option("--layers", f.layers, "model layers")->capture_default_str();
-  app.add_option("--heads", f.heads, "query heads this server computes (H / tensor-parallel degree)")
+  app.add_option("--heads", f.heads,
+                 "query heads of one Verify item; in tp mode each device computes heads / devices")
       ->capture_default_str();
   app.add_option("--page-size", f.page_size, "tokens per KV page (power of two, 1..256)")->capture_default_str();
-  app.add_option("--pool-bytes", f.pool_bytes, "KV pool size, e.g. 1073741824 or 1GiB")
+  app.add_option("--pool-bytes", f.pool_bytes, "KV pool size per device, e.g. 1073741824 or 1GiB")
       ->transform(CLI::AsSizeValue(false))
       ->capture_default_str();
   app.add_option("--max-seq-len", f.max_sequence_len, "longest sequence in tokens")->capture_default_str();
   app.add_option("--backend", f.backend, "auto | cpu | cuda")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
       ->capture_default_str();
+  app.add_option("--devices", f.devices,
+                 "CUDA device ordinals, one worker each (an ordinal may repeat); with the CPU "
+                 "backend, one host device per entry")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--parallel-mode", f.parallel_mode,
+                 "tp: heads split over the devices, KV replicated; dp: each sequence on one device")
+      ->check(CLI::IsMember({"tp", "dp"}))
+      ->capture_default_str();
+  app.add_option("--cuda-graphs", f.cuda_graphs,
+                 "replay one CUDA graph per (batch, draft) bucket (false: eager launches)")
+      ->capture_default_str();
   app.add_option("--draft-buckets", f.draft_buckets, "draft-length buckets; the largest is the max N")
       ->delimiter(',')
       ->capture_default_str();
-  app.add_option("--batch-buckets", f.batch_buckets, "batch buckets; the largest is the max items per Verify")
+  app.add_option("--batch-buckets", f.batch_buckets,
+                 "batch buckets; the largest is the max items per Verify and per replay")
       ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--max-queue-delay-us", f.max_queue_delay_us,
+                 "how long a device may hold a partial batch for more items (0: no delay)")
+      ->capture_default_str();
+  app.add_option("--max-queued-calls", f.max_queued_calls,
+                 "calls admitted and not finished; beyond: RESOURCE_EXHAUSTED")
+      ->capture_default_str();
+  app.add_option("--max-queued-bytes", f.max_queued_bytes,
+                 "tensor bytes those calls may hold; beyond: RESOURCE_EXHAUSTED")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  app.add_option("--max-live-sequences", f.max_live_sequences,
+                 "sequences alive at once; beyond: RESOURCE_EXHAUSTED")
+      ->capture_default_str();
+  app.add_option("--copy-threads", f.copy_threads,
+                 "threads per device that copy large batches to and from pinned staging")
       ->capture_default_str();
   app.add_option("--idle-timeout-s", f.idle_timeout_s, "release sequences idle this long (0: never)")
       ->capture_default_str();
@@ -106,11 +190,17 @@ int Run(int argc, char** argv) {
   app.add_option("--softmax-scale", f.softmax_scale, "default softmax scale (requests may override)")
       ->capture_default_str();
   app.add_option("--cpu-threads", f.cpu_threads, "CPU backend threads per verify (0: all)")->capture_default_str();
-  app.add_option("--workers", f.workers, "threads running engine calls for RPCs")->capture_default_str();
+  app.add_option("--stream-max-in-flight", f.stream_max_in_flight,
+                 "requests of one VerifyStream worked on at once (answered in order)")
+      ->capture_default_str();
   app.add_option("--slow-call-ms", f.slow_call_ms,
                  "log a warning for calls this long in the server, at most one a second (0: off)")
       ->capture_default_str();
   app.add_option("--drain-timeout-s", f.drain_timeout_s, "grace for calls in flight on SIGTERM")
+      ->capture_default_str();
+  app.add_option("--testing-fault-after-launches", f.testing_fault_after_launches,
+                 "testing only: the first device's Nth verify launch runs a trapping kernel "
+                 "(a real device fault; 0: never)")
       ->capture_default_str();
   app.add_option("--tls-cert", f.tls_cert, "server certificate (PEM); with --tls-key enables TLS");
   app.add_option("--tls-key", f.tls_key, "server private key (PEM)");
@@ -128,25 +218,6 @@ int Run(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  // ---- backend ----
-  // auto: the GPU when one is present and usable, else the CPU backend, and
-  // the log says which and why (MakeCudaBackend knows: no device, no driver,
-  // or a build without nvcc). cuda: the GPU or a startup error.
-  std::unique_ptr<engine::Backend> backend;
-  if (f.backend != "cpu") {
-    auto cuda = engine::MakeCudaBackend(0);
-    if (cuda.ok()) {
-      backend = *std::move(cuda);
-    } else if (f.backend == "cuda") {
-      spdlog::error("--backend cuda: {}", cuda.status().ToString());
-      return 2;
-    } else {
-      spdlog::info("serving on the CPU backend: {}", std::string(cuda.status().message()));
-    }
-  }
-  if (backend == nullptr) backend = engine::MakeCpuBackend(f.cpu_threads);
-
-  // ---- engine ----
   engine::EngineConfig config;
   config.num_layers = f.layers;
   config.num_heads = f.heads;
@@ -157,34 +228,38 @@ int Run(int argc, char** argv) {
   config.batch_buckets = f.batch_buckets;
   config.default_softmax_scale = f.softmax_scale;
   config.idle_timeout = absl::Seconds(f.idle_timeout_s);
-  auto engine = engine::Engine::Create(config, std::move(backend));
-  if (!engine.ok()) {
-    spdlog::error("cannot start the engine: {}", engine.status().ToString());
+  config.parallel_mode =
+      f.parallel_mode == "dp" ? engine::ParallelMode::kDataParallel : engine::ParallelMode::kTensorParallel;
+  config.use_graphs = f.cuda_graphs;
+  config.max_queue_delay = absl::Microseconds(f.max_queue_delay_us);
+  config.max_queued_calls = f.max_queued_calls;
+  config.max_queued_bytes = static_cast<int64_t>(f.max_queued_bytes);
+  config.max_live_sequences = f.max_live_sequences;
+  config.copy_threads = f.copy_threads;
+  // Flag errors first, before anything listens.
+  if (absl::Status valid = config.Validate(static_cast<int>(f.devices.size())); !valid.ok()) {
+    spdlog::error("bad flags: {}", std::string(valid.message()));
     return 2;
   }
 
-  // ---- metrics and admin HTTP ----
+  // ---- metrics, gRPC (NOT_SERVING until the engine is up) and admin HTTP ----
   admin::Metrics metrics;
-  metrics.SetInfo(kVersion, (*engine)->backend_name());
-  metrics.SetStatsSource([e = engine->get()] { return e->Stats(); });
   MetricsObserver observer(&metrics);
-
   transport::GrpcServerOptions options;
   options.listen_address = f.listen;
   options.service.version = kVersion;
   options.service.max_message_bytes = static_cast<int64_t>(f.max_message_bytes);
-  options.service.worker_threads = f.workers;
   options.service.slow_call_seconds = f.slow_call_ms / 1e3;
+  options.service.stream_max_in_flight = f.stream_max_in_flight;
   options.tls_cert_file = f.tls_cert;
   options.tls_key_file = f.tls_key;
   options.tls_client_ca_file = f.tls_client_ca;
-  auto server = transport::GrpcServer::Start(engine->get(), options, &observer);
+  auto server = transport::GrpcServer::Start(options, &observer);
   if (!server.ok()) {
     spdlog::error("cannot start the gRPC server: {}", server.status().ToString());
     return 2;
   }
   transport::GrpcServer* grpc_server = server->get();
-
   std::unique_ptr<admin::AdminHttpServer> admin_http;
   if (f.admin_port >= 0) {
     admin_http = std::make_unique<admin::AdminHttpServer>(&metrics, [grpc_server] {
@@ -200,6 +275,29 @@ int Run(int argc, char** argv) {
     std::ofstream(f.port_file) << grpc_server->port() << " " << (admin_http ? admin_http->port() : -1)
                                << "\n";
   }
+
+  // ---- devices and engine (pools allocated, graphs recorded) ----
+  std::string backend_name;
+  auto devices = MakeDevices(f, &backend_name);
+  if (!devices.ok()) {
+    spdlog::error("--backend {}: {}", f.backend, devices.status().ToString());
+    return 2;
+  }
+  for (const auto& d : *devices) observer.device_names.push_back(d->name());
+  const absl::Time engine_start = absl::Now();
+  auto engine = engine::Engine::Create(config, *std::move(devices), &observer);
+  if (!engine.ok()) {
+    spdlog::error("cannot start the engine: {}", engine.status().ToString());
+    return 2;
+  }
+  spdlog::info("engine ready in {:.2f} s", absl::ToDoubleSeconds(absl::Now() - engine_start));
+  metrics.SetInfo(kVersion, (*engine)->backend_name());
+  metrics.SetStatsSource([e = engine->get()] { return e->Stats(); });
+  (*engine)->SetFaultListener([grpc_server, &metrics](const absl::Status&) {
+    metrics.SetReady(false);
+    grpc_server->SetFaulted();
+  });
+  grpc_server->AttachEngine(engine->get());
 
   // ---- idle expiry ----
   std::mutex janitor_mu;
@@ -218,9 +316,9 @@ int Run(int argc, char** argv) {
 
   grpc_server->SetServing();
   metrics.SetReady(true);
-  spdlog::info("mlaverify-server {} ready: gRPC port {}, admin port {}, backend {}", kVersion,
-               grpc_server->port(), admin_http ? admin_http->port() : -1,
-               (*engine)->backend_name());
+  spdlog::info("mlaverify-server {} ready: gRPC port {}, admin port {}, backend {} on {} device(s), {} mode",
+               kVersion, grpc_server->port(), admin_http ? admin_http->port() : -1,
+               (*engine)->backend_name(), (*engine)->num_devices(), f.parallel_mode);
 
   int signal_number = 0;
   sigwait(&signals, &signal_number);

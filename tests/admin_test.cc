@@ -141,16 +141,56 @@ TEST(MetricsTest, RecordRpcIsThreadSafe) {
               Optional(double{kThreads * kCallsPerThread}));
 }
 
-TEST(MetricsTest, RecordVerifyCountsItemsTokensAndPath) {
+TEST(MetricsTest, RecordBatchCountsPathsBucketsRowsAndDeviceTime) {
   Metrics metrics;
-  metrics.RecordVerify(3, 48, /*padded_batch_bucket=*/0);
-  metrics.RecordVerify(1, 16, /*padded_batch_bucket=*/0);
-  metrics.RecordVerify(5, 40, /*padded_batch_bucket=*/8);
+  engine::BatchReport eager;
+  eager.requests = 3;
+  eager.rows = 12;
+  eager.shape = {3, 4};
+  eager.device_seconds = 2e-5;
+  metrics.RecordBatch(eager, "cpu");
+  engine::BatchReport graph;
+  graph.requests = 5;
+  graph.rows = 40;
+  graph.shape = {8, 16};
+  graph.graph = true;
+  graph.reused_plan = true;
+  graph.device_seconds = 4e-5;
+  metrics.RecordBatch(graph, "cuda:0");
+  metrics.RecordBatch(graph, "cuda:0");
   const std::string text = metrics.Serialize();
-  EXPECT_THAT(SampleValue(text, "mlaverify_verify_items_total"), Optional(9.0));
-  EXPECT_THAT(SampleValue(text, "mlaverify_verify_draft_tokens_total"), Optional(104.0));
-  EXPECT_THAT(SampleValue(text, R"(mlaverify_verify_batches_total{path="eager"})"), Optional(2.0));
-  EXPECT_THAT(SampleValue(text, R"(mlaverify_verify_batches_total{path="graph"})"), Optional(1.0));
+  EXPECT_THAT(SampleValue(text, R"(mlaverify_verify_batches_total{path="eager"})"), Optional(1.0));
+  EXPECT_THAT(SampleValue(text, R"(mlaverify_verify_batches_total{path="graph"})"), Optional(2.0));
+  EXPECT_THAT(SampleValue(text, R"(mlaverify_verify_graph_bucket_total{batch_bucket="8",draft_bucket="16"})"),
+              Optional(2.0));
+  EXPECT_THAT(SampleValue(text, "mlaverify_verify_rows_total"), Optional(92.0));
+  EXPECT_THAT(SampleValue(text, "mlaverify_verify_padded_rows_total"), Optional(2.0 * (128 - 40)));
+  EXPECT_THAT(SampleValue(text, "mlaverify_verify_plan_reused_total"), Optional(2.0));
+  EXPECT_THAT(SampleValue(text, "mlaverify_verify_batch_requests_count"), Optional(3.0));
+  EXPECT_THAT(SampleValue(text, R"(mlaverify_verify_batch_requests_bucket{le="4"})"), Optional(1.0));
+  EXPECT_THAT(SampleValue(text, R"(mlaverify_device_batch_seconds_count{device="cuda:0"})"), Optional(2.0));
+  EXPECT_THAT(SampleValue(text, R"(mlaverify_device_batch_seconds_bucket{device="cpu",le="2e-05"})"),
+              Optional(1.0));
+}
+
+TEST(MetricsTest, VerifyTimingSplitsQueueDeviceAndTheRest) {
+  Metrics metrics;
+  engine::VerifyTiming t;
+  t.queue_seconds = 1e-5;
+  t.device_seconds = 3e-5;
+  t.total_seconds = 6e-5;
+  metrics.RecordVerifyTiming(t);
+  metrics.RecordDeviceFault("cuda:1");
+  const std::string text = metrics.Serialize();
+  EXPECT_THAT(SampleValue(text, R"(mlaverify_verify_server_seconds_bucket{part="queue",le="1e-05"})"),
+              Optional(1.0));
+  EXPECT_THAT(SampleValue(text, R"(mlaverify_verify_server_seconds_bucket{part="device",le="2e-05"})"),
+              Optional(0.0));
+  EXPECT_THAT(SampleValue(text, R"(mlaverify_verify_server_seconds_bucket{part="device",le="3e-05"})"),
+              Optional(1.0));
+  EXPECT_THAT(SampleValue(text, R"(mlaverify_verify_server_seconds_sum{part="other"})"),
+              Optional(::testing::DoubleNear(2e-5, 1e-12)));
+  EXPECT_THAT(SampleValue(text, R"(mlaverify_device_faults_total{device="cuda:1"})"), Optional(1.0));
 }
 
 TEST(MetricsTest, EngineGaugesFollowTheStatsSource) {

@@ -15,7 +15,8 @@
 #include "kernels/cpu_reference.h"
 #include "common/draft_tree.h"
 #include "server/engine/page_allocator.h"
-#include "server/engine/plan_reuse.h"
+#include "server/engine/batch_plan.h"
+#include "server/engine/device.h"
 
 namespace mlaverify::engine {
 namespace {
@@ -56,24 +57,38 @@ TEST(PageAllocatorDeathTest, DoubleFreeAborts) {
   EXPECT_DEATH(pages.Free(*a), "freed but not allocated");
 }
 
-// The CUDA backend reuses a verify plan only for a launch with the lengths
-// of the last completed one (kernels::VerifyLaunchConfig::reuse_plan): the
+// A launch reuses the workspace's plan only when the previous launch had
+// the same shape and lengths (kernels::VerifyLaunchConfig::reuse_plan): the
 // layers of one step of one batch.
-TEST(PlanReuseTracker, ReusesOnlyTheLastCompletedLaunchsLengths) {
-  PlanReuseTracker t;
+TEST(PlanFingerprint, MatchesOnlyTheLastLaunchsShapeAndLengths) {
+  PlanFingerprint f;
   const std::vector<int32_t> prefix = {4096, 17}, draft = {16, 4};
-  EXPECT_FALSE(t.CanReuse(prefix, draft)) << "nothing planned yet";
-  t.Planned(prefix, draft);
-  EXPECT_TRUE(t.CanReuse(prefix, draft)) << "the next layer of the same step";
-  EXPECT_FALSE(t.CanReuse(std::vector<int32_t>{4096, 18}, draft)) << "a prefix moved";
-  EXPECT_FALSE(t.CanReuse(prefix, std::vector<int32_t>{16, 5})) << "a draft count moved";
-  EXPECT_FALSE(t.CanReuse(std::vector<int32_t>{4096}, std::vector<int32_t>{16})) << "another batch";
-  EXPECT_FALSE(t.CanReuse(std::vector<int32_t>{17, 4096}, std::vector<int32_t>{4, 16})) << "requests reordered";
-  t.Planned(std::vector<int32_t>{100}, std::vector<int32_t>{2});
-  EXPECT_FALSE(t.CanReuse(prefix, draft)) << "another batch planned in between";
-  EXPECT_TRUE(t.CanReuse(std::vector<int32_t>{100}, std::vector<int32_t>{2}));
-  t.Invalidate();
-  EXPECT_FALSE(t.CanReuse(std::vector<int32_t>{100}, std::vector<int32_t>{2})) << "after a failed launch";
+  const BatchShape shape{2, 16};
+  EXPECT_FALSE(f.Matches(shape, prefix, draft)) << "nothing launched yet";
+  f.Record(shape, prefix, draft);
+  EXPECT_TRUE(f.Matches(shape, prefix, draft)) << "the next layer of the same step";
+  EXPECT_FALSE(f.Matches(BatchShape{2, 32}, prefix, draft)) << "another draft bucket";
+  EXPECT_FALSE(f.Matches(shape, std::vector<int32_t>{4096, 18}, draft)) << "a prefix moved";
+  EXPECT_FALSE(f.Matches(shape, prefix, std::vector<int32_t>{16, 5})) << "a draft count moved";
+  EXPECT_FALSE(f.Matches(shape, std::vector<int32_t>{17, 4096}, std::vector<int32_t>{4, 16}))
+      << "requests reordered";
+  f.Record(BatchShape{1, 2}, std::vector<int32_t>{100}, std::vector<int32_t>{2});
+  EXPECT_FALSE(f.Matches(shape, prefix, draft)) << "another batch launched in between";
+  EXPECT_TRUE(f.Matches(BatchShape{1, 2}, std::vector<int32_t>{100}, std::vector<int32_t>{2}));
+  f.Clear();
+  EXPECT_FALSE(f.Matches(BatchShape{1, 2}, std::vector<int32_t>{100}, std::vector<int32_t>{2}))
+      << "after a failed launch";
+}
+
+// The bucket a graph replay pads a batch up to: the smallest pair that holds it.
+TEST(ChooseBucket, SmallestBucketPairThatHoldsTheBatch) {
+  const std::vector<int> batches = {1, 2, 4, 8}, drafts = {1, 4, 16};
+  EXPECT_EQ(ChooseBucket(batches, drafts, 1, 1), (BatchShape{1, 1}));
+  EXPECT_EQ(ChooseBucket(batches, drafts, 3, 5), (BatchShape{4, 16}));
+  EXPECT_EQ(ChooseBucket(batches, drafts, 8, 16), (BatchShape{8, 16}));
+  EXPECT_EQ(ChooseBucket(batches, drafts, 2, 4), (BatchShape{2, 4}));
+  EXPECT_FALSE(ChooseBucket(batches, drafts, 9, 1).has_value()) << "more requests than any bucket";
+  EXPECT_FALSE(ChooseBucket(batches, drafts, 1, 17).has_value()) << "longer drafts than any bucket";
 }
 
 TEST(EngineConfig, RejectsBadSettings) {
@@ -90,6 +105,18 @@ TEST(EngineConfig, RejectsBadSettings) {
   c = EngineConfig{};
   c.pool_bytes = 1000;
   EXPECT_THAT(std::string(c.Validate().message()), HasSubstr("holds no page"));
+  c = EngineConfig{};
+  c.num_heads = 8;
+  EXPECT_THAT(std::string(c.Validate(3).message()), HasSubstr("does not split over 3"));
+  c.parallel_mode = ParallelMode::kDataParallel;
+  EXPECT_TRUE(c.Validate(3).ok()) << "data parallel: every device computes all heads";
+  EXPECT_EQ(c.Validate(0).code(), absl::StatusCode::kInvalidArgument);
+}
+
+std::vector<std::unique_ptr<Device>> CpuDevices(int count, int threads) {
+  std::vector<std::unique_ptr<Device>> devices;
+  for (int d = 0; d < count; ++d) devices.push_back(MakeCpuDevice(threads));
+  return devices;
 }
 
 // A sequence's KV as the test believes it is: per layer, rows of 576.
@@ -157,7 +184,7 @@ class EngineTest : public ::testing::Test {
 
   void SetUp() override { Make(/*pool_pages=*/64); }
 
-  void Make(int64_t pool_pages, std::unique_ptr<Backend> backend = nullptr) {
+  void Make(int64_t pool_pages, std::unique_ptr<Device> device = nullptr) {
     config_.num_layers = kLayers;
     config_.num_heads = kHeads;
     config_.page_size = kPage;
@@ -165,7 +192,9 @@ class EngineTest : public ::testing::Test {
     config_.max_sequence_len = 4096;
     config_.draft_buckets = {1, 2, 4, 8, 16};
     config_.batch_buckets = {1, 2, 4};
-    auto engine = Engine::Create(config_, backend ? std::move(backend) : MakeCpuBackend(2));
+    std::vector<std::unique_ptr<Device>> devices;
+    devices.push_back(device ? std::move(device) : MakeCpuDevice(2));
+    auto engine = Engine::Create(config_, std::move(devices));
     ASSERT_TRUE(engine.ok()) << engine.status();
     engine_ = *std::move(engine);
   }
@@ -401,7 +430,7 @@ TEST_F(EngineTest, ExhaustionIsReportedAndChangesNothing) {
 
 TEST_F(EngineTest, ReleaseAndExpiryFreeEverything) {
   config_.idle_timeout = absl::Seconds(30);
-  auto engine = Engine::Create(config_, MakeCpuBackend(1));
+  auto engine = Engine::Create(config_, CpuDevices(1, 1));
   ASSERT_TRUE(engine.ok());
   engine_ = *std::move(engine);
   const int64_t total = engine_->Stats().total_pages;
@@ -426,35 +455,19 @@ TEST_F(EngineTest, ReleaseAndExpiryFreeEverything) {
   EXPECT_EQ(stats.sequences_expired_total, 1);
 }
 
-// Fails every Verify: the engine must undo the step it opened.
-class FailingBackend final : public Backend {
- public:
-  explicit FailingBackend(std::unique_ptr<Backend> inner) : inner_(std::move(inner)) {}
-  std::string name() const override { return "failing"; }
-  std::vector<DeviceDescription> devices() const override { return {}; }
-  absl::Status Init(const PoolGeometry& g) override { return inner_->Init(g); }
-  absl::Status WriteRows(absl::Span<const int32_t> pt, int64_t start, int64_t count,
-                         absl::Span<const Bf16> data) override {
-    return inner_->WriteRows(pt, start, count, data);
-  }
-  absl::Status ReadRows(absl::Span<const int32_t> pt, int64_t start, int64_t count,
-                        absl::Span<Bf16> data) override {
-    return inner_->ReadRows(pt, start, count, data);
-  }
-  absl::Status Verify(absl::Span<const BackendVerifyRequest>) override {
-    return absl::InternalError("device lost");
-  }
-  absl::Status Compact(absl::Span<const int32_t> pt, int64_t p,
-                       absl::Span<const int32_t> accepted) override {
-    return inner_->Compact(pt, p, accepted);
-  }
-
- private:
-  std::unique_ptr<Backend> inner_;
-};
-
-TEST_F(EngineTest, BackendFailureUndoesTheStep) {
-  Make(64, std::make_unique<FailingBackend>(MakeCpuBackend(1)));
+// A device that faults on its first verify launch: the call fails with
+// INTERNAL naming the device, the step it opened is undone, and the engine
+// refuses device work from then on.
+TEST_F(EngineTest, DeviceFaultFailsTheCallUndoesTheStepAndStopsDeviceWork) {
+  FakeDeviceOptions fake;
+  fake.fail_launch = 1;
+  Make(64, MakeFakeDevice(0, fake, nullptr));
+  absl::Status heard;
+  int faults = 0;
+  engine_->SetFaultListener([&](const absl::Status& s) {
+    heard = s;
+    ++faults;
+  });
   Mirror m;
   const uint64_t id = NewSequence(16, &m);
   const int64_t free_before = engine_->Stats().free_pages;
@@ -462,10 +475,21 @@ TEST_F(EngineTest, BackendFailureUndoesTheStep) {
   std::vector<Bf16> out(3 * kHeads * kValueDim);
   std::vector<float> lse(3 * kHeads);
   VerifyItem item{id, s.parents, s.q[0], s.draft_kv[0], absl::MakeSpan(out), absl::MakeSpan(lse)};
-  EXPECT_EQ(engine_->Verify(0, 0.0f, absl::MakeSpan(&item, 1)).code(), absl::StatusCode::kInternal);
+  const absl::Status failed = engine_->Verify(0, 0.0f, absl::MakeSpan(&item, 1));
+  EXPECT_EQ(failed.code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(std::string(failed.message()), HasSubstr("device fake:0 faulted"));
   EXPECT_EQ(engine_->Stats().free_pages, free_before);
   EXPECT_EQ(engine_->Stats().pending_steps, 0);
+  EXPECT_EQ(faults, 1);
+  EXPECT_THAT(std::string(heard.message()), HasSubstr("fake:0"));
   EXPECT_EQ(engine_->Commit(id, {}).status().code(), absl::StatusCode::kFailedPrecondition);
+  const absl::Status refused = engine_->Verify(0, 0.0f, absl::MakeSpan(&item, 1));
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("fake:0"));
+  EXPECT_EQ(faults, 1) << "a fault is reported once";
+  // Releasing still works and gives every page back.
+  ASSERT_TRUE(engine_->Release(id).ok());
+  EXPECT_EQ(engine_->Stats().free_pages, engine_->Stats().total_pages);
 }
 
 TEST_F(EngineTest, ConcurrentSequencesLeaveNoPagesBehind) {

@@ -1,27 +1,30 @@
-// The engine on the CUDA backend against the same engine on the CPU backend:
-// identical calls (prompts, multi-sequence verify steps, commits, rollbacks),
-// outputs within bf16 tolerance, pool contents equal to the bit after every
-// commit, no pages left behind. Skipped with the reason when no GPU is present.
+// The engine on CUDA devices against the same engine on one CPU device:
+// identical calls (prompts, multi-sequence verify steps, the same calls
+// submitted one item at a time so the worker batches them, commits,
+// rollbacks), outputs within bf16 tolerance, pool contents equal to the bit
+// after every commit (on every replica in tensor-parallel mode), no pages
+// left behind. Runs single-device, tensor-parallel and data-parallel over
+// device 0 listed twice, and single-device with graphs off (the eager path).
+// Skipped with the reason when no GPU is present.
 #include <cuda_runtime_api.h>
 
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 #include "kernels/testing/device_problem.h"
-#include "kernels/verify_attention.h"
+#include "server/engine/device.h"
 #include "server/engine/engine.h"
 
 namespace mlaverify::engine {
 namespace {
 
-using mlaverify::kLatentDim;
-using mlaverify::kValueDim;
-
-constexpr int kLayers = 3, kHeads = 8, kPage = 16;
+constexpr int kLayers = 3, kPage = 16;
 
 std::vector<Bf16> RandomBf16(size_t n, std::mt19937_64& rng, float range) {
   std::uniform_real_distribution<float> u(-range, range);
@@ -30,42 +33,85 @@ std::vector<Bf16> RandomBf16(size_t n, std::mt19937_64& rng, float range) {
   return v;
 }
 
-class GpuEngineTest : public ::testing::Test {
+struct Mode {
+  std::string name;
+  std::vector<int> devices;
+  ParallelMode parallel;
+  int heads;  // per Verify item
+  bool graphs;
+};
+
+void PrintTo(const Mode& mode, std::ostream* os) { *os << mode.name; }
+
+class GpuEngineTest : public ::testing::TestWithParam<Mode> {
  protected:
   void SetUp() override {
     static const std::string reason = kernels::testing::NoUsableGpuReason();
     if (!reason.empty()) GTEST_SKIP() << "GPU test skipped: " << reason;
+    const Mode& mode = GetParam();
+    heads_ = mode.heads;
     EngineConfig config;
     config.num_layers = kLayers;
-    config.num_heads = kHeads;
+    config.num_heads = mode.heads;
     config.page_size = kPage;
     config.pool_bytes = 200 * config.bytes_per_page();
     config.draft_buckets = {1, 4, 16};
     config.batch_buckets = {1, 2, 4};
     config.max_sequence_len = 8192;
-    auto cuda = MakeCudaBackend(0);
-    ASSERT_TRUE(cuda.ok()) << cuda.status();
-    auto gpu = Engine::Create(config, *std::move(cuda));
+    config.parallel_mode = mode.parallel;
+    config.use_graphs = mode.graphs;
+    std::vector<std::unique_ptr<Device>> devices;
+    for (int ordinal : mode.devices) {
+      auto cuda = MakeCudaDevice(ordinal);
+      ASSERT_TRUE(cuda.ok()) << cuda.status();
+      devices.push_back(*std::move(cuda));
+    }
+    auto gpu = Engine::Create(config, std::move(devices));
     ASSERT_TRUE(gpu.ok()) << gpu.status();
-    auto cpu = Engine::Create(config, MakeCpuBackend(0));
+    config.parallel_mode = ParallelMode::kTensorParallel;
+    std::vector<std::unique_ptr<Device>> cpu_devices;
+    cpu_devices.push_back(MakeCpuDevice(0));
+    auto cpu = Engine::Create(config, std::move(cpu_devices));
     ASSERT_TRUE(cpu.ok());
     gpu_ = *std::move(gpu);
     cpu_ = *std::move(cpu);
+    EXPECT_EQ(gpu_->graphs_enabled(), mode.graphs);
   }
 
   void ExpectSameKv(uint64_t gpu_id, uint64_t cpu_id, int64_t length) {
-    std::vector<Bf16> a(static_cast<size_t>(kLayers) * length * kLatentDim);
-    std::vector<Bf16> b(a.size());
-    ASSERT_TRUE(gpu_->ReadKv(gpu_id, 0, length, absl::MakeSpan(a)).ok());
+    std::vector<Bf16> b(static_cast<size_t>(kLayers) * length * kLatentDim);
     ASSERT_TRUE(cpu_->ReadKv(cpu_id, 0, length, absl::MakeSpan(b)).ok());
-    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(Bf16)), 0);
+    const int replicas = GetParam().parallel == ParallelMode::kTensorParallel ? gpu_->num_devices() : 1;
+    for (int r = 0; r < replicas; ++r) {
+      std::vector<Bf16> a(b.size());
+      ASSERT_TRUE(gpu_->ReadKv(gpu_id, 0, length, absl::MakeSpan(a), r).ok());
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(Bf16)), 0) << "replica " << r;
+    }
   }
 
+  void ExpectClose(const std::vector<Bf16>& out_g, const std::vector<Bf16>& out_c,
+                   const std::vector<float>& lse_g, const std::vector<float>& lse_c,
+                   const std::string& where) {
+    double e = 0, norm = 0, lse_err = 0;
+    for (size_t k = 0; k < out_g.size(); ++k) {
+      const double g = Bf16ToFloat(out_g[k]), c = Bf16ToFloat(out_c[k]);
+      e += (g - c) * (g - c);
+      norm += c * c;
+    }
+    for (size_t k = 0; k < lse_g.size(); ++k) {
+      lse_err = std::max(lse_err, std::fabs(static_cast<double>(lse_g[k]) - lse_c[k]));
+    }
+    const double rel = std::sqrt(e / norm);
+    EXPECT_TRUE(rel <= 1e-2) << where << " rel_err " << rel;  // NaN fails
+    EXPECT_TRUE(lse_err <= 1e-2) << where << " lse err " << lse_err;
+  }
+
+  int heads_ = 0;
   std::unique_ptr<Engine> gpu_, cpu_;
   std::mt19937_64 rng_{99};
 };
 
-TEST_F(GpuEngineTest, MatchesTheCpuBackendStepByStep) {
+TEST_P(GpuEngineTest, MatchesTheCpuEngineStepByStep) {
   const std::vector<int64_t> prompts = {1, 300, 1000};
   std::vector<uint64_t> gpu_ids, cpu_ids;
   std::vector<int64_t> lengths;
@@ -78,8 +124,8 @@ TEST_F(GpuEngineTest, MatchesTheCpuBackendStepByStep) {
     lengths.push_back(p);
     ExpectSameKv(gpu_ids.back(), cpu_ids.back(), p);
   }
+  const int n_seq = static_cast<int>(gpu_ids.size());
   for (int step = 0; step < 4; ++step) {
-    const int n_seq = static_cast<int>(gpu_ids.size());
     std::vector<std::vector<int32_t>> parents(n_seq);
     for (int s = 0; s < n_seq; ++s) {
       const int n = 1 + static_cast<int>(rng_() % 16);
@@ -93,33 +139,42 @@ TEST_F(GpuEngineTest, MatchesTheCpuBackendStepByStep) {
       std::vector<VerifyItem> items_g(n_seq), items_c(n_seq);
       for (int s = 0; s < n_seq; ++s) {
         const size_t n = parents[s].size();
-        q[s] = RandomBf16(n * kHeads * kLatentDim, rng_, 2.0f);
+        q[s] = RandomBf16(n * heads_ * kLatentDim, rng_, 2.0f);
         dkv[s] = RandomBf16(n * kLatentDim, rng_, 1.0f);
-        out_g[s].assign(n * kHeads * kValueDim, Bf16QuietNaN());
-        out_c[s].assign(n * kHeads * kValueDim, Bf16QuietNaN());
-        lse_g[s].assign(n * kHeads, NAN);
-        lse_c[s].assign(n * kHeads, NAN);
+        out_g[s].assign(n * heads_ * kValueDim, Bf16QuietNaN());
+        out_c[s].assign(n * heads_ * kValueDim, Bf16QuietNaN());
+        lse_g[s].assign(n * heads_, NAN);
+        lse_c[s].assign(n * heads_, NAN);
         items_g[s] = {gpu_ids[s], parents[s], q[s], dkv[s], absl::MakeSpan(out_g[s]),
                       absl::MakeSpan(lse_g[s])};
         items_c[s] = {cpu_ids[s], parents[s], q[s], dkv[s], absl::MakeSpan(out_c[s]),
                       absl::MakeSpan(lse_c[s])};
       }
-      ASSERT_TRUE(gpu_->Verify(layer, 0.0f, absl::MakeSpan(items_g)).ok());
+      if (step % 2 == 0) {
+        // One call with every sequence (batch bucket 4, one padding request).
+        ASSERT_TRUE(gpu_->Verify(layer, 0.0f, absl::MakeSpan(items_g)).ok());
+      } else {
+        // One call per sequence, submitted together: the worker batches them.
+        std::vector<absl::Notification> done(n_seq);
+        std::vector<absl::Status> status(n_seq);
+        for (int s = 0; s < n_seq; ++s) {
+          VerifyCall call;
+          call.layer = layer;
+          call.items = absl::MakeSpan(&items_g[s], 1);
+          gpu_->SubmitVerify(std::move(call), [&, s](absl::Status st) {
+            status[s] = std::move(st);
+            done[s].Notify();
+          });
+        }
+        for (int s = 0; s < n_seq; ++s) {
+          done[s].WaitForNotification();
+          ASSERT_TRUE(status[s].ok()) << status[s];
+        }
+      }
       ASSERT_TRUE(cpu_->Verify(layer, 0.0f, absl::MakeSpan(items_c)).ok());
       for (int s = 0; s < n_seq; ++s) {
-        double e = 0, norm = 0, lse_err = 0;
-        for (size_t k = 0; k < out_g[s].size(); ++k) {
-          const double g = Bf16ToFloat(out_g[s][k]), c = Bf16ToFloat(out_c[s][k]);
-          e += (g - c) * (g - c);
-          norm += c * c;
-        }
-        for (size_t k = 0; k < lse_g[s].size(); ++k) {
-          lse_err = std::max(lse_err, std::fabs(static_cast<double>(lse_g[s][k]) - lse_c[s][k]));
-        }
-        const double rel = std::sqrt(e / norm);
-        EXPECT_TRUE(rel <= 1e-2) << "step " << step << " layer " << layer << " seq " << s
-                                 << " rel_err " << rel;
-        EXPECT_TRUE(lse_err <= 1e-2) << "lse err " << lse_err;
+        ExpectClose(out_g[s], out_c[s], lse_g[s], lse_c[s],
+                    absl::StrCat("step ", step, " layer ", layer, " seq ", s));
       }
     }
     for (int s = 0; s < n_seq; ++s) {
@@ -144,7 +199,16 @@ TEST_F(GpuEngineTest, MatchesTheCpuBackendStepByStep) {
     ASSERT_TRUE(cpu_->Release(cpu_ids[s]).ok());
   }
   EXPECT_EQ(gpu_->Stats().free_pages, gpu_->Stats().total_pages);
+  EXPECT_TRUE(gpu_->fault().ok()) << gpu_->fault();
 }
+
+INSTANTIATE_TEST_SUITE_P(
+    Modes, GpuEngineTest,
+    ::testing::Values(Mode{"single", {0}, ParallelMode::kTensorParallel, 8, true},
+                      Mode{"tp_0_0", {0, 0}, ParallelMode::kTensorParallel, 16, true},
+                      Mode{"dp_0_0", {0, 0}, ParallelMode::kDataParallel, 8, true},
+                      Mode{"single_eager", {0}, ParallelMode::kTensorParallel, 8, false}),
+    [](const auto& info) { return info.param.name; });
 
 }  // namespace
 }  // namespace mlaverify::engine

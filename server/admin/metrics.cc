@@ -1,5 +1,6 @@
 #include "server/admin/metrics.h"
 
+#include <algorithm>
 #include <iterator>
 #include <utility>
 #include <vector>
@@ -22,6 +23,21 @@ const std::vector<double>& DurationBuckets() {
   static const auto* const kBuckets =
       new std::vector<double>{5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
                               5e-2, 0.1,  0.25,   0.5,  1,    2.5,    5,    10};
+  return *kBuckets;
+}
+
+// 5 µs .. 1 s, five buckets a decade: the parts of one Verify (queue wait,
+// device time per batch) are tens of microseconds on a GPU.
+const std::vector<double>& FineBuckets() {
+  static const auto* const kBuckets = new std::vector<double>{
+      5e-6, 1e-5, 1.5e-5, 2e-5, 3e-5, 5e-5, 7.5e-5, 1e-4, 1.5e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3,
+      1.5e-3, 2e-3, 3e-3, 5e-3, 7.5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.25, 0.5, 1};
+  return *kBuckets;
+}
+
+const std::vector<double>& BatchSizeBuckets() {
+  static const auto* const kBuckets =
+      new std::vector<double>{1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256};
   return *kBuckets;
 }
 
@@ -63,10 +79,45 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                             .Help("Always 1; the labels name the server version and backend.")
                             .Register(r);
 
-  verify_items_ = &AddCounter(r, "mlaverify_verify_items_total",
-                              "Verify items (one sequence and layer each) computed.");
-  verify_draft_tokens_ = &AddCounter(r, "mlaverify_verify_draft_tokens_total",
-                                     "Draft tokens over all computed Verify items.");
+  bucket_family_ = &prometheus::BuildCounter()
+                        .Name("mlaverify_verify_graph_bucket_total")
+                        .Help("CUDA-graph replays by the (batch, draft) bucket the batch was padded to.")
+                        .Register(r);
+  device_seconds_family_ = &prometheus::BuildHistogram()
+                                .Name("mlaverify_device_batch_seconds")
+                                .Help("Device time of one verify batch (CUDA events), by device.")
+                                .Register(r);
+  device_faults_family_ = &prometheus::BuildCounter()
+                               .Name("mlaverify_device_faults_total")
+                               .Help("Device faults (after one, the device refuses all work), by device.")
+                               .Register(r);
+  pool_pages_family_ = &prometheus::BuildGauge()
+                            .Name("mlaverify_pool_pages")
+                            .Help("KV pages per pool (one per device in DP mode, one for all in TP "
+                                  "mode), by pool and state (used, free).")
+                            .Register(r);
+  batch_requests_ = &prometheus::BuildHistogram()
+                         .Name("mlaverify_verify_batch_requests")
+                         .Help("Requests (items) per verify batch a device ran: the batching.")
+                         .Register(r)
+                         .Add({}, BatchSizeBuckets());
+  verify_rows_ = &AddCounter(r, "mlaverify_verify_rows_total",
+                             "Draft tokens (rows) of verify batches the devices ran.");
+  padded_rows_ = &AddCounter(r, "mlaverify_verify_padded_rows_total",
+                             "Padding rows: graph bucket rows minus the batch's draft tokens.");
+  plan_reused_ = &AddCounter(r, "mlaverify_verify_plan_reused_total",
+                             "Verify batches that reused the previous launch's plan.");
+  auto& split = prometheus::BuildHistogram()
+                    .Name("mlaverify_verify_server_seconds")
+                    .Help("Server time of a Verify call by part: queue (waiting for a device), "
+                          "device (its batch's device time), other (validation, host copies, "
+                          "completion).")
+                    .Register(r);
+  server_queue_seconds_ = &split.Add({{"part", "queue"}}, FineBuckets());
+  server_device_seconds_ = &split.Add({{"part", "device"}}, FineBuckets());
+  server_other_seconds_ = &split.Add({{"part", "other"}}, FineBuckets());
+  queued_calls_ = &AddGauge(r, "mlaverify_queued_calls", "Calls admitted and not finished.");
+  queued_bytes_ = &AddGauge(r, "mlaverify_queued_bytes", "Tensor bytes held by those calls.");
   // Both paths exist from the start so that dashboards and rate() see an
   // explicit zero rather than a missing series.
   verify_batches_eager_ = &verify_batches_family_->Add({{"path", "eager"}});
@@ -97,6 +148,10 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
        &EngineStats::sequences_created_total},
       {"mlaverify_sequences_expired_total", "Sequences released by the idle timeout.",
        &EngineStats::sequences_expired_total},
+      {"mlaverify_verify_items_total", "Verify items (one sequence and layer each) computed.",
+       &EngineStats::verify_items_total},
+      {"mlaverify_verify_draft_tokens_total", "Draft tokens over all computed Verify items.",
+       &EngineStats::drafts_verified_total},
   };
   static_assert(std::size(kMirrored) == kMirroredTotals,
                 "one MirroredCounter per mirrored engine total");
@@ -139,10 +194,41 @@ void Metrics::RecordRpc(absl::string_view rpc, absl::string_view code, double se
   series.duration->Observe(seconds < 0 ? 0 : seconds);
 }
 
-void Metrics::RecordVerify(int items, int64_t draft_tokens, int padded_batch_bucket) {
-  verify_items_->Increment(items);
-  verify_draft_tokens_->Increment(static_cast<double>(draft_tokens));
-  (padded_batch_bucket > 0 ? verify_batches_graph_ : verify_batches_eager_)->Increment();
+void Metrics::RecordBatch(const engine::BatchReport& report, absl::string_view device) {
+  (report.graph ? verify_batches_graph_ : verify_batches_eager_)->Increment();
+  batch_requests_->Observe(report.requests);
+  verify_rows_->Increment(report.rows);
+  if (report.reused_plan) plan_reused_->Increment();
+  prometheus::Counter* bucket = nullptr;
+  prometheus::Histogram* seconds = nullptr;
+  {
+    absl::MutexLock lock(&labelled_mu_);
+    if (report.graph) {
+      padded_rows_->Increment(report.shape.rows() - report.rows);
+      const std::string key = absl::StrCat(report.shape.batch, "x", report.shape.draft_len);
+      auto [it, added] = buckets_.try_emplace(key, nullptr);
+      if (added) {
+        it->second = &bucket_family_->Add({{"batch_bucket", absl::StrCat(report.shape.batch)},
+                                           {"draft_bucket", absl::StrCat(report.shape.draft_len)}});
+      }
+      bucket = it->second;
+    }
+    auto [it, added] = device_seconds_.try_emplace(std::string(device), nullptr);
+    if (added) it->second = &device_seconds_family_->Add({{"device", std::string(device)}}, FineBuckets());
+    seconds = it->second;
+  }
+  if (bucket != nullptr) bucket->Increment();
+  seconds->Observe(report.device_seconds);
+}
+
+void Metrics::RecordVerifyTiming(const engine::VerifyTiming& t) {
+  server_queue_seconds_->Observe(t.queue_seconds);
+  server_device_seconds_->Observe(t.device_seconds);
+  server_other_seconds_->Observe(std::max(0.0, t.total_seconds - t.queue_seconds - t.device_seconds));
+}
+
+void Metrics::RecordDeviceFault(absl::string_view device) {
+  device_faults_family_->Add({{"device", std::string(device)}}).Increment();
 }
 
 void Metrics::SetStatsSource(std::function<engine::EngineStats()> source) {
@@ -172,6 +258,14 @@ void Metrics::RefreshFromEngine() {
   kv_pages_free_->Set(static_cast<double>(stats.free_pages));
   sequences_live_->Set(static_cast<double>(stats.live_sequences));
   verify_steps_pending_->Set(static_cast<double>(stats.pending_steps));
+  queued_calls_->Set(static_cast<double>(stats.queued_calls));
+  queued_bytes_->Set(static_cast<double>(stats.queued_bytes));
+  for (const engine::PoolStats& pool : stats.pools) {
+    pool_pages_family_->Add({{"pool", pool.devices}, {"state", "used"}})
+        .Set(static_cast<double>(pool.total_pages - pool.free_pages));
+    pool_pages_family_->Add({{"pool", pool.devices}, {"state", "free"}})
+        .Set(static_cast<double>(pool.free_pages));
+  }
   // prometheus-cpp counters only go up, so a mirrored total advances by what
   // the engine added since the last refresh. A total that went down (not
   // expected from one engine) becomes the new baseline rather than a

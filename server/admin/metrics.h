@@ -20,6 +20,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "server/engine/engine.h"
+#include "server/engine/engine_observer.h"
 
 namespace prometheus {
 class Counter;
@@ -46,12 +47,19 @@ class Metrics {
   // mlaverify_request_errors_total{rpc,code}.
   void RecordRpc(absl::string_view rpc, absl::string_view code, double seconds);
 
-  // One verify batch handed to the backend: `items` sequences carrying
-  // `draft_tokens` draft tokens in all. `padded_batch_bucket` is the CUDA-graph
-  // batch bucket the batch was padded up to, or 0 when it ran eagerly (the CPU
-  // backend, or a batch no bucket fits); it selects the `path` label of
-  // mlaverify_verify_batches_total ("graph" or "eager").
-  void RecordVerify(int items, int64_t draft_tokens, int padded_batch_bucket);
+  // One verify batch a device ran (engine::EngineObserver::OnBatch):
+  // mlaverify_verify_batches_total{path} ("graph": a CUDA graph replay padded
+  // to its bucket, "eager": launched with its exact shape), the batch-size
+  // histogram, the bucket counts of graph replays, rows and padded rows,
+  // plan reuse, and the device time per batch, by device.
+  void RecordBatch(const engine::BatchReport& report, absl::string_view device);
+
+  // One finished Verify call's server-side split (queue wait, device time,
+  // the rest): mlaverify_verify_server_seconds{part}.
+  void RecordVerifyTiming(const engine::VerifyTiming& timing);
+
+  // A device faulted: mlaverify_device_faults_total{device}.
+  void RecordDeviceFault(absl::string_view device);
 
   // Where engine accounting comes from; called on every Serialize(), from the
   // scraping thread, while an internal mutex is held, so it must be cheap and
@@ -81,7 +89,7 @@ class Metrics {
   };
 
   // Engine totals exported as counters (listed in the constructor).
-  static constexpr int kMirroredTotals = 5;
+  static constexpr int kMirroredTotals = 7;
 
   // A counter that follows one monotonic engine total.
   struct MirroredCounter {
@@ -101,11 +109,22 @@ class Metrics {
   prometheus::Family<prometheus::Histogram>* duration_family_;
   prometheus::Family<prometheus::Counter>* verify_batches_family_;
   prometheus::Family<prometheus::Gauge>* build_info_family_;
+  prometheus::Family<prometheus::Counter>* bucket_family_;
+  prometheus::Family<prometheus::Histogram>* device_seconds_family_;
+  prometheus::Family<prometheus::Counter>* device_faults_family_;
+  prometheus::Family<prometheus::Gauge>* pool_pages_family_;
 
-  prometheus::Counter* verify_items_;
-  prometheus::Counter* verify_draft_tokens_;
   prometheus::Counter* verify_batches_eager_;
   prometheus::Counter* verify_batches_graph_;
+  prometheus::Histogram* batch_requests_;
+  prometheus::Counter* verify_rows_;
+  prometheus::Counter* padded_rows_;
+  prometheus::Counter* plan_reused_;
+  prometheus::Histogram* server_queue_seconds_;
+  prometheus::Histogram* server_device_seconds_;
+  prometheus::Histogram* server_other_seconds_;
+  prometheus::Gauge* queued_calls_;
+  prometheus::Gauge* queued_bytes_;
   prometheus::Gauge* ready_;
   prometheus::Gauge* kv_pages_total_;
   prometheus::Gauge* kv_pages_used_;
@@ -116,6 +135,11 @@ class Metrics {
   absl::Mutex series_mu_;
   // Key: rpc + '\n' + code (neither contains a newline).
   absl::flat_hash_map<std::string, RpcSeries> series_ ABSL_GUARDED_BY(series_mu_);
+
+  // Per-label series created on first use (bucket pairs, devices, pools).
+  absl::Mutex labelled_mu_;
+  absl::flat_hash_map<std::string, prometheus::Counter*> buckets_ ABSL_GUARDED_BY(labelled_mu_);
+  absl::flat_hash_map<std::string, prometheus::Histogram*> device_seconds_ ABSL_GUARDED_BY(labelled_mu_);
 
   absl::Mutex info_mu_;
   prometheus::Gauge* build_info_ ABSL_GUARDED_BY(info_mu_) = nullptr;

@@ -2,18 +2,21 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "common/draft_tree.h"
+#include "common/geometry.h"
 #include "common/status_macros.h"
-#include "kernels/verify_attention.h"
 #include "spdlog/spdlog.h"
 
 namespace mlaverify::engine {
 namespace {
-
-using mlaverify::kLatentDim;
-using mlaverify::kValueDim;
 
 // How many recently expired ids NOT_FOUND can still explain.
 constexpr size_t kExpiredIdsRemembered = 4096;
@@ -22,63 +25,423 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 int64_t NowNanos() { return absl::ToUnixNanos(absl::Now()); }
 
+std::string FormatBytes(int64_t bytes) {
+  return absl::StrFormat("%.1f MiB", static_cast<double>(bytes) / (1 << 20));
+}
+
 }  // namespace
 
 struct Engine::Sequence {
-  Sequence(uint64_t id_in, std::string label_in) : id(id_in), label(std::move(label_in)) {}
+  Sequence(uint64_t id_in, std::string label_in, int pool_in)
+      : id(id_in), label(std::move(label_in)), pool(pool_in) {}
 
   const uint64_t id;
-  const std::string label;
+  const std::string label;  // as the client sent it: escape before logging
+  const int pool;           // allocator (and, in DP mode, device) index
   // Read without the lock by ExpireIdle's scan; re-checked under it.
   std::atomic<int64_t> last_used_ns{NowNanos()};
+  // Mirrors `released` for queued work that checks without the lock.
+  std::atomic<bool> released_flag{false};
 
   absl::Mutex mu;
   bool released ABSL_GUARDED_BY(mu) = false;
-  int64_t length ABSL_GUARDED_BY(mu) = 0;   // committed tokens P
+  // Not OK once a device failed in a way that left the KV unlike what the
+  // calls said (a lost write): every later call gets this status.
+  absl::Status broken ABSL_GUARDED_BY(mu);
+  int64_t length ABSL_GUARDED_BY(mu) = 0;  // committed tokens P
   std::vector<int32_t> pages ABSL_GUARDED_BY(mu);
+  // Device calls submitted for this sequence (numbers them: a call queued as
+  // number k is the last one iff ops_submitted == k).
+  uint64_t ops_submitted ABSL_GUARDED_BY(mu) = 0;
   // The open verify step, if any.
   bool pending ABSL_GUARDED_BY(mu) = false;
+  uint64_t step ABSL_GUARDED_BY(mu) = 0;  // numbers steps; increments as one opens
   std::vector<int32_t> parents ABSL_GUARDED_BY(mu);
-  std::vector<uint64_t> visibility ABSL_GUARDED_BY(mu);
+  std::shared_ptr<const std::vector<uint64_t>> visibility ABSL_GUARDED_BY(mu);
   std::vector<bool> layer_verified ABSL_GUARDED_BY(mu);
   int layers_verified ABSL_GUARDED_BY(mu) = 0;
+  int64_t step_pages ABSL_GUARDED_BY(mu) = 0;  // pages the open step added
 
   void Touch() { last_used_ns.store(NowNanos(), std::memory_order_relaxed); }
 };
 
+// What every asynchronous call shares: admission bytes, the one decision
+// whether it runs (asked by the first piece of device work taken), and the
+// count of pieces still out.
+class Engine::Call {
+ public:
+  Call(Engine* engine, CallContext context, int64_t bytes)
+      : engine_(engine), context_(std::move(context)), bytes_(bytes), submitted_(absl::Now()) {}
+  virtual ~Call() = default;
+
+  void SetPieces(int pieces) {
+    absl::MutexLock lock(&mu_);
+    remaining_ = pieces;
+  }
+
+  // The call's one decision whether it runs, made by the first piece taken
+  // (a piece taken meanwhile on another device waits for it). Skip() runs
+  // without the call's lock: it takes sequence locks, which submissions hold
+  // while they take a call's lock.
+  absl::Status Decide() {
+    {
+      absl::MutexLock lock(&mu_);
+      if (deciding_) {
+        mu_.Await(absl::Condition(&decided_));
+        return decision_;
+      }
+      deciding_ = true;
+    }
+    absl::Status decision = Skip();
+    absl::MutexLock lock(&mu_);
+    decision_ = decision;
+    decided_ = true;
+    return decision;
+  }
+
+ protected:
+  // OK to run the call, else the status it completes with unrun; an
+  // override may undo the call's effects before saying so. Called once.
+  virtual absl::Status Skip() { return ContextStatus(); }
+
+  absl::Status ContextStatus() const {
+    if (context_.is_cancelled && context_.is_cancelled()) {
+      return absl::CancelledError("the client cancelled the call while it was queued");
+    }
+    if (absl::Now() > context_.deadline) {
+      return absl::DeadlineExceededError("the call's deadline passed while it was queued");
+    }
+    return absl::OkStatus();
+  }
+
+  // Records a piece's outcome; true when it was the last piece.
+  bool PieceDone(const absl::Status& status) {
+    absl::MutexLock lock(&mu_);
+    if (!status.ok() && status_.ok()) status_ = status;
+    return --remaining_ == 0;
+  }
+  absl::Status status() {
+    absl::MutexLock lock(&mu_);
+    return status_;
+  }
+  // Whether the call's work ran (it was admitted to run when taken).
+  bool ran() {
+    absl::MutexLock lock(&mu_);
+    return decided_ && decision_.ok();
+  }
+
+  Engine* const engine_;
+  const CallContext context_;
+  const int64_t bytes_;
+  const absl::Time submitted_;
+
+ private:
+  absl::Mutex mu_;
+  int remaining_ ABSL_GUARDED_BY(mu_) = 0;
+  bool deciding_ ABSL_GUARDED_BY(mu_) = false;
+  bool decided_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status decision_ ABSL_GUARDED_BY(mu_);
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+};
+
+// A call made of device ops (AppendKv, Commit, Release, ReadKv): one op per
+// device the sequence lives on; `finish` runs once all are done.
+class Engine::OpCall final : public Call {
+ public:
+  using SkipFn = absl::AnyInvocable<absl::Status()>;
+  using FinishFn = absl::AnyInvocable<void(const absl::Status& status, bool ran)>;
+
+  OpCall(Engine* engine, CallContext context, int64_t bytes, SkipFn skip, FinishFn finish)
+      : Call(engine, std::move(context), bytes), skip_(std::move(skip)), finish_(std::move(finish)) {}
+
+  // Queues `op` (admit and done filled in here) on each of `devices`.
+  void Enqueue(const std::vector<int>& devices, const DeviceOp& op) {
+    SetPieces(static_cast<int>(devices.size()));
+    for (int d : devices) {
+      DeviceOp copy;
+      copy.kind = op.kind;
+      copy.page_table = op.page_table;
+      copy.start = op.start;
+      copy.count = op.count;
+      copy.rows_in = op.rows_in;
+      copy.rows_out = op.rows_out;
+      copy.prefix_len = op.prefix_len;
+      copy.accepted = op.accepted;
+      copy.admit = [this] { return Decide(); };
+      copy.done = [this](const absl::Status& status) {
+        if (PieceDone(status)) Finish();
+      };
+      engine_->workers_[d]->Enqueue(std::move(copy));
+    }
+  }
+
+  // Storage the ops point into, owned by the call.
+  std::vector<int32_t> page_table;
+  std::vector<int32_t> accepted;
+
+ protected:
+  absl::Status Skip() override { return skip_ ? skip_() : absl::OkStatus(); }
+
+ private:
+  void Finish() {
+    const absl::Status s = status();
+    const bool r = ran();
+    engine_->Unadmit(bytes_);
+    finish_(s, r);
+    delete this;
+  }
+
+  SkipFn skip_;
+  FinishFn finish_;
+};
+
+// A Verify call: one shard per item and device.
+class Engine::VerifyTask final : public Call, public ShardOwner {
+ public:
+  struct Item {
+    std::shared_ptr<Sequence> seq;
+    int n = 0;
+    int32_t prefix = 0;
+    std::vector<int32_t> pages;  // snapshot covering P + N positions
+    std::shared_ptr<const std::vector<uint64_t>> visibility;
+    bool opened = false;  // this call opened the step
+    uint64_t step = 0;
+    uint64_t op = 0;      // its number among the sequence's calls
+  };
+
+  VerifyTask(Engine* engine, CallContext context, int64_t bytes, int layer, VerifyTiming* timing,
+             absl::AnyInvocable<void(absl::Status)> done)
+      : Call(engine, std::move(context), bytes), layer_(layer), timing_(timing), done_(std::move(done)) {}
+
+  std::vector<Item> items;
+
+  absl::Status AdmitShard(int) override { return Decide(); }
+
+  void ShardDone(int, const absl::Status& status, const ShardTiming& timing) override {
+    {
+      absl::MutexLock lock(&timing_mu_);
+      last_taken_ = std::max(last_taken_, timing.taken);
+      device_seconds_ = std::max(device_seconds_, timing.device_seconds);
+    }
+    if (PieceDone(status)) Finish();
+  }
+
+ protected:
+  absl::Status Skip() override {
+    absl::Status skip = ContextStatus();
+    if (skip.ok()) {
+      for (const Item& item : items) {
+        if (item.seq->released_flag.load()) {
+          skip = absl::NotFoundError(absl::StrCat("sequence ", item.seq->id,
+                                                  " was released while this call was queued"));
+          break;
+        }
+      }
+    }
+    if (skip.ok()) return skip;
+    RollBackOpenedSteps();
+    return skip;
+  }
+
+ private:
+  // For a call that did not complete: a step it opened is closed again (its
+  // pages freed) if nothing was submitted for the sequence after it.
+  void RollBackOpenedSteps() {
+    for (const Item& item : items) {
+      if (!item.opened) continue;
+      Sequence& s = *item.seq;
+      std::vector<int32_t> freed;
+      {
+        absl::MutexLock lock(&s.mu);
+        if (s.released || !s.pending || s.step != item.step || s.ops_submitted != item.op ||
+            s.layers_verified != 0) {
+          continue;
+        }
+        freed.assign(s.pages.end() - s.step_pages, s.pages.end());
+        s.pages.resize(s.pages.size() - s.step_pages);
+        s.step_pages = 0;
+        s.pending = false;
+        s.parents.clear();
+        s.visibility.reset();
+        s.layer_verified.clear();
+        engine_->pending_steps_.fetch_sub(1);
+      }
+      // At once: the pages were taken by this call and only it would have
+      // written them; no work queued before it owns them.
+      engine_->AllocatorOf(s).Free(freed);
+    }
+  }
+
+  void Finish() {
+    const absl::Status s = status();
+    if (!s.ok() && ran()) RollBackOpenedSteps();
+    for (const Item& item : items) {
+      Sequence& seq = *item.seq;
+      absl::MutexLock lock(&seq.mu);
+      if (seq.released || !seq.pending || seq.step != item.step) continue;
+      if (s.ok()) {
+        if (!seq.layer_verified[layer_]) {
+          seq.layer_verified[layer_] = true;
+          ++seq.layers_verified;
+        }
+        seq.Touch();
+      } else if (ran() && seq.layer_verified[layer_]) {
+        // The layer's draft rows may be half rewritten: verify it again.
+        seq.layer_verified[layer_] = false;
+        --seq.layers_verified;
+      }
+    }
+    int64_t drafts = 0;
+    for (const Item& item : items) drafts += item.n;
+    if (s.ok()) {
+      engine_->verify_items_.fetch_add(static_cast<int64_t>(items.size()));
+      engine_->drafts_verified_.fetch_add(drafts);
+    }
+    engine_->Unadmit(bytes_);
+    VerifyTiming t;
+    t.items = static_cast<int>(items.size());
+    {
+      absl::MutexLock lock(&timing_mu_);
+      t.queue_seconds = std::max(0.0, absl::ToDoubleSeconds(last_taken_ - submitted_));
+      t.device_seconds = device_seconds_;
+    }
+    t.total_seconds = absl::ToDoubleSeconds(absl::Now() - submitted_);
+    if (timing_ != nullptr) *timing_ = t;
+    if (engine_->observer_ != nullptr && s.ok()) engine_->observer_->OnVerifyDone(t);
+    done_(s);
+    delete this;
+  }
+
+  const int layer_;
+  VerifyTiming* const timing_;
+  absl::AnyInvocable<void(absl::Status)> done_;
+  absl::Mutex timing_mu_;
+  absl::Time last_taken_ ABSL_GUARDED_BY(timing_mu_) = absl::InfinitePast();
+  double device_seconds_ ABSL_GUARDED_BY(timing_mu_) = 0;
+};
+
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config,
-                                                       std::unique_ptr<Backend> backend) {
-  RETURN_IF_ERROR(config.Validate());
-  if (backend == nullptr) return absl::InvalidArgumentError("no backend");
-  PoolGeometry geometry;
+                                                       std::vector<std::unique_ptr<Device>> devices,
+                                                       EngineObserver* observer) {
+  const int num_devices = static_cast<int>(devices.size());
+  RETURN_IF_ERROR(config.Validate(num_devices));
+  for (const auto& d : devices) {
+    if (d == nullptr) return absl::InvalidArgumentError("null device");
+  }
+  std::unique_ptr<Engine> e(new Engine(config));
+  e->observer_ = observer;
+  const std::string first = devices[0]->name();
+  e->backend_name_ = first.substr(0, first.find(':'));
+  const bool tp = config.parallel_mode == ParallelMode::kTensorParallel;
+  e->heads_per_device_ = tp ? config.num_heads / num_devices : config.num_heads;
+
+  DeviceGeometry geometry;
   geometry.num_layers = config.num_layers;
   geometry.num_pages = config.num_pages();
   geometry.page_size = config.page_size;
-  geometry.num_heads = config.num_heads;
+  geometry.num_heads = e->heads_per_device_;
   geometry.max_batch = config.max_batch();
   geometry.max_draft_len = config.max_draft_len();
   geometry.max_pages_per_sequence = config.max_pages_per_sequence();
-  RETURN_IF_ERROR(backend->Init(geometry));
-  spdlog::info("engine: backend {}, {} layers, {} heads, page size {}, {} pages ({:.1f} MiB), "
-               "max draft {}, max batch {}",
-               backend->name(), config.num_layers, config.num_heads, config.page_size,
-               geometry.num_pages, static_cast<double>(config.pool_bytes) / (1 << 20),
+  geometry.staging_sets = 2;
+  WorkerOptions options;
+  options.batch_buckets = config.batch_buckets;
+  options.draft_buckets = config.draft_buckets;
+  options.use_graphs = config.use_graphs;
+  options.max_queue_delay = config.max_queue_delay;
+  options.copy_threads = config.copy_threads;
+  Engine* raw = e.get();
+  for (int d = 0; d < num_devices; ++d) {
+    e->workers_.push_back(std::make_unique<DeviceWorker>(
+        d, std::move(devices[d]), options, observer,
+        [raw](int device, const absl::Status& status) { raw->OnDeviceFault(device, status); }));
+  }
+  for (auto& w : e->workers_) RETURN_IF_ERROR(w->Start(geometry));
+  const int pools = tp ? 1 : num_devices;
+  for (int p = 0; p < pools; ++p) {
+    e->allocators_.push_back(std::make_unique<PageAllocator>(config.num_pages()));
+  }
+  {
+    absl::MutexLock lock(&e->table_mu_);
+    e->live_per_pool_.assign(pools, 0);
+  }
+  std::vector<std::string> names;
+  for (const auto& w : e->workers_) names.push_back(w->name());
+  spdlog::info("engine: {} on {} ({} mode), {} layers, {} heads ({} per device), page size {}, "
+               "{} pages per {} ({}), max draft {}, max batch {}",
+               e->backend_name_, absl::StrJoin(names, ","), ParallelModeName(config.parallel_mode),
+               config.num_layers, config.num_heads, e->heads_per_device_, config.page_size,
+               config.num_pages(), tp ? "replica" : "device", FormatBytes(config.pool_bytes),
                config.max_draft_len(), config.max_batch());
-  return std::unique_ptr<Engine>(new Engine(config, std::move(backend)));
+  return e;
 }
 
-Engine::Engine(const EngineConfig& config, std::unique_ptr<Backend> backend)
-    : config_(config), backend_(std::move(backend)), pages_(config.num_pages()) {}
+Engine::Engine(const EngineConfig& config) : config_(config) {
+  std::random_device seed;
+  absl::MutexLock lock(&table_mu_);
+  id_rng_.seed((static_cast<uint64_t>(seed()) << 32) ^ seed() ^ static_cast<uint64_t>(NowNanos()));
+}
 
-Engine::~Engine() = default;
+Engine::~Engine() {
+  for (auto& w : workers_) w->Stop();
+}
+
+std::vector<DeviceDescription> Engine::devices() const {
+  std::vector<DeviceDescription> out;
+  for (const auto& w : workers_) out.push_back(w->Describe());
+  return out;
+}
+
+absl::Status Engine::fault() const {
+  absl::MutexLock lock(&fault_mu_);
+  return fault_;
+}
+
+void Engine::SetFaultListener(std::function<void(const absl::Status&)> listener) {
+  absl::MutexLock lock(&fault_mu_);
+  fault_listener_ = std::move(listener);
+}
+
+void Engine::OnDeviceFault(int, const absl::Status& status) {
+  std::function<void(const absl::Status&)> listener;
+  {
+    absl::MutexLock lock(&fault_mu_);
+    if (!fault_.ok()) return;
+    fault_ = status;
+    listener = fault_listener_;
+  }
+  if (listener) listener(status);
+}
 
 EngineStats Engine::Stats() const {
   EngineStats s;
-  s.total_pages = pages_.total_pages();
-  s.free_pages = pages_.free_pages();
+  const bool tp = config_.parallel_mode == ParallelMode::kTensorParallel;
+  std::vector<int64_t> live;
   {
     absl::MutexLock lock(&table_mu_);
     s.live_sequences = static_cast<int64_t>(sequences_.size());
+    live = live_per_pool_;
+  }
+  for (size_t p = 0; p < allocators_.size(); ++p) {
+    PoolStats pool;
+    if (tp) {
+      std::vector<std::string> names;
+      for (const auto& w : workers_) names.push_back(w->name());
+      pool.devices = absl::StrJoin(names, ",");
+    } else {
+      pool.devices = workers_[p]->name();
+    }
+    pool.total_pages = allocators_[p]->total_pages();
+    pool.free_pages = allocators_[p]->free_pages();
+    pool.live_sequences = p < live.size() ? live[p] : 0;
+    s.total_pages += pool.total_pages;
+    s.free_pages += pool.free_pages;
+    s.pools.push_back(std::move(pool));
+  }
+  {
+    absl::MutexLock lock(&admit_mu_);
+    s.queued_calls = queued_calls_;
+    s.queued_bytes = queued_bytes_;
   }
   s.pending_steps = pending_steps_.load();
   s.tokens_appended_total = tokens_appended_.load();
@@ -91,15 +454,73 @@ EngineStats Engine::Stats() const {
   return s;
 }
 
+PageAllocator& Engine::AllocatorOf(const Sequence& seq) { return *allocators_[seq.pool]; }
+
+std::vector<int> Engine::DevicesOf(const Sequence& seq) const {
+  if (config_.parallel_mode == ParallelMode::kDataParallel) return {seq.pool};
+  std::vector<int> all(workers_.size());
+  for (size_t d = 0; d < all.size(); ++d) all[d] = static_cast<int>(d);
+  return all;
+}
+
+absl::Status Engine::Admit(int64_t bytes) {
+  if (absl::Status f = fault(); !f.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat(f.message(), "; this server no longer serves device work"));
+  }
+  absl::MutexLock lock(&admit_mu_);
+  if (queued_calls_ >= config_.max_queued_calls ||
+      queued_bytes_ + bytes > config_.max_queued_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "server queue full: ", queued_calls_, " calls holding ", FormatBytes(queued_bytes_),
+        " are queued or running, this one needs ", FormatBytes(bytes), "; limits ",
+        config_.max_queued_calls, " calls and ", FormatBytes(config_.max_queued_bytes),
+        " (--max-queued-calls, --max-queued-bytes): retry later"));
+  }
+  ++queued_calls_;
+  queued_bytes_ += bytes;
+  return absl::OkStatus();
+}
+
+void Engine::Unadmit(int64_t bytes) {
+  absl::MutexLock lock(&admit_mu_);
+  --queued_calls_;
+  queued_bytes_ -= bytes;
+}
+
 absl::StatusOr<uint64_t> Engine::CreateSequence(const std::string& label) {
+  if (static_cast<int64_t>(label.size()) > config_.max_label_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("label of ", label.size(),
+                                                   " bytes; at most ", config_.max_label_bytes));
+  }
   uint64_t id;
   {
     absl::MutexLock lock(&table_mu_);
-    id = next_id_++;
-    sequences_.emplace(id, std::make_shared<Sequence>(id, label));
+    if (static_cast<int64_t>(sequences_.size()) >= config_.max_live_sequences) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("server holds ", sequences_.size(), " live sequences, the limit (",
+                       "--max-live-sequences): release one first"));
+    }
+    // Random 64-bit ids: an id from another replica or an earlier run of this
+    // one names no sequence here (NOT_FOUND), never someone else's.
+    do {
+      id = id_rng_();
+    } while (id == 0 || sequences_.contains(id) || expired_.contains(id));
+    int pool = 0;
+    if (config_.parallel_mode == ParallelMode::kDataParallel) {
+      // The device with the most free pages, then the fewest sequences.
+      for (int p = 1; p < static_cast<int>(allocators_.size()); ++p) {
+        const int64_t free_p = allocators_[p]->free_pages(), free_best = allocators_[pool]->free_pages();
+        if (free_p > free_best || (free_p == free_best && live_per_pool_[p] < live_per_pool_[pool])) {
+          pool = p;
+        }
+      }
+    }
+    sequences_.emplace(id, std::make_shared<Sequence>(id, label, pool));
+    ++live_per_pool_[pool];
   }
   sequences_created_.fetch_add(1);
-  spdlog::debug("seq {} created (label '{}')", id, label);
+  spdlog::debug("seq {} created (label \"{}\")", id, absl::CHexEscape(label));
   return id;
 }
 
@@ -118,112 +539,94 @@ absl::Status Engine::NotFound(uint64_t id) const {
     return absl::NotFoundError(absl::StrCat("sequence ", id, " expired after being idle for ",
                                             absl::FormatDuration(config_.idle_timeout)));
   }
-  return absl::NotFoundError(
-      absl::StrCat("sequence ", id, " not found (never created, or released)"));
+  return absl::NotFoundError(absl::StrCat(
+      "sequence ", id, " not found (never created here, released, or from before a restart)"));
 }
 
-absl::StatusOr<int64_t> Engine::AppendKv(uint64_t sequence_id, int64_t start_position,
-                                         int64_t tokens, absl::Span<const Bf16> kv) {
-  if (tokens < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("append of ", tokens, " tokens: need >= 1"));
+void Engine::FreeAfterBarrier(const std::shared_ptr<Sequence>& seq, std::vector<int32_t> pages,
+                              absl::AnyInvocable<void()> then) {
+  PageAllocator* allocator = &AllocatorOf(*seq);
+  auto* call = new OpCall(
+      this, CallContext{}, 0, nullptr,
+      [allocator, pages = std::move(pages), then = std::move(then)](const absl::Status&,
+                                                                     bool) mutable {
+        allocator->Free(pages);
+        if (then) then();
+      });
+  {
+    // Not counted against the limits: it holds no tensor bytes, and a
+    // release must never be refused.
+    absl::MutexLock lock(&admit_mu_);
+    ++queued_calls_;
   }
-  const int64_t expected = int64_t{config_.num_layers} * tokens * kLatentDim;
-  if (static_cast<int64_t>(kv.size()) != expected) {
-    return absl::InvalidArgumentError(absl::StrCat("kv holds ", kv.size(), " values; [",
-                                                   config_.num_layers, ", ", tokens,
-                                                   ", 576] needs ", expected));
-  }
-  ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Find(sequence_id));
-  absl::MutexLock lock(&seq->mu);
-  if (seq->released) return NotFound(sequence_id);
-  if (seq->pending) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("sequence ", sequence_id, " has a pending verify step of ",
-                     seq->parents.size(), " drafts: Commit it before appending"));
-  }
-  if (start_position != seq->length) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("sequence ", sequence_id, " has length ", seq->length,
-                     "; the chunk starts at ", start_position));
-  }
-  const int64_t new_length = seq->length + tokens;
-  if (new_length > config_.max_sequence_len) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("sequence ", sequence_id, " would reach ", new_length,
-                     " tokens; max_sequence_len is ", config_.max_sequence_len));
-  }
-  const int64_t extra = CeilDiv(new_length, config_.page_size) - static_cast<int64_t>(seq->pages.size());
-  std::vector<int32_t> added;
-  if (extra > 0) {
-    ASSIGN_OR_RETURN(added, pages_.Allocate(extra));
-    seq->pages.insert(seq->pages.end(), added.begin(), added.end());
-  }
-  absl::Status written = backend_->WriteRows(seq->pages, seq->length, tokens, kv);
-  if (!written.ok()) {
-    seq->pages.resize(seq->pages.size() - added.size());
-    pages_.Free(added);
-    return written;
-  }
-  seq->length = new_length;
-  seq->Touch();
-  tokens_appended_.fetch_add(tokens);
-  spdlog::debug("seq {} appended {} tokens, length {}", sequence_id, tokens, new_length);
-  return new_length;
+  DeviceOp barrier;
+  barrier.kind = DeviceOp::Kind::kBarrier;
+  call->Enqueue(DevicesOf(*seq), barrier);
 }
 
-absl::Status Engine::Verify(int layer, float softmax_scale, absl::Span<VerifyItem> items) {
+void Engine::SubmitVerify(VerifyCall call, absl::AnyInvocable<void(absl::Status)> done) {
   const int heads = config_.num_heads;
-  if (items.empty()) return absl::InvalidArgumentError("verify request has no items");
+  const absl::Span<VerifyItem> items = call.items;
+  const int layer = call.layer;
+  auto reject = [&done](absl::Status status) { done(std::move(status)); };
+  if (items.empty()) return reject(absl::InvalidArgumentError("verify request has no items"));
   if (static_cast<int>(items.size()) > config_.max_batch()) {
-    return absl::InvalidArgumentError(absl::StrCat("verify request has ", items.size(),
-                                                   " items; max_batch is ", config_.max_batch()));
+    return reject(absl::InvalidArgumentError(absl::StrCat(
+        "verify request has ", items.size(), " items; max_batch is ", config_.max_batch())));
   }
   if (layer < 0 || layer >= config_.num_layers) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer ", layer, " is outside 0..", config_.num_layers - 1));
+    return reject(absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " is outside 0..", config_.num_layers - 1)));
   }
-  if (std::isnan(softmax_scale) || std::isinf(softmax_scale)) {
-    return absl::InvalidArgumentError("softmax_scale must be finite");
+  if (std::isnan(call.softmax_scale) || std::isinf(call.softmax_scale)) {
+    return reject(absl::InvalidArgumentError("softmax_scale must be finite"));
   }
-  const float scale = softmax_scale > 0.0f ? softmax_scale : config_.default_softmax_scale;
+  const float scale = call.softmax_scale > 0.0f ? call.softmax_scale : config_.default_softmax_scale;
 
   // Everything that needs no sequence state, checked before any lock.
-  std::vector<std::vector<uint64_t>> visibility(items.size());
+  std::vector<std::shared_ptr<const std::vector<uint64_t>>> visibility(items.size());
+  int64_t bytes = 0;
   for (size_t k = 0; k < items.size(); ++k) {
     const VerifyItem& it = items[k];
     const int64_t n = static_cast<int64_t>(it.parents.size());
     if (n < 1 || n > config_.max_draft_len()) {
-      return absl::InvalidArgumentError(absl::StrCat("item ", k, " (sequence ", it.sequence_id,
-                                                     "): ", n, " drafts; need 1..",
-                                                     config_.max_draft_len()));
+      return reject(absl::InvalidArgumentError(absl::StrCat("item ", k, " (sequence ", it.sequence_id,
+                                                            "): ", n, " drafts; need 1..",
+                                                            config_.max_draft_len())));
     }
-    absl::StatusOr<std::vector<uint64_t>> words = mlaverify::BuildVisibility(it.parents);
+    absl::StatusOr<std::vector<uint64_t>> words = BuildVisibility(it.parents);
     if (!words.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("item ", k, " (sequence ", it.sequence_id,
-                                                     "): ", words.status().message()));
+      return reject(absl::InvalidArgumentError(absl::StrCat(
+          "item ", k, " (sequence ", it.sequence_id, "): ", words.status().message())));
     }
-    visibility[k] = *std::move(words);
+    visibility[k] = std::make_shared<const std::vector<uint64_t>>(*std::move(words));
     if (static_cast<int64_t>(it.q.size()) != n * heads * kLatentDim ||
         static_cast<int64_t>(it.draft_kv.size()) != n * kLatentDim ||
         static_cast<int64_t>(it.out.size()) != n * heads * kValueDim ||
         static_cast<int64_t>(it.lse.size()) != n * heads) {
-      return absl::InvalidArgumentError(absl::StrCat(
+      return reject(absl::InvalidArgumentError(absl::StrCat(
           "item ", k, " (sequence ", it.sequence_id, "): buffer sizes do not match N=", n,
-          ", H=", heads, " (q [N,H,576], draft_kv [N,576], out [N,H,512], lse [N,H])"));
+          ", H=", heads, " (q [N,H,576], draft_kv [N,576], out [N,H,512], lse [N,H])")));
     }
     for (size_t j = 0; j < k; ++j) {
       if (items[j].sequence_id == it.sequence_id) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("sequence ", it.sequence_id, " appears twice (items ", j, " and ", k, ")"));
+        return reject(absl::InvalidArgumentError(absl::StrCat(
+            "sequence ", it.sequence_id, " appears twice (items ", j, " and ", k, ")")));
       }
     }
+    bytes += static_cast<int64_t>(it.q.size() + it.draft_kv.size() + it.out.size()) * sizeof(Bf16) +
+             static_cast<int64_t>(it.lse.size()) * sizeof(float);
   }
 
-  // Lock the sequences in id order (no deadlock with concurrent calls).
   std::vector<std::shared_ptr<Sequence>> seqs(items.size());
   for (size_t k = 0; k < items.size(); ++k) {
-    ASSIGN_OR_RETURN(seqs[k], Find(items[k].sequence_id));
+    absl::StatusOr<std::shared_ptr<Sequence>> s = Find(items[k].sequence_id);
+    if (!s.ok()) return reject(s.status());
+    seqs[k] = *std::move(s);
   }
+  // Lock the sequences in id order (no deadlock with concurrent calls); the
+  // locks are held until the shards are queued, so every device sees one
+  // sequence's calls in the same order.
   std::vector<size_t> order(items.size());
   for (size_t k = 0; k < order.size(); ++k) order[k] = k;
   std::sort(order.begin(), order.end(),
@@ -237,170 +640,327 @@ absl::Status Engine::Verify(int layer, float softmax_scale, absl::Span<VerifyIte
   } unlocker{seqs};
 
   // State checks and page needs, still changing nothing.
-  int64_t pages_needed = 0;
   std::vector<int64_t> extra(items.size(), 0);
+  std::vector<int64_t> pool_pages(allocators_.size(), 0);
   for (size_t k = 0; k < items.size(); ++k) {
     Sequence& s = *seqs[k];
     s.mu.AssertHeld();
     const int64_t n = static_cast<int64_t>(items[k].parents.size());
-    if (s.released) return NotFound(s.id);
+    if (s.released) return reject(NotFound(s.id));
+    if (!s.broken.ok()) return reject(s.broken);
     if (s.pending) {
       if (!std::equal(s.parents.begin(), s.parents.end(), items[k].parents.begin(),
                       items[k].parents.end())) {
-        return absl::FailedPreconditionError(absl::StrCat(
+        return reject(absl::FailedPreconditionError(absl::StrCat(
             "sequence ", s.id, " has a pending step with ", s.parents.size(),
             " drafts and another tree; every layer of a step must send the same parents "
-            "(Commit the step to start a new one)"));
+            "(Commit the step to start a new one)")));
       }
       continue;
     }
     if (s.length + n > config_.max_sequence_len) {
-      return absl::ResourceExhaustedError(
+      return reject(absl::ResourceExhaustedError(
           absl::StrCat("sequence ", s.id, " would reach ", s.length + n,
-                       " tokens; max_sequence_len is ", config_.max_sequence_len));
+                       " tokens; max_sequence_len is ", config_.max_sequence_len)));
     }
     extra[k] = std::max<int64_t>(
         0, CeilDiv(s.length + n, config_.page_size) - static_cast<int64_t>(s.pages.size()));
-    pages_needed += extra[k];
+    pool_pages[s.pool] += extra[k];
   }
-  ASSIGN_OR_RETURN(std::vector<int32_t> new_pages, pages_.Allocate(pages_needed));
-
-  // Open new steps; remember them to undo on a backend failure.
-  std::vector<size_t> opened;
-  size_t next_page = 0;
-  for (size_t k = 0; k < items.size(); ++k) {
-    Sequence& s = *seqs[k];
-    s.mu.AssertHeld();
-    if (s.pending) continue;
-    s.pages.insert(s.pages.end(), new_pages.begin() + next_page,
-                   new_pages.begin() + next_page + extra[k]);
-    next_page += extra[k];
-    s.pending = true;
-    s.parents.assign(items[k].parents.begin(), items[k].parents.end());
-    s.visibility = visibility[k];
-    s.layer_verified.assign(config_.num_layers, false);
-    s.layers_verified = 0;
-    opened.push_back(k);
+  if (absl::Status admitted = Admit(bytes); !admitted.ok()) return reject(admitted);
+  std::vector<std::vector<int32_t>> new_pages(allocators_.size());
+  for (size_t p = 0; p < allocators_.size(); ++p) {
+    absl::StatusOr<std::vector<int32_t>> got = allocators_[p]->Allocate(pool_pages[p]);
+    if (!got.ok()) {
+      for (size_t q = 0; q < p; ++q) allocators_[q]->Free(new_pages[q]);
+      Unadmit(bytes);
+      return reject(got.status());
+    }
+    new_pages[p] = *std::move(got);
   }
 
-  std::vector<BackendVerifyRequest> requests(items.size());
+  auto* task = new VerifyTask(this, std::move(call.context), bytes, layer, call.timing, std::move(done));
+  task->items.resize(items.size());
+  std::vector<size_t> next_page(allocators_.size(), 0);
+  int opened = 0;
   for (size_t k = 0; k < items.size(); ++k) {
     Sequence& s = *seqs[k];
     s.mu.AssertHeld();
-    BackendVerifyRequest& r = requests[k];
-    r.page_table = s.pages;
-    r.prefix_len = static_cast<int32_t>(s.length);
-    r.draft_len = static_cast<int32_t>(items[k].parents.size());
-    r.layer = layer;
-    r.softmax_scale = scale;
-    r.visibility = s.visibility;
-    r.q = items[k].q;
-    r.draft_kv = items[k].draft_kv;
-    r.out = items[k].out;
-    r.lse = items[k].lse;
-  }
-  const absl::Status computed = backend_->Verify(requests);
-  if (!computed.ok()) {
-    for (size_t k = 0; k < items.size(); ++k) {
-      Sequence& s = *seqs[k];
-      s.mu.AssertHeld();
-      const bool was_opened = std::find(opened.begin(), opened.end(), k) != opened.end();
-      if (was_opened) {
-        s.pages.resize(s.pages.size() - extra[k]);
-        s.pending = false;
-        s.parents.clear();
-        s.visibility.clear();
-      } else if (s.layer_verified[layer]) {
-        // The layer's draft rows may be half rewritten: it must be verified again.
-        s.layer_verified[layer] = false;
-        --s.layers_verified;
-      }
+    VerifyTask::Item& item = task->items[k];
+    item.seq = seqs[k];
+    item.n = static_cast<int>(items[k].parents.size());
+    if (!s.pending) {
+      const std::vector<int32_t>& fresh = new_pages[s.pool];
+      s.pages.insert(s.pages.end(), fresh.begin() + next_page[s.pool],
+                     fresh.begin() + next_page[s.pool] + extra[k]);
+      next_page[s.pool] += extra[k];
+      s.step_pages = extra[k];
+      s.pending = true;
+      ++s.step;
+      s.parents.assign(items[k].parents.begin(), items[k].parents.end());
+      s.visibility = visibility[k];
+      s.layer_verified.assign(config_.num_layers, false);
+      s.layers_verified = 0;
+      item.opened = true;
+      ++opened;
     }
-    pages_.Free(new_pages);
-    spdlog::error("verify layer {} failed in backend {}: {}", layer, backend_->name(),
-                  computed.ToString());
-    return computed;
-  }
-  pending_steps_.fetch_add(static_cast<int64_t>(opened.size()));
-  int64_t drafts = 0;
-  for (size_t k = 0; k < items.size(); ++k) {
-    Sequence& s = *seqs[k];
-    s.mu.AssertHeld();
-    if (!s.layer_verified[layer]) {
-      s.layer_verified[layer] = true;
-      ++s.layers_verified;
-    }
+    item.prefix = static_cast<int32_t>(s.length);
+    item.pages.assign(s.pages.begin(),
+                      s.pages.begin() + CeilDiv(s.length + item.n, config_.page_size));
+    item.visibility = s.visibility;
+    item.step = s.step;
+    item.op = ++s.ops_submitted;
     items[k].prefix_len = s.length;
-    drafts += static_cast<int64_t>(items[k].parents.size());
     s.Touch();
   }
-  verify_items_.fetch_add(static_cast<int64_t>(items.size()));
-  drafts_verified_.fetch_add(drafts);
-  return absl::OkStatus();
+  pending_steps_.fetch_add(opened);
+
+  // Shards: every item on every device of its sequence, each device its heads.
+  int shards = 0;
+  for (const VerifyTask::Item& item : task->items) {
+    shards += static_cast<int>(DevicesOf(*item.seq).size());
+  }
+  task->SetPieces(shards);
+  int index = 0;
+  for (size_t k = 0; k < items.size(); ++k) {
+    const VerifyTask::Item& item = task->items[k];
+    const std::vector<int> devices = DevicesOf(*item.seq);
+    for (size_t r = 0; r < devices.size(); ++r) {
+      // In TP mode device r computes heads [r * Hd, (r + 1) * Hd); in DP mode
+      // the one device computes all.
+      const int64_t h0 = static_cast<int64_t>(r) * heads_per_device_;
+      VerifyShard shard;
+      shard.owner = task;
+      shard.index = index++;
+      shard.sequence = item.seq->id;
+      shard.page_table = item.pages;
+      shard.prefix_len = item.prefix;
+      shard.draft_len = item.n;
+      shard.layer = layer;
+      shard.scale = scale;
+      shard.visibility = item.visibility->data();
+      shard.q = items[k].q.data() + h0 * kLatentDim;
+      shard.q_token_stride = static_cast<int64_t>(heads) * kLatentDim;
+      shard.draft_kv = items[k].draft_kv.data();
+      shard.out = items[k].out.data() + h0 * kValueDim;
+      shard.out_token_stride = static_cast<int64_t>(heads) * kValueDim;
+      shard.lse = items[k].lse.data() + h0;
+      shard.lse_token_stride = heads;
+      workers_[devices[r]]->Enqueue(shard);
+    }
+  }
 }
 
-absl::StatusOr<CommitResult> Engine::Commit(uint64_t sequence_id,
-                                            absl::Span<const int32_t> accepted) {
-  ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Find(sequence_id));
+void Engine::SubmitAppendKv(AppendCall call,
+                            absl::AnyInvocable<void(absl::StatusOr<int64_t>)> done) {
+  const uint64_t id = call.sequence_id;
+  const int64_t tokens = call.tokens;
+  if (tokens < 1) {
+    return done(absl::InvalidArgumentError(absl::StrCat("append of ", tokens, " tokens: need >= 1")));
+  }
+  const int64_t expected = int64_t{config_.num_layers} * tokens * kLatentDim;
+  if (static_cast<int64_t>(call.kv.size()) != expected) {
+    return done(absl::InvalidArgumentError(absl::StrCat("kv holds ", call.kv.size(), " values; [",
+                                                        config_.num_layers, ", ", tokens,
+                                                        ", 576] needs ", expected)));
+  }
+  absl::StatusOr<std::shared_ptr<Sequence>> found = Find(id);
+  if (!found.ok()) return done(found.status());
+  std::shared_ptr<Sequence> seq = *std::move(found);
   absl::MutexLock lock(&seq->mu);
   Sequence& s = *seq;
-  if (s.released) return NotFound(sequence_id);
-  if (!s.pending) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "sequence ", sequence_id, " has no pending verify step: Verify before Commit"));
+  if (s.released) return done(NotFound(id));
+  if (!s.broken.ok()) return done(s.broken);
+  if (s.pending) {
+    return done(absl::FailedPreconditionError(
+        absl::StrCat("sequence ", id, " has a pending verify step of ", s.parents.size(),
+                     " drafts: Commit it before appending")));
   }
-  RETURN_IF_ERROR(mlaverify::ValidateAcceptedPath(s.parents, accepted));
+  if (call.start_position != s.length) {
+    return done(absl::FailedPreconditionError(absl::StrCat(
+        "sequence ", id, " has length ", s.length, "; the chunk starts at ", call.start_position)));
+  }
+  const int64_t old_length = s.length;
+  const int64_t new_length = old_length + tokens;
+  if (new_length > config_.max_sequence_len) {
+    return done(absl::ResourceExhaustedError(
+        absl::StrCat("sequence ", id, " would reach ", new_length, " tokens; max_sequence_len is ",
+                     config_.max_sequence_len)));
+  }
+  const int64_t bytes = static_cast<int64_t>(call.kv.size()) * sizeof(Bf16);
+  if (absl::Status admitted = Admit(bytes); !admitted.ok()) return done(admitted);
+  const int64_t extra =
+      CeilDiv(new_length, config_.page_size) - static_cast<int64_t>(s.pages.size());
+  std::vector<int32_t> added;
+  if (extra > 0) {
+    absl::StatusOr<std::vector<int32_t>> got = AllocatorOf(s).Allocate(extra);
+    if (!got.ok()) {
+      Unadmit(bytes);
+      return done(got.status());
+    }
+    added = *std::move(got);
+  }
+  s.pages.insert(s.pages.end(), added.begin(), added.end());
+  s.length = new_length;
+  const uint64_t op_number = ++s.ops_submitted;
+  s.Touch();
+
+  // Cancelled or past its deadline when taken: taken back, unless calls
+  // submitted after it build on it (then it runs).
+  auto skip = [this, seq, op_number, old_length, added, context = call.context]() -> absl::Status {
+    absl::Status st;
+    if (context.is_cancelled && context.is_cancelled()) {
+      st = absl::CancelledError("the client cancelled the call while it was queued");
+    } else if (absl::Now() > context.deadline) {
+      st = absl::DeadlineExceededError("the call's deadline passed while it was queued");
+    }
+    if (st.ok()) return st;
+    std::vector<int32_t> freed;
+    {
+      absl::MutexLock lock(&seq->mu);
+      if (seq->released) return absl::NotFoundError("the sequence was released while queued");
+      if (seq->ops_submitted != op_number) return absl::OkStatus();
+      seq->length = old_length;
+      freed.assign(seq->pages.end() - static_cast<int64_t>(added.size()), seq->pages.end());
+      seq->pages.resize(seq->pages.size() - added.size());
+    }
+    // At once: the pages were taken by this call and nothing else writes them.
+    AllocatorOf(*seq).Free(freed);
+    return st;
+  };
+  auto finish = [this, seq, tokens, new_length, done = std::move(done)](const absl::Status& status,
+                                                                         bool ran) mutable {
+    if (status.ok()) {
+      tokens_appended_.fetch_add(tokens);
+      spdlog::debug("seq {} appended {} tokens, length {}", seq->id, tokens, new_length);
+      done(new_length);
+      return;
+    }
+    if (ran) {
+      absl::MutexLock lock(&seq->mu);
+      if (seq->broken.ok()) {
+        seq->broken = absl::InternalError(absl::StrCat(
+            "sequence ", seq->id, " lost prompt KV in a failed device write (", status.message(),
+            "): release it"));
+      }
+    }
+    done(status);
+  };
+  auto* op_call = new OpCall(this, call.context, bytes, std::move(skip), std::move(finish));
+  op_call->page_table = s.pages;
+  DeviceOp op;
+  op.kind = DeviceOp::Kind::kWriteRows;
+  op.page_table = op_call->page_table;
+  op.start = old_length;
+  op.count = tokens;
+  op.rows_in = call.kv.data();
+  op_call->Enqueue(DevicesOf(s), op);
+}
+
+void Engine::SubmitCommit(uint64_t sequence_id, absl::Span<const int32_t> accepted,
+                          absl::AnyInvocable<void(absl::StatusOr<CommitResult>)> done) {
+  absl::StatusOr<std::shared_ptr<Sequence>> found = Find(sequence_id);
+  if (!found.ok()) return done(found.status());
+  std::shared_ptr<Sequence> seq = *std::move(found);
+  absl::MutexLock lock(&seq->mu);
+  Sequence& s = *seq;
+  if (s.released) return done(NotFound(sequence_id));
+  if (!s.broken.ok()) return done(s.broken);
+  if (!s.pending) {
+    return done(absl::FailedPreconditionError(absl::StrCat(
+        "sequence ", sequence_id, " has no pending verify step: Verify before Commit")));
+  }
+  if (absl::Status valid = ValidateAcceptedPath(s.parents, accepted); !valid.ok()) {
+    return done(valid);
+  }
   const int k = static_cast<int>(accepted.size());
   if (k > 0 && s.layers_verified < config_.num_layers) {
-    return absl::FailedPreconditionError(absl::StrCat(
+    return done(absl::FailedPreconditionError(absl::StrCat(
         "sequence ", sequence_id, ": only ", s.layers_verified, " of ", config_.num_layers,
         " layers were verified in this step; accepting drafts needs their KV in every layer "
-        "(commit an empty path to drop the step)"));
+        "(commit an empty path to drop the step)")));
   }
-  if (k > 0) RETURN_IF_ERROR(backend_->Compact(s.pages, s.length, accepted));
+  if (absl::Status admitted = Admit(0); !admitted.ok()) return done(admitted);
+  const int64_t prefix = s.length;
+  std::vector<int32_t> table = s.pages;
   s.length += k;
   s.pending = false;
   s.parents.clear();
-  s.visibility.clear();
+  s.visibility.reset();
   s.layer_verified.clear();
   s.layers_verified = 0;
-  // Pages past the new length held only rejected drafts.
+  s.step_pages = 0;
+  ++s.ops_submitted;
+  // Pages past the new length held only rejected drafts: freed once every
+  // device ran the compaction (or passed the barrier).
   const size_t keep = static_cast<size_t>(CeilDiv(s.length, config_.page_size));
+  std::vector<int32_t> rejected;
   if (s.pages.size() > keep) {
-    pages_.Free(absl::MakeConstSpan(s.pages).subspan(keep));
+    rejected.assign(s.pages.begin() + keep, s.pages.end());
     s.pages.resize(keep);
   }
   s.Touch();
   pending_steps_.fetch_sub(1);
-  steps_committed_.fetch_add(1);
-  tokens_committed_.fetch_add(k);
-  spdlog::debug("seq {} committed {} drafts, length {}", sequence_id, k, s.length);
-  return CommitResult{s.length, k};
+  const CommitResult result{s.length, k};
+  PageAllocator* allocator = &AllocatorOf(s);
+  auto finish = [this, seq, allocator, rejected = std::move(rejected), result,
+                 done = std::move(done)](const absl::Status& status, bool) mutable {
+    allocator->Free(rejected);
+    if (!status.ok()) {
+      absl::MutexLock lock(&seq->mu);
+      if (seq->broken.ok()) {
+        seq->broken = absl::InternalError(
+            absl::StrCat("sequence ", seq->id, " lost its accepted drafts in a failed compaction (",
+                         status.message(), "): release it"));
+      }
+      done(status);
+      return;
+    }
+    steps_committed_.fetch_add(1);
+    tokens_committed_.fetch_add(result.accepted_count);
+    spdlog::debug("seq {} committed {} drafts, length {}", seq->id, result.accepted_count,
+                  result.length);
+    done(result);
+  };
+  auto* op_call = new OpCall(this, CallContext{}, 0, nullptr, std::move(finish));
+  op_call->page_table = std::move(table);
+  op_call->accepted.assign(accepted.begin(), accepted.end());
+  DeviceOp op;
+  op.kind = k > 0 ? DeviceOp::Kind::kCompact : DeviceOp::Kind::kBarrier;
+  op.page_table = op_call->page_table;
+  op.prefix_len = prefix;
+  op.accepted = op_call->accepted;
+  op_call->Enqueue(DevicesOf(s), op);
 }
 
-int64_t Engine::ReleaseLocked(Sequence& s) {
-  s.mu.AssertHeld();
-  const int64_t freed = static_cast<int64_t>(s.pages.size());
-  pages_.Free(s.pages);
+std::vector<int32_t> Engine::ReleaseLocked(Sequence& s) {
+  std::vector<int32_t> pages = std::move(s.pages);
   s.pages.clear();
   if (s.pending) pending_steps_.fetch_sub(1);
   s.pending = false;
   s.released = true;
-  return freed;
+  s.released_flag.store(true);
+  return pages;
 }
 
-absl::StatusOr<int64_t> Engine::Release(uint64_t sequence_id) {
-  ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Find(sequence_id));
-  int64_t freed;
+void Engine::SubmitRelease(uint64_t sequence_id,
+                           absl::AnyInvocable<void(absl::StatusOr<int64_t>)> done) {
+  absl::StatusOr<std::shared_ptr<Sequence>> found = Find(sequence_id);
+  if (!found.ok()) return done(found.status());
+  std::shared_ptr<Sequence> seq = *std::move(found);
+  std::vector<int32_t> pages;
   {
     absl::MutexLock lock(&seq->mu);
-    if (seq->released) return NotFound(sequence_id);
-    freed = ReleaseLocked(*seq);
+    if (seq->released) return done(NotFound(sequence_id));
+    pages = ReleaseLocked(*seq);
     absl::MutexLock table_lock(&table_mu_);
     sequences_.erase(sequence_id);
+    --live_per_pool_[seq->pool];
   }
+  const int64_t freed = static_cast<int64_t>(pages.size());
   spdlog::debug("seq {} released, {} pages freed", sequence_id, freed);
-  return freed;
+  FreeAfterBarrier(seq, std::move(pages),
+                   [done = std::move(done), freed]() mutable { done(freed); });
 }
 
 int Engine::ExpireIdle(absl::Time now) {
@@ -414,14 +974,18 @@ int Engine::ExpireIdle(absl::Time now) {
     }
   }
   int expired = 0;
+  // Waits for the pages to be back before returning (the janitor thread may block).
+  std::vector<std::unique_ptr<absl::Notification>> freed;
   for (const auto& seq : candidates) {
-    absl::MutexLock lock(&seq->mu);
-    // Used again since the scan, or released by its owner meanwhile.
-    if (seq->released || seq->last_used_ns.load(std::memory_order_relaxed) >= cutoff) continue;
-    const int64_t freed = ReleaseLocked(*seq);
+    std::vector<int32_t> pages;
     {
+      absl::MutexLock lock(&seq->mu);
+      // Used again since the scan, or released by its owner meanwhile.
+      if (seq->released || seq->last_used_ns.load(std::memory_order_relaxed) >= cutoff) continue;
+      pages = ReleaseLocked(*seq);
       absl::MutexLock table_lock(&table_mu_);
       sequences_.erase(seq->id);
+      --live_per_pool_[seq->pool];
       expired_.insert(seq->id);
       expired_order_.push_back(seq->id);
       if (expired_order_.size() > kExpiredIdsRemembered) {
@@ -430,26 +994,110 @@ int Engine::ExpireIdle(absl::Time now) {
       }
     }
     ++expired;
-    spdlog::info("seq {} ('{}') expired after {} idle, {} pages freed", seq->id, seq->label,
-                 absl::FormatDuration(config_.idle_timeout), freed);
+    spdlog::info("seq {} (\"{}\") expired after {} idle, {} pages freed", seq->id,
+                 absl::CHexEscape(seq->label), absl::FormatDuration(config_.idle_timeout),
+                 pages.size());
+    freed.push_back(std::make_unique<absl::Notification>());
+    FreeAfterBarrier(seq, std::move(pages), [n = freed.back().get()] { n->Notify(); });
   }
+  for (const auto& n : freed) n->WaitForNotification();
   sequences_expired_.fetch_add(expired);
   return expired;
 }
 
-absl::Status Engine::ReadKv(uint64_t sequence_id, int64_t start, int64_t count,
-                            absl::Span<Bf16> kv) {
+absl::Status Engine::ReadKv(uint64_t sequence_id, int64_t start, int64_t count, absl::Span<Bf16> kv,
+                            int replica) {
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Find(sequence_id));
-  absl::MutexLock lock(&seq->mu);
-  if (seq->released) return NotFound(sequence_id);
-  const int64_t capacity = static_cast<int64_t>(seq->pages.size()) * config_.page_size;
-  if (start < 0 || count < 0 || start + count > capacity ||
-      static_cast<int64_t>(kv.size()) != int64_t{config_.num_layers} * count * kLatentDim) {
-    return absl::InvalidArgumentError(absl::StrCat("read of [", start, ", ", start + count,
-                                                   ") outside the ", capacity,
-                                                   " positions the sequence's pages hold"));
+  absl::Notification finished;
+  absl::Status result;
+  {
+    absl::MutexLock lock(&seq->mu);
+    if (seq->released) return NotFound(sequence_id);
+    const std::vector<int> devices = DevicesOf(*seq);
+    if (replica < 0 || replica >= static_cast<int>(devices.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("replica ", replica, " of ", devices.size()));
+    }
+    const int64_t capacity = static_cast<int64_t>(seq->pages.size()) * config_.page_size;
+    if (start < 0 || count < 0 || start + count > capacity ||
+        static_cast<int64_t>(kv.size()) != int64_t{config_.num_layers} * count * kLatentDim) {
+      return absl::InvalidArgumentError(absl::StrCat("read of [", start, ", ", start + count,
+                                                     ") outside the ", capacity,
+                                                     " positions the sequence's pages hold"));
+    }
+    RETURN_IF_ERROR(Admit(0));
+    auto* op_call = new OpCall(this, CallContext{}, 0, nullptr,
+                               [&](const absl::Status& status, bool) {
+                                 result = status;
+                                 finished.Notify();
+                               });
+    op_call->page_table = seq->pages;
+    DeviceOp op;
+    op.kind = DeviceOp::Kind::kReadRows;
+    op.page_table = op_call->page_table;
+    op.start = start;
+    op.count = count;
+    op.rows_out = kv.data();
+    op_call->Enqueue({devices[replica]}, op);
   }
-  return backend_->ReadRows(seq->pages, start, count, kv);
+  finished.WaitForNotification();
+  return result;
+}
+
+// ---- synchronous forms ----
+
+absl::Status Engine::Verify(int layer, float softmax_scale, absl::Span<VerifyItem> items) {
+  absl::Notification finished;
+  absl::Status result;
+  VerifyCall call;
+  call.layer = layer;
+  call.softmax_scale = softmax_scale;
+  call.items = items;
+  SubmitVerify(std::move(call), [&](absl::Status s) {
+    result = std::move(s);
+    finished.Notify();
+  });
+  finished.WaitForNotification();
+  return result;
+}
+
+absl::StatusOr<int64_t> Engine::AppendKv(uint64_t sequence_id, int64_t start_position,
+                                         int64_t tokens, absl::Span<const Bf16> kv) {
+  absl::Notification finished;
+  absl::StatusOr<int64_t> result;
+  AppendCall call;
+  call.sequence_id = sequence_id;
+  call.start_position = start_position;
+  call.tokens = tokens;
+  call.kv = kv;
+  SubmitAppendKv(std::move(call), [&](absl::StatusOr<int64_t> r) {
+    result = std::move(r);
+    finished.Notify();
+  });
+  finished.WaitForNotification();
+  return result;
+}
+
+absl::StatusOr<CommitResult> Engine::Commit(uint64_t sequence_id,
+                                            absl::Span<const int32_t> accepted) {
+  absl::Notification finished;
+  absl::StatusOr<CommitResult> result;
+  SubmitCommit(sequence_id, accepted, [&](absl::StatusOr<CommitResult> r) {
+    result = std::move(r);
+    finished.Notify();
+  });
+  finished.WaitForNotification();
+  return result;
+}
+
+absl::StatusOr<int64_t> Engine::Release(uint64_t sequence_id) {
+  absl::Notification finished;
+  absl::StatusOr<int64_t> result;
+  SubmitRelease(sequence_id, [&](absl::StatusOr<int64_t> r) {
+    result = std::move(r);
+    finished.Notify();
+  });
+  finished.WaitForNotification();
+  return result;
 }
 
 }  // namespace mlaverify::engine

@@ -1,41 +1,67 @@
-// The engine: sequences, their pages and the verify/commit state machine over
-// one backend. The narrow interface the transport calls; it knows nothing of
-// gRPC or protobuf. Thread-safe: calls on different sequences run
-// concurrently, calls on one sequence serialise.
+// The engine: sequences, their pages and the verify/commit state machine,
+// executed by one worker per device (device_worker.h). The one interface the
+// transport calls; it knows nothing of gRPC or protobuf.
+//
+// Calls are asynchronous: Submit* validates the call, checks and changes the
+// sequence's state, reserves pages and queues the device work, all before it
+// returns; `done` runs once the work finished (on an engine thread), or at
+// once, on the calling thread, for a call rejected before it was queued.
+// Nothing in a Submit* blocks on a device, so no caller thread waits for
+// another sequence's work. The synchronous forms submit and wait.
+//
+// Order: the calls of one sequence run on its devices in the order they were
+// submitted (each device's queue is first in, first out; consecutive Verify
+// items of different sequences or layers share a batch). A call's effects are
+// visible to the calls submitted after it returned from Submit*.
 //
 // Sequence states:
 //   idle     committed length P, no drafts. AppendKv and Verify allowed.
 //   pending  a verify step with N drafts and a fixed tree is open: drafts sit
 //            at P..P+N-1 in the layers verified so far. Verify (same tree,
 //            any layer) and Commit allowed; AppendKv is not.
-// Commit(accepted) returns to idle with P += |accepted|. Every failed call
-// leaves the sequences it named as they were.
+// Commit(accepted) returns to idle with P += |accepted|. A call rejected at
+// submission changes nothing. A Verify or AppendKv whose deadline passes or
+// that is cancelled while queued completes unrun with DEADLINE_EXCEEDED /
+// CANCELLED; if it was the sequence's last call it is also undone (a step it
+// opened is closed, an append is taken back). An admitted Commit or Release
+// always runs.
+//
+// Pages freed by Commit, Release, expiry or a rollback go back to the free
+// list only once every device has passed the point in its queue where they
+// were freed, so work still queued for the old owner never touches rows of a
+// new one.
 #ifndef MLAVERIFY_SERVER_ENGINE_ENGINE_H_
 #define MLAVERIFY_SERVER_ENGINE_ENGINE_H_
 
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/functional/any_invocable.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/bf16.h"
-#include "server/engine/backend.h"
+#include "server/engine/device.h"
+#include "server/engine/device_worker.h"
 #include "server/engine/engine_config.h"
+#include "server/engine/engine_observer.h"
 #include "server/engine/page_allocator.h"
 
 namespace mlaverify::engine {
 
-// One item of a Verify call. Inputs and outputs are caller-owned buffers
-// (the transport points them into the request and response messages).
+// One item of a Verify call. Inputs and outputs are caller-owned buffers (the
+// transport points them into the request and response messages); they must
+// stay valid until the call's `done` has run.
 struct VerifyItem {
   uint64_t sequence_id = 0;
   absl::Span<const int32_t> parents;  // N
@@ -46,9 +72,41 @@ struct VerifyItem {
   int64_t prefix_len = 0;             // set on success: P the drafts attended to
 };
 
+// When a queued call stops being wanted.
+struct CallContext {
+  absl::Time deadline = absl::InfiniteFuture();
+  std::function<bool()> is_cancelled;  // may be empty; polled when the call is taken
+};
+
+struct VerifyCall {
+  int layer = 0;
+  float softmax_scale = 0;  // <= 0: the configured default
+  absl::Span<VerifyItem> items;
+  CallContext context;
+  // If set, receives the call's server-side time split before `done` runs.
+  VerifyTiming* timing = nullptr;
+};
+
+struct AppendCall {
+  uint64_t sequence_id = 0;
+  int64_t start_position = 0;  // must equal the sequence's length
+  int64_t tokens = 0;
+  absl::Span<const Bf16> kv;  // [num_layers, tokens, 576], valid until done
+  CallContext context;
+};
+
 struct CommitResult {
   int64_t length = 0;
   int accepted_count = 0;
+};
+
+// Page accounting of one pool replica group: in tensor-parallel mode one
+// allocator serves every device; in data-parallel mode each device has its own.
+struct PoolStats {
+  std::string devices;  // "cuda:0,cuda:1" or "cuda:1"
+  int64_t total_pages = 0;
+  int64_t free_pages = 0;
+  int64_t live_sequences = 0;
 };
 
 struct EngineStats {
@@ -63,65 +121,114 @@ struct EngineStats {
   int64_t steps_committed_total = 0;
   int64_t sequences_created_total = 0;
   int64_t sequences_expired_total = 0;
+  int64_t queued_calls = 0;   // admitted and not finished
+  int64_t queued_bytes = 0;   // tensor bytes those calls hold
+  std::vector<PoolStats> pools;
 };
 
 class Engine {
  public:
-  // Validates the config, sizes the pool and initialises the backend.
+  // Validates the config against the device list, starts one worker per
+  // device (initialising its pool and recording its graphs) and returns when
+  // all are ready. `observer` (may be null) outlives the engine.
   static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineConfig& config,
-                                                        std::unique_ptr<Backend> backend);
+                                                        std::vector<std::unique_ptr<Device>> devices,
+                                                        EngineObserver* observer = nullptr);
+  // Runs what is queued, then stops the workers.
   ~Engine();
 
   const EngineConfig& config() const { return config_; }
-  std::string backend_name() const { return backend_->name(); }
-  std::vector<DeviceDescription> devices() const { return backend_->devices(); }
+  // "cuda", "cpu" or "fake": what the devices are.
+  const std::string& backend_name() const { return backend_name_; }
+  std::vector<DeviceDescription> devices() const;
+  int num_devices() const { return static_cast<int>(workers_.size()); }
+  // Query heads each device computes (num_heads / devices in TP mode).
+  int heads_per_device() const { return heads_per_device_; }
+  // Whether verify batches replay CUDA graphs (configured and supported).
+  bool graphs_enabled() const { return workers_[0]->uses_graphs(); }
   EngineStats Stats() const;
+  // OK, or the first device fault (after which device calls are refused).
+  absl::Status fault() const;
+  // Called once, on a worker thread, when a device first faults.
+  void SetFaultListener(std::function<void(const absl::Status&)> listener);
 
-  // A new, empty sequence. `label` shows in logs.
+  // A new, empty sequence. `label` shows in logs. RESOURCE_EXHAUSTED at the
+  // live-sequence limit; INVALID_ARGUMENT for a label over the length limit.
   absl::StatusOr<uint64_t> CreateSequence(const std::string& label);
 
-  // Appends `tokens` prompt tokens of every layer, kv [num_layers, tokens,
-  // 576], at start_position (must equal the current length). Returns the new
-  // length.
+  void SubmitVerify(VerifyCall call, absl::AnyInvocable<void(absl::Status)> done);
+  void SubmitAppendKv(AppendCall call, absl::AnyInvocable<void(absl::StatusOr<int64_t>)> done);
+  // Ends the pending step of a sequence, keeping the accepted path.
+  void SubmitCommit(uint64_t sequence_id, absl::Span<const int32_t> accepted,
+                    absl::AnyInvocable<void(absl::StatusOr<CommitResult>)> done);
+  // Frees the sequence; `done` gets the pages freed.
+  void SubmitRelease(uint64_t sequence_id, absl::AnyInvocable<void(absl::StatusOr<int64_t>)> done);
+
+  // Synchronous forms.
+  absl::Status Verify(int layer, float softmax_scale, absl::Span<VerifyItem> items);
   absl::StatusOr<int64_t> AppendKv(uint64_t sequence_id, int64_t start_position, int64_t tokens,
                                    absl::Span<const Bf16> kv);
-
-  // Verify attention of `layer` for every item (distinct sequences). A
-  // softmax_scale <= 0 uses the configured default.
-  absl::Status Verify(int layer, float softmax_scale, absl::Span<VerifyItem> items);
-
-  // Ends the pending step of a sequence, keeping the accepted path.
   absl::StatusOr<CommitResult> Commit(uint64_t sequence_id, absl::Span<const int32_t> accepted);
-
-  // Frees the sequence; returns the pages freed.
   absl::StatusOr<int64_t> Release(uint64_t sequence_id);
 
   // Releases sequences idle for longer than the idle timeout (no-op when the
-  // timeout is zero). Returns how many. Called periodically by the server.
+  // timeout is zero) and returns how many, once their pages are free again.
+  // Called periodically by the server's janitor thread.
   int ExpireIdle(absl::Time now);
 
-  // Reads positions [start, start+count) of every layer of a sequence (tests).
-  absl::Status ReadKv(uint64_t sequence_id, int64_t start, int64_t count, absl::Span<Bf16> kv);
+  // Reads positions [start, start+count) of every layer of a sequence from
+  // its `replica`-th device (tests: TP replicas must agree).
+  absl::Status ReadKv(uint64_t sequence_id, int64_t start, int64_t count, absl::Span<Bf16> kv,
+                      int replica = 0);
 
  private:
   struct Sequence;
+  class Call;
+  class VerifyTask;
+  class OpCall;
 
-  Engine(const EngineConfig& config, std::unique_ptr<Backend> backend);
+  explicit Engine(const EngineConfig& config);
   absl::StatusOr<std::shared_ptr<Sequence>> Find(uint64_t id) const;
   absl::Status NotFound(uint64_t id) const;
-  // Releases a locked sequence's pages and marks it released.
-  int64_t ReleaseLocked(Sequence& seq);
+  PageAllocator& AllocatorOf(const Sequence& seq);
+  // The devices a sequence's KV lives on: all (TP) or its own (DP).
+  std::vector<int> DevicesOf(const Sequence& seq) const;
+  // Admission: reserves room for one call of `bytes`, or RESOURCE_EXHAUSTED
+  // / UNAVAILABLE (after a device fault). Every OK is paired with Unadmit.
+  absl::Status Admit(int64_t bytes);
+  void Unadmit(int64_t bytes);
+  // Detaches a sequence's pages and marks it released (its lock held);
+  // returns the pages, to be freed once the devices passed the release.
+  std::vector<int32_t> ReleaseLocked(Sequence& seq) ABSL_NO_THREAD_SAFETY_ANALYSIS;
+  // Queues a barrier on the sequence's devices and frees `pages` (to its
+  // allocator) once all passed it; then calls `then` (may be empty).
+  void FreeAfterBarrier(const std::shared_ptr<Sequence>& seq, std::vector<int32_t> pages,
+                        absl::AnyInvocable<void()> then);
+  void OnDeviceFault(int device, const absl::Status& status);
 
   const EngineConfig config_;
-  std::unique_ptr<Backend> backend_;
-  PageAllocator pages_;
+  std::string backend_name_;
+  int heads_per_device_ = 0;
+  EngineObserver* observer_ = nullptr;
+  std::vector<std::unique_ptr<DeviceWorker>> workers_;
+  // One allocator (TP) or one per device (DP).
+  std::vector<std::unique_ptr<PageAllocator>> allocators_;
 
   mutable absl::Mutex table_mu_;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Sequence>> sequences_ ABSL_GUARDED_BY(table_mu_);
-  uint64_t next_id_ ABSL_GUARDED_BY(table_mu_) = 1;
+  std::mt19937_64 id_rng_ ABSL_GUARDED_BY(table_mu_);
+  std::vector<int64_t> live_per_pool_ ABSL_GUARDED_BY(table_mu_);
   // Recently expired ids, so that NOT_FOUND can say why.
   std::deque<uint64_t> expired_order_ ABSL_GUARDED_BY(table_mu_);
   absl::flat_hash_set<uint64_t> expired_ ABSL_GUARDED_BY(table_mu_);
+
+  mutable absl::Mutex admit_mu_;
+  int64_t queued_calls_ ABSL_GUARDED_BY(admit_mu_) = 0;
+  int64_t queued_bytes_ ABSL_GUARDED_BY(admit_mu_) = 0;
+
+  mutable absl::Mutex fault_mu_;
+  absl::Status fault_ ABSL_GUARDED_BY(fault_mu_);
+  std::function<void(const absl::Status&)> fault_listener_ ABSL_GUARDED_BY(fault_mu_);
 
   std::atomic<int64_t> pending_steps_{0};
   std::atomic<int64_t> tokens_appended_{0};

@@ -6,8 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "common/draft_tree.h"
-#include "kernels/verify_attention.h"
+#include "common/geometry.h"
 
 namespace mlaverify::engine {
 namespace {
@@ -26,7 +25,14 @@ absl::Status CheckBuckets(const std::vector<int>& buckets, const char* name, int
 
 }  // namespace
 
-absl::Status EngineConfig::Validate() const {
+const char* ParallelModeName(ParallelMode mode) {
+  return mode == ParallelMode::kDataParallel ? "dp" : "tp";
+}
+
+absl::Status EngineConfig::Validate(int num_devices) const {
+  if (num_devices < 1) {
+    return absl::InvalidArgumentError("no devices: the engine needs at least one");
+  }
   if (num_layers < 1 || num_layers > 1024) {
     return absl::InvalidArgumentError(absl::StrCat("num_layers = ", num_layers, ": need 1..1024"));
   }
@@ -58,6 +64,33 @@ absl::Status EngineConfig::Validate() const {
   }
   if (num_pages() > std::numeric_limits<int32_t>::max()) {
     return absl::InvalidArgumentError("pool_bytes gives more than 2^31 pages: raise page_size");
+  }
+  if (parallel_mode == ParallelMode::kTensorParallel && num_heads % num_devices != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "num_heads = ", num_heads, " does not split over ", num_devices,
+        " tensor-parallel devices: need a multiple of the device count"));
+  }
+  if (max_queue_delay < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("max_queue_delay must not be negative");
+  }
+  if (max_queued_calls < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_queued_calls = ", max_queued_calls, ": need >= 1"));
+  }
+  if (max_queued_bytes < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_queued_bytes = ", max_queued_bytes, ": need >= 1"));
+  }
+  if (max_live_sequences < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_live_sequences = ", max_live_sequences, ": need >= 1"));
+  }
+  if (max_label_bytes < 0) {
+    return absl::InvalidArgumentError("max_label_bytes must not be negative");
+  }
+  if (copy_threads < 1 || copy_threads > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("copy_threads = ", copy_threads, ": need 1..64"));
   }
   return absl::OkStatus();
 }

@@ -1,9 +1,13 @@
-// Settings of one engine (one pool, one backend). Filled from server flags.
+// Settings of one engine: the model geometry it serves, its KV pool, the
+// devices it runs on and how it splits work over them, the CUDA-graph buckets
+// and its queue limits. Filled from server flags; Validate() names the first
+// bad setting.
 #ifndef MLAVERIFY_SERVER_ENGINE_ENGINE_CONFIG_H_
 #define MLAVERIFY_SERVER_ENGINE_ENGINE_CONFIG_H_
 
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -11,17 +15,35 @@
 
 namespace mlaverify::engine {
 
+// How the engine uses several devices (DESIGN.md §4).
+enum class ParallelMode {
+  // Tensor parallel: each of T devices computes num_heads / T query heads of
+  // every item; the latent KV is replicated on every device (AppendKv, draft
+  // writes and Commit go to all of them); one page allocator serves all
+  // replicas, so a page id means the same rows everywhere.
+  kTensorParallel,
+  // Data parallel: each sequence lives on one device, which computes all its
+  // heads; every device has its own pool and allocator, so capacity is T
+  // times one device's.
+  kDataParallel,
+};
+
+const char* ParallelModeName(ParallelMode mode);  // "tp", "dp"
+
 struct EngineConfig {
-  int num_layers = 61;   // Kimi K2 / DeepSeek-V3: 61
-  int num_heads = 8;     // query heads this engine computes (H / tensor-parallel degree)
-  int page_size = 64;    // tokens per page, power of two 1..256
-  // Bytes of KV pool; pages = pool_bytes / (num_layers * page_size * 1152).
+  int num_layers = 61;  // Kimi K2 / DeepSeek-V3: 61
+  // Query heads of one Verify item (what the client sends). In tensor-parallel
+  // mode each device computes num_heads / (number of devices) of them.
+  int num_heads = 8;
+  int page_size = 64;  // tokens per page, power of two 1..256
+  // Bytes of KV pool per device; pages = pool_bytes / (num_layers * page_size * 1152).
   int64_t pool_bytes = int64_t{1} << 30;
   // Longest sequence (tokens) a page table holds.
   int64_t max_sequence_len = int64_t{1} << 17;
-  // Draft-length and batch buckets (CUDA graphs are recorded per pair); the
-  // largest draft bucket is the largest N a Verify item may carry, the largest
-  // batch bucket the most items in one Verify.
+  // Draft-length and batch buckets: each device worker records one CUDA graph
+  // per (draft bucket, batch bucket) pair at startup. The largest draft bucket
+  // is the largest N a Verify item may carry; the largest batch bucket is the
+  // most items one Verify call may carry and the most items one replay takes.
   std::vector<int> draft_buckets = {1, 2, 4, 8, 16, 32, 64};
   std::vector<int> batch_buckets = {1, 2, 4, 8, 16, 32};
   // DeepSeek-style 1/sqrt(192) (qk_nope + qk_rope head dim); requests may override.
@@ -29,14 +51,37 @@ struct EngineConfig {
   // Sequences untouched for this long are released; zero: never.
   absl::Duration idle_timeout = absl::ZeroDuration();
 
+  ParallelMode parallel_mode = ParallelMode::kTensorParallel;
+  // Replay CUDA graphs where the device supports them (false: every batch is
+  // launched eagerly with its exact shape; for comparison and debugging).
+  bool use_graphs = true;
+  // How long a device worker may hold a partial batch open for more items
+  // before it launches; zero (the default) adds no delay: the next batch is
+  // whatever queued while the previous one ran.
+  absl::Duration max_queue_delay = absl::ZeroDuration();
+  // Admission limits over the whole engine: calls (Verify, AppendKv, Commit,
+  // Release) accepted but not finished, and the tensor bytes they hold
+  // (inputs and outputs). A call over either limit gets RESOURCE_EXHAUSTED.
+  int max_queued_calls = 4096;
+  int64_t max_queued_bytes = int64_t{2} << 30;
+  // Live sequences (created and not released); CreateSequence beyond it gets
+  // RESOURCE_EXHAUSTED.
+  int64_t max_live_sequences = 65536;
+  // Longest label accepted by CreateSequence (bytes).
+  int max_label_bytes = 256;
+  // Threads per device worker that copy tensor bytes between callers' buffers
+  // and pinned staging for large batches (1: the worker's own threads only).
+  int copy_threads = 4;
+
   int max_draft_len() const { return draft_buckets.empty() ? 0 : draft_buckets.back(); }
   int max_batch() const { return batch_buckets.empty() ? 0 : batch_buckets.back(); }
   int64_t bytes_per_page() const { return int64_t{num_layers} * page_size * 576 * 2; }
   int64_t num_pages() const { return pool_bytes / bytes_per_page(); }
   int64_t max_pages_per_sequence() const { return (max_sequence_len + page_size - 1) / page_size; }
 
-  // INVALID_ARGUMENT naming the first bad setting.
-  absl::Status Validate() const;
+  // INVALID_ARGUMENT naming the first bad setting. `num_devices` is the length
+  // of the device list (tensor-parallel mode needs num_heads divisible by it).
+  absl::Status Validate(int num_devices = 1) const;
 };
 
 }  // namespace mlaverify::engine

@@ -49,13 +49,12 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const GrpcS
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(engine::Engine* engine,
-                                                              const GrpcServerOptions& options,
+absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOptions& options,
                                                               RpcObserver* observer) {
   auto creds = Credentials(options);
   if (!creds.ok()) return creds.status();
   std::unique_ptr<GrpcServer> s(new GrpcServer());
-  s->service_ = std::make_unique<VerifyServiceImpl>(engine, options.service, observer, &s->state_);
+  s->service_ = std::make_unique<VerifyServiceImpl>(options.service, observer, &s->state_);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -81,6 +80,7 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(engine::Engine* en
 GrpcServer::~GrpcServer() { Drain(absl::ZeroDuration()); }
 
 void GrpcServer::SetHealth(bool serving) {
+  if (server_ == nullptr) return;
   grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
   if (health == nullptr) return;
   health->SetServingStatus("", serving);
@@ -93,8 +93,16 @@ void GrpcServer::SetServing() {
   spdlog::info("serving");
 }
 
+void GrpcServer::SetFaulted() {
+  ServingState serving = ServingState::kServing;
+  if (!state_.compare_exchange_strong(serving, ServingState::kFaulted)) return;
+  SetHealth(false);
+  spdlog::error("NOT_SERVING: a device faulted");
+}
+
 void GrpcServer::Drain(absl::Duration grace) {
-  if (shut_down_) return;
+  // A server that never started listening (Start failed) has nothing to drain.
+  if (shut_down_ || server_ == nullptr) return;
   shut_down_ = true;
   state_.store(ServingState::kDraining);
   SetHealth(false);

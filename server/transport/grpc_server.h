@@ -31,17 +31,22 @@ struct GrpcServerOptions {
 class GrpcServer {
  public:
   // Builds and starts listening; the state is kStarting (health NOT_SERVING,
-  // RPCs UNAVAILABLE) until SetServing().
-  static absl::StatusOr<std::unique_ptr<GrpcServer>> Start(engine::Engine* engine,
-                                                           const GrpcServerOptions& options,
+  // RPCs UNAVAILABLE) until AttachEngine() and SetServing(), so that health
+  // can be asked while the engine starts (allocates pools, records graphs).
+  static absl::StatusOr<std::unique_ptr<GrpcServer>> Start(const GrpcServerOptions& options,
                                                            RpcObserver* observer);
   ~GrpcServer();
 
   int port() const { return port_; }
   ServingState state() const { return state_.load(); }
 
+  // The engine RPCs reach; before SetServing. It outlives the server.
+  void AttachEngine(engine::Engine* engine) { service_->AttachEngine(engine); }
   // Health SERVING; RPCs admitted.
   void SetServing();
+  // A device faulted: health NOT_SERVING, device calls UNAVAILABLE (info and
+  // release still answered). Ignored while draining.
+  void SetFaulted();
   // Health NOT_SERVING, new work UNAVAILABLE, then waits up to `grace` for
   // calls in flight before cancelling them. Idempotent.
   void Drain(absl::Duration grace);

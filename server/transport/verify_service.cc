@@ -1,11 +1,14 @@
 #include "server/transport/verify_service.h"
 
-#include <chrono>
-#include <vector>
+#include <deque>
+#include <memory>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "common/status_macros.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "common/geometry.h"
+#include "common/status_macros.h"
 #include "server/transport/status_mapping.h"
 #include "server/transport/tensor_codec.h"
 #include "spdlog/spdlog.h"
@@ -13,32 +16,36 @@
 namespace mlaverify::transport {
 namespace {
 
-using mlaverify::kLatentDim;
-using mlaverify::kValueDim;
-using Clock = std::chrono::steady_clock;
+engine::CallContext ContextOf(grpc::CallbackServerContext* ctx) {
+  engine::CallContext c;
+  c.deadline = absl::FromChrono(ctx->deadline());
+  c.is_cancelled = [ctx] { return ctx->IsCancelled(); };
+  return c;
+}
 
 }  // namespace
 
-VerifyServiceImpl::VerifyServiceImpl(engine::Engine* engine, const ServiceOptions& options,
-                                     RpcObserver* observer,
+VerifyServiceImpl::VerifyServiceImpl(const ServiceOptions& options, RpcObserver* observer,
                                      const std::atomic<ServingState>* state)
-    : engine_(engine),
-      options_(options),
+    : options_(options),
       observer_(observer),
       state_(state),
-      slow_calls_(options.slow_call_seconds, std::chrono::seconds(1)),
-      queue_(options.worker_threads) {}
+      slow_calls_(options.slow_call_seconds, std::chrono::seconds(1)) {}
 
 VerifyServiceImpl::~VerifyServiceImpl() = default;
 
 absl::Status VerifyServiceImpl::Admit(grpc::CallbackServerContext* ctx,
                                       bool allowed_while_draining) const {
   const ServingState state = state_->load();
-  if (state == ServingState::kStarting) {
+  if (state == ServingState::kStarting || engine() == nullptr) {
     return absl::UnavailableError("server is starting: retry when health reports SERVING");
   }
   if (state == ServingState::kDraining && !allowed_while_draining) {
     return absl::UnavailableError("server is draining: send new work to another replica");
+  }
+  if (state == ServingState::kFaulted && !allowed_while_draining) {
+    return absl::UnavailableError(absl::StrCat(engine()->fault().message(),
+                                               "; this server is NOT_SERVING"));
   }
   if (ctx->IsCancelled()) return absl::CancelledError("the client cancelled the call");
   if (ctx->deadline() < std::chrono::system_clock::now()) {
@@ -47,13 +54,12 @@ absl::Status VerifyServiceImpl::Admit(grpc::CallbackServerContext* ctx,
   return absl::OkStatus();
 }
 
-void VerifyServiceImpl::Observe(absl::string_view rpc, grpc::StatusCode code, Clock::time_point arrived,
-                                Clock::time_point started) {
+void VerifyServiceImpl::Observe(absl::string_view rpc, grpc::StatusCode code,
+                                Clock::time_point arrived, double queued_seconds) {
   const Clock::time_point now = Clock::now();
-  const double queued = std::chrono::duration<double>(started - arrived).count();
-  const double working = std::chrono::duration<double>(now - started).count();
-  if (observer_ != nullptr) observer_->OnRpc(rpc, code, queued + working);
-  slow_calls_.Report(rpc, GrpcCodeName(code), queued, working, now);
+  const double total = std::chrono::duration<double>(now - arrived).count();
+  if (observer_ != nullptr) observer_->OnRpc(rpc, code, total);
+  slow_calls_.Report(rpc, GrpcCodeName(code), queued_seconds, total - queued_seconds, now);
 }
 
 template <typename Body>
@@ -61,30 +67,34 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::RunUnary(absl::string_view rpc,
                                                       grpc::CallbackServerContext* ctx,
                                                       bool allowed_while_draining, Body body) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  const Clock::time_point start = Clock::now();
-  queue_.Submit([this, rpc, ctx, reactor, start, allowed_while_draining, body]() mutable {
-    const Clock::time_point started = Clock::now();
-    absl::Status status = Admit(ctx, allowed_while_draining);
-    if (status.ok()) status = body();
+  const Clock::time_point arrived = Clock::now();
+  auto finish = [this, rpc, ctx, reactor, arrived](absl::Status status, double queued = 0) {
     const grpc::Status reply = ToGrpcStatus(status);
     if (!status.ok() && status.code() != absl::StatusCode::kNotFound) {
       spdlog::warn("{} from {}: {}", std::string(rpc), ctx->peer(), status.ToString());
     }
-    Observe(rpc, reply.error_code(), start, started);
+    Observe(rpc, reply.error_code(), arrived, queued);
     reactor->Finish(reply);
-  });
+  };
+  absl::Status admitted = Admit(ctx, allowed_while_draining);
+  if (!admitted.ok()) {
+    finish(std::move(admitted));
+  } else {
+    body(std::move(finish));
+  }
   return reactor;
 }
 
 grpc::ServerUnaryReactor* VerifyServiceImpl::GetServerInfo(grpc::CallbackServerContext* ctx,
                                                            const v1::GetServerInfoRequest*,
                                                            v1::ServerInfo* r) {
-  return RunUnary("GetServerInfo", ctx, /*allowed_while_draining=*/true, [this, r] {
-    const engine::EngineConfig& c = engine_->config();
-    const engine::EngineStats s = engine_->Stats();
+  return RunUnary("GetServerInfo", ctx, /*allowed_while_draining=*/true, [this, r](auto finish) {
+    const engine::Engine& e = *engine();
+    const engine::EngineConfig& c = e.config();
+    const engine::EngineStats s = e.Stats();
     r->set_version(options_.version);
-    r->set_backend(engine_->backend_name());
-    for (const auto& d : engine_->devices()) {
+    r->set_backend(e.backend_name());
+    for (const auto& d : e.devices()) {
       v1::DeviceInfo* info = r->add_devices();
       info->set_name(d.name);
       info->set_memory_bytes(d.memory_bytes);
@@ -93,7 +103,7 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::GetServerInfo(grpc::CallbackServerC
     r->set_num_heads(c.num_heads);
     r->set_latent_dim(kLatentDim);
     r->set_value_dim(kValueDim);
-    r->set_rope_dim(mlaverify::kRopeDim);
+    r->set_rope_dim(kRopeDim);
     r->set_page_size(c.page_size);
     r->set_total_pages(s.total_pages);
     r->set_free_pages(s.free_pages);
@@ -106,49 +116,70 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::GetServerInfo(grpc::CallbackServerC
     r->set_idle_timeout_seconds(absl::ToInt64Seconds(c.idle_timeout));
     r->set_live_sequences(s.live_sequences);
     r->set_max_sequence_len(c.max_sequence_len);
-    return absl::OkStatus();
+    r->set_parallel_mode(engine::ParallelModeName(c.parallel_mode));
+    r->set_heads_per_device(e.heads_per_device());
+    for (const engine::PoolStats& p : s.pools) {
+      v1::PoolInfo* pool = r->add_pools();
+      pool->set_devices(p.devices);
+      pool->set_total_pages(p.total_pages);
+      pool->set_free_pages(p.free_pages);
+      pool->set_live_sequences(p.live_sequences);
+    }
+    r->set_cuda_graphs(e.graphs_enabled());
+    r->set_max_queued_calls(c.max_queued_calls);
+    r->set_max_queued_bytes(c.max_queued_bytes);
+    r->set_max_live_sequences(c.max_live_sequences);
+    finish(absl::OkStatus());
   });
 }
 
 grpc::ServerUnaryReactor* VerifyServiceImpl::CreateSequence(
     grpc::CallbackServerContext* ctx, const v1::CreateSequenceRequest* request,
     v1::CreateSequenceResponse* response) {
-  return RunUnary("CreateSequence", ctx, false, [this, request, response]() -> absl::Status {
-    ASSIGN_OR_RETURN(const uint64_t id, engine_->CreateSequence(request->label()));
-    response->set_sequence_id(id);
-    return absl::OkStatus();
+  return RunUnary("CreateSequence", ctx, false, [this, request, response](auto finish) {
+    absl::StatusOr<uint64_t> id = engine()->CreateSequence(request->label());
+    if (id.ok()) response->set_sequence_id(*id);
+    finish(id.status());
   });
 }
 
 grpc::ServerUnaryReactor* VerifyServiceImpl::AppendKv(grpc::CallbackServerContext* ctx,
                                                       const v1::AppendKvRequest* request,
                                                       v1::AppendKvResponse* response) {
-  return RunUnary("AppendKv", ctx, false, [this, request, response]() -> absl::Status {
+  return RunUnary("AppendKv", ctx, false, [this, ctx, request, response](auto finish) {
     const v1::Tensor& kv = request->kv();
-    const int64_t layers = engine_->config().num_layers;
+    const int64_t layers = engine()->config().num_layers;
     // T comes from the tensor itself; everything else must match the geometry.
     const int64_t tokens = kv.shape_size() == 3 ? kv.shape(1) : -1;
     if (tokens < 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "kv: shape ", ShapeString(kv), ", expected [", layers, ", T, 576] with T >= 1"));
+      return finish(absl::InvalidArgumentError(absl::StrCat(
+          "kv: shape ", ShapeString(kv), ", expected [", layers, ", T, 576] with T >= 1")));
     }
-    ASSIGN_OR_RETURN(absl::Span<const Bf16> data, Bf16Input(kv, {layers, tokens, kLatentDim}, "kv"));
-    ASSIGN_OR_RETURN(const int64_t length, engine_->AppendKv(request->sequence_id(),
-                                                            request->start_position(), tokens,
-                                                            data));
-    response->set_length(length);
-    return absl::OkStatus();
+    absl::StatusOr<absl::Span<const Bf16>> data = Bf16Input(kv, {layers, tokens, kLatentDim}, "kv");
+    if (!data.ok()) return finish(data.status());
+    engine::AppendCall call;
+    call.sequence_id = request->sequence_id();
+    call.start_position = request->start_position();
+    call.tokens = tokens;
+    call.kv = *data;
+    call.context = ContextOf(ctx);
+    engine()->SubmitAppendKv(std::move(call), [response, finish = std::move(finish)](
+                                                  absl::StatusOr<int64_t> length) mutable {
+      if (length.ok()) response->set_length(*length);
+      finish(length.status());
+    });
   });
 }
 
-absl::Status VerifyServiceImpl::DoVerify(const v1::VerifyRequest& request,
-                                         v1::VerifyResponse* response) {
-  const int64_t heads = engine_->config().num_heads;
-  const int max_draft = engine_->config().max_draft_len();
+void VerifyServiceImpl::StartVerify(grpc::CallbackServerContext* ctx,
+                                    const v1::VerifyRequest& request, v1::VerifyResponse* response,
+                                    std::vector<engine::VerifyItem>* items,
+                                    engine::VerifyTiming* timing, Finisher done) {
+  const int64_t heads = engine()->config().num_heads;
+  const int max_draft = engine()->config().max_draft_len();
   response->set_request_id(request.request_id());
   response->set_layer(request.layer());
-  std::vector<engine::VerifyItem> items(request.items_size());
-  int64_t drafts = 0;
+  items->resize(request.items_size());
   for (int k = 0; k < request.items_size(); ++k) {
     const v1::VerifyItem& in = request.items(k);
     const int64_t n = in.parents_size();
@@ -156,16 +187,20 @@ absl::Status VerifyServiceImpl::DoVerify(const v1::VerifyRequest& request,
     // Draft count first, so that a huge N is named as such rather than as a
     // tensor mismatch.
     if (n < 1 || n > max_draft) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": ", n, " drafts (parents); need 1..",
-                                                     max_draft));
+      return done(absl::InvalidArgumentError(
+          absl::StrCat(where, ": ", n, " drafts (parents); need 1..", max_draft)));
     }
-    engine::VerifyItem& item = items[k];
+    engine::VerifyItem& item = (*items)[k];
     item.sequence_id = in.sequence_id();
     item.parents = absl::MakeConstSpan(in.parents().data(), in.parents_size());
-    ASSIGN_OR_RETURN(item.q, Bf16Input(in.q(), {n, heads, kLatentDim}, absl::StrCat(where, " q")));
-    ASSIGN_OR_RETURN(item.draft_kv,
-                     Bf16Input(in.draft_kv(), {n, kLatentDim}, absl::StrCat(where, " draft_kv")));
-    drafts += n;
+    absl::StatusOr<absl::Span<const Bf16>> q =
+        Bf16Input(in.q(), {n, heads, kLatentDim}, absl::StrCat(where, " q"));
+    if (!q.ok()) return done(q.status());
+    absl::StatusOr<absl::Span<const Bf16>> draft_kv =
+        Bf16Input(in.draft_kv(), {n, kLatentDim}, absl::StrCat(where, " draft_kv"));
+    if (!draft_kv.ok()) return done(draft_kv.status());
+    item.q = *q;
+    item.draft_kv = *draft_kv;
   }
   // Outputs are sized only once every input passed, so a rejected request
   // allocates nothing large.
@@ -173,36 +208,60 @@ absl::Status VerifyServiceImpl::DoVerify(const v1::VerifyRequest& request,
   for (int k = 0; k < request.items_size(); ++k) {
     const int64_t n = request.items(k).parents_size();
     v1::VerifyResult* result = response->add_results();
-    result->set_sequence_id(items[k].sequence_id);
-    items[k].out = Bf16Output(result->mutable_out(), {n, heads, kValueDim});
-    items[k].lse = Fp32Output(result->mutable_lse(), {n, heads});
+    result->set_sequence_id((*items)[k].sequence_id);
+    (*items)[k].out = Bf16Output(result->mutable_out(), {n, heads, kValueDim});
+    (*items)[k].lse = Fp32Output(result->mutable_lse(), {n, heads});
   }
-  RETURN_IF_ERROR(engine_->Verify(request.layer(), request.softmax_scale(), absl::MakeSpan(items)));
-  for (int k = 0; k < request.items_size(); ++k) {
-    response->mutable_results(k)->set_prefix_len(items[k].prefix_len);
-  }
-  if (observer_ != nullptr) observer_->OnVerify(request.items_size(), drafts);
-  return absl::OkStatus();
+  engine::VerifyCall call;
+  call.layer = request.layer();
+  call.softmax_scale = request.softmax_scale();
+  call.items = absl::MakeSpan(*items);
+  call.context = ContextOf(ctx);
+  call.timing = timing;
+  engine()->SubmitVerify(std::move(call), [response, items, done = std::move(done)](
+                                              absl::Status status) mutable {
+    if (status.ok()) {
+      for (size_t k = 0; k < items->size(); ++k) {
+        response->mutable_results(static_cast<int>(k))->set_prefix_len((*items)[k].prefix_len);
+      }
+    }
+    done(std::move(status));
+  });
 }
 
 grpc::ServerUnaryReactor* VerifyServiceImpl::Verify(grpc::CallbackServerContext* ctx,
                                                     const v1::VerifyRequest* request,
                                                     v1::VerifyResponse* response) {
-  return RunUnary("Verify", ctx, false,
-                  [this, request, response] { return DoVerify(*request, response); });
+  return RunUnary("Verify", ctx, false, [this, ctx, request, response](auto finish) {
+    // The items and the time split live until the engine is done with them.
+    struct State {
+      std::vector<engine::VerifyItem> items;
+      engine::VerifyTiming timing;
+    };
+    auto* state = new State;
+    StartVerify(ctx, *request, response, &state->items, &state->timing,
+                [state, finish = std::move(finish)](absl::Status status) mutable {
+                  const double queued = state->timing.queue_seconds;
+                  delete state;
+                  finish(std::move(status), queued);
+                });
+  });
 }
 
 grpc::ServerUnaryReactor* VerifyServiceImpl::Commit(grpc::CallbackServerContext* ctx,
                                                     const v1::CommitRequest* request,
                                                     v1::CommitResponse* response) {
-  return RunUnary("Commit", ctx, false, [this, request, response]() -> absl::Status {
-    ASSIGN_OR_RETURN(const engine::CommitResult result,
-                     engine_->Commit(request->sequence_id(),
-                                     absl::MakeConstSpan(request->accepted().data(),
-                                                         request->accepted_size())));
-    response->set_length(result.length);
-    response->set_accepted_count(result.accepted_count);
-    return absl::OkStatus();
+  return RunUnary("Commit", ctx, false, [this, request, response](auto finish) {
+    engine()->SubmitCommit(
+        request->sequence_id(),
+        absl::MakeConstSpan(request->accepted().data(), request->accepted_size()),
+        [response, finish = std::move(finish)](absl::StatusOr<engine::CommitResult> r) mutable {
+          if (r.ok()) {
+            response->set_length(r->length);
+            response->set_accepted_count(r->accepted_count);
+          }
+          finish(r.status());
+        });
   });
 }
 
@@ -210,63 +269,168 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::ReleaseSequence(
     grpc::CallbackServerContext* ctx, const v1::ReleaseSequenceRequest* request,
     v1::ReleaseSequenceResponse* response) {
   // Allowed while draining: a scheduler cleaning up frees pages sooner.
-  return RunUnary("ReleaseSequence", ctx, true, [this, request, response]() -> absl::Status {
-    ASSIGN_OR_RETURN(const int64_t freed, engine_->Release(request->sequence_id()));
-    response->set_freed_pages(freed);
-    return absl::OkStatus();
+  return RunUnary("ReleaseSequence", ctx, true, [this, request, response](auto finish) {
+    engine()->SubmitRelease(request->sequence_id(), [response, finish = std::move(finish)](
+                                                        absl::StatusOr<int64_t> freed) mutable {
+      if (freed.ok()) response->set_freed_pages(*freed);
+      finish(freed.status());
+    });
   });
 }
 
-// One read, one engine call on the work queue, one write, then the next
-// read: requests of a stream are answered in order, and at most one engine
-// call per stream is in flight. A failed request is answered with its status
-// in the response; the stream ends when the client half-closes or cancels.
+// Reads ahead up to stream_max_in_flight requests, submits each to the
+// engine as it arrives, and writes the answers in request order, one write at
+// a time. A failed request is answered with its status in the response; the
+// stream ends when the client half-closes (after the last answer) or breaks.
+// Start* and Finish are called without the reactor's lock held; the flags
+// set under it keep one read and one write outstanding at most.
 class VerifyServiceImpl::StreamReactor final
     : public grpc::ServerBidiReactor<v1::VerifyRequest, v1::VerifyResponse> {
  public:
   StreamReactor(VerifyServiceImpl* service, grpc::CallbackServerContext* ctx)
-      : service_(service), ctx_(ctx) {
-    StartRead(&request_);
+      : service_(service), ctx_(ctx), max_in_flight_(std::max(1, service->options_.stream_max_in_flight)) {
+    reading_ = std::make_unique<Slot>();
+    {
+      absl::MutexLock lock(&mu_);
+      read_outstanding_ = true;
+    }
+    StartRead(&reading_->request);
   }
 
   void OnReadDone(bool ok) override {
     if (!ok) {  // client half-closed (or the call broke): no more requests
-      Finish(grpc::Status::OK);
+      bool finish = false;
+      {
+        absl::MutexLock lock(&mu_);
+        read_outstanding_ = false;
+        read_closed_ = true;
+        reading_.reset();
+        finish = ReadyToFinish();
+      }
+      if (finish) Finish(FinalStatus());
       return;
     }
-    const Clock::time_point start = Clock::now();
-    service_->queue_.Submit([this, start] {
-      const Clock::time_point started = Clock::now();
-      response_.Clear();
-      absl::Status status = service_->Admit(ctx_, /*allowed_while_draining=*/false);
-      if (status.ok()) status = service_->DoVerify(request_, &response_);
-      if (!status.ok()) {
-        response_.Clear();
-        response_.set_request_id(request_.request_id());
-        response_.set_layer(request_.layer());
-        response_.set_error_code(static_cast<int32_t>(status.code()));
-        response_.set_error_message(std::string(status.message()));
+    Slot* slot = reading_.get();
+    slot->arrived = Clock::now();
+    bool read_more = false;
+    {
+      absl::MutexLock lock(&mu_);
+      slots_.push_back(std::move(reading_));
+      read_more = !broken_ && static_cast<int>(slots_.size()) < max_in_flight_;
+      read_outstanding_ = read_more;
+      if (read_more) {
+        reading_ = std::make_unique<Slot>();
+      } else {
+        read_paused_ = true;
       }
-      service_->Observe("VerifyStream", ToGrpcStatus(status).error_code(), start, started);
-      StartWrite(&response_);
-    });
+    }
+    Start(slot);
+    if (read_more) StartRead(&reading_->request);
   }
 
   void OnWriteDone(bool ok) override {
-    if (!ok) {
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "stream write failed"));
-      return;
+    const v1::VerifyResponse* next = nullptr;
+    bool resume_read = false, finish = false;
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      slots_.pop_front();
+      if (!ok) broken_ = true;
+      if (broken_) {
+        while (!slots_.empty() && slots_.front()->done) slots_.pop_front();
+      } else if (!slots_.empty() && slots_.front()->done) {
+        writing_ = true;
+        next = &slots_.front()->response;
+      }
+      if (read_paused_ && !read_closed_ && !broken_ && static_cast<int>(slots_.size()) < max_in_flight_) {
+        read_paused_ = false;
+        read_outstanding_ = true;
+        reading_ = std::make_unique<Slot>();
+        resume_read = true;
+      }
+      finish = ReadyToFinish();
     }
-    StartRead(&request_);
+    if (next != nullptr) StartWrite(next);
+    if (resume_read) StartRead(&reading_->request);
+    if (finish) Finish(FinalStatus());
   }
 
   void OnDone() override { delete this; }
 
  private:
+  struct Slot {
+    v1::VerifyRequest request;
+    v1::VerifyResponse response;
+    std::vector<engine::VerifyItem> items;
+    engine::VerifyTiming timing;
+    Clock::time_point arrived;
+    bool done = false;
+  };
+
+  // Submits one request; its completion queues the answer.
+  void Start(Slot* slot) {
+    auto complete = [this, slot](absl::Status status) { Completed(slot, std::move(status)); };
+    const absl::Status admitted = service_->Admit(ctx_, /*allowed_while_draining=*/false);
+    if (!admitted.ok()) return complete(admitted);
+    service_->StartVerify(ctx_, slot->request, &slot->response, &slot->items, &slot->timing,
+                          std::move(complete));
+  }
+
+  void Completed(Slot* slot, absl::Status status) {
+    if (!status.ok()) {
+      slot->response.Clear();
+      slot->response.set_request_id(slot->request.request_id());
+      slot->response.set_layer(slot->request.layer());
+      slot->response.set_error_code(static_cast<int32_t>(status.code()));
+      slot->response.set_error_message(std::string(status.message()));
+    }
+    service_->Observe("VerifyStream", ToGrpcStatus(status).error_code(), slot->arrived,
+                      slot->timing.queue_seconds);
+    const v1::VerifyResponse* write = nullptr;
+    bool finish = false;
+    {
+      absl::MutexLock lock(&mu_);
+      slot->done = true;
+      if (broken_) {
+        // No more writes: drop answers in order until the stream can end.
+        while (!slots_.empty() && slots_.front()->done) slots_.pop_front();
+        finish = ReadyToFinish();
+      } else if (!writing_ && slots_.front()->done) {
+        writing_ = true;
+        write = &slots_.front()->response;
+      }
+    }
+    if (write != nullptr) StartWrite(write);
+    if (finish) Finish(FinalStatus());
+  }
+
+  // Every request answered (or dropped once the stream broke), no read or
+  // write outstanding, and no more requests to read.
+  bool ReadyToFinish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_ || writing_ || read_outstanding_ || !slots_.empty()) return false;
+    if (!read_closed_ && !broken_) return false;
+    finished_ = true;
+    return true;
+  }
+
+  grpc::Status FinalStatus() {
+    absl::MutexLock lock(&mu_);
+    return broken_ ? grpc::Status(grpc::StatusCode::CANCELLED, "stream write failed")
+                   : grpc::Status::OK;
+  }
+
   VerifyServiceImpl* const service_;
   grpc::CallbackServerContext* const ctx_;
-  v1::VerifyRequest request_;
-  v1::VerifyResponse response_;
+  const int max_in_flight_;
+  absl::Mutex mu_;
+  std::unique_ptr<Slot> reading_;  // the slot the outstanding read fills
+  std::deque<std::unique_ptr<Slot>> slots_ ABSL_GUARDED_BY(mu_);  // answers owed, in order
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool read_outstanding_ ABSL_GUARDED_BY(mu_) = false;
+  bool read_paused_ ABSL_GUARDED_BY(mu_) = false;
+  bool read_closed_ ABSL_GUARDED_BY(mu_) = false;
+  bool broken_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 grpc::ServerBidiReactor<v1::VerifyRequest, v1::VerifyResponse>* VerifyServiceImpl::VerifyStream(

@@ -1,25 +1,29 @@
 // The gRPC face of the engine: mlaverify.v1.VerifyService on the callback
 // API. Thin on purpose: checks tensor dtypes/shapes/sizes against the
-// geometry, points the engine at the request and response bytes, maps
-// statuses. Engine calls run on a WorkQueue, never on gRPC's threads.
+// geometry, points the engine at the request and response bytes, submits to
+// the engine's asynchronous calls and finishes the RPC from their completion.
+// It runs no compute and owns no threads: gRPC's callback threads only decode,
+// submit and encode.
 #ifndef MLAVERIFY_SERVER_TRANSPORT_VERIFY_SERVICE_H_
 #define MLAVERIFY_SERVER_TRANSPORT_VERIFY_SERVICE_H_
 
 #include <atomic>
 #include <chrono>
 #include <string>
+#include <vector>
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/strings/string_view.h"
 #include "mlaverify/v1/verify.grpc.pb.h"
 #include "server/engine/engine.h"
 #include "server/transport/slow_call_log.h"
-#include "server/transport/work_queue.h"
 
 namespace mlaverify::transport {
 
-enum class ServingState { kStarting, kServing, kDraining };
+// kFaulted: a device failed; health NOT_SERVING, device calls UNAVAILABLE.
+enum class ServingState { kStarting, kServing, kDraining, kFaulted };
 
 // Receives one call per finished RPC (and per message of a stream); the
 // server wires it to the metrics. Implementations must be thread-safe.
@@ -27,24 +31,29 @@ class RpcObserver {
  public:
   virtual ~RpcObserver() = default;
   virtual void OnRpc(absl::string_view rpc, grpc::StatusCode code, double seconds) = 0;
-  virtual void OnVerify(int items, int64_t draft_tokens) = 0;
 };
 
 struct ServiceOptions {
   std::string version = "0.1.0";
   int64_t max_message_bytes = 64 << 20;
-  int worker_threads = 8;
-  // Calls that spend at least this long in the server (queue wait plus
-  // work) are logged as warnings, at most one a second; <= 0: off.
+  // Calls that spend at least this long in the server are logged as
+  // warnings, at most one a second; <= 0: off.
   double slow_call_seconds = 0.1;
+  // Requests of one VerifyStream the server works on at once (read ahead of
+  // the answers, answered in order).
+  int stream_max_in_flight = 8;
 };
 
 class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
  public:
-  // `engine`, `observer` (may be null) and `state` outlive the service.
-  VerifyServiceImpl(engine::Engine* engine, const ServiceOptions& options, RpcObserver* observer,
+  // `observer` (may be null) and `state` outlive the service.
+  VerifyServiceImpl(const ServiceOptions& options, RpcObserver* observer,
                     const std::atomic<ServingState>* state);
   ~VerifyServiceImpl() override;
+
+  // The engine the RPCs reach; set once, before the state becomes kServing
+  // (until then every RPC is refused with UNAVAILABLE). Outlives the service.
+  void AttachEngine(engine::Engine* engine) { engine_.store(engine, std::memory_order_release); }
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
                                           const v1::GetServerInfoRequest* request,
@@ -67,29 +76,35 @@ class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
                                             const v1::ReleaseSequenceRequest* request,
                                             v1::ReleaseSequenceResponse* response) override;
 
-  // Verify of one request into `response`; shared by Verify and VerifyStream.
-  absl::Status DoVerify(const v1::VerifyRequest& request, v1::VerifyResponse* response);
-
  private:
   class StreamReactor;
+  using Clock = std::chrono::steady_clock;
+  using Finisher = absl::AnyInvocable<void(absl::Status)>;
 
-  // Runs `body` on the work queue after the admission checks (serving state,
-  // cancellation, deadline), finishes the reactor and reports to the observer.
+  // Checks the serving state, cancellation and deadline; on OK calls
+  // body(finish), where finish(status) ends the RPC (from any thread). A
+  // refused call is finished at once.
   template <typename Body>
   grpc::ServerUnaryReactor* RunUnary(absl::string_view rpc, grpc::CallbackServerContext* ctx,
                                      bool allowed_while_draining, Body body);
   absl::Status Admit(grpc::CallbackServerContext* ctx, bool allowed_while_draining) const;
-  // One finished call (or stream message), timed from its arrival: `started`
-  // is when a worker thread took it up.
-  void Observe(absl::string_view rpc, grpc::StatusCode code, std::chrono::steady_clock::time_point arrived,
-               std::chrono::steady_clock::time_point started);
+  // Decodes `request` into `items` (views of its bytes and of `response`'s,
+  // which it sizes) and submits it; `done` runs once with the outcome, after
+  // the results' prefix lengths are set. `timing` receives the engine's time
+  // split.
+  void StartVerify(grpc::CallbackServerContext* ctx, const v1::VerifyRequest& request,
+                   v1::VerifyResponse* response, std::vector<engine::VerifyItem>* items,
+                   engine::VerifyTiming* timing, Finisher done);
+  // One finished call (or stream message).
+  void Observe(absl::string_view rpc, grpc::StatusCode code, Clock::time_point arrived,
+               double queued_seconds);
+  engine::Engine* engine() const { return engine_.load(std::memory_order_acquire); }
 
-  engine::Engine* const engine_;
+  std::atomic<engine::Engine*> engine_{nullptr};
   const ServiceOptions options_;
   RpcObserver* const observer_;
   const std::atomic<ServingState>* const state_;
   SlowCallLog slow_calls_;
-  WorkQueue queue_;
 };
 
 }  // namespace mlaverify::transport

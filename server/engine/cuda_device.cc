@@ -1,0 +1,381 @@
+// CudaDevice: one GPU's KV pool replica and the launches of its verify
+// batches. Everything a batch needs sits at fixed addresses, allocated once at
+// Init: per staging set a pinned host input and output region and their device
+// mirrors, one attention workspace, the pool. A batch of shape (B, N) is one
+// host-to-device copy of its packed inputs, the draft-row write, the attention
+// (plan, attention, combine) and one device-to-host copy of its outputs, all on
+// the device's one stream. CaptureGraphs records that sequence as a CUDA graph
+// per (staging set, shape, plan variant); lengths, page tables and trees are
+// read from device memory, so one graph serves every prefix length. Eager
+// launches issue the same sequence directly.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/geometry.h"
+#include "common/status_macros.h"
+#include "kernels/device_fault.h"
+#include "kernels/verify_attention_cuda.h"
+#include "server/engine/device.h"
+
+namespace mlaverify::engine {
+namespace {
+
+// Pinned staging for AppendKv / ReadKv rows, two buffers so that the host copy
+// of one chunk overlaps the device's copy of the previous one.
+constexpr size_t kRowChunkBytes = size_t{32} << 20;
+
+class CudaDevice final : public Device {
+ public:
+  CudaDevice(int ordinal, int fail_after_launches)
+      : ordinal_(ordinal), name_(absl::StrCat("cuda:", ordinal)), fail_after_(fail_after_launches) {}
+
+  ~CudaDevice() override {
+    // Errors are ignored: after a sticky fault every call fails, and the
+    // process is on its way out.
+    cudaSetDevice(ordinal_);
+    for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
+    for (StagingSet& s : sets_) {
+      cudaFreeHost(s.host_in);
+      cudaFreeHost(s.host_out);
+      cudaFree(s.dev_in);
+      cudaFree(s.dev_out);
+      if (s.start != nullptr) cudaEventDestroy(s.start);
+      if (s.stop != nullptr) cudaEventDestroy(s.stop);
+    }
+    for (int i = 0; i < 2; ++i) {
+      cudaFreeHost(row_host_[i]);
+      cudaFree(row_dev_[i]);
+      if (row_done_[i] != nullptr) cudaEventDestroy(row_done_[i]);
+    }
+    cudaFreeHost(small_host_);
+    cudaFree(small_dev_);
+    cudaFree(workspace_);
+    cudaFree(pool_);
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  std::string name() const override { return name_; }
+
+  DeviceDescription Describe() const override {
+    cudaDeviceProp prop{};
+    cudaGetDeviceProperties(&prop, ordinal_);
+    return {absl::StrCat(prop.name, " (", name_, ", sm_", prop.major, prop.minor, ")"),
+            prop.totalGlobalMem};
+  }
+
+  absl::Status BindThread() override { return Check(cudaSetDevice(ordinal_), "cudaSetDevice"); }
+
+  absl::Status Init(const DeviceGeometry& g) override {
+    g_ = g;
+    RETURN_IF_ERROR(BindThread());
+    ASSIGN_OR_RETURN(config_, kernels::PrepareVerifyLaunch(ordinal_));
+    RETURN_IF_ERROR(Check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"));
+    const size_t pool_bytes =
+        static_cast<size_t>(g.num_layers) * g.num_pages * g.page_size * kLatentRowBytes;
+    RETURN_IF_ERROR(Check(cudaMalloc(&pool_, pool_bytes), "pool allocation"));
+    const StagingLayout max =
+        StagingLayout::For({g.max_batch, g.max_draft_len}, g.num_heads, g.max_pages_per_sequence);
+    sets_.resize(g.staging_sets);
+    for (StagingSet& s : sets_) {
+      RETURN_IF_ERROR(Check(cudaHostAlloc(&s.host_in, max.input_bytes, cudaHostAllocDefault), "pinned staging"));
+      RETURN_IF_ERROR(Check(cudaHostAlloc(&s.host_out, max.output_bytes, cudaHostAllocDefault), "pinned staging"));
+      RETURN_IF_ERROR(Check(cudaMalloc(&s.dev_in, max.input_bytes), "input buffers"));
+      RETURN_IF_ERROR(Check(cudaMalloc(&s.dev_out, max.output_bytes), "output buffers"));
+      RETURN_IF_ERROR(Check(cudaEventCreate(&s.start), "event"));
+      RETURN_IF_ERROR(Check(cudaEventCreate(&s.stop), "event"));
+      // All padding until a batch is packed: a stray replay reads nothing.
+      std::memset(s.host_in, 0, max.input_bytes);
+      RETURN_IF_ERROR(Check(cudaMemset(s.dev_in, 0, max.input_bytes), "input buffers"));
+    }
+    kernels::VerifyArguments shape;
+    shape.batch = g.max_batch;
+    shape.num_heads = g.num_heads;
+    shape.max_draft_len = g.max_draft_len;
+    workspace_bytes_ = kernels::VerifyWorkspaceBytes(shape, config_);
+    RETURN_IF_ERROR(Check(cudaMalloc(&workspace_, workspace_bytes_), "workspace"));
+    RETURN_IF_ERROR(
+        kernels::InitVerifyWorkspace(shape, config_, workspace_, workspace_bytes_, stream_));
+    for (int i = 0; i < 2; ++i) {
+      RETURN_IF_ERROR(Check(cudaHostAlloc(&row_host_[i], kRowChunkBytes, cudaHostAllocDefault), "row staging"));
+      RETURN_IF_ERROR(Check(cudaMalloc(&row_dev_[i], kRowChunkBytes), "row staging"));
+      RETURN_IF_ERROR(Check(cudaEventCreateWithFlags(&row_done_[i], cudaEventDisableTiming), "event"));
+    }
+    // A sequence's page list, then a compaction's [prefix, k, path...].
+    small_bytes_ = (static_cast<size_t>(g.max_pages_per_sequence) + kMaxDraftLen + 2) * sizeof(int32_t);
+    RETURN_IF_ERROR(Check(cudaHostAlloc(&small_host_, small_bytes_, cudaHostAllocDefault), "pinned staging"));
+    RETURN_IF_ERROR(Check(cudaMalloc(&small_dev_, small_bytes_), "page table buffer"));
+    return Check(cudaStreamSynchronize(stream_), "initialisation");
+  }
+
+  bool SupportsGraphs() const override { return true; }
+
+  absl::StatusOr<int64_t> CaptureGraphs(int set, BatchShape shape) override {
+    size_t free_before = 0, free_after = 0, total = 0;
+    RETURN_IF_ERROR(Check(cudaMemGetInfo(&free_before, &total), "cudaMemGetInfo"));
+    for (const bool reuse : {false, true}) {
+      RETURN_IF_ERROR(Check(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal),
+                            "cudaStreamBeginCapture"));
+      const absl::Status enqueued = Enqueue(set, shape, reuse);
+      cudaGraph_t graph = nullptr;
+      const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
+      RETURN_IF_ERROR(enqueued);
+      RETURN_IF_ERROR(Check(ended, "cudaStreamEndCapture"));
+      cudaGraphExec_t exec = nullptr;
+      const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
+      cudaGraphDestroy(graph);
+      RETURN_IF_ERROR(Check(instantiated, "cudaGraphInstantiate"));
+      graphs_[Key(set, shape, reuse)] = exec;
+    }
+    RETURN_IF_ERROR(Check(cudaMemGetInfo(&free_after, &total), "cudaMemGetInfo"));
+    return free_before > free_after ? static_cast<int64_t>(free_before - free_after) : 0;
+  }
+
+  StagingView Staging(int set, BatchShape shape) override {
+    StagingView v;
+    v.layout = StagingLayout::For(shape, g_.num_heads, g_.max_pages_per_sequence);
+    v.input = static_cast<uint8_t*>(sets_[set].host_in);
+    v.output = static_cast<uint8_t*>(sets_[set].host_out);
+    return v;
+  }
+
+  absl::Status Launch(const LaunchOptions& o) override {
+    StagingSet& s = sets_[o.set];
+    ++launches_;
+    if (fail_after_ > 0 && launches_ == fail_after_) {
+      RETURN_IF_ERROR(Check(kernels::LaunchTrapKernel(stream_), "fault injection"));
+    }
+    RETURN_IF_ERROR(Check(cudaEventRecord(s.start, stream_), "cudaEventRecord"));
+    if (o.graph) {
+      const auto it = graphs_.find(Key(o.set, o.shape, o.reuse_plan));
+      if (it == graphs_.end()) {
+        return absl::InternalError(absl::StrCat(name_, ": no graph was captured for batch ",
+                                                o.shape.batch, " x draft ", o.shape.draft_len));
+      }
+      RETURN_IF_ERROR(Check(cudaGraphLaunch(it->second, stream_), "cudaGraphLaunch"));
+    } else {
+      RETURN_IF_ERROR(Enqueue(o.set, o.shape, o.reuse_plan));
+    }
+    return Check(cudaEventRecord(s.stop, stream_), "cudaEventRecord");
+  }
+
+  absl::StatusOr<double> Wait(int set) override {
+    StagingSet& s = sets_[set];
+    RETURN_IF_ERROR(Check(cudaEventSynchronize(s.stop), "verify batch"));
+    float ms = 0;
+    RETURN_IF_ERROR(Check(cudaEventElapsedTime(&ms, s.start, s.stop), "cudaEventElapsedTime"));
+    return ms * 1e-3;
+  }
+
+  absl::Status WriteRows(absl::Span<const int32_t> page_table, int64_t start, int64_t count,
+                         const Bf16* rows) override {
+    RETURN_IF_ERROR(UploadPageTable(page_table));
+    const int64_t layers = g_.num_layers;
+    const int64_t chunk_max = std::max<int64_t>(1, kRowChunkBytes / (layers * kLatentRowBytes));
+    bool used[2] = {false, false};
+    for (int64_t c0 = 0, i = 0; c0 < count; c0 += chunk_max, i ^= 1) {
+      const int64_t chunk = std::min(chunk_max, count - c0);
+      // The buffer's previous chunk must have left it before it is refilled.
+      if (used[i]) RETURN_IF_ERROR(Check(cudaEventSynchronize(row_done_[i]), "row upload"));
+      auto* host = static_cast<Bf16*>(row_host_[i]);
+      for (int64_t layer = 0; layer < layers; ++layer) {
+        std::memcpy(host + layer * chunk * kLatentDim, rows + (layer * count + c0) * kLatentDim,
+                    static_cast<size_t>(chunk) * kLatentRowBytes);
+      }
+      const size_t bytes = static_cast<size_t>(layers * chunk) * kLatentRowBytes;
+      RETURN_IF_ERROR(Check(cudaMemcpyAsync(row_dev_[i], host, bytes, cudaMemcpyHostToDevice, stream_),
+                            "row upload"));
+      RETURN_IF_ERROR(kernels::LaunchCopyRows(View(), PageTableOnDevice(), start + c0, chunk,
+                                              static_cast<Bf16*>(row_dev_[i]), /*to_pool=*/true,
+                                              stream_));
+      RETURN_IF_ERROR(Check(cudaEventRecord(row_done_[i], stream_), "cudaEventRecord"));
+      used[i] = true;
+    }
+    return Check(cudaStreamSynchronize(stream_), "row upload");
+  }
+
+  absl::Status ReadRows(absl::Span<const int32_t> page_table, int64_t start, int64_t count,
+                        Bf16* rows) override {
+    RETURN_IF_ERROR(UploadPageTable(page_table));
+    const int64_t layers = g_.num_layers;
+    const int64_t chunk_max = std::max<int64_t>(1, kRowChunkBytes / (layers * kLatentRowBytes));
+    for (int64_t c0 = 0; c0 < count; c0 += chunk_max) {
+      const int64_t chunk = std::min(chunk_max, count - c0);
+      RETURN_IF_ERROR(kernels::LaunchCopyRows(View(), PageTableOnDevice(), start + c0, chunk,
+                                              static_cast<Bf16*>(row_dev_[0]), /*to_pool=*/false,
+                                              stream_));
+      const size_t bytes = static_cast<size_t>(layers * chunk) * kLatentRowBytes;
+      RETURN_IF_ERROR(Check(cudaMemcpyAsync(row_host_[0], row_dev_[0], bytes, cudaMemcpyDeviceToHost,
+                                            stream_),
+                            "row download"));
+      RETURN_IF_ERROR(Check(cudaStreamSynchronize(stream_), "row download"));
+      const auto* host = static_cast<const Bf16*>(row_host_[0]);
+      for (int64_t layer = 0; layer < layers; ++layer) {
+        std::memcpy(rows + (layer * count + c0) * kLatentDim, host + layer * chunk * kLatentDim,
+                    static_cast<size_t>(chunk) * kLatentRowBytes);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Compact(absl::Span<const int32_t> page_table, int64_t prefix_len,
+                       absl::Span<const int32_t> accepted) override {
+    // [page table][prefix, k, accepted[0..63]] in one upload.
+    auto* host = static_cast<int32_t*>(small_host_);
+    const size_t pages = page_table.size();
+    std::memcpy(host, page_table.data(), pages * sizeof(int32_t));
+    int32_t* path = host + g_.max_pages_per_sequence;
+    std::fill(path, path + kMaxDraftLen + 2, 0);
+    path[0] = static_cast<int32_t>(prefix_len);
+    path[1] = static_cast<int32_t>(accepted.size());
+    std::copy(accepted.begin(), accepted.end(), path + 2);
+    RETURN_IF_ERROR(Check(cudaMemcpyAsync(small_dev_, small_host_, small_bytes_, cudaMemcpyHostToDevice,
+                                          stream_),
+                          "path upload"));
+    const int32_t* dev = static_cast<const int32_t*>(small_dev_);
+    const int32_t* dev_path = dev + g_.max_pages_per_sequence;
+    kernels::CompactArguments c;
+    c.batch = 1;
+    c.pool = View();
+    c.page_table = dev;
+    c.page_table_stride = std::max<int64_t>(1, static_cast<int64_t>(pages));
+    c.prefix_len = dev_path;
+    c.accepted_len = dev_path + 1;
+    c.accepted = dev_path + 2;
+    RETURN_IF_ERROR(kernels::LaunchCompactAcceptedKv(c, stream_));
+    return Check(cudaStreamSynchronize(stream_), "compaction");
+  }
+
+ private:
+  struct StagingSet {
+    void* host_in = nullptr;
+    void* host_out = nullptr;
+    void* dev_in = nullptr;
+    void* dev_out = nullptr;
+    cudaEvent_t start = nullptr;
+    cudaEvent_t stop = nullptr;
+  };
+  using GraphKey = std::tuple<int, int, int, bool>;  // set, batch, draft, reuse_plan
+
+  static GraphKey Key(int set, BatchShape shape, bool reuse) {
+    return {set, shape.batch, shape.draft_len, reuse};
+  }
+
+  absl::Status Check(cudaError_t err, const char* what) const {
+    if (err == cudaSuccess) return absl::OkStatus();
+    return absl::InternalError(absl::StrCat(name_, ": CUDA ", what, ": ", cudaGetErrorString(err)));
+  }
+
+  kernels::KvPoolView View() const {
+    return kernels::KvPoolView{static_cast<Bf16*>(pool_), g_.num_layers, g_.num_pages, g_.page_size};
+  }
+
+  const int32_t* PageTableOnDevice() const { return static_cast<const int32_t*>(small_dev_); }
+
+  // The row operations' page list, through pinned memory (no pageable copy).
+  absl::Status UploadPageTable(absl::Span<const int32_t> page_table) {
+    std::memcpy(small_host_, page_table.data(), page_table.size() * sizeof(int32_t));
+    return Check(cudaMemcpyAsync(small_dev_, small_host_, page_table.size() * sizeof(int32_t),
+                                 cudaMemcpyHostToDevice, stream_),
+                 "page table upload");
+  }
+
+  // The launch sequence of one batch of `shape` from staging set `set`.
+  absl::Status Enqueue(int set, BatchShape shape, bool reuse_plan) {
+    const StagingSet& s = sets_[set];
+    const StagingLayout l = StagingLayout::For(shape, g_.num_heads, g_.max_pages_per_sequence);
+    auto* in = static_cast<uint8_t*>(s.dev_in);
+    auto* out = static_cast<uint8_t*>(s.dev_out);
+    RETURN_IF_ERROR(Check(cudaMemcpyAsync(s.dev_in, s.host_in, l.input_bytes, cudaMemcpyHostToDevice,
+                                          stream_),
+                          "input upload"));
+    const auto* prefix = reinterpret_cast<const int32_t*>(in + l.prefix_len);
+    const auto* drafts = reinterpret_cast<const int32_t*>(in + l.draft_len);
+    const auto* layers = reinterpret_cast<const int32_t*>(in + l.layer);
+    const auto* tables = reinterpret_cast<const int32_t*>(in + l.page_tables);
+    const auto* draft_kv = reinterpret_cast<const Bf16*>(in + l.draft_kv);
+
+    kernels::DraftKvWriteArguments w;
+    w.batch = shape.batch;
+    w.total_draft_capacity = shape.rows();
+    w.draft_kv = draft_kv;
+    w.draft_kv_stride = kLatentDim;
+    w.pool = View();
+    w.page_table = tables;
+    w.page_table_stride = l.page_table_stride;
+    w.prefix_len = prefix;
+    w.draft_len = drafts;
+    w.layer = layers;
+    RETURN_IF_ERROR(kernels::LaunchWriteDraftKv(w, stream_));
+
+    kernels::VerifyArguments a;
+    a.batch = shape.batch;
+    a.num_heads = g_.num_heads;
+    a.max_draft_len = shape.draft_len;
+    a.total_draft_capacity = shape.rows();
+    a.q = reinterpret_cast<const Bf16*>(in + l.q);
+    a.q_token_stride = static_cast<int64_t>(g_.num_heads) * kLatentDim;
+    a.q_head_stride = kLatentDim;
+    a.pool = View();
+    a.page_table = tables;
+    a.page_table_stride = l.page_table_stride;
+    a.prefix_len = prefix;
+    a.draft_len = drafts;
+    a.layer = layers;
+    a.softmax_scale = reinterpret_cast<const float*>(in + l.scale);
+    a.default_softmax_scale = 1.0f;  // unused: every request carries its scale
+    a.visibility = reinterpret_cast<const uint64_t*>(in + l.visibility);
+    a.out = reinterpret_cast<Bf16*>(out + l.out);
+    a.out_token_stride = static_cast<int64_t>(g_.num_heads) * kValueDim;
+    a.out_head_stride = kValueDim;
+    a.lse = reinterpret_cast<float*>(out + l.lse);
+    kernels::VerifyLaunchConfig config = config_;
+    config.reuse_plan = reuse_plan;
+    RETURN_IF_ERROR(kernels::LaunchVerifyAttention(a, config, workspace_, workspace_bytes_, stream_));
+    return Check(cudaMemcpyAsync(s.host_out, s.dev_out, l.output_bytes, cudaMemcpyDeviceToHost, stream_),
+                 "output download");
+  }
+
+  const int ordinal_;
+  const std::string name_;
+  const int fail_after_;
+  DeviceGeometry g_;
+  kernels::VerifyLaunchConfig config_;
+  cudaStream_t stream_ = nullptr;
+  void* pool_ = nullptr;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  std::vector<StagingSet> sets_;
+  std::map<GraphKey, cudaGraphExec_t> graphs_;
+  void* row_host_[2] = {nullptr, nullptr};
+  void* row_dev_[2] = {nullptr, nullptr};
+  cudaEvent_t row_done_[2] = {nullptr, nullptr};
+  void* small_host_ = nullptr;
+  void* small_dev_ = nullptr;
+  size_t small_bytes_ = 0;
+  int launches_ = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int ordinal, int fail_after_launches) {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess || count == 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "no CUDA device: ", err != cudaSuccess ? cudaGetErrorString(err) : "device count is 0"));
+  }
+  if (ordinal < 0 || ordinal >= count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CUDA device ", ordinal, " requested; this machine has ", count));
+  }
+  return std::unique_ptr<Device>(new CudaDevice(ordinal, fail_after_launches));
+}
+
+}  // namespace mlaverify::engine
