@@ -2,10 +2,10 @@
 # One full measurement call on a GPU machine, from the repository root, over a
 # bundle made here by
 #   scripts/bundle.sh .device/bundle build/tests/gpu_kernels_test \
-#     build/tests/gpu_engine_test build/bench/mlaverify-bench \
+#     build/tests/gpu_engine_test build/bench/mlaverify-bench build/bench/mlaverify-engine-bench \
 #     build/server/mlaverify-server build/client/mlaverify-client
 # and carried there (device tool: carry [".device"]):
-#   OUT=/tmp/out bench/gpu_run.sh [tests] [service] [anchor] [sweep] [triton] [variants] [stalls] [small] [pdl] [ncu] [shapes] [sass] [timeline]
+#   OUT=/tmp/out bench/gpu_run.sh [tests] [service] [fault] [engine] [anchor] [sweep] [triton] [variants] [stalls] [small] [pdl] [ncu] [shapes] [sass] [timeline]
 # Writes logs and JSON into $OUT/results.tgz (one file: the device tool brings
 # back at most 8); prints a short summary last.
 set -uo pipefail
@@ -37,27 +37,98 @@ if want tests; then
     summary+=("gpu engine test rc=$rc")
   fi
 fi
-if want service && [ -x "$bundle/bin/mlaverify-server" ]; then
-  # The service on the GPU: the bundled server with the CUDA backend, the
-  # client's checked demo, then a load run.
-  "$bundle/bin/mlaverify-server" --listen 127.0.0.1:0 --admin-host 127.0.0.1 --admin-port 0 \
-    --port-file "$out/ports" --backend cuda --layers 61 --heads 8 --page-size 64 \
-    --pool-bytes 16GiB --slow-call-ms 20 > "$out/gpu_server.log" 2>&1 &
+# start_server TAG LISTEN FLAGS...: the bundled server with the CUDA backend;
+# sets $spid, $aport and $cl (the client command). Log: $out/server-TAG.log.
+start_server() {
+  local tag=$1 listen=$2
+  shift 2
+  rm -f "$out/ports-$tag"
+  "$bundle/bin/mlaverify-server" --listen "$listen" --admin-host 127.0.0.1 --admin-port 0 \
+    --port-file "$out/ports-$tag" --backend cuda --layers 61 --page-size 64 --slow-call-ms 20 "$@" \
+    > "$out/server-$tag.log" 2>&1 &
   spid=$!
-  for _ in $(seq 1 300); do [ -s "$out/ports" ] && break; sleep 0.1; done
-  read -r gport aport < "$out/ports"
+  for _ in $(seq 1 600); do [ -s "$out/ports-$tag" ] && break; sleep 0.1; done
+  read -r gport aport < "$out/ports-$tag"
   cl=("$bundle/bin/mlaverify-client" --target "127.0.0.1:$gport")
-  timeout 120 "${cl[@]}" demo --sequences 4 --prompt-len 4000 --steps 4 --drafts 16 \
-    > "$out/gpu_demo.log" 2>&1
-  summary+=("gpu service demo rc=$?")
-  tail -14 "$out/gpu_demo.log"
-  timeout 120 "${cl[@]}" load --concurrency 32 --duration-s 20 --warmup-s 2 --prompt-len 1024 \
-    --drafts 16 --json "$out/gpu_load.json" > "$out/gpu_load.log" 2>&1
-  summary+=("gpu service load rc=$?")
-  tail -9 "$out/gpu_load.log"
-  curl -s "http://127.0.0.1:$aport/metrics" > "$out/gpu_metrics.txt" || true
-  kill -TERM $spid; wait $spid; summary+=("gpu server exit=$?")
-  head -3 "$out/gpu_server.log"; grep -c "slow " "$out/gpu_server.log"; grep "slow " "$out/gpu_server.log" | head -5; tail -2 "$out/gpu_server.log"
+  # NOT_SERVING until the engine has allocated its pools and recorded its graphs.
+  for _ in $(seq 1 1200); do "${cl[@]}" health > /dev/null 2>&1 && break; sleep 0.1; done
+  "${cl[@]}" info > "$out/info-$tag.txt" 2>&1
+}
+stop_server() {
+  curl -s "http://127.0.0.1:$aport/metrics" > "$out/metrics-$1.txt" || true
+  kill -TERM "$spid"; wait "$spid"; summary+=("server $1 exit=$?")
+}
+if want service && [ -x "$bundle/bin/mlaverify-server" ]; then
+  # The service on the GPU in each mode: the client's checked demo, then
+  # load; single-device also one call in flight at L=16K, unary and stream.
+  for mode in single tp dp; do
+    case $mode in
+      single) flags=(--devices 0 --heads 8 --pool-bytes 24GiB) ;;
+      tp) flags=(--devices 0,0 --parallel-mode tp --heads 16 --pool-bytes 12GiB) ;;
+      dp) flags=(--devices 0,0 --parallel-mode dp --heads 8 --pool-bytes 12GiB) ;;
+    esac
+    if [ "$mode" = single ]; then
+      # Health from the moment the port listens: NOT_SERVING while the pools
+      # are allocated and the graphs recorded, then SERVING.
+      ( for _ in $(seq 1 400); do
+          printf '%s %s\n' "$(date +%s.%N)" "$("$bundle/bin/mlaverify-client" --target 127.0.0.1:50151 \
+            --timeout-ms 200 health 2>&1 | tail -1)"
+          sleep 0.02
+        done ) > "$out/health-startup.log" 2>&1 &
+      hpid=$!
+      start_server "$mode" 127.0.0.1:50151 "${flags[@]}"
+      kill $hpid 2>/dev/null; wait $hpid 2>/dev/null
+      echo "health while starting:"; uniq -c -f1 "$out/health-startup.log" | head -6
+    else
+      start_server "$mode" 127.0.0.1:0 "${flags[@]}"
+    fi
+    timeout 180 "${cl[@]}" demo --sequences 4 --prompt-len 4000 --steps 4 --drafts 16 \
+      > "$out/demo-$mode.log" 2>&1
+    summary+=("demo $mode rc=$?")
+    tail -1 "$out/demo-$mode.log"
+    timeout 120 "${cl[@]}" load --concurrency 64 --duration-s 15 --warmup-s 2 --prompt-len 1024 \
+      --drafts 16 --json "$out/load-$mode-c64.json" > "$out/load-$mode-c64.log" 2>&1
+    summary+=("load $mode c64 rc=$?")
+    tail -9 "$out/load-$mode-c64.log"
+    if [ "$mode" = single ]; then
+      for rpc in unary stream; do
+        extra=(); [ "$rpc" = stream ] && extra=(--stream)
+        timeout 150 "${cl[@]}" load --concurrency 1 --duration-s 8 --warmup-s 1 --prompt-len 16384 \
+          --drafts 16 "${extra[@]}" --json "$out/load-single-c1-16k-$rpc.json" \
+          > "$out/load-single-c1-16k-$rpc.log" 2>&1
+        summary+=("load single c1 16k $rpc rc=$?")
+        tail -4 "$out/load-single-c1-16k-$rpc.log"
+      done
+    fi
+    stop_server "$mode"
+    grep -E "captured|engine ready|stopped" "$out/server-$mode.log" | head -4
+  done
+fi
+if want fault && [ -x "$bundle/bin/mlaverify-server" ]; then
+  # A real device fault: the third verify launch runs a trapping kernel. The
+  # demo must fail with INTERNAL naming the device, health must go
+  # NOT_SERVING, the server must keep answering and exit cleanly.
+  start_server fault 127.0.0.1:0 --devices 0 --heads 8 --pool-bytes 4GiB --testing-fault-after-launches 3
+  timeout 60 "${cl[@]}" demo --sequences 1 --prompt-len 100 --steps 1 --drafts 4 > "$out/demo-fault.log" 2>&1
+  echo "fault demo rc=$? (expected non-zero)"; grep -m2 -E "INTERNAL|faulted" "$out/demo-fault.log"
+  "${cl[@]}" health > "$out/health-fault.txt" 2>&1; echo "health after fault: $(cat "$out/health-fault.txt")"
+  curl -s -o /dev/null -w "readyz after fault: %{http_code}\n" "http://127.0.0.1:$aport/readyz"
+  grep -m3 -E "faulted|NOT_SERVING" "$out/server-fault.log"
+  stop_server fault
+fi
+if want engine && [ -x "$bundle/bin/mlaverify-engine-bench" ]; then
+  # The engine in process: one item in flight and 64 threads, L=1K and 16K,
+  # single device; then TP and DP over device 0 listed twice at L=1K.
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+  timeout 240 "$bundle/bin/mlaverify-engine-bench" --devices 0 --prefix-len 1024,16384 --threads 1,64 \
+    --duration-s 5 --pool-bytes 80GiB --gpu-name "$gpu" --json "$out/engine.json" 2>&1 | tee "$out/engine.log"
+  summary+=("engine bench single rc=${PIPESTATUS[0]}")
+  for mode in tp dp; do
+    timeout 120 "$bundle/bin/mlaverify-engine-bench" --devices 0,0 --mode $mode --prefix-len 1024 \
+      --threads 1,64 --duration-s 4 --pool-bytes 20GiB --gpu-name "$gpu" --json "$out/engine.json" 2>&1 |
+      tee -a "$out/engine.log"
+    summary+=("engine bench $mode rc=${PIPESTATUS[0]}")
+  done
 fi
 if want anchor; then
   timeout 450 "$bundle/bin/mlaverify-bench" --suite anchor --out "$out/anchor.json" 2>&1 |

@@ -16,9 +16,12 @@ mkdir -p "$out/bin" "$out/lib"
 system='^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|librt\.|libpthread\.|libstdc\+\+\.|libgcc_s\.|libcuda\.|libnvidia)'
 for bin in "$@"; do
   cp -f "$bin" "$out/bin/"
+  # Debug info is most of a binary's size; the copy that travels needs none.
+  strip --strip-debug "$out/bin/$(basename "$bin")"
   ldd "$bin" | awk '/=>/ {print $1, $3}' | while read -r name path; do
     if [[ ! $name =~ $system ]] && [ -f "$path" ]; then
       cp -fL "$path" "$out/lib/$name"
+      strip --strip-debug "$out/lib/$name" 2>/dev/null || true
     fi
   done
 done

@@ -83,6 +83,10 @@ struct Flags {
   uint64_t max_queued_bytes = uint64_t{2} << 30;
   int64_t max_live_sequences = 65536;
   int copy_threads = 4;
+  double worker_spin_us = 100;
+  bool overlap_inputs = true;
+  bool direct_output = true;
+  int staging_sets = 3;
   double idle_timeout_s = 0;
   uint64_t max_message_bytes = uint64_t{64} << 20;
   float softmax_scale = 1.0f / std::sqrt(192.0f);
@@ -105,8 +109,11 @@ absl::StatusOr<std::vector<std::unique_ptr<engine::Device>>> MakeDevices(const F
     bool usable = true;
     absl::Status why;
     for (size_t k = 0; k < f.devices.size() && usable; ++k) {
+      engine::CudaDeviceOptions options;
+      options.direct_output = f.direct_output;
       // The fault injection applies to the first device only.
-      auto cuda = engine::MakeCudaDevice(f.devices[k], k == 0 ? f.testing_fault_after_launches : 0);
+      options.fail_after_launches = k == 0 ? f.testing_fault_after_launches : 0;
+      auto cuda = engine::MakeCudaDevice(f.devices[k], options);
       if (cuda.ok()) {
         devices.push_back(*std::move(cuda));
       } else {
@@ -134,7 +141,8 @@ int Run(int argc, char** argv) {
   app.add_option("--admin-host", f.admin_host, "admin HTTP bind address")->capture_default_str();
   app.add_option("--admin-port", f.admin_port, "admin HTTP port: /metrics /healthz /readyz (-1: off, 0: pick one)")
       ->capture_default_str();
-  app.add_option("--port-file", f.port_file, "write the bound gRPC and admin ports here (\"grpc admin\")");
+  app.add_option("--port-file", f.port_file,
+                 "once serving, write the bound gRPC and admin ports here (\"grpc admin\")");
   app.add_option("--layers", f.layers, "model layers")->capture_default_str();
   app.add_option("--heads", f.heads,
                  "query heads of one Verify item; in tp mode each device computes heads / devices")
@@ -181,6 +189,19 @@ int Run(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--copy-threads", f.copy_threads,
                  "threads per device that copy large batches to and from pinned staging")
+      ->capture_default_str();
+  app.add_option("--worker-spin-us", f.worker_spin_us,
+                 "how long a device worker polls its empty queue before sleeping (0: sleep at once)")
+      ->capture_default_str();
+  app.add_option("--overlap-inputs", f.overlap_inputs,
+                 "copy a batch's inputs to the GPU while the previous batch runs")
+      ->capture_default_str();
+  app.add_option("--direct-output", f.direct_output,
+                 "the attention writes outputs straight into pinned host memory (false: a device "
+                 "buffer and a copy)")
+      ->capture_default_str();
+  app.add_option("--staging-sets", f.staging_sets,
+                 "pinned staging sets per device (batches packed, running and unpacked at once)")
       ->capture_default_str();
   app.add_option("--idle-timeout-s", f.idle_timeout_s, "release sequences idle this long (0: never)")
       ->capture_default_str();
@@ -236,6 +257,9 @@ int Run(int argc, char** argv) {
   config.max_queued_bytes = static_cast<int64_t>(f.max_queued_bytes);
   config.max_live_sequences = f.max_live_sequences;
   config.copy_threads = f.copy_threads;
+  config.worker_spin = absl::Microseconds(f.worker_spin_us);
+  config.overlap_inputs = f.overlap_inputs;
+  config.staging_sets = f.staging_sets;
   // Flag errors first, before anything listens.
   if (absl::Status valid = config.Validate(static_cast<int>(f.devices.size())); !valid.ok()) {
     spdlog::error("bad flags: {}", std::string(valid.message()));
@@ -270,10 +294,6 @@ int Run(int argc, char** argv) {
       spdlog::error("cannot start the admin HTTP server: {}", started.ToString());
       return 2;
     }
-  }
-  if (!f.port_file.empty()) {
-    std::ofstream(f.port_file) << grpc_server->port() << " " << (admin_http ? admin_http->port() : -1)
-                               << "\n";
   }
 
   // ---- devices and engine (pools allocated, graphs recorded) ----
@@ -316,6 +336,12 @@ int Run(int argc, char** argv) {
 
   grpc_server->SetServing();
   metrics.SetReady(true);
+  // Written once SERVING, so that a script that waits for the file needs no
+  // health poll (with a fixed --listen port, health says NOT_SERVING until now).
+  if (!f.port_file.empty()) {
+    std::ofstream(f.port_file) << grpc_server->port() << " " << (admin_http ? admin_http->port() : -1)
+                               << "\n";
+  }
   spdlog::info("mlaverify-server {} ready: gRPC port {}, admin port {}, backend {} on {} device(s), {} mode",
                kVersion, grpc_server->port(), admin_http ? admin_http->port() : -1,
                (*engine)->backend_name(), (*engine)->num_devices(), f.parallel_mode);

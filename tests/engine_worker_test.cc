@@ -133,7 +133,9 @@ std::vector<std::unique_ptr<Device>> Fakes(int count, const FakeDeviceOptions& o
 
 TEST(EngineWorkerTest, CapturesEveryBucketOnEveryStagingSetAtStart) {
   std::vector<std::unique_ptr<FakeDeviceRecord>> records;
-  auto engine = MakeEngine(BaseConfig(), Fakes(1, FakeDeviceOptions{}, &records));
+  EngineConfig config = BaseConfig();
+  config.staging_sets = 2;
+  auto engine = MakeEngine(config, Fakes(1, FakeDeviceOptions{}, &records));
   ASSERT_NE(engine, nullptr);
   absl::MutexLock lock(&records[0]->mu);
   EXPECT_EQ(records[0]->captured.size(), 2u * 4 * 3) << "2 staging sets x 4 batch x 3 draft buckets";

@@ -1,13 +1,20 @@
 // CudaDevice: one GPU's KV pool replica and the launches of its verify
 // batches. Everything a batch needs sits at fixed addresses, allocated once at
-// Init: per staging set a pinned host input and output region and their device
-// mirrors, one attention workspace, the pool. A batch of shape (B, N) is one
-// host-to-device copy of its packed inputs, the draft-row write, the attention
-// (plan, attention, combine) and one device-to-host copy of its outputs, all on
-// the device's one stream. CaptureGraphs records that sequence as a CUDA graph
-// per (staging set, shape, plan variant); lengths, page tables and trees are
-// read from device memory, so one graph serves every prefix length. Eager
-// launches issue the same sequence directly.
+// Init: per staging set a pinned host input region (write-combined: the host
+// only writes it) and its device mirror, a pinned host output region, one
+// attention workspace, the pool. A batch of shape (B, N) is one host-to-device
+// copy of its packed inputs, the draft-row write, the attention (plan,
+// attention, combine) writing its outputs straight into the pinned host
+// output region (mapped memory; or, with direct_output off, into a device
+// buffer and one device-to-host copy), all on the compute stream.
+// CaptureGraphs records that sequence as CUDA graphs per (staging set, shape):
+// the whole sequence, for a batch launched on an idle device, and for a batch
+// launched while the previous one runs, its input copy (replayed on a copy
+// stream, overlapped with the running batch) apart from the rest (replayed on
+// the compute stream once both are done); each with and without the plan
+// kernel. Lengths, page tables and trees are read from device memory, so one
+// graph serves every prefix length. Eager launches issue the same sequence
+// directly.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -33,8 +40,8 @@ constexpr size_t kRowChunkBytes = size_t{32} << 20;
 
 class CudaDevice final : public Device {
  public:
-  CudaDevice(int ordinal, int fail_after_launches)
-      : ordinal_(ordinal), name_(absl::StrCat("cuda:", ordinal)), fail_after_(fail_after_launches) {}
+  CudaDevice(int ordinal, const CudaDeviceOptions& options)
+      : ordinal_(ordinal), name_(absl::StrCat("cuda:", ordinal)), options_(options) {}
 
   ~CudaDevice() override {
     // Errors are ignored: after a sticky fault every call fails, and the
@@ -48,6 +55,7 @@ class CudaDevice final : public Device {
       cudaFree(s.dev_out);
       if (s.start != nullptr) cudaEventDestroy(s.start);
       if (s.stop != nullptr) cudaEventDestroy(s.stop);
+      if (s.input_done != nullptr) cudaEventDestroy(s.input_done);
     }
     for (int i = 0; i < 2; ++i) {
       cudaFreeHost(row_host_[i]);
@@ -59,6 +67,7 @@ class CudaDevice final : public Device {
     cudaFree(workspace_);
     cudaFree(pool_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    if (copy_stream_ != nullptr) cudaStreamDestroy(copy_stream_);
   }
 
   std::string name() const override { return name_; }
@@ -77,6 +86,7 @@ class CudaDevice final : public Device {
     RETURN_IF_ERROR(BindThread());
     ASSIGN_OR_RETURN(config_, kernels::PrepareVerifyLaunch(ordinal_));
     RETURN_IF_ERROR(Check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"));
+    RETURN_IF_ERROR(Check(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking), "stream"));
     const size_t pool_bytes =
         static_cast<size_t>(g.num_layers) * g.num_pages * g.page_size * kLatentRowBytes;
     RETURN_IF_ERROR(Check(cudaMalloc(&pool_, pool_bytes), "pool allocation"));
@@ -84,12 +94,22 @@ class CudaDevice final : public Device {
         StagingLayout::For({g.max_batch, g.max_draft_len}, g.num_heads, g.max_pages_per_sequence);
     sets_.resize(g.staging_sets);
     for (StagingSet& s : sets_) {
-      RETURN_IF_ERROR(Check(cudaHostAlloc(&s.host_in, max.input_bytes, cudaHostAllocDefault), "pinned staging"));
-      RETURN_IF_ERROR(Check(cudaHostAlloc(&s.host_out, max.output_bytes, cudaHostAllocDefault), "pinned staging"));
+      // Write-combined: the host only writes the inputs, and the device reads
+      // such memory faster over PCIe.
+      RETURN_IF_ERROR(Check(cudaHostAlloc(&s.host_in, max.input_bytes, cudaHostAllocWriteCombined),
+                            "pinned staging"));
+      RETURN_IF_ERROR(Check(cudaHostAlloc(&s.host_out, max.output_bytes,
+                                          cudaHostAllocMapped | cudaHostAllocPortable),
+                            "pinned staging"));
+      RETURN_IF_ERROR(Check(cudaHostGetDevicePointer(&s.host_out_on_device, s.host_out, 0),
+                            "cudaHostGetDevicePointer"));
       RETURN_IF_ERROR(Check(cudaMalloc(&s.dev_in, max.input_bytes), "input buffers"));
-      RETURN_IF_ERROR(Check(cudaMalloc(&s.dev_out, max.output_bytes), "output buffers"));
+      if (!options_.direct_output) {
+        RETURN_IF_ERROR(Check(cudaMalloc(&s.dev_out, max.output_bytes), "output buffers"));
+      }
       RETURN_IF_ERROR(Check(cudaEventCreate(&s.start), "event"));
       RETURN_IF_ERROR(Check(cudaEventCreate(&s.stop), "event"));
+      RETURN_IF_ERROR(Check(cudaEventCreateWithFlags(&s.input_done, cudaEventDisableTiming), "event"));
       // All padding until a batch is packed: a stray replay reads nothing.
       std::memset(s.host_in, 0, max.input_bytes);
       RETURN_IF_ERROR(Check(cudaMemset(s.dev_in, 0, max.input_bytes), "input buffers"));
@@ -119,19 +139,23 @@ class CudaDevice final : public Device {
   absl::StatusOr<int64_t> CaptureGraphs(int set, BatchShape shape) override {
     size_t free_before = 0, free_after = 0, total = 0;
     RETURN_IF_ERROR(Check(cudaMemGetInfo(&free_before, &total), "cudaMemGetInfo"));
-    for (const bool reuse : {false, true}) {
-      RETURN_IF_ERROR(Check(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal),
-                            "cudaStreamBeginCapture"));
-      const absl::Status enqueued = Enqueue(set, shape, reuse);
-      cudaGraph_t graph = nullptr;
-      const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
-      RETURN_IF_ERROR(enqueued);
-      RETURN_IF_ERROR(Check(ended, "cudaStreamEndCapture"));
-      cudaGraphExec_t exec = nullptr;
-      const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
-      cudaGraphDestroy(graph);
-      RETURN_IF_ERROR(Check(instantiated, "cudaGraphInstantiate"));
-      graphs_[Key(set, shape, reuse)] = exec;
+    for (const Part part : {Part::kWhole, Part::kAfterInput, Part::kInput}) {
+      for (const bool reuse : {false, true}) {
+        if (part == Part::kInput && reuse) continue;  // the copy has no plan
+        cudaStream_t stream = part == Part::kInput ? copy_stream_ : stream_;
+        RETURN_IF_ERROR(Check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal),
+                              "cudaStreamBeginCapture"));
+        const absl::Status enqueued = Enqueue(set, shape, reuse, part, stream);
+        cudaGraph_t graph = nullptr;
+        const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+        RETURN_IF_ERROR(enqueued);
+        RETURN_IF_ERROR(Check(ended, "cudaStreamEndCapture"));
+        cudaGraphExec_t exec = nullptr;
+        const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
+        cudaGraphDestroy(graph);
+        RETURN_IF_ERROR(Check(instantiated, "cudaGraphInstantiate"));
+        graphs_[Key(set, shape, reuse, part)] = exec;
+      }
     }
     RETURN_IF_ERROR(Check(cudaMemGetInfo(&free_after, &total), "cudaMemGetInfo"));
     return free_before > free_after ? static_cast<int64_t>(free_before - free_after) : 0;
@@ -148,19 +172,23 @@ class CudaDevice final : public Device {
   absl::Status Launch(const LaunchOptions& o) override {
     StagingSet& s = sets_[o.set];
     ++launches_;
-    if (fail_after_ > 0 && launches_ == fail_after_) {
+    if (options_.fail_after_launches > 0 && launches_ == options_.fail_after_launches) {
       RETURN_IF_ERROR(Check(kernels::LaunchTrapKernel(stream_), "fault injection"));
     }
-    RETURN_IF_ERROR(Check(cudaEventRecord(s.start, stream_), "cudaEventRecord"));
-    if (o.graph) {
-      const auto it = graphs_.find(Key(o.set, o.shape, o.reuse_plan));
-      if (it == graphs_.end()) {
-        return absl::InternalError(absl::StrCat(name_, ": no graph was captured for batch ",
-                                                o.shape.batch, " x draft ", o.shape.draft_len));
-      }
-      RETURN_IF_ERROR(Check(cudaGraphLaunch(it->second, stream_), "cudaGraphLaunch"));
+    // The batch's device time runs from its first work (the input copy) to
+    // its last.
+    if (o.overlap_input) {
+      // The input copy runs on the copy stream beside the running batch;
+      // the kernels follow it and that batch (stream order) on the compute
+      // stream.
+      RETURN_IF_ERROR(Check(cudaEventRecord(s.start, copy_stream_), "cudaEventRecord"));
+      RETURN_IF_ERROR(Replay(o, Part::kInput, copy_stream_));
+      RETURN_IF_ERROR(Check(cudaEventRecord(s.input_done, copy_stream_), "cudaEventRecord"));
+      RETURN_IF_ERROR(Check(cudaStreamWaitEvent(stream_, s.input_done, 0), "cudaStreamWaitEvent"));
+      RETURN_IF_ERROR(Replay(o, Part::kAfterInput, stream_));
     } else {
-      RETURN_IF_ERROR(Enqueue(o.set, o.shape, o.reuse_plan));
+      RETURN_IF_ERROR(Check(cudaEventRecord(s.start, stream_), "cudaEventRecord"));
+      RETURN_IF_ERROR(Replay(o, Part::kWhole, stream_));
     }
     return Check(cudaEventRecord(s.stop, stream_), "cudaEventRecord");
   }
@@ -256,15 +284,31 @@ class CudaDevice final : public Device {
   struct StagingSet {
     void* host_in = nullptr;
     void* host_out = nullptr;
+    void* host_out_on_device = nullptr;  // the same memory as the device addresses it
     void* dev_in = nullptr;
-    void* dev_out = nullptr;
+    void* dev_out = nullptr;  // only without direct_output
     cudaEvent_t start = nullptr;
     cudaEvent_t stop = nullptr;
+    cudaEvent_t input_done = nullptr;
   };
-  using GraphKey = std::tuple<int, int, int, bool>;  // set, batch, draft, reuse_plan
+  // Which part of a batch's launch sequence a graph holds.
+  enum class Part { kWhole, kInput, kAfterInput };
+  using GraphKey = std::tuple<int, int, int, bool, Part>;  // set, batch, draft, reuse_plan, part
 
-  static GraphKey Key(int set, BatchShape shape, bool reuse) {
-    return {set, shape.batch, shape.draft_len, reuse};
+  static GraphKey Key(int set, BatchShape shape, bool reuse, Part part) {
+    return {set, shape.batch, shape.draft_len, reuse, part};
+  }
+
+  // Replays the graph of `part` for a launch, or issues it eagerly.
+  absl::Status Replay(const LaunchOptions& o, Part part, cudaStream_t stream) {
+    if (!o.graph) return Enqueue(o.set, o.shape, o.reuse_plan, part, stream);
+    const bool reuse = part == Part::kInput ? false : o.reuse_plan;
+    const auto it = graphs_.find(Key(o.set, o.shape, reuse, part));
+    if (it == graphs_.end()) {
+      return absl::InternalError(absl::StrCat(name_, ": no graph was captured for batch ",
+                                              o.shape.batch, " x draft ", o.shape.draft_len));
+    }
+    return Check(cudaGraphLaunch(it->second, stream), "cudaGraphLaunch");
   }
 
   absl::Status Check(cudaError_t err, const char* what) const {
@@ -286,15 +330,19 @@ class CudaDevice final : public Device {
                  "page table upload");
   }
 
-  // The launch sequence of one batch of `shape` from staging set `set`.
-  absl::Status Enqueue(int set, BatchShape shape, bool reuse_plan) {
+  // The launch sequence of one batch of `shape` from staging set `set`, or
+  // one part of it, on `stream`.
+  absl::Status Enqueue(int set, BatchShape shape, bool reuse_plan, Part part, cudaStream_t stream) {
     const StagingSet& s = sets_[set];
     const StagingLayout l = StagingLayout::For(shape, g_.num_heads, g_.max_pages_per_sequence);
     auto* in = static_cast<uint8_t*>(s.dev_in);
-    auto* out = static_cast<uint8_t*>(s.dev_out);
-    RETURN_IF_ERROR(Check(cudaMemcpyAsync(s.dev_in, s.host_in, l.input_bytes, cudaMemcpyHostToDevice,
-                                          stream_),
-                          "input upload"));
+    auto* out = static_cast<uint8_t*>(options_.direct_output ? s.host_out_on_device : s.dev_out);
+    if (part != Part::kAfterInput) {
+      RETURN_IF_ERROR(Check(cudaMemcpyAsync(s.dev_in, s.host_in, l.input_bytes, cudaMemcpyHostToDevice,
+                                            stream),
+                            "input upload"));
+    }
+    if (part == Part::kInput) return absl::OkStatus();
     const auto* prefix = reinterpret_cast<const int32_t*>(in + l.prefix_len);
     const auto* drafts = reinterpret_cast<const int32_t*>(in + l.draft_len);
     const auto* layers = reinterpret_cast<const int32_t*>(in + l.layer);
@@ -312,7 +360,7 @@ class CudaDevice final : public Device {
     w.prefix_len = prefix;
     w.draft_len = drafts;
     w.layer = layers;
-    RETURN_IF_ERROR(kernels::LaunchWriteDraftKv(w, stream_));
+    RETURN_IF_ERROR(kernels::LaunchWriteDraftKv(w, stream));
 
     kernels::VerifyArguments a;
     a.batch = shape.batch;
@@ -337,17 +385,19 @@ class CudaDevice final : public Device {
     a.lse = reinterpret_cast<float*>(out + l.lse);
     kernels::VerifyLaunchConfig config = config_;
     config.reuse_plan = reuse_plan;
-    RETURN_IF_ERROR(kernels::LaunchVerifyAttention(a, config, workspace_, workspace_bytes_, stream_));
-    return Check(cudaMemcpyAsync(s.host_out, s.dev_out, l.output_bytes, cudaMemcpyDeviceToHost, stream_),
+    RETURN_IF_ERROR(kernels::LaunchVerifyAttention(a, config, workspace_, workspace_bytes_, stream));
+    if (options_.direct_output) return absl::OkStatus();
+    return Check(cudaMemcpyAsync(s.host_out, s.dev_out, l.output_bytes, cudaMemcpyDeviceToHost, stream),
                  "output download");
   }
 
   const int ordinal_;
   const std::string name_;
-  const int fail_after_;
+  const CudaDeviceOptions options_;
   DeviceGeometry g_;
   kernels::VerifyLaunchConfig config_;
-  cudaStream_t stream_ = nullptr;
+  cudaStream_t stream_ = nullptr;       // the kernels, row copies, compactions
+  cudaStream_t copy_stream_ = nullptr;  // overlapped input copies
   void* pool_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
@@ -364,7 +414,7 @@ class CudaDevice final : public Device {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int ordinal, int fail_after_launches) {
+absl::StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int ordinal, const CudaDeviceOptions& options) {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {
@@ -375,7 +425,7 @@ absl::StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int ordinal, int fail_aft
     return absl::InvalidArgumentError(
         absl::StrCat("CUDA device ", ordinal, " requested; this machine has ", count));
   }
-  return std::unique_ptr<Device>(new CudaDevice(ordinal, fail_after_launches));
+  return std::unique_ptr<Device>(new CudaDevice(ordinal, options));
 }
 
 }  // namespace mlaverify::engine

@@ -3,7 +3,7 @@
 
 namespace mlaverify::engine {
 
-absl::StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int, int) {
+absl::StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int, const CudaDeviceOptions&) {
   return absl::UnimplementedError("this build has no CUDA support (nvcc was not found at configure time)");
 }
 

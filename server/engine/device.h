@@ -123,6 +123,10 @@ struct LaunchOptions {
   // (kernels::VerifyLaunchConfig::reuse_plan). The worker sets it only when
   // its fingerprint of that launch (shape and lengths) equals this one's.
   bool reuse_plan = false;
+  // The previous batch is still running: copy this one's inputs on a copy
+  // stream, overlapped with it, then run the kernels after it (devices that
+  // cannot ignore it).
+  bool overlap_input = false;
 };
 
 class Device {
@@ -200,12 +204,20 @@ std::unique_ptr<Device> MakeCpuDevice(int threads);
 std::unique_ptr<Device> MakeFakeDevice(int index, const FakeDeviceOptions& options,
                                        FakeDeviceRecord* record, int threads = 1);
 
+struct CudaDeviceOptions {
+  // The attention writes out and lse straight into the pinned host staging
+  // (mapped memory) instead of a device buffer and a device-to-host copy.
+  bool direct_output = true;
+  // > 0: that verify launch runs a trapping kernel first (a real, sticky
+  // device fault, for testing the fault path on a GPU).
+  int fail_after_launches = 0;
+};
+
 // CUDA device `ordinal`: pool in device memory, pinned staging, the kernels of
-// kernels/verify_attention_cuda.h, one CUDA graph per bucket. UNAVAILABLE when
+// kernels/verify_attention_cuda.h, CUDA graphs per bucket. UNAVAILABLE when
 // the device cannot be used; UNIMPLEMENTED in a build without CUDA.
-// `fail_after_launches` > 0 makes that launch run a trapping kernel (a real,
-// sticky device fault, for testing the fault path on a GPU).
-absl::StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int ordinal, int fail_after_launches = 0);
+absl::StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int ordinal,
+                                                       const CudaDeviceOptions& options = {});
 
 }  // namespace mlaverify::engine
 

@@ -92,6 +92,7 @@ void DeviceWorker::Enqueue(VerifyShard shard) {
   Entry e;
   e.shard = shard;
   queue_.push_back(std::move(e));
+  queue_size_.store(static_cast<int>(queue_.size()), std::memory_order_release);
   ++queued_shards_;
 }
 
@@ -101,6 +102,7 @@ void DeviceWorker::Enqueue(DeviceOp op) {
   e.is_op = true;
   e.op = std::move(op);
   queue_.push_back(std::move(e));
+  queue_size_.store(static_cast<int>(queue_.size()), std::memory_order_release);
 }
 
 absl::Status DeviceWorker::fault() const {
@@ -147,6 +149,7 @@ std::vector<VerifyShard> DeviceWorker::TakeBatch() {
     queue_.pop_front();
     --queued_shards_;
   }
+  queue_size_.store(static_cast<int>(queue_.size()), std::memory_order_release);
   return batch;
 }
 
@@ -155,6 +158,18 @@ void DeviceWorker::LaunchLoop() {
   const int max_items = options_.batch_buckets.back();
   mu_.Lock();
   while (true) {
+    if (queue_.empty() && !stopping_ && options_.spin > absl::ZeroDuration()) {
+      // Poll for a while before sleeping: a call that arrives within the
+      // spin starts without a wake-up.
+      mu_.Unlock();
+      const absl::Time until = absl::Now() + options_.spin;
+      while (queue_size_.load(std::memory_order_acquire) == 0 && absl::Now() < until) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+      }
+      mu_.Lock();
+    }
     mu_.Await(absl::Condition(
         +[](DeviceWorker* w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(w->mu_) {
           return w->stopping_ || !w->queue_.empty();
@@ -164,6 +179,7 @@ void DeviceWorker::LaunchLoop() {
     if (queue_.front().is_op) {
       DeviceOp op = std::move(queue_.front().op);
       queue_.pop_front();
+      queue_size_.store(static_cast<int>(queue_.size()), std::memory_order_release);
       mu_.Unlock();
       RunOp(std::move(op));
       mu_.Lock();
@@ -247,11 +263,14 @@ void DeviceWorker::RunBatch(std::vector<VerifyShard> shards, absl::Time taken) {
   }
   if (batch.empty()) return;
   int set = -1;
+  bool previous_running = false;
   {
     absl::MutexLock lock(&mu_);
     if (fault_.ok()) {
-      set = free_sets_.back();
-      free_sets_.pop_back();
+      // Oldest free set first: sets are used in turn.
+      set = free_sets_.front();
+      free_sets_.erase(free_sets_.begin());
+      previous_running = !in_flight_.empty();
     }
   }
   if (set < 0) {
@@ -277,26 +296,27 @@ void DeviceWorker::RunBatch(std::vector<VerifyShard> shards, absl::Time taken) {
 
   // Per-request scalars, page tables and visibility words: small, on this
   // thread. Padding requests have no drafts and read nothing.
+  // Staging may be write-combined memory: written once, never read back
+  // (the per-request arrays are built here and copied).
   std::vector<int> first_row(requests);
+  std::vector<int32_t> prefix(shape.batch, 0), drafts(shape.batch, 0), layers(shape.batch, 0);
+  std::vector<float> scales(shape.batch, batch[0].scale);
   int row = 0;
-  for (int b = 0; b < shape.batch; ++b) {
-    if (b < requests) {
-      const VerifyShard& s = batch[b];
-      first_row[b] = row;
-      v.prefix_len()[b] = s.prefix_len;
-      v.draft_len()[b] = s.draft_len;
-      v.layer()[b] = s.layer;
-      v.scale()[b] = s.scale;
-      std::memcpy(v.page_table(b), s.page_table.data(), s.page_table.size() * sizeof(int32_t));
-      std::memcpy(v.visibility() + row, s.visibility, s.draft_len * sizeof(uint64_t));
-      row += s.draft_len;
-    } else {
-      v.prefix_len()[b] = 0;
-      v.draft_len()[b] = 0;
-      v.layer()[b] = 0;
-      v.scale()[b] = batch[0].scale;
-    }
+  for (int b = 0; b < requests; ++b) {
+    const VerifyShard& s = batch[b];
+    first_row[b] = row;
+    prefix[b] = s.prefix_len;
+    drafts[b] = s.draft_len;
+    layers[b] = s.layer;
+    scales[b] = s.scale;
+    std::memcpy(v.page_table(b), s.page_table.data(), s.page_table.size() * sizeof(int32_t));
+    std::memcpy(v.visibility() + row, s.visibility, s.draft_len * sizeof(uint64_t));
+    row += s.draft_len;
   }
+  std::memcpy(v.prefix_len(), prefix.data(), shape.batch * sizeof(int32_t));
+  std::memcpy(v.draft_len(), drafts.data(), shape.batch * sizeof(int32_t));
+  std::memcpy(v.layer(), layers.data(), shape.batch * sizeof(int32_t));
+  std::memcpy(v.scale(), scales.data(), shape.batch * sizeof(float));
   // The tensors: this device's heads of each token's queries, and the drafts' rows.
   const size_t q_row_bytes = static_cast<size_t>(heads) * kLatentDim * sizeof(Bf16);
   auto pack = [&](int k) {
@@ -319,14 +339,15 @@ void DeviceWorker::RunBatch(std::vector<VerifyShard> shards, absl::Time taken) {
     for (int k = 0; k < requests; ++k) pack(k);
   }
 
-  const absl::Span<const int32_t> prefix(v.prefix_len(), shape.batch);
-  const absl::Span<const int32_t> drafts(v.draft_len(), shape.batch);
   LaunchOptions launch;
   launch.set = set;
   launch.shape = shape;
   launch.graph = graph;
   launch.reuse_plan = plan_.Matches(shape, prefix, drafts);
+  launch.overlap_input = options_.overlap_inputs && previous_running;
+  const absl::Time packed = absl::Now();
   const absl::Status launched = device_->Launch(launch);
+  const absl::Time issued = absl::Now();
   if (!launched.ok()) {
     plan_.Clear();
     Fault(launched);
@@ -349,6 +370,9 @@ void DeviceWorker::RunBatch(std::vector<VerifyShard> shards, absl::Time taken) {
   f.report.shape = shape;
   f.report.graph = graph;
   f.report.reused_plan = launch.reuse_plan;
+  f.report.overlapped_input = launch.overlap_input;
+  f.report.pack_seconds = absl::ToDoubleSeconds(packed - taken);
+  f.report.launch_seconds = absl::ToDoubleSeconds(issued - packed);
   absl::MutexLock lock(&mu_);
   in_flight_.push_back(std::move(f));
 }
@@ -373,6 +397,7 @@ void DeviceWorker::CompletionLoop() {
     timing.taken = f.taken;
     timing.batch_requests = f.report.requests;
     absl::StatusOr<double> seconds = device_->Wait(f.set);
+    const absl::Time finished = absl::Now();
     absl::Status status;
     if (!seconds.ok()) {
       // The launch thread sees the fault before its next launch (and its
@@ -401,13 +426,14 @@ void DeviceWorker::CompletionLoop() {
           }
         }
       };
-      const int n = static_cast<int>(f.shards.size());
+      const int shards = static_cast<int>(f.shards.size());
       if (static_cast<size_t>(f.report.rows) * out_row_bytes >= kParallelCopyBytes) {
-        unpack_runner_.Run(n, unpack);
+        unpack_runner_.Run(shards, unpack);
       } else {
-        for (int k = 0; k < n; ++k) unpack(k);
+        for (int k = 0; k < shards; ++k) unpack(k);
       }
       f.report.device_seconds = *seconds;
+      f.report.unpack_seconds = absl::ToDoubleSeconds(absl::Now() - finished);
       if (observer_ != nullptr) observer_->OnBatch(f.report);
     }
     {
@@ -415,7 +441,15 @@ void DeviceWorker::CompletionLoop() {
       absl::MutexLock lock(&mu_);
       free_sets_.push_back(f.set);
     }
-    for (const VerifyShard& s : f.shards) s.owner->ShardDone(s.index, status, timing);
+    // Completions run the callers' callbacks (finishing RPCs): spread over
+    // the copy threads for large batches.
+    const int n = static_cast<int>(f.shards.size());
+    auto complete = [&](int k) { f.shards[k].owner->ShardDone(f.shards[k].index, status, timing); };
+    if (n >= 8) {
+      unpack_runner_.Run(n, complete);
+    } else {
+      for (int k = 0; k < n; ++k) complete(k);
+    }
   }
 }
 

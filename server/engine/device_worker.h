@@ -17,6 +17,7 @@
 #ifndef MLAVERIFY_SERVER_ENGINE_DEVICE_WORKER_H_
 #define MLAVERIFY_SERVER_ENGINE_DEVICE_WORKER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -108,6 +109,11 @@ struct WorkerOptions {
   bool use_graphs = true;
   absl::Duration max_queue_delay = absl::ZeroDuration();
   int copy_threads = 1;
+  // Before the launch thread sleeps on an empty queue it polls it this long
+  // (a wake-up from sleep costs microseconds per call).
+  absl::Duration spin = absl::ZeroDuration();
+  // Copy a batch's inputs while the previous batch runs (LaunchOptions::overlap_input).
+  bool overlap_inputs = true;
 };
 
 class DeviceWorker {
@@ -182,6 +188,8 @@ class DeviceWorker {
 
   mutable absl::Mutex mu_;
   std::deque<Entry> queue_ ABSL_GUARDED_BY(mu_);
+  // queue_.size(), readable without the lock (the launch thread's spin).
+  std::atomic<int> queue_size_{0};
   int queued_shards_ ABSL_GUARDED_BY(mu_) = 0;
   std::deque<InFlight> in_flight_ ABSL_GUARDED_BY(mu_);
   std::vector<int> free_sets_ ABSL_GUARDED_BY(mu_);

@@ -343,13 +343,15 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   geometry.max_batch = config.max_batch();
   geometry.max_draft_len = config.max_draft_len();
   geometry.max_pages_per_sequence = config.max_pages_per_sequence();
-  geometry.staging_sets = 2;
+  geometry.staging_sets = config.staging_sets;
   WorkerOptions options;
   options.batch_buckets = config.batch_buckets;
   options.draft_buckets = config.draft_buckets;
   options.use_graphs = config.use_graphs;
   options.max_queue_delay = config.max_queue_delay;
   options.copy_threads = config.copy_threads;
+  options.spin = config.worker_spin;
+  options.overlap_inputs = config.overlap_inputs;
   Engine* raw = e.get();
   for (int d = 0; d < num_devices; ++d) {
     e->workers_.push_back(std::make_unique<DeviceWorker>(

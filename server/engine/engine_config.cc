@@ -88,6 +88,12 @@ absl::Status EngineConfig::Validate(int num_devices) const {
   if (max_label_bytes < 0) {
     return absl::InvalidArgumentError("max_label_bytes must not be negative");
   }
+  if (worker_spin < absl::ZeroDuration() || worker_spin > absl::Seconds(1)) {
+    return absl::InvalidArgumentError("worker_spin must be within 0..1 s");
+  }
+  if (staging_sets < 1 || staging_sets > 8) {
+    return absl::InvalidArgumentError(absl::StrCat("staging_sets = ", staging_sets, ": need 1..8"));
+  }
   if (copy_threads < 1 || copy_threads > 64) {
     return absl::InvalidArgumentError(
         absl::StrCat("copy_threads = ", copy_threads, ": need 1..64"));

@@ -72,6 +72,16 @@ struct EngineConfig {
   // Threads per device worker that copy tensor bytes between callers' buffers
   // and pinned staging for large batches (1: the worker's own threads only).
   int copy_threads = 4;
+  // How long a device worker polls its empty queue before it sleeps: a call
+  // that arrives meanwhile starts without a thread wake-up (microseconds),
+  // at the price of a busy core while it polls. Zero: sleep at once.
+  absl::Duration worker_spin = absl::Microseconds(100);
+  // Copy a batch's inputs to the device while the previous batch still runs.
+  bool overlap_inputs = true;
+  // Staging sets per device (pinned input/output regions, one batch each):
+  // with more than two, the next batch is packed while one runs and another's
+  // outputs are copied out.
+  int staging_sets = 3;
 
   int max_draft_len() const { return draft_buckets.empty() ? 0 : draft_buckets.back(); }
   int max_batch() const { return batch_buckets.empty() ? 0 : batch_buckets.back(); }
