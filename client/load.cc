@@ -325,6 +325,7 @@ absl::StatusOr<LoadReport> RunLoad(VerifyClient& client, const LoadOptions& opti
   report.num_heads = info.num_heads();
   report.num_drafts = std::min(options.drafts, info.max_draft_len());
   report.free_pages_before = info.free_pages();
+  const std::string instance_before = info.instance_id();
 
   LoadPlan plan;
   plan.num_layers = info.num_layers();
@@ -421,13 +422,18 @@ absl::StatusOr<LoadReport> RunLoad(VerifyClient& client, const LoadOptions& opti
   }
 
   absl::StatusOr<v1::ServerInfo> after = client.GetServerInfo();
-  if (after.ok()) {
-    report.free_pages_after = after->free_pages();
-    report.page_leak = report.free_pages_after != report.free_pages_before;
-  } else {
+  if (!after.ok()) {
     ++report.errors[absl::StatusCodeToString(after.status().code())];
     report.free_pages_after = -1;
-    report.page_leak = true;  // unknown counts as not proven returned
+    report.pages_unchecked = absl::StrCat("the server did not answer at the end (",
+                                          after.status().ToString(), ")");
+  } else if (after->instance_id() != instance_before) {
+    report.free_pages_after = after->free_pages();
+    report.pages_unchecked = absl::StrCat("the server restarted during the run (instance ",
+                                          instance_before, " then ", after->instance_id(), ")");
+  } else {
+    report.free_pages_after = after->free_pages();
+    report.page_leak = report.free_pages_after != report.free_pages_before;
   }
   for (const auto& [code, count] : report.errors) report.total_errors += count;
   return report;
@@ -450,8 +456,12 @@ void PrintLoadReport(const LoadReport& report) {
   std::vector<std::string> errors;
   for (const auto& [code, count] : report.errors) errors.push_back(absl::StrCat(code, " ", count));
   absl::PrintF("errors:       %s\n", errors.empty() ? "none" : absl::StrJoin(errors, ", "));
-  absl::PrintF("pages:        %d free before, %d after release%s\n", report.free_pages_before,
-               report.free_pages_after, report.page_leak ? ": PAGE LEAK" : ", all returned");
+  if (!report.pages_unchecked.empty()) {
+    absl::PrintF("pages:        not checked: %s\n", report.pages_unchecked);
+  } else {
+    absl::PrintF("pages:        %d free before, %d after release%s\n", report.free_pages_before,
+                 report.free_pages_after, report.page_leak ? ": PAGE LEAK" : ", all returned");
+  }
   absl::PrintF("result:       %s\n", report.ok() ? "PASS" : "FAIL");
 }
 
@@ -501,6 +511,7 @@ nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
       {"free_pages_before", report.free_pages_before},
       {"free_pages_after", report.free_pages_after},
       {"page_leak", report.page_leak},
+      {"pages_unchecked", report.pages_unchecked},
   };
 }
 

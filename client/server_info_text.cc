@@ -9,7 +9,10 @@ namespace mlaverify::client {
 std::string FormatServerInfo(const v1::ServerInfo& info) {
   std::string text;
   absl::StrAppendFormat(&text, "version:               %s\n", info.version());
-  absl::StrAppendFormat(&text, "backend:               %s\n", info.backend());
+  absl::StrAppendFormat(&text, "instance:              %s\n", info.instance_id());
+  absl::StrAppendFormat(&text, "backend:               %s (%s mode, %d heads per device, %s)\n",
+                        info.backend(), info.parallel_mode(), info.heads_per_device(),
+                        info.cuda_graphs() ? "CUDA graphs per bucket" : "eager launches");
   for (int d = 0; d < info.devices_size(); ++d) {
     absl::StrAppendFormat(&text, "device %d:              %s (%.1f GiB)\n", d,
                           info.devices(d).name(),
@@ -22,6 +25,10 @@ std::string FormatServerInfo(const v1::ServerInfo& info) {
   absl::StrAppendFormat(&text, "page size:             %d tokens\n", info.page_size());
   absl::StrAppendFormat(&text, "pages:                 %d free of %d\n", info.free_pages(),
                         info.total_pages());
+  for (const v1::PoolInfo& pool : info.pools()) {
+    absl::StrAppendFormat(&text, "  pool %-18s %d free of %d, %d sequences\n", pool.devices() + ":",
+                          pool.free_pages(), pool.total_pages(), pool.live_sequences());
+  }
   absl::StrAppendFormat(&text, "live sequences:        %d\n", info.live_sequences());
   absl::StrAppendFormat(&text, "max sequence length:   %d tokens\n", info.max_sequence_len());
   absl::StrAppendFormat(&text, "max draft length:      %d\n", info.max_draft_len());
@@ -32,6 +39,8 @@ std::string FormatServerInfo(const v1::ServerInfo& info) {
   absl::StrAppendFormat(&text, "max batch:             %d items\n", info.max_batch());
   absl::StrAppendFormat(&text, "max message:           %d bytes\n", info.max_message_bytes());
   absl::StrAppendFormat(&text, "default softmax scale: %.6g\n", info.default_softmax_scale());
+  absl::StrAppendFormat(&text, "limits:                %d queued calls, %d queued bytes, %d live sequences\n",
+                        info.max_queued_calls(), info.max_queued_bytes(), info.max_live_sequences());
   absl::StrAppendFormat(&text, "idle timeout:          %s\n",
                         info.idle_timeout_seconds() > 0
                             ? absl::StrCat(info.idle_timeout_seconds(), " s")
@@ -45,9 +54,9 @@ std::string ServerInfoSummaryLine(const v1::ServerInfo& info) {
     absl::StrAppend(&devices, devices.empty() ? " on " : ", ", device.name());
   }
   return absl::StrFormat(
-      "backend %s%s (server %s), %d layers x %d heads, page %d tokens, %d/%d pages free, "
+      "backend %s%s (%s mode, server %s), %d layers x %d heads, page %d tokens, %d/%d pages free, "
       "max draft %d, max batch %d, softmax scale %.6g",
-      info.backend(), devices, info.version(), info.num_layers(), info.num_heads(),
+      info.backend(), devices, info.parallel_mode(), info.version(), info.num_layers(), info.num_heads(),
       info.page_size(), info.free_pages(), info.total_pages(), info.max_draft_len(),
       info.max_batch(), info.default_softmax_scale());
 }
@@ -57,10 +66,25 @@ nlohmann::ordered_json ServerInfoToJson(const v1::ServerInfo& info) {
   for (const v1::DeviceInfo& device : info.devices()) {
     devices.push_back({{"name", device.name()}, {"memory_bytes", device.memory_bytes()}});
   }
+  nlohmann::ordered_json pools = nlohmann::ordered_json::array();
+  for (const v1::PoolInfo& pool : info.pools()) {
+    pools.push_back({{"devices", pool.devices()},
+                     {"total_pages", pool.total_pages()},
+                     {"free_pages", pool.free_pages()},
+                     {"live_sequences", pool.live_sequences()}});
+  }
   return {
       {"version", info.version()},
+      {"instance_id", info.instance_id()},
       {"backend", info.backend()},
+      {"parallel_mode", info.parallel_mode()},
+      {"heads_per_device", info.heads_per_device()},
+      {"cuda_graphs", info.cuda_graphs()},
       {"devices", devices},
+      {"pools", pools},
+      {"max_queued_calls", info.max_queued_calls()},
+      {"max_queued_bytes", info.max_queued_bytes()},
+      {"max_live_sequences", info.max_live_sequences()},
       {"num_layers", info.num_layers()},
       {"num_heads", info.num_heads()},
       {"latent_dim", info.latent_dim()},

@@ -6,6 +6,7 @@
 #include <pthread.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "server/engine/engine_observer.h"
@@ -98,6 +100,48 @@ struct Flags {
   std::string tls_cert, tls_key, tls_client_ca;
   std::string log_level = "info";
 };
+
+// The checks CLI11 cannot express, before anything starts: every bad value is
+// a clear error and exit status 2.
+absl::Status ValidateFlags(const Flags& f) {
+  // host:port, or [v6 address]:port; port 0..65535 (0 picks one).
+  const size_t colon = f.listen.rfind(':');
+  const std::string port = colon == std::string::npos ? "" : f.listen.substr(colon + 1);
+  const bool digits = !port.empty() && port.size() <= 5 &&
+                      std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; });
+  if (colon == std::string::npos || colon == 0 || !digits || std::stoi(port) > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--listen ", f.listen, ": need host:port with a port in 0..65535 (0 picks a free one)"));
+  }
+  if (f.admin_port < -1 || f.admin_port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("--admin-port ", f.admin_port, ": need -1..65535"));
+  }
+  constexpr uint64_t kMaxMessage = (uint64_t{1} << 31) - 1;  // gRPC takes an int
+  if (f.max_message_bytes < 1024 || f.max_message_bytes > kMaxMessage) {
+    return absl::InvalidArgumentError(absl::StrCat("--max-message-bytes ", f.max_message_bytes,
+                                                   ": need 1024..", kMaxMessage));
+  }
+  if (f.devices.empty() || *std::min_element(f.devices.begin(), f.devices.end()) < 0) {
+    return absl::InvalidArgumentError("--devices: need at least one ordinal, each >= 0");
+  }
+  if (f.stream_max_in_flight < 1 || f.stream_max_in_flight > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--stream-max-in-flight ", f.stream_max_in_flight, ": need 1..1024"));
+  }
+  for (const auto& [name, value] : {std::pair<const char*, double>{"--drain-timeout-s", f.drain_timeout_s},
+                                    {"--slow-call-ms", f.slow_call_ms},
+                                    {"--idle-timeout-s", f.idle_timeout_s},
+                                    {"--max-queue-delay-us", f.max_queue_delay_us},
+                                    {"--worker-spin-us", f.worker_spin_us}}) {
+    if (!(value >= 0) || value > 1e9) {
+      return absl::InvalidArgumentError(absl::StrCat(name, " ", value, ": need a value >= 0"));
+    }
+  }
+  if (f.testing_fault_after_launches < 0) {
+    return absl::InvalidArgumentError("--testing-fault-after-launches: need >= 0");
+  }
+  return absl::OkStatus();
+}
 
 // One device per --devices entry: CUDA devices by ordinal (the same ordinal
 // may repeat: each entry is its own pool replica and worker), or host (CPU)
@@ -226,8 +270,19 @@ int Run(int argc, char** argv) {
   app.add_option("--tls-cert", f.tls_cert, "server certificate (PEM); with --tls-key enables TLS");
   app.add_option("--tls-key", f.tls_key, "server private key (PEM)");
   app.add_option("--tls-client-ca", f.tls_client_ca, "CA (PEM) that client certificates must chain to (mTLS)");
-  app.add_option("--log-level", f.log_level, "trace | debug | info | warn | error")->capture_default_str();
-  CLI11_PARSE(app, argc, argv);
+  app.add_option("--log-level", f.log_level, "trace | debug | info | warn | error | critical | off")
+      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}))
+      ->capture_default_str();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // --help and --version exit 0; every flag error exits 2, like the checks below.
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  if (absl::Status valid = ValidateFlags(f); !valid.ok()) {
+    std::fprintf(stderr, "bad flags: %s\n", std::string(valid.message()).c_str());
+    return 2;
+  }
 
   spdlog::set_level(spdlog::level::from_str(f.log_level));
   spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ [%t] %v");

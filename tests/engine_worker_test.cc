@@ -185,9 +185,10 @@ TEST(EngineWorkerTest, QueuedCallsShareOneBatchPaddedToItsBucket) {
     EXPECT_TRUE(p.status.ok()) << p.status;
   }
   {
-    absl::MutexLock lock(&records[0]->mu);
-    const auto& launches = records[0]->launches;
-    const auto& requests = records[0]->launch_requests;
+    FakeDeviceRecord& record = *records[0];
+    absl::MutexLock lock(&record.mu);
+    const std::vector<LaunchOptions> launches = record.launches;
+    const std::vector<int> requests = record.launch_requests;
     EXPECT_EQ(requests, (std::vector<int>{1, 5})) << "the five queued calls share one launch";
     int largest = 0;
     for (size_t k = 0; k < launches.size(); ++k) {
@@ -264,8 +265,9 @@ TEST(EngineWorkerTest, LaterLayersOfAStepReuseThePlan) {
   ASSERT_TRUE(engine->Commit(id, {}).ok());
   Work next(id, 6, kHeads, rng);
   ASSERT_TRUE(engine->Verify(0, 0.0f, absl::MakeSpan(&next.item, 1)).ok());
-  absl::MutexLock lock(&records[0]->mu);
-  const auto& launches = records[0]->launches;
+  FakeDeviceRecord& record = *records[0];
+  absl::MutexLock lock(&record.mu);
+  const std::vector<LaunchOptions> launches = record.launches;
   ASSERT_EQ(launches.size(), 4u);
   EXPECT_FALSE(launches[0].reuse_plan) << "the step's first launch plans";
   EXPECT_TRUE(launches[1].reuse_plan);
@@ -593,13 +595,15 @@ TEST_P(ParallelModeTest, TwoDevicesMatchOneToTheBit) {
   for (uint64_t id : ids) ASSERT_TRUE(engine->Release(id).ok());
   EXPECT_EQ(engine->Stats().free_pages, engine->Stats().total_pages);
   if (mode == ParallelMode::kTensorParallel) {
-    absl::MutexLock l0(&records[0]->mu);
-    absl::MutexLock l1(&records[1]->mu);
+    FakeDeviceRecord& r0 = *records[0];
+    FakeDeviceRecord& r1 = *records[1];
+    absl::MutexLock l0(&r0.mu);
+    absl::MutexLock l1(&r1.mu);
     auto total = [](const std::vector<int>& v) { return std::accumulate(v.begin(), v.end(), 0); };
-    EXPECT_EQ(total(records[0]->launch_requests), total(records[1]->launch_requests))
+    EXPECT_EQ(total(r0.launch_requests), total(r1.launch_requests))
         << "every verify item fans out to both devices";
-    EXPECT_EQ(total(records[0]->launch_requests), 3 * kLayers * kSequences);
-    EXPECT_EQ(records[0]->write_rows, records[1]->write_rows) << "prompts go to both";
+    EXPECT_EQ(total(r0.launch_requests), 3 * kLayers * kSequences);
+    EXPECT_EQ(r0.write_rows, r1.write_rows) << "prompts go to both";
   }
 }
 

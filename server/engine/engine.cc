@@ -382,6 +382,7 @@ Engine::Engine(const EngineConfig& config) : config_(config) {
   std::random_device seed;
   absl::MutexLock lock(&table_mu_);
   id_rng_.seed((static_cast<uint64_t>(seed()) << 32) ^ seed() ^ static_cast<uint64_t>(NowNanos()));
+  instance_id_ = absl::StrFormat("%016x", id_rng_());
 }
 
 Engine::~Engine() {
@@ -541,8 +542,10 @@ absl::Status Engine::NotFound(uint64_t id) const {
     return absl::NotFoundError(absl::StrCat("sequence ", id, " expired after being idle for ",
                                             absl::FormatDuration(config_.idle_timeout)));
   }
-  return absl::NotFoundError(absl::StrCat(
-      "sequence ", id, " not found (never created here, released, or from before a restart)"));
+  return absl::NotFoundError(absl::StrCat("sequence ", id, " not found on server instance ",
+                                          instance_id_,
+                                          " (never created here, released, or created before a "
+                                          "restart: the instance id changes with every start)"));
 }
 
 void Engine::FreeAfterBarrier(const std::shared_ptr<Sequence>& seq, std::vector<int32_t> pages,
@@ -633,13 +636,18 @@ void Engine::SubmitVerify(VerifyCall call, absl::AnyInvocable<void(absl::Status)
   for (size_t k = 0; k < order.size(); ++k) order[k] = k;
   std::sort(order.begin(), order.end(),
             [&](size_t a, size_t b) { return items[a].sequence_id < items[b].sequence_id; });
-  for (size_t k : order) seqs[k]->mu.Lock();
-  struct Unlocker {
+  // (Locks taken in a loop are beyond the thread-safety analysis: the code
+  // below asserts each one it relies on.)
+  struct Locker {
     std::vector<std::shared_ptr<Sequence>>& seqs;
-    ~Unlocker() {
-      for (auto& s : seqs) s->mu.Unlock();
+    Locker(std::vector<std::shared_ptr<Sequence>>& s, const std::vector<size_t>& order)
+        ABSL_NO_THREAD_SAFETY_ANALYSIS : seqs(s) {
+      for (size_t k : order) seqs[k]->mu.Lock();
     }
-  } unlocker{seqs};
+    ~Locker() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      for (auto& seq : seqs) seq->mu.Unlock();
+    }
+  } locker(seqs, order);
 
   // State checks and page needs, still changing nothing.
   std::vector<int64_t> extra(items.size(), 0);
@@ -769,8 +777,8 @@ void Engine::SubmitAppendKv(AppendCall call,
   absl::StatusOr<std::shared_ptr<Sequence>> found = Find(id);
   if (!found.ok()) return done(found.status());
   std::shared_ptr<Sequence> seq = *std::move(found);
-  absl::MutexLock lock(&seq->mu);
   Sequence& s = *seq;
+  absl::MutexLock lock(&s.mu);
   if (s.released) return done(NotFound(id));
   if (!s.broken.ok()) return done(s.broken);
   if (s.pending) {
@@ -864,8 +872,8 @@ void Engine::SubmitCommit(uint64_t sequence_id, absl::Span<const int32_t> accept
   absl::StatusOr<std::shared_ptr<Sequence>> found = Find(sequence_id);
   if (!found.ok()) return done(found.status());
   std::shared_ptr<Sequence> seq = *std::move(found);
-  absl::MutexLock lock(&seq->mu);
   Sequence& s = *seq;
+  absl::MutexLock lock(&s.mu);
   if (s.released) return done(NotFound(sequence_id));
   if (!s.broken.ok()) return done(s.broken);
   if (!s.pending) {

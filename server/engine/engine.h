@@ -144,6 +144,9 @@ class Engine {
   int num_devices() const { return static_cast<int>(workers_.size()); }
   // Query heads each device computes (num_heads / devices in TP mode).
   int heads_per_device() const { return heads_per_device_; }
+  // Random per engine (process): sequence ids name sequences of this
+  // instance only; GetServerInfo reports it so clients can tell a restart.
+  const std::string& instance_id() const { return instance_id_; }
   // Whether verify batches replay CUDA graphs (configured and supported).
   bool graphs_enabled() const { return workers_[0]->uses_graphs(); }
   EngineStats Stats() const;
@@ -207,6 +210,7 @@ class Engine {
   void OnDeviceFault(int device, const absl::Status& status);
 
   const EngineConfig config_;
+  std::string instance_id_;
   std::string backend_name_;
   int heads_per_device_ = 0;
   EngineObserver* observer_ = nullptr;

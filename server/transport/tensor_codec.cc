@@ -6,9 +6,16 @@
 namespace mlaverify::transport {
 namespace {
 
+// Elements of a shape, or -1 when a dimension is negative or the product
+// exceeds 2^40 (no tensor of the contract is near that: the check keeps the
+// arithmetic below from overflowing on hostile shapes).
 int64_t Elements(std::initializer_list<int64_t> shape) {
+  constexpr int64_t kMaxElements = int64_t{1} << 40;
   int64_t n = 1;
-  for (int64_t d : shape) n *= d;
+  for (int64_t d : shape) {
+    if (d < 0 || (d > 0 && n > kMaxElements / d)) return -1;
+    n *= d;
+  }
   return n;
 }
 
@@ -55,6 +62,10 @@ absl::StatusOr<absl::Span<const Bf16>> Bf16Input(const v1::Tensor& tensor,
         absl::StrCat(what, ": shape ", ShapeString(tensor), ", expected ", expected));
   }
   const int64_t n = Elements(shape);
+  if (n < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": shape ", expected,
+                                                   " is negative or too large"));
+  }
   if (static_cast<int64_t>(tensor.raw().size()) != n * 2) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": ", tensor.raw().size(),
                                                    " bytes of data, shape ", expected, " needs ",

@@ -30,7 +30,8 @@ VerifyServiceImpl::VerifyServiceImpl(const ServiceOptions& options, RpcObserver*
     : options_(options),
       observer_(observer),
       state_(state),
-      slow_calls_(options.slow_call_seconds, std::chrono::seconds(1)) {}
+      slow_calls_(options.slow_call_seconds, std::chrono::seconds(1)),
+      failed_calls_log_(std::chrono::milliseconds(100)) {}
 
 VerifyServiceImpl::~VerifyServiceImpl() = default;
 
@@ -71,7 +72,12 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::RunUnary(absl::string_view rpc,
   auto finish = [this, rpc, ctx, reactor, arrived](absl::Status status, double queued = 0) {
     const grpc::Status reply = ToGrpcStatus(status);
     if (!status.ok() && status.code() != absl::StatusCode::kNotFound) {
-      spdlog::warn("{} from {}: {}", std::string(rpc), ctx->peer(), status.ToString());
+      if (const std::optional<int64_t> held = failed_calls_log_.Allow(Clock::now())) {
+        spdlog::warn("{} from {}: {}{}", std::string(rpc), ctx->peer(), status.ToString(),
+                     *held > 0 ? absl::StrCat(" (", *held, " more failed calls since the last "
+                                              "such line, not logged)")
+                               : std::string());
+      }
     }
     Observe(rpc, reply.error_code(), arrived, queued);
     reactor->Finish(reply);
@@ -129,6 +135,7 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::GetServerInfo(grpc::CallbackServerC
     r->set_max_queued_calls(c.max_queued_calls);
     r->set_max_queued_bytes(c.max_queued_bytes);
     r->set_max_live_sequences(c.max_live_sequences);
+    r->set_instance_id(e.instance_id());
     finish(absl::OkStatus());
   });
 }

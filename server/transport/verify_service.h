@@ -18,6 +18,7 @@
 #include "absl/strings/string_view.h"
 #include "mlaverify/v1/verify.grpc.pb.h"
 #include "server/engine/engine.h"
+#include "server/transport/log_limiter.h"
 #include "server/transport/slow_call_log.h"
 
 namespace mlaverify::transport {
@@ -105,6 +106,8 @@ class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
   RpcObserver* const observer_;
   const std::atomic<ServingState>* const state_;
   SlowCallLog slow_calls_;
+  // Failed calls are logged at most ten times a second.
+  LogLimiter failed_calls_log_;
 };
 
 }  // namespace mlaverify::transport

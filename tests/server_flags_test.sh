@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Bad flags and addresses: each is a clear message and exit status 2, never a
+# crash; a port another server holds is refused, never shared (no
+# SO_REUSEPORT).
+#   tests/server_flags_test.sh BUILD_DIR
+set -uo pipefail
+server=$1/server/mlaverify-server
+work=$(mktemp -d /tmp/mlaverify-flags.XXXX)
+holder=""
+trap '[ -n "$holder" ] && kill -9 "$holder" 2>/dev/null; rm -rf "$work"' EXIT
+failures=0
+base=(--backend cpu --layers 2 --pool-bytes 16MiB --admin-port -1)
+
+# expect_refused "what" "message part" FLAGS...
+expect_refused() {
+  local what=$1 want=$2
+  shift 2
+  local rc=0
+  timeout 30 "$server" "${base[@]}" "$@" > "$work/out.log" 2>&1 || rc=$?
+  if [ "$rc" -ne 2 ] || ! grep -q -- "$want" "$work/out.log"; then
+    echo "FAIL: $what: exit $rc (want 2), output: $(tail -3 "$work/out.log")"
+    failures=$((failures + 1))
+  else
+    echo "ok: $what: $(grep -m1 -- "$want" "$work/out.log")"
+  fi
+}
+
+expect_refused "--listen without a port" "need host:port" --listen garbage
+expect_refused "--listen port out of range" "need host:port" --listen 127.0.0.1:99999
+expect_refused "--listen on an address not on this host" "cannot listen" --listen 203.0.113.7:50051
+expect_refused "--max-message-bytes of 3 GiB" "max-message-bytes" --max-message-bytes 3GiB
+expect_refused "--log-level verbose" "log-level" --log-level verbose
+expect_refused "--copy-threads 0" "copy_threads" --copy-threads 0
+expect_refused "heads that do not split over the devices" "does not split" --heads 7 --devices 0,0
+expect_refused "--stream-max-in-flight 0" "stream-max-in-flight" --stream-max-in-flight 0
+expect_refused "an unknown flag" "workers" --workers 8
+
+# A port in use by another server is refused.
+"$server" "${base[@]}" --listen 127.0.0.1:0 --port-file "$work/ports" > "$work/holder.log" 2>&1 &
+holder=$!
+for _ in $(seq 1 100); do [ -s "$work/ports" ] && break; sleep 0.1; done
+read -r port _ < "$work/ports"
+expect_refused "a port another server listens on" "cannot listen" --listen "127.0.0.1:$port"
+kill -TERM "$holder"
+wait "$holder"
+holder=""
+
+if [ "$failures" -ne 0 ]; then
+  echo "server flags test FAILED ($failures)"
+  exit 1
+fi
+echo "server flags test passed"
