@@ -1,8 +1,10 @@
 // mlaverify-server: owns the paged latent KV cache of an MLA model and serves
 // verify attention over gRPC, with Prometheus metrics and liveness/readiness
-// on an admin HTTP port. SIGTERM/SIGINT drain it: health goes NOT_SERVING,
-// new work is refused with UNAVAILABLE, calls in flight get --drain-timeout-s
-// to finish.
+// on an admin HTTP port. SIGTERM/SIGINT drain it: health goes NOT_SERVING at
+// once, calls are still served for --drain-grace-s, then new work is refused
+// with UNAVAILABLE, streams end and calls in flight get --drain-timeout-s to
+// finish; the process exits 0 with a line counting what finished and what was
+// cut.
 #include <pthread.h>
 #include <signal.h>
 
@@ -94,6 +96,7 @@ struct Flags {
   float softmax_scale = 1.0f / std::sqrt(192.0f);
   int cpu_threads = 0;
   int stream_max_in_flight = 8;
+  double drain_grace_s = 5;
   double drain_timeout_s = 10;
   double slow_call_ms = 100;
   int testing_fault_after_launches = 0;
@@ -129,6 +132,7 @@ absl::Status ValidateFlags(const Flags& f) {
         absl::StrCat("--stream-max-in-flight ", f.stream_max_in_flight, ": need 1..1024"));
   }
   for (const auto& [name, value] : {std::pair<const char*, double>{"--drain-timeout-s", f.drain_timeout_s},
+                                    {"--drain-grace-s", f.drain_grace_s},
                                     {"--slow-call-ms", f.slow_call_ms},
                                     {"--idle-timeout-s", f.idle_timeout_s},
                                     {"--max-queue-delay-us", f.max_queue_delay_us},
@@ -261,7 +265,12 @@ int Run(int argc, char** argv) {
   app.add_option("--slow-call-ms", f.slow_call_ms,
                  "log a warning for calls this long in the server, at most one a second (0: off)")
       ->capture_default_str();
-  app.add_option("--drain-timeout-s", f.drain_timeout_s, "grace for calls in flight on SIGTERM")
+  app.add_option("--drain-grace-s", f.drain_grace_s,
+                 "on SIGTERM: NOT_SERVING at once, calls still served this long (load balancers "
+                 "move away)")
+      ->capture_default_str();
+  app.add_option("--drain-timeout-s", f.drain_timeout_s,
+                 "then: new work refused, calls in flight get this long to finish")
       ->capture_default_str();
   app.add_option("--testing-fault-after-launches", f.testing_fault_after_launches,
                  "testing only: the first device's Nth verify launch runs a trapping kernel "
@@ -405,7 +414,8 @@ int Run(int argc, char** argv) {
   sigwait(&signals, &signal_number);
   spdlog::info("signal {}: draining", signal_number);
   metrics.SetReady(false);
-  grpc_server->Drain(absl::Seconds(f.drain_timeout_s));
+  const transport::DrainCounts drained =
+      grpc_server->Drain(absl::Seconds(f.drain_grace_s), absl::Seconds(f.drain_timeout_s));
   {
     std::lock_guard<std::mutex> lock(janitor_mu);
     stopping = true;
@@ -414,8 +424,10 @@ int Run(int argc, char** argv) {
   janitor.join();
   if (admin_http) admin_http->Stop();
   const engine::EngineStats stats = (*engine)->Stats();
-  spdlog::info("stopped: {} live sequences, {} of {} pages free", stats.live_sequences,
-               stats.free_pages, stats.total_pages);
+  spdlog::info("stopped: {} calls finished in the drain, {} cut at the timeout, {} streams ended; "
+               "{} live sequences, {} of {} pages free",
+               drained.calls_finished, drained.calls_cut, drained.streams_ended,
+               stats.live_sequences, stats.free_pages, stats.total_pages);
   return 0;
 }
 

@@ -4,16 +4,20 @@
 // leaving the server serving. Outputs are checked with the client's own
 // reference (client/reference_check.h) over a mirror of what was sent.
 #include <random>
+#include <thread>
 #include <string>
 #include <vector>
 
 #include "client/client.h"
 #include "client/reference_check.h"
 #include "client/wire.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kernels/verify_attention.h"
+#include "absl/time/clock.h"
+#include "server/engine/device.h"
 #include "server/engine/engine.h"
 #include "server/transport/grpc_server.h"
 #include "server/transport/slow_call_log.h"
@@ -47,7 +51,14 @@ struct Step {
 
 class ServerTest : public ::testing::Test {
  protected:
-  void SetUp() override {
+  void SetUp() override { Make(engine::MakeCpuDevice(2)); }
+
+  // The server over one device (a fake one for tests that need a slow device).
+  void Make(std::unique_ptr<engine::Device> device) {
+    stub_.reset();
+    client_.reset();
+    server_.reset();
+    engine_.reset();
     engine::EngineConfig config;
     config.num_layers = kLayers;
     config.num_heads = kHeads;
@@ -57,7 +68,7 @@ class ServerTest : public ::testing::Test {
     config.batch_buckets = {1, 2, kMaxBatch};
     config.max_sequence_len = 4096;
     std::vector<std::unique_ptr<engine::Device>> devices;
-    devices.push_back(engine::MakeCpuDevice(2));
+    devices.push_back(std::move(device));
     auto engine = engine::Engine::Create(config, std::move(devices));
     ASSERT_TRUE(engine.ok()) << engine.status();
     engine_ = *std::move(engine);
@@ -75,8 +86,16 @@ class ServerTest : public ::testing::Test {
     grpc::ChannelArguments args;
     args.SetMaxSendMessageSize(-1);
     args.SetMaxReceiveMessageSize(-1);
-    stub_ = v1::VerifyService::NewStub(
-        grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args));
+    channel_ = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+    stub_ = v1::VerifyService::NewStub(channel_);
+  }
+
+  // A fake device slow enough for calls to be in flight or queued.
+  static std::unique_ptr<engine::Device> SlowDevice(absl::Duration latency) {
+    engine::FakeDeviceOptions slow;
+    slow.graphs = false;
+    slow.latency = latency;
+    return engine::MakeFakeDevice(0, slow, nullptr);
   }
 
   void Serve() { server_->SetServing(); }
@@ -129,6 +148,7 @@ class ServerTest : public ::testing::Test {
   std::unique_ptr<engine::Engine> engine_;
   std::unique_ptr<transport::GrpcServer> server_;
   std::unique_ptr<client::VerifyClient> client_;
+  std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::VerifyService::Stub> stub_;
   std::mt19937_64 rng_{2024};
 };
@@ -142,9 +162,103 @@ TEST_F(ServerTest, HealthFollowsTheServingState) {
   EXPECT_EQ(*client_->Health(), client::ServingStatus::kServing);
   EXPECT_EQ(*client_->Health("mlaverify.v1.VerifyService"), client::ServingStatus::kServing);
   EXPECT_TRUE(client_->CreateSequence("now").ok());
-  server_->Drain(absl::Seconds(1));
+  server_->Drain(absl::ZeroDuration(), absl::Seconds(1));
   EXPECT_EQ(server_->state(), transport::ServingState::kDraining);
   EXPECT_FALSE(client_->CreateSequence("late").ok());
+}
+
+// SIGTERM's drain: NOT_SERVING at once, but calls are still served through
+// the grace period; after it new work is refused.
+TEST_F(ServerTest, DrainServesThroughTheGraceThenRefuses) {
+  Serve();
+  transport::DrainCounts counts;
+  std::thread drain([&] { counts = server_->Drain(absl::Milliseconds(400), absl::Seconds(5)); });
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_EQ(*client_->Health(), client::ServingStatus::kNotServing) << "health goes at once";
+  EXPECT_EQ(server_->state(), transport::ServingState::kDrainGrace);
+  EXPECT_TRUE(client_->CreateSequence("during the grace").ok()) << "still served";
+  drain.join();
+  EXPECT_EQ(server_->state(), transport::ServingState::kDraining);
+  const absl::Status late = client_->CreateSequence("after").status();
+  EXPECT_EQ(late.code(), absl::StatusCode::kUnavailable) << late;
+  EXPECT_EQ(counts.calls_cut, 0);
+}
+
+// After the grace, an idle VerifyStream and a Health.Watch end at once (they
+// do not hold the exit for the drain timeout), while a call in flight
+// finishes with its answer rather than CANCELLED.
+TEST_F(ServerTest, DrainEndsIdleStreamsAtOnceAndFinishesCallsInFlight) {
+  Make(SlowDevice(absl::Milliseconds(300)));
+  Serve();
+  client::SequenceMirror mirror(kLayers);
+  const uint64_t a = NewSequence(8, &mirror), b = NewSequence(8, &mirror);
+  const Step sa = RandomStep(2), sb = RandomStep(2);
+  auto stream = client_->OpenVerifyStream(absl::Seconds(30));
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  const client::VerifyItemInput stream_item = sa.Item(a, 0);
+  ASSERT_TRUE((*stream)->Verify(0, absl::MakeConstSpan(&stream_item, 1)).ok());  // then idle
+  grpc::ClientContext watch_ctx;
+  grpc::health::v1::HealthCheckRequest watch_req;
+  auto health = grpc::health::v1::Health::NewStub(channel_);
+  auto watch = health->Watch(&watch_ctx, watch_req);
+  grpc::health::v1::HealthCheckResponse first;
+  ASSERT_TRUE(watch->Read(&first));
+  absl::Status in_flight;
+  std::thread call([&] {
+    const client::VerifyItemInput item = sb.Item(b, 0);
+    in_flight = client_->Verify(0, absl::MakeConstSpan(&item, 1)).status();
+  });
+  absl::SleepFor(absl::Milliseconds(100));  // the call is on the device now
+  const absl::Time start = absl::Now();
+  const transport::DrainCounts counts = server_->Drain(absl::ZeroDuration(), absl::Seconds(10));
+  const absl::Duration took = absl::Now() - start;
+  call.join();
+  EXPECT_LT(took, absl::Seconds(3)) << "nothing waited for the 10 s timeout";
+  EXPECT_TRUE(in_flight.ok()) << in_flight;
+  EXPECT_EQ(counts.calls_in_flight_at_close, 1);
+  EXPECT_EQ(counts.calls_finished, 1);
+  EXPECT_EQ(counts.calls_cut, 0);
+  EXPECT_EQ(counts.streams_ended, 1);
+  const absl::Status closed = (*stream)->Close();
+  EXPECT_EQ(closed.code(), absl::StatusCode::kUnavailable) << closed;
+  EXPECT_THAT(std::string(closed.message()), HasSubstr("draining"));
+  grpc::health::v1::HealthCheckResponse next;
+  while (watch->Read(&next)) {
+  }
+  watch->Finish();
+}
+
+// A call whose deadline passes while it waits for the device is not run, and
+// the step it would have opened is taken back: the sequence is as before.
+TEST_F(ServerTest, DeadlineThatPassesWhileQueuedChangesNothing) {
+  Make(SlowDevice(absl::Milliseconds(300)));
+  Serve();
+  client::SequenceMirror ma(kLayers), mb(kLayers);
+  const uint64_t a = NewSequence(8, &ma), b = NewSequence(8, &mb);
+  const int64_t free_before = FreePages();
+  const Step sa = RandomStep(2), sb = RandomStep(3);
+  std::thread busy([&] {
+    const client::VerifyItemInput item = sa.Item(a, 0);
+    EXPECT_TRUE(client_->Verify(0, absl::MakeConstSpan(&item, 1)).ok());
+  });
+  absl::SleepFor(absl::Milliseconds(50));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
+  v1::VerifyRequest r;
+  r.set_layer(0);
+  v1::VerifyItem* item = r.add_items();
+  item->set_sequence_id(b);
+  for (int32_t p : sb.parents) item->add_parents(p);
+  client::SetBf16Tensor({3, kHeads, kRow}, sb.q[0], item->mutable_q());
+  client::SetBf16Tensor({3, kRow}, sb.draft_kv[0], item->mutable_draft_kv());
+  v1::VerifyResponse resp;
+  EXPECT_EQ(stub_->Verify(&ctx, r, &resp).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  busy.join();
+  // Once the device passed it, b has no open step and its page is back.
+  absl::SleepFor(absl::Milliseconds(400));
+  EXPECT_EQ(engine_->Stats().pending_steps, 1) << "only a's step";
+  EXPECT_EQ(FreePages(), free_before - 1) << "a's draft page only";
+  EXPECT_EQ(client_->Commit(b, {}).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
 TEST_F(ServerTest, EveryRpcEndToEnd) {

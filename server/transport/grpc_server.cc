@@ -4,7 +4,6 @@
 #include <sstream>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
-#include <grpcpp/health_check_service_interface.h>
 
 #include "absl/strings/str_cat.h"
 #include "spdlog/spdlog.h"
@@ -56,7 +55,7 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
   std::unique_ptr<GrpcServer> s(new GrpcServer());
   s->service_ = std::make_unique<VerifyServiceImpl>(options.service, observer, &s->state_);
 
-  grpc::EnableDefaultHealthCheckService(true);
+  s->health_ = std::make_unique<HealthService>(kServiceName);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   // No SO_REUSEPORT: a second server on the same port would share its new
@@ -64,6 +63,7 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(options.listen_address, *creds, &s->port_);
   builder.RegisterService(s->service_.get());
+  builder.RegisterService(s->health_.get());
   const int max_bytes = static_cast<int>(options.service.max_message_bytes);
   builder.SetMaxReceiveMessageSize(max_bytes);
   builder.SetMaxSendMessageSize(max_bytes);
@@ -80,14 +80,10 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
   return s;
 }
 
-GrpcServer::~GrpcServer() { Drain(absl::ZeroDuration()); }
+GrpcServer::~GrpcServer() { Drain(absl::ZeroDuration(), absl::ZeroDuration()); }
 
 void GrpcServer::SetHealth(bool serving) {
-  if (server_ == nullptr) return;
-  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
-  if (health == nullptr) return;
-  health->SetServingStatus("", serving);
-  health->SetServingStatus(kServiceName, serving);
+  if (health_ != nullptr) health_->SetServing(serving);
 }
 
 void GrpcServer::SetServing() {
@@ -97,22 +93,44 @@ void GrpcServer::SetServing() {
 }
 
 void GrpcServer::SetFaulted() {
+  // (Ignored unless serving: a drain or a start in progress keeps its state.)
   ServingState serving = ServingState::kServing;
   if (!state_.compare_exchange_strong(serving, ServingState::kFaulted)) return;
   SetHealth(false);
   spdlog::error("NOT_SERVING: a device faulted");
 }
 
-void GrpcServer::Drain(absl::Duration grace) {
+DrainCounts GrpcServer::Drain(absl::Duration grace, absl::Duration timeout) {
+  DrainCounts counts;
   // A server that never started listening (Start failed) has nothing to drain.
-  if (shut_down_ || server_ == nullptr) return;
+  if (shut_down_ || server_ == nullptr) return counts;
   shut_down_ = true;
-  state_.store(ServingState::kDraining);
   SetHealth(false);
-  spdlog::info("draining: waiting up to {} for calls in flight", absl::FormatDuration(grace));
-  server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoSeconds(grace));
+  if (grace > absl::ZeroDuration()) {
+    state_.store(ServingState::kDrainGrace);
+    spdlog::info("draining: NOT_SERVING; calls still served for {} while load balancers move away",
+                 absl::FormatDuration(grace));
+    absl::SleepFor(grace);
+  }
+  state_.store(ServingState::kDraining);
+  // NOT_SERVING for good, and every Watch stream ends (an open one would
+  // otherwise hold the exit until the timeout).
+  health_->Shutdown();
+  counts.calls_in_flight_at_close = service_->calls_in_flight();
+  const int64_t finished_before = service_->calls_finished();
+  counts.streams_ended = service_->EndStreams();
+  spdlog::info("draining: new work refused, {} calls in flight get up to {} to finish, {} streams "
+               "ended",
+               counts.calls_in_flight_at_close, absl::FormatDuration(timeout), counts.streams_ended);
+  server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoNanoseconds(timeout));
+  // Calls still in flight here were cancelled by the deadline (their engine
+  // work still completes before Wait returns).
+  counts.calls_cut = service_->calls_in_flight();
   server_->Wait();
-  spdlog::info("gRPC server stopped");
+  counts.calls_finished = service_->calls_finished() - finished_before - counts.calls_cut;
+  spdlog::info("gRPC server stopped: {} calls finished in the drain, {} cut at the timeout",
+               counts.calls_finished, counts.calls_cut);
+  return counts;
 }
 
 }  // namespace mlaverify::transport

@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "server/engine/engine.h"
+#include "server/transport/health_service.h"
 #include "server/transport/verify_service.h"
 
 namespace mlaverify::transport {
@@ -47,9 +48,13 @@ class GrpcServer {
   // A device faulted: health NOT_SERVING, device calls UNAVAILABLE (info and
   // release still answered). Ignored while draining.
   void SetFaulted();
-  // Health NOT_SERVING, new work UNAVAILABLE, then waits up to `grace` for
-  // calls in flight before cancelling them. Idempotent.
-  void Drain(absl::Duration grace);
+  // The drain an operator relies on: health NOT_SERVING at once, and for
+  // `grace` calls are still served (load balancers and readiness probes see
+  // NOT_SERVING and move away); then new work is refused with UNAVAILABLE, the
+  // listener closes, open VerifyStreams end (idle ones at once, UNAVAILABLE),
+  // and calls in flight get `timeout` to finish before gRPC cancels them.
+  // Returns what happened; idempotent (a second call returns zeros).
+  DrainCounts Drain(absl::Duration grace, absl::Duration timeout);
 
  private:
   GrpcServer() = default;
@@ -57,6 +62,7 @@ class GrpcServer {
 
   std::atomic<ServingState> state_{ServingState::kStarting};
   std::unique_ptr<VerifyServiceImpl> service_;
+  std::unique_ptr<HealthService> health_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   bool shut_down_ = false;

@@ -44,6 +44,7 @@ absl::Status VerifyServiceImpl::Admit(grpc::CallbackServerContext* ctx,
   if (state == ServingState::kDraining && !allowed_while_draining) {
     return absl::UnavailableError("server is draining: send new work to another replica");
   }
+  // (kDrainGrace: still served while load balancers move away.)
   if (state == ServingState::kFaulted && !allowed_while_draining) {
     return absl::UnavailableError(absl::StrCat(engine()->fault().message(),
                                                "; this server is NOT_SERVING"));
@@ -69,7 +70,10 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::RunUnary(absl::string_view rpc,
                                                       bool allowed_while_draining, Body body) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   const Clock::time_point arrived = Clock::now();
+  in_flight_.fetch_add(1);
   auto finish = [this, rpc, ctx, reactor, arrived](absl::Status status, double queued = 0) {
+    in_flight_.fetch_sub(1);
+    finished_.fetch_add(1);
     const grpc::Status reply = ToGrpcStatus(status);
     if (!status.ok() && status.code() != absl::StatusCode::kNotFound) {
       if (const std::optional<int64_t> held = failed_calls_log_.Allow(Clock::now())) {
@@ -296,6 +300,10 @@ class VerifyServiceImpl::StreamReactor final
  public:
   StreamReactor(VerifyServiceImpl* service, grpc::CallbackServerContext* ctx)
       : service_(service), ctx_(ctx), max_in_flight_(std::max(1, service->options_.stream_max_in_flight)) {
+    {
+      absl::MutexLock lock(&service_->streams_mu_);
+      service_->streams_.insert(this);
+    }
     reading_ = std::make_unique<Slot>();
     {
       absl::MutexLock lock(&mu_);
@@ -322,8 +330,10 @@ class VerifyServiceImpl::StreamReactor final
     bool read_more = false;
     {
       absl::MutexLock lock(&mu_);
+      read_outstanding_ = false;
+      if (finished_) return;  // the stream already ended (drain): the request is dropped
       slots_.push_back(std::move(reading_));
-      read_more = !broken_ && static_cast<int>(slots_.size()) < max_in_flight_;
+      read_more = !broken_ && !draining_ && static_cast<int>(slots_.size()) < max_in_flight_;
       read_outstanding_ = read_more;
       if (read_more) {
         reading_ = std::make_unique<Slot>();
@@ -349,7 +359,8 @@ class VerifyServiceImpl::StreamReactor final
         writing_ = true;
         next = &slots_.front()->response;
       }
-      if (read_paused_ && !read_closed_ && !broken_ && static_cast<int>(slots_.size()) < max_in_flight_) {
+      if (read_paused_ && !read_closed_ && !broken_ && !draining_ &&
+          static_cast<int>(slots_.size()) < max_in_flight_) {
         read_paused_ = false;
         read_outstanding_ = true;
         reading_ = std::make_unique<Slot>();
@@ -362,7 +373,26 @@ class VerifyServiceImpl::StreamReactor final
     if (finish) Finish(FinalStatus());
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    {
+      absl::MutexLock lock(&service_->streams_mu_);
+      service_->streams_.erase(this);
+    }
+    delete this;
+  }
+
+  // The server drains: no more reads; end now if nothing is owed, else once
+  // the owed answers are written. Called with the service's streams_mu_ held
+  // (so the reactor cannot be deleted meanwhile).
+  void BeginDrain() {
+    bool finish = false;
+    {
+      absl::MutexLock lock(&mu_);
+      draining_ = true;
+      finish = ReadyToFinish();
+    }
+    if (finish) Finish(FinalStatus());
+  }
 
  private:
   struct Slot {
@@ -376,7 +406,12 @@ class VerifyServiceImpl::StreamReactor final
 
   // Submits one request; its completion queues the answer.
   void Start(Slot* slot) {
-    auto complete = [this, slot](absl::Status status) { Completed(slot, std::move(status)); };
+    service_->in_flight_.fetch_add(1);
+    auto complete = [this, slot](absl::Status status) {
+      service_->in_flight_.fetch_sub(1);
+      service_->finished_.fetch_add(1);
+      Completed(slot, std::move(status));
+    };
     const absl::Status admitted = service_->Admit(ctx_, /*allowed_while_draining=*/false);
     if (!admitted.ok()) return complete(admitted);
     service_->StartVerify(ctx_, slot->request, &slot->response, &slot->items, &slot->timing,
@@ -398,7 +433,7 @@ class VerifyServiceImpl::StreamReactor final
     {
       absl::MutexLock lock(&mu_);
       slot->done = true;
-      if (broken_) {
+      if (broken_ || finished_) {
         // No more writes: drop answers in order until the stream can end.
         while (!slots_.empty() && slots_.front()->done) slots_.pop_front();
         finish = ReadyToFinish();
@@ -411,19 +446,29 @@ class VerifyServiceImpl::StreamReactor final
     if (finish) Finish(FinalStatus());
   }
 
-  // Every request answered (or dropped once the stream broke), no read or
-  // write outstanding, and no more requests to read.
+  // Every request answered (or dropped once the stream broke), no write
+  // outstanding, and no more requests to read: the client half-closed, the
+  // stream broke, or the server drains (a read still outstanding then ends
+  // with the stream).
   bool ReadyToFinish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (finished_ || writing_ || read_outstanding_ || !slots_.empty()) return false;
-    if (!read_closed_ && !broken_) return false;
+    if (finished_ || writing_ || !slots_.empty()) return false;
+    if (draining_) {
+      finished_ = true;
+      return true;
+    }
+    if (read_outstanding_ || (!read_closed_ && !broken_)) return false;
     finished_ = true;
     return true;
   }
 
   grpc::Status FinalStatus() {
     absl::MutexLock lock(&mu_);
-    return broken_ ? grpc::Status(grpc::StatusCode::CANCELLED, "stream write failed")
-                   : grpc::Status::OK;
+    if (broken_) return grpc::Status(grpc::StatusCode::CANCELLED, "stream write failed");
+    if (draining_ && !read_closed_) {
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                          "server is draining: open a stream to another replica");
+    }
+    return grpc::Status::OK;
   }
 
   VerifyServiceImpl* const service_;
@@ -437,8 +482,15 @@ class VerifyServiceImpl::StreamReactor final
   bool read_paused_ ABSL_GUARDED_BY(mu_) = false;
   bool read_closed_ ABSL_GUARDED_BY(mu_) = false;
   bool broken_ ABSL_GUARDED_BY(mu_) = false;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
 };
+
+int64_t VerifyServiceImpl::EndStreams() {
+  absl::MutexLock lock(&streams_mu_);
+  for (StreamReactor* stream : streams_) stream->BeginDrain();
+  return static_cast<int64_t>(streams_.size());
+}
 
 grpc::ServerBidiReactor<v1::VerifyRequest, v1::VerifyResponse>* VerifyServiceImpl::VerifyStream(
     grpc::CallbackServerContext* ctx) {

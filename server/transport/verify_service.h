@@ -14,7 +14,9 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/functional/any_invocable.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/strings/string_view.h"
 #include "mlaverify/v1/verify.grpc.pb.h"
 #include "server/engine/engine.h"
@@ -23,8 +25,18 @@
 
 namespace mlaverify::transport {
 
-// kFaulted: a device failed; health NOT_SERVING, device calls UNAVAILABLE.
-enum class ServingState { kStarting, kServing, kDraining, kFaulted };
+// kDrainGrace: health NOT_SERVING (load balancers move away) but calls are
+// still served; kDraining: new work refused. kFaulted: a device failed;
+// health NOT_SERVING, device calls UNAVAILABLE.
+enum class ServingState { kStarting, kServing, kDrainGrace, kDraining, kFaulted };
+
+// What a drain did, for its closing log line.
+struct DrainCounts {
+  int64_t calls_in_flight_at_close = 0;  // unary calls and stream requests
+  int64_t calls_finished = 0;            // finished between the close and the end
+  int64_t calls_cut = 0;                 // still running when the timeout ended them
+  int64_t streams_ended = 0;             // VerifyStreams ended with UNAVAILABLE
+};
 
 // Receives one call per finished RPC (and per message of a stream); the
 // server wires it to the metrics. Implementations must be thread-safe.
@@ -55,6 +67,15 @@ class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
   // The engine the RPCs reach; set once, before the state becomes kServing
   // (until then every RPC is refused with UNAVAILABLE). Outlives the service.
   void AttachEngine(engine::Engine* engine) { engine_.store(engine, std::memory_order_release); }
+
+  // Draining: every open VerifyStream stops reading; an idle one ends at once
+  // with UNAVAILABLE, a busy one once its answers are written. Returns how
+  // many streams were open.
+  int64_t EndStreams();
+  // Unary calls and stream requests admitted and not finished.
+  int64_t calls_in_flight() const { return in_flight_.load(); }
+  // Unary calls and stream requests finished since the start.
+  int64_t calls_finished() const { return finished_.load(); }
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
                                           const v1::GetServerInfoRequest* request,
@@ -102,6 +123,10 @@ class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
   engine::Engine* engine() const { return engine_.load(std::memory_order_acquire); }
 
   std::atomic<engine::Engine*> engine_{nullptr};
+  std::atomic<int64_t> in_flight_{0};
+  std::atomic<int64_t> finished_{0};
+  absl::Mutex streams_mu_;
+  absl::flat_hash_set<StreamReactor*> streams_ ABSL_GUARDED_BY(streams_mu_);
   const ServiceOptions options_;
   RpcObserver* const observer_;
   const std::atomic<ServingState>* const state_;
