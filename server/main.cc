@@ -23,6 +23,7 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "server/engine/engine_observer.h"
 #include "server/admin/admin_http_server.h"
@@ -47,10 +48,12 @@ class MetricsObserver final : public transport::RpcObserver, public engine::Engi
     metrics_->RecordRpc(rpc, transport::GrpcCodeName(code), seconds);
   }
   void OnBatch(const engine::BatchReport& report) override {
-    const std::string* name = report.device < static_cast<int>(device_names.size())
-                                  ? &device_names[report.device]
-                                  : nullptr;
-    metrics_->RecordBatch(report, name != nullptr ? *name : std::to_string(report.device));
+    std::string name = std::to_string(report.device);
+    {
+      absl::MutexLock lock(&names_mu_);
+      if (report.device < static_cast<int>(device_names_.size())) name = device_names_[report.device];
+    }
+    metrics_->RecordBatch(report, name);
   }
   void OnVerifyDone(const engine::VerifyTiming& timing) override {
     metrics_->RecordVerifyTiming(timing);
@@ -59,11 +62,16 @@ class MetricsObserver final : public transport::RpcObserver, public engine::Engi
     metrics_->RecordDeviceFault(device);
   }
 
-  // Names of the engine's devices by index; set before the engine starts.
-  std::vector<std::string> device_names;
+  // The engine's device names by index (known once it started).
+  void SetDeviceNames(std::vector<std::string> names) {
+    absl::MutexLock lock(&names_mu_);
+    device_names_ = std::move(names);
+  }
 
  private:
   admin::Metrics* const metrics_;
+  absl::Mutex names_mu_;
+  std::vector<std::string> device_names_ ABSL_GUARDED_BY(names_mu_);
 };
 
 struct Flags {
@@ -367,13 +375,13 @@ int Run(int argc, char** argv) {
     spdlog::error("--backend {}: {}", f.backend, devices.status().ToString());
     return 2;
   }
-  for (const auto& d : *devices) observer.device_names.push_back(d->name());
   const absl::Time engine_start = absl::Now();
   auto engine = engine::Engine::Create(config, *std::move(devices), &observer);
   if (!engine.ok()) {
     spdlog::error("cannot start the engine: {}", engine.status().ToString());
     return 2;
   }
+  observer.SetDeviceNames((*engine)->device_names());
   spdlog::info("engine ready in {:.2f} s", absl::ToDoubleSeconds(absl::Now() - engine_start));
   metrics.SetInfo(kVersion, (*engine)->backend_name());
   metrics.SetStatsSource([e = engine->get()] { return e->Stats(); });

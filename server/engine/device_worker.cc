@@ -18,12 +18,12 @@ constexpr size_t kParallelCopyBytes = size_t{512} << 10;
 
 }  // namespace
 
-DeviceWorker::DeviceWorker(int index, std::unique_ptr<Device> device, const WorkerOptions& options,
-                           EngineObserver* observer,
+DeviceWorker::DeviceWorker(int index, std::unique_ptr<Device> device, std::string name,
+                           const WorkerOptions& options, EngineObserver* observer,
                            std::function<void(int, const absl::Status&)> on_fault)
     : index_(index),
       device_(std::move(device)),
-      name_(device_->name()),
+      name_(std::move(name)),
       options_(options),
       observer_(observer),
       on_fault_(std::move(on_fault)),
@@ -270,7 +270,7 @@ void DeviceWorker::RunBatch(std::vector<VerifyShard> shards, absl::Time taken) {
       // Oldest free set first: sets are used in turn.
       set = free_sets_.front();
       free_sets_.erase(free_sets_.begin());
-      previous_running = !in_flight_.empty();
+      previous_running = running_batches_ > 0;
     }
   }
   if (set < 0) {
@@ -375,6 +375,7 @@ void DeviceWorker::RunBatch(std::vector<VerifyShard> shards, absl::Time taken) {
   f.report.launch_seconds = absl::ToDoubleSeconds(issued - packed);
   absl::MutexLock lock(&mu_);
   in_flight_.push_back(std::move(f));
+  ++running_batches_;
 }
 
 void DeviceWorker::CompletionLoop() {
@@ -398,6 +399,10 @@ void DeviceWorker::CompletionLoop() {
     timing.batch_requests = f.report.requests;
     absl::StatusOr<double> seconds = device_->Wait(f.set);
     const absl::Time finished = absl::Now();
+    {
+      absl::MutexLock lock(&mu_);
+      --running_batches_;
+    }
     absl::Status status;
     if (!seconds.ok()) {
       // The launch thread sees the fault before its next launch (and its

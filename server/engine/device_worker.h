@@ -8,8 +8,9 @@
 //     compactions, barriers) run between batches, in order.
 //   - the completion thread waits for each launched batch, copies its outputs
 //     to the callers' buffers and completes its shards.
-// With two staging sets, the next batch is packed and launched while the
-// previous one's outputs are copied out.
+// With several staging sets (EngineConfig::staging_sets), the next batch is
+// packed and launched while the previous one runs and an earlier one's
+// outputs are copied out.
 //
 // The queue has no bound of its own: the engine admits work (with limits)
 // before it enqueues. A device error fails the work it touched and every later
@@ -118,10 +119,12 @@ struct WorkerOptions {
 
 class DeviceWorker {
  public:
-  // `index` numbers the device in the engine's list; `observer` and
-  // `on_fault` (may be empty) outlive the worker.
-  DeviceWorker(int index, std::unique_ptr<Device> device, const WorkerOptions& options,
-               EngineObserver* observer, std::function<void(int, const absl::Status&)> on_fault);
+  // `index` numbers the device in the engine's list; `name` is unique among
+  // the engine's workers (logs, metrics, errors); `observer` and `on_fault`
+  // (may be empty) outlive the worker.
+  DeviceWorker(int index, std::unique_ptr<Device> device, std::string name,
+               const WorkerOptions& options, EngineObserver* observer,
+               std::function<void(int, const absl::Status&)> on_fault);
   ~DeviceWorker();  // Stop()
   DeviceWorker(const DeviceWorker&) = delete;
   DeviceWorker& operator=(const DeviceWorker&) = delete;
@@ -192,6 +195,7 @@ class DeviceWorker {
   std::atomic<int> queue_size_{0};
   int queued_shards_ ABSL_GUARDED_BY(mu_) = 0;
   std::deque<InFlight> in_flight_ ABSL_GUARDED_BY(mu_);
+  int running_batches_ ABSL_GUARDED_BY(mu_) = 0;  // launched, Wait not yet returned
   std::vector<int> free_sets_ ABSL_GUARDED_BY(mu_);
   absl::Status fault_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

@@ -331,7 +331,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   std::unique_ptr<Engine> e(new Engine(config));
   e->observer_ = observer;
   const std::string first = devices[0]->name();
-  e->backend_name_ = first.substr(0, first.find(':'));
+  e->backend_name_ = first.substr(0, first.find(':'));  // "cuda", "cpu", "fake"
   const bool tp = config.parallel_mode == ParallelMode::kTensorParallel;
   e->heads_per_device_ = tp ? config.num_heads / num_devices : config.num_heads;
 
@@ -353,9 +353,14 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   options.spin = config.worker_spin;
   options.overlap_inputs = config.overlap_inputs;
   Engine* raw = e.get();
+  // Names unique in this engine: a device listed twice is "cuda:0" and "cuda:0#2".
+  absl::flat_hash_map<std::string, int> seen;
   for (int d = 0; d < num_devices; ++d) {
+    const std::string base = devices[d]->name();
+    const int n = ++seen[base];
+    std::string name = n == 1 ? base : absl::StrCat(base, "#", n);
     e->workers_.push_back(std::make_unique<DeviceWorker>(
-        d, std::move(devices[d]), options, observer,
+        d, std::move(devices[d]), std::move(name), options, observer,
         [raw](int device, const absl::Status& status) { raw->OnDeviceFault(device, status); }));
   }
   for (auto& w : e->workers_) RETURN_IF_ERROR(w->Start(geometry));
@@ -379,10 +384,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
 }
 
 Engine::Engine(const EngineConfig& config) : config_(config) {
-  std::random_device seed;
   absl::MutexLock lock(&table_mu_);
-  id_rng_.seed((static_cast<uint64_t>(seed()) << 32) ^ seed() ^ static_cast<uint64_t>(NowNanos()));
-  instance_id_ = absl::StrFormat("%016x", id_rng_());
+  instance_id_ = absl::StrFormat("%08x%08x", id_source_(), id_source_());
 }
 
 Engine::~Engine() {
@@ -392,6 +395,12 @@ Engine::~Engine() {
 std::vector<DeviceDescription> Engine::devices() const {
   std::vector<DeviceDescription> out;
   for (const auto& w : workers_) out.push_back(w->Describe());
+  return out;
+}
+
+std::vector<std::string> Engine::device_names() const {
+  std::vector<std::string> out;
+  for (const auto& w : workers_) out.push_back(w->name());
   return out;
 }
 
@@ -504,10 +513,12 @@ absl::StatusOr<uint64_t> Engine::CreateSequence(const std::string& label) {
           absl::StrCat("server holds ", sequences_.size(), " live sequences, the limit (",
                        "--max-live-sequences): release one first"));
     }
-    // Random 64-bit ids: an id from another replica or an earlier run of this
-    // one names no sequence here (NOT_FOUND), never someone else's.
+    // Random 64-bit ids from the OS's cryptographic generator: an id from
+    // another replica or an earlier run of this one names no sequence here
+    // (NOT_FOUND), never someone else's, and one client cannot guess
+    // another's.
     do {
-      id = id_rng_();
+      id = (static_cast<uint64_t>(id_source_()) << 32) | id_source_();
     } while (id == 0 || sequences_.contains(id) || expired_.contains(id));
     int pool = 0;
     if (config_.parallel_mode == ParallelMode::kDataParallel) {
@@ -570,21 +581,27 @@ void Engine::FreeAfterBarrier(const std::shared_ptr<Sequence>& seq, std::vector<
 }
 
 void Engine::SubmitVerify(VerifyCall call, absl::AnyInvocable<void(absl::Status)> done) {
+  // A rejection is reported after every lock StartVerify took is released:
+  // `done` may call the engine again.
+  absl::Status rejected = StartVerify(call, done);
+  if (!rejected.ok()) done(std::move(rejected));
+}
+
+absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl::Status)>& done) {
   const int heads = config_.num_heads;
   const absl::Span<VerifyItem> items = call.items;
   const int layer = call.layer;
-  auto reject = [&done](absl::Status status) { done(std::move(status)); };
-  if (items.empty()) return reject(absl::InvalidArgumentError("verify request has no items"));
+  if (items.empty()) return (absl::InvalidArgumentError("verify request has no items"));
   if (static_cast<int>(items.size()) > config_.max_batch()) {
-    return reject(absl::InvalidArgumentError(absl::StrCat(
+    return (absl::InvalidArgumentError(absl::StrCat(
         "verify request has ", items.size(), " items; max_batch is ", config_.max_batch())));
   }
   if (layer < 0 || layer >= config_.num_layers) {
-    return reject(absl::InvalidArgumentError(
+    return (absl::InvalidArgumentError(
         absl::StrCat("layer ", layer, " is outside 0..", config_.num_layers - 1)));
   }
   if (std::isnan(call.softmax_scale) || std::isinf(call.softmax_scale)) {
-    return reject(absl::InvalidArgumentError("softmax_scale must be finite"));
+    return (absl::InvalidArgumentError("softmax_scale must be finite"));
   }
   const float scale = call.softmax_scale > 0.0f ? call.softmax_scale : config_.default_softmax_scale;
 
@@ -595,13 +612,13 @@ void Engine::SubmitVerify(VerifyCall call, absl::AnyInvocable<void(absl::Status)
     const VerifyItem& it = items[k];
     const int64_t n = static_cast<int64_t>(it.parents.size());
     if (n < 1 || n > config_.max_draft_len()) {
-      return reject(absl::InvalidArgumentError(absl::StrCat("item ", k, " (sequence ", it.sequence_id,
+      return (absl::InvalidArgumentError(absl::StrCat("item ", k, " (sequence ", it.sequence_id,
                                                             "): ", n, " drafts; need 1..",
                                                             config_.max_draft_len())));
     }
     absl::StatusOr<std::vector<uint64_t>> words = BuildVisibility(it.parents);
     if (!words.ok()) {
-      return reject(absl::InvalidArgumentError(absl::StrCat(
+      return (absl::InvalidArgumentError(absl::StrCat(
           "item ", k, " (sequence ", it.sequence_id, "): ", words.status().message())));
     }
     visibility[k] = std::make_shared<const std::vector<uint64_t>>(*std::move(words));
@@ -609,13 +626,13 @@ void Engine::SubmitVerify(VerifyCall call, absl::AnyInvocable<void(absl::Status)
         static_cast<int64_t>(it.draft_kv.size()) != n * kLatentDim ||
         static_cast<int64_t>(it.out.size()) != n * heads * kValueDim ||
         static_cast<int64_t>(it.lse.size()) != n * heads) {
-      return reject(absl::InvalidArgumentError(absl::StrCat(
+      return (absl::InvalidArgumentError(absl::StrCat(
           "item ", k, " (sequence ", it.sequence_id, "): buffer sizes do not match N=", n,
           ", H=", heads, " (q [N,H,576], draft_kv [N,576], out [N,H,512], lse [N,H])")));
     }
     for (size_t j = 0; j < k; ++j) {
       if (items[j].sequence_id == it.sequence_id) {
-        return reject(absl::InvalidArgumentError(absl::StrCat(
+        return (absl::InvalidArgumentError(absl::StrCat(
             "sequence ", it.sequence_id, " appears twice (items ", j, " and ", k, ")")));
       }
     }
@@ -626,7 +643,7 @@ void Engine::SubmitVerify(VerifyCall call, absl::AnyInvocable<void(absl::Status)
   std::vector<std::shared_ptr<Sequence>> seqs(items.size());
   for (size_t k = 0; k < items.size(); ++k) {
     absl::StatusOr<std::shared_ptr<Sequence>> s = Find(items[k].sequence_id);
-    if (!s.ok()) return reject(s.status());
+    if (!s.ok()) return (s.status());
     seqs[k] = *std::move(s);
   }
   // Lock the sequences in id order (no deadlock with concurrent calls); the
@@ -656,12 +673,12 @@ void Engine::SubmitVerify(VerifyCall call, absl::AnyInvocable<void(absl::Status)
     Sequence& s = *seqs[k];
     s.mu.AssertHeld();
     const int64_t n = static_cast<int64_t>(items[k].parents.size());
-    if (s.released) return reject(NotFound(s.id));
-    if (!s.broken.ok()) return reject(s.broken);
+    if (s.released) return (NotFound(s.id));
+    if (!s.broken.ok()) return (s.broken);
     if (s.pending) {
       if (!std::equal(s.parents.begin(), s.parents.end(), items[k].parents.begin(),
                       items[k].parents.end())) {
-        return reject(absl::FailedPreconditionError(absl::StrCat(
+        return (absl::FailedPreconditionError(absl::StrCat(
             "sequence ", s.id, " has a pending step with ", s.parents.size(),
             " drafts and another tree; every layer of a step must send the same parents "
             "(Commit the step to start a new one)")));
@@ -669,7 +686,7 @@ void Engine::SubmitVerify(VerifyCall call, absl::AnyInvocable<void(absl::Status)
       continue;
     }
     if (s.length + n > config_.max_sequence_len) {
-      return reject(absl::ResourceExhaustedError(
+      return (absl::ResourceExhaustedError(
           absl::StrCat("sequence ", s.id, " would reach ", s.length + n,
                        " tokens; max_sequence_len is ", config_.max_sequence_len)));
     }
@@ -677,14 +694,14 @@ void Engine::SubmitVerify(VerifyCall call, absl::AnyInvocable<void(absl::Status)
         0, CeilDiv(s.length + n, config_.page_size) - static_cast<int64_t>(s.pages.size()));
     pool_pages[s.pool] += extra[k];
   }
-  if (absl::Status admitted = Admit(bytes); !admitted.ok()) return reject(admitted);
+  if (absl::Status admitted = Admit(bytes); !admitted.ok()) return (admitted);
   std::vector<std::vector<int32_t>> new_pages(allocators_.size());
   for (size_t p = 0; p < allocators_.size(); ++p) {
     absl::StatusOr<std::vector<int32_t>> got = allocators_[p]->Allocate(pool_pages[p]);
     if (!got.ok()) {
       for (size_t q = 0; q < p; ++q) allocators_[q]->Free(new_pages[q]);
       Unadmit(bytes);
-      return reject(got.status());
+      return (got.status());
     }
     new_pages[p] = *std::move(got);
   }
@@ -759,46 +776,53 @@ void Engine::SubmitVerify(VerifyCall call, absl::AnyInvocable<void(absl::Status)
       workers_[devices[r]]->Enqueue(shard);
     }
   }
+  return absl::OkStatus();
 }
 
 void Engine::SubmitAppendKv(AppendCall call,
                             absl::AnyInvocable<void(absl::StatusOr<int64_t>)> done) {
+  absl::Status rejected = StartAppendKv(call, done);  // after its locks are released
+  if (!rejected.ok()) done(std::move(rejected));
+}
+
+absl::Status Engine::StartAppendKv(AppendCall& call,
+                                   absl::AnyInvocable<void(absl::StatusOr<int64_t>)>& done) {
   const uint64_t id = call.sequence_id;
   const int64_t tokens = call.tokens;
   if (tokens < 1) {
-    return done(absl::InvalidArgumentError(absl::StrCat("append of ", tokens, " tokens: need >= 1")));
+    return (absl::InvalidArgumentError(absl::StrCat("append of ", tokens, " tokens: need >= 1")));
   }
   const int64_t expected = int64_t{config_.num_layers} * tokens * kLatentDim;
   if (static_cast<int64_t>(call.kv.size()) != expected) {
-    return done(absl::InvalidArgumentError(absl::StrCat("kv holds ", call.kv.size(), " values; [",
+    return (absl::InvalidArgumentError(absl::StrCat("kv holds ", call.kv.size(), " values; [",
                                                         config_.num_layers, ", ", tokens,
                                                         ", 576] needs ", expected)));
   }
   absl::StatusOr<std::shared_ptr<Sequence>> found = Find(id);
-  if (!found.ok()) return done(found.status());
+  if (!found.ok()) return (found.status());
   std::shared_ptr<Sequence> seq = *std::move(found);
   Sequence& s = *seq;
   absl::MutexLock lock(&s.mu);
-  if (s.released) return done(NotFound(id));
-  if (!s.broken.ok()) return done(s.broken);
+  if (s.released) return (NotFound(id));
+  if (!s.broken.ok()) return (s.broken);
   if (s.pending) {
-    return done(absl::FailedPreconditionError(
+    return (absl::FailedPreconditionError(
         absl::StrCat("sequence ", id, " has a pending verify step of ", s.parents.size(),
                      " drafts: Commit it before appending")));
   }
   if (call.start_position != s.length) {
-    return done(absl::FailedPreconditionError(absl::StrCat(
+    return (absl::FailedPreconditionError(absl::StrCat(
         "sequence ", id, " has length ", s.length, "; the chunk starts at ", call.start_position)));
   }
   const int64_t old_length = s.length;
   const int64_t new_length = old_length + tokens;
   if (new_length > config_.max_sequence_len) {
-    return done(absl::ResourceExhaustedError(
+    return (absl::ResourceExhaustedError(
         absl::StrCat("sequence ", id, " would reach ", new_length, " tokens; max_sequence_len is ",
                      config_.max_sequence_len)));
   }
   const int64_t bytes = static_cast<int64_t>(call.kv.size()) * sizeof(Bf16);
-  if (absl::Status admitted = Admit(bytes); !admitted.ok()) return done(admitted);
+  if (absl::Status admitted = Admit(bytes); !admitted.ok()) return (admitted);
   const int64_t extra =
       CeilDiv(new_length, config_.page_size) - static_cast<int64_t>(s.pages.size());
   std::vector<int32_t> added;
@@ -806,7 +830,7 @@ void Engine::SubmitAppendKv(AppendCall call,
     absl::StatusOr<std::vector<int32_t>> got = AllocatorOf(s).Allocate(extra);
     if (!got.ok()) {
       Unadmit(bytes);
-      return done(got.status());
+      return (got.status());
     }
     added = *std::move(got);
   }
@@ -865,32 +889,39 @@ void Engine::SubmitAppendKv(AppendCall call,
   op.count = tokens;
   op.rows_in = call.kv.data();
   op_call->Enqueue(DevicesOf(s), op);
+  return absl::OkStatus();
 }
 
 void Engine::SubmitCommit(uint64_t sequence_id, absl::Span<const int32_t> accepted,
                           absl::AnyInvocable<void(absl::StatusOr<CommitResult>)> done) {
+  absl::Status rejected = StartCommit(sequence_id, accepted, done);  // after its locks are released
+  if (!rejected.ok()) done(std::move(rejected));
+}
+
+absl::Status Engine::StartCommit(uint64_t sequence_id, absl::Span<const int32_t> accepted,
+                                 absl::AnyInvocable<void(absl::StatusOr<CommitResult>)>& done) {
   absl::StatusOr<std::shared_ptr<Sequence>> found = Find(sequence_id);
-  if (!found.ok()) return done(found.status());
+  if (!found.ok()) return (found.status());
   std::shared_ptr<Sequence> seq = *std::move(found);
   Sequence& s = *seq;
   absl::MutexLock lock(&s.mu);
-  if (s.released) return done(NotFound(sequence_id));
-  if (!s.broken.ok()) return done(s.broken);
+  if (s.released) return (NotFound(sequence_id));
+  if (!s.broken.ok()) return (s.broken);
   if (!s.pending) {
-    return done(absl::FailedPreconditionError(absl::StrCat(
+    return (absl::FailedPreconditionError(absl::StrCat(
         "sequence ", sequence_id, " has no pending verify step: Verify before Commit")));
   }
   if (absl::Status valid = ValidateAcceptedPath(s.parents, accepted); !valid.ok()) {
-    return done(valid);
+    return (valid);
   }
   const int k = static_cast<int>(accepted.size());
   if (k > 0 && s.layers_verified < config_.num_layers) {
-    return done(absl::FailedPreconditionError(absl::StrCat(
+    return (absl::FailedPreconditionError(absl::StrCat(
         "sequence ", sequence_id, ": only ", s.layers_verified, " of ", config_.num_layers,
         " layers were verified in this step; accepting drafts needs their KV in every layer "
         "(commit an empty path to drop the step)")));
   }
-  if (absl::Status admitted = Admit(0); !admitted.ok()) return done(admitted);
+  if (absl::Status admitted = Admit(0); !admitted.ok()) return (admitted);
   const int64_t prefix = s.length;
   std::vector<int32_t> table = s.pages;
   s.length += k;
@@ -941,6 +972,7 @@ void Engine::SubmitCommit(uint64_t sequence_id, absl::Span<const int32_t> accept
   op.prefix_len = prefix;
   op.accepted = op_call->accepted;
   op_call->Enqueue(DevicesOf(s), op);
+  return absl::OkStatus();
 }
 
 std::vector<int32_t> Engine::ReleaseLocked(Sequence& s) {
@@ -959,14 +991,18 @@ void Engine::SubmitRelease(uint64_t sequence_id,
   if (!found.ok()) return done(found.status());
   std::shared_ptr<Sequence> seq = *std::move(found);
   std::vector<int32_t> pages;
+  bool already_released = false;
   {
     absl::MutexLock lock(&seq->mu);
-    if (seq->released) return done(NotFound(sequence_id));
-    pages = ReleaseLocked(*seq);
-    absl::MutexLock table_lock(&table_mu_);
-    sequences_.erase(sequence_id);
-    --live_per_pool_[seq->pool];
+    already_released = seq->released;
+    if (!already_released) {
+      pages = ReleaseLocked(*seq);
+      absl::MutexLock table_lock(&table_mu_);
+      sequences_.erase(sequence_id);
+      --live_per_pool_[seq->pool];
+    }
   }
+  if (already_released) return done(NotFound(sequence_id));  // (no lock held)
   const int64_t freed = static_cast<int64_t>(pages.size());
   spdlog::debug("seq {} released, {} pages freed", sequence_id, freed);
   FreeAfterBarrier(seq, std::move(pages),

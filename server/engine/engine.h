@@ -5,7 +5,9 @@
 // Calls are asynchronous: Submit* validates the call, checks and changes the
 // sequence's state, reserves pages and queues the device work, all before it
 // returns; `done` runs once the work finished (on an engine thread), or at
-// once, on the calling thread, for a call rejected before it was queued.
+// once, on the calling thread, for a call rejected before it was queued. No
+// engine lock is held while `done` runs, so it may call the engine again; it
+// must not block for long (it runs on a device worker's thread).
 // Nothing in a Submit* blocks on a device, so no caller thread waits for
 // another sequence's work. The synchronous forms submit and wait.
 //
@@ -26,10 +28,11 @@
 // opened is closed, an append is taken back). An admitted Commit or Release
 // always runs.
 //
-// Pages freed by Commit, Release, expiry or a rollback go back to the free
-// list only once every device has passed the point in its queue where they
-// were freed, so work still queued for the old owner never touches rows of a
-// new one.
+// Pages freed by Commit, Release or expiry go back to the free list only once
+// every device has passed the point in its queue where they were freed, so
+// work still queued for the old owner never touches rows of a new one. (Pages
+// taken back from a call that was not run, and was its sequence's last, go
+// back at once: only that call would have written them.)
 #ifndef MLAVERIFY_SERVER_ENGINE_ENGINE_H_
 #define MLAVERIFY_SERVER_ENGINE_ENGINE_H_
 
@@ -141,6 +144,8 @@ class Engine {
   // "cuda", "cpu" or "fake": what the devices are.
   const std::string& backend_name() const { return backend_name_; }
   std::vector<DeviceDescription> devices() const;
+  // The workers' names by device index, unique ("cuda:0", "cuda:0#2").
+  std::vector<std::string> device_names() const;
   int num_devices() const { return static_cast<int>(workers_.size()); }
   // Query heads each device computes (num_heads / devices in TP mode).
   int heads_per_device() const { return heads_per_device_; }
@@ -191,6 +196,14 @@ class Engine {
   class OpCall;
 
   explicit Engine(const EngineConfig& config);
+  // The bodies of the Submit* calls: OK once the call is queued (`done` moved
+  // into it), else the rejection, which the caller reports after every lock
+  // taken here is released.
+  absl::Status StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl::Status)>& done);
+  absl::Status StartAppendKv(AppendCall& call,
+                             absl::AnyInvocable<void(absl::StatusOr<int64_t>)>& done);
+  absl::Status StartCommit(uint64_t sequence_id, absl::Span<const int32_t> accepted,
+                           absl::AnyInvocable<void(absl::StatusOr<CommitResult>)>& done);
   absl::StatusOr<std::shared_ptr<Sequence>> Find(uint64_t id) const;
   absl::Status NotFound(uint64_t id) const;
   PageAllocator& AllocatorOf(const Sequence& seq);
@@ -220,7 +233,8 @@ class Engine {
 
   mutable absl::Mutex table_mu_;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Sequence>> sequences_ ABSL_GUARDED_BY(table_mu_);
-  std::mt19937_64 id_rng_ ABSL_GUARDED_BY(table_mu_);
+  // getrandom(2) on Linux: unpredictable sequence ids.
+  std::random_device id_source_ ABSL_GUARDED_BY(table_mu_);
   std::vector<int64_t> live_per_pool_ ABSL_GUARDED_BY(table_mu_);
   // Recently expired ids, so that NOT_FOUND can say why.
   std::deque<uint64_t> expired_order_ ABSL_GUARDED_BY(table_mu_);
