@@ -11,79 +11,29 @@ namespace mlaverify::kernels::verify {
 constexpr int D_QK = 576;  // latent row: 512 (kv_lora_rank, also V) + 64 (rope)
 constexpr int D_V = 512;
 
-// A CTA owns BLOCK_M query rows ((draft token, head) pairs of one request) and
-// walks a chunk of the KV positions BLOCK_N tokens at a time.
+// A CTA owns BLOCK_M query rows ((draft token, head) pairs of one request).
+// The plan measures KV ranges in BLOCK_N-token tiles (the attention kernel
+// itself walks them in 16-token tiles, pipelined::BLOCK_N).
 constexpr int BLOCK_M = 32;
 constexpr int BLOCK_N = 32;
-constexpr int NUM_STAGES = 2;  // KV tiles in flight: the tile in use and the next
-// The loader (8 threads per KV row) and the softmax (8 threads per query row)
-// always run on the first ROLE_THREADS threads; extra warps only add MMA work.
-constexpr int ROLE_THREADS = 256;
-
-// Scores S = Q K^T: warp (row_group, k_group) holds Q[16 rows, 144 dims] in
-// registers for the whole CTA and computes a partial S over its 144
-// dimensions; the four k_groups' partials are summed in shared memory.
+// 16-row groups of a row tile (mma.m16n8k16's M).
 constexpr int ROW_GROUPS = BLOCK_M / 16;
-constexpr int K_GROUPS = 4;
-constexpr int K_PER_GROUP = D_QK / K_GROUPS;
-constexpr int K_STEPS_PER_GROUP = K_PER_GROUP / 16;
 constexpr int M_TILES = BLOCK_M / 16;
-
-// Warp layout of one variant: 8 warps (one CTA of 256 threads, ~210
-// registers each) or 16 warps (512 threads, at most 128 registers each:
-// twice the warps to hide latency, each with half the work).
-template <int kWarps>
-struct WarpLayout {
-  static constexpr int NUM_WARPS = kWarps;
-  static constexpr int NUM_THREADS = kWarps * 32;
-  // S: warps beyond ROW_GROUPS x K_GROUPS split the tile's tokens.
-  static constexpr int N_GROUPS = kWarps / (ROW_GROUPS * K_GROUPS);
-  static constexpr int TOKENS_PER_N_GROUP = BLOCK_N / N_GROUPS;
-  static constexpr int S_N_TILES = TOKENS_PER_N_GROUP / 8;  // n8 tiles of S per warp
-  // O += P V: warp w owns O[BLOCK_M, V_COLS_PER_WARP columns].
-  static constexpr int V_COLS_PER_WARP = D_V / kWarps;
-  static constexpr int O_N_TILES = V_COLS_PER_WARP / 8;
-
-  static_assert(kWarps % (ROW_GROUPS * K_GROUPS) == 0, "warps tile rows x k-groups x n-groups");
-  static_assert(S_N_TILES % 2 == 0, "ldmatrix.x4 loads two n8 tiles of K at a time");
-  static_assert(O_N_TILES % 2 == 0, "ldmatrix.x4.trans loads two n8 tiles of V at a time");
-  static_assert(NUM_THREADS >= ROLE_THREADS, "loader and softmax need 256 threads");
-};
 
 // Shared memory. Latent rows are 72 chunks of 16 bytes; chunk c of row r sits
 // at chunk (c & ~7) | ((c ^ r) & 7) so that the 8 rows an ldmatrix reads hit 8
 // different bank groups (row pitch 1152 B is a multiple of 128 B).
 constexpr int ROW_CHUNKS = D_QK / 8;
 constexpr int ROW_BYTES = D_QK * 2;
-constexpr int KV_STAGE_BYTES = BLOCK_N * ROW_BYTES;
-constexpr int Q_TILE_BYTES = BLOCK_M * ROW_BYTES;  // staged in KV stage 1 before the loop
-constexpr int SCORE_PITCH = BLOCK_N + 8;           // floats; +8 keeps float2 stores conflict-free
-constexpr int SCORE_BYTES = K_GROUPS * BLOCK_M * SCORE_PITCH * 4;
-constexpr int P_PITCH = BLOCK_N + 8;               // bf16; 80-byte rows: ldmatrix conflict-free
-constexpr int P_BYTES = BLOCK_M * P_PITCH * 2;
-
-constexpr int SMEM_KV_OFFSET = 0;
-constexpr int SMEM_SCORE_OFFSET = SMEM_KV_OFFSET + NUM_STAGES * KV_STAGE_BYTES;
-constexpr int SMEM_P_OFFSET = SMEM_SCORE_OFFSET + SCORE_BYTES;
-constexpr int SMEM_ALPHA_OFFSET = SMEM_P_OFFSET + P_BYTES;       // [BLOCK_M] float
-constexpr int SMEM_INV_L_OFFSET = SMEM_ALPHA_OFFSET + BLOCK_M * 4;  // [BLOCK_M] float
-constexpr int SMEM_BYTES = SMEM_INV_L_OFFSET + BLOCK_M * 4;
+constexpr int Q_TILE_BYTES = BLOCK_M * ROW_BYTES;
 
 constexpr int SM120_MAX_SMEM_PER_BLOCK = 101376;  // 99 KB: the production target's limit
-// The attention kernels' static shared memory is ForEachSegment's
+// The attention kernel's static shared memory is ForEachSegment's
 // SegmentSmem (verify_kernel.cuh): at most kVerifyStaticSharedBytes
-// (verify_params.h; ptxas reports 1,408 B for the pipelined kernel).
+// (verify_params.h; ptxas reports 1,408 B).
 
 static_assert(D_QK % 64 == 0 && D_V % 64 == 0, "latent split into 64-wide chunks");
 static_assert(BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0, "mma.m16n8k16 tiles");
-static_assert(D_QK % (K_GROUPS * 16) == 0, "each k-group holds whole k16 steps");
-static_assert(ROLE_THREADS == BLOCK_M * 8, "softmax: 8 threads per query row, 4 columns each");
-static_assert(BLOCK_N == 32, "softmax: 8 threads x 4 columns cover one KV tile");
-static_assert(ROLE_THREADS == BLOCK_N * 8 && ROW_CHUNKS % 8 == 0,
-              "loader: 8 threads per KV row, 9 chunks each");
-static_assert(Q_TILE_BYTES <= KV_STAGE_BYTES, "the Q tile is staged in one KV stage");
-static_assert(NUM_STAGES == 2, "the main loop alternates two stages");
-static_assert(SMEM_BYTES <= SM120_MAX_SMEM_PER_BLOCK, "over the sm_120 shared-memory limit");
 
 // ---------------------------------------------------------------------------
 // The warp-specialised variants (PipelinedAttentionKernel). Warps in two roles

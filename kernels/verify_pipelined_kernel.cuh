@@ -454,7 +454,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   constexpr bool kKeySplit = kKSlices == 2 && kScoreKeySplit;
   // This instance's score warps keep per-half references (see MLAVERIFY_HALF_REFS).
   constexpr bool kHalfRefs = kKeySplit && kHalfRefsIn<kPageRing>;
-  // Block-scope declarations: these hide the split-K variant's constants of the same name.
+  // Block-scope declarations: BLOCK_N hides the plan's 32-token tile (verify::BLOCK_N).
   using pipelined::BAR_FINAL;
   using pipelined::BAR_KV_FULL;
   using pipelined::BAR_P_EMPTY;
@@ -1069,12 +1069,12 @@ __global__ void __launch_bounds__(pipelined::Shape<kKSlices>::NUM_THREADS, 1)
   // Both roles pass the same block-wide barriers of ForEachSegment from their
   // own call sites (bar.sync 0 counts threads, not sites), with one shared state.
   if (threadIdx.x < pipelined::Shape<kKSlices>::SCORE_THREADS) {
-    ForEachSegment<true, kKSlices == 2 && !kFused>(
+    ForEachSegment<kKSlices == 2 && !kFused>(
         p, segments,
         [&](const VerifyWorkItem& item) { AttendSegmentPipelined<kKSlices, kPageRing, true, kFused>(p, item, smem_raw); },
         after);
   } else {
-    ForEachSegment<true, kKSlices == 2 && !kFused>(
+    ForEachSegment<kKSlices == 2 && !kFused>(
         p, segments,
         [&](const VerifyWorkItem& item) { AttendSegmentPipelined<kKSlices, kPageRing, false, kFused>(p, item, smem_raw); },
         after);

@@ -29,8 +29,7 @@ import tempfile
 # Kernels every CUDA build must report on each arch (substrings of the
 # mangled names), by source file name.
 EXPECTED = {
-    "verify_attention.cu": ["PipelinedAttentionKernel", "AttentionKernel", "CombineKernel", "PlanKernel",
-                            "InitFusedWorkspaceKernel"],
+    "verify_attention.cu": ["PipelinedAttentionKernel", "CombineKernel", "PlanKernel", "InitFusedWorkspaceKernel"],
     "kv_cache.cu": ["Kernel"],
 }
 MAX_REGISTERS = 255
