@@ -36,29 +36,6 @@
 
 namespace mlaverify::kernels::verify {
 
-// Diagnostic knockouts (wrong results by design; cmake -DMLAVERIFY_KNOCKOUT=bits,
-// default 0: none, the PTX is then the same as without this code), to see
-// which part sets the tile time (bench/NOTES.md session 8; bench/knockouts.sh):
-// 1 the loop's KV loads, 2 the PV MMAs, 4 the score MMAs, 8 the score pair's
-// exchange (each warp keeps its own partial scores; dimension split only, so
-// `pipelined` needs MLAVERIFY_SCORE_KEY_SPLIT=0 for it), 16 the softmax's
-// exponentials (P = the scaled scores), 32 the PV warps' alpha check.
-#ifndef MLAVERIFY_KNOCKOUT
-#define MLAVERIFY_KNOCKOUT 0
-#endif
-constexpr int kKnockout = MLAVERIFY_KNOCKOUT;
-constexpr int kKnockoutLoopLoads = 1, kKnockoutPvMma = 2, kKnockoutScoreMma = 4;
-constexpr int kKnockoutExchange = 8, kKnockoutExp = 16, kKnockoutAlpha = 32;
-// With an MMA knocked out, its ldmatrix results are dead, and ptxas may drop
-// the loads as well (not checked in the SASS of session 8's call-2 builds,
-// which predate this): the knockout builds fold them into a sink that
-// reaches a store no run takes, so bits 2 and 4 remove the MMAs only.
-__device__ __forceinline__ void KeepFragmentLoads(const VerifyParams& p, uint32_t sink) {
-  if constexpr (kKnockout & (kKnockoutPvMma | kKnockoutScoreMma)) {
-    if (sink == 0x9e3779b9u && p.lse != nullptr) p.lse[0] = static_cast<float>(sink);
-  }
-}
-
 // v22: the `pipelined` score warps split each 16-key tile by keys instead of
 // splitting Q's 576 dimensions (CMAKE_CUDA_FLAGS=-DMLAVERIFY_SCORE_KEY_SPLIT=0 restores
 // the dimension split, for A/B runs). The tile probe priced it at -4 %
@@ -634,7 +611,6 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
       k_frag_offset[s4] = TileOffset(k_token, (k_slice * K_SLICE) / 8 + 2 * s4 + ((lane >> 3) & 1));
     }
     uint32_t stage = 0;  // byte offset of tile t's stage
-    [[maybe_unused]] uint32_t fragment_sink = 0;  // knockout builds: keeps the fragment loads of removed MMAs
     for (int t = 0; t < num_tiles; ++t) {
       ScoreWaitForTile<kKSlices, kDecoupled>(t);
 
@@ -657,12 +633,8 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
 #pragma unroll
       for (int s = 0; s < K_STEPS; ++s) {
         if (s + 1 < K_STEPS) ptx::LdMatrixX4(kf[(s + 1) & 1], k_addr[(s + 1) & 3] + ((s + 1) >> 2) * 128);
-        if constexpr (!(kKnockout & kKnockoutScoreMma)) {
-          ptx::MmaBf16(acc[s & 1][0], q_frag[s], kf[s & 1][0], kf[s & 1][1]);
-          ptx::MmaBf16(acc[s & 1][1], q_frag[s], kf[s & 1][2], kf[s & 1][3]);
-        } else {
-          fragment_sink ^= kf[s & 1][0] ^ kf[s & 1][1] ^ kf[s & 1][2] ^ kf[s & 1][3];
-        }
+        ptx::MmaBf16(acc[s & 1][0], q_frag[s], kf[s & 1][0], kf[s & 1][1]);
+        ptx::MmaBf16(acc[s & 1][1], q_frag[s], kf[s & 1][2], kf[s & 1][3]);
       }
       // Phase offset: PV(t-1) issues its MMAs only now, while this warp
       // exchanges and runs the softmax, so the two roles' MMA phases do not
@@ -690,14 +662,12 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
           sc[1] = hi ? a03 : a01;
           sc[2] = hi ? a12 : a10;
           sc[3] = hi ? a13 : a11;
-          if constexpr (!(kKnockout & kKnockoutExchange)) {
-            ptx::NamedBarrierSync(BAR_PAIR + row_group, 32 * kKSlices);
-            const float4 o = slots[(warp ^ 1) * 32 + lane];
-            sc[0] += o.x;
-            sc[1] += o.y;
-            sc[2] += o.z;
-            sc[3] += o.w;
-          }
+          ptx::NamedBarrierSync(BAR_PAIR + row_group, 32 * kKSlices);
+          const float4 o = slots[(warp ^ 1) * 32 + lane];
+          sc[0] += o.x;
+          sc[1] += o.y;
+          sc[2] += o.z;
+          sc[3] += o.w;
         } else {
           // Every slice writes its partial S[16][16] row-major; each reads the
           // four partials of its rows (two adjacent columns per lane).
@@ -761,11 +731,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
 #pragma unroll
       for (int e = 0; e < VALUES; ++e) {
         // A masked score is -inf: -inf x scale - ref is -inf, and ex2 gives 0.
-        if constexpr (kKnockout & kKnockoutExp) {
-          sc[e] = fmaf(sc[e], scale_log2, neg_ref);
-        } else {
-          sc[e] = ptx::Exp2Approx(fmaf(sc[e], scale_log2, neg_ref));
-        }
+        sc[e] = ptx::Exp2Approx(fmaf(sc[e], scale_log2, neg_ref));
         tile_sum += sc[e];
       }
       row_sum = row_sum * alpha + tile_sum;
@@ -786,7 +752,6 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     }
 
     if (tid == 0) PhaseStamp(kStampScoreDone);
-    KeepFragmentLoads(p, fragment_sink);
     // ---- 1 / l and lse of my row, for the PV warps' epilogue ----
 #pragma unroll
     for (int x = 1; x < ROW_LANES; x <<= 1) row_sum += __shfl_xor_sync(0xffffffffu, row_sum, x);
@@ -887,7 +852,6 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     }
   };
   uint32_t stage = 0;                                      // byte offset of tile t's stage
-  [[maybe_unused]] uint32_t fragment_sink = 0;  // knockout builds: keeps the fragment loads of removed MMAs
   uint32_t free_stage = (NUM_STAGES - 1) * STAGE_BYTES;    // tile t-1's: loaded next
   // Per-half references: O's per row of this lane (rows m * 16 + g + 8 h),
   // and the score warps' per-tile references.
@@ -901,7 +865,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   for (int t = 0; t < num_tiles; ++t) {
     ptx::NamedBarrierSync(BAR_P_FULL + (t & 1), NUM_THREADS);
     if (t == 0 && tid == SCORE_THREADS) PhaseStamp(kStampPvFirstTile);
-    if constexpr (!(kHalfRefs && kKeySplit) && !(kKnockout & kKnockoutAlpha)) {
+    if constexpr (!(kHalfRefs && kKeySplit)) {
       const float* alpha = alpha_s + (t & 1) * BLOCK_M;
       float a[M_TILES][2];
 #pragma unroll
@@ -928,7 +892,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     uint32_t p_frag[M_TILES][4];
 #pragma unroll
     for (int m = 0; m < M_TILES; ++m) ptx::LdMatrixX4(p_frag[m], p_frag_addr[m] + (t & 1) * P_BUFFER_BYTES);
-    if constexpr (kHalfRefs && kKeySplit && !(kKnockout & kKnockoutAlpha)) {
+    if constexpr (kHalfRefs && kKeySplit) {
       // Per-half references (see MLAVERIFY_HALF_REFS): nothing to do while
       // both halves used O's reference; else R = the largest per row, each
       // half of P scaled by 2^(ref - R) and O by 2^(R_old - R). In the A
@@ -992,12 +956,8 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
       ptx::LdMatrixX4Trans(vf, v_addr[np % V_OFFSETS] + (np / V_OFFSETS) * 128);
 #pragma unroll
       for (int m = 0; m < M_TILES; ++m) {
-        if constexpr (!(kKnockout & kKnockoutPvMma)) {
-          ptx::MmaBf16(o_acc[m][2 * np], p_frag[m], vf[0], vf[1]);
-          ptx::MmaBf16(o_acc[m][2 * np + 1], p_frag[m], vf[2], vf[3]);
-        } else {
-          fragment_sink ^= p_frag[m][0] ^ p_frag[m][3] ^ vf[0] ^ vf[1] ^ vf[2] ^ vf[3];
-        }
+        ptx::MmaBf16(o_acc[m][2 * np], p_frag[m], vf[0], vf[1]);
+        ptx::MmaBf16(o_acc[m][2 * np + 1], p_frag[m], vf[2], vf[3]);
       }
     }
     if (t + 2 < num_tiles) ptx::NamedBarrierArrive(BAR_P_EMPTY + (t & 1), NUM_THREADS);
@@ -1009,7 +969,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     if (t >= 1) {
       // Stage (t-1) % NUM_STAGES is free (see the header): load tile t+NUM_STAGES-1 into it.
       const int load_tile = t + NUM_STAGES - 1;
-      if (!(kKnockout & kKnockoutLoopLoads) && loader && load_tile < num_tiles) {
+      if (loader && load_tile < num_tiles) {
         if constexpr (kPageRing) {
           __syncwarp();  // page ids fetched by the row's first thread are visible
           const int page = page_ring[(load_tile % pipelined::PAGE_RING) * BLOCK_N + ld_row];
@@ -1037,7 +997,6 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     PhaseStamp(kStampPvDone);
     PhaseCountTiles(num_tiles);
   }
-  KeepFragmentLoads(p, fragment_sink);
   ptx::CpAsyncWait<0>();
   // After BAR_FINAL every warp is past its last tile: the KV stages are free
   // for the store staging, a region per PV warp.

@@ -188,8 +188,8 @@ TEST_F(GpuKernelTest, AttentionMatchesReferenceOverTheGrid) {
 // `pipelined` score warps and at different tiles, so O's rescale runs deep
 // into a segment. With the grid's ranges it moves after a row's first tiles
 // only in short tree problems (a row whose first visible keys scored low).
-// Both tests fail with the rescale removed (MLAVERIFY_KNOCKOUT=32;
-// bench/NOTES.md session 14, call 3).
+// Both tests fail on a build whose PV warps skip that rescale (bench/NOTES.md
+// v26b).
 TEST_F(GpuKernelTest, RisingScoresMoveTheExponentReference) {
   std::vector<GridCase> cases = {
       {{70000}, {16}, 8, 64, MaskKind::kTree},
