@@ -42,17 +42,17 @@ cudaError_t LaunchWithDependency(Kernel kernel, dim3 grid, dim3 block, int smem_
 
 }  // namespace
 
-int VerifyAttentionSharedBytes() { return verify::pipelined::Shape<2>::SMEM_BYTES; }
+int VerifyAttentionSharedBytes() { return verify::pipelined::Shape::SMEM_BYTES; }
 
 namespace {
 
 // Page ids through the shared ring below 16 tokens per page.
 template <bool kFused>
 cudaError_t LaunchPipelined(const VerifyParams& p, bool programmatic_launch, cudaStream_t stream) {
-  using Shape = verify::pipelined::Shape<2>;
+  using Shape = verify::pipelined::Shape;
   return LaunchWithDependency(p.page_size_log2 < verify::pipelined::RING_BELOW_PAGE_LOG2
-                                  ? verify::PipelinedAttentionKernel<2, true, kFused>
-                                  : verify::PipelinedAttentionKernel<2, false, kFused>,
+                                  ? verify::PipelinedAttentionKernel<true, kFused>
+                                  : verify::PipelinedAttentionKernel<false, kFused>,
                               dim3(p.max_work), dim3(Shape::NUM_THREADS), Shape::SMEM_BYTES,
                               programmatic_launch, stream, p, /*cooperative=*/kFused);
 }
@@ -67,8 +67,8 @@ cudaError_t LaunchPipelined(const VerifyParams& p, bool programmatic_launch, cud
 cudaError_t PrepareVerifyKernels() {
   using verify::PipelinedAttentionKernel;
   using Kernel = void (*)(VerifyParams);
-  const Kernel kernels[] = {PipelinedAttentionKernel<2, true, true>, PipelinedAttentionKernel<2, false, true>,
-                            PipelinedAttentionKernel<2, true, false>, PipelinedAttentionKernel<2, false, false>};
+  const Kernel kernels[] = {PipelinedAttentionKernel<true, true>, PipelinedAttentionKernel<false, true>,
+                            PipelinedAttentionKernel<true, false>, PipelinedAttentionKernel<false, false>};
   const int bytes = VerifyAttentionSharedBytes();
   for (const Kernel kernel : kernels) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
@@ -103,12 +103,12 @@ cudaError_t SetPhaseStampBuffer(unsigned long long* stamps) {
 int FusedAttentionCtasPerSm() {
   int ctas = 0;
   const int bytes = VerifyAttentionSharedBytes();
-  const int threads = verify::pipelined::Shape<2>::NUM_THREADS;
+  const int threads = verify::pipelined::Shape::NUM_THREADS;
   int ring = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &ring, verify::PipelinedAttentionKernel<2, true, true>, threads, bytes) != cudaSuccess ||
+          &ring, verify::PipelinedAttentionKernel<true, true>, threads, bytes) != cudaSuccess ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &ctas, verify::PipelinedAttentionKernel<2, false, true>, threads, bytes) != cudaSuccess) {
+          &ctas, verify::PipelinedAttentionKernel<false, true>, threads, bytes) != cudaSuccess) {
     return 0;
   }
   return ctas < ring ? ctas : ring;

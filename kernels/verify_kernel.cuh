@@ -523,11 +523,10 @@ __device__ __forceinline__ void PrefetchQueryRows(const VerifyParams& p) {
 }
 
 // kPrefetchQueries: the second warp prefetches the batch's Q rows during the
-// warp plan (PrefetchQueryRows). The non-fused `pipelined` instances only: in
-// the 128-register kernels it cost ptxas a spill on sm_90, and in the fused
-// instance it measured B=1 0.6-1.3 us slower (bench/NOTES.md, session 7).
-// Where it pays: the stream plan's segment restarts read a cold Q
-// (B=32, L=64K, page 1: 677 -> 663 us).
+// warp plan (PrefetchQueryRows). The non-fused instances only: in the fused
+// ones it measured B=1 0.6-1.3 us slower. Where it pays: the stream plan's
+// segment restarts read a cold Q (B=32, L=64K, page 1: 677 -> 663 us;
+// bench/NOTES.md v12.2).
 template <bool kPrefetchQueries, typename Attend, typename After = NoSegmentHook>
 __device__ __forceinline__ void ForEachSegment(const VerifyParams& p, SegmentSmem& sm, Attend&& attend,
                                                After&& after = After{}) {
