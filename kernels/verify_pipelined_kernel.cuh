@@ -12,11 +12,9 @@
 //     NUM_STAGES on: wait P_EMPTY(t-2)] -> write P(t), alpha(t) -> arrive
 //     P_FULL(t).
 //   PV warps:    wait P_FULL(t) -> O = alpha O + P(t) V(t), during which
-//     they wait for their load of tile t+2 and arrive KV_FULL(t+2) (after
-//     three quarters of their MMAs of tile t, v23d; halfway in the page-ring
-//     instance, v23e; before them in the fused page-ring instance; kKvFullAt)
-//     -> arrive P_EMPTY(t) -> load tile t+NUM_STAGES-1 into the stage of
-//     tile t-1.
+//     they wait for their load of tile t+2 and arrive KV_FULL(t+2) (where:
+//     see "Where the PV warps arrive KV_FULL" below) -> arrive P_EMPTY(t) ->
+//     load tile t+NUM_STAGES-1 into the stage of tile t-1.
 // Every arrive has exactly one matching sync: P_EMPTY(t) is only signalled
 // for t + 2 < num_tiles (the tiles whose successor-but-one waits for it), and
 // KV_FULL(t+2) only for the PV-loaded tiles t+2 >= NUM_STAGES that exist.
@@ -32,33 +30,22 @@
 
 namespace mlaverify::kernels::verify {
 
-// Per-half exponent references (v26c, session 14; bench/NOTES.md). The two
-// key-split score warps of a row group need not meet at a barrier each tile
-// to agree on a row's reference. Each keeps its own, as a whole number in the
-// log2 domain (the ceiling of a tile max). It publishes the reference in
-// shared memory when it moves, and takes the partner's published one when
-// that is larger (a relaxed read, one tile late at worst). Each tile it
-// writes one "dirty" flag: it moved, or it differs from the partner's as
-// read. The PV warps load the four flags with one 16-byte load. Only on a
-// dirty tile do they read the references, scale each half of P by
-// 2^(ref - R) (a power of two: exact in bf16) and O by 2^(R_old - R), R the
-// largest.
-//
-// MLAVERIFY_HALF_REFS picks the instances:
-// - 0: none.
-// - 1: every instance.
-// - 2 (default): the page-ring instances (page < 16) only. They have no
-//   phase offset; there this gained 1.2-2.8 % on the page-1 shapes (call 7).
-//
-// On the register page path (page >= 16) the pair's barrier paces the tile:
-// v26, v26b and v26c there were 3.9-5.1 % slower compute-bound (calls 2, 3
-// and 6). The score warps then wait for the PV warps (ncu, call 5).
-#ifndef MLAVERIFY_HALF_REFS
-#define MLAVERIFY_HALF_REFS 2
-#endif
-static_assert(MLAVERIFY_HALF_REFS >= 0 && MLAVERIFY_HALF_REFS <= 2, "MLAVERIFY_HALF_REFS: 0..2");
-template <bool kPageRing>
-constexpr bool kHalfRefsIn = MLAVERIFY_HALF_REFS == 1 || (MLAVERIFY_HALF_REFS == 2 && kPageRing);
+// Per-half exponent references (v26c; the page-ring instances only, see
+// kHalfRefs in AttendSegmentPipelined). The two score warps of a row group
+// need not meet at a barrier each tile to agree on a row's reference. Each
+// keeps its own, as a whole number in the log2 domain (the ceiling of a tile
+// max). It publishes the reference in shared memory when it moves, and takes
+// the partner's published one when that is larger (a relaxed read, one tile
+// late at worst). Each tile it writes one "dirty" flag: it moved, or it
+// differs from the partner's as read. The PV warps load the four flags with
+// one 16-byte load. Only on a dirty tile do they read the references, scale
+// each half of P by 2^(ref - R) (a power of two: exact in bf16) and O by
+// 2^(R_old - R), R the largest.
+// The page-ring instances (page < 16 tokens) have no phase offset; there
+// this gained 1.2-2.8 % on the page-1 shapes. On the register page path the
+// pair's barrier paces the tile: the same change there was 3.9-5.1 % slower
+// compute-bound, the score warps then waiting for the PV warps
+// (bench/NOTES.md v26).
 namespace half_refs {
 // Float indices into the exchange area: [4 warps][16 rows] published
 // references, [2 row groups][16] key half 1's final references, then
@@ -72,45 +59,24 @@ constexpr int kTileRefsAt = 128;
 constexpr int kDirtyAt = 256;
 }  // namespace half_refs
 
-// Where the PV warps arrive KV_FULL(t+2) in their iteration t (v23, see
-// arrive_kv_full in the PV loop): 0 after their MMAs, 1 before, 2 halfway,
-// 3 after a quarter of their V pairs, 4 after three quarters (default).
-// Session 12, call 4 (H200, two passes, against 0): 2 took the compute-bound
-// shape 6.9 % and B=8 L=16K 6.0 % faster, B=32 1.2 % slower; 1 gained 6.0 %
-// and cost B=32 3.0 % (bench/NOTES.md v23). Session 13, call 2 (against 2):
-// 4 the same on the compute-bound shapes (within ±0.5 %) and B=32 0.9 %
-// faster; 3 no better than 2 anywhere (bench/NOTES.md v23d).
-// The page-1 ring instance (kPageRing, no phase offset) has its own place,
-// MLAVERIFY_KV_FULL_AT_RING, default 2 (v23e): session 13, call 4, 2 against
-// 4 at page 1 took B=8 L=64K N=16 H=16 2.8 % faster and cost B=32 0.4 %;
-// call 5, 1 against 2 cost the compute-bound shapes 3-4 %.
-#ifndef MLAVERIFY_KV_FULL_AT
-#define MLAVERIFY_KV_FULL_AT 4
-#endif
-#ifndef MLAVERIFY_KV_FULL_AT_RING
-#define MLAVERIFY_KV_FULL_AT_RING 2
-#endif
-// The fused-combine ring instance's own place (session 14, call 1): 1, before
-// the PV MMAs, takes it 1.8-2.2 % faster on its page-1 shapes (B <= 4), where
-// the non-fused ring instances lose 3-4 % with 1 (session 13, call 5).
-#ifndef MLAVERIFY_KV_FULL_AT_RING_FUSED
-#define MLAVERIFY_KV_FULL_AT_RING_FUSED 1
-#endif
-constexpr int kKvFullAtRegister = MLAVERIFY_KV_FULL_AT;
-constexpr int kKvFullAtRing = MLAVERIFY_KV_FULL_AT_RING;
-constexpr int kKvFullAtRingFused = MLAVERIFY_KV_FULL_AT_RING_FUSED;
-static_assert(kKvFullAtRingFused >= 0 && kKvFullAtRingFused <= 4, "MLAVERIFY_KV_FULL_AT_RING_FUSED: 0..4");
-static_assert(kKvFullAtRegister >= 0 && kKvFullAtRegister <= 4, "MLAVERIFY_KV_FULL_AT: 0..4");
-static_assert(kKvFullAtRing >= 0 && kKvFullAtRing <= 4, "MLAVERIFY_KV_FULL_AT_RING: 0..4");
+// Where the PV warps arrive KV_FULL(t+2) in their iteration t (see
+// arrive_kv_full in the PV loop), per instance (bench/NOTES.md v23, rf1):
+// - register page path: after three quarters of their V pairs (v23d).
+//   Halfway took the compute-bound shape 6.9 % faster than after the MMAs
+//   (v23b); three quarters is as fast there and 0.9 % faster at B=32.
+// - page-ring instance (no phase offset): halfway (v23e: 2.8 % faster than
+//   three quarters at page 1, compute-bound; before the MMAs cost 3-4 %).
+// - fused page-ring instance: before the MMAs (rf1: 1.7-2.2 % faster on its
+//   page-1 shapes, B <= 4).
 
 // The score warps' wait for tile t. PV(t-2) is done with P buffer (t & 1):
 // from tile NUM_STAGES on that is waited just before P(t) is written (in
 // ScoreTiles; v15.3): KV_FULL(t) already orders this tile after PV(t-2)'s
-// MMAs, and the MMAs of S(t) need only K. The prologue tiles keep it here: it is what keeps S(t) from
-// arriving at BAR_SCORE_MMA_DONE twice in one phase (the protocol model's
-// p-empty-late plant). Tiles of the prologue were loaded by the score warps
-// themselves (groups Q, 0, 1, ..., NUM_STAGES-1); later ones by the PV warps,
-// which arrive KV_FULL(t).
+// MMAs, and the MMAs of S(t) need only K. The prologue tiles keep it here:
+// it is what keeps S(t) from arriving at BAR_SCORE_MMA_DONE twice in one
+// phase (the protocol model's p-empty-late plant). Tiles of the prologue
+// were loaded by the score warps themselves (groups Q, 0, 1, ...,
+// NUM_STAGES-1); later ones by the PV warps, which arrive KV_FULL(t).
 __device__ __forceinline__ void ScoreWaitForTile(int t) {
   using Shape = pipelined::Shape;
   constexpr int NUM_STAGES = Shape::NUM_STAGES;
@@ -141,8 +107,8 @@ __device__ __forceinline__ void ScoreWaitForTile(int t) {
 // one `barrier.cta.red.or` per tile tells them whether any row of either half
 // exceeds its reference by more than REFERENCE_SLACK, and only then (rare once
 // the running max settles) do they swap their tile maxima through shared
-// memory and both take the larger. With kHalfRefs (the page-ring instances by
-// default, see MLAVERIFY_HALF_REFS) there is no such barrier: each warp keeps
+// memory and both take the larger. With kHalfRefs (the page-ring instances,
+// see "Per-half exponent references") there is no such barrier: each warp keeps
 // its own references and the PV warps reconcile them. Hand-over to the PV
 // warps: see the header.
 template <bool kPhaseOffset, bool kHalfRefs, int kQSteps>
@@ -400,8 +366,9 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   constexpr bool kPageLinePrefetch = !kFused;
   // PV(t)'s MMAs wait for S(t+1)'s to be issued (v15); register page path only.
   constexpr bool kPhaseOffset = !kPageRing;
-  // This instance's score warps keep per-half references (see MLAVERIFY_HALF_REFS).
-  constexpr bool kHalfRefs = kHalfRefsIn<kPageRing>;
+  // The page-ring instances' score warps keep per-half references (see
+  // "Per-half exponent references").
+  constexpr bool kHalfRefs = kPageRing;
   // Block-scope declarations: BLOCK_N hides the plan's 32-token tile (verify::BLOCK_N).
   using pipelined::BAR_FINAL;
   using pipelined::BAR_KV_FULL;
@@ -614,20 +581,17 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   // Tile t+2 has landed: KV_FULL(t+2) lets S(t+2) start. Before this
   // iteration's load is committed: groups committed so far are tiles
   // NUM_STAGES..t+NUM_STAGES-2, so tile t+2 complete leaves the NUM_STAGES-4
-  // newest pending. Where in the iteration (kKvFullAt): 0 after the MMAs
-  // (v15.3: before the loads, not after them), 1 before the MMAs (right after
-  // BAR_SCORE_MMA_DONE, never before it: S(t+2) would then arrive there a
-  // second time in the phase PV(t) has yet to take), 2, 3, 4 after a half,
-  // a quarter, three quarters of the V pairs. Earlier lets S(t+2)'s MMAs
-  // overlap PV(t)'s instead of following them, and gives each load less time
-  // to land.
-  constexpr int kKvFullAt = kPageRing ? (kFused ? kKvFullAtRingFused : kKvFullAtRing) : kKvFullAtRegister;
-  // The V pair before which places 2, 3 and 4 arrive (-1: not in the pair loop).
-  constexpr int kKvFullPair = kKvFullAt == 2   ? O_N_TILES / 4
-                              : kKvFullAt == 3 ? O_N_TILES / 8
-                              : kKvFullAt == 4 ? 3 * O_N_TILES / 8
-                                               : -1;
-  [[maybe_unused]] auto arrive_kv_full = [&](int t) {
+  // newest pending. Where in the iteration: see "Where the PV warps arrive
+  // KV_FULL" at the top. Arriving during PV(t)'s MMAs lets S(t+2)'s overlap
+  // them instead of following them. Never before BAR_SCORE_MMA_DONE where
+  // there is one (the register page path): S(t+2) would then arrive there a
+  // second time in the phase PV(t) has yet to take.
+  constexpr bool kKvFullBeforeMmas = kPageRing && kFused;
+  // The V pair before which the other instances arrive: three quarters of
+  // the way through the pairs on the register page path, halfway in the
+  // page-ring instance (-1: not in the pair loop).
+  constexpr int kKvFullPair = kKvFullBeforeMmas ? -1 : kPageRing ? O_N_TILES / 4 : 3 * O_N_TILES / 8;
+  auto arrive_kv_full = [&](int t) {
     if (t + 2 < num_tiles && t + 2 >= NUM_STAGES) {
       static_assert(NUM_STAGES >= 4, "tile t+2's group is at most the second newest here");
       ptx::CpAsyncWait<NUM_STAGES - 4>();
@@ -676,7 +640,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
 #pragma unroll
     for (int m = 0; m < M_TILES; ++m) ptx::LdMatrixX4(p_frag[m], p_frag_addr[m] + (t & 1) * P_BUFFER_BYTES);
     if constexpr (kHalfRefs) {
-      // Per-half references (see MLAVERIFY_HALF_REFS): nothing to do while
+      // Per-half references (see the top of the file): nothing to do while
       // both halves used O's reference; else R = the largest per row, each
       // half of P scaled by 2^(ref - R) and O by 2^(R_old - R). In the A
       // fragment, registers 0, 1 hold keys 0-7 (key half 0) of rows g, g + 8,
@@ -725,7 +689,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     // loop): one arrival per tile from t = 1 on, so this barrier's phases
     // alternate strictly (S(t+2) waits for PV(t) at P_EMPTY).
     if (kPhaseOffset && t + 1 < num_tiles) ptx::NamedBarrierSync(BAR_SCORE_MMA_DONE, NUM_THREADS);
-    if (kKvFullAt == 1) arrive_kv_full(t);
+    if (kKvFullBeforeMmas) arrive_kv_full(t);
     uint32_t v_addr[V_OFFSETS];
 #pragma unroll
     for (int np = 0; np < V_OFFSETS; ++np) v_addr[np] = kv_base + stage + v_frag_offset[np];
@@ -744,7 +708,6 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
       }
     }
     if (t + 2 < num_tiles) ptx::NamedBarrierArrive(BAR_P_EMPTY + (t & 1), NUM_THREADS);
-    if (kKvFullAt == 0) arrive_kv_full(t);
     // The loads go out after the MMAs: issued before them, their address
     // registers held the MMAs back until the MIO queue had taken all nine
     // cp.async (bench/NOTES.md v4h); tile t+NUM_STAGES-1 is needed

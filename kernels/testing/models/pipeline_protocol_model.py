@@ -14,13 +14,14 @@ between writing the tile maxima and reading the partner's: it must report bad
 runs. `--plant kv-full-before-offset` has the PV warps arrive KV_FULL(t+2)
 before their BAR_SCORE_MMA_DONE sync (v23's early arrival one step too
 early): S(t+2) can then arrive at MMA_DONE twice in one phase.
-Run: python3 kernels/testing/models/pipeline_protocol_model.py (~30 s);
+Run: python3 kernels/testing/models/pipeline_protocol_model.py (~10 s);
 prints "bad runs: 0" and exits 0 when clean. `--plant staging-before-final`
 runs it with a fault planted on purpose (the epilogue stages O before
 BAR_FINAL, over tiles other warps may still read): it must report bad runs.
-`--plant published-early` reads the partner's published references
-(MLAVERIFY_HALF_REFS) before the tile's BAR_SCORE / KV_FULL sync instead of
-after it: tile t - 1's value is then not guaranteed visible.
+`--plant published-early` reads the partner's published references (the
+page-ring instances' per-half references) before the tile's BAR_SCORE /
+KV_FULL sync instead of after it: tile t - 1's value is then not guaranteed
+visible.
 `--plant p-empty-late` moves the score warps' P_EMPTY wait from the top of
 the tile to just before P(t) is written, for every tile: then a score warp
 can arrive at BAR_SCORE_MMA_DONE (v15.1) twice before a lagging PV warp
@@ -37,23 +38,19 @@ which must come after every read of them and after every cp.async into them.
 import random, sys
 
 PLANT = sys.argv[sys.argv.index('--plant') + 1] if '--plant' in sys.argv else None
-# The PV warps arrive KV_FULL(t+2) during their MMAs of tile t (v23,
-# MLAVERIFY_KV_FULL_AT=4, after three quarters (default); =2, =3, halfway and
-# after a quarter; =1, before them: all order the same against
-# the other warps: PV(t) reads only stage t's tile either way), after the
-# phase-offset sync; --kv-full-late models =0, after the MMAs.
-KV_FULL_EARLY = '--kv-full-late' not in sys.argv
-# Per-half exponent references (MLAVERIFY_HALF_REFS, session 14): the key-split
+# The PV warps arrive KV_FULL(t+2) during their MMAs of tile t (v23: three
+# quarters through them on the register page path, halfway in the page-ring
+# instance, before them in the fused page-ring one; all order the same
+# against the other warps, PV(t) reads only stage t's tile either way),
+# after the phase-offset sync where there is one.
+# Per-half exponent references (v26c), in the page-ring instances: the score
 # pair drops its per-tile barrier; each score warp publishes its references
 # (a relaxed word, read by the partner at the top of the next tiles) and
-# writes the tile's references and dirty flag beside P. Default 2: the
-# page-ring instances only; --half-refs-all: every key-split instance (1);
-# --half-refs-none: none (0).
-HALF_REFS = 1 if '--half-refs-all' in sys.argv else 0 if '--half-refs-none' in sys.argv else 2
+# writes the tile's references and dirty flag beside P.
 
 def half_refs_in(ring):
     """Whether this instance's score pair keeps per-half references."""
-    return HALF_REFS == 1 or (HALF_REFS == 2 and ring)
+    return ring
 
 KS = 2  # score warps per row group (Shape::KEY_HALVES)
 
@@ -242,20 +239,17 @@ def run(nt, ring, seed):
             if half_refs_in(ring):
                 for x in range(SW): read_res(w, ('refs', t & 1, x), t)
             kv_full = t + 2 < nt and t + 2 >= NS
-            if kv_full and KV_FULL_EARLY and PLANT == 'kv-full-before-offset':
+            if kv_full and PLANT == 'kv-full-before-offset':
                 wait(w, NS - 4)
                 yield ('arrive', BAR_KV_FULL + (t & 1), ALL)
                 kv_full = False
             if not ring and t + 1 < nt: yield ('sync', BAR_SCORE_MMA_DONE, ALL)  # phase offset (v15, register page path)
-            if kv_full and KV_FULL_EARLY:  # v23: during the MMAs (after the phase-offset sync)
+            if kv_full:  # v23: during the MMAs (after the phase-offset sync)
                 wait(w, NS - 4)
                 yield ('arrive', BAR_KV_FULL + (t & 1), ALL)
             read_stage(w, t % NS, t, 'pv')
             yield None
             if t + 2 < nt: yield ('arrive', BAR_P_EMPTY + (t & 1), ALL)
-            if kv_full and not KV_FULL_EARLY:  # before this iteration's loads (kDecoupled, v15.3)
-                wait(w, NS - 4)
-                yield ('arrive', BAR_KV_FULL + (t & 1), ALL)
             if t >= 1:
                 lt = t + NS - 1
                 if loader and lt < nt:
