@@ -210,8 +210,8 @@ if want stalls && command -v ncu >/dev/null; then
   grep -E 'Throughput|Pipe|Stall|stall|Issue|Warp Cycles|Eligible|Active|Duration' \
     "$out/stalls_details.txt" | head -40
   wc -l "$out/stalls_sass.csv"; head -3 "$out/stalls_sass.csv" | cut -c1-600
-  python3 bench/sass_profile.py "$out/stalls_sass.csv" --regions 0x1000 > "$out/stalls_regions.txt" 2>&1
-  python3 bench/sass_profile.py "$out/stalls_sass.csv" --loops > "$out/stalls_loops.txt" 2>&1
+  python3 bench/research/sass_profile.py "$out/stalls_sass.csv" --regions 0x1000 > "$out/stalls_regions.txt" 2>&1
+  python3 bench/research/sass_profile.py "$out/stalls_sass.csv" --loops > "$out/stalls_loops.txt" 2>&1
   grep -E "^== |stalls:" "$out/stalls_loops.txt"
   tail -12 "$out/stalls_regions.txt"
 fi
@@ -221,7 +221,7 @@ if want sass && command -v cuobjdump >/dev/null; then
   summary+=("sass rc=$? ($(wc -l < "$out/sass_sm90.txt") lines)")
   # Instructions and WARPSYNC per tile loop of every attention kernel: compare
   # with the previous build's before reading an A/B (bench/NOTES.md v8.2).
-  python3 bench/sass_loops.py "$out/sass_sm90.txt" > "$out/sass_loops.txt" 2>&1
+  python3 bench/research/sass_loops.py "$out/sass_sm90.txt" > "$out/sass_loops.txt" 2>&1
   cat "$out/sass_loops.txt"
 fi
 if want triton; then

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Split-heuristic sweep (min_chunk_tiles x ctas_per_sm) on a few shapes. GPU
-# machine, over the bundle of bench/gpu_run.sh:  OUT=/tmp/o bench/tune_split.sh
+# machine, over the bundle of bench/gpu_run.sh:  OUT=/tmp/o bench/research/tune_split.sh
+# (writes $OUT/tune.tgz).
 set -uo pipefail
 export LD_LIBRARY_PATH=.device/bundle/lib
 b=.device/bundle/bin/mlaverify-bench
