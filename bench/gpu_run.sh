@@ -216,7 +216,7 @@ if want stalls && command -v ncu >/dev/null; then
   tail -12 "$out/stalls_regions.txt"
 fi
 if want sass && command -v cuobjdump >/dev/null; then
-  # The attention kernels' SASS (instruction counts per loop, scheduling).
+  # The attention kernel instances' SASS (instruction counts per loop, scheduling).
   cuobjdump -sass -arch sm_90 "$bundle/bin/mlaverify-bench" > "$out/sass_sm90.txt" 2>&1
   summary+=("sass rc=$? ($(wc -l < "$out/sass_sm90.txt") lines)")
   # Instructions and WARPSYNC per tile loop of every attention kernel: compare

@@ -182,8 +182,8 @@ absl::StatusOr<nlohmann::json> RecordPhaseStamps(cudaGraphExec_t exec, cudaStrea
   // The SM clock between entry and the last tile, and the cycles per tile
   // over that span (it includes the plan and the prologue: a long segment's
   // per-tile figure, a short one's upper bound).
-  // (Session 13 read the B=1, L=64K figure as a slower tile; it was the
-  // head: bench/NOTES.md session 15, call 2. Hence the label.)
+  // Hence the label "+head": read as a tile cost, the B=1, L=64K figure once
+  // suggested a slower tile; it was the head (bench/NOTES.md, the time model).
   const char* raw_labels[] = {"SM MHz", "cyc/tile+head", "tiles"};
   for (int k = kernels::kFirstRawSlot; k < kPhaseSlots; ++k) {
     std::vector<int64_t> v;

@@ -105,7 +105,7 @@ __device__ __forceinline__ int SplitFirstTile(int split, int tiles, int splits) 
 //
 // Two implementations of the same arithmetic (the helpers below): PlanKernel,
 // one CTA of one thread per request, writes the whole plan; for batch
-// <= kPlanInWarpMaxBatch the attention kernels plan in their first warp
+// <= kPlanInWarpMaxBatch the attention kernel plans in its first warp
 // instead (PlanInWarp, no plan launch: bench/NOTES.md v6).
 // kernels/testing/models/plan_model.py mirrors both and checks coverage.
 // ---------------------------------------------------------------------------
@@ -832,10 +832,10 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
       // rescale once, and each split adds w o with one FFMA per column. (An
       // online max per split, rescaling before every split, was 2.5x the
       // code, and the combine kernel's merge waits on its code streaming in:
-      // -1 to -1.5 us, bench/NOTES.md v10 and session 10's v17.)
+      // -1 to -1.5 us, bench/NOTES.md v10 and v17.)
       // No branch on the LSEs (v17 had `continue` while all were -inf): a
       // reference of 0 then keeps every weight and scale 0 (v17.1: -0.1 to
-      // -0.3 us in the fused merge, bench/NOTES.md session 11).
+      // -0.3 us in the fused merge, bench/NOTES.md v17.1).
       float m_new = m;
 #pragma unroll
       for (int u = 0; u < COMBINE_UNROLL; ++u) m_new = fmaxf(m_new, lse_v[u]);
@@ -1010,13 +1010,13 @@ __device__ __forceinline__ void MergeCtaSplits(const VerifyParams& p, const Veri
     // count's old value is only looked at after the merge, so the atomic's
     // round trip to L2 overlaps the merge instead of holding the whole CTA
     // at the barrier below (0.6-0.7 us of the 2.9 us fused merge at B=1,
-    // L=4K; bench/NOTES.md session 10). The last split's CTA resets both
+    // L=4K; bench/NOTES.md v18). The last split's CTA resets both
     // counters then: every split is past its wait by then, as before.
     [[maybe_unused]] unsigned int done_before = 0;
     [[maybe_unused]] int key = 0;
     // The request's rows (tokens x heads), read before the wait so that the
     // merge does not start with this load's round trip (fused, B=1, L=4K:
-    // ~0.5 us after the wait; bench/NOTES.md session 10).
+    // ~0.5 us after the wait; bench/NOTES.md v18b).
     const int rows = p.draft_len[item.request] * p.num_heads;
     if constexpr (kFused) {
       if (threadIdx.x == 0) {

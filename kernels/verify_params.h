@@ -14,9 +14,9 @@ namespace mlaverify::kernels {
 // Query rows one attention CTA owns (BLOCK_M of verify_config.cuh, which
 // checks the two agree): the host sizes the workspace with it.
 inline constexpr int kVerifyRowsPerCta = 32;
-// Largest batch the attention kernels can plan in one warp (a lane per request).
+// Largest batch the attention kernel can plan in one warp (a lane per request).
 inline constexpr int kPlanInWarpMaxBatch = 32;
-// Upper bound of the attention kernels' static shared memory (the segment
+// Upper bound of the attention kernel's static shared memory (the segment
 // list and plan table; verify_config.cuh checks it), on top of the dynamic
 // bytes of VerifyAttentionSharedBytes.
 inline constexpr int kVerifyStaticSharedBytes = 1536;
