@@ -481,7 +481,7 @@ TEST_F(GpuKernelTest, ReusedPlanServesTheNextLayers) {
   EXPECT_GE(stale_checks, 8) << "the stale-plan check ran too rarely to show that plans are reused";
 }
 
-// The engine's pattern (server/engine/cuda_backend.cc): one workspace sized
+// The engine's pattern (server/engine/cuda_device.cc): one workspace sized
 // and initialised once for the largest batch, then launches of whatever
 // batch is at hand. The fused combine's counters and mark must sit where the
 // initialisation wrote them for every smaller batch (v9.3 had them after the
