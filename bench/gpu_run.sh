@@ -5,7 +5,7 @@
 #     build/tests/gpu_engine_test build/bench/mlaverify-bench build/bench/mlaverify-engine-bench \
 #     build/server/mlaverify-server build/client/mlaverify-client
 # and carried there (device tool: carry [".device"]):
-#   OUT=/tmp/out bench/gpu_run.sh [tests] [service] [fault] [engine] [anchor] [sweep] [triton] [variants] [stalls] [small] [pdl] [ncu] [shapes] [sass] [timeline]
+#   OUT=/tmp/out bench/gpu_run.sh [tests] [service] [fault] [engine] [anchor] [sweep] [triton] [stalls] [small] [pdl] [ncu] [shapes] [sass] [timeline]
 # Writes logs and JSON into $OUT/results.tgz (one file: the device tool brings
 # back at most 8); prints a short summary last.
 set -uo pipefail
@@ -147,15 +147,6 @@ if want shapes; then
     tee "$out/shapes.log"
   summary+=("shapes rc=${PIPESTATUS[0]}")
 fi
-if want variants; then
-  # The attention variants side by side on the four target shapes.
-  for v in ${VARIANTS:-splitk8 splitk16 pipelined pipelined16}; do
-    echo "== variant $v"
-    timeout 200 "$bundle/bin/mlaverify-bench" --variant $v --shape 1,4096,16,8 --shape 1,65536,16,8 \
-      --shape 32,65536,4,8 --shape 8,65536,16,16 --shape 32,65536,4,8,1 \
-      --out "$out/variant-$v.json" 2>&1 | grep -E '^B='
-  done 2>&1 | tee "$out/variants.log"
-fi
 if want small; then
   # Small batch, default kernel: the split knobs (lead 1 of bench/NOTES.md).
   for flags in "" "--ctas-per-sm 2 --min-chunk-tiles 4" "--min-chunk-tiles 4" "--min-chunk-tiles 1" "--pdl"; do
@@ -203,9 +194,8 @@ if want timeline && command -v ncu >/dev/null; then
   grep -E 'Kernel|gpu__time_duration' "$out/ncu_small_nocache.txt" | head -24
 fi
 if want stalls && command -v ncu >/dev/null; then
-  # Where the warps of one attention variant wait: warp-state statistics and
+  # Where the attention kernel's warps wait: warp-state statistics and
   # per-SASS-instruction stall samples (source page as CSV) at one shape.
-  variant=${VARIANT:-pipelined}
   shape=${STALL_SHAPE:-8,16384,16,8}
   # STALL_SAMPLING=0 samples every 32 cycles (small launches need it).
   sampling=()
@@ -213,25 +203,25 @@ if want stalls && command -v ncu >/dev/null; then
   timeout 300 ncu --clock-control none --section WarpStateStats --section SourceCounters "${sampling[@]}" \
     --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats \
     --import-source no -k regex:Attention --launch-skip 2 --launch-count 1 -o "$out/stalls" \
-    "$bundle/bin/mlaverify-bench" --variant "$variant" --shape "$shape" --reps 3 \
+    "$bundle/bin/mlaverify-bench" --shape "$shape" --reps 3 \
     > "$out/stalls_run.txt" 2>&1
   ncu -i "$out/stalls.ncu-rep" --print-details all > "$out/stalls_details.txt" 2>&1
   ncu -i "$out/stalls.ncu-rep" --page source --csv --print-source sass > "$out/stalls_sass.csv" 2>&1
   grep -E 'Throughput|Pipe|Stall|stall|Issue|Warp Cycles|Eligible|Active|Duration' \
     "$out/stalls_details.txt" | head -40
   wc -l "$out/stalls_sass.csv"; head -3 "$out/stalls_sass.csv" | cut -c1-600
-  python3 bench/sass_profile.py "$out/stalls_sass.csv" --regions 0x1000 > "$out/stalls_regions.txt" 2>&1
-  python3 bench/sass_profile.py "$out/stalls_sass.csv" --loops > "$out/stalls_loops.txt" 2>&1
+  python3 bench/research/sass_profile.py "$out/stalls_sass.csv" --regions 0x1000 > "$out/stalls_regions.txt" 2>&1
+  python3 bench/research/sass_profile.py "$out/stalls_sass.csv" --loops > "$out/stalls_loops.txt" 2>&1
   grep -E "^== |stalls:" "$out/stalls_loops.txt"
   tail -12 "$out/stalls_regions.txt"
 fi
 if want sass && command -v cuobjdump >/dev/null; then
-  # The attention kernels' SASS (instruction counts per loop, scheduling).
+  # The attention kernel instances' SASS (instruction counts per loop, scheduling).
   cuobjdump -sass -arch sm_90 "$bundle/bin/mlaverify-bench" > "$out/sass_sm90.txt" 2>&1
   summary+=("sass rc=$? ($(wc -l < "$out/sass_sm90.txt") lines)")
   # Instructions and WARPSYNC per tile loop of every attention kernel: compare
   # with the previous build's before reading an A/B (bench/NOTES.md v8.2).
-  python3 bench/sass_loops.py "$out/sass_sm90.txt" > "$out/sass_loops.txt" 2>&1
+  python3 bench/research/sass_loops.py "$out/sass_sm90.txt" > "$out/sass_loops.txt" 2>&1
   cat "$out/sass_loops.txt"
 fi
 if want triton; then

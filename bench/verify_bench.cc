@@ -182,8 +182,8 @@ absl::StatusOr<nlohmann::json> RecordPhaseStamps(cudaGraphExec_t exec, cudaStrea
   // The SM clock between entry and the last tile, and the cycles per tile
   // over that span (it includes the plan and the prologue: a long segment's
   // per-tile figure, a short one's upper bound).
-  // (Session 13 read the B=1, L=64K figure as a slower tile; it was the
-  // head: bench/NOTES.md session 15, call 2. Hence the label.)
+  // Hence the label "+head": read as a tile cost, the B=1, L=64K figure once
+  // suggested a slower tile; it was the head (bench/NOTES.md, the time model).
   const char* raw_labels[] = {"SM MHz", "cyc/tile+head", "tiles"};
   for (int k = kernels::kFirstRawSlot; k < kPhaseSlots; ++k) {
     std::vector<int64_t> v;
@@ -266,7 +266,6 @@ int Run(int argc, char** argv) {
   int ctas_per_sm = 1;
   int min_chunk_tiles = 0;
   bool no_pdl = false;
-  std::string variant;
   std::string stamps_path;
   app.add_option("--suite", suite, "named suite: anchor, sweep, smoke");
   app.add_option("--shape", shape_texts, "B,L,N,H[,page_size[,chain|tree]] (repeatable)");
@@ -276,8 +275,6 @@ int Run(int argc, char** argv) {
   app.add_flag("--no-flush", no_flush, "do not flush L2 between repetitions (warm cache)");
   app.add_option("--ctas-per-sm", ctas_per_sm, "split target: CTAs per SM");
   app.add_option("--min-chunk-tiles", min_chunk_tiles, "smallest KV split in 32-token tiles");
-  app.add_option("--variant", variant,
-                 "attention kernel: splitk8, splitk16, pipelined or pipelined16 (default: library's)");
   bool plan_kernel = false;
   app.add_flag("--plan-kernel", plan_kernel,
                "always launch the plan kernel (default: batches <= 32 plan in the attention kernel)");
@@ -349,14 +346,6 @@ int Run(int argc, char** argv) {
   if (no_fused_combine) config->fused_combine_max_batch = 0;
   if (pdl) config->programmatic_launch = true;  // else the library's default
   if (no_pdl) config->programmatic_launch = false;
-  if (!variant.empty()) {
-    auto parsed = kernels::ParseAttentionVariant(variant);
-    if (!parsed.ok()) {
-      std::cerr << parsed.status() << "\n";
-      return 2;
-    }
-    config->attention_variant = *parsed;
-  }
   cudaDeviceProp prop;
   cudaGetDeviceProperties(&prop, 0);
   auto read_bw = kernels::testing::MeasureReadBandwidth(size_t{4} << 30, 20);
@@ -364,19 +353,17 @@ int Run(int argc, char** argv) {
     std::cerr << read_bw.status() << "\n";
     return 3;
   }
-  std::printf("gpu %s, %d SMs, read bandwidth %.2f TB/s, attention %s, smem %d B\n",
-              prop.name, prop.multiProcessorCount, *read_bw / 1e12,
-              kernels::AttentionVariantName(config->attention_variant),
-              kernels::VerifyAttentionSharedBytes(config->attention_variant));
+  std::printf("gpu %s, %d SMs, read bandwidth %.2f TB/s, attention smem %d B\n",
+              prop.name, prop.multiProcessorCount, *read_bw / 1e12, kernels::VerifyAttentionSharedBytes());
 
   DeviceBuffer flush_buffer;
   if (!flush_buffer.Allocate(size_t{256} << 20).ok()) return 3;
 
   // The launch floor: what a graph replay of an empty kernel with the
-  // attention grid's shape (one CTA of 256 threads per SM, the variant's
-  // shared memory) costs, timed like the rows below. A small shape's time
+  // attention grid's shape (one CTA of 256 threads per SM, the attention
+  // kernel's shared memory) costs, timed like the rows below. A small shape's time
   // minus this is what the kernel itself can still win.
-  const int floor_smem = kernels::VerifyAttentionSharedBytes(config->attention_variant);
+  const int floor_smem = kernels::VerifyAttentionSharedBytes();
   auto launch_floor = kernels::testing::MeasureLaunchFloorUs(prop.multiProcessorCount, 256, floor_smem,
                                                              /*cooperative=*/false, 200, flush_buffer);
   auto launch_floor_coop = kernels::testing::MeasureLaunchFloorUs(prop.multiProcessorCount, 256, floor_smem,
@@ -540,9 +527,7 @@ int Run(int argc, char** argv) {
                            {"reuse_plan", config->reuse_plan},
                            {"stream_plan", config->stream_plan},
                            {"fused_combine_max_batch", config->fused_combine_max_batch},
-                           {"attention_variant", kernels::AttentionVariantName(config->attention_variant)},
-                           {"attention_smem_bytes",
-                            kernels::VerifyAttentionSharedBytes(config->attention_variant)},
+                           {"attention_smem_bytes", kernels::VerifyAttentionSharedBytes()},
                            {"rows", rows}};
   if (!out_path.empty()) {
     std::ofstream f(out_path);

@@ -42,7 +42,8 @@ enum PhaseSlot : int {
   kStampMergeShared = 23,  // the row's warps have met in shared memory (before the row is written)
   // Raw values, not times (kFirstRawSlot on): the SM clock the CTA ran at,
   // as clock64 cycles over %globaltimer ns between its entry and the PV
-  // warps' last tile, and the cycles per tile (bench/NOTES.md session 11).
+  // warps' last tile, and the cycles per tile (bench/NOTES.md, the card:
+  // the SM clock under mma.sync).
   kStampClockEntry = 24,   // clock64 where kStampEntry is taken
   kStampClockPvDone = 25,  // clock64 where kStampPvDone is taken (the CTA's last segment)
   kStampTiles = 26,        // KV tiles the CTA's PV warps ran, summed over its segments

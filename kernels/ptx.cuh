@@ -35,18 +35,13 @@ __device__ __forceinline__ void PrefetchL2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }
 
-// kOpaque: a value ptxas must keep in registers (it cannot see through the
-// move, so it cannot rebuild the value from kernel parameters where it is
-// used); false: the value as it is.
-template <bool kOpaque, typename T>
+// A value ptxas must keep in registers: it cannot see through the move, so
+// it cannot rebuild the value from kernel parameters where it is used.
+template <typename T>
 __device__ __forceinline__ T* Opaque(T* p) {
-  if constexpr (kOpaque) {
-    uint64_t v = reinterpret_cast<uint64_t>(p);
-    asm volatile("mov.b64 %0, %0;" : "+l"(v));
-    return reinterpret_cast<T*>(v);
-  } else {
-    return p;
-  }
+  uint64_t v = reinterpret_cast<uint64_t>(p);
+  asm volatile("mov.b64 %0, %0;" : "+l"(v));
+  return reinterpret_cast<T*>(v);
 }
 
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }

@@ -2,8 +2,6 @@
 // only translation unit that includes verify_kernel.cuh.
 #include <cuda_runtime.h>
 
-#include <vector>
-
 #include "kernels/verify_kernel.cuh"
 #include "kernels/verify_pipelined_kernel.cuh"
 #include "kernels/verify_params.h"
@@ -44,67 +42,39 @@ cudaError_t LaunchWithDependency(Kernel kernel, dim3 grid, dim3 block, int smem_
 
 }  // namespace
 
-int VerifyAttentionSharedBytes(AttentionVariant variant) {
-  switch (variant) {
-    case AttentionVariant::kPipelined:
-      return verify::pipelined::Shape<2>::SMEM_BYTES;
-    case AttentionVariant::kPipelined16:
-      return verify::pipelined::Shape<4>::SMEM_BYTES;
-    default:
-      return verify::SMEM_BYTES;
-  }
-}
-
-bool IsSupportedAttentionVariant(AttentionVariant variant) {
-  return variant == AttentionVariant::kSplitK8 || variant == AttentionVariant::kSplitK16 ||
-         variant == AttentionVariant::kPipelined || variant == AttentionVariant::kPipelined16;
-}
+int VerifyAttentionSharedBytes() { return verify::pipelined::Shape::SMEM_BYTES; }
 
 namespace {
 
-// Raises the shared-memory limit of every instance of a pipelined shape (both
-// page paths; for `pipelined` also the fused-combine ones).
-template <int kKSlices>
-cudaError_t PreparePipelined() {
-  using verify::PipelinedAttentionKernel;
-  using Kernel = void (*)(VerifyParams);
-  const int bytes = verify::pipelined::Shape<kKSlices>::SMEM_BYTES;
-  std::vector<Kernel> kernels = {PipelinedAttentionKernel<kKSlices, true, false>,
-                                 PipelinedAttentionKernel<kKSlices, false, false>};
-  if constexpr (kKSlices == 2) {
-    kernels.push_back(PipelinedAttentionKernel<kKSlices, true, true>);
-    kernels.push_back(PipelinedAttentionKernel<kKSlices, false, true>);
-  }
-  for (const Kernel kernel : kernels) {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (err != cudaSuccess) return err;
-  }
-  return cudaSuccess;
-}
-
 // Page ids through the shared ring below 16 tokens per page.
-template <int kKSlices, bool kFused>
+template <bool kFused>
 cudaError_t LaunchPipelined(const VerifyParams& p, bool programmatic_launch, cudaStream_t stream) {
-  using Shape = verify::pipelined::Shape<kKSlices>;
+  using Shape = verify::pipelined::Shape;
   return LaunchWithDependency(p.page_size_log2 < verify::pipelined::RING_BELOW_PAGE_LOG2
-                                  ? verify::PipelinedAttentionKernel<kKSlices, true, kFused>
-                                  : verify::PipelinedAttentionKernel<kKSlices, false, kFused>,
+                                  ? verify::PipelinedAttentionKernel<true, kFused>
+                                  : verify::PipelinedAttentionKernel<false, kFused>,
                               dim3(p.max_work), dim3(Shape::NUM_THREADS), Shape::SMEM_BYTES,
                               programmatic_launch, stream, p, /*cooperative=*/kFused);
 }
 
 }  // namespace
 
+// Raises the shared-memory limit of every attention instance (both page
+// paths, fused combine or not). The first reference to each instance in this
+// file sets the order of the kernels in the PTX, from which ptxas lays out
+// the constant bank of the fused instances' printf: fused first, as in the
+// build the kernels' figures come from, keeps their SASS identical to it.
 cudaError_t PrepareVerifyKernels() {
-  cudaError_t err = cudaFuncSetAttribute(
-      verify::AttentionKernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, verify::SMEM_BYTES);
-  if (err != cudaSuccess) return err;
-  err = cudaFuncSetAttribute(verify::AttentionKernel<16>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, verify::SMEM_BYTES);
-  if (err != cudaSuccess) return err;
-  err = PreparePipelined<2>();
-  if (err != cudaSuccess) return err;
-  return PreparePipelined<4>();
+  using verify::PipelinedAttentionKernel;
+  using Kernel = void (*)(VerifyParams);
+  const Kernel kernels[] = {PipelinedAttentionKernel<true, true>, PipelinedAttentionKernel<false, true>,
+                            PipelinedAttentionKernel<true, false>, PipelinedAttentionKernel<false, false>};
+  const int bytes = VerifyAttentionSharedBytes();
+  for (const Kernel kernel : kernels) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
 }
 
 cudaError_t LaunchInitFusedWorkspace(unsigned int* arrivals, unsigned int* done, int keys,
@@ -132,53 +102,31 @@ cudaError_t SetPhaseStampBuffer(unsigned long long* stamps) {
 
 int FusedAttentionCtasPerSm() {
   int ctas = 0;
-  const int bytes = verify::pipelined::Shape<2>::SMEM_BYTES;
-  const int threads = verify::pipelined::Shape<2>::NUM_THREADS;
+  const int bytes = VerifyAttentionSharedBytes();
+  const int threads = verify::pipelined::Shape::NUM_THREADS;
   int ring = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &ring, verify::PipelinedAttentionKernel<2, true, true>, threads, bytes) != cudaSuccess ||
+          &ring, verify::PipelinedAttentionKernel<true, true>, threads, bytes) != cudaSuccess ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &ctas, verify::PipelinedAttentionKernel<2, false, true>, threads, bytes) != cudaSuccess) {
+          &ctas, verify::PipelinedAttentionKernel<false, true>, threads, bytes) != cudaSuccess) {
     return 0;
   }
   return ctas < ring ? ctas : ring;
 }
 
-cudaError_t LaunchVerifyKernels(const VerifyParams& p, AttentionVariant variant,
-                                bool programmatic_launch, bool launch_plan, cudaStream_t stream) {
-  if (!IsSupportedAttentionVariant(variant)) return cudaErrorInvalidValue;
+cudaError_t LaunchVerifyKernels(const VerifyParams& p, bool programmatic_launch, bool launch_plan,
+                                cudaStream_t stream) {
   if (p.plan_in_warp && p.batch > kPlanInWarpMaxBatch) return cudaErrorInvalidValue;
-  if (p.stream_plan && !RunsStreamPlan(variant)) return cudaErrorInvalidValue;
-  // The fused combine: `pipelined` only, never beside PDL (an early-launched
-  // dependent grid could hold the SMs a waiting CTA's partners need).
-  if (p.fused_combine && (variant != AttentionVariant::kPipelined || programmatic_launch)) {
-    return cudaErrorInvalidValue;
-  }
-  cudaError_t err = cudaSuccess;
+  // The fused combine never runs beside PDL (an early-launched dependent grid
+  // could hold the SMs a waiting CTA's partners need).
+  if (p.fused_combine && programmatic_launch) return cudaErrorInvalidValue;
   if (!p.plan_in_warp && launch_plan) {
     verify::PlanKernel<<<1, verify::PLAN_THREADS, 0, stream>>>(p);
-    err = cudaGetLastError();
+    const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
-  switch (variant) {
-    case AttentionVariant::kPipelined:
-      if (p.fused_combine) return LaunchPipelined<2, true>(p, programmatic_launch, stream);
-      err = LaunchPipelined<2, false>(p, programmatic_launch, stream);
-      break;
-    case AttentionVariant::kPipelined16:
-      err = LaunchPipelined<4, false>(p, programmatic_launch, stream);
-      break;
-    case AttentionVariant::kSplitK16:
-      err = LaunchWithDependency(verify::AttentionKernel<16>, dim3(p.max_work),
-                                 dim3(verify::WarpLayout<16>::NUM_THREADS), verify::SMEM_BYTES,
-                                 programmatic_launch, stream, p);
-      break;
-    case AttentionVariant::kSplitK8:
-      err = LaunchWithDependency(verify::AttentionKernel<8>, dim3(p.max_work),
-                                 dim3(verify::WarpLayout<8>::NUM_THREADS), verify::SMEM_BYTES,
-                                 programmatic_launch, stream, p);
-      break;
-  }
+  if (p.fused_combine) return LaunchPipelined<true>(p, programmatic_launch, stream);
+  const cudaError_t err = LaunchPipelined<false>(p, programmatic_launch, stream);
   if (err != cudaSuccess) return err;
   return LaunchWithDependency(verify::CombineKernel, dim3(p.max_work),
                               dim3(verify::COMBINE_THREADS), 0, programmatic_launch, stream, p);

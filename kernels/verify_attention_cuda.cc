@@ -1,6 +1,5 @@
 #include "kernels/verify_attention_cuda.h"
 
-#include <algorithm>
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
@@ -28,37 +27,13 @@ absl::Status CheckWorkspace(const VerifyWorkspaceLayout& l, const void* workspac
 
 // The fused combine's conditions for a batch whose grid has `grid_ctas` attention CTAs.
 bool UsesFusedCombine(const VerifyLaunchConfig& c, int batch, int grid_ctas) {
-  return batch <= c.fused_combine_max_batch && c.attention_variant == AttentionVariant::kPipelined &&
-         !c.programmatic_launch && grid_ctas <= c.resident_ctas;
+  return batch <= c.fused_combine_max_batch && !c.programmatic_launch && grid_ctas <= c.resident_ctas;
 }
 
 }  // namespace
 
 bool LaunchUsesFusedCombine(const VerifyArguments& a, const VerifyLaunchConfig& c) {
   return UsesFusedCombine(c, a.batch, VerifyMaxWork(a, c));
-}
-
-const char* AttentionVariantName(AttentionVariant variant) {
-  switch (variant) {
-    case AttentionVariant::kSplitK8:
-      return "splitk8";
-    case AttentionVariant::kSplitK16:
-      return "splitk16";
-    case AttentionVariant::kPipelined:
-      return "pipelined";
-    case AttentionVariant::kPipelined16:
-      return "pipelined16";
-  }
-  return "unknown";
-}
-
-absl::StatusOr<AttentionVariant> ParseAttentionVariant(absl::string_view name) {
-  for (const AttentionVariant v : {AttentionVariant::kSplitK8, AttentionVariant::kSplitK16,
-                                   AttentionVariant::kPipelined, AttentionVariant::kPipelined16}) {
-    if (name == AttentionVariantName(v)) return v;
-  }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown attention variant '", name, "': use splitk8, splitk16, pipelined or pipelined16"));
 }
 
 absl::StatusOr<VerifyLaunchConfig> PrepareVerifyLaunch(int device) {
@@ -71,10 +46,7 @@ absl::StatusOr<VerifyLaunchConfig> PrepareVerifyLaunch(int device) {
   RETURN_IF_ERROR(CudaErrorToStatus(
       cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
       "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)"));
-  const int needed = std::max({VerifyAttentionSharedBytes(AttentionVariant::kSplitK8),
-                               VerifyAttentionSharedBytes(AttentionVariant::kPipelined),
-                               VerifyAttentionSharedBytes(AttentionVariant::kPipelined16)}) +
-                     kVerifyStaticSharedBytes;
+  const int needed = VerifyAttentionSharedBytes() + kVerifyStaticSharedBytes;
   if (max_optin < needed) {
     return absl::FailedPreconditionError(
         absl::StrCat("device ", device, " allows ", max_optin,
@@ -107,11 +79,6 @@ absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchC
   if (c.num_sms < 1 || c.ctas_per_sm < 1 || c.min_chunk_tiles < 1) {
     return absl::InvalidArgumentError("launch config needs num_sms, ctas_per_sm and "
                                       "min_chunk_tiles >= 1 (see PrepareVerifyLaunch)");
-  }
-  if (!IsSupportedAttentionVariant(c.attention_variant)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "attention_variant = ", static_cast<int>(c.attention_variant),
-        ": not a known variant (splitk8, splitk16, pipelined, pipelined16)"));
   }
   if (c.plan_in_warp_max_batch < 0 || c.plan_in_warp_max_batch > kPlanInWarpMaxBatch) {
     return absl::InvalidArgumentError(absl::StrCat("plan_in_warp_max_batch = ", c.plan_in_warp_max_batch,
@@ -153,13 +120,13 @@ absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchC
   // reuse_plan: the attention CTAs read the workspace's plan (as after a plan
   // kernel) and no plan kernel is launched.
   p.plan_in_warp = !c.reuse_plan && a.batch <= c.plan_in_warp_max_batch ? 1 : 0;
-  p.stream_plan = c.stream_plan && RunsStreamPlan(c.attention_variant) ? 1 : 0;
+  p.stream_plan = c.stream_plan ? 1 : 0;
   p.split_arrivals = reinterpret_cast<unsigned int*>(base + l.split_arrivals);
   p.split_done = reinterpret_cast<unsigned int*>(base + l.split_done);
   p.fused_magic = reinterpret_cast<const unsigned long long*>(base + l.fused_magic);
   p.fused_combine = UsesFusedCombine(c, a.batch, p.max_work) ? 1 : 0;
   return CudaErrorToStatus(
-      LaunchVerifyKernels(p, c.attention_variant, c.programmatic_launch, /*launch_plan=*/!c.reuse_plan, stream),
+      LaunchVerifyKernels(p, c.programmatic_launch, /*launch_plan=*/!c.reuse_plan, stream),
       "verify launch");
 }
 

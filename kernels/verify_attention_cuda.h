@@ -12,7 +12,6 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/string_view.h"
 #include "kernels/kv_cache.h"
 #include "kernels/verify_attention.h"
 #include "kernels/verify_params.h"
@@ -23,8 +22,6 @@ struct VerifyLaunchConfig {
   int num_sms = 0;          // multiprocessors of the device
   int ctas_per_sm = 1;      // attention CTAs resident per SM (1: shared memory ~95 KB)
   int min_chunk_tiles = 2;  // smallest KV chunk of a split, in 32-token tiles
-  // Which attention kernel runs (see AttentionVariant and bench/NOTES.md).
-  AttentionVariant attention_variant = AttentionVariant::kPipelined;
   // Programmatic dependent launch between plan, attention and combine (sm_90+).
   // Off by default: on the H200 it made every anchor shape slower but three
   // H=128 rows (within 0.2 %; B=1, L=4K: 31.1 vs 27.3 us; bench/NOTES.md), for
@@ -44,8 +41,7 @@ struct VerifyLaunchConfig {
   // verify_kernel.cuh, "Fused combine"; bench/NOTES.md v8, v9.3):
   // every CTA of a split row tile waits for the tile's partials, then merges
   // its share of the rows. Needs every CTA resident at once, so it is used
-  // only with the `pipelined` variant, without programmatic launch, and when
-  // the grid fits `resident_ctas`; the kernel is then launched cooperatively
+  // only without programmatic launch and when the grid fits `resident_ctas`; the kernel is then launched cooperatively
   // (the launch fails rather than deadlocks if the grid could not be
   // resident). Otherwise the combine kernel runs as before. The workspace
   // must have gone through InitVerifyWorkspace.
@@ -73,11 +69,6 @@ struct VerifyLaunchConfig {
   // B=8 (B=1, L=4K: 18.6 -> 16.8 us), +1 us at B=32 (bench/NOTES.md v28).
   bool reuse_plan = false;
 };
-
-// "splitk8", "splitk16", "pipelined", "pipelined16": the names the benchmark
-// and logs use.
-const char* AttentionVariantName(AttentionVariant variant);
-absl::StatusOr<AttentionVariant> ParseAttentionVariant(absl::string_view name);
 
 // Whether LaunchVerifyAttention with these arguments and config merges the
 // partials inside the attention kernel (see fused_combine).

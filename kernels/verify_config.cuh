@@ -11,104 +11,46 @@ namespace mlaverify::kernels::verify {
 constexpr int D_QK = 576;  // latent row: 512 (kv_lora_rank, also V) + 64 (rope)
 constexpr int D_V = 512;
 
-// A CTA owns BLOCK_M query rows ((draft token, head) pairs of one request) and
-// walks a chunk of the KV positions BLOCK_N tokens at a time.
+// A CTA owns BLOCK_M query rows ((draft token, head) pairs of one request).
+// The plan measures KV ranges in BLOCK_N-token tiles (the attention kernel
+// itself walks them in 16-token tiles, pipelined::BLOCK_N).
 constexpr int BLOCK_M = 32;
 constexpr int BLOCK_N = 32;
-constexpr int NUM_STAGES = 2;  // KV tiles in flight: the tile in use and the next
-// The loader (8 threads per KV row) and the softmax (8 threads per query row)
-// always run on the first ROLE_THREADS threads; extra warps only add MMA work.
-constexpr int ROLE_THREADS = 256;
-
-// Scores S = Q K^T: warp (row_group, k_group) holds Q[16 rows, 144 dims] in
-// registers for the whole CTA and computes a partial S over its 144
-// dimensions; the four k_groups' partials are summed in shared memory.
+// 16-row groups of a row tile (mma.m16n8k16's M).
 constexpr int ROW_GROUPS = BLOCK_M / 16;
-constexpr int K_GROUPS = 4;
-constexpr int K_PER_GROUP = D_QK / K_GROUPS;
-constexpr int K_STEPS_PER_GROUP = K_PER_GROUP / 16;
 constexpr int M_TILES = BLOCK_M / 16;
-
-// Warp layout of one variant: 8 warps (one CTA of 256 threads, ~210
-// registers each) or 16 warps (512 threads, at most 128 registers each:
-// twice the warps to hide latency, each with half the work).
-template <int kWarps>
-struct WarpLayout {
-  static constexpr int NUM_WARPS = kWarps;
-  static constexpr int NUM_THREADS = kWarps * 32;
-  // S: warps beyond ROW_GROUPS x K_GROUPS split the tile's tokens.
-  static constexpr int N_GROUPS = kWarps / (ROW_GROUPS * K_GROUPS);
-  static constexpr int TOKENS_PER_N_GROUP = BLOCK_N / N_GROUPS;
-  static constexpr int S_N_TILES = TOKENS_PER_N_GROUP / 8;  // n8 tiles of S per warp
-  // O += P V: warp w owns O[BLOCK_M, V_COLS_PER_WARP columns].
-  static constexpr int V_COLS_PER_WARP = D_V / kWarps;
-  static constexpr int O_N_TILES = V_COLS_PER_WARP / 8;
-
-  static_assert(kWarps % (ROW_GROUPS * K_GROUPS) == 0, "warps tile rows x k-groups x n-groups");
-  static_assert(S_N_TILES % 2 == 0, "ldmatrix.x4 loads two n8 tiles of K at a time");
-  static_assert(O_N_TILES % 2 == 0, "ldmatrix.x4.trans loads two n8 tiles of V at a time");
-  static_assert(NUM_THREADS >= ROLE_THREADS, "loader and softmax need 256 threads");
-};
 
 // Shared memory. Latent rows are 72 chunks of 16 bytes; chunk c of row r sits
 // at chunk (c & ~7) | ((c ^ r) & 7) so that the 8 rows an ldmatrix reads hit 8
 // different bank groups (row pitch 1152 B is a multiple of 128 B).
 constexpr int ROW_CHUNKS = D_QK / 8;
 constexpr int ROW_BYTES = D_QK * 2;
-constexpr int KV_STAGE_BYTES = BLOCK_N * ROW_BYTES;
-constexpr int Q_TILE_BYTES = BLOCK_M * ROW_BYTES;  // staged in KV stage 1 before the loop
-constexpr int SCORE_PITCH = BLOCK_N + 8;           // floats; +8 keeps float2 stores conflict-free
-constexpr int SCORE_BYTES = K_GROUPS * BLOCK_M * SCORE_PITCH * 4;
-constexpr int P_PITCH = BLOCK_N + 8;               // bf16; 80-byte rows: ldmatrix conflict-free
-constexpr int P_BYTES = BLOCK_M * P_PITCH * 2;
-
-constexpr int SMEM_KV_OFFSET = 0;
-constexpr int SMEM_SCORE_OFFSET = SMEM_KV_OFFSET + NUM_STAGES * KV_STAGE_BYTES;
-constexpr int SMEM_P_OFFSET = SMEM_SCORE_OFFSET + SCORE_BYTES;
-constexpr int SMEM_ALPHA_OFFSET = SMEM_P_OFFSET + P_BYTES;       // [BLOCK_M] float
-constexpr int SMEM_INV_L_OFFSET = SMEM_ALPHA_OFFSET + BLOCK_M * 4;  // [BLOCK_M] float
-constexpr int SMEM_BYTES = SMEM_INV_L_OFFSET + BLOCK_M * 4;
+constexpr int Q_TILE_BYTES = BLOCK_M * ROW_BYTES;
 
 constexpr int SM120_MAX_SMEM_PER_BLOCK = 101376;  // 99 KB: the production target's limit
-// The attention kernels' static shared memory is ForEachSegment's
+// The attention kernel's static shared memory is ForEachSegment's
 // SegmentSmem (verify_kernel.cuh): at most kVerifyStaticSharedBytes
-// (verify_params.h; ptxas reports 1,408 B for the pipelined kernel).
+// (verify_params.h; ptxas reports 1,408 B).
 
 static_assert(D_QK % 64 == 0 && D_V % 64 == 0, "latent split into 64-wide chunks");
 static_assert(BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0, "mma.m16n8k16 tiles");
-static_assert(D_QK % (K_GROUPS * 16) == 0, "each k-group holds whole k16 steps");
-static_assert(ROLE_THREADS == BLOCK_M * 8, "softmax: 8 threads per query row, 4 columns each");
-static_assert(BLOCK_N == 32, "softmax: 8 threads x 4 columns cover one KV tile");
-static_assert(ROLE_THREADS == BLOCK_N * 8 && ROW_CHUNKS % 8 == 0,
-              "loader: 8 threads per KV row, 9 chunks each");
-static_assert(Q_TILE_BYTES <= KV_STAGE_BYTES, "the Q tile is staged in one KV stage");
-static_assert(NUM_STAGES == 2, "the main loop alternates two stages");
-static_assert(SMEM_BYTES <= SM120_MAX_SMEM_PER_BLOCK, "over the sm_120 shared-memory limit");
 
 // ---------------------------------------------------------------------------
-// The warp-specialised variants (PipelinedAttentionKernel). Warps in two roles
-// that run one KV tile apart:
-//   score warps, warp = (row_group, k_slice): Q[16 rows, 576 / K_SLICES dims]
-//     in registers; a partial S over their dimensions, reduced with the other
-//     k_slices of the row group through shared memory; each warp then runs
-//     the online softmax of its share of the rows and writes their P(t).
-//     Shape<2> splits keys instead (v22, kScoreKeySplit): warp = (row_group,
-//     key half), Q[16 rows, 576 dims] in 144 registers, S of its 8 keys with
-//     no exchange; the pair only agrees on changes of a row's exponent
-//     reference (verify_pipelined_kernel.cuh, ScoreTilesKeySplit).
+// The attention kernel (PipelinedAttentionKernel, verify_pipelined_kernel.cuh):
+// warp-specialised, 4 + 4 warps (one warp per role per SM sub-partition) in
+// two roles that run one KV tile apart:
+//   score warps, warp = (row_group, key half): Q[16 rows, 576 dims] in 144
+//     registers, S of the half's 8 keys of a 16-key tile over all 576 dims,
+//     the online softmax of those scores, P(t) written to shared memory. The
+//     pair of a row group only agrees on changes of a row's exponent
+//     reference (ScoreTilesKeySplit).
 //   PV warps: O[32 rows, 512 / PV_WARPS columns] in registers;
 //     O = alpha O + P(t) V(t) while the score warps already work on tile t+1.
-//     They also issue the KV loads (the first 128 PV threads), which keeps
-//     address arithmetic off the score warps (ncu, bench/NOTES.md v4a/v4b).
+//     They also issue the KV loads, which keeps address arithmetic off the
+//     score warps (ncu, bench/NOTES.md v4a/v4b).
 // They hand over through named barriers (double-buffered P and alpha), so
 // the tensor pipe stays busy during the softmax. KV tiles are 16 tokens so
-// that several stages fit 99 KB.
-//   Shape<2> (`pipelined`): 4 + 4 warps, five stages; one warp per role per
-//     SM sub-partition.
-//   Shape<4> (`pipelined16`): 8 + 8 warps at <= 128 registers, four stages
-//     (the four-way partial-score buffer leaves no room for a fifth): two
-//     warps per role per sub-partition, so that one's latency hides behind the
-//     other's work (bench/NOTES.md v4h, v5).
+// that five stages fit 99 KB.
 // ---------------------------------------------------------------------------
 namespace pipelined {
 constexpr int BLOCK_N = 16;
@@ -131,36 +73,33 @@ static_assert((1 << RING_BELOW_PAGE_LOG2) >= BLOCK_N, "a register-path tile must
 // The softmax keeps a row's exponent reference while no new score exceeds it
 // by more than this (log2 domain): P stays <= 256.
 constexpr float REFERENCE_SLACK = 8.0f;
-// Partial scores of one row group: K_SLICES warps' [16][16] fp32 (Shape<4>).
-constexpr int PARTIAL_PITCH = BLOCK_N;  // floats
 
 // Named barriers (0 is __syncthreads).
 constexpr int BAR_SCORE = 1;      // score warps: a KV tile is visible to all of them
-constexpr int BAR_PAIR = 2;       // + row_group: the row group's k_slices exchanged partial scores
+constexpr int BAR_PAIR = 2;       // + row_group: the score pair's reduction and exchanges
 constexpr int BAR_P_FULL = 4;     // + (tile & 1): P(t), alpha(t) written (score -> PV)
 constexpr int BAR_P_EMPTY = 6;    // + (tile & 1): PV(t) done with P buffer and alpha slot
 constexpr int BAR_FINAL = 8;      // 1 / l and lse of every row written (score -> PV)
 constexpr int BAR_KV_FULL = 9;    // + (tile & 1): a KV tile loaded by the PV warps has landed
 constexpr int BAR_SCORE_MMA_DONE = 11;  // the score warps issued S(t+1)'s MMAs: PV(t) may issue its own
 
-template <int kKSlices>
 struct Shape {
-  static constexpr int K_SLICES = kKSlices;
-  static constexpr int SCORE_WARPS = ROW_GROUPS * kKSlices;
+  static constexpr int KEY_HALVES = 2;  // score warps per row group, 8 of a tile's keys each
+  static constexpr int SCORE_WARPS = ROW_GROUPS * KEY_HALVES;
   static constexpr int SCORE_THREADS = SCORE_WARPS * 32;
   static constexpr int PV_WARPS = SCORE_WARPS;
   static constexpr int PV_THREADS = PV_WARPS * 32;
   static constexpr int NUM_THREADS = SCORE_THREADS + PV_THREADS;
-  static constexpr int NUM_STAGES = kKSlices == 2 ? 5 : 4;
+  static constexpr int NUM_STAGES = 5;
   static constexpr int Q_STAGE = NUM_STAGES - 2;  // Q is staged in the last two stages
-  static constexpr int K_SLICE = D_QK / kKSlices;  // dimensions of Q one score warp holds
-  static constexpr int K_STEPS = K_SLICE / 16;     // k16 steps per score warp per tile
   static constexpr int V_COLS_PER_WARP = D_V / PV_WARPS;
   static constexpr int O_N_TILES = V_COLS_PER_WARP / 8;
-  // Shape<2>: a float4 per lane (the partner's row); Shape<4>: a warp's whole
-  // partial S[16][16].
-  static constexpr int EXCHANGE_FLOATS_PER_WARP = kKSlices == 2 ? 4 * 32 : 16 * PARTIAL_PITCH;
-  static constexpr int EXCHANGE_BYTES = SCORE_WARPS * EXCHANGE_FLOATS_PER_WARP * 4;
+  // The score pairs' exchange area: tile maxima, row sums and the per-half
+  // references (1,056 bytes used; ScoreTilesKeySplit checks what it lays
+  // there). 2,048 bytes, a float4 per lane per score warp, is the layout the
+  // kernel's figures were measured with: a smaller area moves P, alpha and
+  // the page ring.
+  static constexpr int EXCHANGE_BYTES = SCORE_WARPS * 32 * 16;
 
   static constexpr int SMEM_KV_OFFSET = 0;
   static constexpr int SMEM_EXCHANGE_OFFSET = SMEM_KV_OFFSET + NUM_STAGES * STAGE_BYTES;
@@ -170,8 +109,6 @@ struct Shape {
   static constexpr int SMEM_PAGE_RING_OFFSET = SMEM_INV_L_OFFSET + BLOCK_M * 4;
   static constexpr int SMEM_BYTES = SMEM_PAGE_RING_OFFSET + PAGE_RING * BLOCK_N * 4;
 
-  static_assert(kKSlices == 2 || kKSlices == 4, "two or four k slices");
-  static_assert(K_SLICE % 16 == 0, "whole k16 steps per slice");
   static_assert(SCORE_THREADS >= LOADER_THREADS && PV_THREADS >= LOADER_THREADS &&
                     LOADER_THREADS == BLOCK_N * LOADER_THREADS_PER_ROW && ROW_CHUNKS % 8 == 0,
                 "loaders: 128 threads of each role cover a tile's 16 rows, 8 threads per row "
@@ -192,10 +129,9 @@ struct Shape {
   static_assert(SMEM_BYTES + kVerifyStaticSharedBytes <= SM120_MAX_SMEM_PER_BLOCK,
                 "over the sm_120 shared-memory limit");
 };
-static_assert(BLOCK_N == 16, "score warps hold two n8 tiles; P is one k16 step of PV");
-static_assert(Shape<2>::NUM_THREADS <= 384,
-              "one CTA per SM at > 168 registers per thread");
-static_assert(Shape<4>::NUM_THREADS == 512, "one CTA per SM at <= 128 registers per thread");
+static_assert(BLOCK_N == 16 && Shape::KEY_HALVES * 8 == BLOCK_N,
+              "a score pair holds the tile's two n8 key halves; P is one k16 step of PV");
+static_assert(Shape::NUM_THREADS <= 384, "one CTA per SM at > 168 registers per thread");
 }  // namespace pipelined
 
 __host__ __device__ constexpr int SwizzledChunk(int row, int chunk) {

@@ -1,7 +1,10 @@
-// Device code of the verify attention: the plan kernel (work list from
-// device-resident lengths), the split-KV attention kernel, and the combine
-// kernel that merges split partials by log-sum-exp. Included by exactly one
-// translation unit (verify_attention.cu).
+// Device code of the verify attention around the attention kernel
+// (verify_pipelined_kernel.cuh): the plan kernel and the in-warp plan (work
+// list from device-resident lengths), the segment loop every attention CTA
+// runs, the pieces of the attention kernel's prologue and epilogue, and the
+// combine that merges split partials by log-sum-exp (its own kernel, or
+// folded into the attention kernel). Included by exactly one translation
+// unit (verify_attention.cu).
 #ifndef MLAVERIFY_KERNELS_VERIFY_KERNEL_CUH_
 #define MLAVERIFY_KERNELS_VERIFY_KERNEL_CUH_
 
@@ -102,7 +105,7 @@ __device__ __forceinline__ int SplitFirstTile(int split, int tiles, int splits) 
 //
 // Two implementations of the same arithmetic (the helpers below): PlanKernel,
 // one CTA of one thread per request, writes the whole plan; for batch
-// <= kPlanInWarpMaxBatch the attention kernels plan in their first warp
+// <= kPlanInWarpMaxBatch the attention kernel plans in its first warp
 // instead (PlanInWarp, no plan launch: bench/NOTES.md v6).
 // kernels/testing/models/plan_model.py mirrors both and checks coverage.
 // ---------------------------------------------------------------------------
@@ -485,8 +488,6 @@ __device__ __forceinline__ void CollectStreamRound(const VerifyParams& p, const 
 // (p.plan_in_warp) or reads the plan kernel's output. Every thread of the
 // block must call it; warps of different roles may call it from different
 // sites (its barriers are bar.sync 0 over the whole block).
-// kStreamPlan false: the kernel runs under the chunk plan only (the host
-// clears p.stream_plan for it), one segment, no segment loop.
 // after(item), when given, runs in every thread after attend(item) (the
 // fused combine's arrival).
 struct NoSegmentHook {
@@ -522,12 +523,11 @@ __device__ __forceinline__ void PrefetchQueryRows(const VerifyParams& p) {
 }
 
 // kPrefetchQueries: the second warp prefetches the batch's Q rows during the
-// warp plan (PrefetchQueryRows). The non-fused `pipelined` instances only: in
-// the 128-register kernels it cost ptxas a spill on sm_90, and in the fused
-// instance it measured B=1 0.6-1.3 us slower (bench/NOTES.md, session 7).
-// Where it pays: the stream plan's segment restarts read a cold Q
-// (B=32, L=64K, page 1: 677 -> 663 us).
-template <bool kStreamPlan, bool kPrefetchQueries = false, typename Attend, typename After = NoSegmentHook>
+// warp plan (PrefetchQueryRows). The non-fused instances only: in the fused
+// ones it measured B=1 0.6-1.3 us slower. Where it pays: the stream plan's
+// segment restarts read a cold Q (B=32, L=64K, page 1: 677 -> 663 us;
+// bench/NOTES.md v12.2).
+template <bool kPrefetchQueries, typename Attend, typename After = NoSegmentHook>
 __device__ __forceinline__ void ForEachSegment(const VerifyParams& p, SegmentSmem& sm, Attend&& attend,
                                                After&& after = After{}) {
   const int x = blockIdx.x;
@@ -555,7 +555,7 @@ __device__ __forceinline__ void ForEachSegment(const VerifyParams& p, SegmentSme
   const VerifyPlanSummary summary = sm.summary;
   if (x >= summary.total_work) return;
   ptx::GridDependencyLaunchDependents();
-  if (!kStreamPlan || summary.stream_groups == 0) {
+  if (summary.stream_groups == 0) {
     attend(sm.list[0]);
     after(sm.list[0]);
     return;
@@ -581,16 +581,59 @@ __device__ __forceinline__ void ForEachSegment(const VerifyParams& p, SegmentSme
   }
 }
 
-// The pipelined kernels' epilogue: a PV warp's slice of O (32 rows x kNTiles
+// ---------------------------------------------------------------------------
+// Pieces of the attention kernel's prologue and epilogue.
+// ---------------------------------------------------------------------------
+// Byte offset of 16-byte chunk `chunk` of latent row `row` in a swizzled tile.
+__device__ __forceinline__ uint32_t TileOffset(int row, int chunk) {
+  return static_cast<uint32_t>(row * ROW_BYTES + SwizzledChunk(row, chunk) * 16);
+}
+
+// Issues the cp.async of query row `row` of the CTA's tile (request row `r`:
+// draft token r / heads, head r % heads) into a swizzled tile at `tile`, chunks
+// ld_lane + 8k; a row past the request's end is zero-filled.
+__device__ __forceinline__ void StageQueryRow(const VerifyParams& p, uint32_t tile, int row, int r,
+                                              int ld_lane, int rows, int q_row, int heads) {
+  const bool valid = r < rows;
+  const uint16_t* src = valid ? p.q + static_cast<int64_t>(q_row + r / heads) * p.q_token_stride +
+                                    static_cast<int64_t>(r % heads) * p.q_head_stride
+                              : p.q;
+#pragma unroll
+  for (int k = 0; k < ROW_CHUNKS / 8; ++k) {
+    const int chunk = ld_lane + 8 * k;
+    ptx::CpAsync16(tile + TileOffset(row, chunk), valid ? src + chunk * 8 : p.q, valid);
+  }
+}
+
+// Row `row` of the tile (request row `r`) after its last KV tile: 1 / l into
+// `inv_l` for the output stores, and the LSE (natural log) to the output for
+// an unsplit row tile (partial_slot < 0) or to the segment's partial slot.
+// `row_max` is log2-domain.
+__device__ __forceinline__ void StoreRowStats(const VerifyParams& p, int partial_slot, int row, int r,
+                                              int rows, int q_row, int heads, float row_max,
+                                              float row_sum, float* inv_l) {
+  inv_l[row] = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
+  const float lse = row_sum > 0.0f ? (row_max + __log2f(row_sum)) * LN2 : -INFINITY;
+  if (partial_slot < 0) {
+    if (r < rows) p.lse[static_cast<int64_t>(q_row + r / heads) * heads + r % heads] = lse;
+  } else {
+    p.partial_lse[partial_slot * BLOCK_M + row] = lse;
+  }
+}
+
+// The attention kernel's epilogue: a PV warp's slice of O (32 rows x kNTiles
 // * 8 columns from column col0, mma fragment layout) times 1 / l, in bf16, to
 // the output (unsplit row tile, partial_slot < 0) or the partial slot.
-// StoreOutputSlice's 4-byte stores from the fragment layout cost ~2 us at
-// B=1, L=4K (64 store instructions per thread, each touching eight rows:
-// 2,048 sector requests per CTA whether the partial was fp32 or bf16; phase
-// stamps, bench/NOTES.md v9.2). Here the warp first writes its slice to
-// `staging` (shared memory no other warp uses: the caller's KV stages after
-// the last tile), then stores whole rows with 16-byte stores. A padded pitch
-// (16 bytes) keeps both the fragment writes and the row reads free of bank
+// Partials are bf16 (half the workspace of fp32): O / l is a convex
+// combination of V rows, so bf16 keeps its range, and the merge adds one more
+// bf16 rounding (2^-9 relative) before the output's own (bench/NOTES.md v9.1).
+// 4-byte stores straight from the fragment layout cost ~2 us at B=1, L=4K
+// (64 store instructions per thread, each touching eight rows: 2,048 sector
+// requests per CTA whether the partial was fp32 or bf16; phase stamps,
+// bench/NOTES.md v9.2). So the warp first writes its slice to `staging`
+// (shared memory no other warp uses: the caller's KV stages after the last
+// tile), then stores whole rows with 16-byte stores. A padded pitch (16
+// bytes) keeps both the fragment writes and the row reads free of bank
 // conflicts. Output rows not 16-byte aligned (the API promises 4) are stored
 // four bytes at a time from the same staging.
 template <int kNTiles>
@@ -649,351 +692,6 @@ __device__ __forceinline__ void StoreOutputSliceStaged(const VerifyParams& p,
       }
     }
   }
-}
-
-// ---------------------------------------------------------------------------
-// Attention (split-K variants): one CTA per work item of the chunk plan,
-// WarpLayout<kWarps>::NUM_THREADS threads.
-// ---------------------------------------------------------------------------
-struct AttentionSmem {
-  uint8_t* base;
-  __device__ uint32_t KvStage(int stage) const {
-    return ptx::SmemAddress(base + SMEM_KV_OFFSET + stage * KV_STAGE_BYTES);
-  }
-  __device__ float* Scores() const { return reinterpret_cast<float*>(base + SMEM_SCORE_OFFSET); }
-  __device__ __nv_bfloat16* Probs() const {
-    return reinterpret_cast<__nv_bfloat16*>(base + SMEM_P_OFFSET);
-  }
-  __device__ float* Alpha() const { return reinterpret_cast<float*>(base + SMEM_ALPHA_OFFSET); }
-  __device__ float* InvL() const { return reinterpret_cast<float*>(base + SMEM_INV_L_OFFSET); }
-};
-
-// Byte offset of 16-byte chunk `chunk` of latent row `row` in a swizzled tile.
-__device__ __forceinline__ uint32_t TileOffset(int row, int chunk) {
-  return static_cast<uint32_t>(row * ROW_BYTES + SwizzledChunk(row, chunk) * 16);
-}
-
-// ---- Pieces both attention variants share ----
-
-// Issues the cp.async of query row `row` of the CTA's tile (request row `r`:
-// draft token r / heads, head r % heads) into a swizzled tile at `tile`, chunks
-// ld_lane + 8k; a row past the request's end is zero-filled.
-__device__ __forceinline__ void StageQueryRow(const VerifyParams& p, uint32_t tile, int row, int r,
-                                              int ld_lane, int rows, int q_row, int heads) {
-  const bool valid = r < rows;
-  const uint16_t* src = valid ? p.q + static_cast<int64_t>(q_row + r / heads) * p.q_token_stride +
-                                    static_cast<int64_t>(r % heads) * p.q_head_stride
-                              : p.q;
-#pragma unroll
-  for (int k = 0; k < ROW_CHUNKS / 8; ++k) {
-    const int chunk = ld_lane + 8 * k;
-    ptx::CpAsync16(tile + TileOffset(row, chunk), valid ? src + chunk * 8 : p.q, valid);
-  }
-}
-
-// Row `row` of the tile (request row `r`) after its last KV tile: 1 / l into
-// `inv_l` for the output stores, and the LSE (natural log) to the output for
-// an unsplit row tile (partial_slot < 0) or to the segment's partial slot.
-// `row_max` is log2-domain.
-__device__ __forceinline__ void StoreRowStats(const VerifyParams& p, int partial_slot, int row, int r,
-                                              int rows, int q_row, int heads, float row_max,
-                                              float row_sum, float* inv_l) {
-  inv_l[row] = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
-  const float lse = row_sum > 0.0f ? (row_max + __log2f(row_sum)) * LN2 : -INFINITY;
-  if (partial_slot < 0) {
-    if (r < rows) p.lse[static_cast<int64_t>(q_row + r / heads) * heads + r % heads] = lse;
-  } else {
-    p.partial_lse[partial_slot * BLOCK_M + row] = lse;
-  }
-}
-
-// A warp's slice of O (columns col0 + n*8 + {0,1}, rows of the mma fragment
-// layout) times 1 / l, in bf16: to the output for an unsplit row tile
-// (partial_slot < 0), to the partial slot otherwise. Rows past the request's
-// end are skipped. The split-K kernels' epilogue; the pipelined ones use
-// StoreOutputSliceStaged below. Partials are bf16 since v9.1 (half the
-// workspace; bytes were not what made the stores slow, their request count
-// was: bench/NOTES.md v9.1, v9.2). O / l is a convex combination of V rows,
-// so bf16 keeps its range, and the merge adds one more bf16 rounding (2^-9
-// relative) before the output's own.
-template <int kNTiles>
-__device__ __forceinline__ void StoreOutputSlice(const VerifyParams& p,
-                                                 const float (&o_acc)[M_TILES][kNTiles][4],
-                                                 const float* inv_l, int row_tile, int rows,
-                                                 int q_row, int heads, int partial_slot, int col0,
-                                                 int g) {
-#pragma unroll
-  for (int m = 0; m < M_TILES; ++m) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = m * 16 + g + half * 8;
-      const int r = row_tile * BLOCK_M + row;
-      if (r >= rows) continue;
-      const float inv = inv_l[row];
-      uint16_t* dst = partial_slot < 0
-                          ? p.out + static_cast<int64_t>(q_row + r / heads) * p.out_token_stride +
-                                static_cast<int64_t>(r % heads) * p.out_head_stride + col0
-                          : p.partial_out + (static_cast<int64_t>(partial_slot) * BLOCK_M + row) * D_V + col0;
-#pragma unroll
-      for (int n = 0; n < kNTiles; ++n) {
-        *reinterpret_cast<uint32_t*>(dst + n * 8) =
-            ptx::PackBf16x2(o_acc[m][n][2 * half] * inv, o_acc[m][n][2 * half + 1] * inv);
-      }
-    }
-  }
-}
-
-// One segment (work item) of the split-K variants.
-template <int kWarps>
-__device__ __forceinline__ void AttendSegmentSplitK(const VerifyParams& p, const VerifyWorkItem& item,
-                                                    uint8_t* smem_raw) {
-  using Layout = WarpLayout<kWarps>;
-  const AttentionSmem smem{smem_raw};
-
-  const int tid = threadIdx.x;
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
-  const int b = item.request;
-  const int heads = p.num_heads;
-  const int n_draft = p.draft_len[b];
-  const int prefix = p.prefix_len[b];
-  const int rows = n_draft * heads;
-  const int q_row = item.q_row;
-  const int partial_slot = item.partial_slot;
-  const int kv_begin = item.kv_begin;
-  const int kv_end = item.kv_end;
-  const int num_tiles = CeilDiv(kv_end - kv_begin, BLOCK_N);
-  const float scale = p.softmax_scale != nullptr ? p.softmax_scale[b] : p.default_softmax_scale;
-  const float scale_log2 = scale * LOG2E;
-
-  // ---- loader role (threads < ROLE_THREADS): one row of each 32-row tile,
-  // chunks ld_lane + 8k ----
-  const bool has_role = tid < ROLE_THREADS;
-  const int ld_row = (tid >> 3) & (BLOCK_N - 1);
-  const int ld_lane = tid & 7;
-  const int32_t* pages = p.page_table + b * p.page_table_stride;
-  const int page_mask = (1 << p.page_size_log2) - 1;
-  const uint16_t* layer_base =
-      p.pool + static_cast<int64_t>(p.layer[b]) * p.num_pages * (int64_t{D_QK} << p.page_size_log2);
-  auto load_page = [&](int tile) -> int {
-    const int j = kv_begin + tile * BLOCK_N + ld_row;
-    return has_role && j < kv_end ? pages[j >> p.page_size_log2] : 0;
-  };
-  auto issue_kv_tile = [&](int tile, int page, int stage) {
-    if (!has_role) return;
-    const int j = kv_begin + tile * BLOCK_N + ld_row;
-    const bool valid = j < kv_end;
-    const uint16_t* src =
-        layer_base + ((static_cast<int64_t>(page) << p.page_size_log2) + (j & page_mask)) * D_QK;
-    const uint32_t dst = smem.KvStage(stage);
-#pragma unroll
-    for (int k = 0; k < ROW_CHUNKS / 8; ++k) {
-      const int chunk = ld_lane + 8 * k;
-      ptx::CpAsync16(dst + TileOffset(ld_row, chunk), valid ? src + chunk * 8 : p.pool, valid);
-    }
-  };
-
-  // ---- prologue: Q tile into stage 1, KV tile 0 into stage 0 ----
-  if (has_role) {
-    StageQueryRow(p, smem.KvStage(1), ld_row, item.row_tile * BLOCK_M + ld_row, ld_lane, rows,
-                  q_row, heads);
-  }
-  ptx::CpAsyncCommit();
-  issue_kv_tile(0, load_page(0), 0);
-  ptx::CpAsyncCommit();
-  int next_page = num_tiles > 1 ? load_page(1) : 0;
-
-  // ---- softmax role: thread owns query row sm_row (== ld_row), columns sm_col..+3 ----
-  const int sm_row = ld_row;
-  const int sm_col = ld_lane * 4;
-  const int sm_r = item.row_tile * BLOCK_M + sm_row;
-  const bool sm_row_valid = has_role && sm_r < rows;
-  const uint64_t visible_drafts = sm_row_valid ? p.visibility[q_row + sm_r / heads] : 0;
-  float row_max = -INFINITY;  // running max of scores, log2 domain
-  float row_sum = 0.0f;       // running sum of 2^(s - row_max)
-
-  // ---- Q fragments: warp (row_group, k_group) keeps Q[16 rows, 144 dims];
-  // warps of different n_groups hold the same Q and score other tokens ----
-  const int k_group = warp % K_GROUPS;
-  const int row_group = (warp / K_GROUPS) % ROW_GROUPS;
-  const int n_group = warp / (K_GROUPS * ROW_GROUPS);
-  const int token_base = n_group * Layout::TOKENS_PER_N_GROUP;
-  uint32_t q_frag[K_STEPS_PER_GROUP][4];
-  ptx::CpAsyncWait<0>();
-  __syncthreads();
-  {
-    const uint32_t q_tile = smem.KvStage(1);
-    const int row = row_group * 16 + (lane & 15);
-#pragma unroll
-    for (int s = 0; s < K_STEPS_PER_GROUP; ++s) {
-      const int chunk = (k_group * K_PER_GROUP + s * 16) / 8 + (lane >> 4);
-      ptx::LdMatrixX4(q_frag[s], q_tile + TileOffset(row, chunk));
-    }
-  }
-
-  float o_acc[M_TILES][Layout::O_N_TILES][4];
-#pragma unroll
-  for (int m = 0; m < M_TILES; ++m)
-#pragma unroll
-    for (int n = 0; n < Layout::O_N_TILES; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o_acc[m][n][e] = 0.0f;
-
-  float* scores = smem.Scores();
-  __nv_bfloat16* probs = smem.Probs();
-  float* alpha_s = smem.Alpha();
-  const int g = lane >> 2;  // mma fragment row
-  const int t4 = lane & 3;  // mma fragment column pair
-
-  for (int tile = 0; tile < num_tiles; ++tile) {
-    const int stage = tile & 1;
-    ptx::CpAsyncWait<0>();
-    __syncthreads();  // tile ready; everyone is done with the other stage and with Q staging
-    if (tile + 1 < num_tiles) {
-      issue_kv_tile(tile + 1, next_page, stage ^ 1);
-      if (tile + 2 < num_tiles) next_page = load_page(tile + 2);
-    }
-    ptx::CpAsyncCommit();
-    const uint32_t kv = smem.KvStage(stage);
-
-    // ---- partial scores over this warp's 144 dimensions and token group ----
-    float s_acc[Layout::S_N_TILES][4];
-#pragma unroll
-    for (int n = 0; n < Layout::S_N_TILES; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s_acc[n][e] = 0.0f;
-#pragma unroll
-    for (int s = 0; s < K_STEPS_PER_GROUP; ++s) {
-      const int chunk = (k_group * K_PER_GROUP + s * 16) / 8 + ((lane >> 3) & 1);
-#pragma unroll
-      for (int np = 0; np < Layout::S_N_TILES / 2; ++np) {
-        const int token = token_base + np * 16 + (lane & 7) + ((lane >> 4) << 3);
-        uint32_t kf[4];
-        ptx::LdMatrixX4(kf, kv + TileOffset(token, chunk));
-        ptx::MmaBf16(s_acc[2 * np], q_frag[s], kf[0], kf[1]);
-        ptx::MmaBf16(s_acc[2 * np + 1], q_frag[s], kf[2], kf[3]);
-      }
-    }
-    {
-      float* part = scores + (k_group * BLOCK_M + row_group * 16) * SCORE_PITCH + token_base;
-#pragma unroll
-      for (int n = 0; n < Layout::S_N_TILES; ++n) {
-        *reinterpret_cast<float2*>(part + g * SCORE_PITCH + n * 8 + 2 * t4) =
-            make_float2(s_acc[n][0], s_acc[n][1]);
-        *reinterpret_cast<float2*>(part + (g + 8) * SCORE_PITCH + n * 8 + 2 * t4) =
-            make_float2(s_acc[n][2], s_acc[n][3]);
-      }
-    }
-    __syncthreads();
-
-    // ---- online softmax over the tile: 8 threads per row (first 256 threads) ----
-    if (has_role) {
-      float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-      for (int kg = 0; kg < K_GROUPS; ++kg) {
-        const float4 v =
-            *reinterpret_cast<const float4*>(scores + (kg * BLOCK_M + sm_row) * SCORE_PITCH + sm_col);
-        s[0] += v.x;
-        s[1] += v.y;
-        s[2] += v.z;
-        s[3] += v.w;
-      }
-      const int j0 = kv_begin + tile * BLOCK_N + sm_col;
-      float tile_max = -INFINITY;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int j = j0 + e;
-        // Prefix keys need no mask; draft keys use the tree's visibility word.
-        const bool visible = sm_row_valid && j < kv_end &&
-                             (j < prefix || ((visible_drafts >> (j - prefix)) & 1u) != 0);
-        s[e] = visible ? s[e] * scale_log2 : -INFINITY;
-        tile_max = fmaxf(tile_max, s[e]);
-      }
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 4));
-      const float new_max = fmaxf(row_max, tile_max);
-      // A row that has seen no visible key yet keeps max -inf: use 0 as the
-      // reference so that exp2(-inf - ref) is 0 rather than NaN.
-      const float ref = new_max == -INFINITY ? 0.0f : new_max;
-      const float alpha = exp2f(row_max - ref);
-      float pr[4];
-      float tile_sum = 0.0f;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        pr[e] = exp2f(s[e] - ref);
-        tile_sum += pr[e];
-      }
-      tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, 1);
-      tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, 2);
-      tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, 4);
-      row_sum = row_sum * alpha + tile_sum;
-      row_max = new_max;
-      uint2 packed;
-      packed.x = ptx::PackBf16x2(pr[0], pr[1]);
-      packed.y = ptx::PackBf16x2(pr[2], pr[3]);
-      *reinterpret_cast<uint2*>(probs + sm_row * P_PITCH + sm_col) = packed;
-      if (ld_lane == 0) alpha_s[sm_row] = alpha;
-    }
-    __syncthreads();
-
-    // ---- O[:, cols of this warp] = alpha * O + P V ----
-    {
-#pragma unroll
-      for (int m = 0; m < M_TILES; ++m) {
-        const float a_lo = alpha_s[m * 16 + g];
-        const float a_hi = alpha_s[m * 16 + g + 8];
-#pragma unroll
-        for (int n = 0; n < Layout::O_N_TILES; ++n) {
-          o_acc[m][n][0] *= a_lo;
-          o_acc[m][n][1] *= a_lo;
-          o_acc[m][n][2] *= a_hi;
-          o_acc[m][n][3] *= a_hi;
-        }
-      }
-      const uint32_t probs_addr = ptx::SmemAddress(probs);
-#pragma unroll
-      for (int ks = 0; ks < BLOCK_N / 16; ++ks) {
-        uint32_t p_frag[M_TILES][4];
-#pragma unroll
-        for (int m = 0; m < M_TILES; ++m) {
-          const int row = m * 16 + (lane & 15);
-          const int col = ks * 16 + ((lane >> 4) << 3);
-          ptx::LdMatrixX4(p_frag[m], probs_addr + (row * P_PITCH + col) * 2);
-        }
-        const int token = ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-#pragma unroll
-        for (int np = 0; np < Layout::O_N_TILES / 2; ++np) {
-          const int chunk = warp * (Layout::V_COLS_PER_WARP / 8) + np * 2 + (lane >> 4);
-          uint32_t vf[4];
-          ptx::LdMatrixX4Trans(vf, kv + TileOffset(token, chunk));
-#pragma unroll
-          for (int m = 0; m < M_TILES; ++m) {
-            ptx::MmaBf16(o_acc[m][2 * np], p_frag[m], vf[0], vf[1]);
-            ptx::MmaBf16(o_acc[m][2 * np + 1], p_frag[m], vf[2], vf[3]);
-          }
-        }
-      }
-    }
-  }
-
-  // ---- epilogue ----
-  float* inv_l = smem.InvL();
-  if (has_role && ld_lane == 0) {
-    StoreRowStats(p, partial_slot, sm_row, sm_r, rows, q_row, heads, row_max, row_sum, inv_l);
-  }
-  __syncthreads();
-  StoreOutputSlice(p, o_acc, inv_l, item.row_tile, rows, q_row, heads, partial_slot,
-                   warp * Layout::V_COLS_PER_WARP + 2 * t4, g);
-}
-
-template <int kWarps>
-__global__ void __launch_bounds__(WarpLayout<kWarps>::NUM_THREADS, 1)
-    AttentionKernel(const VerifyParams p) {
-  extern __shared__ __align__(128) uint8_t smem_raw[];
-  __shared__ SegmentSmem segments;
-  // Chunk plan only: a segment loop around this body spilled at 16 warps.
-  ForEachSegment<false>(p, segments, [&](const VerifyWorkItem& item) { AttendSegmentSplitK<kWarps>(p, item, smem_raw); });
 }
 
 // ---------------------------------------------------------------------------
@@ -1134,10 +832,10 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
       // rescale once, and each split adds w o with one FFMA per column. (An
       // online max per split, rescaling before every split, was 2.5x the
       // code, and the combine kernel's merge waits on its code streaming in:
-      // -1 to -1.5 us, bench/NOTES.md v10 and session 10's v17.)
+      // -1 to -1.5 us, bench/NOTES.md v10 and v17.)
       // No branch on the LSEs (v17 had `continue` while all were -inf): a
       // reference of 0 then keeps every weight and scale 0 (v17.1: -0.1 to
-      // -0.3 us in the fused merge, bench/NOTES.md session 11).
+      // -0.3 us in the fused merge, bench/NOTES.md v17.1).
       float m_new = m;
 #pragma unroll
       for (int u = 0; u < COMBINE_UNROLL; ++u) m_new = fmaxf(m_new, lse_v[u]);
@@ -1312,13 +1010,13 @@ __device__ __forceinline__ void MergeCtaSplits(const VerifyParams& p, const Veri
     // count's old value is only looked at after the merge, so the atomic's
     // round trip to L2 overlaps the merge instead of holding the whole CTA
     // at the barrier below (0.6-0.7 us of the 2.9 us fused merge at B=1,
-    // L=4K; bench/NOTES.md session 10). The last split's CTA resets both
+    // L=4K; bench/NOTES.md v18). The last split's CTA resets both
     // counters then: every split is past its wait by then, as before.
     [[maybe_unused]] unsigned int done_before = 0;
     [[maybe_unused]] int key = 0;
     // The request's rows (tokens x heads), read before the wait so that the
     // merge does not start with this load's round trip (fused, B=1, L=4K:
-    // ~0.5 us after the wait; bench/NOTES.md session 10).
+    // ~0.5 us after the wait; bench/NOTES.md v18b).
     const int rows = p.draft_len[item.request] * p.num_heads;
     if constexpr (kFused) {
       if (threadIdx.x == 0) {

@@ -14,9 +14,9 @@ namespace mlaverify::kernels {
 // Query rows one attention CTA owns (BLOCK_M of verify_config.cuh, which
 // checks the two agree): the host sizes the workspace with it.
 inline constexpr int kVerifyRowsPerCta = 32;
-// Largest batch the attention kernels can plan in one warp (a lane per request).
+// Largest batch the attention kernel can plan in one warp (a lane per request).
 inline constexpr int kPlanInWarpMaxBatch = 32;
-// Upper bound of the attention kernels' static shared memory (the segment
+// Upper bound of the attention kernel's static shared memory (the segment
 // list and plan table; verify_config.cuh checks it), on top of the dynamic
 // bytes of VerifyAttentionSharedBytes.
 inline constexpr int kVerifyStaticSharedBytes = 1536;
@@ -142,27 +142,12 @@ struct RowCopyParams {
   uint16_t* rows;             // [num_layers, count, 576]
 };
 
-// The attention kernel a launch uses (bench/NOTES.md has the measurements):
-//   kSplitK8 / kSplitK16: every warp computes scores, then softmax, then PV,
-//     with 8 or 16 warps per CTA (32-token KV tiles, two stages);
-//   kPipelined: warp-specialised, score warps one 16-token tile ahead of the
-//     PV warps (verify_pipelined_kernel.cuh), 4 + 4 warps;
-//   kPipelined16: the same with 8 + 8 warps at <= 128 registers (Q split four
-//     ways over the dimensions, O over eight column slices), four stages.
-enum class AttentionVariant : int { kSplitK8 = 0, kSplitK16 = 1, kPipelined = 2, kPipelined16 = 3 };
-
 // Launchers defined in the .cu files: they enqueue kernels on `stream` and
 // return the launch error; no allocation, no host synchronisation.
 // launch_plan false with params.plan_in_warp 0: no plan kernel either, the
 // attention reads the plan already in the workspace (VerifyLaunchConfig::reuse_plan).
-cudaError_t LaunchVerifyKernels(const VerifyParams& params, AttentionVariant variant,
-                                bool programmatic_launch, bool launch_plan, cudaStream_t stream);
-bool IsSupportedAttentionVariant(AttentionVariant variant);
-// Whether the variant's kernel runs the stream plan (the pipelined ones; the
-// split-K kernels have no segment loop and run the chunk plan only).
-inline bool RunsStreamPlan(AttentionVariant variant) {
-  return variant == AttentionVariant::kPipelined || variant == AttentionVariant::kPipelined16;
-}
+cudaError_t LaunchVerifyKernels(const VerifyParams& params, bool programmatic_launch, bool launch_plan,
+                                cudaStream_t stream);
 cudaError_t LaunchDraftKvWriteKernel(const DraftKvWriteParams& params, cudaStream_t stream);
 cudaError_t LaunchCompactKernel(const CompactParams& params, cudaStream_t stream);
 // to_pool: rows -> pool, else pool -> rows.
@@ -182,8 +167,8 @@ int FusedAttentionCtasPerSm();
 // (cudaErrorNotSupported) in a build without MLAVERIFY_PHASE_STAMPS.
 bool PhaseStampsCompiledIn();
 cudaError_t SetPhaseStampBuffer(unsigned long long* stamps);
-// Dynamic shared memory of an attention variant, in bytes.
-int VerifyAttentionSharedBytes(AttentionVariant variant);
+// Dynamic shared memory of the attention kernel, in bytes.
+int VerifyAttentionSharedBytes();
 
 }  // namespace mlaverify::kernels
 

@@ -1,26 +1,20 @@
-// The warp-specialised verify attention kernel: the same work items, plan and
-// combine as AttentionKernel (verify_kernel.cuh), with an inner loop in which
-// the score/softmax of KV tile t+1 runs on the score warps while the PV warps
-// accumulate P(t) V(t). See `pipelined::Shape` in verify_config.cuh for the
-// roles and the shared-memory layout, and bench/NOTES.md for why.
+// The verify attention kernel, warp-specialised: the work items, plan and
+// combine of verify_kernel.cuh, with an inner loop in which the score/softmax
+// of KV tile t+1 runs on the score warps while the PV warps accumulate
+// P(t) V(t). See `pipelined::Shape` in verify_config.cuh for the roles and
+// the shared-memory layout, and bench/NOTES.md for why.
 //
 // Hand-over per 16-token tile t (barriers indexed by t & 1):
-//   score warps: wait P_EMPTY(t-2) -> wait for tile t (their own prologue
-//     loads for t < NUM_STAGES, else KV_FULL(t)) -> S partial -> exchange with
-//     the row group's other k_slices -> softmax of the warp's rows -> write
-//     their P(t), alpha(t) -> arrive P_FULL(t). In `pipelined` (v22) the pair
-//     splits the tile's keys instead: S of its 8 keys over all 576 dims, and
-//     in place of the exchange one barrier reduction that says whether a row's
-//     exponent reference changes (ScoreTilesKeySplit).
-//   PV warps:    wait P_FULL(t) -> O = alpha O + P(t) V(t) -> arrive
-//     P_EMPTY(t) -> load tile t+NUM_STAGES-1 into the stage of tile t-1 ->
-//     wait for their load of tile t+2 -> arrive KV_FULL(t+2)
-// In `pipelined` (kDecoupled) two of these move: from tile NUM_STAGES on the
-// score warps wait P_EMPTY(t-2) just before writing P(t), not at the top, and
-// the PV warps wait for tile t+2 and arrive KV_FULL(t+2) before issuing
-// their load of the iteration, not after it: by default after three
-// quarters of their MMAs of tile t (v23d), halfway in the page-1 ring
-// instance (v23b; kKvFullAt).
+//   score warps: [tiles 2..NUM_STAGES-1: wait P_EMPTY(t-2)] -> wait for tile
+//     t (their own prologue loads for t < NUM_STAGES, else KV_FULL(t)) -> S
+//     of the warp's 8 keys over all 576 dims -> the pair's agreement on the
+//     rows' exponent references (ScoreTiles) -> softmax -> [from tile
+//     NUM_STAGES on: wait P_EMPTY(t-2)] -> write P(t), alpha(t) -> arrive
+//     P_FULL(t).
+//   PV warps:    wait P_FULL(t) -> O = alpha O + P(t) V(t), during which
+//     they wait for their load of tile t+2 and arrive KV_FULL(t+2) (where:
+//     see "Where the PV warps arrive KV_FULL" below) -> arrive P_EMPTY(t) ->
+//     load tile t+NUM_STAGES-1 into the stage of tile t-1.
 // Every arrive has exactly one matching sync: P_EMPTY(t) is only signalled
 // for t + 2 < num_tiles (the tiles whose successor-but-one waits for it), and
 // KV_FULL(t+2) only for the PV-loaded tiles t+2 >= NUM_STAGES that exist.
@@ -36,68 +30,22 @@
 
 namespace mlaverify::kernels::verify {
 
-// Diagnostic knockouts (wrong results by design; cmake -DMLAVERIFY_KNOCKOUT=bits,
-// default 0: none, the PTX is then the same as without this code), to see
-// which part sets the tile time (bench/NOTES.md session 8; bench/knockouts.sh):
-// 1 the loop's KV loads, 2 the PV MMAs, 4 the score MMAs, 8 the score pair's
-// exchange (each warp keeps its own partial scores; dimension split only, so
-// `pipelined` needs MLAVERIFY_SCORE_KEY_SPLIT=0 for it), 16 the softmax's
-// exponentials (P = the scaled scores), 32 the PV warps' alpha check.
-#ifndef MLAVERIFY_KNOCKOUT
-#define MLAVERIFY_KNOCKOUT 0
-#endif
-constexpr int kKnockout = MLAVERIFY_KNOCKOUT;
-constexpr int kKnockoutLoopLoads = 1, kKnockoutPvMma = 2, kKnockoutScoreMma = 4;
-constexpr int kKnockoutExchange = 8, kKnockoutExp = 16, kKnockoutAlpha = 32;
-// With an MMA knocked out, its ldmatrix results are dead, and ptxas may drop
-// the loads as well (not checked in the SASS of session 8's call-2 builds,
-// which predate this): the knockout builds fold them into a sink that
-// reaches a store no run takes, so bits 2 and 4 remove the MMAs only.
-__device__ __forceinline__ void KeepFragmentLoads(const VerifyParams& p, uint32_t sink) {
-  if constexpr (kKnockout & (kKnockoutPvMma | kKnockoutScoreMma)) {
-    if (sink == 0x9e3779b9u && p.lse != nullptr) p.lse[0] = static_cast<float>(sink);
-  }
-}
-
-// v22: the `pipelined` score warps split each 16-key tile by keys instead of
-// splitting Q's 576 dimensions (CMAKE_CUDA_FLAGS=-DMLAVERIFY_SCORE_KEY_SPLIT=0 restores
-// the dimension split, for A/B runs). The tile probe priced it at -4 %
-// (bench/NOTES.md session 11, call 4): the partial-score exchange through
-// shared memory goes away, and the pair synchronises once per tile with a
-// barrier reduction that only says whether a row's exponent reference must
-// change.
-#ifndef MLAVERIFY_SCORE_KEY_SPLIT
-#define MLAVERIFY_SCORE_KEY_SPLIT 1
-#endif
-constexpr bool kScoreKeySplit = MLAVERIFY_SCORE_KEY_SPLIT != 0;
-
-// Per-half exponent references (v26c, session 14; bench/NOTES.md). The two
-// key-split score warps of a row group need not meet at a barrier each tile
-// to agree on a row's reference. Each keeps its own, as a whole number in the
-// log2 domain (the ceiling of a tile max). It publishes the reference in
-// shared memory when it moves, and takes the partner's published one when
-// that is larger (a relaxed read, one tile late at worst). Each tile it
-// writes one "dirty" flag: it moved, or it differs from the partner's as
-// read. The PV warps load the four flags with one 16-byte load. Only on a
-// dirty tile do they read the references, scale each half of P by
-// 2^(ref - R) (a power of two: exact in bf16) and O by 2^(R_old - R), R the
-// largest.
-//
-// MLAVERIFY_HALF_REFS picks the instances:
-// - 0: none.
-// - 1: every key-split instance.
-// - 2 (default): the page-ring instances (page < 16) only. They have no
-//   phase offset; there this gained 1.2-2.8 % on the page-1 shapes (call 7).
-//
-// On the register page path (page >= 16) the pair's barrier paces the tile:
-// v26, v26b and v26c there were 3.9-5.1 % slower compute-bound (calls 2, 3
-// and 6). The score warps then wait for the PV warps (ncu, call 5).
-#ifndef MLAVERIFY_HALF_REFS
-#define MLAVERIFY_HALF_REFS 2
-#endif
-static_assert(MLAVERIFY_HALF_REFS >= 0 && MLAVERIFY_HALF_REFS <= 2, "MLAVERIFY_HALF_REFS: 0..2");
-template <bool kPageRing>
-constexpr bool kHalfRefsIn = kScoreKeySplit && (MLAVERIFY_HALF_REFS == 1 || (MLAVERIFY_HALF_REFS == 2 && kPageRing));
+// Per-half exponent references (v26c; the page-ring instances only, see
+// kHalfRefs in AttendSegmentPipelined). The two score warps of a row group
+// need not meet at a barrier each tile to agree on a row's reference. Each
+// keeps its own, as a whole number in the log2 domain (the ceiling of a tile
+// max). It publishes the reference in shared memory when it moves, and takes
+// the partner's published one when that is larger (a relaxed read, one tile
+// late at worst). Each tile it writes one "dirty" flag: it moved, or it
+// differs from the partner's as read. The PV warps load the four flags with
+// one 16-byte load. Only on a dirty tile do they read the references, scale
+// each half of P by 2^(ref - R) (a power of two: exact in bf16) and O by
+// 2^(R_old - R), R the largest.
+// The page-ring instances (page < 16 tokens) have no phase offset; there
+// this gained 1.2-2.8 % on the page-1 shapes. On the register page path the
+// pair's barrier paces the tile: the same change there was 3.9-5.1 % slower
+// compute-bound, the score warps then waiting for the PV warps
+// (bench/NOTES.md v26).
 namespace half_refs {
 // Float indices into the exchange area: [4 warps][16 rows] published
 // references, [2 row groups][16] key half 1's final references, then
@@ -111,53 +59,29 @@ constexpr int kTileRefsAt = 128;
 constexpr int kDirtyAt = 256;
 }  // namespace half_refs
 
-// Where the PV warps arrive KV_FULL(t+2) in their iteration t (v23, see
-// arrive_kv_full in the PV loop): 0 after their MMAs, 1 before, 2 halfway,
-// 3 after a quarter of their V pairs, 4 after three quarters (default).
-// Session 12, call 4 (H200, two passes, against 0): 2 took the compute-bound
-// shape 6.9 % and B=8 L=16K 6.0 % faster, B=32 1.2 % slower; 1 gained 6.0 %
-// and cost B=32 3.0 % (bench/NOTES.md v23). Session 13, call 2 (against 2):
-// 4 the same on the compute-bound shapes (within ±0.5 %) and B=32 0.9 %
-// faster; 3 no better than 2 anywhere (bench/NOTES.md v23d).
-// The page-1 ring instance (kPageRing, no phase offset) has its own place,
-// MLAVERIFY_KV_FULL_AT_RING, default 2 (v23e): session 13, call 4, 2 against
-// 4 at page 1 took B=8 L=64K N=16 H=16 2.8 % faster and cost B=32 0.4 %;
-// call 5, 1 against 2 cost the compute-bound shapes 3-4 %. (Only `pipelined`
-// is decoupled: in `pipelined16` arrive_kv_full is empty.)
-#ifndef MLAVERIFY_KV_FULL_AT
-#define MLAVERIFY_KV_FULL_AT 4
-#endif
-#ifndef MLAVERIFY_KV_FULL_AT_RING
-#define MLAVERIFY_KV_FULL_AT_RING 2
-#endif
-// The fused-combine ring instance's own place (session 14, call 1): 1, before
-// the PV MMAs, takes it 1.8-2.2 % faster on its page-1 shapes (B <= 4), where
-// the non-fused ring instances lose 3-4 % with 1 (session 13, call 5).
-#ifndef MLAVERIFY_KV_FULL_AT_RING_FUSED
-#define MLAVERIFY_KV_FULL_AT_RING_FUSED 1
-#endif
-constexpr int kKvFullAtRegister = MLAVERIFY_KV_FULL_AT;
-constexpr int kKvFullAtRing = MLAVERIFY_KV_FULL_AT_RING;
-constexpr int kKvFullAtRingFused = MLAVERIFY_KV_FULL_AT_RING_FUSED;
-static_assert(kKvFullAtRingFused >= 0 && kKvFullAtRingFused <= 4, "MLAVERIFY_KV_FULL_AT_RING_FUSED: 0..4");
-static_assert(kKvFullAtRegister >= 0 && kKvFullAtRegister <= 4, "MLAVERIFY_KV_FULL_AT: 0..4");
-static_assert(kKvFullAtRing >= 0 && kKvFullAtRing <= 4, "MLAVERIFY_KV_FULL_AT_RING: 0..4");
+// Where the PV warps arrive KV_FULL(t+2) in their iteration t (see
+// arrive_kv_full in the PV loop), per instance (bench/NOTES.md v23, rf1):
+// - register page path: after three quarters of their V pairs (v23d).
+//   Halfway took the compute-bound shape 6.9 % faster than after the MMAs
+//   (v23b); three quarters is as fast there and 0.9 % faster at B=32.
+// - page-ring instance (no phase offset): halfway (v23e: 2.8 % faster than
+//   three quarters at page 1, compute-bound; before the MMAs cost 3-4 %).
+// - fused page-ring instance: before the MMAs (rf1: 1.7-2.2 % faster on its
+//   page-1 shapes, B <= 4).
 
-// The score warps' wait for tile t, the same in both splits. PV(t-2) is done
-// with P buffer (t & 1). Decoupled (`pipelined`), from tile NUM_STAGES on
-// that is waited just before P(t) is written (in the callers): KV_FULL(t)
-// already orders this tile after PV(t-2)'s MMAs, and the MMAs of S(t) need
-// only K. The prologue tiles keep it here: it is what keeps S(t) from
-// arriving at BAR_SCORE_MMA_DONE twice in one phase (the protocol model's
-// p-empty-late plant). Tiles of the prologue were loaded by the score warps
-// themselves (groups Q, 0, 1, ..., NUM_STAGES-1); later ones by the PV warps,
-// which arrive KV_FULL(t).
-template <int kKSlices, bool kDecoupled>
+// The score warps' wait for tile t. PV(t-2) is done with P buffer (t & 1):
+// from tile NUM_STAGES on that is waited just before P(t) is written (in
+// ScoreTiles; v15.3): KV_FULL(t) already orders this tile after PV(t-2)'s
+// MMAs, and the MMAs of S(t) need only K. The prologue tiles keep it here:
+// it is what keeps S(t) from arriving at BAR_SCORE_MMA_DONE twice in one
+// phase (the protocol model's p-empty-late plant). Tiles of the prologue
+// were loaded by the score warps themselves (groups Q, 0, 1, ...,
+// NUM_STAGES-1); later ones by the PV warps, which arrive KV_FULL(t).
 __device__ __forceinline__ void ScoreWaitForTile(int t) {
-  using Shape = pipelined::Shape<kKSlices>;
+  using Shape = pipelined::Shape;
   constexpr int NUM_STAGES = Shape::NUM_STAGES;
   constexpr int NUM_THREADS = Shape::NUM_THREADS;
-  if (t >= 2 && (!kDecoupled || t < NUM_STAGES)) ptx::NamedBarrierSync(pipelined::BAR_P_EMPTY + (t & 1), NUM_THREADS);
+  if (t >= 2 && t < NUM_STAGES) ptx::NamedBarrierSync(pipelined::BAR_P_EMPTY + (t & 1), NUM_THREADS);
   if (t < NUM_STAGES) {
     switch (NUM_STAGES - 1 - t) {
       case 0: ptx::CpAsyncWait<0>(); break;
@@ -173,8 +97,9 @@ __device__ __forceinline__ void ScoreWaitForTile(int t) {
   if (t == 0 && threadIdx.x == 0) PhaseStamp(kStampFirstTile);
 }
 
-// The key-split score loop (`pipelined`, after the prologue of
-// AttendSegmentPipelined): warp = row group x key half. The warp computes
+// The score warps' tile loop (after the prologue of AttendSegmentPipelined):
+// warp = row group x key half (v22: the pair splits a tile's keys, not Q's
+// dimensions, so no partial scores are exchanged). The warp computes
 // S[16 rows, keys 8 kh .. 8 kh + 7] over all 576 dimensions, 36 MMAs into one
 // n tile (four accumulator chains); a lane's C fragment holds rows g and
 // g + 8, keys 2 t4 and 2 t4 + 1. Both warps of a pair must use the same
@@ -182,16 +107,15 @@ __device__ __forceinline__ void ScoreWaitForTile(int t) {
 // one `barrier.cta.red.or` per tile tells them whether any row of either half
 // exceeds its reference by more than REFERENCE_SLACK, and only then (rare once
 // the running max settles) do they swap their tile maxima through shared
-// memory and both take the larger. With kHalfRefs (the page-ring instances by
-// default, see MLAVERIFY_HALF_REFS) there is no such barrier: each warp keeps
+// memory and both take the larger. With kHalfRefs (the page-ring instances,
+// see "Per-half exponent references") there is no such barrier: each warp keeps
 // its own references and the PV warps reconcile them. Hand-over to the PV
-// warps as in the dimension split (see the header).
-template <bool kPhaseOffset, bool kDecoupled, bool kHalfRefs, int kQSteps>
-__device__ __forceinline__ void ScoreTilesKeySplit(const VerifyParams& p, const VerifyWorkItem& item,
-                                                   uint8_t* smem_raw, const uint32_t (&q_frag)[kQSteps][4],
-                                                   int row_group, int key_half, int num_tiles, float scale_log2,
-                                                   int prefix) {
-  using Shape = pipelined::Shape<2>;
+// warps: see the header.
+template <bool kPhaseOffset, bool kHalfRefs, int kQSteps>
+__device__ __forceinline__ void ScoreTiles(const VerifyParams& p, const VerifyWorkItem& item, uint8_t* smem_raw,
+                                           const uint32_t (&q_frag)[kQSteps][4], int row_group, int key_half,
+                                           int num_tiles, float scale_log2, int prefix) {
+  using Shape = pipelined::Shape;
   using pipelined::BAR_FINAL;
   using pipelined::BAR_P_EMPTY;
   using pipelined::BAR_P_FULL;
@@ -262,7 +186,7 @@ __device__ __forceinline__ void ScoreTilesKeySplit(const VerifyParams& p, const 
   }
   uint32_t stage = 0;
   for (int t = 0; t < num_tiles; ++t) {
-    ScoreWaitForTile<2, kDecoupled>(t);
+    ScoreWaitForTile(t);
     // Per-half references: the partner's as last published (used after the MMAs).
     [[maybe_unused]] float partner[2];
     if constexpr (kHalfRefs) {
@@ -363,7 +287,7 @@ __device__ __forceinline__ void ScoreTilesKeySplit(const VerifyParams& p, const 
     row_sum[0] = row_sum[0] * alpha[0] + (sc[0] + sc[1]);
     row_sum[1] = row_sum[1] * alpha[1] + (sc[2] + sc[3]);
 
-    if (kDecoupled && t >= NUM_STAGES) ptx::NamedBarrierSync(BAR_P_EMPTY + (t & 1), NUM_THREADS);
+    if (t >= NUM_STAGES) ptx::NamedBarrierSync(BAR_P_EMPTY + (t & 1), NUM_THREADS);
     auto* probs = reinterpret_cast<uint32_t*>(smem_raw + Shape::SMEM_P_OFFSET + (t & 1) * P_BUFFER_BYTES);
     probs[(row0 * P_PITCH + key_half * 8 + 2 * t4) / 2] = ptx::PackBf16x2(sc[0], sc[1]);
     probs[((row0 + 8) * P_PITCH + key_half * 8 + 2 * t4) / 2] = ptx::PackBf16x2(sc[2], sc[3]);
@@ -421,7 +345,6 @@ __device__ __forceinline__ void ScoreTilesKeySplit(const VerifyParams& p, const 
   ptx::NamedBarrierArrive(BAR_FINAL, NUM_THREADS);
 }
 
-// kKSlices: the pipelined::Shape (2: `pipelined`, 4: `pipelined16`).
 // kPageRing: page ids reach the PV warps' loads through a shared ring (page
 // sizes below 16 tokens) rather than a register read one step ahead; see the
 // PV warps' prologue. The host picks the instance from page_size_log2.
@@ -430,10 +353,10 @@ __device__ __forceinline__ void ScoreTilesKeySplit(const VerifyParams& p, const 
 // (see the kernel below), so that what the compiler hoists out of the segment
 // loop is one role's, not both roles' registers at once.
 // kFused: the fused-combine instance (see PipelinedAttentionKernel).
-template <int kKSlices, bool kPageRing, bool kScoreRole, bool kFused>
+template <bool kPageRing, bool kScoreRole, bool kFused>
 __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, const VerifyWorkItem& item,
                                                        uint8_t* smem_raw) {
-  using Shape = pipelined::Shape<kKSlices>;
+  using Shape = pipelined::Shape;
   // The PV warps ask L2 for the segment's page-table lines first (register
   // path; see the PV prologue). Not in the fused-combine instance: its
   // segments are short (batch <= fused_combine_max_batch spread over the
@@ -443,34 +366,21 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   constexpr bool kPageLinePrefetch = !kFused;
   // PV(t)'s MMAs wait for S(t+1)'s to be issued (v15); register page path only.
   constexpr bool kPhaseOffset = !kPageRing;
-  // Decoupled hand-over (v15.3, bench/NOTES.md session 9: -2.9 % compute-bound,
-  // -4 % at B=32): the score warps wait P_EMPTY just before writing P, and
-  // the PV warps arrive KV_FULL before issuing their loads (`pipelined` only:
-  // pipelined16 would spill).
-  constexpr bool kDecoupled = kKSlices == 2;
-  // Score warps that split a tile's keys rather than Q's dimensions (v22;
-  // see ScoreTilesKeySplit). `pipelined` only: pipelined16's 128 registers
-  // cannot hold a row group's whole Q.
-  constexpr bool kKeySplit = kKSlices == 2 && kScoreKeySplit;
-  // This instance's score warps keep per-half references (see MLAVERIFY_HALF_REFS).
-  constexpr bool kHalfRefs = kKeySplit && kHalfRefsIn<kPageRing>;
-  // Block-scope declarations: these hide the split-K variant's constants of the same name.
+  // The page-ring instances' score warps keep per-half references (see
+  // "Per-half exponent references").
+  constexpr bool kHalfRefs = kPageRing;
+  // Block-scope declarations: BLOCK_N hides the plan's 32-token tile (verify::BLOCK_N).
   using pipelined::BAR_FINAL;
   using pipelined::BAR_KV_FULL;
   using pipelined::BAR_P_EMPTY;
   using pipelined::BAR_P_FULL;
-  using pipelined::BAR_PAIR;
   using pipelined::BAR_SCORE;
   using pipelined::BAR_SCORE_MMA_DONE;
   using pipelined::BLOCK_N;
   using pipelined::LOADER_THREADS;
   using pipelined::P_BUFFER_BYTES;
   using pipelined::P_PITCH;
-  using pipelined::PARTIAL_PITCH;
-  using pipelined::REFERENCE_SLACK;
   using pipelined::STAGE_BYTES;
-  constexpr int K_SLICE = Shape::K_SLICE;
-  constexpr int K_STEPS = Shape::K_STEPS;
   constexpr int NUM_STAGES = Shape::NUM_STAGES;
   constexpr int NUM_THREADS = Shape::NUM_THREADS;
   constexpr int O_N_TILES = Shape::O_N_TILES;
@@ -483,7 +393,6 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   const int lane = tid & 31;
   const int warp = tid >> 5;
   const int g = lane >> 2;  // mma fragment row
-  const int t4 = lane & 3;  // mma fragment column pair
   const int b = item.request;
   const int heads = p.num_heads;
   const int rows = p.draft_len[b] * heads;
@@ -506,18 +415,16 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   // Both 64-bit bases below go through an opaque move: without it ptxas
   // rebuilt them from the kernel parameters inside the PV loop every tile
   // (two constant loads and five 64-bit multiply-adds for the page id's
-  // address, a 64-bit add and two selects for the row's; bench/NOTES.md
-  // session 11: each instruction on the PV warps' path costs ~2.6 cycles
-  // per tile). Not in the 16-warp variant: at its 128 registers the two
-  // held pointers spill.
-  constexpr bool kHoldBases = kKSlices == 2;
-  const int32_t* pages = ptx::Opaque<kHoldBases>(p.page_table + b * p.page_table_stride);
+  // address, a 64-bit add and two selects for the row's), and each
+  // instruction on the PV warps' path costs ~2.6 cycles per tile
+  // (bench/NOTES.md v19).
+  const int32_t* pages = ptx::Opaque(p.page_table + b * p.page_table_stride);
   const int page_mask = (1 << p.page_size_log2) - 1;
   const uint16_t* layer_base = p.pool + static_cast<int64_t>(p.layer[b]) * p.num_pages *
                                             (int64_t{D_QK} << p.page_size_log2);
   // This thread's chunk of token 0 of the layer (every caller passes its
   // ld_lane as `lane`, see below).
-  const uint8_t* lane_base = ptx::Opaque<kHoldBases>(reinterpret_cast<const uint8_t*>(layer_base) + (tid & 7) * 16);
+  const uint8_t* lane_base = ptx::Opaque(reinterpret_cast<const uint8_t*>(layer_base) + (tid & 7) * 16);
   auto page_of = [&](int tile, int row) -> int {
     const int j = kv_begin + tile * BLOCK_N + row;
     return j < kv_end ? pages[j >> p.page_size_log2] : 0;
@@ -547,8 +454,8 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
 
   if constexpr (kScoreRole) {
     // =================== score warps: S and the online softmax ===================
-    const int row_group = warp / kKSlices;
-    const int k_slice = warp % kKSlices;
+    const int row_group = warp / Shape::KEY_HALVES;
+    const int key_half = warp % Shape::KEY_HALVES;
     const bool tile_loader = tid < LOADER_THREADS;
     const int prefix = p.prefix_len[b];
     const float scale = p.softmax_scale != nullptr ? p.softmax_scale[b] : p.default_softmax_scale;
@@ -577,9 +484,8 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     }
     if (tid == 0) PhaseStampAfter(kStampPageIds, first_pages[0]);
 
-    // Key split (`pipelined`): each warp holds its row group's Q over all
-    // 576 dimensions; otherwise its k slice.
-    constexpr int Q_STEPS = kKeySplit ? D_QK / 16 : K_STEPS;
+    // Each warp holds its row group's Q over all 576 dimensions.
+    constexpr int Q_STEPS = D_QK / 16;
     uint32_t q_frag[Q_STEPS][4];
     ptx::CpAsyncWait<Q_STAGE>();  // Q has landed (the tiles may still be in flight)
     ptx::NamedBarrierSync(BAR_SCORE, SCORE_THREADS);
@@ -587,7 +493,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
       const int row = row_group * 16 + (lane & 15);
 #pragma unroll
       for (int s = 0; s < Q_STEPS; ++s) {
-        const int chunk = ((kKeySplit ? 0 : k_slice * K_SLICE) + s * 16) / 8 + (lane >> 4);
+        const int chunk = (s * 16) / 8 + (lane >> 4);
         ptx::LdMatrixX4(q_frag[s], stage_addr(Q_STAGE) + TileOffset(row, chunk));
       }
     }
@@ -600,206 +506,15 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
       ptx::CpAsyncCommit();
     }
 
-    if constexpr (kKeySplit) {
-      ScoreTilesKeySplit<kPhaseOffset, kDecoupled, kHalfRefs>(p, item, smem_raw, q_frag, row_group, k_slice, num_tiles,
-                                                    scale_log2, prefix);
-      return;
-    }
-    // The row group's k_slices split the softmax by row. Two slices: slice 0
-    // owns row g of the row group, slice 1 row g + 8 (each lane: one row,
-    // columns n*8 + 2*t4 + {0,1} of both n-tiles, the mma layout). Four
-    // slices: slice q owns rows 4q..4q+3 (lane: row 4q + lane / 8, columns
-    // 2 * (lane % 8) + {0,1}). Rows past the request's end have Q = 0
-    // (zero-filled), so their scores stay finite; their outputs are never stored.
-    constexpr int VALUES = BLOCK_N * 16 / kKSlices / 32;  // softmax values per lane
-    constexpr int ROW_LANES = BLOCK_N / VALUES;            // lanes that share a row
-    const int my_row = row_group * 16 +
-                       (kKSlices == 2 ? g + 8 * k_slice : 4 * k_slice + (lane >> 3));  // row within the tile
-    const int r = item.row_tile * BLOCK_M + my_row;      // request row
-    const uint64_t vis = r < rows ? p.visibility[q_row + r / heads] : 0;
-    float row_max = -INFINITY;  // running max, log2 domain
-    float row_sum = 0.0f;       // this lane's share of the running sum
-    // Keys below this position are prefix keys inside the chunk: no mask.
-    const int unmasked_end = min(prefix, kv_end);
-
-    float* exchange = reinterpret_cast<float*>(smem_raw + Shape::SMEM_EXCHANGE_OFFSET);
-
-    // K fragment addresses relative to a stage: k step s reads chunk
-    // k_slice * K_SLICE / 8 + 2s (+1 for lanes 8-15 and 24-31); chunks 8 apart
-    // keep their swizzle, so step s is k_frag_offset[s % 4] + 128 bytes x (s / 4).
-    const int k_token = (lane & 7) + ((lane >> 4) << 3);
-    uint32_t k_frag_offset[4];
-#pragma unroll
-    for (int s4 = 0; s4 < 4; ++s4) {
-      k_frag_offset[s4] = TileOffset(k_token, (k_slice * K_SLICE) / 8 + 2 * s4 + ((lane >> 3) & 1));
-    }
-    uint32_t stage = 0;  // byte offset of tile t's stage
-    [[maybe_unused]] uint32_t fragment_sink = 0;  // knockout builds: keeps the fragment loads of removed MMAs
-    for (int t = 0; t < num_tiles; ++t) {
-      ScoreWaitForTile<kKSlices, kDecoupled>(t);
-
-      // ---- partial S[16 rows, 16 tokens] over this warp's K_SLICE dimensions:
-      // two accumulator chains per n-tile (even / odd k steps) ----
-      uint32_t k_addr[4];
-#pragma unroll
-      for (int s4 = 0; s4 < 4; ++s4) k_addr[s4] = kv_base + stage + k_frag_offset[s4];
-      stage = stage == (NUM_STAGES - 1) * STAGE_BYTES ? 0 : stage + STAGE_BYTES;
-      float acc[2][2][4];
-#pragma unroll
-      for (int c = 0; c < 2; ++c)
-#pragma unroll
-        for (int n = 0; n < 2; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[c][n][e] = 0.0f;
-      // The fragment of step s + 1 is loaded before the MMAs of step s.
-      uint32_t kf[2][4];
-      ptx::LdMatrixX4(kf[0], k_addr[0]);
-#pragma unroll
-      for (int s = 0; s < K_STEPS; ++s) {
-        if (s + 1 < K_STEPS) ptx::LdMatrixX4(kf[(s + 1) & 1], k_addr[(s + 1) & 3] + ((s + 1) >> 2) * 128);
-        if constexpr (!(kKnockout & kKnockoutScoreMma)) {
-          ptx::MmaBf16(acc[s & 1][0], q_frag[s], kf[s & 1][0], kf[s & 1][1]);
-          ptx::MmaBf16(acc[s & 1][1], q_frag[s], kf[s & 1][2], kf[s & 1][3]);
-        } else {
-          fragment_sink ^= kf[s & 1][0] ^ kf[s & 1][1] ^ kf[s & 1][2] ^ kf[s & 1][3];
-        }
-      }
-      // Phase offset: PV(t-1) issues its MMAs only now, while this warp
-      // exchanges and runs the softmax, so the two roles' MMA phases do not
-      // start together (bench/NOTES.md v15: -2.7 % on the compute-bound
-      // shapes). Not on the page-ring path, where delaying the PV warps'
-      // page-id fetches cost B=32 page 1 6 %.
-      if (kPhaseOffset && t >= 1) ptx::NamedBarrierArrive(BAR_SCORE_MMA_DONE, NUM_THREADS);
-      // ---- reduce the partial scores of the row group's k_slices; each lane
-      // ends with its own row's VALUES columns (see my_row). Accumulator
-      // elements 0, 1 are row g, elements 2, 3 row g + 8 (mma layout). ----
-      float sc[VALUES];
-      {
-        const float a00 = acc[0][0][0] + acc[1][0][0], a01 = acc[0][0][1] + acc[1][0][1];
-        const float a02 = acc[0][0][2] + acc[1][0][2], a03 = acc[0][0][3] + acc[1][0][3];
-        const float a10 = acc[0][1][0] + acc[1][1][0], a11 = acc[0][1][1] + acc[1][1][1];
-        const float a12 = acc[0][1][2] + acc[1][1][2], a13 = acc[0][1][3] + acc[1][1][3];
-        if constexpr (kKSlices == 2) {
-          // Send the partner its row, keep mine (columns 2*t4 + {0,1}, 8 + 2*t4 + {0,1}).
-          // Selects, not indexing by k_slice: a runtime index would put the
-          // accumulators in local memory.
-          float4* slots = reinterpret_cast<float4*>(exchange);
-          const bool hi = k_slice != 0;
-          slots[warp * 32 + lane] = hi ? make_float4(a00, a01, a10, a11) : make_float4(a02, a03, a12, a13);
-          sc[0] = hi ? a02 : a00;
-          sc[1] = hi ? a03 : a01;
-          sc[2] = hi ? a12 : a10;
-          sc[3] = hi ? a13 : a11;
-          if constexpr (!(kKnockout & kKnockoutExchange)) {
-            ptx::NamedBarrierSync(BAR_PAIR + row_group, 32 * kKSlices);
-            const float4 o = slots[(warp ^ 1) * 32 + lane];
-            sc[0] += o.x;
-            sc[1] += o.y;
-            sc[2] += o.z;
-            sc[3] += o.w;
-          }
-        } else {
-          // Every slice writes its partial S[16][16] row-major; each reads the
-          // four partials of its rows (two adjacent columns per lane).
-          float* mine = exchange + warp * Shape::EXCHANGE_FLOATS_PER_WARP;
-          *reinterpret_cast<float2*>(mine + g * PARTIAL_PITCH + 2 * t4) = make_float2(a00, a01);
-          *reinterpret_cast<float2*>(mine + (g + 8) * PARTIAL_PITCH + 2 * t4) = make_float2(a02, a03);
-          *reinterpret_cast<float2*>(mine + g * PARTIAL_PITCH + 8 + 2 * t4) = make_float2(a10, a11);
-          *reinterpret_cast<float2*>(mine + (g + 8) * PARTIAL_PITCH + 8 + 2 * t4) = make_float2(a12, a13);
-          ptx::NamedBarrierSync(BAR_PAIR + row_group, 32 * kKSlices);
-          const float* group = exchange + row_group * kKSlices * Shape::EXCHANGE_FLOATS_PER_WARP +
-                               (my_row - row_group * 16) * PARTIAL_PITCH + 2 * (lane & 7);
-          sc[0] = 0.0f;
-          sc[1] = 0.0f;
-#pragma unroll
-          for (int q = 0; q < kKSlices; ++q) {
-            const float2 v = *reinterpret_cast<const float2*>(group + q * Shape::EXCHANGE_FLOATS_PER_WARP);
-            sc[0] += v.x;
-            sc[1] += v.y;
-          }
-        }
-      }
-
-      // ---- online softmax of my row. Scores stay unscaled until the
-      // exponent (one FFMA each); scale > 0, so the tile max scales after the max. ----
-      const int tile_begin = kv_begin + t * BLOCK_N;
-      if (tile_begin + BLOCK_N > unmasked_end) {
-        // Not a prefix tile (where every key is visible to every row): mask.
-#pragma unroll
-        for (int e = 0; e < VALUES; ++e) {
-          const int j = tile_begin + (kKSlices == 2 ? 2 * t4 + (e >> 1) * 8 + (e & 1) : 2 * (lane & 7) + e);
-          // Prefix keys need no mask; draft keys use the tree's visibility word.
-          const bool visible = j < kv_end && (j < prefix || ((vis >> ((j - prefix) & 63)) & 1u) != 0);
-          sc[e] = visible ? sc[e] : -INFINITY;
-        }
-      }
-      // The exponent reference of a row is its running max (log2 domain).
-      // Fast path: while no score of the tile exceeds the current reference
-      // by more than REFERENCE_SLACK, keep it: no cross-lane max, alpha = 1
-      // (the PV warps then skip their rescale). P <= 2^REFERENCE_SLACK loses
-      // nothing in bf16 (relative precision does not depend on magnitude), and
-      // l, O are fp32.
-      float tile_max = sc[0];
-#pragma unroll
-      for (int e = 1; e < VALUES; ++e) tile_max = fmaxf(tile_max, sc[e]);
-      tile_max *= scale_log2;
-      float alpha = 1.0f;
-      // -inf + slack is -inf: a row that has seen no visible key leaves the
-      // fast path as soon as one appears.
-      if (!__all_sync(0xffffffffu, tile_max <= row_max + REFERENCE_SLACK)) {
-#pragma unroll
-        for (int x = 1; x < ROW_LANES; x <<= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, x));
-        const float new_max = fmaxf(row_max, tile_max);
-        // exp2(-inf - -inf) would be NaN: a row with no visible key yet scales by 0.
-        alpha = new_max == -INFINITY ? 0.0f : ptx::Exp2Approx(row_max - new_max);
-        row_max = new_max;
-      }
-      // A row that has seen no visible key keeps max -inf: use 0 as the
-      // reference so that exp2(-inf - ref) is 0 rather than NaN.
-      const float neg_ref = row_max == -INFINITY ? 0.0f : -row_max;
-      float tile_sum = 0.0f;
-#pragma unroll
-      for (int e = 0; e < VALUES; ++e) {
-        // A masked score is -inf: -inf x scale - ref is -inf, and ex2 gives 0.
-        if constexpr (kKnockout & kKnockoutExp) {
-          sc[e] = fmaf(sc[e], scale_log2, neg_ref);
-        } else {
-          sc[e] = ptx::Exp2Approx(fmaf(sc[e], scale_log2, neg_ref));
-        }
-        tile_sum += sc[e];
-      }
-      row_sum = row_sum * alpha + tile_sum;
-
-      // ---- hand P(t) (my row's columns) and alpha(t) to the PV warps ----
-      if (kDecoupled && t >= NUM_STAGES) ptx::NamedBarrierSync(BAR_P_EMPTY + (t & 1), NUM_THREADS);
-      {
-        auto* probs = reinterpret_cast<uint32_t*>(smem_raw + Shape::SMEM_P_OFFSET + (t & 1) * P_BUFFER_BYTES);
-        if constexpr (kKSlices == 2) {
-          probs[(my_row * P_PITCH + 2 * t4) / 2] = ptx::PackBf16x2(sc[0], sc[1]);
-          probs[(my_row * P_PITCH + 8 + 2 * t4) / 2] = ptx::PackBf16x2(sc[2], sc[3]);
-        } else {
-          probs[(my_row * P_PITCH + 2 * (lane & 7)) / 2] = ptx::PackBf16x2(sc[0], sc[1]);
-        }
-        if (lane % ROW_LANES == 0) alpha_s[(t & 1) * BLOCK_M + my_row] = alpha;
-      }
-      ptx::NamedBarrierArrive(BAR_P_FULL + (t & 1), NUM_THREADS);
-    }
-
-    if (tid == 0) PhaseStamp(kStampScoreDone);
-    KeepFragmentLoads(p, fragment_sink);
-    // ---- 1 / l and lse of my row, for the PV warps' epilogue ----
-#pragma unroll
-    for (int x = 1; x < ROW_LANES; x <<= 1) row_sum += __shfl_xor_sync(0xffffffffu, row_sum, x);
-    if (lane % ROW_LANES == 0) StoreRowStats(p, partial_slot, my_row, r, rows, q_row, heads, row_max, row_sum, inv_l_s);
-    ptx::NamedBarrierArrive(BAR_FINAL, NUM_THREADS);
+    ScoreTiles<kPhaseOffset, kHalfRefs>(p, item, smem_raw, q_frag, row_group, key_half, num_tiles, scale_log2,
+                                        prefix);
     return;
   }
 
   // ============ PV warps: KV loads from tile NUM_STAGES on, O = alpha O + P V ============
   // (Only the PV instance reaches here: the score role returned above.)
   const int pv_warp = warp - SCORE_WARPS;
-  // The first 128 PV threads load; with eight PV warps the other four only
-  // take part in the barriers (their wait_group has nothing to wait for).
+  // The first 128 PV threads load (all of them: PV_THREADS == LOADER_THREADS).
   const bool loader = tid - SCORE_THREADS < LOADER_THREADS;
   float o_acc[M_TILES][O_N_TILES][4];
 #pragma unroll
@@ -866,28 +581,24 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   // Tile t+2 has landed: KV_FULL(t+2) lets S(t+2) start. Before this
   // iteration's load is committed: groups committed so far are tiles
   // NUM_STAGES..t+NUM_STAGES-2, so tile t+2 complete leaves the NUM_STAGES-4
-  // newest pending. Where in the iteration (kKvFullAt): 0 after the MMAs
-  // (v15.3: before the loads, not after them), 1 before the MMAs (right after
-  // BAR_SCORE_MMA_DONE, never before it: S(t+2) would then arrive there a
-  // second time in the phase PV(t) has yet to take), 2, 3, 4 after a half,
-  // a quarter, three quarters of the V pairs. Earlier lets S(t+2)'s MMAs
-  // overlap PV(t)'s instead of following them, and gives each load less time
-  // to land.
-  constexpr int kKvFullAt = kPageRing ? (kFused ? kKvFullAtRingFused : kKvFullAtRing) : kKvFullAtRegister;
-  // The V pair before which places 2, 3 and 4 arrive (-1: not in the pair loop).
-  constexpr int kKvFullPair = kKvFullAt == 2   ? O_N_TILES / 4
-                              : kKvFullAt == 3 ? O_N_TILES / 8
-                              : kKvFullAt == 4 ? 3 * O_N_TILES / 8
-                                               : -1;
-  [[maybe_unused]] auto arrive_kv_full = [&](int t) {
-    if (kDecoupled && t + 2 < num_tiles && t + 2 >= NUM_STAGES) {
-      static_assert(!kDecoupled || NUM_STAGES >= 4, "tile t+2's group is at most the second newest here");
-      ptx::CpAsyncWait<kDecoupled ? NUM_STAGES - 4 : 0>();
+  // newest pending. Where in the iteration: see "Where the PV warps arrive
+  // KV_FULL" at the top. Arriving during PV(t)'s MMAs lets S(t+2)'s overlap
+  // them instead of following them. Never before BAR_SCORE_MMA_DONE where
+  // there is one (the register page path): S(t+2) would then arrive there a
+  // second time in the phase PV(t) has yet to take.
+  constexpr bool kKvFullBeforeMmas = kPageRing && kFused;
+  // The V pair before which the other instances arrive: three quarters of
+  // the way through the pairs on the register page path, halfway in the
+  // page-ring instance (-1: not in the pair loop).
+  constexpr int kKvFullPair = kKvFullBeforeMmas ? -1 : kPageRing ? O_N_TILES / 4 : 3 * O_N_TILES / 8;
+  auto arrive_kv_full = [&](int t) {
+    if (t + 2 < num_tiles && t + 2 >= NUM_STAGES) {
+      static_assert(NUM_STAGES >= 4, "tile t+2's group is at most the second newest here");
+      ptx::CpAsyncWait<NUM_STAGES - 4>();
       ptx::NamedBarrierArrive(BAR_KV_FULL + (t & 1), NUM_THREADS);
     }
   };
   uint32_t stage = 0;                                      // byte offset of tile t's stage
-  [[maybe_unused]] uint32_t fragment_sink = 0;  // knockout builds: keeps the fragment loads of removed MMAs
   uint32_t free_stage = (NUM_STAGES - 1) * STAGE_BYTES;    // tile t-1's: loaded next
   // Per-half references: O's per row of this lane (rows m * 16 + g + 8 h),
   // and the score warps' per-tile references.
@@ -901,7 +612,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   for (int t = 0; t < num_tiles; ++t) {
     ptx::NamedBarrierSync(BAR_P_FULL + (t & 1), NUM_THREADS);
     if (t == 0 && tid == SCORE_THREADS) PhaseStamp(kStampPvFirstTile);
-    if constexpr (!(kHalfRefs && kKeySplit) && !(kKnockout & kKnockoutAlpha)) {
+    if constexpr (!kHalfRefs) {
       const float* alpha = alpha_s + (t & 1) * BLOCK_M;
       float a[M_TILES][2];
 #pragma unroll
@@ -928,8 +639,8 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     uint32_t p_frag[M_TILES][4];
 #pragma unroll
     for (int m = 0; m < M_TILES; ++m) ptx::LdMatrixX4(p_frag[m], p_frag_addr[m] + (t & 1) * P_BUFFER_BYTES);
-    if constexpr (kHalfRefs && kKeySplit && !(kKnockout & kKnockoutAlpha)) {
-      // Per-half references (see MLAVERIFY_HALF_REFS): nothing to do while
+    if constexpr (kHalfRefs) {
+      // Per-half references (see the top of the file): nothing to do while
       // both halves used O's reference; else R = the largest per row, each
       // half of P scaled by 2^(ref - R) and O by 2^(R_old - R). In the A
       // fragment, registers 0, 1 hold keys 0-7 (key half 0) of rows g, g + 8,
@@ -978,7 +689,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     // loop): one arrival per tile from t = 1 on, so this barrier's phases
     // alternate strictly (S(t+2) waits for PV(t) at P_EMPTY).
     if (kPhaseOffset && t + 1 < num_tiles) ptx::NamedBarrierSync(BAR_SCORE_MMA_DONE, NUM_THREADS);
-    if (kKvFullAt == 1) arrive_kv_full(t);
+    if (kKvFullBeforeMmas) arrive_kv_full(t);
     uint32_t v_addr[V_OFFSETS];
 #pragma unroll
     for (int np = 0; np < V_OFFSETS; ++np) v_addr[np] = kv_base + stage + v_frag_offset[np];
@@ -992,16 +703,11 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
       ptx::LdMatrixX4Trans(vf, v_addr[np % V_OFFSETS] + (np / V_OFFSETS) * 128);
 #pragma unroll
       for (int m = 0; m < M_TILES; ++m) {
-        if constexpr (!(kKnockout & kKnockoutPvMma)) {
-          ptx::MmaBf16(o_acc[m][2 * np], p_frag[m], vf[0], vf[1]);
-          ptx::MmaBf16(o_acc[m][2 * np + 1], p_frag[m], vf[2], vf[3]);
-        } else {
-          fragment_sink ^= p_frag[m][0] ^ p_frag[m][3] ^ vf[0] ^ vf[1] ^ vf[2] ^ vf[3];
-        }
+        ptx::MmaBf16(o_acc[m][2 * np], p_frag[m], vf[0], vf[1]);
+        ptx::MmaBf16(o_acc[m][2 * np + 1], p_frag[m], vf[2], vf[3]);
       }
     }
     if (t + 2 < num_tiles) ptx::NamedBarrierArrive(BAR_P_EMPTY + (t & 1), NUM_THREADS);
-    if (kKvFullAt == 0) arrive_kv_full(t);
     // The loads go out after the MMAs: issued before them, their address
     // registers held the MMAs back until the MIO queue had taken all nine
     // cp.async (bench/NOTES.md v4h); tile t+NUM_STAGES-1 is needed
@@ -1009,7 +715,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     if (t >= 1) {
       // Stage (t-1) % NUM_STAGES is free (see the header): load tile t+NUM_STAGES-1 into it.
       const int load_tile = t + NUM_STAGES - 1;
-      if (!(kKnockout & kKnockoutLoopLoads) && loader && load_tile < num_tiles) {
+      if (loader && load_tile < num_tiles) {
         if constexpr (kPageRing) {
           __syncwarp();  // page ids fetched by the row's first thread are visible
           const int page = page_ring[(load_tile % pipelined::PAGE_RING) * BLOCK_N + ld_row];
@@ -1022,12 +728,6 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
       }
       ptx::CpAsyncCommit();
     }
-    if (!kDecoupled && t + 2 < num_tiles && t + 2 >= NUM_STAGES) {
-      // Groups committed so far: tiles NUM_STAGES..t+NUM_STAGES-1; tile t+2
-      // complete leaves the NUM_STAGES-3 newest pending.
-      ptx::CpAsyncWait<NUM_STAGES - 3>();
-      ptx::NamedBarrierArrive(BAR_KV_FULL + (t & 1), NUM_THREADS);
-    }
   }
 
   // ---- epilogue: normalised O, bf16 to the output or fp32 to the partials ----
@@ -1037,7 +737,6 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     PhaseStamp(kStampPvDone);
     PhaseCountTiles(num_tiles);
   }
-  KeepFragmentLoads(p, fragment_sink);
   ptx::CpAsyncWait<0>();
   // After BAR_FINAL every warp is past its last tile: the KV stages are free
   // for the store staging, a region per PV warp.
@@ -1053,14 +752,14 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
 // A CTA runs its segments one after the other (one under the chunk plan).
 // kFused: the combine folded in (verify_kernel.cuh, "Fused combine"): the CTA
 // announces its split segments, then merges its share of their row tiles.
-template <int kKSlices, bool kPageRing, bool kFused>
-__global__ void __launch_bounds__(pipelined::Shape<kKSlices>::NUM_THREADS, 1)
+template <bool kPageRing, bool kFused>
+__global__ void __launch_bounds__(pipelined::Shape::NUM_THREADS, 1)
     PipelinedAttentionKernel(const VerifyParams p) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
   __shared__ SegmentSmem segments;
-  static_assert(!kFused || pipelined::Shape<kKSlices>::NUM_THREADS == COMBINE_THREADS,
+  static_assert(!kFused || pipelined::Shape::NUM_THREADS == COMBINE_THREADS,
                 "the fused merge runs MergeSplitRows with the attention CTA's threads");
-  static_assert(!kFused || sizeof(MergeSmem) <= pipelined::Shape<kKSlices>::SMEM_BYTES,
+  static_assert(!kFused || sizeof(MergeSmem) <= pipelined::Shape::SMEM_BYTES,
                 "the merge reuses the KV stages");
   auto after = [&](const VerifyWorkItem& item) {
     if constexpr (kFused) ArriveSplit(p, segments.summary, item);
@@ -1068,15 +767,15 @@ __global__ void __launch_bounds__(pipelined::Shape<kKSlices>::NUM_THREADS, 1)
   };
   // Both roles pass the same block-wide barriers of ForEachSegment from their
   // own call sites (bar.sync 0 counts threads, not sites), with one shared state.
-  if (threadIdx.x < pipelined::Shape<kKSlices>::SCORE_THREADS) {
-    ForEachSegment<true, kKSlices == 2 && !kFused>(
+  if (threadIdx.x < pipelined::Shape::SCORE_THREADS) {
+    ForEachSegment<!kFused>(
         p, segments,
-        [&](const VerifyWorkItem& item) { AttendSegmentPipelined<kKSlices, kPageRing, true, kFused>(p, item, smem_raw); },
+        [&](const VerifyWorkItem& item) { AttendSegmentPipelined<kPageRing, true, kFused>(p, item, smem_raw); },
         after);
   } else {
-    ForEachSegment<true, kKSlices == 2 && !kFused>(
+    ForEachSegment<!kFused>(
         p, segments,
-        [&](const VerifyWorkItem& item) { AttendSegmentPipelined<kKSlices, kPageRing, false, kFused>(p, item, smem_raw); },
+        [&](const VerifyWorkItem& item) { AttendSegmentPipelined<kPageRing, false, kFused>(p, item, smem_raw); },
         after);
   }
   if constexpr (kFused) {

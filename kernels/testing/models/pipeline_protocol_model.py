@@ -1,27 +1,27 @@
 #!/usr/bin/env python3
 """Hand-written host model of PipelinedAttentionKernel's hand-over protocol
-(kernels/verify_pipelined_kernel.cuh), warp granularity, for Shape<2> and
-Shape<4> with and without the page-id ring: random warp interleavings over
-0..13 tiles, checking named-barrier arrival counts, deadlocks, shared-memory
-read/write order (vector clocks) and cp.async group completion. It mirrors the
-kernel by hand: update it with any change to the barriers, stages or groups.
-Shape<2>'s score pair splits keys (v22): per tile one pair barrier (the
+(kernels/verify_pipelined_kernel.cuh), warp granularity, with and without the
+page-id ring: random warp interleavings over 0..13 tiles, checking
+named-barrier arrival counts, deadlocks, shared-memory read/write order
+(vector clocks) and cp.async group completion. It mirrors the kernel by hand:
+update it with any change to the barriers, stages or groups.
+The score pair splits keys (v22): per tile one pair barrier (the
 reduction) and, on a random third of the tiles (the same choice in both warps,
 as the reduction's result is), the tile maxima written, a second pair barrier
 and the partner's read; at the end key half 1 hands its row sums to key half
-0, which alone writes the rows' 1 / l. `--dim-split` models the earlier
-partial-score exchange instead. `--plant max-unsynced` drops the barrier
+0, which alone writes the rows' 1 / l. `--plant max-unsynced` drops the barrier
 between writing the tile maxima and reading the partner's: it must report bad
 runs. `--plant kv-full-before-offset` has the PV warps arrive KV_FULL(t+2)
 before their BAR_SCORE_MMA_DONE sync (v23's early arrival one step too
 early): S(t+2) can then arrive at MMA_DONE twice in one phase.
-Run: python3 kernels/testing/models/pipeline_protocol_model.py (~30 s);
+Run: python3 kernels/testing/models/pipeline_protocol_model.py (~10 s);
 prints "bad runs: 0" and exits 0 when clean. `--plant staging-before-final`
 runs it with a fault planted on purpose (the epilogue stages O before
 BAR_FINAL, over tiles other warps may still read): it must report bad runs.
-`--plant published-early` reads the partner's published references
-(MLAVERIFY_HALF_REFS) before the tile's BAR_SCORE / KV_FULL sync instead of
-after it: tile t - 1's value is then not guaranteed visible.
+`--plant published-early` reads the partner's published references (the
+page-ring instances' per-half references) before the tile's BAR_SCORE /
+KV_FULL sync instead of after it: tile t - 1's value is then not guaranteed
+visible.
 `--plant p-empty-late` moves the score warps' P_EMPTY wait from the top of
 the tile to just before P(t) is written, for every tile: then a score warp
 can arrive at BAR_SCORE_MMA_DONE (v15.1) twice before a lagging PV warp
@@ -38,30 +38,25 @@ which must come after every read of them and after every cp.async into them.
 import random, sys
 
 PLANT = sys.argv[sys.argv.index('--plant') + 1] if '--plant' in sys.argv else None
-# Shape<2>'s score warps split keys (v22, kScoreKeySplit); --dim-split models
-# the dimension split with its partial-score exchange instead.
-KEY_SPLIT = '--dim-split' not in sys.argv
-# The PV warps arrive KV_FULL(t+2) during their MMAs of tile t (v23,
-# MLAVERIFY_KV_FULL_AT=4, after three quarters (default); =2, =3, halfway and
-# after a quarter; =1, before them: all order the same against
-# the other warps: PV(t) reads only stage t's tile either way), after the
-# phase-offset sync; --kv-full-late models =0, after the MMAs.
-KV_FULL_EARLY = '--kv-full-late' not in sys.argv
-# Per-half exponent references (MLAVERIFY_HALF_REFS, session 14): the key-split
+# The PV warps arrive KV_FULL(t+2) during their MMAs of tile t (v23: three
+# quarters through them on the register page path, halfway in the page-ring
+# instance, before them in the fused page-ring one; all order the same
+# against the other warps, PV(t) reads only stage t's tile either way),
+# after the phase-offset sync where there is one.
+# Per-half exponent references (v26c), in the page-ring instances: the score
 # pair drops its per-tile barrier; each score warp publishes its references
 # (a relaxed word, read by the partner at the top of the next tiles) and
-# writes the tile's references and dirty flag beside P. Default 2: the
-# page-ring instances only; --half-refs-all: every key-split instance (1);
-# --half-refs-none: none (0).
-HALF_REFS = 1 if '--half-refs-all' in sys.argv else 0 if '--half-refs-none' in sys.argv else 2
+# writes the tile's references and dirty flag beside P.
 
-def half_refs_in(KS, ring):
-    """Whether this instance's key-split pair keeps per-half references."""
-    return KEY_SPLIT and KS == 2 and (HALF_REFS == 1 or (HALF_REFS == 2 and ring))
+def half_refs_in(ring):
+    """Whether this instance's score pair keeps per-half references."""
+    return ring
 
-def run(KS, nt, ring, seed):
+KS = 2  # score warps per row group (Shape::KEY_HALVES)
+
+def run(nt, ring, seed):
     rnd = random.Random(seed)
-    SW = 2 * KS; PW = SW; NS = 5 if KS == 2 else 4; QS = NS - 2
+    SW = 2 * KS; PW = SW; NS = 5; QS = NS - 2
     ALL = SW + PW
     BAR_SCORE, BAR_PAIR, BAR_P_FULL, BAR_P_EMPTY, BAR_FINAL, BAR_KV_FULL, BAR_SCORE_MMA_DONE = 1, 2, 4, 6, 8, 9, 11
     W = SW + PW
@@ -142,7 +137,7 @@ def run(KS, nt, ring, seed):
             if rec['done'] is None or not hb(rec['done'][0], rec['done'][1], w):
                 errs.append(f"staging WAW stage {stage} by w{w}: tile {rec['tile']} not complete")
     STAGE_BYTES = 16 * 1152
-    STAGING = 32 * ((128 if KS == 2 else 64) * 2 + 16)  # per PV warp: 32 rows x (its columns + 16 B pad)
+    STAGING = 32 * (128 * 2 + 16)  # per PV warp: 32 rows x (its 128 columns + 16 B pad)
     def staged_store(w):
         v = w - SW
         first, last = v * STAGING, (v + 1) * STAGING - 1
@@ -189,14 +184,13 @@ def run(KS, nt, ring, seed):
             if loader and t < nt: issue(w, t, t, w)
             commit(w)
         for t in range(nt):
-            half = half_refs_in(KS, ring)
+            half = half_refs_in(ring)
             # --plant published-early: the partner's published references read
             # before this tile's BAR_SCORE / KV_FULL: tile t - 1's may not be there.
             if half and PLANT == 'published-early': read_published(w, w ^ 1, t)
-            # kDecoupled (v15.3): P_EMPTY at the top for the prologue tiles only; the
+            # v15.3: P_EMPTY at the top for the prologue tiles only; the
             # p-empty-late plant drops it there too.
-            dec = KS == 2  # kDecoupled
-            if t >= 2 and (not dec or t < NS) and PLANT != 'p-empty-late': yield ('sync', BAR_P_EMPTY + (t & 1), ALL)
+            if t >= 2 and t < NS and PLANT != 'p-empty-late': yield ('sync', BAR_P_EMPTY + (t & 1), ALL)
             if t < NS:
                 wait(w, NS - 1 - t); yield ('sync', BAR_SCORE, SW)
             else:
@@ -209,7 +203,7 @@ def run(KS, nt, ring, seed):
                 # No pair barrier: the references go out as a relaxed word (in
                 # the kernel only when they move; here every tile, a superset).
                 publish(w, t)
-            elif KEY_SPLIT and KS == 2:
+            else:
                 # v22: one barrier reduction per tile; on the rare reference
                 # change (the same choice in both warps of the pair: it is the
                 # reduction's result) the tile maxima go through shared memory.
@@ -218,26 +212,19 @@ def run(KS, nt, ring, seed):
                     write_res(w, ('max', w), t)
                     if PLANT != 'max-unsynced': yield ('sync', BAR_PAIR + rg, KS)
                     read_res(w, ('max', w ^ 1), t)
-            else:
-                write_res(w, ('xch', w), t)
-                yield ('sync', BAR_PAIR + rg, KS)
-                for q in range(KS): read_res(w, ('xch', rg * KS + q), t)
             yield None
-            if (dec and t >= NS) or (t >= 2 and PLANT == 'p-empty-late'):
+            if t >= NS or (t >= 2 and PLANT == 'p-empty-late'):
                 yield ('sync', BAR_P_EMPTY + (t & 1), ALL)  # late: just before P(t) is written
             write_res(w, ('P', t & 1, w), t)
             # the tile's references and dirty flag, beside P (in the kernel the
             # references only on the two tiles after a move: a subset)
             if half: write_res(w, ('refs', t & 1, w), t)
             yield ('arrive', BAR_P_FULL + (t & 1), ALL)
-        if KEY_SPLIT and KS == 2:
-            # key half 1 hands its row sums to key half 0, which stores the rows' stats
-            if ks == 1: write_res(w, ('sum', w), 'final')
-            yield ('sync', BAR_PAIR + rg, KS)
-            if ks == 0:
-                read_res(w, ('sum', w + 1), 'final')
-                write_res(w, ('invl', w), 'final')
-        else:
+        # key half 1 hands its row sums to key half 0, which stores the rows' stats
+        if ks == 1: write_res(w, ('sum', w), 'final')
+        yield ('sync', BAR_PAIR + rg, KS)
+        if ks == 0:
+            read_res(w, ('sum', w + 1), 'final')
             write_res(w, ('invl', w), 'final')
         yield ('arrive', BAR_FINAL, ALL)
     def pv(w):
@@ -249,23 +236,20 @@ def run(KS, nt, ring, seed):
         for t in range(nt):
             yield ('sync', BAR_P_FULL + (t & 1), ALL)
             for x in range(SW): read_res(w, ('P', t & 1, x), t)
-            if half_refs_in(KS, ring):
+            if half_refs_in(ring):
                 for x in range(SW): read_res(w, ('refs', t & 1, x), t)
-            kv_full = KS == 2 and t + 2 < nt and t + 2 >= NS
-            if kv_full and KV_FULL_EARLY and PLANT == 'kv-full-before-offset':
+            kv_full = t + 2 < nt and t + 2 >= NS
+            if kv_full and PLANT == 'kv-full-before-offset':
                 wait(w, NS - 4)
                 yield ('arrive', BAR_KV_FULL + (t & 1), ALL)
                 kv_full = False
             if not ring and t + 1 < nt: yield ('sync', BAR_SCORE_MMA_DONE, ALL)  # phase offset (v15, register page path)
-            if kv_full and KV_FULL_EARLY:  # v23: during the MMAs (after the phase-offset sync)
+            if kv_full:  # v23: during the MMAs (after the phase-offset sync)
                 wait(w, NS - 4)
                 yield ('arrive', BAR_KV_FULL + (t & 1), ALL)
             read_stage(w, t % NS, t, 'pv')
             yield None
             if t + 2 < nt: yield ('arrive', BAR_P_EMPTY + (t & 1), ALL)
-            if kv_full and not KV_FULL_EARLY:  # before this iteration's loads (kDecoupled, v15.3)
-                wait(w, NS - 4)
-                yield ('arrive', BAR_KV_FULL + (t & 1), ALL)
             if t >= 1:
                 lt = t + NS - 1
                 if loader and lt < nt:
@@ -273,9 +257,6 @@ def run(KS, nt, ring, seed):
                     issue(w, (t - 1) % NS, lt, v)
                     if ring: write_res(w, ('ring', (lt + 4) % 8), lt + 4)
                 commit(w)
-            if KS != 2 and t + 2 < nt and t + 2 >= NS:
-                wait(w, NS - 3)
-                yield ('arrive', BAR_KV_FULL + (t & 1), ALL)
         # CpAsyncWait<0>: in the kernel for the page ring's last fetches (their
         # own region, synchronous in this model); every KV load into a stage
         # has been waited for before its tile was read.
@@ -284,7 +265,7 @@ def run(KS, nt, ring, seed):
             staged_store(w)
         yield ('sync', BAR_FINAL, ALL)
         for x in range(SW):
-            if not (KEY_SPLIT and KS == 2) or x % 2 == 0: read_res(w, ('invl', x), 'final')
+            if x % 2 == 0: read_res(w, ('invl', x), 'final')
         if PLANT != 'staging-before-final':
             staged_store(w)
     qrecs = {}; qreads = {}
@@ -315,16 +296,15 @@ def run(KS, nt, ring, seed):
     return errs
 
 bad = 0
-for KS in (2, 4):
-    for ring in (False, True):
-        for nt in range(0, 14):
-            for seed in range(300):
-                e = run(KS, nt, ring, seed)
-                if e:
-                    bad += 1
-                    if bad < 10: print(KS, ring, nt, seed, e[:3])
-                    if PLANT:  # a planted fault only has to be found once
-                        print("bad runs: >= 1 (planted fault found)")
-                        sys.exit(1)
+for ring in (False, True):
+    for nt in range(0, 14):
+        for seed in range(300):
+            e = run(nt, ring, seed)
+            if e:
+                bad += 1
+                if bad < 10: print(ring, nt, seed, e[:3])
+                if PLANT:  # a planted fault only has to be found once
+                    print("bad runs: >= 1 (planted fault found)")
+                    sys.exit(1)
 print("bad runs:", bad)
 sys.exit(1 if bad else 0)

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Side-by-side timing of several bench binaries (or flag sets) in one device
-# call, on the target shapes, as used for the A/B logs in bench/results/runs/
-# (…-ab.log). Run on the GPU machine from the repository root over a bundle
-# (scripts/bundle.sh) into which the older binaries were copied under other
-# names, e.g. .device/bundle/bin/mlaverify-bench-v5:
-#   bench/ab.sh OUT_LOG "v5|mlaverify-bench-v5|" "v6|mlaverify-bench|" \
+# call, on the target shapes: the A/B comparisons of bench/NOTES.md. Run on
+# the GPU machine from the repository root over a bundle (scripts/bundle.sh)
+# into which the older binaries were copied under other names, e.g.
+# .device/bundle/bin/mlaverify-bench-v5:
+#   bench/research/ab.sh OUT_LOG "v5|mlaverify-bench-v5|" "v6|mlaverify-bench|" \
 #     "v6-plan-kernel|mlaverify-bench|--plan-kernel"
 # PASSES (default 2) alternates the binaries that many times; AB_SHAPES
 # replaces the shape list.

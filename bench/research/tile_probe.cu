@@ -1,8 +1,11 @@
 // mlaverify-tile-probe: what the `pipelined` kernel's 16-token tile costs in
-// its two resources when nothing else runs (bench/NOTES.md session 9).
+// its two resources when nothing else runs (bench/NOTES.md, the tile probe
+// under v15.3).
 //
-// The tile loop of the verify kernel (kernels/verify_pipelined_kernel.cuh)
-// is, per 32 query rows x 16 KV tokens and SM sub-partition, one score warp's
+// The tile loop of the verify kernel (kernels/verify_pipelined_kernel.cuh;
+// the score warps split Q's dims here, as the kernel did before v22, except
+// in the key-split and two-way rows) is, per 32 query rows x 16 KV tokens
+// and SM sub-partition, one score warp's
 // 18 ldmatrix.x4 + 36 mma.sync and one PV warp's 10 ldmatrix.x4 + 32
 // mma.sync, plus the hand-overs, the exchange and the softmax. This probe
 // runs only the MMA and fragment streams of each role, with the kernel's
@@ -15,7 +18,7 @@
 // built up towards the kernel: the score warp's pair exchange, its softmax and
 // P stores, the P hand-over to the PV warps (two or three buffers), the
 // kernel's phase offset, the PV warps' loads and KV_FULL, and the score warps
-// software-pipelined across tiles (bench/NOTES.md session 10). The SM clock
+// software-pipelined across tiles (bench/NOTES.md v16). The SM clock
 // each CTA ran at (clock64 over globaltimer) is printed beside the cycles.
 //
 //   mlaverify-tile-probe [--iters N] [--json FILE] [--rows SUBSTRING]
@@ -81,33 +84,35 @@ enum Role : int {
   kScoreHandOverOffset = 14, kPvHandOverOffset = 15,  // two buffers and the kernel's phase offset
   kScoreKernelProtocol = 16, kPvKernelProtocol = 17,   // plus the PV warps' loads and KV_FULL (v15.3)
   kScorePipelined = 18,  // ScorePipelinedStream with two P buffers (its PV partner: kPvHandOver)
-  // Session 10: the pipelined score warps with the PV warps' loads and KV_FULL. (A ninth
-  // warp that only loads is not an option: ptxas caps a CTA of 288 threads at 168
-  // registers, as for 384, on sm_90 and sm_120; bench/NOTES.md session 10.)
+  // The pipelined score warps with the PV warps' loads and KV_FULL. (A ninth warp that
+  // only loads is not an option: ptxas caps a CTA of 288 threads at 168 registers, as
+  // for 384, on sm_90 and sm_120; bench/NOTES.md v16.)
   kScorePipelinedKv = 19,  // kScorePipelined, one exchange buffer, KV_FULL(t + 1) before S(t + 1)
   kPvLoadsEarlyKv = 20,    // kPvHandOver + the loads; KV_FULL(t + 2) arrived right after P_FULL(t)
   kPvLoadsLateKv = 21,     // the same with KV_FULL(t + 2) after the MMAs (v15.3's place)
-  // What the kernel-protocol row still lacks (NOTES next idea 1 after session 10), beside
-  // kScoreKernelProtocol: each tile's address from a page id read from global memory one
-  // tile ahead, as the kernel's register path does (L2-resident ring), and the same with
-  // the tiles spread over a 2 GB ring (DRAM, as the kernel's first reader of a tile).
+  // What the kernel-protocol row lacks against the kernel (bench/NOTES.md, the probe's
+  // last gap, measured on v18b), beside kScoreKernelProtocol: each tile's address from a
+  // page id read from global memory one tile ahead, as the kernel's register path does
+  // (L2-resident ring), and the same with the tiles spread over a 2 GB ring (DRAM, as
+  // the kernel's first reader of a tile).
   kPvKernelPageIds = 22, kPvKernelPageIdsDram = 23,
-  // Session 11: the loads as one cp.async.bulk per KV row (1,152 bytes; lanes 0-3 of each
-  // PV warp, four rows each) completing on a per-stage mbarrier that the score warps wait
-  // on instead of KV_FULL: what the 128 loader threads' nine cp.async each per tile, their
-  // wait_group and the KV_FULL barrier cost the PV warps (bench/NOTES.md session 11).
+  // The loads as one cp.async.bulk per KV row (1,152 bytes; lanes 0-3 of each PV warp,
+  // four rows each) completing on a per-stage mbarrier that the score warps wait on
+  // instead of KV_FULL: what the 128 loader threads' nine cp.async each per tile, their
+  // wait_group and the KV_FULL barrier cost the PV warps (bench/NOTES.md, bulk copies,
+  // measured on v17.1).
   // Timing only: the rows land unswizzled, the ldmatrix addresses stay the kernel's.
   kScoreKernelBulk = 24, kPvKernelBulk = 25, kPvKernelBulkDram = 26,
   // The kernel-protocol score role with P_EMPTY always waited at the top of the tile (as the
   // bulk rows must), beside kPvKernelPageIds: what the early P_EMPTY alone costs.
   kScoreKernelEarlyEmpty = 27,
-  // Score warps that split a tile's 16 keys instead of its 576 dims (next idea 2 after
-  // session 11): warp = row group x key half, Q[16 rows x 576] in 144 registers, 36 MMAs
+  // Score warps that split a tile's 16 keys instead of its 576 dims (the kernel's layout
+  // since v22, priced here first): warp = row group x key half, Q[16 rows x 576] in 144 registers, 36 MMAs
   // per tile into one n tile (four chains), no partial-score exchange; the pair agrees on
   // a change of a row's exponent reference with one barrier reduction per tile
   // (bar.red.or), the rare change itself through shared memory. Kernel protocol otherwise.
   kScoreKeySplit = 28,
-  // The K-once two-way layout (NOTES next idea 4 after session 15): warp = dims half x key
+  // The K-once two-way layout (bench/NOTES.md, measured on v28): warp = dims half x key
   // half, Q[32 rows x 288 dims] in 144 registers, 9 ldmatrix.x4 and 36 MMAs per tile (K read
   // once per tile by the four warps, half the key split's 18 ldmatrix), then the partner
   // with the other dims half swaps one float4 per lane (named barrier of the pair) so that
@@ -227,9 +232,9 @@ __device__ __forceinline__ void MbarrierInit(uint32_t bar, int count) {
 __device__ __forceinline__ void MbarrierArriveExpectTx(uint32_t bar, int bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
-// Fails loudly instead of hanging: session 11's first runs of these rows
-// never finished (not yet understood), so a wait that has not completed
-// after 2^20 tries prints the barrier's raw state and traps.
+// Fails loudly instead of hanging: the first runs of these rows never
+// finished (not yet understood), so a wait that has not completed after
+// 2^20 tries prints the barrier's raw state and traps.
 __device__ __forceinline__ void MbarrierWait(uint32_t bar, int parity, int tile) {
   for (int tries = 0;; ++tries) {
     uint32_t done;
@@ -283,7 +288,7 @@ __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane,
   // before P is written. Not with the bulk rows' mbarriers: they let the score
   // warps run up to four tiles ahead (KV_FULL(t + 2) is arrived only after
   // PV(t)'s sync on the offset barrier), so there P_EMPTY is always waited
-  // early (session 11: with it late the bulk rows hung).
+  // early (with it late the bulk rows hung).
   auto p_empty_early = [&](int it) { return kPhaseOffset && (!kKvFull || kKvBulk || kEarlyEmpty || it < kStages); };
   for (int it = 0; it < iters; ++it) {
     if constexpr (kHandOver) {
@@ -474,8 +479,8 @@ __device__ __forceinline__ float ScoreKeySplitStream(int iters, uint32_t base, i
   return row_sum[0] + row_sum[1];
 }
 
-// The score warp software-pipelined across tiles (prepared in session 9, not
-// yet run): one pair barrier per tile, at the top; the partner's partial of
+// The score warp software-pipelined across tiles (the v16 attempt's probe
+// row): one pair barrier per tile, at the top; the partner's partial of
 // tile it is read there, and tile it's softmax is written between tile
 // it + 1's MMAs in one basic block, so its exponentials fill the issue slots
 // that the ldmatrix -> MMA dependencies leave empty. The exchange is
@@ -607,7 +612,7 @@ __device__ __forceinline__ float ScoreQuadStream(int iters, uint32_t base, int l
     ptx::NamedBarrierSync(1, 128);
     // Mine: the row block ks of my own accumulators plus the three others'.
     // Selects over constant indices: a runtime index (acc[ks >> 1]) would put
-    // the accumulators in local memory (as in call 2's build of this probe).
+    // the accumulators in local memory (as an earlier build of this probe did).
     float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
     for (int m = 0; m < 2; ++m)
@@ -794,12 +799,12 @@ __device__ __forceinline__ float PvAheadStream(int iters, uint32_t base, int lan
   return OChecksum(o);
 }
 
-// kInstance: 0 the rows up to session 10; 1 the load-protocol rows of session
-// 11 (bulk copies, P_EMPTY early); 2 the key-split score warps; 3 (session 16)
-// the K-once two-way score warps beside the key split. Each instance
-// holds only its rows' roles plus the kernel-protocol pair (SK + PI), run in
-// each as that instance's reference: adding the bulk code to the one
-// instance had moved the other rows by 3-5 % (session 11).
+// kInstance: 0 the tile's resources and hand-overs; 1 the load-protocol rows
+// (bulk copies, P_EMPTY early); 2 the key-split score warps; 3 the K-once
+// two-way score warps beside the key split. Each instance holds only its
+// rows' roles plus the kernel-protocol pair (SK + PI), run in each as that
+// instance's reference: adding the bulk code to the one instance had moved
+// the other rows by 3-5 %.
 template <int kChains, int kInstance>
 __global__ void __launch_bounds__(kThreads, 1) TileProbeKernel(const ProbeArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -1076,7 +1081,7 @@ int Main(int argc, char** argv) {
       {"load protocols: the bulk copies from a 2 GB ring (DRAM)", {SB, SB, SB, SB, PBD, PBD, PBD, PBD}, 2, 1},
       {"key split: kernel protocol + page ids (reference)", {SK, SK, SK, SK, PI, PI, PI, PI}, 2, 2},
       {"key split: score warps split keys, no exchange", {KS, KS, KS, KS, PI, PI, PI, PI}, 2, 2},
-      // Session 16 (NOTES next idea 4 after session 15), an instance of its own.
+      // The K-once two-way layout, in an instance of its own.
       {"two-way: kernel protocol + page ids (reference)", {SK, SK, SK, SK, PI, PI, PI, PI}, 2, 3},
       {"two-way: key split (the kernel's layout)", {KS, KS, KS, KS, PI, PI, PI, PI}, 2, 3},
       {"two-way: K read once, dims x keys, float4 swap", {KT, KT, KT, KT, PI, PI, PI, PI}, 2, 3},

@@ -2,31 +2,32 @@
 """Summarises the per-SASS-instruction CSV of `bench/gpu_run.sh stalls`
 (ncu --page source --csv --print-source sass) for the loops of one kernel.
 
-    bench/sass_profile.py stalls_sass.csv --hot 0.5
+    bench/research/sass_profile.py stalls_sass.csv --hot 0.5
         lists the instructions executed at least 0.5 x the most executed one
         (the inner loops), with offset, count, samples and top stall reasons;
         read the loop boundaries (offsets) off this list.
-    bench/sass_profile.py stalls_sass.csv --loop pv:900:1b60 --loop score:7000:8700 --per 131200
+    bench/research/sass_profile.py stalls_sass.csv --loop pv:900:1b60 --loop score:7000:8700 --per 131200
         per loop (offsets in hex, inclusive): samples and stall reasons, and
         instructions per iteration by opcode (executions / --per, e.g. the
         loop's warp-iterations: its most executed instruction's count).
-    bench/sass_profile.py stalls_sass.csv --timer-sections
+    bench/research/sass_profile.py stalls_sass.csv --timer-sections
         (a phase-stamps build) cuts the code at every %globaltimer read and
         prints, per section in code order: offsets, static instructions,
         executions, samples and the top stall reasons; then the whole
         kernel's stall reasons. Shows where a small launch's straight-line
         phases (plan, merge) wait, e.g. on instruction fetch (no_inst).
-    bench/sass_profile.py stalls_sass.csv[.gz] --loops
+    bench/research/sass_profile.py stalls_sass.csv[.gz] --loops
         finds the hot loops itself (runs of instructions executed at least
         0.9 x the most executed one, gaps under 0x1000 bytes bridged) and
         prints for each what --loop prints, with --per set to its most
         executed instruction's count, plus its eight instructions with the
-        most samples (bench/NOTES.md session 13, call 5).
-    bench/sass_profile.py stalls_sass.csv --regions 0x800
+        most samples (the stall profile of bench/NOTES.md v23e; CTest's
+        sass_profile_finds_loops runs it on that profile, testdata/).
+    bench/research/sass_profile.py stalls_sass.csv --regions 0x800
         (any build) per 0x800-byte slice of the code that ran: executions,
         the most any one instruction ran (132 = one warp per CTA, 1,024 =
         eight warps of 128 CTAs, ...), samples and top stall reasons. How the
-        session-7 profile found the merge waiting on instruction fetch.
+        merge was found waiting on instruction fetch (bench/NOTES.md v10).
 """
 import argparse
 import collections

@@ -11,7 +11,7 @@ segment loop put WARPSYNC.ALL into the tile loops and cost 4 %).
 
   cuobjdump -sass [-fun MANGLED_NAME] mlaverify-bench > k.sass   (GPU machine;
   bench/gpu_run.sh sass does this and writes sass_loops.txt)
-  python3 bench/sass_loops.py k.sass [other.sass ...]
+  python3 bench/research/sass_loops.py k.sass [other.sass ...]
 """
 import re
 import sys

@@ -1,6 +1,6 @@
 // mlaverify-cluster-probe: how many thread-block clusters of each size the
-// device holds at once with one verify-sized CTA per SM (bench/NOTES.md
-// session 16). A split row tile whose splits all sit in one cluster could
+// device holds at once with one verify-sized CTA per SM (bench/NOTES.md,
+// "Clusters"). A split row tile whose splits all sit in one cluster could
 // merge its partials through distributed shared memory instead of global
 // memory, a fence and a spin-wait; this says how many CTAs such a launch
 // could keep resident per cluster size. It launches nothing: it asks
