@@ -8,7 +8,7 @@
 // measured in the same run (a CUDA graph of the attention alone, L2 flushed,
 // median), so that engine overhead = engine p50 - kernel time.
 //
-//   mlaverify-engine-bench --backend cuda --devices 0 --prefix-len 1024,16384 \
+//   mlaverify-engine-bench --backend cuda --devices 0 --prefix-len 1024,16384
 //       --threads 1,64 --duration-s 5 --json engine.json
 //
 // Writes one row per (prefix length, thread count) in the format of
@@ -260,9 +260,9 @@ struct Flags {
   int copy_threads = 4;
   bool graphs = true;
   double spin_us = 100;
-  bool overlap_inputs = true;
+  bool overlap_inputs = false;
   bool direct_output = true;
-  int staging_sets = 3;
+  int staging_sets = 2;
   bool probe_memory = false;
   std::string json;
   std::string gpu_name;

@@ -8,11 +8,11 @@
 // output region (mapped memory; or, with direct_output off, into a device
 // buffer and one device-to-host copy), all on the compute stream.
 // CaptureGraphs records that sequence as CUDA graphs per (staging set, shape):
-// the input copy, and the rest (draft write, attention), the latter with and
-// without the plan kernel. On an idle device a batch's input copy is issued
-// directly and the rest replayed behind it; while the previous batch runs, the
-// input copy is replayed on a copy stream beside it and the rest follows on
-// the compute stream once both are done. Lengths, page tables and trees are read from device memory, so one
+// the whole sequence, for a batch launched on an idle device, and for a batch
+// launched while the previous one runs, its input copy (replayed on a copy
+// stream, overlapped with the running batch) apart from the rest (replayed on
+// the compute stream once both are done); each with and without the plan
+// kernel. Lengths, page tables and trees are read from device memory, so one
 // graph serves every prefix length. Eager launches issue the same sequence
 // directly.
 #include <cuda_runtime_api.h>
@@ -139,7 +139,7 @@ class CudaDevice final : public Device {
   absl::StatusOr<int64_t> CaptureGraphs(int set, BatchShape shape) override {
     size_t free_before = 0, free_after = 0, total = 0;
     RETURN_IF_ERROR(Check(cudaMemGetInfo(&free_before, &total), "cudaMemGetInfo"));
-    for (const Part part : {Part::kAfterInput, Part::kInput}) {
+    for (const Part part : {Part::kWhole, Part::kAfterInput, Part::kInput}) {
       for (const bool reuse : {false, true}) {
         if (part == Part::kInput && reuse) continue;  // the copy has no plan
         cudaStream_t stream = part == Part::kInput ? copy_stream_ : stream_;
@@ -178,7 +178,7 @@ class CudaDevice final : public Device {
     if (o.overlap_input) {
       // The input copy runs on the copy stream beside the running batch;
       // the kernels follow it and that batch (stream order) on the compute
-      // stream. The device time counted is then the kernels' alone (the copy
+      // stream. The device time counted is the kernels' alone (the copy
       // overlapped, and the wait for the previous batch is not this one's).
       RETURN_IF_ERROR(Replay(o, Part::kInput, copy_stream_));
       RETURN_IF_ERROR(Check(cudaEventRecord(s.input_done, copy_stream_), "cudaEventRecord"));
@@ -186,14 +186,10 @@ class CudaDevice final : public Device {
       RETURN_IF_ERROR(Check(cudaEventRecord(s.start, stream_), "cudaEventRecord"));
       RETURN_IF_ERROR(Replay(o, Part::kAfterInput, stream_));
     } else {
-      // The input copy is issued directly, so that it runs while the host
-      // launches the graph of the rest (a graph reaches the device only once
-      // its launch call is done: measured 9 us slower end to end at one item
-      // in flight when the copy was inside it). The device time counted runs
-      // from the copy to the end of the kernels.
+      // One graph for the whole batch; its device time runs from the input
+      // copy to the end of the kernels.
       RETURN_IF_ERROR(Check(cudaEventRecord(s.start, stream_), "cudaEventRecord"));
-      RETURN_IF_ERROR(Enqueue(o.set, o.shape, false, Part::kInput, stream_));
-      RETURN_IF_ERROR(Replay(o, Part::kAfterInput, stream_));
+      RETURN_IF_ERROR(Replay(o, Part::kWhole, stream_));
     }
     return Check(cudaEventRecord(s.stop, stream_), "cudaEventRecord");
   }
@@ -296,8 +292,8 @@ class CudaDevice final : public Device {
     cudaEvent_t stop = nullptr;
     cudaEvent_t input_done = nullptr;
   };
-  // Which part of a batch's launch sequence a graph (or an eager launch) holds.
-  enum class Part { kInput, kAfterInput };
+  // Which part of a batch's launch sequence a graph holds.
+  enum class Part { kWhole, kInput, kAfterInput };
   using GraphKey = std::tuple<int, int, int, bool, Part>;  // set, batch, draft, reuse_plan, part
 
   static GraphKey Key(int set, BatchShape shape, bool reuse, Part part) {
@@ -335,17 +331,19 @@ class CudaDevice final : public Device {
                  "page table upload");
   }
 
-  // One part of the launch sequence of a batch of `shape` from staging set
-  // `set`, on `stream`.
+  // The launch sequence of one batch of `shape` from staging set `set`, or
+  // one part of it, on `stream`.
   absl::Status Enqueue(int set, BatchShape shape, bool reuse_plan, Part part, cudaStream_t stream) {
     const StagingSet& s = sets_[set];
     const StagingLayout l = StagingLayout::For(shape, g_.num_heads, g_.max_pages_per_sequence);
     auto* in = static_cast<uint8_t*>(s.dev_in);
     auto* out = static_cast<uint8_t*>(options_.direct_output ? s.host_out_on_device : s.dev_out);
-    if (part == Part::kInput) {
-      return Check(cudaMemcpyAsync(s.dev_in, s.host_in, l.input_bytes, cudaMemcpyHostToDevice, stream),
-                   "input upload");
+    if (part != Part::kAfterInput) {
+      RETURN_IF_ERROR(Check(cudaMemcpyAsync(s.dev_in, s.host_in, l.input_bytes, cudaMemcpyHostToDevice,
+                                            stream),
+                            "input upload"));
     }
+    if (part == Part::kInput) return absl::OkStatus();
     const auto* prefix = reinterpret_cast<const int32_t*>(in + l.prefix_len);
     const auto* drafts = reinterpret_cast<const int32_t*>(in + l.draft_len);
     const auto* layers = reinterpret_cast<const int32_t*>(in + l.layer);

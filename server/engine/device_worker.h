@@ -114,7 +114,7 @@ struct WorkerOptions {
   // (a wake-up from sleep costs microseconds per call).
   absl::Duration spin = absl::ZeroDuration();
   // Copy a batch's inputs while the previous batch runs (LaunchOptions::overlap_input).
-  bool overlap_inputs = true;
+  bool overlap_inputs = false;
 };
 
 class DeviceWorker {

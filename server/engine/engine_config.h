@@ -76,12 +76,15 @@ struct EngineConfig {
   // that arrives meanwhile starts without a thread wake-up (microseconds),
   // at the price of a busy core while it polls. Zero: sleep at once.
   absl::Duration worker_spin = absl::Microseconds(100);
-  // Copy a batch's inputs to the device while the previous batch still runs.
-  bool overlap_inputs = true;
+  // Copy a batch's inputs to the device (on a copy stream) while the
+  // previous batch still runs. Off by default: on the H200 it gave no
+  // measurable throughput at 64 threads (bench/results/engine-h200-2026-12-01-ab.json),
+  // and its outputs have not yet been checked on a GPU by gpu_engine_test.
+  bool overlap_inputs = false;
   // Staging sets per device (pinned input/output regions, one batch each):
-  // with more than two, the next batch is packed while one runs and another's
-  // outputs are copied out.
-  int staging_sets = 3;
+  // the next batch is packed while another runs and an earlier one's outputs
+  // are copied out. Two is what was measured.
+  int staging_sets = 2;
 
   int max_draft_len() const { return draft_buckets.empty() ? 0 : draft_buckets.back(); }
   int max_batch() const { return batch_buckets.empty() ? 0 : batch_buckets.back(); }
