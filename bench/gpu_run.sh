@@ -64,8 +64,8 @@ if want service && [ -x "$bundle/bin/mlaverify-server" ]; then
   for mode in single tp dp; do
     case $mode in
       single) flags=(--devices 0 --heads 8 --pool-bytes 24GiB) ;;
-      tp) flags=(--devices 0,0 --parallel-mode tp --heads 16 --pool-bytes 12GiB) ;;
-      dp) flags=(--devices 0,0 --parallel-mode dp --heads 8 --pool-bytes 12GiB) ;;
+      tp) flags=(--devices "0,0" --parallel-mode tp --heads 16 --pool-bytes 12GiB) ;;
+      dp) flags=(--devices "0,0" --parallel-mode dp --heads 8 --pool-bytes 12GiB) ;;
     esac
     if [ "$mode" = single ]; then
       # Health from the moment the port listens: NOT_SERVING while the pools
@@ -151,6 +151,7 @@ if want small; then
   # Small batch, default kernel: the split knobs (lead 1 of bench/NOTES.md).
   for flags in "" "--ctas-per-sm 2 --min-chunk-tiles 4" "--min-chunk-tiles 4" "--min-chunk-tiles 1" "--pdl"; do
     echo "== flags: ${flags:-default}"
+    # shellcheck disable=SC2086  # $flags holds several words
     timeout 120 "$bundle/bin/mlaverify-bench" --shape 1,4096,16,8 --shape 1,65536,16,8 $flags 2>&1 |
       grep -E '^B='
   done 2>&1 | tee "$out/small.log"
@@ -165,6 +166,7 @@ if want pdl; then
   grep -E '^B=.*tree' "$out/anchor_pdl.log"
   for flags in "--pdl" "--no-pdl" "--pdl --no-flush" "--no-pdl --no-flush"; do
     echo "== flags: ${flags:-default}"
+    # shellcheck disable=SC2086  # $flags holds several words
     timeout 120 "$bundle/bin/mlaverify-bench" --shape 1,1024,16,8 --shape 1,4096,16,8 $flags 2>&1 |
       grep -E '^B='
   done 2>&1 | tee "$out/pdl.log"
@@ -189,7 +191,7 @@ if want timeline && command -v ncu >/dev/null; then
   # --cache-control none: the partials stay in L2 as in a real replay).
   timeout 200 ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum \
     -k regex:'PlanKernel|AttentionKernel|CombineKernel' --launch-skip 6 --launch-count 6 \
-    "$bundle/bin/mlaverify-bench" --shape ${TIMELINE_SHAPE:-1,4096,16,8} --reps 3 \
+    "$bundle/bin/mlaverify-bench" --shape "${TIMELINE_SHAPE:-1,4096,16,8}" --reps 3 \
     > "$out/ncu_small_nocache.txt" 2>&1
   grep -E 'Kernel|gpu__time_duration' "$out/ncu_small_nocache.txt" | head -24
 fi

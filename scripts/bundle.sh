@@ -25,4 +25,4 @@ for bin in "$@"; do
     fi
   done
 done
-echo "bundled $# binaries into $out ($(ls "$out/lib" | wc -l) libraries)"
+echo "bundled $# binaries into $out ($(find "$out/lib" -type f | wc -l) libraries)"

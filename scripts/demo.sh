@@ -13,6 +13,7 @@ scripts/build.sh
 
 work=$(mktemp -d /tmp/mlaverify-demo.XXXX)
 server_pid=""
+# shellcheck disable=SC2317  # called by the EXIT trap
 cleanup() {
   if [ -n "$server_pid" ] && kill -0 "$server_pid" 2>/dev/null; then
     kill -TERM "$server_pid"

@@ -12,8 +12,8 @@ set -uo pipefail
 out=$1
 shift
 bundle=${BUNDLE:-.device/bundle}
-shapes=(--shape 1,4096,16,8 --shape 1,65536,16,8 --shape 8,16384,16,8 --shape 32,65536,4,8
-        --shape 32,65536,4,8,1 --shape 8,65536,16,16)
+shapes=(--shape "1,4096,16,8" --shape "1,65536,16,8" --shape "8,16384,16,8" --shape "32,65536,4,8"
+        --shape "32,65536,4,8,1" --shape "8,65536,16,16")
 # AB_SHAPES="B,L,N,H[,page] ..." replaces the list.
 if [ -n "${AB_SHAPES:-}" ]; then
   shapes=()

@@ -8,6 +8,6 @@ b=.device/bundle/bin/mlaverify-bench
 o=$(mktemp -d)
 for mc in 1 2 4 8; do for cps in 1 2; do
   echo "== min_chunk_tiles=$mc ctas_per_sm=$cps"
-  timeout 100 $b --reps 30 --min-chunk-tiles $mc --ctas-per-sm $cps --shape 1,4096,16,8 --shape 1,65536,16,8 --shape 32,65536,4,8,1 --shape 32,65536,4,8,64 2>&1 | grep -E '^B='
-done; done | tee $o/tune.log
-tar -C $o -czf $OUT/tune.tgz .
+  timeout 100 "$b" --reps 30 --min-chunk-tiles "$mc" --ctas-per-sm "$cps" --shape 1,4096,16,8 --shape 1,65536,16,8 --shape 32,65536,4,8,1 --shape 32,65536,4,8,64 2>&1 | grep -E '^B='
+done; done | tee "$o/tune.log"
+tar -C "$o" -czf "$OUT/tune.tgz" .
