@@ -14,9 +14,9 @@
 // Writes one row per (prefix length, thread count) in the format of
 // bench/results/engine-*.json.
 #include <algorithm>
-#include <cstring>
 #include <atomic>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -103,19 +103,20 @@ class BatchCounter final : public engine::EngineObserver {
     for (const auto& [size, count] : sizes_) hist[std::to_string(size)] = count;
     const double n = std::max<int64_t>(calls_, 1);
     const double nb = std::max<int64_t>(batches_, 1);
-    return {{"batches", batches_},
-            {"batch_requests_hist", hist},
-            {"graph_batches", graph_},
-            {"eager_batches", eager_},
-            {"plan_reused_batches", reused_},
-            {"overlapped_input_batches", overlapped_},
-            {"mean_pack_us_per_batch", 1e6 * pack_seconds_ / nb},
-            {"mean_launch_us_per_batch", 1e6 * launch_seconds_ / nb},
-            {"mean_unpack_us_per_batch", 1e6 * unpack_seconds_ / nb},
-            {"mean_device_us_per_batch", batches_ > 0 ? 1e6 * device_seconds_ / batches_ : 0.0},
-            {"mean_queue_us", 1e6 * queue_seconds_ / n},
-            {"mean_device_us", 1e6 * verify_device_seconds_ / n},
-            {"mean_other_us", 1e6 * (total_seconds_ - queue_seconds_ - verify_device_seconds_) / n}};
+    return {
+        {"batches", batches_},
+        {"batch_requests_hist", hist},
+        {"graph_batches", graph_},
+        {"eager_batches", eager_},
+        {"plan_reused_batches", reused_},
+        {"overlapped_input_batches", overlapped_},
+        {"mean_pack_us_per_batch", 1e6 * pack_seconds_ / nb},
+        {"mean_launch_us_per_batch", 1e6 * launch_seconds_ / nb},
+        {"mean_unpack_us_per_batch", 1e6 * unpack_seconds_ / nb},
+        {"mean_device_us_per_batch", batches_ > 0 ? 1e6 * device_seconds_ / batches_ : 0.0},
+        {"mean_queue_us", 1e6 * queue_seconds_ / n},
+        {"mean_device_us", 1e6 * verify_device_seconds_ / n},
+        {"mean_other_us", 1e6 * (total_seconds_ - queue_seconds_ - verify_device_seconds_) / n}};
   }
 
  private:
@@ -158,11 +159,12 @@ absl::StatusOr<double> KernelMicros(int device, int batch, int prefix, int draft
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal);
-  absl::Status launched =
-      kernels::LaunchVerifyAttention(dev.Args(), *config, dev.workspace(), dev.workspace_bytes(), stream);
+  absl::Status launched = kernels::LaunchVerifyAttention(dev.Args(), *config, dev.workspace(),
+                                                         dev.workspace_bytes(), stream);
   cudaStreamEndCapture(stream, &graph);
   if (!launched.ok()) return launched;
-  if (cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) return absl::InternalError("instantiate");
+  if (cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess)
+    return absl::InternalError("instantiate");
   absl::StatusOr<GraphTiming> t = TimeGraphReplays(exec, stream, 50, &flush);
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
@@ -194,7 +196,8 @@ nlohmann::json ProbeMemory() {
     for (int t = 0; t < threads; ++t) {
       ts.emplace_back([&, t] {
         for (int rep = 0; rep < 2; ++rep) {
-          for (size_t k = t; k < pieces; k += threads) std::memcpy(dst + k * kPiece, src + k * kPiece, kPiece);
+          for (size_t k = t; k < pieces; k += threads)
+            std::memcpy(dst + k * kPiece, src + k * kPiece, kPiece);
         }
       });
     }
@@ -221,14 +224,17 @@ nlohmann::json ProbeMemory() {
         float ms = 0;
         cudaEventRecord(a, stream);
         for (int r = 0; r < 20; ++r) {
-          if (h2d) cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, stream);
-          else cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, stream);
+          if (h2d)
+            cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, stream);
+          else
+            cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, stream);
         }
         cudaEventRecord(b, stream);
         cudaEventSynchronize(b);
         cudaEventElapsedTime(&ms, a, b);
         const double us = 1e3 * ms / 20;
-        const std::string name = absl::StrCat(h2d ? "h2d" : "d2h", use_wc ? "_wc" : "", "_", bytes, "B");
+        const std::string name =
+            absl::StrCat(h2d ? "h2d" : "d2h", use_wc ? "_wc" : "", "_", bytes, "B");
         std::printf("copy %-20s %8.1f us  %6.1f GB/s\n", name.c_str(), us, bytes / us / 1e3);
         out[name + "_us"] = us;
       }
@@ -271,18 +277,33 @@ struct Flags {
 int Run(int argc, char** argv) {
   Flags f;
   CLI::App app{"mlaverify-engine-bench: the engine in process, many threads, no gRPC"};
-  app.add_option("--backend", f.backend, "cuda | cpu")->check(CLI::IsMember({"cuda", "cpu"}))->capture_default_str();
-  app.add_option("--devices", f.devices, "device list (an ordinal may repeat)")->delimiter(',')->capture_default_str();
-  app.add_option("--mode", f.mode, "tp | dp")->check(CLI::IsMember({"tp", "dp"}))->capture_default_str();
+  app.add_option("--backend", f.backend, "cuda | cpu")
+      ->check(CLI::IsMember({"cuda", "cpu"}))
+      ->capture_default_str();
+  app.add_option("--devices", f.devices, "device list (an ordinal may repeat)")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--mode", f.mode, "tp | dp")
+      ->check(CLI::IsMember({"tp", "dp"}))
+      ->capture_default_str();
   app.add_option("--layers", f.layers, "model layers")->capture_default_str();
-  app.add_option("--heads-per-device", f.heads_per_device, "query heads each device computes")->capture_default_str();
+  app.add_option("--heads-per-device", f.heads_per_device, "query heads each device computes")
+      ->capture_default_str();
   app.add_option("--page-size", f.page_size)->capture_default_str();
-  app.add_option("--draft-len", f.draft_len, "drafts per item (a random tree)")->capture_default_str();
-  app.add_option("--prefix-len", f.prefix_lens, "prompt lengths, one set of rows each")->delimiter(',')->capture_default_str();
-  app.add_option("--threads", f.threads, "submitting threads, one row each")->delimiter(',')->capture_default_str();
+  app.add_option("--draft-len", f.draft_len, "drafts per item (a random tree)")
+      ->capture_default_str();
+  app.add_option("--prefix-len", f.prefix_lens, "prompt lengths, one set of rows each")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--threads", f.threads, "submitting threads, one row each")
+      ->delimiter(',')
+      ->capture_default_str();
   app.add_option("--duration-s", f.duration_s, "measured seconds per row")->capture_default_str();
-  app.add_option("--warmup-s", f.warmup_s, "unmeasured seconds before each row")->capture_default_str();
-  app.add_option("--pool-bytes", f.pool_bytes, "KV pool per device")->transform(CLI::AsSizeValue(false))->capture_default_str();
+  app.add_option("--warmup-s", f.warmup_s, "unmeasured seconds before each row")
+      ->capture_default_str();
+  app.add_option("--pool-bytes", f.pool_bytes, "KV pool per device")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
   app.add_option("--copy-threads", f.copy_threads)->capture_default_str();
   app.add_option("--cuda-graphs", f.graphs)->capture_default_str();
   app.add_option("--worker-spin-us", f.spin_us)->capture_default_str();
@@ -304,7 +325,8 @@ int Run(int argc, char** argv) {
   config.page_size = f.page_size;
   config.pool_bytes = static_cast<int64_t>(f.pool_bytes);
   config.max_sequence_len = *std::max_element(f.prefix_lens.begin(), f.prefix_lens.end()) + 128;
-  config.parallel_mode = tp ? engine::ParallelMode::kTensorParallel : engine::ParallelMode::kDataParallel;
+  config.parallel_mode =
+      tp ? engine::ParallelMode::kTensorParallel : engine::ParallelMode::kDataParallel;
   config.use_graphs = f.graphs;
   config.copy_threads = f.copy_threads;
   config.worker_spin = absl::Microseconds(f.spin_us);
@@ -334,9 +356,10 @@ int Run(int argc, char** argv) {
     return 2;
   }
   std::unique_ptr<Engine> engine = *std::move(engine_or);
-  std::printf("engine: %s x%d (%s), %d layers, %d heads (%d per device), page %d, started in %.2f s\n",
-              engine->backend_name().c_str(), num_devices, f.mode.c_str(), f.layers, config.num_heads,
-              engine->heads_per_device(), f.page_size, absl::ToDoubleSeconds(absl::Now() - start));
+  std::printf(
+      "engine: %s x%d (%s), %d layers, %d heads (%d per device), page %d, started in %.2f s\n",
+      engine->backend_name().c_str(), num_devices, f.mode.c_str(), f.layers, config.num_heads,
+      engine->heads_per_device(), f.page_size, absl::ToDoubleSeconds(absl::Now() - start));
 
   nlohmann::json results = nlohmann::json::object();
   if (!f.json.empty()) {
@@ -386,7 +409,8 @@ int Run(int argc, char** argv) {
           if (len != chunk) {
             piece.resize(static_cast<size_t>(f.layers) * len * kLatentDim);
             for (int l = 0; l < f.layers; ++l) {
-              std::copy_n(block.begin() + static_cast<size_t>(l) * chunk * kLatentDim, len * kLatentDim,
+              std::copy_n(block.begin() + static_cast<size_t>(l) * chunk * kLatentDim,
+                          len * kLatentDim,
                           piece.begin() + static_cast<size_t>(l) * len * kLatentDim);
             }
             kv = piece;
@@ -400,7 +424,8 @@ int Run(int argc, char** argv) {
         }
       }
       if (!setup_ok) {
-        std::fprintf(stderr, "L=%d threads=%d: setup failed (pool too small?), row skipped\n", prefix, threads);
+        std::fprintf(stderr, "L=%d threads=%d: setup failed (pool too small?), row skipped\n",
+                     prefix, threads);
         for (uint64_t id : ids) (void)engine->Release(id);
         continue;
       }
@@ -412,7 +437,8 @@ int Run(int argc, char** argv) {
       for (int t = 0; t < threads; ++t) {
         workers.emplace_back([&, t] {
           std::mt19937_64 r(t + 1);
-          const std::vector<Bf16> q = RandomBf16(static_cast<size_t>(n) * heads * kLatentDim, r, 2.0f);
+          const std::vector<Bf16> q =
+              RandomBf16(static_cast<size_t>(n) * heads * kLatentDim, r, 2.0f);
           const std::vector<Bf16> dkv = RandomBf16(static_cast<size_t>(n) * kLatentDim, r, 1.0f);
           std::vector<Bf16> out(static_cast<size_t>(n) * heads * kValueDim);
           std::vector<float> lse(static_cast<size_t>(n) * heads);
@@ -420,7 +446,8 @@ int Run(int argc, char** argv) {
           while (!stop.load()) {
             const std::vector<int32_t> tree = RandomTree(n, r);
             for (int layer = 0; layer < f.layers && !stop.load(); ++layer) {
-              engine::VerifyItem item{ids[t], tree, q, dkv, absl::MakeSpan(out), absl::MakeSpan(lse)};
+              engine::VerifyItem item{
+                  ids[t], tree, q, dkv, absl::MakeSpan(out), absl::MakeSpan(lse)};
               const absl::Time t0 = absl::Now();
               const absl::Status s = engine->Verify(layer, 0.0f, absl::MakeSpan(&item, 1));
               const double us = absl::ToDoubleMicroseconds(absl::Now() - t0);
@@ -454,7 +481,10 @@ int Run(int argc, char** argv) {
       for (const auto& l : latencies) all.insert(all.end(), l.begin(), l.end());
       std::sort(all.begin(), all.end());
       auto pct = [&all](double p) {
-        return all.empty() ? 0.0 : static_cast<double>(all[std::min(all.size() - 1, static_cast<size_t>(p * all.size()))]);
+        return all.empty()
+                   ? 0.0
+                   : static_cast<double>(
+                         all[std::min(all.size() - 1, static_cast<size_t>(p * all.size()))]);
       };
       const double items_per_s = static_cast<double>(items.load()) / seconds;
       nlohmann::json row = {{"mode", num_devices == 1 ? "single" : f.mode},
@@ -487,11 +517,13 @@ int Run(int argc, char** argv) {
         row["kernel_us"] = nullptr;
         row["overhead_p50_us"] = nullptr;
       }
-      std::printf("%-6s L=%-6d N=%d threads=%-3d  %9.0f items/s  p50 %8.1f us  p99 %8.1f us  kernel %6.1f us"
-                  "  overhead p50 %7.1f us  batches %s  errors %lld\n",
-                  row["mode"].get<std::string>().c_str(), prefix, n, threads, items_per_s, pct(0.5), pct(0.99),
-                  kernel_us, kernel_us >= 0 ? pct(0.5) - kernel_us : 0.0,
-                  batching["batch_requests_hist"].dump().c_str(), static_cast<long long>(errors.load()));
+      std::printf(
+          "%-6s L=%-6d N=%d threads=%-3d  %9.0f items/s  p50 %8.1f us  p99 %8.1f us  kernel %6.1f "
+          "us"
+          "  overhead p50 %7.1f us  batches %s  errors %lld\n",
+          row["mode"].get<std::string>().c_str(), prefix, n, threads, items_per_s, pct(0.5),
+          pct(0.99), kernel_us, kernel_us >= 0 ? pct(0.5) - kernel_us : 0.0,
+          batching["batch_requests_hist"].dump().c_str(), static_cast<long long>(errors.load()));
       std::fflush(stdout);
       results["rows"].push_back(row);
       if (!f.json.empty()) std::ofstream(f.json) << results.dump(2) << "\n";
@@ -500,7 +532,8 @@ int Run(int argc, char** argv) {
   const engine::EngineStats stats = engine->Stats();
   if (stats.free_pages != stats.total_pages) {
     std::fprintf(stderr, "PAGE LEAK: %lld of %lld pages free at the end\n",
-                 static_cast<long long>(stats.free_pages), static_cast<long long>(stats.total_pages));
+                 static_cast<long long>(stats.free_pages),
+                 static_cast<long long>(stats.total_pages));
     return 1;
   }
   return 0;

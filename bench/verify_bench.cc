@@ -26,9 +26,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "common/status_macros.h"
 #include "kernels/cpu_reference.h"
 #include "kernels/phase_stamps.h"
-#include "common/status_macros.h"
 #include "kernels/testing/device_problem.h"
 #include "kernels/testing/verify_problem.h"
 #include "kernels/verify_attention_cuda.h"
@@ -67,8 +67,10 @@ bool ParseShape(const std::string& text, Shape* s) {
   s->page_size = v[4];
   s->mask = MaskKind::kTree;
   if (parts.size() == 6) {
-    if (parts[5] == "chain") s->mask = MaskKind::kChain;
-    else if (parts[5] != "tree") return false;
+    if (parts[5] == "chain")
+      s->mask = MaskKind::kChain;
+    else if (parts[5] != "tree")
+      return false;
   }
   return s->batch >= 1 && s->prefix >= 0 && s->draft >= 1 && s->draft <= 64 && s->heads >= 1 &&
          s->heads <= 128;
@@ -78,8 +80,8 @@ std::vector<Shape> Suite(const std::string& name) {
   std::vector<Shape> shapes;
   if (name == "anchor") {
     // KERNEL.md's baseline table, with chain and tree masks, page sizes 1 and 64.
-    const int table[][4] = {{1, 4096, 16, 8},    {1, 65536, 16, 8},  {8, 16384, 16, 8},
-                            {8, 65536, 4, 16},   {32, 65536, 4, 8},  {8, 65536, 16, 16},
+    const int table[][4] = {{1, 4096, 16, 8},   {1, 65536, 16, 8}, {8, 16384, 16, 8},
+                            {8, 65536, 4, 16},  {32, 65536, 4, 8}, {8, 65536, 16, 16},
                             {8, 16384, 16, 128}};
     for (const auto& t : table) {
       for (int page : {64, 1}) {
@@ -106,8 +108,9 @@ std::vector<Shape> Suite(const std::string& name) {
 // relative to the earliest CTA entry of that replay (-1: not reached), and
 // prints, for the replay of median span, each phase's median and max over
 // CTAs.
-absl::StatusOr<nlohmann::json> RecordPhaseStamps(cudaGraphExec_t exec, cudaStream_t stream, int ctas,
-                                                 int replays, DeviceBuffer& flush_buffer) {
+absl::StatusOr<nlohmann::json> RecordPhaseStamps(cudaGraphExec_t exec, cudaStream_t stream,
+                                                 int ctas, int replays,
+                                                 DeviceBuffer& flush_buffer) {
   using kernels::kPhaseSlots;
   DeviceBuffer stamps;
   RETURN_IF_ERROR(stamps.Allocate(sizeof(uint64_t) * kPhaseSlots * ctas));
@@ -123,13 +126,15 @@ absl::StatusOr<nlohmann::json> RecordPhaseStamps(cudaGraphExec_t exec, cudaStrea
     cudaMemcpyAsync(host.data(), stamps.as<void>(), stamps.bytes(), cudaMemcpyDeviceToHost, stream);
     if (cudaStreamSynchronize(stream) != cudaSuccess) {
       (void)kernels::SetVerifyPhaseStamps(nullptr);
-      return absl::InternalError(absl::StrCat("phase-stamp replay failed: ", cudaGetErrorString(cudaGetLastError())));
+      return absl::InternalError(
+          absl::StrCat("phase-stamp replay failed: ", cudaGetErrorString(cudaGetLastError())));
     }
     uint64_t t0 = UINT64_MAX, t1 = 0;
     for (int c = 0; c < ctas; ++c) {
       const uint64_t entry = host[static_cast<size_t>(c) * kPhaseSlots + kernels::kStampEntry];
       if (entry != 0) t0 = std::min(t0, entry);
-      for (int k = 0; k < kernels::kFirstRawSlot; ++k) t1 = std::max(t1, host[static_cast<size_t>(c) * kPhaseSlots + k]);
+      for (int k = 0; k < kernels::kFirstRawSlot; ++k)
+        t1 = std::max(t1, host[static_cast<size_t>(c) * kPhaseSlots + k]);
     }
     if (t0 == UINT64_MAX) {
       (void)kernels::SetVerifyPhaseStamps(nullptr);
@@ -147,9 +152,12 @@ absl::StatusOr<nlohmann::json> RecordPhaseStamps(cudaGraphExec_t exec, cudaStrea
       const uint64_t ns = cta[kernels::kStampPvDone] - cta[kernels::kStampEntry];
       const uint64_t cycles = cta[kernels::kStampClockPvDone] - cta[kernels::kStampClockEntry];
       const uint64_t tiles = cta[kernels::kStampTiles];
-      if (cta[kernels::kStampPvDone] != 0 && cta[kernels::kStampEntry] != 0 && ns > 0 && tiles > 0) {
-        rel[c][kernels::kStampClockEntry] = static_cast<int64_t>(1e3 * static_cast<double>(cycles) / ns);  // MHz
-        rel[c][kernels::kStampClockPvDone] = static_cast<int64_t>(cycles / tiles);  // cycles per tile
+      if (cta[kernels::kStampPvDone] != 0 && cta[kernels::kStampEntry] != 0 && ns > 0 &&
+          tiles > 0) {
+        rel[c][kernels::kStampClockEntry] =
+            static_cast<int64_t>(1e3 * static_cast<double>(cycles) / ns);  // MHz
+        rel[c][kernels::kStampClockPvDone] =
+            static_cast<int64_t>(cycles / tiles);  // cycles per tile
         rel[c][kernels::kStampTiles] = static_cast<int64_t>(tiles);
       }
     }
@@ -160,8 +168,10 @@ absl::StatusOr<nlohmann::json> RecordPhaseStamps(cudaGraphExec_t exec, cudaStrea
   RETURN_IF_ERROR(kernels::SetVerifyPhaseStamps(nullptr));
   std::sort(spans.begin(), spans.end());
   const auto& median = all[spans[spans.size() / 2].second];
-  std::printf("  phase stamps (replay of median span %.2f us; us after the first CTA entry, over CTAs that reached it):\n",
-              spans[spans.size() / 2].first / 1e3);
+  std::printf(
+      "  phase stamps (replay of median span %.2f us; us after the first CTA entry, over CTAs that "
+      "reached it):\n",
+      spans[spans.size() / 2].first / 1e3);
   std::vector<std::pair<int64_t, std::string>> lines;  // printed in order of their median
   for (int k = 0; k < kernels::kFirstRawSlot; ++k) {
     const char* name = kernels::PhaseSlotName(k);
@@ -172,9 +182,10 @@ absl::StatusOr<nlohmann::json> RecordPhaseStamps(cudaGraphExec_t exec, cudaStrea
     }
     if (v.empty()) continue;
     std::sort(v.begin(), v.end());
-    lines.push_back({v[v.size() / 2], absl::StrFormat("    %-14s n=%-4zu min %7.2f  median %7.2f  max %7.2f\n", name,
-                                                     v.size(), v.front() / 1e3, v[v.size() / 2] / 1e3,
-                                                     v.back() / 1e3)});
+    lines.push_back(
+        {v[v.size() / 2],
+         absl::StrFormat("    %-14s n=%-4zu min %7.2f  median %7.2f  max %7.2f\n", name, v.size(),
+                         v.front() / 1e3, v[v.size() / 2] / 1e3, v.back() / 1e3)});
   }
   std::stable_sort(lines.begin(), lines.end(),
                    [](const auto& a, const auto& b) { return a.first < b.first; });
@@ -192,12 +203,14 @@ absl::StatusOr<nlohmann::json> RecordPhaseStamps(cudaGraphExec_t exec, cudaStrea
     }
     if (v.empty()) continue;
     std::sort(v.begin(), v.end());
-    std::printf("    %-14s n=%-4zu min %7lld  median %7lld  max %7lld\n", raw_labels[k - kernels::kFirstRawSlot],
-                v.size(), static_cast<long long>(v.front()), static_cast<long long>(v[v.size() / 2]),
-                static_cast<long long>(v.back()));
+    std::printf("    %-14s n=%-4zu min %7lld  median %7lld  max %7lld\n",
+                raw_labels[k - kernels::kFirstRawSlot], v.size(), static_cast<long long>(v.front()),
+                static_cast<long long>(v[v.size() / 2]), static_cast<long long>(v.back()));
   }
-  std::printf("    (cyc/tile+head: cycles from the CTA's entry to its last PV tile over its tiles, plan and\n"
-              "     prologue included; the marginal tile is (score_done - first_tile) / tiles)\n");
+  std::printf(
+      "    (cyc/tile+head: cycles from the CTA's entry to its last PV tile over its tiles, plan "
+      "and\n"
+      "     prologue included; the marginal tile is (score_done - first_tile) / tiles)\n");
   return out;
 }
 
@@ -217,11 +230,12 @@ struct CapturedVerify {
 // Captures LaunchVerifyAttention with `config` over the device problem,
 // instantiates it and replays it once (on the outputs as they are: the caller
 // poisons them first), so that the caller can check this very configuration.
-absl::Status CaptureAndReplayOnce(const DeviceVerifyProblem& device, const kernels::VerifyLaunchConfig& config,
-                                  cudaStream_t stream, CapturedVerify* captured) {
+absl::Status CaptureAndReplayOnce(const DeviceVerifyProblem& device,
+                                  const kernels::VerifyLaunchConfig& config, cudaStream_t stream,
+                                  CapturedVerify* captured) {
   cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal);
-  absl::Status st =
-      kernels::LaunchVerifyAttention(device.Args(), config, device.workspace(), device.workspace_bytes(), stream);
+  absl::Status st = kernels::LaunchVerifyAttention(device.Args(), config, device.workspace(),
+                                                   device.workspace_bytes(), stream);
   if (cudaStreamEndCapture(stream, &captured->graph) != cudaSuccess && st.ok()) {
     st = absl::InternalError("graph capture failed");
   }
@@ -241,8 +255,9 @@ absl::Status CaptureAndReplayOnce(const DeviceVerifyProblem& device, const kerne
 // drafts), then the graph is timed like every row. Returns the median in
 // microseconds.
 absl::StatusOr<double> TimeReusedPlan(DeviceVerifyProblem& device, HostVerifyProblem& problem,
-                                      const kernels::VerifyLaunchConfig& reusing, cudaStream_t stream, int reps,
-                                      const DeviceBuffer* flush, int check_rows, Comparison* check) {
+                                      const kernels::VerifyLaunchConfig& reusing,
+                                      cudaStream_t stream, int reps, const DeviceBuffer* flush,
+                                      int check_rows, Comparison* check) {
   CapturedVerify captured;
   RETURN_IF_ERROR(device.PoisonOutputs(stream));
   RETURN_IF_ERROR(CaptureAndReplayOnce(device, reusing, stream, &captured));
@@ -269,37 +284,44 @@ int Run(int argc, char** argv) {
   std::string stamps_path;
   app.add_option("--suite", suite, "named suite: anchor, sweep, smoke");
   app.add_option("--shape", shape_texts, "B,L,N,H[,page_size[,chain|tree]] (repeatable)");
-  app.add_option("--reps", reps, "timed repetitions per row (median reported)")->check(CLI::Range(1, 100000));
+  app.add_option("--reps", reps, "timed repetitions per row (median reported)")
+      ->check(CLI::Range(1, 100000));
   app.add_option("--check-rows", check_rows, "query rows compared with the CPU reference per row");
   app.add_option("--out", out_path, "write JSON results here");
   app.add_flag("--no-flush", no_flush, "do not flush L2 between repetitions (warm cache)");
   app.add_option("--ctas-per-sm", ctas_per_sm, "split target: CTAs per SM");
   app.add_option("--min-chunk-tiles", min_chunk_tiles, "smallest KV split in 32-token tiles");
   bool plan_kernel = false;
-  app.add_flag("--plan-kernel", plan_kernel,
-               "always launch the plan kernel (default: batches <= 32 plan in the attention kernel)");
+  app.add_flag(
+      "--plan-kernel", plan_kernel,
+      "always launch the plan kernel (default: batches <= 32 plan in the attention kernel)");
   bool reuse_plan = false;
   app.add_flag("--reuse-plan", reuse_plan,
                "time launches that read the plan a previous launch left in the workspace "
                "(VerifyLaunchConfig::reuse_plan: every layer of a verify step after the first); "
                "one planning launch runs before the capture");
   bool chunk_plan = false;
-  app.add_flag("--chunk-plan", chunk_plan,
-               "never use the stream plan (equal KV ranges across requests); default: the plan chooses");
+  app.add_flag(
+      "--chunk-plan", chunk_plan,
+      "never use the stream plan (equal KV ranges across requests); default: the plan chooses");
   bool ramp = false;
   app.add_flag("--ramp", ramp,
                "request i of a shape gets prefix L * (i + 1) / B instead of L (lengths that vary)");
   bool fused_combine = false;
-  app.add_flag("--fused-combine", fused_combine,
-               "let the attention kernel merge the partials at any batch when its grid fits the device "
-               "(no combine kernel; default: the library's, batches of up to 4)");
+  app.add_flag(
+      "--fused-combine", fused_combine,
+      "let the attention kernel merge the partials at any batch when its grid fits the device "
+      "(no combine kernel; default: the library's, batches of up to 4)");
   bool no_fused_combine = false;
-  app.add_flag("--no-fused-combine", no_fused_combine, "always merge the partials in the combine kernel");
+  app.add_flag("--no-fused-combine", no_fused_combine,
+               "always merge the partials in the combine kernel");
   bool pdl = false;
-  app.add_flag("--no-pdl", no_pdl, "launch plan/attention/combine without programmatic dependent launch");
+  app.add_flag("--no-pdl", no_pdl,
+               "launch plan/attention/combine without programmatic dependent launch");
   app.add_flag("--pdl", pdl, "launch plan/attention/combine with programmatic dependent launch");
   app.add_option("--phase-stamps", stamps_path,
-                 "write per-CTA phase times of 9 replays per shape here (JSON; a -DMLAVERIFY_PHASE_STAMPS=ON build)");
+                 "write per-CTA phase times of 9 replays per shape here (JSON; a "
+                 "-DMLAVERIFY_PHASE_STAMPS=ON build)");
   CLI11_PARSE(app, argc, argv);
 
   std::vector<Shape> shapes = Suite(suite);
@@ -353,8 +375,8 @@ int Run(int argc, char** argv) {
     std::cerr << read_bw.status() << "\n";
     return 3;
   }
-  std::printf("gpu %s, %d SMs, read bandwidth %.2f TB/s, attention smem %d B\n",
-              prop.name, prop.multiProcessorCount, *read_bw / 1e12, kernels::VerifyAttentionSharedBytes());
+  std::printf("gpu %s, %d SMs, read bandwidth %.2f TB/s, attention smem %d B\n", prop.name,
+              prop.multiProcessorCount, *read_bw / 1e12, kernels::VerifyAttentionSharedBytes());
 
   DeviceBuffer flush_buffer;
   if (!flush_buffer.Allocate(size_t{256} << 20).ok()) return 3;
@@ -364,17 +386,20 @@ int Run(int argc, char** argv) {
   // kernel's shared memory) costs, timed like the rows below. A small shape's time
   // minus this is what the kernel itself can still win.
   const int floor_smem = kernels::VerifyAttentionSharedBytes();
-  auto launch_floor = kernels::testing::MeasureLaunchFloorUs(prop.multiProcessorCount, 256, floor_smem,
-                                                             /*cooperative=*/false, 200, flush_buffer);
-  auto launch_floor_coop = kernels::testing::MeasureLaunchFloorUs(prop.multiProcessorCount, 256, floor_smem,
-                                                                  /*cooperative=*/true, 200, flush_buffer);
+  auto launch_floor =
+      kernels::testing::MeasureLaunchFloorUs(prop.multiProcessorCount, 256, floor_smem,
+                                             /*cooperative=*/false, 200, flush_buffer);
+  auto launch_floor_coop =
+      kernels::testing::MeasureLaunchFloorUs(prop.multiProcessorCount, 256, floor_smem,
+                                             /*cooperative=*/true, 200, flush_buffer);
   if (!launch_floor.ok() || !launch_floor_coop.ok()) {
     std::cerr << (launch_floor.ok() ? launch_floor_coop.status() : launch_floor.status()) << "\n";
     return 3;
   }
-  std::printf("launch floor (empty kernel, %d x 256 threads, %d B shared memory, graph replay): %.2f us, "
-              "cooperative %.2f us\n",
-              prop.multiProcessorCount, floor_smem, *launch_floor, *launch_floor_coop);
+  std::printf(
+      "launch floor (empty kernel, %d x 256 threads, %d B shared memory, graph replay): %.2f us, "
+      "cooperative %.2f us\n",
+      prop.multiProcessorCount, floor_smem, *launch_floor, *launch_floor_coop);
 
   cudaStream_t stream;
   cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
@@ -405,8 +430,8 @@ int Run(int argc, char** argv) {
     if (st.ok() && config->reuse_plan) {  // the step's first layer: it plans
       kernels::VerifyLaunchConfig planning = *config;
       planning.reuse_plan = false;
-      st = kernels::LaunchVerifyAttention(device.Args(), planning, device.workspace(), device.workspace_bytes(),
-                                          stream);
+      st = kernels::LaunchVerifyAttention(device.Args(), planning, device.workspace(),
+                                          device.workspace_bytes(), stream);
     }
     // Correctness of this very configuration: one replay on the outputs that
     // Upload poisoned.
@@ -416,7 +441,8 @@ int Run(int argc, char** argv) {
     // What the plan chose for this shape, for the report.
     std::string plan_name = "?";
     if (st.ok()) {
-      auto summary = kernels::ReadVerifyPlanSummary(device.Args(), *config, device.workspace(), stream);
+      auto summary =
+          kernels::ReadVerifyPlanSummary(device.Args(), *config, device.workspace(), stream);
       if (!summary.ok()) {
         st = summary.status();
       } else if (summary->stream_groups > 0) {
@@ -424,7 +450,8 @@ int Run(int argc, char** argv) {
       } else {
         plan_name = absl::StrCat("chunk ", summary->total_work);
       }
-      if (kernels::LaunchUsesFusedCombine(device.Args(), *config)) absl::StrAppend(&plan_name, " fused");
+      if (kernels::LaunchUsesFusedCombine(device.Args(), *config))
+        absl::StrAppend(&plan_name, " fused");
     }
     std::vector<Bf16> out;
     std::vector<float> lse;
@@ -432,17 +459,23 @@ int Run(int argc, char** argv) {
     if (st.ok()) st = kernels::WriteDraftKvCpu(problem.HostWriteArgs());
     if (st.ok()) check = kernels::testing::CompareWithReference(problem, out, lse, check_rows);
     absl::StatusOr<kernels::testing::GraphTiming> timing = absl::InternalError("not run");
-    if (st.ok()) timing = kernels::testing::TimeGraphReplays(captured.exec, stream, reps, no_flush ? nullptr : &flush_buffer);
+    if (st.ok())
+      timing = kernels::testing::TimeGraphReplays(captured.exec, stream, reps,
+                                                  no_flush ? nullptr : &flush_buffer);
     if (st.ok() && timing.ok() && !stamps_path.empty()) {
       // One stamp row per CTA of the attention and combine grids.
-      auto recorded =
-          RecordPhaseStamps(captured.exec, stream, kernels::VerifyMaxWork(device.Args(), *config), 9, flush_buffer);
+      auto recorded = RecordPhaseStamps(
+          captured.exec, stream, kernels::VerifyMaxWork(device.Args(), *config), 9, flush_buffer);
       if (!recorded.ok()) {
         st = recorded.status();
       } else {
-        stamp_rows.push_back({{"batch", s.batch}, {"prefix_len", s.prefix}, {"draft_len", s.draft},
-                              {"heads", s.heads}, {"page_size", s.page_size},
-                              {"mask", kernels::testing::MaskName(s.mask)}, {"time_us", timing->median_us},
+        stamp_rows.push_back({{"batch", s.batch},
+                              {"prefix_len", s.prefix},
+                              {"draft_len", s.draft},
+                              {"heads", s.heads},
+                              {"page_size", s.page_size},
+                              {"mask", kernels::testing::MaskName(s.mask)},
+                              {"time_us", timing->median_us},
                               {"replays", *recorded}});
       }
     }
@@ -455,8 +488,8 @@ int Run(int argc, char** argv) {
     if (st.ok() && timing.ok() && !config->reuse_plan && stamps_path.empty()) {
       kernels::VerifyLaunchConfig reusing = *config;
       reusing.reuse_plan = true;
-      auto reused = TimeReusedPlan(device, problem, reusing, stream, reps, no_flush ? nullptr : &flush_buffer,
-                                   check_rows, &reused_check);
+      auto reused = TimeReusedPlan(device, problem, reusing, stream, reps,
+                                   no_flush ? nullptr : &flush_buffer, check_rows, &reused_check);
       if (!reused.ok()) {
         st = reused.status();
       } else {
@@ -482,7 +515,9 @@ int Run(int argc, char** argv) {
         s.batch, s.prefix, s.draft, s.heads, s.page_size, kernels::testing::MaskName(s.mask),
         timing->median_us, bytes / t / 1e12, flops / t / 1e12, floor_s * 1e6, t / floor_s,
         check.rel_err, plan_name.c_str(),
-        reused_us ? absl::StrFormat("  plan reused %.1f us (rel_err %.2e)", *reused_us, reused_check.rel_err).c_str()
+        reused_us ? absl::StrFormat("  plan reused %.1f us (rel_err %.2e)", *reused_us,
+                                    reused_check.rel_err)
+                        .c_str()
                   : "",
         ok ? "" : "  FAILED CHECK");
     std::fflush(stdout);
@@ -536,7 +571,8 @@ int Run(int argc, char** argv) {
   if (!stamps_path.empty()) {
     std::ofstream f(stamps_path);
     f << nlohmann::json{{"gpu", prop.name},
-                        {"slots", [] {
+                        {"slots",
+                         [] {
                            nlohmann::json names = nlohmann::json::array();
                            for (int k = 0; k < kernels::kPhaseSlots; ++k) {
                              const char* n = kernels::PhaseSlotName(k);

@@ -8,11 +8,11 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/geometry.h"
+#include "common/status_macros.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
-#include "common/status_macros.h"
-#include "common/geometry.h"
 
 namespace mlaverify::client {
 namespace {

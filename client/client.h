@@ -25,11 +25,11 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "client/wire.h"
+#include "common/bf16.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/support/sync_stream.h"
-#include "common/bf16.h"
 #include "mlaverify/v1/verify.grpc.pb.h"
 
 namespace mlaverify::client {

@@ -18,8 +18,8 @@
 #include "absl/synchronization/mutex.h"
 #include "client/server_info_text.h"
 #include "client/workload.h"
-#include "common/status_macros.h"
 #include "common/geometry.h"
+#include "common/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace mlaverify::client {
@@ -69,7 +69,8 @@ class RunControl {
   }
   void AwaitAllReady(int workers) {
     absl::MutexLock lock(&mu_);
-    const auto all_ready = [this, workers]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ready_ >= workers; };
+    const auto all_ready = [this, workers]()
+                               ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ready_ >= workers; };
     mu_.Await(absl::Condition(&all_ready));
   }
   void AwaitStart() {
@@ -149,7 +150,8 @@ class LoadWorker {
 
     // Ramp-up (untimed): this worker's first sequence, or its failures up
     // to the limit, before the run's clock starts.
-    while (!sequence_id_.has_value() && consecutive_failures_ < kMaxConsecutiveFailures) StartSequence();
+    while (!sequence_id_.has_value() && consecutive_failures_ < kMaxConsecutiveFailures)
+      StartSequence();
     control_.WorkerReady();
     control_.AwaitStart();
 
@@ -256,8 +258,8 @@ class LoadWorker {
       }
       if (measured) {
         if (ms > result_.slowest.ms) {
-          result_.slowest = {ms, std::chrono::duration<double>(start - plan_.measure_start).count(), index_, layer,
-                             length_};
+          result_.slowest = {ms, std::chrono::duration<double>(start - plan_.measure_start).count(),
+                             index_, layer, length_};
         }
         result_.latencies_ms.push_back(ms);
         ++result_.verify_calls;
@@ -373,8 +375,8 @@ absl::StatusOr<LoadReport> RunLoad(VerifyClient& client, const LoadOptions& opti
   control.AwaitAllReady(options.concurrency);
   const Clock::time_point start = Clock::now();
   report.ramp_up_seconds = std::chrono::duration<double>(start - ramp_up_start).count();
-  absl::PrintF("ramp-up:      %d sequences ready (prompts appended) in %.2f s, not timed\n", options.concurrency,
-               report.ramp_up_seconds);
+  absl::PrintF("ramp-up:      %d sequences ready (prompts appended) in %.2f s, not timed\n",
+               options.concurrency, report.ramp_up_seconds);
   plan.measure_start = start + std::chrono::duration_cast<Clock::duration>(
                                    std::chrono::duration<double>(options.warmup_s));
   if (options.duration_s > 0) {
@@ -425,8 +427,8 @@ absl::StatusOr<LoadReport> RunLoad(VerifyClient& client, const LoadOptions& opti
   if (!after.ok()) {
     ++report.errors[absl::StatusCodeToString(after.status().code())];
     report.free_pages_after = -1;
-    report.pages_unchecked = absl::StrCat("the server did not answer at the end (",
-                                          after.status().ToString(), ")");
+    report.pages_unchecked =
+        absl::StrCat("the server did not answer at the end (", after.status().ToString(), ")");
   } else if (after->instance_id() != instance_before) {
     report.free_pages_after = after->free_pages();
     report.pages_unchecked = absl::StrCat("the server restarted during the run (instance ",
@@ -447,9 +449,11 @@ void PrintLoadReport(const LoadReport& report) {
   absl::PrintF("latency ms:   p50 %.3f  p90 %.3f  p99 %.3f  p99.9 %.3f  max %.3f  (mean %.3f)\n",
                l.p50, l.p90, l.p99, l.p999, l.max, l.mean);
   if (report.slowest.worker >= 0) {
-    absl::PrintF("slowest call: %.3f ms, %.3f s into the window (worker %d, layer %d, sequence at %d tokens)\n",
-                 report.slowest.ms, report.slowest.started_s, report.slowest.worker, report.slowest.layer,
-                 report.slowest.sequence_len);
+    absl::PrintF(
+        "slowest call: %.3f ms, %.3f s into the window (worker %d, layer %d, sequence at %d "
+        "tokens)\n",
+        report.slowest.ms, report.slowest.started_s, report.slowest.worker, report.slowest.layer,
+        report.slowest.sequence_len);
   }
   absl::PrintF("steps:        %d committed, %d sequences created\n", report.steps_committed,
                report.sequences_created);

@@ -49,7 +49,7 @@ struct LoadReport {
   int64_t sequences_created = 0;
   double calls_per_second = 0.0;
   double draft_tokens_per_second = 0.0;
-  LatencySummary latency_ms;              // of measured, successful Verify calls
+  LatencySummary latency_ms;  // of measured, successful Verify calls
   // The slowest of those calls: when it started (seconds after the measured
   // window opened), which worker sent it, for which layer, and the
   // sequence's length then, so that an outlier can be matched with the

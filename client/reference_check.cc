@@ -4,9 +4,9 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cpu_reference.h"
 #include "common/draft_tree.h"
 #include "common/status_macros.h"
+#include "kernels/cpu_reference.h"
 #include "kernels/verify_attention.h"
 
 namespace mlaverify::client {

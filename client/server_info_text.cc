@@ -39,8 +39,9 @@ std::string FormatServerInfo(const v1::ServerInfo& info) {
   absl::StrAppendFormat(&text, "max batch:             %d items\n", info.max_batch());
   absl::StrAppendFormat(&text, "max message:           %d bytes\n", info.max_message_bytes());
   absl::StrAppendFormat(&text, "default softmax scale: %.6g\n", info.default_softmax_scale());
-  absl::StrAppendFormat(&text, "limits:                %d queued calls, %d queued bytes, %d live sequences\n",
-                        info.max_queued_calls(), info.max_queued_bytes(), info.max_live_sequences());
+  absl::StrAppendFormat(
+      &text, "limits:                %d queued calls, %d queued bytes, %d live sequences\n",
+      info.max_queued_calls(), info.max_queued_bytes(), info.max_live_sequences());
   absl::StrAppendFormat(&text, "idle timeout:          %s\n",
                         info.idle_timeout_seconds() > 0
                             ? absl::StrCat(info.idle_timeout_seconds(), " s")
@@ -56,9 +57,9 @@ std::string ServerInfoSummaryLine(const v1::ServerInfo& info) {
   return absl::StrFormat(
       "backend %s%s (%s mode, server %s), %d layers x %d heads, page %d tokens, %d/%d pages free, "
       "max draft %d, max batch %d, softmax scale %.6g",
-      info.backend(), devices, info.parallel_mode(), info.version(), info.num_layers(), info.num_heads(),
-      info.page_size(), info.free_pages(), info.total_pages(), info.max_draft_len(),
-      info.max_batch(), info.default_softmax_scale());
+      info.backend(), devices, info.parallel_mode(), info.version(), info.num_layers(),
+      info.num_heads(), info.page_size(), info.free_pages(), info.total_pages(),
+      info.max_draft_len(), info.max_batch(), info.default_softmax_scale());
 }
 
 nlohmann::ordered_json ServerInfoToJson(const v1::ServerInfo& info) {

@@ -6,8 +6,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "common/status_macros.h"
 #include "common/geometry.h"
+#include "common/status_macros.h"
 
 namespace mlaverify::client {
 namespace {

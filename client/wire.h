@@ -10,8 +10,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "grpcpp/support/status.h"
 #include "common/bf16.h"
+#include "grpcpp/support/status.h"
 #include "mlaverify/v1/verify.pb.h"
 
 namespace mlaverify::client {

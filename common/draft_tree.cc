@@ -11,16 +11,16 @@ absl::Status ValidateDraftTree(absl::Span<const int32_t> parents) {
     return absl::InvalidArgumentError("draft tree is empty: need at least one draft");
   }
   if (parents.size() > static_cast<size_t>(kMaxDraftLen)) {
-    return absl::InvalidArgumentError(absl::StrCat("draft tree has ", parents.size(),
-                                                   " drafts; at most ", kMaxDraftLen,
-                                                   " are supported"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "draft tree has ", parents.size(), " drafts; at most ", kMaxDraftLen, " are supported"));
   }
   for (size_t i = 0; i < parents.size(); ++i) {
     const int32_t p = parents[i];
     if (p < -1 || p >= static_cast<int32_t>(i)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "parents[", i, "] = ", p, ": a parent must be -1 (hangs off the prefix) or an earlier draft in 0..",
-          static_cast<int64_t>(i) - 1));
+      return absl::InvalidArgumentError(
+          absl::StrCat("parents[", i, "] = ", p,
+                       ": a parent must be -1 (hangs off the prefix) or an earlier draft in 0..",
+                       static_cast<int64_t>(i) - 1));
     }
   }
   return absl::OkStatus();
@@ -44,8 +44,8 @@ absl::Status ValidateAcceptedPath(absl::Span<const int32_t> parents,
   for (size_t t = 0; t < accepted.size(); ++t) {
     const int32_t a = accepted[t];
     if (a < 0 || a >= n) {
-      return absl::InvalidArgumentError(absl::StrCat("accepted[", t, "] = ", a,
-                                                     " is not a draft index in 0..", n - 1));
+      return absl::InvalidArgumentError(
+          absl::StrCat("accepted[", t, "] = ", a, " is not a draft index in 0..", n - 1));
     }
     if (parents[a] != previous) {
       return absl::InvalidArgumentError(absl::StrCat(

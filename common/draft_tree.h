@@ -21,8 +21,7 @@ absl::Status ValidateDraftTree(absl::Span<const int32_t> parents);
 // draft a is draft i itself or one of its ancestors, i.e. when the key at
 // position P + a is visible to query token i. A chain (parents[i] = i - 1)
 // gives the causal lower triangle.
-absl::StatusOr<std::vector<uint64_t>> BuildVisibility(
-    absl::Span<const int32_t> parents);
+absl::StatusOr<std::vector<uint64_t>> BuildVisibility(absl::Span<const int32_t> parents);
 
 // Checks that `accepted` is a path that starts at a root of the tree and
 // steps from each node to one of its children (accepted[0] has parent -1,

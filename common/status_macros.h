@@ -14,19 +14,18 @@
 
 // Evaluates `expr` (an absl::Status); returns it from the enclosing function
 // when it is not OK.
-#define RETURN_IF_ERROR(expr)                       \
-  do {                                              \
-    ::absl::Status _mlaverify_status = (expr);      \
-    if (!_mlaverify_status.ok()) {                  \
-      return _mlaverify_status;                     \
-    }                                               \
+#define RETURN_IF_ERROR(expr)                  \
+  do {                                         \
+    ::absl::Status _mlaverify_status = (expr); \
+    if (!_mlaverify_status.ok()) {             \
+      return _mlaverify_status;                \
+    }                                          \
   } while (false)
 
 // `ASSIGN_OR_RETURN(auto x, MakeX());` declares/assigns `x` from an
 // absl::StatusOr, or returns its status from the enclosing function.
-#define ASSIGN_OR_RETURN(lhs, rexpr)                                      \
-  ASSIGN_OR_RETURN_IMPL_(                                                 \
-      MLAVERIFY_STATUS_CONCAT_(_mlaverify_statusor_, __LINE__), lhs, rexpr)
+#define ASSIGN_OR_RETURN(lhs, rexpr) \
+  ASSIGN_OR_RETURN_IMPL_(MLAVERIFY_STATUS_CONCAT_(_mlaverify_statusor_, __LINE__), lhs, rexpr)
 
 #define ASSIGN_OR_RETURN_IMPL_(statusor, lhs, rexpr) \
   auto statusor = (rexpr);                           \

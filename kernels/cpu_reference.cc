@@ -6,8 +6,8 @@
 #include <limits>
 #include <vector>
 
-#include "kernels/parallel_for.h"
 #include "common/status_macros.h"
+#include "kernels/parallel_for.h"
 
 namespace mlaverify::kernels {
 namespace {
@@ -117,8 +117,8 @@ void VerifyAttentionRowsCpu(const VerifyArguments& a, int b, absl::Span<const Re
       const ReferenceRow& row = rows[k];
       ToFloat(a.q + row.token_row * a.q_token_stride + row.head * a.q_head_stride, kLatentDim,
               q.data());
-      AttendRow(q.data(), keys.data(), prefix, n, a.visibility[row.token_row], scale,
-                scores.data(), out + k * kValueDim, lse + k);
+      AttendRow(q.data(), keys.data(), prefix, n, a.visibility[row.token_row], scale, scores.data(),
+                out + k * kValueDim, lse + k);
     }
   });
 }

@@ -32,8 +32,8 @@ absl::Status CheckPages(const KvPoolView& pool, const int32_t* page_table, int64
   const int32_t* pages = page_table + b * stride;
   for (int64_t k = 0; k < pages_needed; ++k) {
     if (pages[k] < 0 || pages[k] >= pool.num_pages) {
-      return absl::InvalidArgumentError(absl::StrCat("request ", b, ": page_table[", k, "] = ",
-                                                     pages[k], " is outside 0..",
+      return absl::InvalidArgumentError(absl::StrCat("request ", b, ": page_table[", k,
+                                                     "] = ", pages[k], " is outside 0..",
                                                      pool.num_pages - 1));
     }
   }
@@ -44,7 +44,8 @@ absl::Status CheckPages(const KvPoolView& pool, const int32_t* page_table, int64
 
 absl::Status CanImplementWrite(const DraftKvWriteArguments& a, bool require_16b_alignment) {
   if (a.batch < 1 || a.batch > kMaxBatch) {
-    return absl::InvalidArgumentError(absl::StrCat("batch = ", a.batch, ": must be in 1..", kMaxBatch));
+    return absl::InvalidArgumentError(
+        absl::StrCat("batch = ", a.batch, ": must be in 1..", kMaxBatch));
   }
   if (a.total_draft_capacity < 1 || a.draft_kv_stride < kLatentDim) {
     return absl::InvalidArgumentError("draft_kv needs >= 1 row and a row stride >= 576");
@@ -61,7 +62,8 @@ absl::Status CanImplementWrite(const DraftKvWriteArguments& a, bool require_16b_
 
 absl::Status CanImplementCompact(const CompactArguments& a, bool require_16b_alignment) {
   if (a.batch < 1 || a.batch > kMaxBatch) {
-    return absl::InvalidArgumentError(absl::StrCat("batch = ", a.batch, ": must be in 1..", kMaxBatch));
+    return absl::InvalidArgumentError(
+        absl::StrCat("batch = ", a.batch, ": must be in 1..", kMaxBatch));
   }
   if (a.page_table == nullptr || a.prefix_len == nullptr || a.accepted_len == nullptr ||
       a.accepted == nullptr || a.page_table_stride < 1) {
@@ -79,22 +81,22 @@ absl::Status ValidateWriteRequests(const DraftKvWriteArguments& a) {
     const int64_t p = a.prefix_len[b];
     const int64_t n = a.draft_len[b];
     if (p < 0 || n < 0 || n > kMaxDraftLen) {
-      return absl::InvalidArgumentError(absl::StrCat("request ", b, ": prefix_len ", p,
-                                                     " / draft_len ", n, " out of range"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("request ", b, ": prefix_len ", p, " / draft_len ", n, " out of range"));
     }
     if (a.layer[b] < 0 || a.layer[b] >= a.pool.num_layers) {
       return absl::InvalidArgumentError(absl::StrCat("request ", b, ": layer ", a.layer[b],
                                                      " is outside 0..", a.pool.num_layers - 1));
     }
     if (n > 0) {
-      if (auto s = CheckPages(a.pool, a.page_table, a.page_table_stride, b, p + n); !s.ok()) return s;
+      if (auto s = CheckPages(a.pool, a.page_table, a.page_table_stride, b, p + n); !s.ok())
+        return s;
     }
     total += n;
   }
   if (total > a.total_draft_capacity) {
-    return absl::InvalidArgumentError(absl::StrCat("the requests hold ", total,
-                                                   " draft rows; capacity is ",
-                                                   a.total_draft_capacity));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the requests hold ", total, " draft rows; capacity is ", a.total_draft_capacity));
   }
   return absl::OkStatus();
 }
@@ -104,16 +106,16 @@ absl::Status ValidateCompactRequests(const CompactArguments& a) {
     const int64_t p = a.prefix_len[b];
     const int k = a.accepted_len[b];
     if (p < 0 || k < 0 || k > kMaxDraftLen) {
-      return absl::InvalidArgumentError(absl::StrCat("request ", b, ": prefix_len ", p,
-                                                     " / accepted_len ", k, " out of range"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("request ", b, ": prefix_len ", p, " / accepted_len ", k, " out of range"));
     }
     const int32_t* path = a.accepted + b * kMaxDraftLen;
     int32_t previous = -1;
     for (int t = 0; t < k; ++t) {
       if (path[t] <= previous || path[t] >= kMaxDraftLen) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "request ", b, ": accepted[", t, "] = ", path[t],
-            " must be a draft index above the previous one (a path from a root)"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("request ", b, ": accepted[", t, "] = ", path[t],
+                         " must be a draft index above the previous one (a path from a root)"));
       }
       previous = path[t];
     }

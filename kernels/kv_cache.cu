@@ -14,7 +14,8 @@ constexpr int ROW_VECTORS = 576 / 8;  // uint4 per latent row
 constexpr int MAX_DRAFTS = 64;
 constexpr int WRITE_THREADS = 128;
 constexpr int COMPACT_THREADS = 256;
-constexpr int COMPACT_VECTORS_PER_THREAD = (MAX_DRAFTS * ROW_VECTORS + COMPACT_THREADS - 1) / COMPACT_THREADS;
+constexpr int COMPACT_VECTORS_PER_THREAD =
+    (MAX_DRAFTS * ROW_VECTORS + COMPACT_THREADS - 1) / COMPACT_THREADS;
 
 __device__ __forceinline__ int64_t RowOffset(int layer, int64_t num_pages, int page_size_log2,
                                              const int32_t* pages, int64_t position) {
@@ -77,11 +78,13 @@ __global__ void __launch_bounds__(COMPACT_THREADS) CompactKernel(const CompactPa
 }
 
 // One CTA per (row, layer); 72 threads move one latent row.
-__global__ void __launch_bounds__(WRITE_THREADS) RowCopyKernel(const RowCopyParams p, bool to_pool) {
+__global__ void __launch_bounds__(WRITE_THREADS)
+    RowCopyKernel(const RowCopyParams p, bool to_pool) {
   const int64_t t = blockIdx.x;
   const int layer = blockIdx.y;
   if (threadIdx.x >= ROW_VECTORS) return;
-  const int64_t pool_row = RowOffset(layer, p.num_pages, p.page_size_log2, p.page_table, p.start + t);
+  const int64_t pool_row =
+      RowOffset(layer, p.num_pages, p.page_size_log2, p.page_table, p.start + t);
   uint4* pool = reinterpret_cast<uint4*>(p.pool + pool_row);
   uint4* rows = reinterpret_cast<uint4*>(p.rows + (layer * p.count + t) * 576);
   if (to_pool) {

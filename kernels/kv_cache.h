@@ -16,8 +16,8 @@ namespace mlaverify::kernels {
 // sum_{b'<b} draft_len[b']) to positions P_b..P_b+N_b-1 of layer layer[b].
 struct DraftKvWriteArguments {
   int batch = 0;
-  int total_draft_capacity = 0;  // rows available in draft_kv
-  const Bf16* draft_kv = nullptr;  // [total_draft, 576]
+  int total_draft_capacity = 0;          // rows available in draft_kv
+  const Bf16* draft_kv = nullptr;        // [total_draft, 576]
   int64_t draft_kv_stride = kLatentDim;  // elements between rows
   KvPoolView pool;
   const int32_t* page_table = nullptr;  // [batch, page_table_stride]

@@ -15,26 +15,26 @@
 namespace mlaverify::kernels {
 
 enum PhaseSlot : int {
-  kStampEntry = 0,         // attention CTA starts (thread 0, before the plan)
-  kStampPlanned = 1,       // its item is known (after the plan's block barrier)
-  kStampQReady = 2,        // score warps: Q in registers
-  kStampFirstTile = 3,     // score warps: KV tile 0 landed
-  kStampScoreDone = 4,     // score warps: last tile's P handed over
-  kStampPvFirstTile = 5,   // PV warps: P(0) received
-  kStampPvDone = 6,        // PV warps: last tile's MMAs done
-  kStampStored = 7,        // PV warps: output / partial stored
-  kStampArrived = 8,       // after the segment hook (fused: the split counted in)
-  kStampMergeWaited = 9,   // fused: the row tile's splits have all arrived
-  kStampMergeDone = 10,    // fused: this CTA's merge done
-  kStampCombineEntry = 11, // combine kernel CTA starts
-  kStampCombineReady = 12, // combine: summary and item read
-  kStampCombineDone = 13,  // combine: merge done
-  kStampLengths = 14,      // warp plan: the requests' lengths have arrived
-  kStampPageIds = 15,      // score warps: page ids of the first tiles have arrived
-  kStampPlanTotals = 16,   // warp plan: the batch totals are reduced
-  kStampPlanChunk = 17,    // warp plan: the chunk length is chosen
-  kStampPlanItems = 18,    // warp plan: the items are counted and scanned
-  kStampPlanItem = 19,     // warp plan: this CTA's item is made
+  kStampEntry = 0,          // attention CTA starts (thread 0, before the plan)
+  kStampPlanned = 1,        // its item is known (after the plan's block barrier)
+  kStampQReady = 2,         // score warps: Q in registers
+  kStampFirstTile = 3,      // score warps: KV tile 0 landed
+  kStampScoreDone = 4,      // score warps: last tile's P handed over
+  kStampPvFirstTile = 5,    // PV warps: P(0) received
+  kStampPvDone = 6,         // PV warps: last tile's MMAs done
+  kStampStored = 7,         // PV warps: output / partial stored
+  kStampArrived = 8,        // after the segment hook (fused: the split counted in)
+  kStampMergeWaited = 9,    // fused: the row tile's splits have all arrived
+  kStampMergeDone = 10,     // fused: this CTA's merge done
+  kStampCombineEntry = 11,  // combine kernel CTA starts
+  kStampCombineReady = 12,  // combine: summary and item read
+  kStampCombineDone = 13,   // combine: merge done
+  kStampLengths = 14,       // warp plan: the requests' lengths have arrived
+  kStampPageIds = 15,       // score warps: page ids of the first tiles have arrived
+  kStampPlanTotals = 16,    // warp plan: the batch totals are reduced
+  kStampPlanChunk = 17,     // warp plan: the chunk length is chosen
+  kStampPlanItems = 18,     // warp plan: the items are counted and scanned
+  kStampPlanItem = 19,      // warp plan: this CTA's item is made
   // Inside a merge (fused or combine kernel), warp 0, the CTA's first row:
   kStampMergeStart = 20,   // the merge begins (the block barrier after the wait is passed)
   kStampMergeLoaded = 21,  // warp 0's first round of partials has landed
@@ -53,35 +53,63 @@ constexpr int kFirstRawSlot = kStampClockEntry;
 
 inline const char* PhaseSlotName(int slot) {
   switch (slot) {
-    case kStampEntry: return "entry";
-    case kStampPlanned: return "planned";
-    case kStampQReady: return "q_ready";
-    case kStampFirstTile: return "first_tile";
-    case kStampScoreDone: return "score_done";
-    case kStampPvFirstTile: return "pv_first_tile";
-    case kStampPvDone: return "pv_done";
-    case kStampStored: return "stored";
-    case kStampArrived: return "arrived";
-    case kStampMergeWaited: return "merge_waited";
-    case kStampMergeDone: return "merge_done";
-    case kStampCombineEntry: return "combine_entry";
-    case kStampCombineReady: return "combine_ready";
-    case kStampCombineDone: return "combine_done";
-    case kStampLengths: return "lengths";
-    case kStampPageIds: return "page_ids";
-    case kStampPlanTotals: return "plan_totals";
-    case kStampPlanChunk: return "plan_chunk";
-    case kStampPlanItems: return "plan_items";
-    case kStampPlanItem: return "plan_item";
-    case kStampMergeStart: return "merge_start";
-    case kStampMergeLoaded: return "merge_loaded";
-    case kStampMergeSummed: return "merge_summed";
-    case kStampMergeShared: return "merge_shared";
+    case kStampEntry:
+      return "entry";
+    case kStampPlanned:
+      return "planned";
+    case kStampQReady:
+      return "q_ready";
+    case kStampFirstTile:
+      return "first_tile";
+    case kStampScoreDone:
+      return "score_done";
+    case kStampPvFirstTile:
+      return "pv_first_tile";
+    case kStampPvDone:
+      return "pv_done";
+    case kStampStored:
+      return "stored";
+    case kStampArrived:
+      return "arrived";
+    case kStampMergeWaited:
+      return "merge_waited";
+    case kStampMergeDone:
+      return "merge_done";
+    case kStampCombineEntry:
+      return "combine_entry";
+    case kStampCombineReady:
+      return "combine_ready";
+    case kStampCombineDone:
+      return "combine_done";
+    case kStampLengths:
+      return "lengths";
+    case kStampPageIds:
+      return "page_ids";
+    case kStampPlanTotals:
+      return "plan_totals";
+    case kStampPlanChunk:
+      return "plan_chunk";
+    case kStampPlanItems:
+      return "plan_items";
+    case kStampPlanItem:
+      return "plan_item";
+    case kStampMergeStart:
+      return "merge_start";
+    case kStampMergeLoaded:
+      return "merge_loaded";
+    case kStampMergeSummed:
+      return "merge_summed";
+    case kStampMergeShared:
+      return "merge_shared";
     // (The bench's JSON holds these derived figures in the raw slots.)
-    case kStampClockEntry: return "sm_mhz";
-    case kStampClockPvDone: return "cycles_per_tile";
-    case kStampTiles: return "tiles";
-    default: return nullptr;
+    case kStampClockEntry:
+      return "sm_mhz";
+    case kStampClockPvDone:
+      return "cycles_per_tile";
+    case kStampTiles:
+      return "tiles";
+    default:
+      return nullptr;
   }
 }
 

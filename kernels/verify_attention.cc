@@ -41,15 +41,16 @@ absl::Status CanImplement(const VerifyArguments& a, bool require_16b_alignment) 
   // The CUDA kernels address a layer's rows with a 32-bit token index
   // (page << log2(page_size) | offset): a layer holds fewer than 2^31 tokens.
   if (a.pool.num_pages > (int64_t{1} << 31) / a.pool.page_size) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "pool has ", a.pool.num_pages, " pages of ", a.pool.page_size,
-        " tokens per layer: at most 2^31 tokens per layer are supported"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("pool has ", a.pool.num_pages, " pages of ", a.pool.page_size,
+                     " tokens per layer: at most 2^31 tokens per layer are supported"));
   }
   if (a.q == nullptr || a.pool.data == nullptr || a.page_table == nullptr ||
       a.prefix_len == nullptr || a.draft_len == nullptr || a.layer == nullptr ||
       a.visibility == nullptr || a.out == nullptr || a.lse == nullptr) {
-    return absl::InvalidArgumentError("a required pointer (q, pool, page_table, prefix_len, "
-                                      "draft_len, layer, visibility, out or lse) is null");
+    return absl::InvalidArgumentError(
+        "a required pointer (q, pool, page_table, prefix_len, "
+        "draft_len, layer, visibility, out or lse) is null");
   }
   if (a.page_table_stride < 1) {
     return absl::InvalidArgumentError(
@@ -93,17 +94,16 @@ absl::Status ValidateRequests(const VerifyArguments& a) {
     const int64_t p = a.prefix_len[b];
     const int64_t n = a.draft_len[b];
     if (n < 0 || n > a.max_draft_len) {
-      return absl::InvalidArgumentError(absl::StrCat("request ", b, ": draft_len = ", n,
-                                                     " is outside 0..", a.max_draft_len));
+      return absl::InvalidArgumentError(
+          absl::StrCat("request ", b, ": draft_len = ", n, " is outside 0..", a.max_draft_len));
     }
     if (p < 0 || p > kMaxSequenceLen - n) {
-      return absl::InvalidArgumentError(absl::StrCat("request ", b, ": prefix_len = ", p,
-                                                     " is outside 0..", kMaxSequenceLen,
-                                                     " - draft_len"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "request ", b, ": prefix_len = ", p, " is outside 0..", kMaxSequenceLen, " - draft_len"));
     }
     if (a.layer[b] < 0 || a.layer[b] >= a.pool.num_layers) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "request ", b, ": layer ", a.layer[b], " is outside 0..", a.pool.num_layers - 1));
+      return absl::InvalidArgumentError(absl::StrCat("request ", b, ": layer ", a.layer[b],
+                                                     " is outside 0..", a.pool.num_layers - 1));
     }
     if (a.softmax_scale != nullptr && !(a.softmax_scale[b] > 0.0f)) {
       return absl::InvalidArgumentError(
@@ -129,9 +129,9 @@ absl::Status ValidateRequests(const VerifyArguments& a) {
       const uint64_t self = uint64_t{1} << i;
       const uint64_t allowed = self | (self - 1);  // bits 0..i
       if ((word & self) == 0 || (word & ~allowed) != 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "request ", b, ": visibility word of draft ", i,
-            " must contain the draft itself and only earlier drafts"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("request ", b, ": visibility word of draft ", i,
+                         " must contain the draft itself and only earlier drafts"));
       }
     }
     total_draft += n;

@@ -3,8 +3,8 @@
 #include <cuda_runtime.h>
 
 #include "kernels/verify_kernel.cuh"
-#include "kernels/verify_pipelined_kernel.cuh"
 #include "kernels/verify_params.h"
+#include "kernels/verify_pipelined_kernel.cuh"
 
 namespace mlaverify::kernels {
 namespace {
@@ -67,11 +67,13 @@ cudaError_t LaunchPipelined(const VerifyParams& p, bool programmatic_launch, cud
 cudaError_t PrepareVerifyKernels() {
   using verify::PipelinedAttentionKernel;
   using Kernel = void (*)(VerifyParams);
-  const Kernel kernels[] = {PipelinedAttentionKernel<true, true>, PipelinedAttentionKernel<false, true>,
-                            PipelinedAttentionKernel<true, false>, PipelinedAttentionKernel<false, false>};
+  const Kernel kernels[] = {
+      PipelinedAttentionKernel<true, true>, PipelinedAttentionKernel<false, true>,
+      PipelinedAttentionKernel<true, false>, PipelinedAttentionKernel<false, false>};
   const int bytes = VerifyAttentionSharedBytes();
   for (const Kernel kernel : kernels) {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;

@@ -34,8 +34,7 @@ struct KvPoolView {
   // page table is `pages`.
   int64_t RowOffset(int layer, const int32_t* pages, int64_t position) const {
     const int64_t page = pages[position / page_size];
-    return ((static_cast<int64_t>(layer) * num_pages + page) * page_size +
-            position % page_size) *
+    return ((static_cast<int64_t>(layer) * num_pages + page) * page_size + position % page_size) *
            kLatentDim;
   }
 };

@@ -3,8 +3,8 @@
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cuda_status.h"
 #include "common/status_macros.h"
+#include "kernels/cuda_status.h"
 #include "kernels/verify_params.h"
 #include "kernels/verify_workspace.h"
 
@@ -17,17 +17,19 @@ int Log2(int v) {
   return r;
 }
 
-absl::Status CheckWorkspace(const VerifyWorkspaceLayout& l, const void* workspace, size_t workspace_bytes) {
+absl::Status CheckWorkspace(const VerifyWorkspaceLayout& l, const void* workspace,
+                            size_t workspace_bytes) {
   if (workspace == nullptr || workspace_bytes < l.bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("workspace of ", workspace_bytes,
-                                                   " bytes is too small: need ", l.bytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("workspace of ", workspace_bytes, " bytes is too small: need ", l.bytes));
   }
   return absl::OkStatus();
 }
 
 // The fused combine's conditions for a batch whose grid has `grid_ctas` attention CTAs.
 bool UsesFusedCombine(const VerifyLaunchConfig& c, int batch, int grid_ctas) {
-  return batch <= c.fused_combine_max_batch && !c.programmatic_launch && grid_ctas <= c.resident_ctas;
+  return batch <= c.fused_combine_max_batch && !c.programmatic_launch &&
+         grid_ctas <= c.resident_ctas;
 }
 
 }  // namespace
@@ -68,7 +70,8 @@ absl::Status InitVerifyWorkspace(const VerifyArguments& args, const VerifyLaunch
   auto* base = static_cast<uint8_t*>(workspace);
   return CudaErrorToStatus(
       LaunchInitFusedWorkspace(reinterpret_cast<unsigned int*>(base + l.split_arrivals),
-                               reinterpret_cast<unsigned int*>(base + l.split_done), VerifyTargetCtas(config),
+                               reinterpret_cast<unsigned int*>(base + l.split_done),
+                               VerifyTargetCtas(config),
                                reinterpret_cast<unsigned long long*>(base + l.fused_magic), stream),
       "verify workspace init");
 }
@@ -77,12 +80,14 @@ absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchC
                                    void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   RETURN_IF_ERROR(CanImplement(a, /*require_16b_alignment=*/true));
   if (c.num_sms < 1 || c.ctas_per_sm < 1 || c.min_chunk_tiles < 1) {
-    return absl::InvalidArgumentError("launch config needs num_sms, ctas_per_sm and "
-                                      "min_chunk_tiles >= 1 (see PrepareVerifyLaunch)");
+    return absl::InvalidArgumentError(
+        "launch config needs num_sms, ctas_per_sm and "
+        "min_chunk_tiles >= 1 (see PrepareVerifyLaunch)");
   }
   if (c.plan_in_warp_max_batch < 0 || c.plan_in_warp_max_batch > kPlanInWarpMaxBatch) {
-    return absl::InvalidArgumentError(absl::StrCat("plan_in_warp_max_batch = ", c.plan_in_warp_max_batch,
-                                                   ": must be in 0..", kPlanInWarpMaxBatch));
+    return absl::InvalidArgumentError(
+        absl::StrCat("plan_in_warp_max_batch = ", c.plan_in_warp_max_batch, ": must be in 0..",
+                     kPlanInWarpMaxBatch));
   }
   const VerifyWorkspaceLayout l = VerifyWorkspaceLayoutFor(a, c);
   RETURN_IF_ERROR(CheckWorkspace(l, workspace, workspace_bytes));
@@ -132,13 +137,15 @@ absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchC
 
 absl::StatusOr<VerifyPlanSummary> ReadVerifyPlanSummary(const VerifyArguments& a,
                                                         const VerifyLaunchConfig& c,
-                                                        const void* workspace, cudaStream_t stream) {
+                                                        const void* workspace,
+                                                        cudaStream_t stream) {
   if (workspace == nullptr) return absl::InvalidArgumentError("no workspace");
   VerifyPlanSummary summary{};
   const auto* base = static_cast<const uint8_t*>(workspace);
-  RETURN_IF_ERROR(CudaErrorToStatus(cudaMemcpyAsync(&summary, base + VerifyWorkspaceLayoutFor(a, c).summary, sizeof(summary),
-                                                    cudaMemcpyDeviceToHost, stream),
-                                    "cudaMemcpyAsync(plan summary)"));
+  RETURN_IF_ERROR(
+      CudaErrorToStatus(cudaMemcpyAsync(&summary, base + VerifyWorkspaceLayoutFor(a, c).summary,
+                                        sizeof(summary), cudaMemcpyDeviceToHost, stream),
+                        "cudaMemcpyAsync(plan summary)"));
   RETURN_IF_ERROR(CudaErrorToStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize"));
   return summary;
 }

@@ -6,9 +6,9 @@
 #ifndef MLAVERIFY_KERNELS_VERIFY_ATTENTION_CUDA_H_
 #define MLAVERIFY_KERNELS_VERIFY_ATTENTION_CUDA_H_
 
-#include <cstddef>
-
 #include <cuda_runtime_api.h>
+
+#include <cstddef>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -41,8 +41,8 @@ struct VerifyLaunchConfig {
   // verify_kernel.cuh, "Fused combine"; bench/NOTES.md v8, v9.3):
   // every CTA of a split row tile waits for the tile's partials, then merges
   // its share of the rows. Needs every CTA resident at once, so it is used
-  // only without programmatic launch and when the grid fits `resident_ctas`; the kernel is then launched cooperatively
-  // (the launch fails rather than deadlocks if the grid could not be
+  // only without programmatic launch and when the grid fits `resident_ctas`; the kernel is then
+  // launched cooperatively (the launch fails rather than deadlocks if the grid could not be
   // resident). Otherwise the combine kernel runs as before. The workspace
   // must have gone through InitVerifyWorkspace.
   // Default 4: on the H200 (v9.2) it saves 2.1 us at B=1, L=4K and 1.5 us at

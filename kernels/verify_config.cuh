@@ -75,13 +75,14 @@ static_assert((1 << RING_BELOW_PAGE_LOG2) >= BLOCK_N, "a register-path tile must
 constexpr float REFERENCE_SLACK = 8.0f;
 
 // Named barriers (0 is __syncthreads).
-constexpr int BAR_SCORE = 1;      // score warps: a KV tile is visible to all of them
-constexpr int BAR_PAIR = 2;       // + row_group: the score pair's reduction and exchanges
-constexpr int BAR_P_FULL = 4;     // + (tile & 1): P(t), alpha(t) written (score -> PV)
-constexpr int BAR_P_EMPTY = 6;    // + (tile & 1): PV(t) done with P buffer and alpha slot
-constexpr int BAR_FINAL = 8;      // 1 / l and lse of every row written (score -> PV)
-constexpr int BAR_KV_FULL = 9;    // + (tile & 1): a KV tile loaded by the PV warps has landed
-constexpr int BAR_SCORE_MMA_DONE = 11;  // the score warps issued S(t+1)'s MMAs: PV(t) may issue its own
+constexpr int BAR_SCORE = 1;    // score warps: a KV tile is visible to all of them
+constexpr int BAR_PAIR = 2;     // + row_group: the score pair's reduction and exchanges
+constexpr int BAR_P_FULL = 4;   // + (tile & 1): P(t), alpha(t) written (score -> PV)
+constexpr int BAR_P_EMPTY = 6;  // + (tile & 1): PV(t) done with P buffer and alpha slot
+constexpr int BAR_FINAL = 8;    // 1 / l and lse of every row written (score -> PV)
+constexpr int BAR_KV_FULL = 9;  // + (tile & 1): a KV tile loaded by the PV warps has landed
+constexpr int BAR_SCORE_MMA_DONE =
+    11;  // the score warps issued S(t+1)'s MMAs: PV(t) may issue its own
 
 struct Shape {
   static constexpr int KEY_HALVES = 2;  // score warps per row group, 8 of a tile's keys each
@@ -103,8 +104,9 @@ struct Shape {
 
   static constexpr int SMEM_KV_OFFSET = 0;
   static constexpr int SMEM_EXCHANGE_OFFSET = SMEM_KV_OFFSET + NUM_STAGES * STAGE_BYTES;
-  static constexpr int SMEM_P_OFFSET = SMEM_EXCHANGE_OFFSET + EXCHANGE_BYTES;   // [2] P buffers
-  static constexpr int SMEM_ALPHA_OFFSET = SMEM_P_OFFSET + 2 * P_BUFFER_BYTES;  // [2][BLOCK_M] float
+  static constexpr int SMEM_P_OFFSET = SMEM_EXCHANGE_OFFSET + EXCHANGE_BYTES;  // [2] P buffers
+  static constexpr int SMEM_ALPHA_OFFSET =
+      SMEM_P_OFFSET + 2 * P_BUFFER_BYTES;  // [2][BLOCK_M] float
   static constexpr int SMEM_INV_L_OFFSET = SMEM_ALPHA_OFFSET + 2 * BLOCK_M * 4;  // [BLOCK_M] float
   static constexpr int SMEM_PAGE_RING_OFFSET = SMEM_INV_L_OFFSET + BLOCK_M * 4;
   static constexpr int SMEM_BYTES = SMEM_PAGE_RING_OFFSET + PAGE_RING * BLOCK_N * 4;

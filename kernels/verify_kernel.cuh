@@ -25,7 +25,8 @@ namespace mlaverify::kernels::verify {
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 constexpr int PLAN_THREADS = 1024;  // one thread per request: batch <= 1024
-static_assert(BLOCK_M == kVerifyRowsPerCta, "the host sizes partial buffers with kVerifyRowsPerCta");
+static_assert(BLOCK_M == kVerifyRowsPerCta,
+              "the host sizes partial buffers with kVerifyRowsPerCta");
 
 __device__ __forceinline__ int CeilDiv(int a, int b) { return (a + b - 1) / b; }
 
@@ -44,13 +45,15 @@ __device__ __forceinline__ void PhaseStamp(int slot) {
   if (slot == kStampEntry || slot == kStampPvDone) {
     unsigned long long cycles;
     asm volatile("mov.u64 %0, %%clock64;" : "=l"(cycles));
-    stamps[blockIdx.x * kPhaseSlots + (slot == kStampEntry ? kStampClockEntry : kStampClockPvDone)] = cycles;
+    stamps[blockIdx.x * kPhaseSlots +
+           (slot == kStampEntry ? kStampClockEntry : kStampClockPvDone)] = cycles;
   }
 }
 // Adds a segment's KV tiles to the CTA's count (one thread per CTA calls it).
 __device__ __forceinline__ void PhaseCountTiles(int tiles) {
   unsigned long long* stamps = g_phase_stamps;
-  if (stamps != nullptr) stamps[blockIdx.x * kPhaseSlots + kStampTiles] += static_cast<unsigned>(tiles);
+  if (stamps != nullptr)
+    stamps[blockIdx.x * kPhaseSlots + kStampTiles] += static_cast<unsigned>(tiles);
 }
 // A stamp taken once `value` has arrived (the asm consumes it).
 __device__ __forceinline__ void PhaseStampAfter(int slot, int value) {
@@ -180,7 +183,8 @@ __device__ __forceinline__ int StreamGroups(const VerifyParams& p, const PlanTot
   groups = groups < by_chunk ? groups : by_chunk;
   const long long stream_longest = (t.length + groups - 1) / groups;
   const long long waves = (chunk_items + p.target_ctas - 1) / p.target_ctas;
-  return stream_longest + STREAM_MIN_GAIN_TILES <= waves * longest_chunk ? static_cast<int>(groups) : 0;
+  return stream_longest + STREAM_MIN_GAIN_TILES <= waves * longest_chunk ? static_cast<int>(groups)
+                                                                         : 0;
 }
 
 // First tile of stream range g, and the range holding tile `pos`
@@ -189,13 +193,15 @@ __device__ __forceinline__ int StreamStart(int g, const VerifyPlanSummary& s) {
   return static_cast<int>(static_cast<long long>(g) * s.stream_length / s.stream_groups);
 }
 __device__ __forceinline__ int StreamRangeOf(int pos, const VerifyPlanSummary& s) {
-  return static_cast<int>((static_cast<long long>(pos + 1) * s.stream_groups - 1) / s.stream_length);
+  return static_cast<int>((static_cast<long long>(pos + 1) * s.stream_groups - 1) /
+                          s.stream_length);
 }
 
 // Item `local` of a request under the chunk plan (row tiles of one chunk are
 // adjacent work items: their KV re-reads hit L2); `w` is its index.
 __device__ __forceinline__ VerifyWorkItem MakeWorkItem(int request, int local, int row_tiles,
-                                                       int kv_len, int chunk_tiles, int q_row, int w) {
+                                                       int kv_len, int chunk_tiles, int q_row,
+                                                       int w) {
   const int tiles = CeilDiv(kv_len, BLOCK_N);
   const int splits = CeilDiv(tiles, chunk_tiles);
   const int split = local / row_tiles;
@@ -257,11 +263,13 @@ __global__ void __launch_bounds__(PLAN_THREADS) PlanKernel(const VerifyParams p)
   const long long total_cost =
       LongReduce(temp.reduce).Sum(static_cast<long long>(req.row_tiles) * req.tiles);
   __syncthreads();
-  const long long total_row_tiles = LongReduce(temp.reduce).Sum(static_cast<long long>(req.row_tiles));
+  const long long total_row_tiles =
+      LongReduce(temp.reduce).Sum(static_cast<long long>(req.row_tiles));
   __syncthreads();
   const long long length = LongReduce(temp.reduce).Sum(static_cast<long long>(req.tiles));
   __syncthreads();
-  const int min_rt = IntReduce(temp.int_reduce).Reduce(req.tiles > 0 ? req.row_tiles : INT_MAX, MinOp());
+  const int min_rt =
+      IntReduce(temp.int_reduce).Reduce(req.tiles > 0 ? req.row_tiles : INT_MAX, MinOp());
   __syncthreads();
   const int max_rt = IntReduce(temp.int_reduce).Reduce(req.tiles > 0 ? req.row_tiles : 0, MaxOp());
   if (b == 0) {
@@ -316,7 +324,10 @@ __global__ void __launch_bounds__(PLAN_THREADS) PlanKernel(const VerifyParams p)
       int lo = 0, hi = p.batch - 1;
       while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
-        if (s_work_base[mid] <= w) lo = mid; else hi = mid - 1;
+        if (s_work_base[mid] <= w)
+          lo = mid;
+        else
+          hi = mid - 1;
       }
       item = MakeWorkItem(lo, w - s_work_base[lo], s_row_tiles[lo], s_kv_len[lo], chunk_tiles,
                           s_q_row[lo], w);
@@ -360,7 +371,9 @@ __device__ __forceinline__ WarpPlan PlanInWarp(const VerifyParams& p, int w, boo
   totals.length = sum_ll(req.tiles);
   totals.min_row_tiles = __reduce_min_sync(all, req.tiles > 0 ? req.row_tiles : INT_MAX);
   totals.max_row_tiles = __reduce_max_sync(all, req.tiles > 0 ? req.row_tiles : 0);
-  if (lane == 0) PhaseStampAfter(kStampPlanTotals, static_cast<int>(total_cost + totals.length) + totals.max_row_tiles);
+  if (lane == 0)
+    PhaseStampAfter(kStampPlanTotals,
+                    static_cast<int>(total_cost + totals.length) + totals.max_row_tiles);
   int tight = 0, safe = 0;
   ChunkCandidates(p, total_cost, total_row_tiles, &tight, &safe);
   const long long tight_items = sum_ll(ItemsOfRequest(req, tight));
@@ -395,8 +408,9 @@ __device__ __forceinline__ WarpPlan PlanInWarp(const VerifyParams& p, int w, boo
       // The request holding item w: the last lane (request) whose base is <= w.
       const unsigned at_or_below = __ballot_sync(all, lane < p.batch && work_base <= w);
       const int r = 31 - __clz(at_or_below);
-      out.item = MakeWorkItem(r, w - __shfl_sync(all, work_base, r), __shfl_sync(all, req.row_tiles, r),
-                              __shfl_sync(all, req.kv_len, r), chunk_tiles, __shfl_sync(all, q_row, r), w);
+      out.item =
+          MakeWorkItem(r, w - __shfl_sync(all, work_base, r), __shfl_sync(all, req.row_tiles, r),
+                       __shfl_sync(all, req.kv_len, r), chunk_tiles, __shfl_sync(all, q_row, r), w);
     }
     if (lane == 0) p.work[w] = out.item;
   }
@@ -421,9 +435,11 @@ __device__ __forceinline__ int FirstStreamBlock(const VerifyParams& p, const Ver
 // One warp: writes the segments of CTA x among requests b0..b0+31 to
 // list[0..count) in request order and returns count; *next is b0 + 32 when a
 // later request may still overlap the range, else -1.
-__device__ __forceinline__ int CollectStreamSegments(const VerifyParams& p, const VerifyPlanSummary& s,
-                                                     const int32_t* stream_start, const int32_t* q_rows,
-                                                     int x, int b0, VerifyWorkItem* list, int* next) {
+__device__ __forceinline__ int CollectStreamSegments(const VerifyParams& p,
+                                                     const VerifyPlanSummary& s,
+                                                     const int32_t* stream_start,
+                                                     const int32_t* q_rows, int x, int b0,
+                                                     VerifyWorkItem* list, int* next) {
   const unsigned all = 0xffffffffu;
   const int lane = threadIdx.x & 31;
   const int g = x / s.stream_row_tiles;
@@ -459,11 +475,11 @@ __device__ __forceinline__ int CollectStreamSegments(const VerifyParams& p, cons
 // to every call site (a __shared__ variable inside the template would be a
 // different one per instantiation, i.e. per role's lambda).
 struct SegmentSmem {
-  VerifyWorkItem list[32];     // segments of this CTA, in order
-  int32_t stream_start[32];    // warp plan: request b's first tile in the stream
-  int32_t q_row[32];           // warp plan: request b's first token row
+  VerifyWorkItem list[32];   // segments of this CTA, in order
+  int32_t stream_start[32];  // warp plan: request b's first tile in the stream
+  int32_t q_row[32];         // warp plan: request b's first token row
   VerifyPlanSummary summary;
-  int count, next;             // entries in `list`; first request of the next refill, or -1
+  int count, next;  // entries in `list`; first request of the next refill, or -1
 };
 static_assert(sizeof(SegmentSmem) <= kVerifyStaticSharedBytes,
               "the sm_120 budget in verify_config.cuh counts this");
@@ -471,9 +487,11 @@ static_assert(sizeof(SegmentSmem) <= kVerifyStaticSharedBytes,
 // One round of a stream-plan CTA's walk: its first warp collects the
 // segments among requests b0..b0+31 into sm (list, count, next). The caller
 // makes them visible with a block barrier.
-__device__ __forceinline__ void CollectStreamRound(const VerifyParams& p, const VerifyPlanSummary& s,
-                                                   const int32_t* stream_start, const int32_t* q_rows,
-                                                   int x, int b0, SegmentSmem& sm) {
+__device__ __forceinline__ void CollectStreamRound(const VerifyParams& p,
+                                                   const VerifyPlanSummary& s,
+                                                   const int32_t* stream_start,
+                                                   const int32_t* q_rows, int x, int b0,
+                                                   SegmentSmem& sm) {
   if (threadIdx.x >= 32) return;
   int next = -1;
   const int count = CollectStreamSegments(p, s, stream_start, q_rows, x, b0, sm.list, &next);
@@ -528,13 +546,13 @@ __device__ __forceinline__ void PrefetchQueryRows(const VerifyParams& p) {
 // segment restarts read a cold Q (B=32, L=64K, page 1: 677 -> 663 us;
 // bench/NOTES.md v12.2).
 template <bool kPrefetchQueries, typename Attend, typename After = NoSegmentHook>
-__device__ __forceinline__ void ForEachSegment(const VerifyParams& p, SegmentSmem& sm, Attend&& attend,
-                                               After&& after = After{}) {
+__device__ __forceinline__ void ForEachSegment(const VerifyParams& p, SegmentSmem& sm,
+                                               Attend&& attend, After&& after = After{}) {
   const int x = blockIdx.x;
   const bool first_warp = threadIdx.x < 32;
   if (threadIdx.x == 0) PhaseStamp(kStampEntry);
   ptx::GridDependencyWait();  // the plan kernel's output (or the writes of the grid before)
-  if (p.plan_in_warp) {  // batch <= kPlanInWarpMaxBatch (the host checks)
+  if (p.plan_in_warp) {       // batch <= kPlanInWarpMaxBatch (the host checks)
     if (first_warp) {
       const WarpPlan plan = PlanInWarp(p, x, x == 0);
       sm.stream_start[threadIdx.x] = plan.stream_start;
@@ -609,8 +627,8 @@ __device__ __forceinline__ void StageQueryRow(const VerifyParams& p, uint32_t ti
 // `inv_l` for the output stores, and the LSE (natural log) to the output for
 // an unsplit row tile (partial_slot < 0) or to the segment's partial slot.
 // `row_max` is log2-domain.
-__device__ __forceinline__ void StoreRowStats(const VerifyParams& p, int partial_slot, int row, int r,
-                                              int rows, int q_row, int heads, float row_max,
+__device__ __forceinline__ void StoreRowStats(const VerifyParams& p, int partial_slot, int row,
+                                              int r, int rows, int q_row, int heads, float row_max,
                                               float row_sum, float* inv_l) {
   inv_l[row] = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
   const float lse = row_sum > 0.0f ? (row_max + __log2f(row_sum)) * LN2 : -INFINITY;
@@ -640,13 +658,14 @@ template <int kNTiles>
 __device__ __forceinline__ void StoreOutputSliceStaged(const VerifyParams& p,
                                                        const float (&o_acc)[M_TILES][kNTiles][4],
                                                        const float* inv_l, int row_tile, int rows,
-                                                       int q_row, int heads, int partial_slot, int col0,
-                                                       uint8_t* staging) {
-  constexpr int ROW_BYTES_OUT = kNTiles * 8 * 2;       // bf16 columns of the slice
+                                                       int q_row, int heads, int partial_slot,
+                                                       int col0, uint8_t* staging) {
+  constexpr int ROW_BYTES_OUT = kNTiles * 8 * 2;  // bf16 columns of the slice
   constexpr int PITCH = ROW_BYTES_OUT + 16;
   constexpr int LANES_PER_ROW = ROW_BYTES_OUT / 16;
   constexpr int ROWS_PER_STEP = 32 / LANES_PER_ROW;
-  static_assert(32 % LANES_PER_ROW == 0 && BLOCK_M % ROWS_PER_STEP == 0, "whole rows per store step");
+  static_assert(32 % LANES_PER_ROW == 0 && BLOCK_M % ROWS_PER_STEP == 0,
+                "whole rows per store step");
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;
   const int t4 = lane & 3;
@@ -666,7 +685,8 @@ __device__ __forceinline__ void StoreOutputSliceStaged(const VerifyParams& p,
   __syncwarp();
   const bool out_aligned =
       ((reinterpret_cast<uintptr_t>(p.out) | static_cast<uintptr_t>(p.out_token_stride * 2) |
-        static_cast<uintptr_t>(p.out_head_stride * 2) | static_cast<uintptr_t>(col0 * 2)) & 15) == 0;
+        static_cast<uintptr_t>(p.out_head_stride * 2) | static_cast<uintptr_t>(col0 * 2)) &
+       15) == 0;
   const int sub_row = lane / LANES_PER_ROW;
   const int chunk = lane % LANES_PER_ROW;
 #pragma unroll 4
@@ -676,7 +696,8 @@ __device__ __forceinline__ void StoreOutputSliceStaged(const VerifyParams& p,
     if (r >= rows) continue;
     const uint4 v = *reinterpret_cast<const uint4*>(staging + row * PITCH + chunk * 16);
     if (partial_slot >= 0) {
-      uint16_t* dst = p.partial_out + (static_cast<int64_t>(partial_slot) * BLOCK_M + row) * D_V + col0;
+      uint16_t* dst =
+          p.partial_out + (static_cast<int64_t>(partial_slot) * BLOCK_M + row) * D_V + col0;
       reinterpret_cast<uint4*>(dst)[chunk] = v;
     } else {
       uint16_t* dst = p.out + static_cast<int64_t>(q_row + r / heads) * p.out_token_stride +
@@ -736,11 +757,11 @@ struct MergeSmem {
 // a spill on sm_120).
 template <bool kL2Loads>
 __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const VerifyWorkItem& item,
-                                               int slot_base, int slot_stride, int slot0_extra, int rows,
-                                               MergeSmem& ms) {
-  float4 (&s_acc)[COMBINE_WARPS][D_V / 4] = ms.acc;
-  float (&s_max)[COMBINE_WARPS] = ms.max;
-  float (&s_sum)[COMBINE_WARPS] = ms.sum;
+                                               int slot_base, int slot_stride, int slot0_extra,
+                                               int rows, MergeSmem& ms) {
+  float4(&s_acc)[COMBINE_WARPS][D_V / 4] = ms.acc;
+  float(&s_max)[COMBINE_WARPS] = ms.max;
+  float(&s_sum)[COMBINE_WARPS] = ms.sum;
   const int splits = item.splits;
   const int heads = p.num_heads;
   const int warp = threadIdx.x >> 5;
@@ -772,11 +793,12 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
     const int r = tile_row0 + row;
     const int64_t token = item.q_row + r / heads;
     const int h = r % heads;
-    return OutputRow{p.out + token * p.out_token_stride + static_cast<int64_t>(h) * p.out_head_stride,
-                     p.lse + token * heads + h};
+    return OutputRow{
+        p.out + token * p.out_token_stride + static_cast<int64_t>(h) * p.out_head_stride,
+        p.lse + token * heads + h};
   };
   // Output row `row` of the tile from a merged (max, sum, o).
-  auto write_row = [&](int row, float m, float l, const float4 (&acc)[4]) {
+  auto write_row = [&](int row, float m, float l, const float4(&acc)[4]) {
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     const OutputRow dst_row = output_row(row);
     uint16_t* dst = dst_row.out;
@@ -810,7 +832,8 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
         // under a condition became a branch around each of the 25.
         const int s = s0 + u * warps_per_row;
         const bool valid = s < splits;
-        const int64_t slot_row = valid ? s * split_stride + (s == 0 ? split0_extra : 0) + row : split0_extra + row;
+        const int64_t slot_row =
+            valid ? s * split_stride + (s == 0 ? split0_extra : 0) + row : split0_extra + row;
         const uint2* row_out = reinterpret_cast<const uint2*>(out_of + slot_row * D_V + lane * 4);
         if constexpr (kL2Loads) {
           lse_v[u] = __ldcg(lse_of + slot_row);
@@ -850,7 +873,8 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
         acc[k].w *= scale;
       }
       if (threadIdx.x == 0 && round == 0 && s0 == 0) {
-        PhaseStampAfter(kStampMergeLoaded, __float_as_int(lse_v[0]) ^ o_v[0][0].x ^ o_v[COMBINE_UNROLL - 1][3].y);
+        PhaseStampAfter(kStampMergeLoaded,
+                        __float_as_int(lse_v[0]) ^ o_v[0][0].x ^ o_v[COMBINE_UNROLL - 1][3].y);
       }
 #pragma unroll
       for (int u = 0; u < COMBINE_UNROLL; ++u) {
@@ -867,7 +891,8 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
       }
       m = m_new;
     }
-    if (threadIdx.x == 0 && round == 0) PhaseStampAfter(kStampMergeSummed, __float_as_int(acc[3].w + l));
+    if (threadIdx.x == 0 && round == 0)
+      PhaseStampAfter(kStampMergeSummed, __float_as_int(acc[3].w + l));
     if (warps_per_row == 1) {
       if (active) write_row(row, m, l, acc);
       continue;
@@ -887,7 +912,8 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
       // Loops over the row's warps are unrolled to all eight with a guard:
       // with a run-time trip count ptxas emitted unrolled copies plus
       // remainder loops, code the merge streams in before it can run.
-      const int w0 = warp - sub;  // the row's first warp; every access below is under j < warps_per_row
+      const int w0 =
+          warp - sub;  // the row's first warp; every access below is under j < warps_per_row
       float max_all = -INFINITY;
 #pragma unroll
       for (int j = 0; j < COMBINE_WARPS; ++j) {
@@ -905,7 +931,7 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
         }
       }
       const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-      const int cols = 16 / warps_per_row;                  // 2, 4 or 8
+      const int cols = 16 / warps_per_row;  // 2, 4 or 8
       const int col0 = (sub * 32 + lane) * cols;
       const OutputRow dst_row = output_row(row);
       uint16_t* dst = dst_row.out;
@@ -917,7 +943,8 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
 #pragma unroll
         for (int j = 0; j < COMBINE_WARPS; ++j) {
           if (j < warps_per_row) {
-            const float2 a = *reinterpret_cast<const float2*>(reinterpret_cast<const float*>(s_acc[w0 + j]) + c);
+            const float2 a =
+                *reinterpret_cast<const float2*>(reinterpret_cast<const float*>(s_acc[w0 + j]) + c);
             o.x += e[j] * a.x;
             o.y += e[j] * a.y;
           }
@@ -988,9 +1015,11 @@ __device__ __forceinline__ void ArriveSplit(const VerifyParams& p, const VerifyP
 // on done[key]). `starts`: the requests' stream starts (the plan-in-warp
 // copy in shared memory, or the plan kernel's array).
 template <bool kFused>
-__device__ __forceinline__ void MergeCtaSplits(const VerifyParams& p, const VerifyPlanSummary& summary,
-                                               const VerifyWorkItem& chunk_item, const int32_t* starts,
-                                               const int32_t* q_rows, SegmentSmem& sm, MergeSmem& ms) {
+__device__ __forceinline__ void MergeCtaSplits(const VerifyParams& p,
+                                               const VerifyPlanSummary& summary,
+                                               const VerifyWorkItem& chunk_item,
+                                               const int32_t* starts, const int32_t* q_rows,
+                                               SegmentSmem& sm, MergeSmem& ms) {
   const int x = blockIdx.x;
   if constexpr (kFused) {
     // Checked here, after the segment loop, not at the arrivals: a trap (or a
@@ -999,8 +1028,9 @@ __device__ __forceinline__ void MergeCtaSplits(const VerifyParams& p, const Veri
     // (bench/NOTES.md v8.2). An uninitialised workspace's arrivals counted
     // into garbage; no CTA has waited on them yet.
     if (threadIdx.x == 0 && *p.fused_magic != kFusedWorkspaceMagic) {
-      printf("mlaverify: the verify workspace was not initialised (InitVerifyWorkspace) before a "
-             "fused-combine launch\n");
+      printf(
+          "mlaverify: the verify workspace was not initialised (InitVerifyWorkspace) before a "
+          "fused-combine launch\n");
       __trap();
     }
   }
@@ -1021,7 +1051,8 @@ __device__ __forceinline__ void MergeCtaSplits(const VerifyParams& p, const Veri
     if constexpr (kFused) {
       if (threadIdx.x == 0) {
         key = SplitTileKey(p, summary, item, x);
-        while (LoadAcquireGpu(p.split_arrivals + key) != static_cast<unsigned int>(item.splits)) __nanosleep(32);
+        while (LoadAcquireGpu(p.split_arrivals + key) != static_cast<unsigned int>(item.splits))
+          __nanosleep(32);
         PhaseStamp(kStampMergeWaited);
         done_before = atomicAdd(p.split_done + key, 1u);
       }

@@ -5,9 +5,9 @@
 #ifndef MLAVERIFY_KERNELS_VERIFY_PARAMS_H_
 #define MLAVERIFY_KERNELS_VERIFY_PARAMS_H_
 
-#include <cstdint>
-
 #include <cuda_runtime_api.h>
+
+#include <cstdint>
 
 namespace mlaverify::kernels {
 
@@ -48,7 +48,7 @@ static_assert(sizeof(VerifyWorkItem) == 32, "work items are read as two 16-byte 
 // request has stream_row_tiles row tiles, and CTA g * stream_row_tiles + rt
 // attends row tile rt over range g.
 struct VerifyPlanSummary {
-  int32_t total_work;        // CTAs with work
+  int32_t total_work;  // CTAs with work
   int32_t stream_groups;
   int32_t stream_row_tiles;
   int32_t stream_length;
@@ -56,55 +56,57 @@ struct VerifyPlanSummary {
 
 struct VerifyParams {
   // ---- inputs (read only) ----
-  const uint16_t* q;          // [total_draft, num_heads, 576] bf16
-  int64_t q_token_stride;     // elements
-  int64_t q_head_stride;      // elements
-  const uint16_t* pool;       // [num_layers, num_pages, page_size, 576] bf16
+  const uint16_t* q;       // [total_draft, num_heads, 576] bf16
+  int64_t q_token_stride;  // elements
+  int64_t q_head_stride;   // elements
+  const uint16_t* pool;    // [num_layers, num_pages, page_size, 576] bf16
   int64_t num_pages;
   int page_size_log2;         // page_size = 1 << page_size_log2
   const int32_t* page_table;  // [batch, page_table_stride]
   int64_t page_table_stride;
-  const int32_t* prefix_len;  // [batch]
-  const int32_t* draft_len;   // [batch]
-  const int32_t* layer;       // [batch]
-  const float* softmax_scale; // [batch] or nullptr
+  const int32_t* prefix_len;   // [batch]
+  const int32_t* draft_len;    // [batch]
+  const int32_t* layer;        // [batch]
+  const float* softmax_scale;  // [batch] or nullptr
   float default_softmax_scale;
-  const uint64_t* visibility; // [total_draft]
+  const uint64_t* visibility;  // [total_draft]
   int batch;
   int num_heads;
 
   // ---- outputs ----
-  uint16_t* out;              // [total_draft, num_heads, 512] bf16
+  uint16_t* out;  // [total_draft, num_heads, 512] bf16
   int64_t out_token_stride;
   int64_t out_head_stride;
-  float* lse;                 // [total_draft, num_heads]
+  float* lse;  // [total_draft, num_heads]
 
   // ---- workspace: the plan (written by the plan kernel, read by the others) ----
-  VerifyPlanSummary* summary; // [1]
-  int32_t* request_q_row;     // [batch] first token row of each request in q
-  int32_t* request_stream_start; // [batch] first KV tile of the request in the stream (stream plan)
-  VerifyWorkItem* work;       // [max_work]
+  VerifyPlanSummary* summary;  // [1]
+  int32_t* request_q_row;      // [batch] first token row of each request in q
+  int32_t*
+      request_stream_start;  // [batch] first KV tile of the request in the stream (stream plan)
+  VerifyWorkItem* work;      // [max_work]
   // ---- workspace: partial results of split row tiles ----
-  float* partial_lse;         // [2 * target_ctas, 32] natural log
-  uint16_t* partial_out;      // [2 * target_ctas, 32, 512] bf16, normalised (bench/NOTES.md v9.1)
-  int max_work;               // grid of the attention and combine kernels
-  int target_ctas;            // CTAs the split aims to fill the device with
-  int min_chunk_tiles;        // smallest KV chunk, in 32-token tiles
-  int plan_in_warp;           // 1: no plan kernel; each attention CTA plans in its first warp (batch <= 32)
-  int stream_plan;            // 1: the plan may choose stream ranges (verify_kernel.cuh, "Plan")
+  float* partial_lse;     // [2 * target_ctas, 32] natural log
+  uint16_t* partial_out;  // [2 * target_ctas, 32, 512] bf16, normalised (bench/NOTES.md v9.1)
+  int max_work;           // grid of the attention and combine kernels
+  int target_ctas;        // CTAs the split aims to fill the device with
+  int min_chunk_tiles;    // smallest KV chunk, in 32-token tiles
+  int plan_in_warp;  // 1: no plan kernel; each attention CTA plans in its first warp (batch <= 32)
+  int stream_plan;   // 1: the plan may choose stream ranges (verify_kernel.cuh, "Plan")
   // ---- workspace: the combine folded into the attention kernel (fused_combine) ----
   // Zeroed once by InitVerifyWorkspace; every launch leaves them zero
   // ("Fused combine" in verify_kernel.cuh).
-  unsigned int* split_arrivals;        // [target_ctas] per split row tile: partials written
-  unsigned int* split_done;            // [target_ctas] per split row tile: CTAs past their wait
+  unsigned int* split_arrivals;           // [target_ctas] per split row tile: partials written
+  unsigned int* split_done;               // [target_ctas] per split row tile: CTAs past their wait
   const unsigned long long* fused_magic;  // [1] kFusedWorkspaceMagic once initialised
-  int fused_combine;          // 1: the attention CTAs merge the partials (cooperative launch, no combine kernel)
+  int fused_combine;  // 1: the attention CTAs merge the partials (cooperative launch, no combine
+                      // kernel)
 };
 
 struct DraftKvWriteParams {
-  const uint16_t* draft_kv;   // [total_draft, 576]
+  const uint16_t* draft_kv;  // [total_draft, 576]
   int64_t draft_kv_stride;
-  uint16_t* pool;             // [num_layers, num_pages, page_size, 576]
+  uint16_t* pool;  // [num_layers, num_pages, page_size, 576]
   int64_t num_pages;
   int page_size_log2;
   const int32_t* page_table;  // [batch, page_table_stride]
@@ -113,41 +115,41 @@ struct DraftKvWriteParams {
   const int32_t* draft_len;   // [batch]
   const int32_t* layer;       // [batch]
   int batch;
-  int total_draft_capacity;   // grid size
+  int total_draft_capacity;  // grid size
 };
 
 struct CompactParams {
-  uint16_t* pool;             // [num_layers, num_pages, page_size, 576]
+  uint16_t* pool;  // [num_layers, num_pages, page_size, 576]
   int num_layers;
   int64_t num_pages;
   int page_size_log2;
   const int32_t* page_table;  // [batch, page_table_stride]
   int64_t page_table_stride;
-  const int32_t* prefix_len;  // [batch]
+  const int32_t* prefix_len;    // [batch]
   const int32_t* accepted_len;  // [batch]
-  const int32_t* accepted;    // [batch, 64]
+  const int32_t* accepted;      // [batch, 64]
   int batch;
 };
 
 // Copies rows [num_layers, count, 576] to or from positions
 // start..start+count-1 of one sequence in every layer (AppendKv, debugging).
 struct RowCopyParams {
-  uint16_t* pool;             // [num_layers, num_pages, page_size, 576]
+  uint16_t* pool;  // [num_layers, num_pages, page_size, 576]
   int num_layers;
   int64_t num_pages;
   int page_size_log2;
   const int32_t* page_table;  // [pages of the sequence]
   int64_t start;
   int64_t count;
-  uint16_t* rows;             // [num_layers, count, 576]
+  uint16_t* rows;  // [num_layers, count, 576]
 };
 
 // Launchers defined in the .cu files: they enqueue kernels on `stream` and
 // return the launch error; no allocation, no host synchronisation.
 // launch_plan false with params.plan_in_warp 0: no plan kernel either, the
 // attention reads the plan already in the workspace (VerifyLaunchConfig::reuse_plan).
-cudaError_t LaunchVerifyKernels(const VerifyParams& params, bool programmatic_launch, bool launch_plan,
-                                cudaStream_t stream);
+cudaError_t LaunchVerifyKernels(const VerifyParams& params, bool programmatic_launch,
+                                bool launch_plan, cudaStream_t stream);
 cudaError_t LaunchDraftKvWriteKernel(const DraftKvWriteParams& params, cudaStream_t stream);
 cudaError_t LaunchCompactKernel(const CompactParams& params, cudaStream_t stream);
 // to_pool: rows -> pool, else pool -> rows.

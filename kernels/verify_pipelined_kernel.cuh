@@ -81,14 +81,25 @@ __device__ __forceinline__ void ScoreWaitForTile(int t) {
   using Shape = pipelined::Shape;
   constexpr int NUM_STAGES = Shape::NUM_STAGES;
   constexpr int NUM_THREADS = Shape::NUM_THREADS;
-  if (t >= 2 && t < NUM_STAGES) ptx::NamedBarrierSync(pipelined::BAR_P_EMPTY + (t & 1), NUM_THREADS);
+  if (t >= 2 && t < NUM_STAGES)
+    ptx::NamedBarrierSync(pipelined::BAR_P_EMPTY + (t & 1), NUM_THREADS);
   if (t < NUM_STAGES) {
     switch (NUM_STAGES - 1 - t) {
-      case 0: ptx::CpAsyncWait<0>(); break;
-      case 1: ptx::CpAsyncWait<1>(); break;
-      case 2: ptx::CpAsyncWait<2>(); break;
-      case 3: ptx::CpAsyncWait<3>(); break;
-      default: ptx::CpAsyncWait<4>(); break;
+      case 0:
+        ptx::CpAsyncWait<0>();
+        break;
+      case 1:
+        ptx::CpAsyncWait<1>();
+        break;
+      case 2:
+        ptx::CpAsyncWait<2>();
+        break;
+      case 3:
+        ptx::CpAsyncWait<3>();
+        break;
+      default:
+        ptx::CpAsyncWait<4>();
+        break;
     }
     ptx::NamedBarrierSync(pipelined::BAR_SCORE, Shape::SCORE_THREADS);
   } else {
@@ -112,9 +123,10 @@ __device__ __forceinline__ void ScoreWaitForTile(int t) {
 // its own references and the PV warps reconcile them. Hand-over to the PV
 // warps: see the header.
 template <bool kPhaseOffset, bool kHalfRefs, int kQSteps>
-__device__ __forceinline__ void ScoreTiles(const VerifyParams& p, const VerifyWorkItem& item, uint8_t* smem_raw,
-                                           const uint32_t (&q_frag)[kQSteps][4], int row_group, int key_half,
-                                           int num_tiles, float scale_log2, int prefix) {
+__device__ __forceinline__ void ScoreTiles(const VerifyParams& p, const VerifyWorkItem& item,
+                                           uint8_t* smem_raw, const uint32_t (&q_frag)[kQSteps][4],
+                                           int row_group, int key_half, int num_tiles,
+                                           float scale_log2, int prefix) {
   using Shape = pipelined::Shape;
   using pipelined::BAR_FINAL;
   using pipelined::BAR_P_EMPTY;
@@ -129,7 +141,8 @@ __device__ __forceinline__ void ScoreTiles(const VerifyParams& p, const VerifyWo
   constexpr int NUM_STAGES = Shape::NUM_STAGES;
   constexpr int NUM_THREADS = Shape::NUM_THREADS;
   static_assert(kQSteps == D_QK / 16 && kQSteps % 4 == 0, "whole Q; four chains");
-  static_assert(Shape::EXCHANGE_BYTES >= (4 * 16 + 2 * 16) * 4, "tile maxima and the row sums fit the exchange");
+  static_assert(Shape::EXCHANGE_BYTES >= (4 * 16 + 2 * 16) * 4,
+                "tile maxima and the row sums fit the exchange");
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -141,8 +154,8 @@ __device__ __forceinline__ void ScoreTiles(const VerifyParams& p, const VerifyWo
   const int rows = p.draft_len[b] * heads;
   const int kv_begin = item.kv_begin;
   const int kv_end = item.kv_end;
-  const int row0 = row_group * 16 + g;                // this lane's rows: row0, row0 + 8
-  const int r0 = item.row_tile * BLOCK_M + row0;      // request rows
+  const int row0 = row_group * 16 + g;            // this lane's rows: row0, row0 + 8
+  const int r0 = item.row_tile * BLOCK_M + row0;  // request rows
   const uint64_t vis0 = r0 < rows ? p.visibility[item.q_row + r0 / heads] : 0;
   const uint64_t vis1 = r0 + 8 < rows ? p.visibility[item.q_row + (r0 + 8) / heads] : 0;
   const int unmasked_end = min(prefix, kv_end);
@@ -159,8 +172,9 @@ __device__ __forceinline__ void ScoreTiles(const VerifyParams& p, const VerifyWo
   // swizzle: pair j is k_off[j % 2] + 128 bytes x (j / 2).
   const uint32_t k_off[2] = {TileOffset(key_half * 8 + (lane & 7), lane >> 3),
                              TileOffset(key_half * 8 + (lane & 7), 4 + (lane >> 3))};
-  float ref[2] = {-INFINITY, -INFINITY};  // exponent references of rows row0, row0 + 8 (log2 domain)
-  float row_sum[2] = {0.0f, 0.0f};        // this lane's share of their running sums
+  float ref[2] = {-INFINITY,
+                  -INFINITY};       // exponent references of rows row0, row0 + 8 (log2 domain)
+  float row_sum[2] = {0.0f, 0.0f};  // this lane's share of their running sums
   // Per-half references (kHalfRefs): tiles still to receive them for the PV
   // warps (each P buffer has its own slot, so a move is written twice), and
   // the areas.
@@ -170,7 +184,8 @@ __device__ __forceinline__ void ScoreTiles(const VerifyParams& p, const VerifyWo
   [[maybe_unused]] float* final_refs = maxima + half_refs::kFinalRefsAt;
   [[maybe_unused]] int* dirty_flags = reinterpret_cast<int*>(maxima + half_refs::kDirtyAt);
   static_assert(half_refs::kDirtyAt >= half_refs::kTileRefsAt + 2 * 2 * BLOCK_M &&
-                    Shape::EXCHANGE_BYTES >= (half_refs::kDirtyAt + 2 * 4) * 4 && half_refs::kDirtyAt % 4 == 0,
+                    Shape::EXCHANGE_BYTES >= (half_refs::kDirtyAt + 2 * 4) * 4 &&
+                    half_refs::kDirtyAt % 4 == 0,
                 "the dirty flags fit the exchange area, 16-byte aligned");
   static_assert(Shape::EXCHANGE_BYTES >= (half_refs::kTileRefsAt + 2 * 2 * BLOCK_M) * 4 &&
                     half_refs::kFinalRefsAt >= 4 * 16 + 2 * 16 &&
@@ -205,7 +220,8 @@ __device__ __forceinline__ void ScoreTiles(const VerifyParams& p, const VerifyWo
     ptx::LdMatrixX4(kf[0], k_base + k_off[0]);
 #pragma unroll
     for (int j = 0; j < kQSteps / 2; ++j) {
-      if (j + 1 < kQSteps / 2) ptx::LdMatrixX4(kf[(j + 1) & 1], k_base + k_off[(j + 1) & 1] + ((j + 1) >> 1) * 128);
+      if (j + 1 < kQSteps / 2)
+        ptx::LdMatrixX4(kf[(j + 1) & 1], k_base + k_off[(j + 1) & 1] + ((j + 1) >> 1) * 128);
       ptx::MmaBf16(acc[(2 * j) & 3], q_frag[2 * j], kf[j & 1][0], kf[j & 1][1]);
       ptx::MmaBf16(acc[(2 * j + 1) & 3], q_frag[2 * j + 1], kf[j & 1][2], kf[j & 1][3]);
     }
@@ -226,7 +242,8 @@ __device__ __forceinline__ void ScoreTiles(const VerifyParams& p, const VerifyWo
     }
     // Tile maxima, scaled after the max (scale > 0); -inf + slack is -inf.
     float m[2] = {fmaxf(sc[0], sc[1]) * scale_log2, fmaxf(sc[2], sc[3]) * scale_log2};
-    const bool change_mine = !(m[0] <= ref[0] + REFERENCE_SLACK && m[1] <= ref[1] + REFERENCE_SLACK);
+    const bool change_mine =
+        !(m[0] <= ref[0] + REFERENCE_SLACK && m[1] <= ref[1] + REFERENCE_SLACK);
     float alpha[2] = {1.0f, 1.0f};
     [[maybe_unused]] bool dirty = false;
     if constexpr (kHalfRefs) {
@@ -283,12 +300,14 @@ __device__ __forceinline__ void ScoreTiles(const VerifyParams& p, const VerifyWo
     const float neg_ref0 = ref[0] == -INFINITY ? 0.0f : -ref[0];
     const float neg_ref1 = ref[1] == -INFINITY ? 0.0f : -ref[1];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) sc[e] = ptx::Exp2Approx(fmaf(sc[e], scale_log2, e < 2 ? neg_ref0 : neg_ref1));
+    for (int e = 0; e < 4; ++e)
+      sc[e] = ptx::Exp2Approx(fmaf(sc[e], scale_log2, e < 2 ? neg_ref0 : neg_ref1));
     row_sum[0] = row_sum[0] * alpha[0] + (sc[0] + sc[1]);
     row_sum[1] = row_sum[1] * alpha[1] + (sc[2] + sc[3]);
 
     if (t >= NUM_STAGES) ptx::NamedBarrierSync(BAR_P_EMPTY + (t & 1), NUM_THREADS);
-    auto* probs = reinterpret_cast<uint32_t*>(smem_raw + Shape::SMEM_P_OFFSET + (t & 1) * P_BUFFER_BYTES);
+    auto* probs =
+        reinterpret_cast<uint32_t*>(smem_raw + Shape::SMEM_P_OFFSET + (t & 1) * P_BUFFER_BYTES);
     probs[(row0 * P_PITCH + key_half * 8 + 2 * t4) / 2] = ptx::PackBf16x2(sc[0], sc[1]);
     probs[((row0 + 8) * P_PITCH + key_half * 8 + 2 * t4) / 2] = ptx::PackBf16x2(sc[2], sc[3]);
     if constexpr (kHalfRefs) {
@@ -308,7 +327,7 @@ __device__ __forceinline__ void ScoreTiles(const VerifyParams& p, const VerifyWo
   }
 
   if (tid == 0) PhaseStamp(kStampScoreDone);
-  // ---- 1 / l and lse: the quad's, then the pair's sums (key half 0 stores) ----
+    // ---- 1 / l and lse: the quad's, then the pair's sums (key half 0 stores) ----
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 1);
@@ -335,10 +354,11 @@ __device__ __forceinline__ void ScoreTiles(const VerifyParams& p, const VerifyWo
         const float sum = r == -INFINITY ? 0.0f
                                          : row_sum[h] * ptx::Exp2Approx(ref[h] - r) +
                                                other_sum * ptx::Exp2Approx(other_ref - r);
-        StoreRowStats(p, item.partial_slot, row0 + 8 * h, r0 + 8 * h, rows, item.q_row, heads, r, sum, inv_l_s);
+        StoreRowStats(p, item.partial_slot, row0 + 8 * h, r0 + 8 * h, rows, item.q_row, heads, r,
+                      sum, inv_l_s);
       } else {
-        StoreRowStats(p, item.partial_slot, row0 + 8 * h, r0 + 8 * h, rows, item.q_row, heads, ref[h],
-                      row_sum[h] + half_sums[row_group * 16 + g + 8 * h], inv_l_s);
+        StoreRowStats(p, item.partial_slot, row0 + 8 * h, r0 + 8 * h, rows, item.q_row, heads,
+                      ref[h], row_sum[h] + half_sums[row_group * 16 + g + 8 * h], inv_l_s);
       }
     }
   }
@@ -354,7 +374,8 @@ __device__ __forceinline__ void ScoreTiles(const VerifyParams& p, const VerifyWo
 // loop is one role's, not both roles' registers at once.
 // kFused: the fused-combine instance (see PipelinedAttentionKernel).
 template <bool kPageRing, bool kScoreRole, bool kFused>
-__device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, const VerifyWorkItem& item,
+__device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p,
+                                                       const VerifyWorkItem& item,
                                                        uint8_t* smem_raw) {
   using Shape = pipelined::Shape;
   // The PV warps ask L2 for the segment's page-table lines first (register
@@ -420,11 +441,12 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   // (bench/NOTES.md v19).
   const int32_t* pages = ptx::Opaque(p.page_table + b * p.page_table_stride);
   const int page_mask = (1 << p.page_size_log2) - 1;
-  const uint16_t* layer_base = p.pool + static_cast<int64_t>(p.layer[b]) * p.num_pages *
-                                            (int64_t{D_QK} << p.page_size_log2);
+  const uint16_t* layer_base =
+      p.pool + static_cast<int64_t>(p.layer[b]) * p.num_pages * (int64_t{D_QK} << p.page_size_log2);
   // This thread's chunk of token 0 of the layer (every caller passes its
   // ld_lane as `lane`, see below).
-  const uint8_t* lane_base = ptx::Opaque(reinterpret_cast<const uint8_t*>(layer_base) + (tid & 7) * 16);
+  const uint8_t* lane_base =
+      ptx::Opaque(reinterpret_cast<const uint8_t*>(layer_base) + (tid & 7) * 16);
   auto page_of = [&](int tile, int row) -> int {
     const int j = kv_begin + tile * BLOCK_N + row;
     return j < kv_end ? pages[j >> p.page_size_log2] : 0;
@@ -436,11 +458,13 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     const int j = kv_begin + tile * BLOCK_N + row;
     const bool valid = j < kv_end;
     // An invalid row reads nothing (src-size 0, zero fill) from token 0 of the layer.
-    const uint32_t token =
-        valid ? (static_cast<uint32_t>(page) << p.page_size_log2) | static_cast<uint32_t>(j & page_mask)
-              : 0u;
-    const uint16_t* src = reinterpret_cast<const uint16_t*>(lane_base + static_cast<uint64_t>(token) * ROW_BYTES);
-    const uint32_t dst = kv_base + stage + static_cast<uint32_t>(row * ROW_BYTES + ((lane ^ row) & 7) * 16);
+    const uint32_t token = valid ? (static_cast<uint32_t>(page) << p.page_size_log2) |
+                                       static_cast<uint32_t>(j & page_mask)
+                                 : 0u;
+    const uint16_t* src =
+        reinterpret_cast<const uint16_t*>(lane_base + static_cast<uint64_t>(token) * ROW_BYTES);
+    const uint32_t dst =
+        kv_base + stage + static_cast<uint32_t>(row * ROW_BYTES + ((lane ^ row) & 7) * 16);
 #pragma unroll
     for (int k = 0; k < ROW_CHUNKS / 8; ++k) ptx::CpAsync16(dst + k * 128, src + k * 64, valid);
   };
@@ -468,7 +492,8 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     // phase stamps, bench/NOTES.md v9.2).
     int first_pages[NUM_STAGES];
 #pragma unroll
-    for (int t = 0; t < NUM_STAGES; ++t) first_pages[t] = tile_loader && t < num_tiles ? page_of(t, ld_row) : 0;
+    for (int t = 0; t < NUM_STAGES; ++t)
+      first_pages[t] = tile_loader && t < num_tiles ? page_of(t, ld_row) : 0;
     {
       const uint32_t dst = stage_addr(Q_STAGE);
 #pragma unroll
@@ -479,7 +504,8 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     }
 #pragma unroll
     for (int t = 0; t < Q_STAGE; ++t) {
-      if (tile_loader && t < num_tiles) issue_tile(t, t * STAGE_BYTES, first_pages[t], ld_row, ld_lane);
+      if (tile_loader && t < num_tiles)
+        issue_tile(t, t * STAGE_BYTES, first_pages[t], ld_row, ld_lane);
       ptx::CpAsyncCommit();
     }
     if (tid == 0) PhaseStampAfter(kStampPageIds, first_pages[0]);
@@ -502,12 +528,13 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     if (tid == 0) PhaseStamp(kStampQReady);
 #pragma unroll
     for (int t = Q_STAGE; t < NUM_STAGES; ++t) {
-      if (tile_loader && t < num_tiles) issue_tile(t, t * STAGE_BYTES, first_pages[t], ld_row, ld_lane);
+      if (tile_loader && t < num_tiles)
+        issue_tile(t, t * STAGE_BYTES, first_pages[t], ld_row, ld_lane);
       ptx::CpAsyncCommit();
     }
 
-    ScoreTiles<kPhaseOffset, kHalfRefs>(p, item, smem_raw, q_frag, row_group, key_half, num_tiles, scale_log2,
-                                        prefix);
+    ScoreTiles<kPhaseOffset, kHalfRefs>(p, item, smem_raw, q_frag, row_group, key_half, num_tiles,
+                                        scale_log2, prefix);
     return;
   }
 
@@ -590,7 +617,9 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   // The V pair before which the other instances arrive: three quarters of
   // the way through the pairs on the register page path, halfway in the
   // page-ring instance (-1: not in the pair loop).
-  constexpr int kKvFullPair = kKvFullBeforeMmas ? -1 : kPageRing ? O_N_TILES / 4 : 3 * O_N_TILES / 8;
+  constexpr int kKvFullPair = kKvFullBeforeMmas ? -1
+                              : kPageRing       ? O_N_TILES / 4
+                                                : 3 * O_N_TILES / 8;
   auto arrive_kv_full = [&](int t) {
     if (t + 2 < num_tiles && t + 2 >= NUM_STAGES) {
       static_assert(NUM_STAGES >= 4, "tile t+2's group is at most the second newest here");
@@ -598,15 +627,16 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
       ptx::NamedBarrierArrive(BAR_KV_FULL + (t & 1), NUM_THREADS);
     }
   };
-  uint32_t stage = 0;                                      // byte offset of tile t's stage
-  uint32_t free_stage = (NUM_STAGES - 1) * STAGE_BYTES;    // tile t-1's: loaded next
+  uint32_t stage = 0;                                    // byte offset of tile t's stage
+  uint32_t free_stage = (NUM_STAGES - 1) * STAGE_BYTES;  // tile t-1's: loaded next
   // Per-half references: O's per row of this lane (rows m * 16 + g + 8 h),
   // and the score warps' per-tile references.
   [[maybe_unused]] float o_ref[M_TILES][2];
 #pragma unroll
   for (int m = 0; m < M_TILES; ++m) o_ref[m][0] = o_ref[m][1] = -INFINITY;
   [[maybe_unused]] const float* tile_refs =
-      reinterpret_cast<const float*>(smem_raw + Shape::SMEM_EXCHANGE_OFFSET) + half_refs::kTileRefsAt;
+      reinterpret_cast<const float*>(smem_raw + Shape::SMEM_EXCHANGE_OFFSET) +
+      half_refs::kTileRefsAt;
   [[maybe_unused]] const int* dirty_flags =
       reinterpret_cast<const int*>(smem_raw + Shape::SMEM_EXCHANGE_OFFSET) + half_refs::kDirtyAt;
   for (int t = 0; t < num_tiles; ++t) {
@@ -638,7 +668,8 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
     }
     uint32_t p_frag[M_TILES][4];
 #pragma unroll
-    for (int m = 0; m < M_TILES; ++m) ptx::LdMatrixX4(p_frag[m], p_frag_addr[m] + (t & 1) * P_BUFFER_BYTES);
+    for (int m = 0; m < M_TILES; ++m)
+      ptx::LdMatrixX4(p_frag[m], p_frag_addr[m] + (t & 1) * P_BUFFER_BYTES);
     if constexpr (kHalfRefs) {
       // Per-half references (see the top of the file): nothing to do while
       // both halves used O's reference; else R = the largest per row, each
@@ -660,7 +691,9 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
           }
         if (!__all_sync(0xffffffffu, same)) {
           // A row with no visible key in either half nor in O scales by 0.
-          auto power = [](float x, float big) { return big == -INFINITY ? 0.0f : ptx::Exp2Approx(x - big); };
+          auto power = [](float x, float big) {
+            return big == -INFINITY ? 0.0f : ptx::Exp2Approx(x - big);
+          };
 #pragma unroll
           for (int m = 0; m < M_TILES; ++m) {
             float a[2];
@@ -745,7 +778,8 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p, co
   static_assert(STAGING_BYTES * (NUM_THREADS - SCORE_THREADS) / 32 <= NUM_STAGES * STAGE_BYTES,
                 "the store staging fits the KV stages");
   StoreOutputSliceStaged(p, o_acc, inv_l_s, item.row_tile, rows, q_row, heads, partial_slot,
-                         pv_warp * V_COLS_PER_WARP, smem_raw + Shape::SMEM_KV_OFFSET + pv_warp * STAGING_BYTES);
+                         pv_warp * V_COLS_PER_WARP,
+                         smem_raw + Shape::SMEM_KV_OFFSET + pv_warp * STAGING_BYTES);
   if (tid == SCORE_THREADS) PhaseStamp(kStampStored);
 }
 
@@ -770,17 +804,21 @@ __global__ void __launch_bounds__(pipelined::Shape::NUM_THREADS, 1)
   if (threadIdx.x < pipelined::Shape::SCORE_THREADS) {
     ForEachSegment<!kFused>(
         p, segments,
-        [&](const VerifyWorkItem& item) { AttendSegmentPipelined<kPageRing, true, kFused>(p, item, smem_raw); },
+        [&](const VerifyWorkItem& item) {
+          AttendSegmentPipelined<kPageRing, true, kFused>(p, item, smem_raw);
+        },
         after);
   } else {
     ForEachSegment<!kFused>(
         p, segments,
-        [&](const VerifyWorkItem& item) { AttendSegmentPipelined<kPageRing, false, kFused>(p, item, smem_raw); },
+        [&](const VerifyWorkItem& item) {
+          AttendSegmentPipelined<kPageRing, false, kFused>(p, item, smem_raw);
+        },
         after);
   }
   if constexpr (kFused) {
     const VerifyPlanSummary summary = segments.summary;  // unchanged since the plan
-    if (blockIdx.x >= summary.total_work) return;         // these CTAs did no segment
+    if (blockIdx.x >= summary.total_work) return;        // these CTAs did no segment
     __syncthreads();  // both roles are past their last segment (the stream loop's list reads too)
     const int32_t* starts = p.plan_in_warp ? segments.stream_start : p.request_stream_start;
     const int32_t* q_rows = p.plan_in_warp ? segments.q_row : p.request_q_row;

@@ -23,7 +23,8 @@ int VerifyMaxWork(const VerifyArguments& a, const VerifyLaunchConfig& c) {
   return static_cast<int>(std::max<int64_t>(VerifyTargetCtas(c), unsplit));
 }
 
-VerifyWorkspaceLayout VerifyWorkspaceLayoutFor(const VerifyArguments& a, const VerifyLaunchConfig& c) {
+VerifyWorkspaceLayout VerifyWorkspaceLayoutFor(const VerifyArguments& a,
+                                               const VerifyLaunchConfig& c) {
   VerifyWorkspaceLayout l{};
   size_t at = 0;
   auto take = [&at](size_t bytes) {

@@ -37,7 +37,8 @@ int VerifyTargetCtas(const VerifyLaunchConfig& config);
 // Grid of the attention and combine kernels for a launch of this shape:
 // target_ctas, or one CTA per row tile when the batch has more.
 int VerifyMaxWork(const VerifyArguments& args, const VerifyLaunchConfig& config);
-VerifyWorkspaceLayout VerifyWorkspaceLayoutFor(const VerifyArguments& args, const VerifyLaunchConfig& config);
+VerifyWorkspaceLayout VerifyWorkspaceLayoutFor(const VerifyArguments& args,
+                                               const VerifyLaunchConfig& config);
 
 }  // namespace mlaverify::kernels
 

@@ -25,15 +25,14 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
-#include "server/engine/engine_observer.h"
 #include "server/admin/admin_http_server.h"
 #include "server/admin/metrics.h"
 #include "server/engine/device.h"
 #include "server/engine/engine.h"
+#include "server/engine/engine_observer.h"
 #include "server/transport/grpc_server.h"
 #include "server/transport/status_mapping.h"
 #include "spdlog/spdlog.h"
-
 
 namespace mlaverify {
 namespace {
@@ -51,7 +50,8 @@ class MetricsObserver final : public transport::RpcObserver, public engine::Engi
     std::string name = std::to_string(report.device);
     {
       absl::MutexLock lock(&names_mu_);
-      if (report.device < static_cast<int>(device_names_.size())) name = device_names_[report.device];
+      if (report.device < static_cast<int>(device_names_.size()))
+        name = device_names_[report.device];
     }
     metrics_->RecordBatch(report, name);
   }
@@ -118,19 +118,21 @@ absl::Status ValidateFlags(const Flags& f) {
   // host:port, or [v6 address]:port; port 0..65535 (0 picks one).
   const size_t colon = f.listen.rfind(':');
   const std::string port = colon == std::string::npos ? "" : f.listen.substr(colon + 1);
-  const bool digits = !port.empty() && port.size() <= 5 &&
-                      std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; });
+  const bool digits =
+      !port.empty() && port.size() <= 5 &&
+      std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; });
   if (colon == std::string::npos || colon == 0 || !digits || std::stoi(port) > 65535) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--listen ", f.listen, ": need host:port with a port in 0..65535 (0 picks a free one)"));
   }
   if (f.admin_port < -1 || f.admin_port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("--admin-port ", f.admin_port, ": need -1..65535"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--admin-port ", f.admin_port, ": need -1..65535"));
   }
   constexpr uint64_t kMaxMessage = (uint64_t{1} << 31) - 1;  // gRPC takes an int
   if (f.max_message_bytes < 1024 || f.max_message_bytes > kMaxMessage) {
-    return absl::InvalidArgumentError(absl::StrCat("--max-message-bytes ", f.max_message_bytes,
-                                                   ": need 1024..", kMaxMessage));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-message-bytes ", f.max_message_bytes, ": need 1024..", kMaxMessage));
   }
   if (f.devices.empty() || *std::min_element(f.devices.begin(), f.devices.end()) < 0) {
     return absl::InvalidArgumentError("--devices: need at least one ordinal, each >= 0");
@@ -139,12 +141,13 @@ absl::Status ValidateFlags(const Flags& f) {
     return absl::InvalidArgumentError(
         absl::StrCat("--stream-max-in-flight ", f.stream_max_in_flight, ": need 1..1024"));
   }
-  for (const auto& [name, value] : {std::pair<const char*, double>{"--drain-timeout-s", f.drain_timeout_s},
-                                    {"--drain-grace-s", f.drain_grace_s},
-                                    {"--slow-call-ms", f.slow_call_ms},
-                                    {"--idle-timeout-s", f.idle_timeout_s},
-                                    {"--max-queue-delay-us", f.max_queue_delay_us},
-                                    {"--worker-spin-us", f.worker_spin_us}}) {
+  for (const auto& [name, value] :
+       {std::pair<const char*, double>{"--drain-timeout-s", f.drain_timeout_s},
+        {"--drain-grace-s", f.drain_grace_s},
+        {"--slow-call-ms", f.slow_call_ms},
+        {"--idle-timeout-s", f.idle_timeout_s},
+        {"--max-queue-delay-us", f.max_queue_delay_us},
+        {"--worker-spin-us", f.worker_spin_us}}) {
     if (!(value >= 0) || value > 1e9) {
       return absl::InvalidArgumentError(absl::StrCat(name, " ", value, ": need a value >= 0"));
     }
@@ -186,16 +189,19 @@ absl::StatusOr<std::vector<std::unique_ptr<engine::Device>>> MakeDevices(const F
     spdlog::info("serving on the CPU backend: {}", std::string(why.message()));
   }
   *backend = "cpu";
-  for (size_t k = 0; k < f.devices.size(); ++k) devices.push_back(engine::MakeCpuDevice(f.cpu_threads));
+  for (size_t k = 0; k < f.devices.size(); ++k)
+    devices.push_back(engine::MakeCpuDevice(f.cpu_threads));
   return devices;
 }
 
 int Run(int argc, char** argv) {
   Flags f;
   CLI::App app{"mlaverify-server: MLA verify attention over a paged latent KV cache"};
-  app.add_option("--listen", f.listen, "gRPC address (host:port; port 0 picks one)")->capture_default_str();
+  app.add_option("--listen", f.listen, "gRPC address (host:port; port 0 picks one)")
+      ->capture_default_str();
   app.add_option("--admin-host", f.admin_host, "admin HTTP bind address")->capture_default_str();
-  app.add_option("--admin-port", f.admin_port, "admin HTTP port: /metrics /healthz /readyz (-1: off, 0: pick one)")
+  app.add_option("--admin-port", f.admin_port,
+                 "admin HTTP port: /metrics /healthz /readyz (-1: off, 0: pick one)")
       ->capture_default_str();
   app.add_option("--port-file", f.port_file,
                  "once serving, write the bound gRPC and admin ports here (\"grpc admin\")");
@@ -203,11 +209,13 @@ int Run(int argc, char** argv) {
   app.add_option("--heads", f.heads,
                  "query heads of one Verify item; in tp mode each device computes heads / devices")
       ->capture_default_str();
-  app.add_option("--page-size", f.page_size, "tokens per KV page (power of two, 1..256)")->capture_default_str();
+  app.add_option("--page-size", f.page_size, "tokens per KV page (power of two, 1..256)")
+      ->capture_default_str();
   app.add_option("--pool-bytes", f.pool_bytes, "KV pool size per device, e.g. 1073741824 or 1GiB")
       ->transform(CLI::AsSizeValue(false))
       ->capture_default_str();
-  app.add_option("--max-seq-len", f.max_sequence_len, "longest sequence in tokens")->capture_default_str();
+  app.add_option("--max-seq-len", f.max_sequence_len, "longest sequence in tokens")
+      ->capture_default_str();
   app.add_option("--backend", f.backend, "auto | cpu | cuda")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
       ->capture_default_str();
@@ -223,7 +231,8 @@ int Run(int argc, char** argv) {
   app.add_option("--cuda-graphs", f.cuda_graphs,
                  "replay one CUDA graph per (batch, draft) bucket (false: eager launches)")
       ->capture_default_str();
-  app.add_option("--draft-buckets", f.draft_buckets, "draft-length buckets; the largest is the max N")
+  app.add_option("--draft-buckets", f.draft_buckets,
+                 "draft-length buckets; the largest is the max N")
       ->delimiter(',')
       ->capture_default_str();
   app.add_option("--batch-buckets", f.batch_buckets,
@@ -246,8 +255,9 @@ int Run(int argc, char** argv) {
   app.add_option("--copy-threads", f.copy_threads,
                  "threads per device that copy large batches to and from pinned staging")
       ->capture_default_str();
-  app.add_option("--worker-spin-us", f.worker_spin_us,
-                 "how long a device worker polls its empty queue before sleeping (0: sleep at once)")
+  app.add_option(
+         "--worker-spin-us", f.worker_spin_us,
+         "how long a device worker polls its empty queue before sleeping (0: sleep at once)")
       ->capture_default_str();
   app.add_option("--overlap-inputs", f.overlap_inputs,
                  "copy a batch's inputs to the GPU while the previous batch runs (not yet "
@@ -260,14 +270,18 @@ int Run(int argc, char** argv) {
   app.add_option("--staging-sets", f.staging_sets,
                  "pinned staging sets per device (batches packed, running and unpacked at once)")
       ->capture_default_str();
-  app.add_option("--idle-timeout-s", f.idle_timeout_s, "release sequences idle this long (0: never)")
+  app.add_option("--idle-timeout-s", f.idle_timeout_s,
+                 "release sequences idle this long (0: never)")
       ->capture_default_str();
-  app.add_option("--max-message-bytes", f.max_message_bytes, "largest gRPC message in either direction")
+  app.add_option("--max-message-bytes", f.max_message_bytes,
+                 "largest gRPC message in either direction")
       ->transform(CLI::AsSizeValue(false))
       ->capture_default_str();
-  app.add_option("--softmax-scale", f.softmax_scale, "default softmax scale (requests may override)")
+  app.add_option("--softmax-scale", f.softmax_scale,
+                 "default softmax scale (requests may override)")
       ->capture_default_str();
-  app.add_option("--cpu-threads", f.cpu_threads, "CPU backend threads per verify (0: all)")->capture_default_str();
+  app.add_option("--cpu-threads", f.cpu_threads, "CPU backend threads per verify (0: all)")
+      ->capture_default_str();
   app.add_option("--stream-max-in-flight", f.stream_max_in_flight,
                  "requests of one VerifyStream worked on at once (answered in order)")
       ->capture_default_str();
@@ -287,7 +301,8 @@ int Run(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--tls-cert", f.tls_cert, "server certificate (PEM); with --tls-key enables TLS");
   app.add_option("--tls-key", f.tls_key, "server private key (PEM)");
-  app.add_option("--tls-client-ca", f.tls_client_ca, "CA (PEM) that client certificates must chain to (mTLS)");
+  app.add_option("--tls-client-ca", f.tls_client_ca,
+                 "CA (PEM) that client certificates must chain to (mTLS)");
   app.add_option("--log-level", f.log_level, "trace | debug | info | warn | error | critical | off")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}))
       ->capture_default_str();
@@ -322,8 +337,8 @@ int Run(int argc, char** argv) {
   config.batch_buckets = f.batch_buckets;
   config.default_softmax_scale = f.softmax_scale;
   config.idle_timeout = absl::Seconds(f.idle_timeout_s);
-  config.parallel_mode =
-      f.parallel_mode == "dp" ? engine::ParallelMode::kDataParallel : engine::ParallelMode::kTensorParallel;
+  config.parallel_mode = f.parallel_mode == "dp" ? engine::ParallelMode::kDataParallel
+                                                 : engine::ParallelMode::kTensorParallel;
   config.use_graphs = f.cuda_graphs;
   config.max_queue_delay = absl::Microseconds(f.max_queue_delay_us);
   config.max_queued_calls = f.max_queued_calls;
@@ -397,12 +412,12 @@ int Run(int argc, char** argv) {
   std::condition_variable janitor_cv;
   bool stopping = false;
   std::thread janitor([&] {
-    const absl::Duration period =
-        config.idle_timeout > absl::ZeroDuration()
-            ? std::min(absl::Seconds(1), config.idle_timeout / 4)
-            : absl::Seconds(1);
+    const absl::Duration period = config.idle_timeout > absl::ZeroDuration()
+                                      ? std::min(absl::Seconds(1), config.idle_timeout / 4)
+                                      : absl::Seconds(1);
     std::unique_lock<std::mutex> lock(janitor_mu);
-    while (!janitor_cv.wait_for(lock, absl::ToChronoMilliseconds(period), [&] { return stopping; })) {
+    while (
+        !janitor_cv.wait_for(lock, absl::ToChronoMilliseconds(period), [&] { return stopping; })) {
       (*engine)->ExpireIdle(absl::Now());
     }
   });
@@ -412,12 +427,13 @@ int Run(int argc, char** argv) {
   // Written once SERVING, so that a script that waits for the file needs no
   // health poll (with a fixed --listen port, health says NOT_SERVING until now).
   if (!f.port_file.empty()) {
-    std::ofstream(f.port_file) << grpc_server->port() << " " << (admin_http ? admin_http->port() : -1)
-                               << "\n";
+    std::ofstream(f.port_file) << grpc_server->port() << " "
+                               << (admin_http ? admin_http->port() : -1) << "\n";
   }
-  spdlog::info("mlaverify-server {} ready: gRPC port {}, admin port {}, backend {} on {} device(s), {} mode",
-               kVersion, grpc_server->port(), admin_http ? admin_http->port() : -1,
-               (*engine)->backend_name(), (*engine)->num_devices(), f.parallel_mode);
+  spdlog::info(
+      "mlaverify-server {} ready: gRPC port {}, admin port {}, backend {} on {} device(s), {} mode",
+      kVersion, grpc_server->port(), admin_http ? admin_http->port() : -1,
+      (*engine)->backend_name(), (*engine)->num_devices(), f.parallel_mode);
 
   int signal_number = 0;
   sigwait(&signals, &signal_number);
@@ -433,10 +449,11 @@ int Run(int argc, char** argv) {
   janitor.join();
   if (admin_http) admin_http->Stop();
   const engine::EngineStats stats = (*engine)->Stats();
-  spdlog::info("stopped: {} calls finished in the drain, {} cut at the timeout, {} streams ended; "
-               "{} live sequences, {} of {} pages free",
-               drained.calls_finished, drained.calls_cut, drained.streams_ended,
-               stats.live_sequences, stats.free_pages, stats.total_pages);
+  spdlog::info(
+      "stopped: {} calls finished in the drain, {} cut at the timeout, {} streams ended; "
+      "{} live sequences, {} of {} pages free",
+      drained.calls_finished, drained.calls_cut, drained.streams_ended, stats.live_sequences,
+      stats.free_pages, stats.total_pages);
   return 0;
 }
 

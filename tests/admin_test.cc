@@ -161,16 +161,21 @@ TEST(MetricsTest, RecordBatchCountsPathsBucketsRowsAndDeviceTime) {
   const std::string text = metrics.Serialize();
   EXPECT_THAT(SampleValue(text, R"(mlaverify_verify_batches_total{path="eager"})"), Optional(1.0));
   EXPECT_THAT(SampleValue(text, R"(mlaverify_verify_batches_total{path="graph"})"), Optional(2.0));
-  EXPECT_THAT(SampleValue(text, R"(mlaverify_verify_graph_bucket_total{batch_bucket="8",draft_bucket="16"})"),
-              Optional(2.0));
+  EXPECT_THAT(
+      SampleValue(text,
+                  R"(mlaverify_verify_graph_bucket_total{batch_bucket="8",draft_bucket="16"})"),
+      Optional(2.0));
   EXPECT_THAT(SampleValue(text, "mlaverify_verify_rows_total"), Optional(92.0));
   EXPECT_THAT(SampleValue(text, "mlaverify_verify_padded_rows_total"), Optional(2.0 * (128 - 40)));
   EXPECT_THAT(SampleValue(text, "mlaverify_verify_plan_reused_total"), Optional(2.0));
   EXPECT_THAT(SampleValue(text, "mlaverify_verify_batch_requests_count"), Optional(3.0));
-  EXPECT_THAT(SampleValue(text, R"(mlaverify_verify_batch_requests_bucket{le="4"})"), Optional(1.0));
-  EXPECT_THAT(SampleValue(text, R"(mlaverify_device_batch_seconds_count{device="cuda:0"})"), Optional(2.0));
-  EXPECT_THAT(SampleValue(text, R"(mlaverify_device_batch_seconds_bucket{device="cpu",le="2e-05"})"),
+  EXPECT_THAT(SampleValue(text, R"(mlaverify_verify_batch_requests_bucket{le="4"})"),
               Optional(1.0));
+  EXPECT_THAT(SampleValue(text, R"(mlaverify_device_batch_seconds_count{device="cuda:0"})"),
+              Optional(2.0));
+  EXPECT_THAT(
+      SampleValue(text, R"(mlaverify_device_batch_seconds_bucket{device="cpu",le="2e-05"})"),
+      Optional(1.0));
 }
 
 TEST(MetricsTest, VerifyTimingSplitsQueueDeviceAndTheRest) {
@@ -182,15 +187,19 @@ TEST(MetricsTest, VerifyTimingSplitsQueueDeviceAndTheRest) {
   metrics.RecordVerifyTiming(t);
   metrics.RecordDeviceFault("cuda:1");
   const std::string text = metrics.Serialize();
-  EXPECT_THAT(SampleValue(text, R"(mlaverify_verify_server_seconds_bucket{part="queue",le="1e-05"})"),
-              Optional(1.0));
-  EXPECT_THAT(SampleValue(text, R"(mlaverify_verify_server_seconds_bucket{part="device",le="2e-05"})"),
-              Optional(0.0));
-  EXPECT_THAT(SampleValue(text, R"(mlaverify_verify_server_seconds_bucket{part="device",le="3e-05"})"),
-              Optional(1.0));
+  EXPECT_THAT(
+      SampleValue(text, R"(mlaverify_verify_server_seconds_bucket{part="queue",le="1e-05"})"),
+      Optional(1.0));
+  EXPECT_THAT(
+      SampleValue(text, R"(mlaverify_verify_server_seconds_bucket{part="device",le="2e-05"})"),
+      Optional(0.0));
+  EXPECT_THAT(
+      SampleValue(text, R"(mlaverify_verify_server_seconds_bucket{part="device",le="3e-05"})"),
+      Optional(1.0));
   EXPECT_THAT(SampleValue(text, R"(mlaverify_verify_server_seconds_sum{part="other"})"),
               Optional(::testing::DoubleNear(2e-5, 1e-12)));
-  EXPECT_THAT(SampleValue(text, R"(mlaverify_device_faults_total{device="cuda:1"})"), Optional(1.0));
+  EXPECT_THAT(SampleValue(text, R"(mlaverify_device_faults_total{device="cuda:1"})"),
+              Optional(1.0));
 }
 
 TEST(MetricsTest, EngineGaugesFollowTheStatsSource) {

@@ -15,8 +15,8 @@
 #include "client/reference_check.h"
 #include "client/wire.h"
 #include "client/workload.h"
-#include "gtest/gtest.h"
 #include "common/draft_tree.h"
+#include "gtest/gtest.h"
 #include "kernels/verify_attention.h"
 
 namespace mlaverify::client {

@@ -10,20 +10,20 @@
 #include <thread>
 #include <vector>
 
+#include "common/draft_tree.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_reference.h"
-#include "common/draft_tree.h"
-#include "server/engine/page_allocator.h"
 #include "server/engine/batch_plan.h"
 #include "server/engine/device.h"
+#include "server/engine/page_allocator.h"
 
 namespace mlaverify::engine {
 namespace {
 
-using ::testing::HasSubstr;
 using mlaverify::kLatentDim;
 using mlaverify::kValueDim;
+using ::testing::HasSubstr;
 
 TEST(PageAllocator, AllOrNothingExhaustionAndReuse) {
   PageAllocator pages(10);
@@ -241,8 +241,8 @@ class EngineTest : public ::testing::Test {
     const int n = static_cast<int>(s.parents.size());
     std::vector<Bf16> out(static_cast<size_t>(n) * kHeads * kValueDim, Bf16QuietNaN());
     std::vector<float> lse(static_cast<size_t>(n) * kHeads, NAN);
-    VerifyItem item{id, s.parents, s.q[layer], s.draft_kv[layer], absl::MakeSpan(out),
-                    absl::MakeSpan(lse)};
+    VerifyItem item{
+        id, s.parents, s.q[layer], s.draft_kv[layer], absl::MakeSpan(out), absl::MakeSpan(lse)};
     ASSERT_TRUE(engine_->Verify(layer, 0.0f, absl::MakeSpan(&item, 1)).ok());
     EXPECT_EQ(item.prefix_len, m.length());
     std::vector<Bf16> ref_out;
@@ -289,7 +289,8 @@ TEST_F(EngineTest, VerifyMatchesReferenceAndCommitCompactsEveryLayer) {
     for (int l = 0; l < kLayers; ++l) VerifyLayerAndCheck(id, m, s, l);
     // The longest root-to-leaf path ending at the last draft.
     std::vector<int32_t> path;
-    for (int a = static_cast<int>(s.parents.size()) - 1; a >= 0; a = s.parents[a]) path.push_back(a);
+    for (int a = static_cast<int>(s.parents.size()) - 1; a >= 0; a = s.parents[a])
+      path.push_back(a);
     std::reverse(path.begin(), path.end());
     auto result = engine_->Commit(id, path);
     ASSERT_TRUE(result.ok()) << result.status();
@@ -334,14 +335,15 @@ TEST_F(EngineTest, StateMachineRejectsOutOfOrderCalls) {
   other.parents = {-1, -1, -1, -1};
   std::vector<Bf16> out(4 * kHeads * kValueDim);
   std::vector<float> lse(4 * kHeads);
-  VerifyItem item{id, other.parents, other.q[0], other.draft_kv[0], absl::MakeSpan(out),
-                  absl::MakeSpan(lse)};
+  VerifyItem item{
+      id, other.parents, other.q[0], other.draft_kv[0], absl::MakeSpan(out), absl::MakeSpan(lse)};
   const absl::Status st = engine_->Verify(0, 0.0f, absl::MakeSpan(&item, 1));
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(st.message()), HasSubstr("same parents"));
   // Appending while pending.
   const std::vector<Bf16> kv(kLayers * kLatentDim);
-  EXPECT_EQ(engine_->AppendKv(id, 10, 1, kv).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(engine_->AppendKv(id, 10, 1, kv).status().code(),
+            absl::StatusCode::kFailedPrecondition);
   // A path that is not root-to-node.
   for (int l = 0; l < kLayers; ++l) VerifyLayerAndCheck(id, m, s, l);
   std::vector<int32_t> bad = {1};
@@ -364,18 +366,22 @@ TEST_F(EngineTest, VerifyRejectsBadItemsWithoutChangingAnything) {
   std::vector<Bf16> out(3 * kHeads * kValueDim);
   std::vector<float> lse(3 * kHeads);
   auto item_for = [&](uint64_t id) {
-    return VerifyItem{id, s.parents, s.q[0], s.draft_kv[0], absl::MakeSpan(out), absl::MakeSpan(lse)};
+    return VerifyItem{
+        id, s.parents, s.q[0], s.draft_kv[0], absl::MakeSpan(out), absl::MakeSpan(lse)};
   };
   std::vector<VerifyItem> dup = {item_for(a), item_for(a)};
-  EXPECT_EQ(engine_->Verify(0, 0.0f, absl::MakeSpan(dup)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine_->Verify(0, 0.0f, absl::MakeSpan(dup)).code(),
+            absl::StatusCode::kInvalidArgument);
   std::vector<VerifyItem> unknown = {item_for(a), item_for(999)};
   EXPECT_EQ(engine_->Verify(0, 0.0f, absl::MakeSpan(unknown)).code(), absl::StatusCode::kNotFound);
   std::vector<VerifyItem> layer = {item_for(a)};
   EXPECT_EQ(engine_->Verify(kLayers, 0.0f, absl::MakeSpan(layer)).code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(engine_->Verify(0, NAN, absl::MakeSpan(layer)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine_->Verify(0, NAN, absl::MakeSpan(layer)).code(),
+            absl::StatusCode::kInvalidArgument);
   std::vector<VerifyItem> none;
-  EXPECT_EQ(engine_->Verify(0, 0.0f, absl::MakeSpan(none)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine_->Verify(0, 0.0f, absl::MakeSpan(none)).code(),
+            absl::StatusCode::kInvalidArgument);
   std::vector<VerifyItem> too_many = {item_for(a), item_for(b), item_for(a + 100),
                                       item_for(a + 101), item_for(a + 102)};
   EXPECT_EQ(engine_->Verify(0, 0.0f, absl::MakeSpan(too_many)).code(),

@@ -91,10 +91,12 @@ void SubmitOne(Engine& e, int layer, Work& w, Pending* p, CallContext context = 
   });
 }
 
-uint64_t NewSequence(Engine& e, int64_t prompt, std::mt19937_64& rng, std::vector<Bf16>* kv_out = nullptr) {
+uint64_t NewSequence(Engine& e, int64_t prompt, std::mt19937_64& rng,
+                     std::vector<Bf16>* kv_out = nullptr) {
   auto id = e.CreateSequence("test");
   EXPECT_TRUE(id.ok()) << id.status();
-  const std::vector<Bf16> kv = RandomBf16(static_cast<size_t>(kLayers) * prompt * kLatentDim, rng, 1.0f);
+  const std::vector<Bf16> kv =
+      RandomBf16(static_cast<size_t>(kLayers) * prompt * kLatentDim, rng, 1.0f);
   auto length = e.AppendKv(*id, 0, prompt, kv);
   EXPECT_TRUE(length.ok()) << length.status();
   if (kv_out != nullptr) *kv_out = kv;
@@ -109,7 +111,9 @@ void WaitForLaunches(FakeDeviceRecord& record, size_t n) {
   struct Enough {
     FakeDeviceRecord* r;
     size_t n;
-    static bool Eval(Enough* e) ABSL_NO_THREAD_SAFETY_ANALYSIS { return e->r->launches.size() >= e->n; }
+    static bool Eval(Enough* e) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      return e->r->launches.size() >= e->n;
+    }
   } enough{&record, n};
   record.mu.Await(absl::Condition(&Enough::Eval, &enough));
 }
@@ -121,8 +125,9 @@ std::unique_ptr<Engine> MakeEngine(const EngineConfig& config,
   return e.ok() ? *std::move(e) : nullptr;
 }
 
-std::vector<std::unique_ptr<Device>> Fakes(int count, const FakeDeviceOptions& options,
-                                           std::vector<std::unique_ptr<FakeDeviceRecord>>* records) {
+std::vector<std::unique_ptr<Device>> Fakes(
+    int count, const FakeDeviceOptions& options,
+    std::vector<std::unique_ptr<FakeDeviceRecord>>* records) {
   std::vector<std::unique_ptr<Device>> devices;
   for (int d = 0; d < count; ++d) {
     records->push_back(std::make_unique<FakeDeviceRecord>());
@@ -138,7 +143,8 @@ TEST(EngineWorkerTest, CapturesEveryBucketOnEveryStagingSetAtStart) {
   auto engine = MakeEngine(config, Fakes(1, FakeDeviceOptions{}, &records));
   ASSERT_NE(engine, nullptr);
   absl::MutexLock lock(&records[0]->mu);
-  EXPECT_EQ(records[0]->captured.size(), 2u * 4 * 3) << "2 staging sets x 4 batch x 3 draft buckets";
+  EXPECT_EQ(records[0]->captured.size(), 2u * 4 * 3)
+      << "2 staging sets x 4 batch x 3 draft buckets";
   EXPECT_TRUE(engine->graphs_enabled());
 }
 
@@ -208,7 +214,11 @@ TEST(EngineWorkerTest, QueuedCallsShareOneBatchPaddedToItsBucket) {
     ref.draft_kv = work[s]->draft_kv;
     ref.out.assign(work[s]->out.size(), Bf16QuietNaN());
     ref.lse.assign(work[s]->lse.size(), NAN);
-    ref.item = VerifyItem{ref_ids[s], ref.parents, ref.q, ref.draft_kv, absl::MakeSpan(ref.out),
+    ref.item = VerifyItem{ref_ids[s],
+                          ref.parents,
+                          ref.q,
+                          ref.draft_kv,
+                          absl::MakeSpan(ref.out),
                           absl::MakeSpan(ref.lse)};
     ASSERT_TRUE(reference->Verify(1, 0.0f, absl::MakeSpan(&ref.item, 1)).ok());
     EXPECT_EQ(std::memcmp(ref.out.data(), work[s]->out.data(), ref.out.size() * sizeof(Bf16)), 0)
@@ -272,8 +282,8 @@ TEST(EngineWorkerTest, LaterLayersOfAStepReuseThePlan) {
   EXPECT_FALSE(launches[0].reuse_plan) << "the step's first launch plans";
   EXPECT_TRUE(launches[1].reuse_plan);
   EXPECT_TRUE(launches[2].reuse_plan);
-  EXPECT_TRUE(launches[3].reuse_plan)
-      << "a rejected step leaves the lengths as they were: the next step of the same N plans the same";
+  EXPECT_TRUE(launches[3].reuse_plan) << "a rejected step leaves the lengths as they were: the "
+                                         "next step of the same N plans the same";
 }
 
 TEST(EngineWorkerTest, EagerWhenGraphsAreOffWithTheExactShape) {
@@ -392,7 +402,8 @@ TEST(EngineWorkerTest, BusySequenceBlocksNoOtherCaller) {
   auto other = engine->CreateSequence("other");
   const EngineStats stats = engine->Stats();
   EXPECT_TRUE(other.ok());
-  EXPECT_LT(absl::Now() - start, absl::Milliseconds(20)) << "CreateSequence and Stats wait for nothing";
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(20))
+      << "CreateSequence and Stats wait for nothing";
   EXPECT_GT(stats.queued_calls, 0);
   for (auto& p : pending) {
     p.done.WaitForNotification();
@@ -435,10 +446,12 @@ TEST(EngineWorkerTest, OneSequencesCallsRunInSubmissionOrder) {
   ASSERT_TRUE(engine->ReadKv(*id, 0, kChunks * kTokens, absl::MakeSpan(kv)).ok());
   for (int layer = 0; layer < kLayers; ++layer) {
     for (int c = 0; c < kChunks; ++c) {
-      EXPECT_EQ(std::memcmp(kv.data() + (static_cast<size_t>(layer) * kChunks * kTokens + c * kTokens) * kLatentDim,
-                            chunks[c].data() + static_cast<size_t>(layer) * kTokens * kLatentDim,
-                            static_cast<size_t>(kTokens) * kLatentRowBytes),
-                0)
+      EXPECT_EQ(
+          std::memcmp(kv.data() + (static_cast<size_t>(layer) * kChunks * kTokens + c * kTokens) *
+                                      kLatentDim,
+                      chunks[c].data() + static_cast<size_t>(layer) * kTokens * kLatentDim,
+                      static_cast<size_t>(kTokens) * kLatentRowBytes),
+          0)
           << "layer " << layer << " chunk " << c;
     }
   }
@@ -489,7 +502,8 @@ TEST(EngineWorkerTest, DeviceFaultFailsTouchedCallsAndRefusesLaterWork) {
   ASSERT_TRUE(engine->Verify(0, 0.0f, absl::MakeSpan(&w.item, 1)).ok());
   const absl::Status failed = engine->Verify(1, 0.0f, absl::MakeSpan(&w.item, 1));
   EXPECT_EQ(failed.code(), absl::StatusCode::kInternal);
-  EXPECT_THAT(std::string(failed.message()), HasSubstr("device fake:0 faulted: fake:0: injected fault"));
+  EXPECT_THAT(std::string(failed.message()),
+              HasSubstr("device fake:0 faulted: fake:0: injected fault"));
   EXPECT_EQ(faults.load(), 1);
   EXPECT_FALSE(engine->fault().ok());
   const absl::Status refused = engine->Verify(2, 0.0f, absl::MakeSpan(&w.item, 1));
@@ -543,7 +557,8 @@ TEST_P(ParallelModeTest, TwoDevicesMatchOneToTheBit) {
   }
   for (int step = 0; step < 3; ++step) {
     std::vector<std::vector<int32_t>> trees;
-    for (int s = 0; s < kSequences; ++s) trees.push_back(RandomTree(1 + static_cast<int>(rng() % 8), rng));
+    for (int s = 0; s < kSequences; ++s)
+      trees.push_back(RandomTree(1 + static_cast<int>(rng() % 8), rng));
     for (int layer = 0; layer < kLayers; ++layer) {
       std::vector<std::unique_ptr<Work>> a, b;
       std::vector<VerifyItem> items_a, items_b;
@@ -558,7 +573,7 @@ TEST_P(ParallelModeTest, TwoDevicesMatchOneToTheBit) {
         w.draft_kv = a.back()->draft_kv;
         w.out.assign(a.back()->out.size(), Bf16QuietNaN());
         w.lse.assign(a.back()->lse.size(), NAN);
-        w.item = VerifyItem{single_ids[s], w.parents, w.q, w.draft_kv, absl::MakeSpan(w.out),
+        w.item = VerifyItem{single_ids[s],        w.parents, w.q, w.draft_kv, absl::MakeSpan(w.out),
                             absl::MakeSpan(w.lse)};
         items_a.push_back(a.back()->item);
         items_b.push_back(w.item);
@@ -566,7 +581,8 @@ TEST_P(ParallelModeTest, TwoDevicesMatchOneToTheBit) {
       ASSERT_TRUE(engine->Verify(layer, 0.0f, absl::MakeSpan(items_a)).ok());
       ASSERT_TRUE(single->Verify(layer, 0.0f, absl::MakeSpan(items_b)).ok());
       for (int s = 0; s < kSequences; ++s) {
-        EXPECT_EQ(std::memcmp(a[s]->out.data(), b[s]->out.data(), a[s]->out.size() * sizeof(Bf16)), 0)
+        EXPECT_EQ(std::memcmp(a[s]->out.data(), b[s]->out.data(), a[s]->out.size() * sizeof(Bf16)),
+                  0)
             << "step " << step << " layer " << layer << " sequence " << s;
         EXPECT_EQ(a[s]->lse, b[s]->lse);
       }
@@ -574,7 +590,8 @@ TEST_P(ParallelModeTest, TwoDevicesMatchOneToTheBit) {
     for (int s = 0; s < kSequences; ++s) {
       std::vector<int32_t> path;
       if ((s + step) % 3 != 0) {
-        for (int x = static_cast<int>(trees[s].size()) - 1; x >= 0; x = trees[s][x]) path.insert(path.begin(), x);
+        for (int x = static_cast<int>(trees[s].size()) - 1; x >= 0; x = trees[s][x])
+          path.insert(path.begin(), x);
       }
       auto ca = engine->Commit(ids[s], path);
       auto cb = single->Commit(single_ids[s], path);
@@ -608,8 +625,11 @@ TEST_P(ParallelModeTest, TwoDevicesMatchOneToTheBit) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, ParallelModeTest,
-                         ::testing::Values(ParallelMode::kTensorParallel, ParallelMode::kDataParallel),
-                         [](const auto& info) { return std::string(ParallelModeName(info.param)); });
+                         ::testing::Values(ParallelMode::kTensorParallel,
+                                           ParallelMode::kDataParallel),
+                         [](const auto& info) {
+                           return std::string(ParallelModeName(info.param));
+                         });
 
 }  // namespace
 }  // namespace mlaverify::engine

@@ -81,7 +81,8 @@ class GpuEngineTest : public ::testing::TestWithParam<Mode> {
   void ExpectSameKv(uint64_t gpu_id, uint64_t cpu_id, int64_t length) {
     std::vector<Bf16> b(static_cast<size_t>(kLayers) * length * kLatentDim);
     ASSERT_TRUE(cpu_->ReadKv(cpu_id, 0, length, absl::MakeSpan(b)).ok());
-    const int replicas = GetParam().parallel == ParallelMode::kTensorParallel ? gpu_->num_devices() : 1;
+    const int replicas =
+        GetParam().parallel == ParallelMode::kTensorParallel ? gpu_->num_devices() : 1;
     for (int r = 0; r < replicas; ++r) {
       std::vector<Bf16> a(b.size());
       ASSERT_TRUE(gpu_->ReadKv(gpu_id, 0, length, absl::MakeSpan(a), r).ok());
@@ -130,7 +131,8 @@ TEST_P(GpuEngineTest, MatchesTheCpuEngineStepByStep) {
     for (int s = 0; s < n_seq; ++s) {
       const int n = 1 + static_cast<int>(rng_() % 16);
       for (int i = 0; i < n; ++i) {
-        parents[s].push_back(i == 0 || rng_() % 2 ? i - 1 : static_cast<int32_t>(rng_() % (i + 1)) - 1);
+        parents[s].push_back(i == 0 || rng_() % 2 ? i - 1
+                                                  : static_cast<int32_t>(rng_() % (i + 1)) - 1);
       }
     }
     for (int layer = 0; layer < kLayers; ++layer) {
@@ -145,9 +147,17 @@ TEST_P(GpuEngineTest, MatchesTheCpuEngineStepByStep) {
         out_c[s].assign(n * heads_ * kValueDim, Bf16QuietNaN());
         lse_g[s].assign(n * heads_, NAN);
         lse_c[s].assign(n * heads_, NAN);
-        items_g[s] = {gpu_ids[s], parents[s], q[s], dkv[s], absl::MakeSpan(out_g[s]),
+        items_g[s] = {gpu_ids[s],
+                      parents[s],
+                      q[s],
+                      dkv[s],
+                      absl::MakeSpan(out_g[s]),
                       absl::MakeSpan(lse_g[s])};
-        items_c[s] = {cpu_ids[s], parents[s], q[s], dkv[s], absl::MakeSpan(out_c[s]),
+        items_c[s] = {cpu_ids[s],
+                      parents[s],
+                      q[s],
+                      dkv[s],
+                      absl::MakeSpan(out_c[s]),
                       absl::MakeSpan(lse_c[s])};
       }
       if (step % 2 == 0) {

@@ -14,9 +14,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/draft_tree.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_reference.h"
-#include "common/draft_tree.h"
 #include "kernels/testing/device_problem.h"
 #include "kernels/testing/verify_problem.h"
 #include "kernels/verify_attention_cuda.h"
@@ -57,25 +57,29 @@ class GpuKernelTest : public ::testing::Test {
   // fills the workspace with that byte and initialises it again; `out_copy` / `lse_copy`
   // receive the outputs.
   Comparison RunAndCompare(HostVerifyProblem& problem, const VerifyLaunchConfig& config,
-                           VerifyPlanSummary* plan = nullptr, int launches = 1, int workspace_fill = -1,
-                           std::vector<Bf16>* out_copy = nullptr, std::vector<float>* lse_copy = nullptr) {
+                           VerifyPlanSummary* plan = nullptr, int launches = 1,
+                           int workspace_fill = -1, std::vector<Bf16>* out_copy = nullptr,
+                           std::vector<float>* lse_copy = nullptr) {
     DeviceVerifyProblem device;
     EXPECT_TRUE(device.Init(CapacityFor(problem), config).ok());
-    return RunAndCompareOn(device, problem, config, plan, launches, workspace_fill, out_copy, lse_copy);
+    return RunAndCompareOn(device, problem, config, plan, launches, workspace_fill, out_copy,
+                           lse_copy);
   }
 
   // The same on an initialised `device`, whose workspace keeps what earlier
   // launches left in it (the reuse_plan test).
   Comparison RunAndCompareOn(DeviceVerifyProblem& device, HostVerifyProblem& problem,
                              const VerifyLaunchConfig& config, VerifyPlanSummary* plan = nullptr,
-                             int launches = 1, int workspace_fill = -1, std::vector<Bf16>* out_copy = nullptr,
+                             int launches = 1, int workspace_fill = -1,
+                             std::vector<Bf16>* out_copy = nullptr,
                              std::vector<float>* lse_copy = nullptr) {
     EXPECT_TRUE(device.Upload(problem).ok());
     EXPECT_TRUE(LaunchWriteDraftKv(device.WriteArgs(), nullptr).ok());
     if (workspace_fill >= 0) {  // garbage, then the initialisation every workspace gets
-      EXPECT_EQ(cudaMemset(device.workspace(), workspace_fill, device.workspace_bytes()), cudaSuccess);
-      EXPECT_TRUE(InitVerifyWorkspace(device.Args(), config, device.workspace(), device.workspace_bytes(),
-                                      nullptr)
+      EXPECT_EQ(cudaMemset(device.workspace(), workspace_fill, device.workspace_bytes()),
+                cudaSuccess);
+      EXPECT_TRUE(InitVerifyWorkspace(device.Args(), config, device.workspace(),
+                                      device.workspace_bytes(), nullptr)
                       .ok());
     }
     for (int i = 0; i < launches; ++i) {
@@ -148,8 +152,8 @@ std::vector<GridCase> GridCases() {
   // Mixed batches: different P and N in one launch, padding requests (N=0).
   cases.push_back({{0, 65, 1000, 63, 7}, {1, 7, 64, 16, 0}, 8, 16, MaskKind::kTree});
   cases.push_back({{5000, 1, 300, 0}, {16, 2, 64, 64}, 16, 64, MaskKind::kTree});
-  cases.push_back({{64, 64, 64, 64, 64, 64, 64, 64}, {16, 15, 14, 13, 0, 11, 10, 9}, 128, 1,
-                   MaskKind::kChain});
+  cases.push_back(
+      {{64, 64, 64, 64, 64, 64, 64, 64}, {16, 15, 14, 13, 0, 11, 10, 9}, 128, 1, MaskKind::kChain});
   cases.push_back({{70000, 2, 0}, {7, 64, 1}, 8, 256, MaskKind::kTree});
   // Batches at and past what one warp plans (32 requests): padding requests
   // first, in the middle and last.
@@ -177,7 +181,8 @@ TEST_F(GpuKernelTest, AttentionMatchesReferenceOverTheGrid) {
     config.plan_in_warp_max_batch = (index / 2) % 2 == 0 ? kPlanInWarpMaxBatch : 0;
     config.fused_combine_max_batch = (index / 2) % 2 == 0 ? kAnyBatch : 0;
     const Comparison result = RunAndCompare(problem, config);
-    EXPECT_TRUE(result.ok()) << c.Name() << (config.plan_in_warp_max_batch ? " plan in warp" : " plan kernel")
+    EXPECT_TRUE(result.ok()) << c.Name()
+                             << (config.plan_in_warp_max_batch ? " plan in warp" : " plan kernel")
                              << ": " << result.ToString();
     EXPECT_GT(result.rows_checked, 0) << c.Name();
   }
@@ -213,8 +218,8 @@ TEST_F(GpuKernelTest, RisingScoresMoveTheExponentReference) {
       spec.kv_ramp = q_range < 10.0f ? 8.0f : 0.0f;
       HostVerifyProblem problem = MakeProblem(spec);
       const Comparison result = RunAndCompare(problem, config_);
-      EXPECT_TRUE(result.ok()) << c.Name() << " q_range " << q_range << " ramp " << spec.kv_ramp << ": "
-                               << result.ToString();
+      EXPECT_TRUE(result.ok()) << c.Name() << " q_range " << q_range << " ramp " << spec.kv_ramp
+                               << ": " << result.ToString();
       EXPECT_GT(result.rows_checked, 0) << c.Name();
     }
   }
@@ -241,8 +246,8 @@ TEST_F(GpuKernelTest, StridedQueriesAndAllSplitStrategiesAgree) {
       config.plan_in_warp_max_batch = plan_in_warp;
       HostVerifyProblem problem = MakeProblem(spec);
       const Comparison result = RunAndCompare(problem, config);
-      EXPECT_TRUE(result.ok()) << "num_sms=" << sms << " plan_in_warp_max_batch=" << plan_in_warp << ": "
-                               << result.ToString();
+      EXPECT_TRUE(result.ok()) << "num_sms=" << sms << " plan_in_warp_max_batch=" << plan_in_warp
+                               << ": " << result.ToString();
     }
   }
 }
@@ -261,7 +266,8 @@ TEST_F(GpuKernelTest, StreamPlanRangesSpanRequests) {
   cases.push_back({{{3000, 17, 777, 0, 40000}, {4, 4, 4, 4, 4}, 8, 16, MaskKind::kTree},
                    {{3, true}, {16, true}, {132, false}}});
   {
-    GridCase g{{}, {}, 16, 64, MaskKind::kChain};  // 70 requests: the plan kernel, three blocks of 32
+    GridCase g{
+        {}, {}, 16, 64, MaskKind::kChain};  // 70 requests: the plan kernel, three blocks of 32
     for (int i = 0; i < 70; ++i) {
       g.prefix_len.push_back((i * 37) % 300 + (i % 5 == 0 ? 5000 : 0));
       g.draft_len.push_back(2);
@@ -302,7 +308,8 @@ TEST_F(GpuKernelTest, StreamPlanRangesSpanRequests) {
     for (const auto& [sms, stream_expected] : c.sms_and_stream) {
       for (const int plan_in_warp : {0, kPlanInWarpMaxBatch}) {
         // Past 32 requests both settings launch the plan kernel.
-        if (plan_in_warp > 0 && static_cast<int>(c.grid.prefix_len.size()) > kPlanInWarpMaxBatch) continue;
+        if (plan_in_warp > 0 && static_cast<int>(c.grid.prefix_len.size()) > kPlanInWarpMaxBatch)
+          continue;
         for (const bool stream_plan : {true, false}) {
           VerifyLaunchConfig config = config_;
           config.num_sms = sms;
@@ -337,9 +344,10 @@ TEST_F(GpuKernelTest, StreamPlanRangesSpanRequests) {
 // counters must come back to zero after every launch. Both plans, many
 // splits per row tile (B=1), padding requests.
 TEST_F(GpuKernelTest, FusedCombineMatchesTheCombineKernelBitForBit) {
-  ASSERT_GT(config_.resident_ctas, 0) << "PrepareVerifyLaunch found no resident CTA for the fused kernel";
+  ASSERT_GT(config_.resident_ctas, 0)
+      << "PrepareVerifyLaunch found no resident CTA for the fused kernel";
   std::vector<GridCase> cases;
-  cases.push_back({{4096}, {16}, 8, 64, MaskKind::kTree});                        // 4 row tiles x 33 splits
+  cases.push_back({{4096}, {16}, 8, 64, MaskKind::kTree});  // 4 row tiles x 33 splits
   cases.push_back({{0, 65, 1000, 63, 7}, {1, 7, 64, 16, 0}, 8, 16, MaskKind::kTree});
   {
     GridCase g{{}, {}, 16, 1, MaskKind::kTree};  // equal row tiles: the stream plan
@@ -383,18 +391,22 @@ TEST_F(GpuKernelTest, FusedCombineMatchesTheCombineKernelBitForBit) {
       std::vector<float> lse_fused, lse_separate;
       VerifyPlanSummary plan_fused{}, plan_separate{};
       const Comparison fused_result =
-          RunAndCompare(problem, fused, &plan_fused, /*launches=*/3, /*workspace_fill=*/0xA5, &out_fused, &lse_fused);
+          RunAndCompare(problem, fused, &plan_fused, /*launches=*/3, /*workspace_fill=*/0xA5,
+                        &out_fused, &lse_fused);
       const Comparison separate_result =
           RunAndCompare(problem, separate, &plan_separate, 1, -1, &out_separate, &lse_separate);
       EXPECT_TRUE(fused_result.ok()) << where << " fused: " << fused_result.ToString();
-      EXPECT_TRUE(separate_result.ok()) << where << " combine kernel: " << separate_result.ToString();
+      EXPECT_TRUE(separate_result.ok())
+          << where << " combine kernel: " << separate_result.ToString();
       EXPECT_EQ(plan_fused.total_work, plan_separate.total_work) << where;
       EXPECT_EQ(plan_fused.stream_groups, plan_separate.stream_groups) << where;
       ASSERT_EQ(out_fused.size(), out_separate.size());
       ASSERT_EQ(lse_fused.size(), lse_separate.size());
-      EXPECT_EQ(std::memcmp(out_fused.data(), out_separate.data(), out_fused.size() * sizeof(Bf16)), 0)
+      EXPECT_EQ(std::memcmp(out_fused.data(), out_separate.data(), out_fused.size() * sizeof(Bf16)),
+                0)
           << where << ": outputs differ";
-      EXPECT_EQ(std::memcmp(lse_fused.data(), lse_separate.data(), lse_fused.size() * sizeof(float)), 0)
+      EXPECT_EQ(
+          std::memcmp(lse_fused.data(), lse_separate.data(), lse_fused.size() * sizeof(float)), 0)
           << where << ": LSE differ";
     }
   }
@@ -419,7 +431,8 @@ TEST_F(GpuKernelTest, ReusedPlanServesTheNextLayers) {
   std::vector<ReuseCase> cases;
   cases.push_back({{{4096}, {16}, 8, 64, MaskKind::kTree}, {2000}});  // fused combine, chunk plan
   {
-    ReuseCase c{{{}, {}, 16, 1, MaskKind::kTree}, {}};  // equal row tiles: the stream plan, combine kernel
+    ReuseCase c{{{}, {}, 16, 1, MaskKind::kTree},
+                {}};  // equal row tiles: the stream plan, combine kernel
     for (int i = 0; i < 8; ++i) {
       c.shape.prefix_len.push_back(3000 + 500 * i);
       c.shape.draft_len.push_back(16);
@@ -427,14 +440,16 @@ TEST_F(GpuKernelTest, ReusedPlanServesTheNextLayers) {
     }
     cases.push_back(c);
   }
-  cases.push_back({{{0, 65, 1000, 63, 7000}, {1, 7, 64, 16, 2}, 8, 16, MaskKind::kTree}, {0, 1, 500, 63, 1000}});
+  cases.push_back({{{0, 65, 1000, 63, 7000}, {1, 7, 64, 16, 2}, 8, 16, MaskKind::kTree},
+                   {0, 1, 500, 63, 1000}});
   int index = 0;
   int stale_checks = 0;
   for (const ReuseCase& c : cases) {
     // The library's config, and the chunk plan with the combine kernel (a
     // stale chunk plan for the stale-plan check in every case).
     for (const bool chunk_plan : {false, true}) {
-      for (const int plan_in_warp : {kPlanInWarpMaxBatch, 0}) {  // the plan that is reused: in-warp or kernel
+      for (const int plan_in_warp :
+           {kPlanInWarpMaxBatch, 0}) {  // the plan that is reused: in-warp or kernel
         VerifyLaunchConfig first = config_;
         if (chunk_plan) {
           first.stream_plan = false;
@@ -443,8 +458,9 @@ TEST_F(GpuKernelTest, ReusedPlanServesTheNextLayers) {
         first.plan_in_warp_max_batch = plan_in_warp;
         VerifyLaunchConfig next = first;
         next.reuse_plan = true;
-        const std::string where = absl::StrCat(c.shape.Name(), chunk_plan ? " chunk plan, combine kernel" : "",
-                                               plan_in_warp ? " plan in warp" : " plan kernel");
+        const std::string where =
+            absl::StrCat(c.shape.Name(), chunk_plan ? " chunk plan, combine kernel" : "",
+                         plan_in_warp ? " plan in warp" : " plan kernel");
         const uint64_t seed = 9500 + 10 * index++;
         VerifyProblemSpec spec_a = c.shape.Spec(seed);
         VerifyProblemSpec spec_b = c.shape.Spec(seed + 1);
@@ -454,7 +470,8 @@ TEST_F(GpuKernelTest, ReusedPlanServesTheNextLayers) {
         VerifyProblemSpec spec_short = spec_a;
         spec_short.prefix_len = c.shorter_prefix;
         spec_short.min_num_pages = std::max(layer_a.num_pages, layer_b.num_pages);
-        spec_short.min_page_table_stride = std::max(layer_a.page_table_stride, layer_b.page_table_stride);
+        spec_short.min_page_table_stride =
+            std::max(layer_a.page_table_stride, layer_b.page_table_stride);
         HostVerifyProblem layer_short = MakeProblem(spec_short);
 
         SCOPED_TRACE(where);
@@ -473,7 +490,8 @@ TEST_F(GpuKernelTest, ReusedPlanServesTheNextLayers) {
         ++stale_checks;
         HostVerifyProblem layer_b_again = MakeProblem(spec_b);
         const Comparison stale = RunAndCompareOn(device, layer_b_again, next);
-        EXPECT_FALSE(stale.ok()) << where << ": a launch reusing the shorter layer's plan matched B's "
+        EXPECT_FALSE(stale.ok()) << where
+                                 << ": a launch reusing the shorter layer's plan matched B's "
                                  << "reference, so reuse_plan did not reuse the plan";
       }
     }
@@ -491,7 +509,8 @@ TEST_F(GpuKernelTest, WorkspaceInitialisedForMaxBatchServesSmallerBatches) {
   config.programmatic_launch = false;
   config.fused_combine_max_batch = kAnyBatch;
   int seed = 4200;
-  for (const std::vector<int>& prefixes : {std::vector<int>{3000}, std::vector<int>{500, 9000, 64}}) {
+  for (const std::vector<int>& prefixes :
+       {std::vector<int>{3000}, std::vector<int>{500, 9000, 64}}) {
     VerifyProblemSpec spec;
     spec.prefix_len = prefixes;
     spec.draft_len.assign(prefixes.size(), 16);
@@ -511,7 +530,9 @@ TEST_F(GpuKernelTest, WorkspaceInitialisedForMaxBatchServesSmallerBatches) {
     DeviceBuffer workspace;
     ASSERT_TRUE(workspace.Allocate(VerifyWorkspaceBytes(largest, config)).ok());
     ASSERT_EQ(cudaMemset(workspace.as<void>(), 0xA5, workspace.bytes()), cudaSuccess);
-    ASSERT_TRUE(InitVerifyWorkspace(largest, config, workspace.as<void>(), workspace.bytes(), nullptr).ok());
+    ASSERT_TRUE(
+        InitVerifyWorkspace(largest, config, workspace.as<void>(), workspace.bytes(), nullptr)
+            .ok());
     for (int launch = 0; launch < 2; ++launch) {
       const absl::Status launched =
           LaunchVerifyAttention(args, config, workspace.as<void>(), workspace.bytes(), nullptr);
@@ -699,7 +720,7 @@ TEST_F(GpuKernelTest, CapturedGraphReplaysWithNewLengthsAndTrees) {
 
     for (int round = 0; round < 6; ++round) {
       HostVerifyProblem problem = MakeProblem(spec_for(round));  // the same data for both modes
-      ASSERT_TRUE(device.Upload(problem).ok());  // new contents, same addresses
+      ASSERT_TRUE(device.Upload(problem).ok());                  // new contents, same addresses
       const VerifyArguments now = device.Args();
       ASSERT_EQ(now.q, captured_args.q);
       ASSERT_EQ(now.page_table_stride, captured_args.page_table_stride);

@@ -3,14 +3,14 @@
 // helpers and the CPU draft write / compaction.
 #include <cmath>
 #include <cstring>
-#include <string>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "common/draft_tree.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_reference.h"
-#include "common/draft_tree.h"
 #include "kernels/testing/verify_problem.h"
 
 namespace mlaverify::kernels {
@@ -38,8 +38,8 @@ TEST(DraftTree, TreeVisibilityFollowsAncestors) {
 
 TEST(DraftTree, RejectsWhatIsNotAForestWithParentsFirst) {
   EXPECT_FALSE(ValidateDraftTree({}).ok());
-  EXPECT_FALSE(ValidateDraftTree({0}).ok());       // own parent
-  EXPECT_FALSE(ValidateDraftTree({-1, 1}).ok());   // own parent
+  EXPECT_FALSE(ValidateDraftTree({0}).ok());         // own parent
+  EXPECT_FALSE(ValidateDraftTree({-1, 1}).ok());     // own parent
   EXPECT_FALSE(ValidateDraftTree({-1, 2, 0}).ok());  // parent after child
   EXPECT_FALSE(ValidateDraftTree({-2}).ok());
   EXPECT_FALSE(ValidateDraftTree(std::vector<int32_t>(65, -1)).ok());
@@ -152,12 +152,12 @@ TEST_P(CpuReferenceTest, MatchesFloat64BruteForce) {
 
 INSTANTIATE_TEST_SUITE_P(
     Grid, CpuReferenceTest,
-    ::testing::Values(CpuCase{{0}, {1}, 1, 1, MaskKind::kChain},        // P = 0, N = 1
-                      CpuCase{{0}, {7}, 2, 64, MaskKind::kTree},        // drafts only
-                      CpuCase{{1}, {16}, 3, 1, MaskKind::kTree},        // page size 1
+    ::testing::Values(CpuCase{{0}, {1}, 1, 1, MaskKind::kChain},                 // P = 0, N = 1
+                      CpuCase{{0}, {7}, 2, 64, MaskKind::kTree},                 // drafts only
+                      CpuCase{{1}, {16}, 3, 1, MaskKind::kTree},                 // page size 1
                       CpuCase{{63, 64, 65}, {5, 2, 9}, 2, 64, MaskKind::kTree},  // page edges
-                      CpuCase{{130, 0}, {64, 3}, 1, 16, MaskKind::kTree},  // N = 64
-                      CpuCase{{200, 17}, {4, 0}, 4, 8, MaskKind::kChain}));  // padding request
+                      CpuCase{{130, 0}, {64, 3}, 1, 16, MaskKind::kTree},        // N = 64
+                      CpuCase{{200, 17}, {4, 0}, 4, 8, MaskKind::kChain}));      // padding request
 
 TEST(CpuReference, PerRequestScaleIsApplied) {
   VerifyProblemSpec spec;

@@ -4,19 +4,19 @@
 // leaving the server serving. Outputs are checked with the client's own
 // reference (client/reference_check.h) over a mirror of what was sent.
 #include <random>
-#include <thread>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/reference_check.h"
 #include "client/wire.h"
-#include "grpc/health/v1/health.grpc.pb.h"
 #include "gmock/gmock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kernels/verify_attention.h"
-#include "absl/time/clock.h"
 #include "server/engine/device.h"
 #include "server/engine/engine.h"
 #include "server/transport/grpc_server.h"
@@ -25,8 +25,8 @@
 namespace mlaverify {
 namespace {
 
-using ::testing::HasSubstr;
 using mlaverify::kLatentDim;
+using ::testing::HasSubstr;
 
 constexpr int kLayers = 2, kHeads = 4, kPage = 8, kMaxDraft = 8, kMaxBatch = 4;
 constexpr int64_t kRow = mlaverify::kLatentDim;  // int64_t so {kLayers, T, kRow} is a shape
@@ -114,7 +114,8 @@ class ServerTest : public ::testing::Test {
   Step RandomStep(int n) {
     Step s;
     for (int i = 0; i < n; ++i) {
-      s.parents.push_back(i == 0 || rng_() % 2 ? i - 1 : static_cast<int32_t>(rng_() % (i + 1)) - 1);
+      s.parents.push_back(i == 0 || rng_() % 2 ? i - 1
+                                               : static_cast<int32_t>(rng_() % (i + 1)) - 1);
     }
     for (int l = 0; l < kLayers; ++l) {
       s.q.push_back(RandomBf16(static_cast<size_t>(n) * kHeads * kLatentDim, rng_, 2.0f));
@@ -136,7 +137,8 @@ class ServerTest : public ::testing::Test {
       EXPECT_TRUE(cmp->ok(1e-2, 1e-3)) << "layer " << l << " rel_err " << cmp->rel_err;
     }
     std::vector<int32_t> path;
-    for (int a = static_cast<int>(s.parents.size()) - 1; a >= 0; a = s.parents[a]) path.insert(path.begin(), a);
+    for (int a = static_cast<int>(s.parents.size()) - 1; a >= 0; a = s.parents[a])
+      path.insert(path.begin(), a);
     auto committed = client_->Commit(id, path);
     ASSERT_TRUE(committed.ok()) << committed.status();
     mirror->AppendAccepted(s.draft_kv, path);
@@ -287,8 +289,10 @@ TEST_F(ServerTest, EveryRpcEndToEnd) {
     const client::VerifyItemInput items[2] = {sa.Item(a, l), sb.Item(b, l)};
     auto results = client_->Verify(l, items);
     ASSERT_TRUE(results.ok()) << results.status();
-    EXPECT_TRUE(client::CompareWithReference(m1, l, items[0], scale, (*results)[0], 1)->ok(1e-2, 1e-3));
-    EXPECT_TRUE(client::CompareWithReference(m2, l, items[1], scale, (*results)[1], 1)->ok(1e-2, 1e-3));
+    EXPECT_TRUE(
+        client::CompareWithReference(m1, l, items[0], scale, (*results)[0], 1)->ok(1e-2, 1e-3));
+    EXPECT_TRUE(
+        client::CompareWithReference(m2, l, items[1], scale, (*results)[1], 1)->ok(1e-2, 1e-3));
   }
   ASSERT_TRUE(client_->Commit(a, {}).ok());
   auto committed = client_->Commit(b, {0});
@@ -346,7 +350,8 @@ TEST_F(ServerTest, BadInputsGetTheirCodeAndChangeNothing) {
   const Step s = RandomStep(4);
   // A well-formed request for layer 0; each case breaks one thing of a copy.
   const client::VerifyItemInput good_item = s.Item(id, 0);
-  const v1::VerifyRequest good = *client::BuildVerifyRequest(0, absl::MakeConstSpan(&good_item, 1), 0.0f, 1);
+  const v1::VerifyRequest good =
+      *client::BuildVerifyRequest(0, absl::MakeConstSpan(&good_item, 1), 0.0f, 1);
   auto verify = [this](const v1::VerifyRequest& r) {
     grpc::ClientContext ctx;
     v1::VerifyResponse resp;
@@ -379,17 +384,26 @@ TEST_F(ServerTest, BadInputsGetTheirCodeAndChangeNothing) {
   using grpc::StatusCode;
   std::vector<BadCase> cases = {
       {"q with a byte short", StatusCode::INVALID_ARGUMENT, "bytes of data",
-       modified([](v1::VerifyRequest* r) { r->mutable_items(0)->mutable_q()->mutable_raw()->pop_back(); })},
+       modified([](v1::VerifyRequest* r) {
+         r->mutable_items(0)->mutable_q()->mutable_raw()->pop_back();
+       })},
       {"q shape for 3 drafts, tree of 4", StatusCode::INVALID_ARGUMENT, "shape",
        modified([](v1::VerifyRequest* r) { r->mutable_items(0)->mutable_q()->set_shape(0, 3); })},
-      {"q as fp32", StatusCode::INVALID_ARGUMENT, "dtype",
-       modified([](v1::VerifyRequest* r) { r->mutable_items(0)->mutable_q()->set_dtype(v1::DTYPE_FP32); })},
+      {"q as fp32", StatusCode::INVALID_ARGUMENT, "dtype", modified([](v1::VerifyRequest* r) {
+         r->mutable_items(0)->mutable_q()->set_dtype(v1::DTYPE_FP32);
+       })},
       {"draft_kv [N, 512]", StatusCode::INVALID_ARGUMENT, "draft_kv",
-       modified([](v1::VerifyRequest* r) { r->mutable_items(0)->mutable_draft_kv()->set_shape(1, 512); })},
+       modified([](v1::VerifyRequest* r) {
+         r->mutable_items(0)->mutable_draft_kv()->set_shape(1, 512);
+       })},
       {"q in shared memory", StatusCode::UNIMPLEMENTED, "shared-memory",
-       modified([](v1::VerifyRequest* r) { r->mutable_items(0)->mutable_q()->mutable_shared_memory()->set_region("r"); })},
+       modified([](v1::VerifyRequest* r) {
+         r->mutable_items(0)->mutable_q()->mutable_shared_memory()->set_region("r");
+       })},
       {"N above the largest bucket", StatusCode::INVALID_ARGUMENT, "need 1..8",
-       modified([](v1::VerifyRequest* r) { for (int i = 4; i < 9; ++i) r->mutable_items(0)->add_parents(i - 1); })},
+       modified([](v1::VerifyRequest* r) {
+         for (int i = 4; i < 9; ++i) r->mutable_items(0)->add_parents(i - 1);
+       })},
       {"no drafts", StatusCode::INVALID_ARGUMENT, "drafts",
        modified([](v1::VerifyRequest* r) { r->mutable_items(0)->clear_parents(); })},
       {"parent after child", StatusCode::INVALID_ARGUMENT, "parents[1]",
@@ -401,7 +415,8 @@ TEST_F(ServerTest, BadInputsGetTheirCodeAndChangeNothing) {
       {"unknown sequence", StatusCode::NOT_FOUND, "not found",
        modified([](v1::VerifyRequest* r) { r->mutable_items(0)->set_sequence_id(987654); })},
       {"released sequence", StatusCode::NOT_FOUND, "not found",
-       modified([released](v1::VerifyRequest* r) { r->mutable_items(0)->set_sequence_id(released); })},
+       modified(
+           [released](v1::VerifyRequest* r) { r->mutable_items(0)->set_sequence_id(released); })},
       {"layer past the last", StatusCode::INVALID_ARGUMENT, "layer",
        modified([](v1::VerifyRequest* r) { r->set_layer(kLayers); })},
       {"negative layer", StatusCode::INVALID_ARGUMENT, "layer",
@@ -411,21 +426,48 @@ TEST_F(ServerTest, BadInputsGetTheirCodeAndChangeNothing) {
       {"same sequence twice", StatusCode::INVALID_ARGUMENT, "twice",
        modified([](v1::VerifyRequest* r) { *r->add_items() = r->items(0); })},
       {"more items than max_batch", StatusCode::INVALID_ARGUMENT, "max_batch",
-       modified([](v1::VerifyRequest* r) { for (int k = 0; k < kMaxBatch; ++k) *r->add_items() = r->items(0); })},
+       modified([](v1::VerifyRequest* r) {
+         for (int k = 0; k < kMaxBatch; ++k) *r->add_items() = r->items(0);
+       })},
       {"NaN softmax scale", StatusCode::INVALID_ARGUMENT, "finite",
        modified([](v1::VerifyRequest* r) { r->set_softmax_scale(NAN); })},
       {"append at the wrong position", StatusCode::FAILED_PRECONDITION, "length 20",
-       [&] { v1::AppendKvRequest r = good_append; r.set_start_position(19); return append(r); }},
+       [&] {
+         v1::AppendKvRequest r = good_append;
+         r.set_start_position(19);
+         return append(r);
+       }},
       {"append with the wrong layer count", StatusCode::INVALID_ARGUMENT, "shape",
-       [&] { v1::AppendKvRequest r = good_append; r.mutable_kv()->set_shape(0, kLayers + 1); return append(r); }},
+       [&] {
+         v1::AppendKvRequest r = good_append;
+         r.mutable_kv()->set_shape(0, kLayers + 1);
+         return append(r);
+       }},
       {"append with a byte short", StatusCode::INVALID_ARGUMENT, "bytes",
-       [&] { v1::AppendKvRequest r = good_append; r.mutable_kv()->mutable_raw()->pop_back(); return append(r); }},
-      {"append whose shape overflows a 64-bit byte count", StatusCode::INVALID_ARGUMENT, "too large",
-       [&] { v1::AppendKvRequest r = good_append; r.mutable_kv()->set_shape(1, int64_t{1} << 55); return append(r); }},
+       [&] {
+         v1::AppendKvRequest r = good_append;
+         r.mutable_kv()->mutable_raw()->pop_back();
+         return append(r);
+       }},
+      {"append whose shape overflows a 64-bit byte count", StatusCode::INVALID_ARGUMENT,
+       "too large",
+       [&] {
+         v1::AppendKvRequest r = good_append;
+         r.mutable_kv()->set_shape(1, int64_t{1} << 55);
+         return append(r);
+       }},
       {"append with a negative token count", StatusCode::INVALID_ARGUMENT, "T >= 1",
-       [&] { v1::AppendKvRequest r = good_append; r.mutable_kv()->set_shape(1, -4); return append(r); }},
+       [&] {
+         v1::AppendKvRequest r = good_append;
+         r.mutable_kv()->set_shape(1, -4);
+         return append(r);
+       }},
       {"append to an unknown sequence", StatusCode::NOT_FOUND, "not found",
-       [&] { v1::AppendKvRequest r = good_append; r.set_sequence_id(424242); return append(r); }},
+       [&] {
+         v1::AppendKvRequest r = good_append;
+         r.set_sequence_id(424242);
+         return append(r);
+       }},
       {"append past the pool's capacity", StatusCode::RESOURCE_EXHAUSTED, "KV pool exhausted",
        [&] {
          const int64_t tokens = kPoolPages * kPage;  // 384 tokens = 885 KB: under the limit
@@ -520,7 +562,8 @@ TEST_F(ServerTest, ExpiredDeadlineIsHonoured) {
   ctx.set_deadline(std::chrono::system_clock::now() - std::chrono::seconds(1));
   v1::CreateSequenceRequest r;
   v1::CreateSequenceResponse resp;
-  EXPECT_EQ(stub_->CreateSequence(&ctx, r, &resp).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_EQ(stub_->CreateSequence(&ctx, r, &resp).error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
   EXPECT_EQ(engine_->Stats().live_sequences, 0);
 }
 
@@ -534,13 +577,17 @@ TEST(SlowCallLogTest, WarnsAboutSlowCallsAtMostOncePerInterval) {
   EXPECT_FALSE(log.Report("Verify", "OK", 0.001, 0.098, t0).has_value());
   const auto first = log.Report("Verify", "OK", 0.002, 0.275, t0);
   ASSERT_TRUE(first.has_value());
-  EXPECT_THAT(*first, HasSubstr("slow Verify (OK): 277.0 ms in the server, 2.0 ms queued for a worker, 275.0 ms working"));
-  EXPECT_FALSE(log.Report("Commit", "OK", 0.0, 0.2, t0 + std::chrono::milliseconds(500)).has_value());
-  EXPECT_FALSE(log.Report("Verify", "INTERNAL", 0.0, 0.3, t0 + std::chrono::milliseconds(999)).has_value());
+  EXPECT_THAT(*first, HasSubstr("slow Verify (OK): 277.0 ms in the server, 2.0 ms queued for a "
+                                "worker, 275.0 ms working"));
+  EXPECT_FALSE(
+      log.Report("Commit", "OK", 0.0, 0.2, t0 + std::chrono::milliseconds(500)).has_value());
+  EXPECT_FALSE(
+      log.Report("Verify", "INTERNAL", 0.0, 0.3, t0 + std::chrono::milliseconds(999)).has_value());
   const auto next = log.Report("Verify", "OK", 0.0, 0.15, t0 + std::chrono::milliseconds(1000));
   ASSERT_TRUE(next.has_value());
-  EXPECT_THAT(*next, HasSubstr("; 2 more slow calls since the last warning, the slowest Verify (INTERNAL): "
-                               "300.0 ms in the server, 0.0 ms queued for a worker, 300.0 ms working"));
+  EXPECT_THAT(
+      *next, HasSubstr("; 2 more slow calls since the last warning, the slowest Verify (INTERNAL): "
+                       "300.0 ms in the server, 0.0 ms queued for a worker, 300.0 ms working"));
   const auto after = log.Report("Verify", "OK", 0.0, 0.15, t0 + std::chrono::milliseconds(2500));
   ASSERT_TRUE(after.has_value());
   EXPECT_THAT(*after, ::testing::Not(HasSubstr("more slow calls")));

@@ -31,18 +31,20 @@ VerifyArguments Shape(int batch, int heads, int max_draft_len) {
 // layout of its shape puts them; a launch of any other shape must look there.
 TEST(VerifyWorkspaceTest, FusedStateDoesNotMoveWithTheLaunchShape) {
   for (const VerifyLaunchConfig& config : {H200Config(), [] {
-         VerifyLaunchConfig c = H200Config();
-         c.num_sms = 188;  // RTX PRO 6000 Blackwell
-         c.ctas_per_sm = 2;
-         return c;
-       }()}) {
+                                             VerifyLaunchConfig c = H200Config();
+                                             c.num_sms = 188;  // RTX PRO 6000 Blackwell
+                                             c.ctas_per_sm = 2;
+                                             return c;
+                                           }()}) {
     const VerifyWorkspaceLayout sized = VerifyWorkspaceLayoutFor(Shape(32, 128, 64), config);
     for (int batch : {1, 2, 4, 7, 32}) {
       for (int heads : {1, 8, 128}) {
         for (int draft : {1, 16, 64}) {
-          const VerifyWorkspaceLayout l = VerifyWorkspaceLayoutFor(Shape(batch, heads, draft), config);
+          const VerifyWorkspaceLayout l =
+              VerifyWorkspaceLayoutFor(Shape(batch, heads, draft), config);
           EXPECT_EQ(l.fused_magic, sized.fused_magic) << batch << " " << heads << " " << draft;
-          EXPECT_EQ(l.split_arrivals, sized.split_arrivals) << batch << " " << heads << " " << draft;
+          EXPECT_EQ(l.split_arrivals, sized.split_arrivals)
+              << batch << " " << heads << " " << draft;
           EXPECT_EQ(l.split_done, sized.split_done) << batch << " " << heads << " " << draft;
           // ...and a smaller launch fits the bytes the largest one was sized for.
           EXPECT_LE(l.bytes, sized.bytes) << batch << " " << heads << " " << draft;

@@ -26,7 +26,8 @@ __global__ void __launch_bounds__(256, 1) EmptyClusterKernel(int* sink) {
 int main(int argc, char** argv) {
   CLI::App app{"mlaverify-cluster-probe: resident clusters per size at one CTA per SM"};
   int smem = 0;
-  app.add_option("--smem", smem, "dynamic shared memory per CTA (default: just over half the SM's)");
+  app.add_option("--smem", smem,
+                 "dynamic shared memory per CTA (default: just over half the SM's)");
   CLI11_PARSE(app, argc, argv);
   int device_count = 0;
   if (cudaGetDeviceCount(&device_count) != cudaSuccess || device_count == 0) {
@@ -36,13 +37,16 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
   if (smem == 0) smem = static_cast<int>(prop.sharedMemPerMultiprocessor / 2 + 1024);
-  if (cudaFuncSetAttribute(EmptyClusterKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
-      cudaFuncSetAttribute(EmptyClusterKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
-    std::fprintf(stderr, "cudaFuncSetAttribute failed: %s\n", cudaGetErrorString(cudaGetLastError()));
+  if (cudaFuncSetAttribute(EmptyClusterKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
+          cudaSuccess ||
+      cudaFuncSetAttribute(EmptyClusterKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) !=
+          cudaSuccess) {
+    std::fprintf(stderr, "cudaFuncSetAttribute failed: %s\n",
+                 cudaGetErrorString(cudaGetLastError()));
     return 1;
   }
-  std::printf("%s (sm_%d%d), %d SMs, %d B dynamic shared memory per CTA, 256 threads\n", prop.name, prop.major,
-              prop.minor, prop.multiProcessorCount, smem);
+  std::printf("%s (sm_%d%d), %d SMs, %d B dynamic shared memory per CTA, 256 threads\n", prop.name,
+              prop.major, prop.minor, prop.multiProcessorCount, smem);
   std::printf("%8s %16s %14s\n", "cluster", "active clusters", "resident CTAs");
   for (int size = 1; size <= 16; size *= 2) {
     cudaLaunchConfig_t config = {};

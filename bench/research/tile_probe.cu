@@ -47,43 +47,48 @@ using kernels::verify::SwizzledChunk;
 constexpr int kMaxWarps = 8;
 constexpr int kThreads = kMaxWarps * 32;
 constexpr int kStages = 5;
-constexpr int kStageBytes = 16 * ROW_BYTES;        // 16 tokens x 576 bf16
+constexpr int kStageBytes = 16 * ROW_BYTES;  // 16 tokens x 576 bf16
 constexpr int kPBufferOffset = kStages * kStageBytes;
-constexpr int kPPitch = 24;                        // bf16, as pipelined::P_PITCH
+constexpr int kPPitch = 24;  // bf16, as pipelined::P_PITCH
 constexpr int kPBufferBytes = 32 * kPPitch * 2;
 constexpr int kMaxPBuffers = 4;
-constexpr int kAlphaOffset = kPBufferOffset + kMaxPBuffers * kPBufferBytes;  // [kMaxPBuffers][32] float
+constexpr int kAlphaOffset =
+    kPBufferOffset + kMaxPBuffers * kPBufferBytes;  // [kMaxPBuffers][32] float
 constexpr int kExchangeOffset = kAlphaOffset + kMaxPBuffers * 32 * 4;
 constexpr int kExchangeBytes = 4 * 4 * 32 * 16;  // [owner][sender][lane] float4
-constexpr int kMbarrierOffset = kExchangeOffset + kExchangeBytes;  // [kStages] uint64: the bulk rows' stage barriers
+constexpr int kMbarrierOffset =
+    kExchangeOffset + kExchangeBytes;  // [kStages] uint64: the bulk rows' stage barriers
 constexpr int kSmemBytes = kMbarrierOffset + kStages * 8;
-constexpr int kScoreSteps = 18;                    // K_SLICE 288 / 16
+constexpr int kScoreSteps = 18;  // K_SLICE 288 / 16
 constexpr int kHmmaPerScoreTile = 2 * kScoreSteps;
-constexpr int kHmmaPerPvTile = 2 * 16;             // 2 m tiles x 16 n tiles of 8 columns
+constexpr int kHmmaPerPvTile = 2 * 16;  // 2 m tiles x 16 n tiles of 8 columns
 constexpr int kLdsmPerScoreTile = kScoreSteps;
-constexpr int kLdsmPerPvTile = 8 + 2;              // V pairs + two P fragments
+constexpr int kLdsmPerPvTile = 8 + 2;  // V pairs + two P fragments
 
 enum Role : int {
   kIdle = 0,
-  kScore = 1,     // the score warp's MMA stream: K fragment one step ahead, 2 chains x 2 n tiles
-  kPv = 2,        // the PV warp's: P fragments, then 8 x (V ldmatrix.trans, 4 MMAs)
-  kPvLoads = 3,   // kPv plus the tile's cp.async (9 x 16 B per thread, 18 KB per tile)
-  kMmaOnly = 4,   // 36 mma.sync per tile from registers, kChains independent accumulators
-  kLdsmOnly = 5,  // the score warp's 18 ldmatrix.x4 per tile, no MMA
-  kPvAhead = 6,   // kPv with each V fragment loaded one pair ahead of its MMAs
-  kScorePair = 7, // kScore plus the kernel's pair exchange (float4 out, pair barrier, float4 in)
-  kScoreQuad = 8, // four k slices of 144 dims over all 32 rows: K read once per tile
-                  // (9 ldmatrix.x4, 4 MMAs each), then a four-way exchange (3 float4
-                  // out and in per lane, a barrier of the four score warps)
+  kScore = 1,      // the score warp's MMA stream: K fragment one step ahead, 2 chains x 2 n tiles
+  kPv = 2,         // the PV warp's: P fragments, then 8 x (V ldmatrix.trans, 4 MMAs)
+  kPvLoads = 3,    // kPv plus the tile's cp.async (9 x 16 B per thread, 18 KB per tile)
+  kMmaOnly = 4,    // 36 mma.sync per tile from registers, kChains independent accumulators
+  kLdsmOnly = 5,   // the score warp's 18 ldmatrix.x4 per tile, no MMA
+  kPvAhead = 6,    // kPv with each V fragment loaded one pair ahead of its MMAs
+  kScorePair = 7,  // kScore plus the kernel's pair exchange (float4 out, pair barrier, float4 in)
+  kScoreQuad = 8,  // four k slices of 144 dims over all 32 rows: K read once per tile
+                   // (9 ldmatrix.x4, 4 MMAs each), then a four-way exchange (3 float4
+                   // out and in per lane, a barrier of the four score warps)
   kScoreSoftmax = 9,    // kScorePair plus the kernel's softmax (stale-max fast path, four
                         // exponentials per lane) and its P and alpha stores
   kScoreHandOver = 10,  // kScoreSoftmax handing P to the PV warps as the kernel does:
                         // double-buffered P and alpha, P_EMPTY / P_FULL named barriers
   kPvHandOver = 11,     // kPvAhead taking P from them: P_FULL, the alpha check, P_EMPTY
-  kScoreHandOver3 = 12, kPvHandOver3 = 13,  // the same pair with three P buffers
-  kScoreHandOverOffset = 14, kPvHandOverOffset = 15,  // two buffers and the kernel's phase offset
-  kScoreKernelProtocol = 16, kPvKernelProtocol = 17,   // plus the PV warps' loads and KV_FULL (v15.3)
-  kScorePipelined = 18,  // ScorePipelinedStream with two P buffers (its PV partner: kPvHandOver)
+  kScoreHandOver3 = 12,
+  kPvHandOver3 = 13,  // the same pair with three P buffers
+  kScoreHandOverOffset = 14,
+  kPvHandOverOffset = 15,  // two buffers and the kernel's phase offset
+  kScoreKernelProtocol = 16,
+  kPvKernelProtocol = 17,  // plus the PV warps' loads and KV_FULL (v15.3)
+  kScorePipelined = 18,    // ScorePipelinedStream with two P buffers (its PV partner: kPvHandOver)
   // The pipelined score warps with the PV warps' loads and KV_FULL. (A ninth warp that
   // only loads is not an option: ptxas caps a CTA of 288 threads at 168 registers, as
   // for 384, on sm_90 and sm_120; bench/NOTES.md v16.)
@@ -95,20 +100,23 @@ enum Role : int {
   // page id read from global memory one tile ahead, as the kernel's register path does
   // (L2-resident ring), and the same with the tiles spread over a 2 GB ring (DRAM, as
   // the kernel's first reader of a tile).
-  kPvKernelPageIds = 22, kPvKernelPageIdsDram = 23,
+  kPvKernelPageIds = 22,
+  kPvKernelPageIdsDram = 23,
   // The loads as one cp.async.bulk per KV row (1,152 bytes; lanes 0-3 of each PV warp,
   // four rows each) completing on a per-stage mbarrier that the score warps wait on
   // instead of KV_FULL: what the 128 loader threads' nine cp.async each per tile, their
   // wait_group and the KV_FULL barrier cost the PV warps (bench/NOTES.md, bulk copies,
   // measured on v17.1).
   // Timing only: the rows land unswizzled, the ldmatrix addresses stay the kernel's.
-  kScoreKernelBulk = 24, kPvKernelBulk = 25, kPvKernelBulkDram = 26,
+  kScoreKernelBulk = 24,
+  kPvKernelBulk = 25,
+  kPvKernelBulkDram = 26,
   // The kernel-protocol score role with P_EMPTY always waited at the top of the tile (as the
   // bulk rows must), beside kPvKernelPageIds: what the early P_EMPTY alone costs.
   kScoreKernelEarlyEmpty = 27,
   // Score warps that split a tile's 16 keys instead of its 576 dims (the kernel's layout
-  // since v22, priced here first): warp = row group x key half, Q[16 rows x 576] in 144 registers, 36 MMAs
-  // per tile into one n tile (four chains), no partial-score exchange; the pair agrees on
+  // since v22, priced here first): warp = row group x key half, Q[16 rows x 576] in 144 registers,
+  // 36 MMAs per tile into one n tile (four chains), no partial-score exchange; the pair agrees on
   // a change of a row's exponent reference with one barrier reduction per tile
   // (bar.red.or), the rare change itself through shared memory. Kernel protocol otherwise.
   kScoreKeySplit = 28,
@@ -122,15 +130,15 @@ enum Role : int {
 };
 
 struct ProbeArgs {
-  uint64_t roles;        // 8 bits per warp, warp 0 lowest
+  uint64_t roles;  // 8 bits per warp, warp 0 lowest
   int iters;
   const uint4* global;  // kPvLoads' source (L2-sized ring)
   size_t global_tiles;
-  const uint4* dram;    // kPvKernelPageIdsDram's source (2 GB ring)
+  const uint4* dram;  // kPvKernelPageIdsDram's source (2 GB ring)
   size_t dram_tiles;
   const int* page_table;  // kPvKernelPageIds*: tile index of load i of a CTA, random
   int page_count;
-  long long* cycles;    // per CTA: [0] all warps, [1 + w] warp w
+  long long* cycles;       // per CTA: [0] all warps, [1 + w] warp w
   long long* nanoseconds;  // per CTA: globaltimer span of the same interval
   float* sink;
 };
@@ -158,14 +166,16 @@ struct ScoreWarp {
     }
     const int k_token = (lane & 7) + ((lane >> 4) << 3);
 #pragma unroll
-    for (int s4 = 0; s4 < 4; ++s4) k_frag_offset[s4] = TileOffset(k_token, k_slice * 36 + 2 * s4 + ((lane >> 3) & 1));
+    for (int s4 = 0; s4 < 4; ++s4)
+      k_frag_offset[s4] = TileOffset(k_token, k_slice * 36 + 2 * s4 + ((lane >> 3) & 1));
   }
 
   // One tile's stream into acc (two chains x two n tiles), K one step ahead;
   // kMma false: the ldmatrix loads only, folded into `sink`. `between(s)`
   // runs after step s (the software-pipelined warp puts work there).
   template <bool kMma, typename Between>
-  __device__ __forceinline__ void Tile(uint32_t base, float (&acc)[2][2][4], uint32_t& sink, Between&& between) {
+  __device__ __forceinline__ void Tile(uint32_t base, float (&acc)[2][2][4], uint32_t& sink,
+                                       Between&& between) {
     uint32_t k_addr[4];
 #pragma unroll
     for (int s4 = 0; s4 < 4; ++s4) k_addr[s4] = base + stage + k_frag_offset[s4];
@@ -174,7 +184,8 @@ struct ScoreWarp {
     ptx::LdMatrixX4(kf[0], k_addr[0]);
 #pragma unroll
     for (int s = 0; s < kScoreSteps; ++s) {
-      if (s + 1 < kScoreSteps) ptx::LdMatrixX4(kf[(s + 1) & 1], k_addr[(s + 1) & 3] + ((s + 1) >> 2) * 128);
+      if (s + 1 < kScoreSteps)
+        ptx::LdMatrixX4(kf[(s + 1) & 1], k_addr[(s + 1) & 3] + ((s + 1) >> 2) * 128);
       if constexpr (kMma) {
         ptx::MmaBf16(acc[s & 1][0], q_frag[s], kf[s & 1][0], kf[s & 1][1]);
         ptx::MmaBf16(acc[s & 1][1], q_frag[s], kf[s & 1][2], kf[s & 1][3]);
@@ -213,8 +224,8 @@ struct RowSoftmax {
 
 // A lane's four P values of its row and (first lane of the row) the row's
 // alpha, into P buffer `buffer`, as the kernel writes them.
-__device__ __forceinline__ void StoreP(uint8_t* smem, int buffer, int my_row, int t4, const float (&p)[4],
-                                      float alpha) {
+__device__ __forceinline__ void StoreP(uint8_t* smem, int buffer, int my_row, int t4,
+                                       const float (&p)[4], float alpha) {
   auto* probs = reinterpret_cast<uint32_t*>(smem + kPBufferOffset + buffer * kPBufferBytes);
   probs[(my_row * kPPitch + 2 * t4) / 2] = ptx::PackBf16x2(p[0], p[1]);
   probs[(my_row * kPPitch + 8 + 2 * t4) / 2] = ptx::PackBf16x2(p[2], p[3]);
@@ -230,7 +241,8 @@ __device__ __forceinline__ void MbarrierInit(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
 __device__ __forceinline__ void MbarrierArriveExpectTx(uint32_t bar, int bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
 }
 // Fails loudly instead of hanging: the first runs of these rows never
 // finished (not yet understood), so a wait that has not completed after
@@ -239,7 +251,8 @@ __device__ __forceinline__ void MbarrierWait(uint32_t bar, int parity, int tile)
   for (int tries = 0;; ++tries) {
     uint32_t done;
     asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, "
+        "1, 0, p;\n}\n"
         : "=r"(done)
         : "r"(bar), "r"(parity)
         : "memory");
@@ -247,15 +260,18 @@ __device__ __forceinline__ void MbarrierWait(uint32_t bar, int parity, int tile)
     if (tries == (1 << 20)) {
       unsigned long long state;
       asm volatile("ld.shared.b64 %0, [%1];\n" : "=l"(state) : "r"(bar) : "memory");
-      printf("tile probe: bulk-row wait stuck: CTA %d thread %d tile %d parity %d mbarrier state %016llx\n",
-             blockIdx.x, threadIdx.x, tile, parity, state);
+      printf(
+          "tile probe: bulk-row wait stuck: CTA %d thread %d tile %d parity %d mbarrier state "
+          "%016llx\n",
+          blockIdx.x, threadIdx.x, tile, parity, state);
       __trap();
     }
   }
 }
 __device__ __forceinline__ void BulkCopyRow(uint32_t dst, const void* src, uint32_t bar) {
   asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(dst),
       "l"(src), "n"(ROW_BYTES), "r"(bar)
       : "memory");
 }
@@ -267,9 +283,11 @@ __device__ __forceinline__ void WaitBulkTile(uint32_t base, int it) {
 // The score warp's fragment and MMA stream of one tile, `iters` times
 // (kMma false: the ldmatrix loads only, folded into a sink).
 // kKvBulk (with kKvFull): the tile's stage mbarrier instead of KV_FULL.
-template <bool kMma, bool kPairExchange = false, bool kSoftmax = false, int kPBuffers = 0, bool kPhaseOffset = false,
-          bool kKvFull = false, bool kKvBulk = false, bool kEarlyEmpty = false>
-__device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane, int warp, uint8_t* smem = nullptr) {
+template <bool kMma, bool kPairExchange = false, bool kSoftmax = false, int kPBuffers = 0,
+          bool kPhaseOffset = false, bool kKvFull = false, bool kKvBulk = false,
+          bool kEarlyEmpty = false>
+__device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane, int warp,
+                                             uint8_t* smem = nullptr) {
   // kPBuffers > 0: P is handed to the PV warps through that many buffers
   // (the kernel: two), P_FULL(b) = barrier 4 + b, P_EMPTY(b) = 4 + kPBuffers + b.
   constexpr bool kHandOver = kPBuffers > 0;
@@ -289,10 +307,13 @@ __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane,
   // warps run up to four tiles ahead (KV_FULL(t + 2) is arrived only after
   // PV(t)'s sync on the offset barrier), so there P_EMPTY is always waited
   // early (with it late the bulk rows hung).
-  auto p_empty_early = [&](int it) { return kPhaseOffset && (!kKvFull || kKvBulk || kEarlyEmpty || it < kStages); };
+  auto p_empty_early = [&](int it) {
+    return kPhaseOffset && (!kKvFull || kKvBulk || kEarlyEmpty || it < kStages);
+  };
   for (int it = 0; it < iters; ++it) {
     if constexpr (kHandOver) {
-      if (it >= kPBuffers && p_empty_early(it)) ptx::NamedBarrierSync(4 + kPBuffers + it % kPBuffers, 256);
+      if (it >= kPBuffers && p_empty_early(it))
+        ptx::NamedBarrierSync(4 + kPBuffers + it % kPBuffers, 256);
     }
     // kKvFull: tiles from kStages on are loaded by the PV warps (the kernel's
     // KV_FULL, barriers 9 and 10); the first kStages are taken as loaded.
@@ -323,8 +344,8 @@ __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane,
                                       : make_float4(a[0][2], a[0][3], a[1][2], a[1][3]);
       ptx::NamedBarrierSync(2 + (warp >> 1), 64);
       const float4 o = exchange[(warp ^ 1) * 32 + lane];
-      float sc[4] = {(hi ? a[0][2] : a[0][0]) + o.x, (hi ? a[0][3] : a[0][1]) + o.y, (hi ? a[1][2] : a[1][0]) + o.z,
-                     (hi ? a[1][3] : a[1][1]) + o.w};
+      float sc[4] = {(hi ? a[0][2] : a[0][0]) + o.x, (hi ? a[0][3] : a[0][1]) + o.y,
+                     (hi ? a[1][2] : a[1][0]) + o.z, (hi ? a[1][3] : a[1][1]) + o.w};
       if constexpr (kSoftmax) {
         float neg_ref;
         const float alpha = softmax.Reference(sc, neg_ref);
@@ -364,7 +385,8 @@ __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane,
 // MMAs cover both row groups over dh's 288 dims, and the pair (dh, kh),
 // (1 - dh, kh) swap the other row group's partial: afterwards row group rg = dh.
 template <bool kTwoWay = false>
-__device__ __forceinline__ float ScoreKeySplitStream(int iters, uint32_t base, int lane, int warp, uint8_t* smem) {
+__device__ __forceinline__ float ScoreKeySplitStream(int iters, uint32_t base, int lane, int warp,
+                                                     uint8_t* smem) {
   constexpr int kSteps = D_QK / 16;  // 36
   const int rg = warp >> 1, kh = warp & 1;
   const int g = lane >> 2, t4 = lane & 3;
@@ -374,7 +396,8 @@ __device__ __forceinline__ float ScoreKeySplitStream(int iters, uint32_t base, i
   for (int s = 0; s < kSteps; ++s) {
     if constexpr (kTwoWay) {
       const int m = s / (kSteps / 2), ds = s % (kSteps / 2);
-      ptx::LdMatrixX4(q_frag[s], base + TileOffset(m * 16 + (lane & 15), rg * 36 + 2 * ds + (lane >> 4)));
+      ptx::LdMatrixX4(q_frag[s],
+                      base + TileOffset(m * 16 + (lane & 15), rg * 36 + 2 * ds + (lane >> 4)));
     } else {
       ptx::LdMatrixX4(q_frag[s], base + TileOffset(rg * 16 + (lane & 15), 2 * s + (lane >> 4)));
     }
@@ -386,7 +409,8 @@ __device__ __forceinline__ float ScoreKeySplitStream(int iters, uint32_t base, i
                              TileOffset(kh * 8 + (lane & 7), chunk0 + 4 + (lane >> 3))};
   // Two-way: [2 buffers][4 warps][32 lanes] float4 after the key split's maxima.
   float4* swap = reinterpret_cast<float4*>(smem + kExchangeOffset + 1024);
-  float* maxima = reinterpret_cast<float*>(smem + kExchangeOffset);  // [4 warps][16 rows], the rare path
+  float* maxima =
+      reinterpret_cast<float*>(smem + kExchangeOffset);  // [4 warps][16 rows], the rare path
   float ref[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
   uint32_t stage = 0;
   for (int it = 0; it < iters; ++it) {
@@ -404,14 +428,17 @@ __device__ __forceinline__ float ScoreKeySplitStream(int iters, uint32_t base, i
       constexpr int kJ = kSteps / 4;  // 9 ldmatrix.x4 per tile
 #pragma unroll
       for (int j = 0; j < kJ; ++j) {
-        if (j + 1 < kJ) ptx::LdMatrixX4(kf[(j + 1) & 1], k_base + k_off[(j + 1) & 1] + ((j + 1) >> 1) * 128);
+        if (j + 1 < kJ)
+          ptx::LdMatrixX4(kf[(j + 1) & 1], k_base + k_off[(j + 1) & 1] + ((j + 1) >> 1) * 128);
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
           ptx::MmaBf16(acc[2 * m], q_frag[m * (kSteps / 2) + 2 * j], kf[j & 1][0], kf[j & 1][1]);
-          ptx::MmaBf16(acc[2 * m + 1], q_frag[m * (kSteps / 2) + 2 * j + 1], kf[j & 1][2], kf[j & 1][3]);
+          ptx::MmaBf16(acc[2 * m + 1], q_frag[m * (kSteps / 2) + 2 * j + 1], kf[j & 1][2],
+                       kf[j & 1][3]);
         }
       }
-      if (it >= 1) ptx::NamedBarrierArrive(12, 256);  // the phase offset: PV(it - 1) may issue its MMAs
+      if (it >= 1)
+        ptx::NamedBarrierArrive(12, 256);  // the phase offset: PV(it - 1) may issue its MMAs
       float a0[4], a1[4];  // row group 0's and 1's partial over this warp's dims half
 #pragma unroll
       for (int e = 0; e < 4; ++e) a0[e] = acc[0][e] + acc[1][e], a1[e] = acc[2][e] + acc[3][e];
@@ -427,22 +454,26 @@ __device__ __forceinline__ float ScoreKeySplitStream(int iters, uint32_t base, i
     } else {
 #pragma unroll
       for (int j = 0; j < kSteps / 2; ++j) {
-        if (j + 1 < kSteps / 2) ptx::LdMatrixX4(kf[(j + 1) & 1], k_base + k_off[(j + 1) & 1] + ((j + 1) >> 1) * 128);
+        if (j + 1 < kSteps / 2)
+          ptx::LdMatrixX4(kf[(j + 1) & 1], k_base + k_off[(j + 1) & 1] + ((j + 1) >> 1) * 128);
         ptx::MmaBf16(acc[(2 * j) & 3], q_frag[2 * j], kf[j & 1][0], kf[j & 1][1]);
         ptx::MmaBf16(acc[(2 * j + 1) & 3], q_frag[2 * j + 1], kf[j & 1][2], kf[j & 1][3]);
       }
-      if (it >= 1) ptx::NamedBarrierArrive(12, 256);  // the phase offset: PV(it - 1) may issue its MMAs
+      if (it >= 1)
+        ptx::NamedBarrierArrive(12, 256);  // the phase offset: PV(it - 1) may issue its MMAs
 #pragma unroll
-      for (int e = 0; e < 4; ++e) sc[e] = ((acc[0][e] + acc[1][e]) + (acc[2][e] + acc[3][e])) * kScaleLog2;
+      for (int e = 0; e < 4; ++e)
+        sc[e] = ((acc[0][e] + acc[1][e]) + (acc[2][e] + acc[3][e])) * kScaleLog2;
     }
     const float m0 = fmaxf(sc[0], sc[1]), m1 = fmaxf(sc[2], sc[3]);
     const bool change_mine = !(m0 <= ref[0] + 8.0f && m1 <= ref[1] + 8.0f);
     int change;
-    asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n barrier.cta.red.or.pred q, %2, 64, p;\n"
-                 " selp.u32 %0, 1, 0, q;\n}\n"
-                 : "=r"(change)
-                 : "r"(static_cast<uint32_t>(change_mine)), "r"(2 + rg)
-                 : "memory");
+    asm volatile(
+        "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n barrier.cta.red.or.pred q, %2, 64, p;\n"
+        " selp.u32 %0, 1, 0, q;\n}\n"
+        : "=r"(change)
+        : "r"(static_cast<uint32_t>(change_mine)), "r"(2 + rg)
+        : "memory");
     float alpha[2] = {1.0f, 1.0f};
     if (change) {  // uniform over the pair: both warps take the same new reference
       float r0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 1));
@@ -459,7 +490,8 @@ __device__ __forceinline__ float ScoreKeySplitStream(int iters, uint32_t base, i
       alpha[1] = n1 == -INFINITY ? 0.0f : ptx::Exp2Approx(ref[1] - n1);
       ref[0] = n0, ref[1] = n1;
     }
-    const float neg0 = ref[0] == -INFINITY ? 0.0f : -ref[0], neg1 = ref[1] == -INFINITY ? 0.0f : -ref[1];
+    const float neg0 = ref[0] == -INFINITY ? 0.0f : -ref[0],
+                neg1 = ref[1] == -INFINITY ? 0.0f : -ref[1];
     float pv[4];
     pv[0] = ptx::Exp2Approx(sc[0] + neg0), pv[1] = ptx::Exp2Approx(sc[1] + neg0);
     pv[2] = ptx::Exp2Approx(sc[2] + neg1), pv[3] = ptx::Exp2Approx(sc[3] + neg1);
@@ -496,7 +528,8 @@ __device__ __forceinline__ float ScoreKeySplitStream(int iters, uint32_t base, i
 // sync, which all four score warps pass only after reading partial it at the
 // top; the first kPBuffers tiles take a pair barrier there instead.
 template <int kPBuffers, bool kKvFull = false, bool kSingleExchange = false>
-__device__ __forceinline__ float ScorePipelinedStream(int iters, uint32_t base, int lane, int warp, uint8_t* smem) {
+__device__ __forceinline__ float ScorePipelinedStream(int iters, uint32_t base, int lane, int warp,
+                                                      uint8_t* smem) {
   float4* exchange = reinterpret_cast<float4*>(smem + kExchangeOffset);  // [2][4 warps][32 lanes]
   const int g = lane >> 2, t4 = lane & 3;
   const int my_row = (warp >> 1) * 16 + g + 8 * (warp & 1);
@@ -507,14 +540,15 @@ __device__ __forceinline__ float ScorePipelinedStream(int iters, uint32_t base, 
   // S(tile) for this warp's k slice; `kept` are this lane's own-row values,
   // the other four go to the partner.
   float kept[4];
-  auto publish = [&](const float (&acc)[2][2][4], int buffer) {
+  auto publish = [&](const float(&acc)[2][2][4], int buffer) {
     float a[2][4];
 #pragma unroll
     for (int n = 0; n < 2; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) a[n][e] = acc[0][n][e] + acc[1][n][e];
-    exchange[(buffer * 4 + warp) * 32 + lane] = hi ? make_float4(a[0][0], a[0][1], a[1][0], a[1][1])
-                                                   : make_float4(a[0][2], a[0][3], a[1][2], a[1][3]);
+    exchange[(buffer * 4 + warp) * 32 + lane] =
+        hi ? make_float4(a[0][0], a[0][1], a[1][0], a[1][1])
+           : make_float4(a[0][2], a[0][3], a[1][2], a[1][3]);
     kept[0] = hi ? a[0][2] : a[0][0];
     kept[1] = hi ? a[0][3] : a[0][1];
     kept[2] = hi ? a[1][2] : a[1][0];
@@ -550,12 +584,14 @@ __device__ __forceinline__ float ScorePipelinedStream(int iters, uint32_t base, 
       for (int e = 0; e < 4; ++e) exponent(e);
     }
     softmax.row_sum = softmax.row_sum * alpha + tile_sum;
-    if (it >= kPBuffers) ptx::NamedBarrierSync(4 + kPBuffers + it % kPBuffers, 256);  // P_EMPTY(it - kPBuffers)
+    if (it >= kPBuffers)
+      ptx::NamedBarrierSync(4 + kPBuffers + it % kPBuffers, 256);  // P_EMPTY(it - kPBuffers)
     const int buffer = it % kPBuffers;
     StoreP(smem, buffer, my_row, t4, sc, alpha);
     ptx::NamedBarrierArrive(4 + buffer, 256);  // P_FULL(it)
     if (it + 1 < iters) {
-      if (kSingleExchange && it < kPBuffers) ptx::NamedBarrierSync(2 + (warp >> 1), 64);  // partner read partial it
+      if (kSingleExchange && it < kPBuffers)
+        ptx::NamedBarrierSync(2 + (warp >> 1), 64);  // partner read partial it
       publish(acc, kSingleExchange ? 0 : (it + 1) & 1);
     }
   }
@@ -566,7 +602,8 @@ __device__ __forceinline__ float ScorePipelinedStream(int iters, uint32_t base, 
 // four MMAs (two m tiles x two n tiles), so the tile's K is read from shared
 // memory once instead of once per row group; the partial scores then meet in
 // a four-way exchange. Warp ks owns rows 16 (ks / 2) + 8 (ks % 2) + g.
-__device__ __forceinline__ float ScoreQuadStream(int iters, uint32_t base, int lane, int warp, float4* exchange) {
+__device__ __forceinline__ float ScoreQuadStream(int iters, uint32_t base, int lane, int warp,
+                                                 float4* exchange) {
   constexpr int kSteps = 9;
   const int ks = warp & 3;
   uint32_t q_frag[2][kSteps][4];
@@ -580,7 +617,8 @@ __device__ __forceinline__ float ScoreQuadStream(int iters, uint32_t base, int l
   const int k_token = (lane & 7) + ((lane >> 4) << 3);
   uint32_t k_off[kSteps];
 #pragma unroll
-  for (int s = 0; s < kSteps; ++s) k_off[s] = TileOffset(k_token, ks * 18 + 2 * s + ((lane >> 3) & 1));
+  for (int s = 0; s < kSteps; ++s)
+    k_off[s] = TileOffset(k_token, ks * 18 + 2 * s + ((lane >> 3) & 1));
   uint32_t stage = 0;
   float total = 0.0f;
   for (int it = 0; it < iters; ++it) {
@@ -605,8 +643,8 @@ __device__ __forceinline__ float ScoreQuadStream(int iters, uint32_t base, int l
       for (int h = 0; h < 2; ++h) {
         const int owner = 2 * m + h;
         if (owner != ks) {
-          exchange[(owner * 4 + ks) * 32 + lane] =
-              make_float4(acc[m][0][2 * h], acc[m][0][2 * h + 1], acc[m][1][2 * h], acc[m][1][2 * h + 1]);
+          exchange[(owner * 4 + ks) * 32 + lane] = make_float4(
+              acc[m][0][2 * h], acc[m][0][2 * h + 1], acc[m][1][2 * h], acc[m][1][2 * h + 1]);
         }
       }
     ptx::NamedBarrierSync(1, 128);
@@ -619,7 +657,8 @@ __device__ __forceinline__ float ScoreQuadStream(int iters, uint32_t base, int l
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if (2 * m + h == ks) {
-          sum = make_float4(acc[m][0][2 * h], acc[m][0][2 * h + 1], acc[m][1][2 * h], acc[m][1][2 * h + 1]);
+          sum = make_float4(acc[m][0][2 * h], acc[m][0][2 * h + 1], acc[m][1][2 * h],
+                            acc[m][1][2 * h + 1]);
         }
       }
 #pragma unroll
@@ -643,10 +682,12 @@ struct PvWarp {
     const int pv_warp = warp & 3;
     const int v_token = (lane & 7) + (((lane >> 3) & 1) << 3);
 #pragma unroll
-    for (int np = 0; np < 4; ++np) v_frag_offset[np] = TileOffset(v_token, pv_warp * 16 + np * 2 + (lane >> 4));
+    for (int np = 0; np < 4; ++np)
+      v_frag_offset[np] = TileOffset(v_token, pv_warp * 16 + np * 2 + (lane >> 4));
 #pragma unroll
     for (int m = 0; m < 2; ++m)
-      p_frag_addr[m] = base + kPBufferOffset + ((m * 16 + (lane & 15)) * kPPitch + ((lane >> 4) << 3)) * 2;
+      p_frag_addr[m] =
+          base + kPBufferOffset + ((m * 16 + (lane & 15)) * kPPitch + ((lane >> 4) << 3)) * 2;
   }
   __device__ __forceinline__ uint32_t VAddress(uint32_t base, uint32_t stage, int np) const {
     return base + stage + v_frag_offset[np % 4] + (np / 4) * 128;
@@ -656,7 +697,8 @@ struct PvWarp {
 // One tile's cp.async by the first 128 threads of a role (8 per KV row, nine
 // 16-byte chunks each), into the stage at byte offset `stage`, from tile
 // (CTA x 7 + it) of an L2-resident ring; committed as one group.
-__device__ __forceinline__ void IssueTileLoadAt(uint32_t base, uint32_t stage, const uint4* global, size_t tile) {
+__device__ __forceinline__ void IssueTileLoadAt(uint32_t base, uint32_t stage, const uint4* global,
+                                                size_t tile) {
   const int tid = threadIdx.x;
   const int ld_row = (tid & 127) >> 3, ld_lane = tid & 7;
   const uint4* row = global + tile * (kStageBytes / 16) + ld_row * (ROW_BYTES / 16) + ld_lane;
@@ -668,8 +710,8 @@ __device__ __forceinline__ void IssueTileLoadAt(uint32_t base, uint32_t stage, c
 // The same tile as 16 bulk row copies: lanes 0-3 of each PV warp one row
 // each, completing on the stage's mbarrier (lane 0 arrives with the warp's
 // bytes first).
-__device__ __forceinline__ void IssueTileBulkAt(uint32_t base, uint32_t stage, const uint4* global, size_t tile,
-                                                int warp, int lane) {
+__device__ __forceinline__ void IssueTileBulkAt(uint32_t base, uint32_t stage, const uint4* global,
+                                                size_t tile, int warp, int lane) {
   const uint32_t bar = StageMbarrier(base, stage / kStageBytes);
   if (lane == 0) MbarrierArriveExpectTx(bar, 4 * ROW_BYTES);
   __syncwarp();
@@ -678,11 +720,12 @@ __device__ __forceinline__ void IssueTileBulkAt(uint32_t base, uint32_t stage, c
     // copy writes it through the async proxy.
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     const int row = (warp & 3) * 4 + lane;
-    BulkCopyRow(base + stage + row * ROW_BYTES, global + tile * (kStageBytes / 16) + row * (ROW_BYTES / 16), bar);
+    BulkCopyRow(base + stage + row * ROW_BYTES,
+                global + tile * (kStageBytes / 16) + row * (ROW_BYTES / 16), bar);
   }
 }
-__device__ __forceinline__ void IssueTileLoad(uint32_t base, uint32_t stage, const uint4* global, size_t global_tiles,
-                                              int it) {
+__device__ __forceinline__ void IssueTileLoad(uint32_t base, uint32_t stage, const uint4* global,
+                                              size_t global_tiles, int it) {
   IssueTileLoadAt(base, stage, global, (static_cast<size_t>(blockIdx.x) * 7 + it) % global_tiles);
 }
 
@@ -708,9 +751,11 @@ __device__ __forceinline__ float OChecksum(const float (&o)[2][16][4]) {
 // KV_FULL: the score warps wait on the mbarrier).
 template <int kPBuffers = 0, bool kPhaseOffset = false, bool kLoads = false, bool kEarlyKv = false,
           bool kPageIds = false, bool kBulk = false>
-__device__ __forceinline__ float PvAheadStream(int iters, uint32_t base, int lane, int warp, const uint8_t* smem,
-                                               const uint4* global = nullptr, size_t global_tiles = 1,
-                                               const int* page_table = nullptr, int page_count = 1) {
+__device__ __forceinline__ float PvAheadStream(int iters, uint32_t base, int lane, int warp,
+                                               const uint8_t* smem, const uint4* global = nullptr,
+                                               size_t global_tiles = 1,
+                                               const int* page_table = nullptr,
+                                               int page_count = 1) {
   int next_page = 0;
   if constexpr (kPageIds) next_page = page_table[(blockIdx.x * 7 + 1) % page_count];
   uint32_t free_stage = (kStages - 1) * kStageBytes;  // tile it - 1's
@@ -722,7 +767,8 @@ __device__ __forceinline__ float PvAheadStream(int iters, uint32_t base, int lan
   for (int it = 0; it < iters; ++it) {
     if constexpr (kHandOver) {
       ptx::NamedBarrierSync(4 + it % kPBuffers, 256);  // P_FULL(it)
-      const float* alpha = reinterpret_cast<const float*>(smem + kAlphaOffset) + (it % kPBuffers) * 32;
+      const float* alpha =
+          reinterpret_cast<const float*>(smem + kAlphaOffset) + (it % kPBuffers) * 32;
       float al[2][2];
 #pragma unroll
       for (int m = 0; m < 2; ++m) al[m][0] = alpha[m * 16 + g], al[m][1] = alpha[m * 16 + g + 8];
@@ -747,9 +793,12 @@ __device__ __forceinline__ float PvAheadStream(int iters, uint32_t base, int lan
     }
     uint32_t p_frag[2][4];
 #pragma unroll
-    for (int m = 0; m < 2; ++m) ptx::LdMatrixX4(p_frag[m], pv.p_frag_addr[m] + (kHandOver ? (it % kPBuffers) * kPBufferBytes : 0));
+    for (int m = 0; m < 2; ++m)
+      ptx::LdMatrixX4(p_frag[m],
+                      pv.p_frag_addr[m] + (kHandOver ? (it % kPBuffers) * kPBufferBytes : 0));
     if constexpr (kPhaseOffset) {
-      if (it + 1 < iters) ptx::NamedBarrierSync(12, 256);  // the score warps issued S(it + 1)'s MMAs
+      if (it + 1 < iters)
+        ptx::NamedBarrierSync(12, 256);  // the score warps issued S(it + 1)'s MMAs
     }
     uint32_t vf[2][4];
     ptx::LdMatrixX4Trans(vf[0], pv.VAddress(base, stage, 0));
@@ -766,7 +815,8 @@ __device__ __forceinline__ float PvAheadStream(int iters, uint32_t base, int lan
     free_stage = stage;
     stage = stage == (kStages - 1) * kStageBytes ? 0 : stage + kStageBytes;
     if constexpr (kHandOver) {
-      if (it + kPBuffers < iters) ptx::NamedBarrierArrive(4 + kPBuffers + it % kPBuffers, 256);  // P_EMPTY(it)
+      if (it + kPBuffers < iters)
+        ptx::NamedBarrierArrive(4 + kPBuffers + it % kPBuffers, 256);  // P_EMPTY(it)
     }
     if constexpr (kLoads) {
       // The kernel's order (v15.3): tile it + 2 complete (one newer group
@@ -813,7 +863,8 @@ __global__ void __launch_bounds__(kThreads, 1) TileProbeKernel(const ProbeArgs a
   // Small bf16 values (|x| < 1), different everywhere: realistic operand toggling.
   for (int i = tid; i < kSmemBytes / 4; i += blockDim.x) {
     const uint32_t h = (i * 2654435761u) ^ (blockIdx.x * 40503u);
-    reinterpret_cast<uint32_t*>(smem)[i] = 0x3c003c00u | (h & 0x007f007fu) | ((h >> 8) & 0x80008000u);
+    reinterpret_cast<uint32_t*>(smem)[i] =
+        0x3c003c00u | (h & 0x007f007fu) | ((h >> 8) & 0x80008000u);
   }
   __syncthreads();
   const uint32_t base = ptx::SmemAddress(smem);
@@ -835,18 +886,20 @@ __global__ void __launch_bounds__(kThreads, 1) TileProbeKernel(const ProbeArgs a
     } else if (role == kScoreKernelProtocol) {
       total = ScoreStream<true, true, true, 2, true, true>(a.iters, base, lane, warp, smem);
     } else if (role == kPvKernelPageIds) {
-      total = PvAheadStream<2, true, true, false, true>(a.iters, base, lane, warp, smem, a.global, a.global_tiles,
-                                                         a.page_table, a.page_count);
+      total = PvAheadStream<2, true, true, false, true>(a.iters, base, lane, warp, smem, a.global,
+                                                        a.global_tiles, a.page_table, a.page_count);
     } else if (kInstance == 1 && role == kScoreKernelEarlyEmpty) {
-      total = ScoreStream<true, true, true, 2, true, true, false, true>(a.iters, base, lane, warp, smem);
+      total = ScoreStream<true, true, true, 2, true, true, false, true>(a.iters, base, lane, warp,
+                                                                        smem);
     } else if (kInstance == 1 && role == kScoreKernelBulk) {
       total = ScoreStream<true, true, true, 2, true, true, true>(a.iters, base, lane, warp, smem);
     } else if (kInstance == 1 && role == kPvKernelBulk) {
-      total = PvAheadStream<2, true, true, false, true, true>(a.iters, base, lane, warp, smem, a.global,
-                                                               a.global_tiles, a.page_table, a.page_count);
+      total = PvAheadStream<2, true, true, false, true, true>(
+          a.iters, base, lane, warp, smem, a.global, a.global_tiles, a.page_table, a.page_count);
     } else if (kInstance == 1 && role == kPvKernelBulkDram) {
-      total = PvAheadStream<2, true, true, false, true, true>(a.iters, base, lane, warp, smem, a.dram, a.dram_tiles,
-                                                               a.page_table + a.page_count, a.page_count);
+      total = PvAheadStream<2, true, true, false, true, true>(
+          a.iters, base, lane, warp, smem, a.dram, a.dram_tiles, a.page_table + a.page_count,
+          a.page_count);
     }
   } else if (role == kScore) {
     total = ScoreStream<true>(a.iters, base, lane, warp);
@@ -871,11 +924,12 @@ __global__ void __launch_bounds__(kThreads, 1) TileProbeKernel(const ProbeArgs a
   } else if (role == kScoreKernelProtocol) {
     total = ScoreStream<true, true, true, 2, true, true>(a.iters, base, lane, warp, smem);
   } else if (role == kPvKernelPageIds) {
-    total = PvAheadStream<2, true, true, false, true>(a.iters, base, lane, warp, smem, a.global, a.global_tiles,
-                                                       a.page_table, a.page_count);
+    total = PvAheadStream<2, true, true, false, true>(a.iters, base, lane, warp, smem, a.global,
+                                                      a.global_tiles, a.page_table, a.page_count);
   } else if (role == kPvKernelPageIdsDram) {
-    total = PvAheadStream<2, true, true, false, true>(a.iters, base, lane, warp, smem, a.dram, a.dram_tiles,
-                                                       a.page_table + a.page_count, a.page_count);
+    total = PvAheadStream<2, true, true, false, true>(a.iters, base, lane, warp, smem, a.dram,
+                                                      a.dram_tiles, a.page_table + a.page_count,
+                                                      a.page_count);
   } else if (role == kPvKernelProtocol) {
     total = PvAheadStream<2, true, true>(a.iters, base, lane, warp, smem, a.global, a.global_tiles);
   } else if (role == kPvHandOver) {
@@ -883,12 +937,15 @@ __global__ void __launch_bounds__(kThreads, 1) TileProbeKernel(const ProbeArgs a
   } else if (role == kScorePipelinedKv) {
     total = ScorePipelinedStream<2, true, true>(a.iters, base, lane, warp, smem);
   } else if (role == kPvLoadsEarlyKv) {
-    total = PvAheadStream<2, false, true, true>(a.iters, base, lane, warp, smem, a.global, a.global_tiles);
+    total = PvAheadStream<2, false, true, true>(a.iters, base, lane, warp, smem, a.global,
+                                                a.global_tiles);
   } else if (role == kPvLoadsLateKv) {
-    total = PvAheadStream<2, false, true, false>(a.iters, base, lane, warp, smem, a.global, a.global_tiles);
+    total = PvAheadStream<2, false, true, false>(a.iters, base, lane, warp, smem, a.global,
+                                                 a.global_tiles);
 
   } else if (role == kScoreQuad) {
-    total = ScoreQuadStream(a.iters, base, lane, warp, reinterpret_cast<float4*>(smem + kExchangeOffset));
+    total = ScoreQuadStream(a.iters, base, lane, warp,
+                            reinterpret_cast<float4*>(smem + kExchangeOffset));
   } else if (role == kPvAhead) {
     total = PvAheadStream(a.iters, base, lane, warp, smem);
   } else if (role == kPv || role == kPvLoads) {
@@ -938,7 +995,8 @@ __global__ void __launch_bounds__(kThreads, 1) TileProbeKernel(const ProbeArgs a
   uint64_t end_ns;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(end_ns));
   if (tid == 0) a.nanoseconds[blockIdx.x] = static_cast<long long>(end_ns - start_ns);
-  if (lane == 0) a.cycles[blockIdx.x * (1 + kMaxWarps) + 1 + warp] = role == kIdle ? 0 : warp_end - start;
+  if (lane == 0)
+    a.cycles[blockIdx.x * (1 + kMaxWarps) + 1 + warp] = role == kIdle ? 0 : warp_end - start;
   if (tid == 0) a.cycles[blockIdx.x * (1 + kMaxWarps)] = cta_end - start;
   if (total == 1.2345f) a.sink[0] = total;  // keeps the MMAs alive
 }
@@ -953,21 +1011,40 @@ RoleWork WorkPerTile(int role) {
   switch (role) {
     case kScore:
       return {kHmmaPerScoreTile, kLdsmPerScoreTile * 512.0};
-    case kScorePair: case kScoreSoftmax: case kScoreHandOver: case kScoreHandOver3: case kScoreHandOverOffset:
-    case kScoreKernelProtocol: case kScorePipelined: case kScorePipelinedKv: case kScoreKernelBulk:
+    case kScorePair:
+    case kScoreSoftmax:
+    case kScoreHandOver:
+    case kScoreHandOver3:
+    case kScoreHandOverOffset:
+    case kScoreKernelProtocol:
+    case kScorePipelined:
+    case kScorePipelinedKv:
+    case kScoreKernelBulk:
     case kScoreKernelEarlyEmpty:
       return {kHmmaPerScoreTile, kLdsmPerScoreTile * 512.0 + 2 * 512};  // + the pair exchange
     case kScoreKeySplit:
       return {kHmmaPerScoreTile, kLdsmPerScoreTile * 512.0};  // no exchange
     case kScoreTwoWay:
-      return {kHmmaPerScoreTile, kLdsmPerScoreTile / 2 * 512.0 + 2 * 512};  // K once + a float4 out and in
+      return {kHmmaPerScoreTile,
+              kLdsmPerScoreTile / 2 * 512.0 + 2 * 512};  // K once + a float4 out and in
     case kScoreQuad:
       return {kHmmaPerScoreTile, 9 * 512.0 + 6 * 512};
-    case kPv: case kPvAhead: case kPvHandOver: case kPvHandOver3: case kPvHandOverOffset:
+    case kPv:
+    case kPvAhead:
+    case kPvHandOver:
+    case kPvHandOver3:
+    case kPvHandOverOffset:
       return {kHmmaPerPvTile, kLdsmPerPvTile * 512.0};
-    case kPvLoads: case kPvKernelProtocol: case kPvLoadsEarlyKv: case kPvLoadsLateKv: case kPvKernelPageIds:
-    case kPvKernelPageIdsDram: case kPvKernelBulk: case kPvKernelBulkDram:
-      return {kHmmaPerPvTile, kLdsmPerPvTile * 512.0 + kStageBytes / 4};  // + a quarter of the tile's writes
+    case kPvLoads:
+    case kPvKernelProtocol:
+    case kPvLoadsEarlyKv:
+    case kPvLoadsLateKv:
+    case kPvKernelPageIds:
+    case kPvKernelPageIdsDram:
+    case kPvKernelBulk:
+    case kPvKernelBulkDram:
+      return {kHmmaPerPvTile,
+              kLdsmPerPvTile * 512.0 + kStageBytes / 4};  // + a quarter of the tile's writes
     case kMmaOnly:
       return {kHmmaPerScoreTile, 0};
     case kLdsmOnly:
@@ -984,19 +1061,19 @@ struct Config {
   int instance = 0;  // TileProbeKernel's kInstance
 };
 
-#define CUDA_OR_DIE(expr)                                                                      \
-  do {                                                                                         \
-    const cudaError_t e = (expr);                                                              \
-    if (e != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "%s failed: %s\n", #expr, cudaGetErrorString(e));                  \
-      std::exit(1);                                                                            \
-    }                                                                                          \
+#define CUDA_OR_DIE(expr)                                                    \
+  do {                                                                       \
+    const cudaError_t e = (expr);                                            \
+    if (e != cudaSuccess) {                                                  \
+      std::fprintf(stderr, "%s failed: %s\n", #expr, cudaGetErrorString(e)); \
+      std::exit(1);                                                          \
+    }                                                                        \
   } while (0)
 
 template <int kChains, int kInstance = 0>
 void Launch(const ProbeArgs& args, int sms, int warps) {
-  CUDA_OR_DIE(cudaFuncSetAttribute(TileProbeKernel<kChains, kInstance>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   kSmemBytes));
+  CUDA_OR_DIE(cudaFuncSetAttribute(TileProbeKernel<kChains, kInstance>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   TileProbeKernel<kChains, kInstance><<<sms, warps * 32, kSmemBytes>>>(args);
 }
 
@@ -1021,7 +1098,8 @@ int Main(int argc, char** argv) {
   CUDA_OR_DIE(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   CUDA_OR_DIE(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device));
 
-  const size_t global_tiles = 1024;  // 18 MB: L2-resident, as most KV reads of the compute-bound shape
+  const size_t global_tiles =
+      1024;  // 18 MB: L2-resident, as most KV reads of the compute-bound shape
   uint4* global = nullptr;
   long long* cycles = nullptr;
   long long* nanoseconds = nullptr;
@@ -1047,14 +1125,17 @@ int Main(int argc, char** argv) {
   }
   int* page_table = nullptr;
   CUDA_OR_DIE(cudaMalloc(&page_table, pages.size() * sizeof(int)));
-  CUDA_OR_DIE(cudaMemcpy(page_table, pages.data(), pages.size() * sizeof(int), cudaMemcpyHostToDevice));
+  CUDA_OR_DIE(
+      cudaMemcpy(page_table, pages.data(), pages.size() * sizeof(int), cudaMemcpyHostToDevice));
 
-  const int S = kScore, P = kPv, L = kPvLoads, M = kMmaOnly, D = kLdsmOnly, A = kPvAhead, X = kScorePair,
-            Q = kScoreQuad, F = kScoreSoftmax, H = kScoreHandOver, V = kPvHandOver, H3 = kScoreHandOver3,
-            V3 = kPvHandOver3, HO = kScoreHandOverOffset, VO = kPvHandOverOffset, SK = kScoreKernelProtocol,
-            PK = kPvKernelProtocol, SP = kScorePipelined, SPK = kScorePipelinedKv, PE = kPvLoadsEarlyKv,
-            PL = kPvLoadsLateKv, PI = kPvKernelPageIds, PD = kPvKernelPageIdsDram, SB = kScoreKernelBulk,
-            PB = kPvKernelBulk, PBD = kPvKernelBulkDram, SE = kScoreKernelEarlyEmpty, KS = kScoreKeySplit, KT = kScoreTwoWay;
+  const int S = kScore, P = kPv, L = kPvLoads, M = kMmaOnly, D = kLdsmOnly, A = kPvAhead,
+            X = kScorePair, Q = kScoreQuad, F = kScoreSoftmax, H = kScoreHandOver, V = kPvHandOver,
+            H3 = kScoreHandOver3, V3 = kPvHandOver3, HO = kScoreHandOverOffset,
+            VO = kPvHandOverOffset, SK = kScoreKernelProtocol, PK = kPvKernelProtocol,
+            SP = kScorePipelined, SPK = kScorePipelinedKv, PE = kPvLoadsEarlyKv,
+            PL = kPvLoadsLateKv, PI = kPvKernelPageIds, PD = kPvKernelPageIdsDram,
+            SB = kScoreKernelBulk, PB = kPvKernelBulk, PBD = kPvKernelBulkDram,
+            SE = kScoreKernelEarlyEmpty, KS = kScoreKeySplit, KT = kScoreTwoWay;
   const std::vector<Config> configs = {
       {"score x4 (1 per sub-partition)", {S, S, S, S}},
       {"pv x4", {P, P, P, P}},
@@ -1075,10 +1156,19 @@ int Main(int argc, char** argv) {
       {"the same + the PV warps' loads and KV_FULL (v15.3)", {SK, SK, SK, SK, PK, PK, PK, PK}},
       {"the same + page ids read one tile ahead", {SK, SK, SK, SK, PI, PI, PI, PI}},
       {"the same, tiles from a 2 GB ring (DRAM)", {SK, SK, SK, SK, PD, PD, PD, PD}},
-      {"load protocols: kernel protocol + page ids (reference)", {SK, SK, SK, SK, PI, PI, PI, PI}, 2, 1},
+      {"load protocols: kernel protocol + page ids (reference)",
+       {SK, SK, SK, SK, PI, PI, PI, PI},
+       2,
+       1},
       {"load protocols: the same, P_EMPTY early", {SE, SE, SE, SE, PI, PI, PI, PI}, 2, 1},
-      {"load protocols: page ids, a bulk copy per row, mbarriers", {SB, SB, SB, SB, PB, PB, PB, PB}, 2, 1},
-      {"load protocols: the bulk copies from a 2 GB ring (DRAM)", {SB, SB, SB, SB, PBD, PBD, PBD, PBD}, 2, 1},
+      {"load protocols: page ids, a bulk copy per row, mbarriers",
+       {SB, SB, SB, SB, PB, PB, PB, PB},
+       2,
+       1},
+      {"load protocols: the bulk copies from a 2 GB ring (DRAM)",
+       {SB, SB, SB, SB, PBD, PBD, PBD, PBD},
+       2,
+       1},
       {"key split: kernel protocol + page ids (reference)", {SK, SK, SK, SK, PI, PI, PI, PI}, 2, 2},
       {"key split: score warps split keys, no exchange", {KS, KS, KS, KS, PI, PI, PI, PI}, 2, 2},
       // The K-once two-way layout, in an instance of its own.
@@ -1104,16 +1194,18 @@ int Main(int argc, char** argv) {
   out["sms"] = sms;
   out["clock_mhz"] = clock_khz / 1000.0;
   out["iters"] = iters;
-  std::printf("%s, %d SMs, %.0f MHz, %d tiles per warp\n", prop.name, sms, clock_khz / 1000.0, iters);
-  std::printf("%-54s %10s %12s %12s %10s %8s %9s %9s\n", "config", "clk/tile", "clk/HMMA/SP", "smem B/clk", "TFLOP/s",
-              "SM MHz", "w0-3 clk", "w4-7 clk");
+  std::printf("%s, %d SMs, %.0f MHz, %d tiles per warp\n", prop.name, sms, clock_khz / 1000.0,
+              iters);
+  std::printf("%-54s %10s %12s %12s %10s %8s %9s %9s\n", "config", "clk/tile", "clk/HMMA/SP",
+              "smem B/clk", "TFLOP/s", "SM MHz", "w0-3 clk", "w4-7 clk");
   cudaEvent_t start, stop;
   CUDA_OR_DIE(cudaEventCreate(&start));
   CUDA_OR_DIE(cudaEventCreate(&stop));
   for (const Config& c : configs) {
     if (!rows.empty() && c.name.find(rows) == std::string::npos) continue;
     ProbeArgs args{};
-    for (size_t w = 0; w < c.roles.size(); ++w) args.roles |= static_cast<uint64_t>(c.roles[w]) << (8 * w);
+    for (size_t w = 0; w < c.roles.size(); ++w)
+      args.roles |= static_cast<uint64_t>(c.roles[w]) << (8 * w);
     args.iters = iters;
     args.global = global;
     args.global_tiles = global_tiles;
@@ -1130,10 +1222,18 @@ int Main(int argc, char** argv) {
       if (c.instance == 2) return Launch<2, 2>(args, sms, warps);
       if (c.instance == 3) return Launch<2, 3>(args, sms, warps);
       switch (c.chains) {
-        case 1: Launch<1>(args, sms, warps); break;
-        case 2: Launch<2>(args, sms, warps); break;
-        case 4: Launch<4>(args, sms, warps); break;
-        default: Launch<8>(args, sms, warps); break;
+        case 1:
+          Launch<1>(args, sms, warps);
+          break;
+        case 2:
+          Launch<2>(args, sms, warps);
+          break;
+        case 4:
+          Launch<4>(args, sms, warps);
+          break;
+        default:
+          Launch<8>(args, sms, warps);
+          break;
       }
     };
     launch();  // warm-up
@@ -1145,14 +1245,17 @@ int Main(int argc, char** argv) {
     float ms = 0.0f;
     CUDA_OR_DIE(cudaEventElapsedTime(&ms, start, stop));
     std::vector<long long> host(static_cast<size_t>(sms) * (1 + kMaxWarps));
-    CUDA_OR_DIE(cudaMemcpy(host.data(), cycles, host.size() * sizeof(long long), cudaMemcpyDeviceToHost));
+    CUDA_OR_DIE(
+        cudaMemcpy(host.data(), cycles, host.size() * sizeof(long long), cudaMemcpyDeviceToHost));
     std::vector<long long> host_ns(sms);
-    CUDA_OR_DIE(cudaMemcpy(host_ns.data(), nanoseconds, host_ns.size() * sizeof(long long), cudaMemcpyDeviceToHost));
+    CUDA_OR_DIE(cudaMemcpy(host_ns.data(), nanoseconds, host_ns.size() * sizeof(long long),
+                           cudaMemcpyDeviceToHost));
     std::vector<double> cta, mhz;
     for (int b = 0; b < sms; ++b) {
       cta.push_back(static_cast<double>(host[b * (1 + kMaxWarps)]) / iters);
       // The SM clock while this CTA ran: cycles over globaltimer nanoseconds.
-      if (host_ns[b] > 0) mhz.push_back(1e3 * static_cast<double>(host[b * (1 + kMaxWarps)]) / host_ns[b]);
+      if (host_ns[b] > 0)
+        mhz.push_back(1e3 * static_cast<double>(host[b * (1 + kMaxWarps)]) / host_ns[b]);
     }
     std::sort(mhz.begin(), mhz.end());
     const double sm_mhz = mhz.empty() ? 0.0 : mhz[mhz.size() / 2];
@@ -1164,7 +1267,8 @@ int Main(int argc, char** argv) {
       std::vector<double> v;
       for (int b = 0; b < sms; ++b) {
         long long worst = 0;
-        for (int w = first; w < std::min(first + 4, warps); ++w) worst = std::max(worst, host[b * (1 + kMaxWarps) + 1 + w]);
+        for (int w = first; w < std::min(first + 4, warps); ++w)
+          worst = std::max(worst, host[b * (1 + kMaxWarps) + 1 + w]);
         v.push_back(static_cast<double>(worst) / iters);
       }
       std::sort(v.begin(), v.end());
@@ -1182,8 +1286,9 @@ int Main(int argc, char** argv) {
     }
     const double clk_per_hmma_sp = hmma > 0 ? clk_per_tile / (hmma / 4) : 0;
     const double tflops = hmma * 4096.0 * iters * sms / (ms * 1e-3) / 1e12;
-    std::printf("%-54s %10.1f %12.2f %12.1f %10.1f %8.0f %9.1f %9.1f\n", c.name.c_str(), clk_per_tile, clk_per_hmma_sp,
-                smem_bytes / clk_per_tile, tflops, sm_mhz, first_half, second_half);
+    std::printf("%-54s %10.1f %12.2f %12.1f %10.1f %8.0f %9.1f %9.1f\n", c.name.c_str(),
+                clk_per_tile, clk_per_hmma_sp, smem_bytes / clk_per_tile, tflops, sm_mhz,
+                first_half, second_half);
     out["rows"].push_back({{"config", c.name},
                            {"warps", warps},
                            {"chains", c.chains},

@@ -4,8 +4,8 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cuda_status.h"
 #include "common/status_macros.h"
+#include "kernels/cuda_status.h"
 
 namespace mlaverify::kernels::testing {
 namespace {
@@ -16,10 +16,11 @@ template <typename T>
 absl::Status CopyIn(const DeviceBuffer& dst, const std::vector<T>& src, const char* what) {
   const size_t bytes = src.size() * sizeof(T);
   if (bytes > dst.bytes()) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": ", bytes, " bytes exceed the ",
-                                                   dst.bytes(), " allocated"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": ", bytes, " bytes exceed the ", dst.bytes(), " allocated"));
   }
-  return CudaErrorToStatus(cudaMemcpy(dst.as<void>(), src.data(), bytes, cudaMemcpyHostToDevice), what);
+  return CudaErrorToStatus(cudaMemcpy(dst.as<void>(), src.data(), bytes, cudaMemcpyHostToDevice),
+                           what);
 }
 
 }  // namespace
@@ -28,8 +29,8 @@ std::string NoUsableGpuReason() {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {
-    return absl::StrCat("no usable CUDA device or driver (cudaGetDeviceCount: ",
-                        cudaGetErrorString(err), ")");
+    return absl::StrCat(
+        "no usable CUDA device or driver (cudaGetDeviceCount: ", cudaGetErrorString(err), ")");
   }
   return count == 0 ? "no CUDA device (device count is 0)" : "";
 }
@@ -69,17 +70,18 @@ absl::Status DeviceVerifyProblem::Init(const DeviceCapacity& c, const VerifyLaun
   RETURN_IF_ERROR(layer_.Allocate(c.batch * sizeof(int32_t)));
   RETURN_IF_ERROR(visibility_.Allocate(c.total_draft * sizeof(uint64_t)));
   RETURN_IF_ERROR(q_.Allocate(c.q_elems * sizeof(Bf16)));
-  RETURN_IF_ERROR(draft_kv_.Allocate(static_cast<size_t>(c.total_draft) * kLatentDim * sizeof(Bf16)));
   RETURN_IF_ERROR(
-      out_.Allocate(static_cast<size_t>(c.total_draft) * c.num_heads * (kValueDim + c.out_head_pad) *
-                    sizeof(Bf16)));
+      draft_kv_.Allocate(static_cast<size_t>(c.total_draft) * kLatentDim * sizeof(Bf16)));
+  RETURN_IF_ERROR(out_.Allocate(static_cast<size_t>(c.total_draft) * c.num_heads *
+                                (kValueDim + c.out_head_pad) * sizeof(Bf16)));
   RETURN_IF_ERROR(lse_.Allocate(static_cast<size_t>(c.total_draft) * c.num_heads * sizeof(float)));
   VerifyArguments shape;
   shape.batch = c.batch;
   shape.num_heads = c.num_heads;
   shape.max_draft_len = c.max_draft_len;
   RETURN_IF_ERROR(workspace_.Allocate(VerifyWorkspaceBytes(shape, config)));
-  RETURN_IF_ERROR(InitVerifyWorkspace(shape, config, workspace_.as<void>(), workspace_.bytes(), nullptr));
+  RETURN_IF_ERROR(
+      InitVerifyWorkspace(shape, config, workspace_.as<void>(), workspace_.bytes(), nullptr));
   return CudaErrorToStatus(cudaStreamSynchronize(nullptr), "workspace init");
 }
 
@@ -138,8 +140,10 @@ absl::Status DeviceVerifyProblem::Upload(const HostVerifyProblem& p) {
 }
 
 absl::Status DeviceVerifyProblem::PoisonOutputs(cudaStream_t stream) {
-  RETURN_IF_ERROR(CudaErrorToStatus(cudaMemsetAsync(out_.as<void>(), 0xff, out_.bytes(), stream), "poison out"));
-  return CudaErrorToStatus(cudaMemsetAsync(lse_.as<void>(), 0xff, lse_.bytes(), stream), "poison lse");
+  RETURN_IF_ERROR(CudaErrorToStatus(cudaMemsetAsync(out_.as<void>(), 0xff, out_.bytes(), stream),
+                                    "poison out"));
+  return CudaErrorToStatus(cudaMemsetAsync(lse_.as<void>(), 0xff, lse_.bytes(), stream),
+                           "poison lse");
 }
 
 absl::Status DeviceVerifyProblem::Download(const HostVerifyProblem& p, std::vector<Bf16>* out,
@@ -147,11 +151,11 @@ absl::Status DeviceVerifyProblem::Download(const HostVerifyProblem& p, std::vect
   const size_t rows = static_cast<size_t>(p.total_draft) * p.spec.num_heads;
   out->resize(rows * kValueDim);
   lse->resize(rows);
-  RETURN_IF_ERROR(CudaErrorToStatus(
-      cudaMemcpy2D(out->data(), kValueDim * sizeof(Bf16), out_.as<void>(),
-                   (kValueDim + capacity_.out_head_pad) * sizeof(Bf16), kValueDim * sizeof(Bf16), rows,
-                   cudaMemcpyDeviceToHost),
-      "download out"));
+  RETURN_IF_ERROR(
+      CudaErrorToStatus(cudaMemcpy2D(out->data(), kValueDim * sizeof(Bf16), out_.as<void>(),
+                                     (kValueDim + capacity_.out_head_pad) * sizeof(Bf16),
+                                     kValueDim * sizeof(Bf16), rows, cudaMemcpyDeviceToHost),
+                        "download out"));
   return CudaErrorToStatus(
       cudaMemcpy(lse->data(), lse_.as<void>(), lse->size() * sizeof(float), cudaMemcpyDeviceToHost),
       "download lse");

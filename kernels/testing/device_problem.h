@@ -5,12 +5,12 @@
 #ifndef MLAVERIFY_KERNELS_TESTING_DEVICE_PROBLEM_H_
 #define MLAVERIFY_KERNELS_TESTING_DEVICE_PROBLEM_H_
 
+#include <cuda_runtime_api.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
-
-#include <cuda_runtime_api.h>
 
 #include "absl/status/status.h"
 #include "kernels/testing/verify_problem.h"
@@ -28,7 +28,9 @@ class DeviceBuffer {
 
   absl::Status Allocate(size_t bytes);
   template <typename T>
-  T* as() const { return static_cast<T*>(ptr_); }
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
   size_t bytes() const { return bytes_; }
 
  private:

@@ -22,7 +22,8 @@ __global__ void ReadKernel(const uint4* __restrict__ data, size_t n, uint32_t* s
     const uint4 b = __ldcs(data + i + stride);
     const uint4 c = __ldcs(data + i + 2 * stride);
     const uint4 d = __ldcs(data + i + 3 * stride);
-    acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
+    acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^
+           d.w;
   }
   for (; i < n; i += stride) {
     const uint4 a = __ldcs(data + i);
@@ -126,8 +127,8 @@ absl::StatusOr<double> MeasureLaunchFloorUs(int ctas, int threads, int smem_byte
   const absl::StatusOr<GraphTiming> timing =
       err == cudaSuccess
           ? TimeGraphReplays(exec, stream, reps, &flush)
-          : absl::StatusOr<GraphTiming>(absl::InternalError(std::string("launch floor: graph not built: ") +
-                                                            cudaGetErrorString(err)));
+          : absl::StatusOr<GraphTiming>(absl::InternalError(
+                std::string("launch floor: graph not built: ") + cudaGetErrorString(err)));
   if (exec != nullptr) cudaGraphExecDestroy(exec);
   if (graph != nullptr) cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);

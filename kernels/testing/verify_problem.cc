@@ -6,8 +6,8 @@
 #include <random>
 
 #include "absl/strings/str_format.h"
-#include "kernels/cpu_reference.h"
 #include "common/draft_tree.h"
+#include "kernels/cpu_reference.h"
 #include "kernels/parallel_for.h"
 
 namespace mlaverify::kernels::testing {
@@ -151,7 +151,8 @@ HostVerifyProblem MakeProblem(const VerifyProblemSpec& spec) {
     ParallelFor(p.prefix_len[b], 0, [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j) {
         Bf16* row = p.pool.data() + view.RowOffset(p.layer[b], pages, j);
-        const float range = static_cast<float>(spec.kv_range * (1.0 + ramp_per_row * static_cast<double>(j)));
+        const float range =
+            static_cast<float>(spec.kv_range * (1.0 + ramp_per_row * static_cast<double>(j)));
         for (int d = 0; d < kLatentDim; ++d) {
           row[d] = FloatToBf16(HashUniform(seed, j * kLatentDim + d, range));
         }

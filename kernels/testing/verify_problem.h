@@ -24,20 +24,20 @@ struct VerifyProblemSpec {
   std::vector<int> draft_len;   // per request, 0..64 (0 = padding)
   int num_heads = 8;
   int page_size = 64;
-  int num_layers = 2;           // each request uses one; the others stay NaN
+  int num_layers = 2;  // each request uses one; the others stay NaN
   MaskKind mask = MaskKind::kTree;
   uint64_t seed = 1;
-  int extra_pages = 3;          // never referenced, filled with NaN
+  int extra_pages = 3;  // never referenced, filled with NaN
   // Lower bounds on the pool's page count and the page-table row length, so
   // that problems of different lengths share one shape (graph replay tests).
   int64_t min_num_pages = 0;
   int64_t min_page_table_stride = 0;
-  int64_t q_token_pad = 0;      // extra elements between q tokens (stride tests)
+  int64_t q_token_pad = 0;  // extra elements between q tokens (stride tests)
   // Extra elements after each output head row on the device (stride and
   // alignment tests: 2 gives rows that are 4- but not 8-byte aligned).
   int64_t out_head_pad = 0;
-  float q_range = 2.0f;         // q ~ U(-q_range, q_range)
-  float kv_range = 1.0f;        // kv ~ U(-kv_range, kv_range)
+  float q_range = 2.0f;   // q ~ U(-q_range, q_range)
+  float kv_range = 1.0f;  // kv ~ U(-kv_range, kv_range)
   // Prefix row j's range grows to kv_range * (1 + kv_ramp * j / P): scores
   // that keep rising along the prefix move the softmax's exponent reference
   // many times inside one split.
@@ -53,14 +53,14 @@ struct HostVerifyProblem {
   int total_draft = 0;
   int64_t num_pages = 0;
   int64_t page_table_stride = 0;
-  std::vector<Bf16> pool;              // [num_layers, num_pages, page_size, 576]
-  std::vector<int32_t> page_table;     // [batch, page_table_stride], -1 past the end
+  std::vector<Bf16> pool;           // [num_layers, num_pages, page_size, 576]
+  std::vector<int32_t> page_table;  // [batch, page_table_stride], -1 past the end
   std::vector<int32_t> prefix_len, draft_len, layer;
   std::vector<std::vector<int32_t>> parents;  // per request
-  std::vector<uint64_t> visibility;    // [total_draft]
-  std::vector<Bf16> q;                 // [total_draft, q_token_stride]
+  std::vector<uint64_t> visibility;           // [total_draft]
+  std::vector<Bf16> q;                        // [total_draft, q_token_stride]
   int64_t q_token_stride = 0;
-  std::vector<Bf16> draft_kv;          // [total_draft, 576]
+  std::vector<Bf16> draft_kv;  // [total_draft, 576]
   float softmax_scale = 0.0f;
 
   int64_t total_kv_tokens() const;  // sum of P + N
@@ -76,7 +76,7 @@ struct Comparison {
   double rel_err = 0.0;          // ||o - ref|| / ||ref|| over the checked rows
   double lse_max_abs_err = 0.0;  // over the checked rows
   int64_t rows_checked = 0;
-  int64_t nan_outputs = 0;       // NaN/Inf anywhere in out or lse (all rows)
+  int64_t nan_outputs = 0;  // NaN/Inf anywhere in out or lse (all rows)
   bool ok(double tolerance = 1e-2) const {
     return nan_outputs == 0 && rel_err == rel_err && rel_err <= tolerance;
   }
@@ -89,8 +89,7 @@ struct Comparison {
 // most `max_rows` of them, else a random sample of `max_rows` rows; scans all
 // rows for NaN either way.
 Comparison CompareWithReference(HostVerifyProblem& problem, const std::vector<Bf16>& out,
-                                const std::vector<float>& lse, int64_t max_rows,
-                                uint64_t seed = 7);
+                                const std::vector<float>& lse, int64_t max_rows, uint64_t seed = 7);
 
 // Useful work of a problem (the same counts KERNEL.md uses).
 double ProblemBytes(const HostVerifyProblem& p);  // sum (P+N) * 1152

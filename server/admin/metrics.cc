@@ -30,8 +30,8 @@ const std::vector<double>& DurationBuckets() {
 // device time per batch) are tens of microseconds on a GPU.
 const std::vector<double>& FineBuckets() {
   static const auto* const kBuckets = new std::vector<double>{
-      5e-6, 1e-5, 1.5e-5, 2e-5, 3e-5, 5e-5, 7.5e-5, 1e-4, 1.5e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3,
-      1.5e-3, 2e-3, 3e-3, 5e-3, 7.5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.25, 0.5, 1};
+      5e-6, 1e-5,   1.5e-5, 2e-5, 3e-5, 5e-5,   7.5e-5, 1e-4, 1.5e-4, 2e-4, 3e-4, 5e-4, 7.5e-4,
+      1e-3, 1.5e-3, 2e-3,   3e-3, 5e-3, 7.5e-3, 1e-2,   2e-2, 5e-2,   0.1,  0.25, 0.5,  1};
   return *kBuckets;
 }
 
@@ -79,22 +79,25 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                             .Help("Always 1; the labels name the server version and backend.")
                             .Register(r);
 
-  bucket_family_ = &prometheus::BuildCounter()
-                        .Name("mlaverify_verify_graph_bucket_total")
-                        .Help("CUDA-graph replays by the (batch, draft) bucket the batch was padded to.")
-                        .Register(r);
+  bucket_family_ =
+      &prometheus::BuildCounter()
+           .Name("mlaverify_verify_graph_bucket_total")
+           .Help("CUDA-graph replays by the (batch, draft) bucket the batch was padded to.")
+           .Register(r);
   device_seconds_family_ = &prometheus::BuildHistogram()
                                 .Name("mlaverify_device_batch_seconds")
                                 .Help("Device time of one verify batch (CUDA events), by device.")
                                 .Register(r);
-  device_faults_family_ = &prometheus::BuildCounter()
-                               .Name("mlaverify_device_faults_total")
-                               .Help("Device faults (after one, the device refuses all work), by device.")
-                               .Register(r);
+  device_faults_family_ =
+      &prometheus::BuildCounter()
+           .Name("mlaverify_device_faults_total")
+           .Help("Device faults (after one, the device refuses all work), by device.")
+           .Register(r);
   pool_pages_family_ = &prometheus::BuildGauge()
                             .Name("mlaverify_pool_pages")
-                            .Help("KV pages per pool (one per device in DP mode, one for all in TP "
-                                  "mode), by pool and state (used, free).")
+                            .Help(
+                                "KV pages per pool (one per device in DP mode, one for all in TP "
+                                "mode), by pool and state (used, free).")
                             .Register(r);
   batch_requests_ = &prometheus::BuildHistogram()
                          .Name("mlaverify_verify_batch_requests")
@@ -109,9 +112,10 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                              "Verify batches that reused the previous launch's plan.");
   auto& split = prometheus::BuildHistogram()
                     .Name("mlaverify_verify_server_seconds")
-                    .Help("Server time of a Verify call by part: queue (waiting for a device), "
-                          "device (its batch's device time), other (validation, host copies, "
-                          "completion).")
+                    .Help(
+                        "Server time of a Verify call by part: queue (waiting for a device), "
+                        "device (its batch's device time), other (validation, host copies, "
+                        "completion).")
                     .Register(r);
   server_queue_seconds_ = &split.Add({{"part", "queue"}}, FineBuckets());
   server_device_seconds_ = &split.Add({{"part", "device"}}, FineBuckets());
@@ -214,7 +218,8 @@ void Metrics::RecordBatch(const engine::BatchReport& report, absl::string_view d
       bucket = it->second;
     }
     auto [it, added] = device_seconds_.try_emplace(std::string(device), nullptr);
-    if (added) it->second = &device_seconds_family_->Add({{"device", std::string(device)}}, FineBuckets());
+    if (added)
+      it->second = &device_seconds_family_->Add({{"device", std::string(device)}}, FineBuckets());
     seconds = it->second;
   }
   if (bucket != nullptr) bucket->Increment();
@@ -224,7 +229,8 @@ void Metrics::RecordBatch(const engine::BatchReport& report, absl::string_view d
 void Metrics::RecordVerifyTiming(const engine::VerifyTiming& t) {
   server_queue_seconds_->Observe(t.queue_seconds);
   server_device_seconds_->Observe(t.device_seconds);
-  server_other_seconds_->Observe(std::max(0.0, t.total_seconds - t.queue_seconds - t.device_seconds));
+  server_other_seconds_->Observe(
+      std::max(0.0, t.total_seconds - t.queue_seconds - t.device_seconds));
 }
 
 void Metrics::RecordDeviceFault(absl::string_view device) {

@@ -139,7 +139,8 @@ class Metrics {
   // Per-label series created on first use (bucket pairs, devices, pools).
   absl::Mutex labelled_mu_;
   absl::flat_hash_map<std::string, prometheus::Counter*> buckets_ ABSL_GUARDED_BY(labelled_mu_);
-  absl::flat_hash_map<std::string, prometheus::Histogram*> device_seconds_ ABSL_GUARDED_BY(labelled_mu_);
+  absl::flat_hash_map<std::string, prometheus::Histogram*> device_seconds_
+      ABSL_GUARDED_BY(labelled_mu_);
 
   absl::Mutex info_mu_;
   prometheus::Gauge* build_info_ ABSL_GUARDED_BY(info_mu_) = nullptr;

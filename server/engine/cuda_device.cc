@@ -86,7 +86,8 @@ class CudaDevice final : public Device {
     RETURN_IF_ERROR(BindThread());
     ASSIGN_OR_RETURN(config_, kernels::PrepareVerifyLaunch(ordinal_));
     RETURN_IF_ERROR(Check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"));
-    RETURN_IF_ERROR(Check(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking), "stream"));
+    RETURN_IF_ERROR(
+        Check(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking), "stream"));
     const size_t pool_bytes =
         static_cast<size_t>(g.num_layers) * g.num_pages * g.page_size * kLatentRowBytes;
     RETURN_IF_ERROR(Check(cudaMalloc(&pool_, pool_bytes), "pool allocation"));
@@ -98,9 +99,9 @@ class CudaDevice final : public Device {
       // such memory faster over PCIe.
       RETURN_IF_ERROR(Check(cudaHostAlloc(&s.host_in, max.input_bytes, cudaHostAllocWriteCombined),
                             "pinned staging"));
-      RETURN_IF_ERROR(Check(cudaHostAlloc(&s.host_out, max.output_bytes,
-                                          cudaHostAllocMapped | cudaHostAllocPortable),
-                            "pinned staging"));
+      RETURN_IF_ERROR(Check(
+          cudaHostAlloc(&s.host_out, max.output_bytes, cudaHostAllocMapped | cudaHostAllocPortable),
+          "pinned staging"));
       RETURN_IF_ERROR(Check(cudaHostGetDevicePointer(&s.host_out_on_device, s.host_out, 0),
                             "cudaHostGetDevicePointer"));
       RETURN_IF_ERROR(Check(cudaMalloc(&s.dev_in, max.input_bytes), "input buffers"));
@@ -109,7 +110,8 @@ class CudaDevice final : public Device {
       }
       RETURN_IF_ERROR(Check(cudaEventCreate(&s.start), "event"));
       RETURN_IF_ERROR(Check(cudaEventCreate(&s.stop), "event"));
-      RETURN_IF_ERROR(Check(cudaEventCreateWithFlags(&s.input_done, cudaEventDisableTiming), "event"));
+      RETURN_IF_ERROR(
+          Check(cudaEventCreateWithFlags(&s.input_done, cudaEventDisableTiming), "event"));
       // All padding until a batch is packed: a stray replay reads nothing.
       std::memset(s.host_in, 0, max.input_bytes);
       RETURN_IF_ERROR(Check(cudaMemset(s.dev_in, 0, max.input_bytes), "input buffers"));
@@ -123,13 +125,17 @@ class CudaDevice final : public Device {
     RETURN_IF_ERROR(
         kernels::InitVerifyWorkspace(shape, config_, workspace_, workspace_bytes_, stream_));
     for (int i = 0; i < 2; ++i) {
-      RETURN_IF_ERROR(Check(cudaHostAlloc(&row_host_[i], kRowChunkBytes, cudaHostAllocDefault), "row staging"));
+      RETURN_IF_ERROR(
+          Check(cudaHostAlloc(&row_host_[i], kRowChunkBytes, cudaHostAllocDefault), "row staging"));
       RETURN_IF_ERROR(Check(cudaMalloc(&row_dev_[i], kRowChunkBytes), "row staging"));
-      RETURN_IF_ERROR(Check(cudaEventCreateWithFlags(&row_done_[i], cudaEventDisableTiming), "event"));
+      RETURN_IF_ERROR(
+          Check(cudaEventCreateWithFlags(&row_done_[i], cudaEventDisableTiming), "event"));
     }
     // A sequence's page list, then a compaction's [prefix, k, path...].
-    small_bytes_ = (static_cast<size_t>(g.max_pages_per_sequence) + kMaxDraftLen + 2) * sizeof(int32_t);
-    RETURN_IF_ERROR(Check(cudaHostAlloc(&small_host_, small_bytes_, cudaHostAllocDefault), "pinned staging"));
+    small_bytes_ =
+        (static_cast<size_t>(g.max_pages_per_sequence) + kMaxDraftLen + 2) * sizeof(int32_t);
+    RETURN_IF_ERROR(
+        Check(cudaHostAlloc(&small_host_, small_bytes_, cudaHostAllocDefault), "pinned staging"));
     RETURN_IF_ERROR(Check(cudaMalloc(&small_dev_, small_bytes_), "page table buffer"));
     return Check(cudaStreamSynchronize(stream_), "initialisation");
   }
@@ -218,8 +224,9 @@ class CudaDevice final : public Device {
                     static_cast<size_t>(chunk) * kLatentRowBytes);
       }
       const size_t bytes = static_cast<size_t>(layers * chunk) * kLatentRowBytes;
-      RETURN_IF_ERROR(Check(cudaMemcpyAsync(row_dev_[i], host, bytes, cudaMemcpyHostToDevice, stream_),
-                            "row upload"));
+      RETURN_IF_ERROR(
+          Check(cudaMemcpyAsync(row_dev_[i], host, bytes, cudaMemcpyHostToDevice, stream_),
+                "row upload"));
       RETURN_IF_ERROR(kernels::LaunchCopyRows(View(), PageTableOnDevice(), start + c0, chunk,
                                               static_cast<Bf16*>(row_dev_[i]), /*to_pool=*/true,
                                               stream_));
@@ -240,9 +247,9 @@ class CudaDevice final : public Device {
                                               static_cast<Bf16*>(row_dev_[0]), /*to_pool=*/false,
                                               stream_));
       const size_t bytes = static_cast<size_t>(layers * chunk) * kLatentRowBytes;
-      RETURN_IF_ERROR(Check(cudaMemcpyAsync(row_host_[0], row_dev_[0], bytes, cudaMemcpyDeviceToHost,
-                                            stream_),
-                            "row download"));
+      RETURN_IF_ERROR(
+          Check(cudaMemcpyAsync(row_host_[0], row_dev_[0], bytes, cudaMemcpyDeviceToHost, stream_),
+                "row download"));
       RETURN_IF_ERROR(Check(cudaStreamSynchronize(stream_), "row download"));
       const auto* host = static_cast<const Bf16*>(row_host_[0]);
       for (int64_t layer = 0; layer < layers; ++layer) {
@@ -264,9 +271,9 @@ class CudaDevice final : public Device {
     path[0] = static_cast<int32_t>(prefix_len);
     path[1] = static_cast<int32_t>(accepted.size());
     std::copy(accepted.begin(), accepted.end(), path + 2);
-    RETURN_IF_ERROR(Check(cudaMemcpyAsync(small_dev_, small_host_, small_bytes_, cudaMemcpyHostToDevice,
-                                          stream_),
-                          "path upload"));
+    RETURN_IF_ERROR(Check(
+        cudaMemcpyAsync(small_dev_, small_host_, small_bytes_, cudaMemcpyHostToDevice, stream_),
+        "path upload"));
     const int32_t* dev = static_cast<const int32_t*>(small_dev_);
     const int32_t* dev_path = dev + g_.max_pages_per_sequence;
     kernels::CompactArguments c;
@@ -318,7 +325,8 @@ class CudaDevice final : public Device {
   }
 
   kernels::KvPoolView View() const {
-    return kernels::KvPoolView{static_cast<Bf16*>(pool_), g_.num_layers, g_.num_pages, g_.page_size};
+    return kernels::KvPoolView{static_cast<Bf16*>(pool_), g_.num_layers, g_.num_pages,
+                               g_.page_size};
   }
 
   const int32_t* PageTableOnDevice() const { return static_cast<const int32_t*>(small_dev_); }
@@ -339,9 +347,9 @@ class CudaDevice final : public Device {
     auto* in = static_cast<uint8_t*>(s.dev_in);
     auto* out = static_cast<uint8_t*>(options_.direct_output ? s.host_out_on_device : s.dev_out);
     if (part != Part::kAfterInput) {
-      RETURN_IF_ERROR(Check(cudaMemcpyAsync(s.dev_in, s.host_in, l.input_bytes, cudaMemcpyHostToDevice,
-                                            stream),
-                            "input upload"));
+      RETURN_IF_ERROR(
+          Check(cudaMemcpyAsync(s.dev_in, s.host_in, l.input_bytes, cudaMemcpyHostToDevice, stream),
+                "input upload"));
     }
     if (part == Part::kInput) return absl::OkStatus();
     const auto* prefix = reinterpret_cast<const int32_t*>(in + l.prefix_len);
@@ -386,10 +394,12 @@ class CudaDevice final : public Device {
     a.lse = reinterpret_cast<float*>(out + l.lse);
     kernels::VerifyLaunchConfig config = config_;
     config.reuse_plan = reuse_plan;
-    RETURN_IF_ERROR(kernels::LaunchVerifyAttention(a, config, workspace_, workspace_bytes_, stream));
+    RETURN_IF_ERROR(
+        kernels::LaunchVerifyAttention(a, config, workspace_, workspace_bytes_, stream));
     if (options_.direct_output) return absl::OkStatus();
-    return Check(cudaMemcpyAsync(s.host_out, s.dev_out, l.output_bytes, cudaMemcpyDeviceToHost, stream),
-                 "output download");
+    return Check(
+        cudaMemcpyAsync(s.host_out, s.dev_out, l.output_bytes, cudaMemcpyDeviceToHost, stream),
+        "output download");
   }
 
   const int ordinal_;
@@ -415,7 +425,8 @@ class CudaDevice final : public Device {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int ordinal, const CudaDeviceOptions& options) {
+absl::StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int ordinal,
+                                                       const CudaDeviceOptions& options) {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {

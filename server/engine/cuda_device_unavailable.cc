@@ -4,7 +4,8 @@
 namespace mlaverify::engine {
 
 absl::StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int, const CudaDeviceOptions&) {
-  return absl::UnimplementedError("this build has no CUDA support (nvcc was not found at configure time)");
+  return absl::UnimplementedError(
+      "this build has no CUDA support (nvcc was not found at configure time)");
 }
 
 }  // namespace mlaverify::engine

@@ -47,7 +47,7 @@ struct DeviceGeometry {
 };
 
 struct DeviceDescription {
-  std::string name;        // e.g. "NVIDIA H200 (cuda:0, sm_90)"
+  std::string name;  // e.g. "NVIDIA H200 (cuda:0, sm_90)"
   uint64_t memory_bytes = 0;
 };
 
@@ -57,7 +57,9 @@ struct BatchShape {
   int batch = 0;
   int draft_len = 0;
   int rows() const { return batch * draft_len; }
-  bool operator==(const BatchShape& o) const { return batch == o.batch && draft_len == o.draft_len; }
+  bool operator==(const BatchShape& o) const {
+    return batch == o.batch && draft_len == o.draft_len;
+  }
 };
 
 // Byte offsets of a batch's arrays inside a staging set, for one shape. The
@@ -190,7 +192,7 @@ struct FakeDeviceRecord {
   absl::Mutex mu;
   std::vector<BatchShape> captured ABSL_GUARDED_BY(mu);     // CaptureGraphs calls
   std::vector<LaunchOptions> launches ABSL_GUARDED_BY(mu);  // Launch calls, in order
-  std::vector<int> launch_requests ABSL_GUARDED_BY(mu);     // real (non-padding) requests per launch
+  std::vector<int> launch_requests ABSL_GUARDED_BY(mu);  // real (non-padding) requests per launch
   int write_rows ABSL_GUARDED_BY(mu) = 0;
   int compacts ABSL_GUARDED_BY(mu) = 0;
 };

@@ -57,11 +57,11 @@ absl::Status DeviceWorker::Start(const DeviceGeometry& geometry) {
         }
       }
     }
-    spdlog::info("{}: captured the verify graphs of {} buckets x {} staging sets in {:.3f} s, "
-                 "{:.1f} MiB of device memory",
-                 name_, graphs / geometry.staging_sets, geometry.staging_sets,
-                 absl::ToDoubleSeconds(absl::Now() - begin),
-                 static_cast<double>(graph_bytes) / (1 << 20));
+    spdlog::info(
+        "{}: captured the verify graphs of {} buckets x {} staging sets in {:.3f} s, "
+        "{:.1f} MiB of device memory",
+        name_, graphs / geometry.staging_sets, geometry.staging_sets,
+        absl::ToDoubleSeconds(absl::Now() - begin), static_cast<double>(graph_bytes) / (1 << 20));
   } else {
     spdlog::info("{}: no CUDA graphs ({}): every batch is launched eagerly", name_,
                  options_.use_graphs ? "the device has none" : "disabled");
@@ -171,9 +171,8 @@ void DeviceWorker::LaunchLoop() {
       mu_.Lock();
     }
     mu_.Await(absl::Condition(
-        +[](DeviceWorker* w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(w->mu_) {
-          return w->stopping_ || !w->queue_.empty();
-        },
+        +[](DeviceWorker* w)
+             ABSL_EXCLUSIVE_LOCKS_REQUIRED(w->mu_) { return w->stopping_ || !w->queue_.empty(); },
         this));
     if (queue_.empty()) break;  // stopping, and everything queued has run
     if (queue_.front().is_op) {
@@ -424,8 +423,8 @@ void DeviceWorker::CompletionLoop() {
           std::memcpy(s.lse, lse, static_cast<size_t>(s.draft_len) * heads * sizeof(float));
         } else {
           for (int i = 0; i < s.draft_len; ++i) {
-            std::memcpy(s.out + i * s.out_token_stride, out + static_cast<int64_t>(i) * heads * kValueDim,
-                        out_row_bytes);
+            std::memcpy(s.out + i * s.out_token_stride,
+                        out + static_cast<int64_t>(i) * heads * kValueDim, out_row_bytes);
             std::memcpy(s.lse + i * s.lse_token_stride, lse + static_cast<int64_t>(i) * heads,
                         heads * sizeof(float));
           }

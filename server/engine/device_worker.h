@@ -47,8 +47,8 @@ class ShardOwner;
 // the owner's ShardDone for it has returned.
 struct VerifyShard {
   ShardOwner* owner = nullptr;
-  int index = 0;            // the owner's number for this shard
-  uint64_t sequence = 0;    // two shards of one sequence and layer never share a batch
+  int index = 0;                         // the owner's number for this shard
+  uint64_t sequence = 0;                 // two shards of one sequence and layer never share a batch
   absl::Span<const int32_t> page_table;  // covers positions 0..prefix_len+draft_len-1
   int32_t prefix_len = 0;
   int32_t draft_len = 0;
@@ -68,9 +68,9 @@ struct VerifyShard {
 
 // How a shard went, for the owner's timing split.
 struct ShardTiming {
-  absl::Time taken;             // the launch thread took it from the queue
-  double device_seconds = 0;    // device time of its batch
-  int batch_requests = 0;       // real requests in its batch
+  absl::Time taken;           // the launch thread took it from the queue
+  double device_seconds = 0;  // device time of its batch
+  int batch_requests = 0;     // real requests in its batch
 };
 
 // The engine's side of a shard.
@@ -91,12 +91,12 @@ struct DeviceOp {
   enum class Kind { kWriteRows, kReadRows, kCompact, kBarrier };
   Kind kind = Kind::kBarrier;
   absl::Span<const int32_t> page_table;
-  int64_t start = 0;    // kWriteRows / kReadRows: first position
-  int64_t count = 0;    // tokens
-  const Bf16* rows_in = nullptr;  // kWriteRows: [num_layers, count, 576]
-  Bf16* rows_out = nullptr;       // kReadRows
-  int64_t prefix_len = 0;                 // kCompact
-  absl::Span<const int32_t> accepted;     // kCompact
+  int64_t start = 0;                   // kWriteRows / kReadRows: first position
+  int64_t count = 0;                   // tokens
+  const Bf16* rows_in = nullptr;       // kWriteRows: [num_layers, count, 576]
+  Bf16* rows_out = nullptr;            // kReadRows
+  int64_t prefix_len = 0;              // kCompact
+  absl::Span<const int32_t> accepted;  // kCompact
   // Asked when the op is taken: OK to run it, else the status to complete it
   // with unrun. Empty: always run.
   absl::AnyInvocable<absl::Status()> admit;

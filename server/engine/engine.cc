@@ -152,7 +152,9 @@ class Engine::OpCall final : public Call {
   using FinishFn = absl::AnyInvocable<void(const absl::Status& status, bool ran)>;
 
   OpCall(Engine* engine, CallContext context, int64_t bytes, SkipFn skip, FinishFn finish)
-      : Call(engine, std::move(context), bytes), skip_(std::move(skip)), finish_(std::move(finish)) {}
+      : Call(engine, std::move(context), bytes),
+        skip_(std::move(skip)),
+        finish_(std::move(finish)) {}
 
   // Queues `op` (admit and done filled in here) on each of `devices`.
   void Enqueue(const std::vector<int>& devices, const DeviceOp& op) {
@@ -206,12 +208,15 @@ class Engine::VerifyTask final : public Call, public ShardOwner {
     std::shared_ptr<const std::vector<uint64_t>> visibility;
     bool opened = false;  // this call opened the step
     uint64_t step = 0;
-    uint64_t op = 0;      // its number among the sequence's calls
+    uint64_t op = 0;  // its number among the sequence's calls
   };
 
   VerifyTask(Engine* engine, CallContext context, int64_t bytes, int layer, VerifyTiming* timing,
              absl::AnyInvocable<void(absl::Status)> done)
-      : Call(engine, std::move(context), bytes), layer_(layer), timing_(timing), done_(std::move(done)) {}
+      : Call(engine, std::move(context), bytes),
+        layer_(layer),
+        timing_(timing),
+        done_(std::move(done)) {}
 
   std::vector<Item> items;
 
@@ -232,8 +237,8 @@ class Engine::VerifyTask final : public Call, public ShardOwner {
     if (skip.ok()) {
       for (const Item& item : items) {
         if (item.seq->released_flag.load()) {
-          skip = absl::NotFoundError(absl::StrCat("sequence ", item.seq->id,
-                                                  " was released while this call was queued"));
+          skip = absl::NotFoundError(
+              absl::StrCat("sequence ", item.seq->id, " was released while this call was queued"));
           break;
         }
       }
@@ -374,12 +379,13 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   }
   std::vector<std::string> names;
   for (const auto& w : e->workers_) names.push_back(w->name());
-  spdlog::info("engine: {} on {} ({} mode), {} layers, {} heads ({} per device), page size {}, "
-               "{} pages per {} ({}), max draft {}, max batch {}",
-               e->backend_name_, absl::StrJoin(names, ","), ParallelModeName(config.parallel_mode),
-               config.num_layers, config.num_heads, e->heads_per_device_, config.page_size,
-               config.num_pages(), tp ? "replica" : "device", FormatBytes(config.pool_bytes),
-               config.max_draft_len(), config.max_batch());
+  spdlog::info(
+      "engine: {} on {} ({} mode), {} layers, {} heads ({} per device), page size {}, "
+      "{} pages per {} ({}), max draft {}, max batch {}",
+      e->backend_name_, absl::StrJoin(names, ","), ParallelModeName(config.parallel_mode),
+      config.num_layers, config.num_heads, e->heads_per_device_, config.page_size,
+      config.num_pages(), tp ? "replica" : "device", FormatBytes(config.pool_bytes),
+      config.max_draft_len(), config.max_batch());
   return e;
 }
 
@@ -502,16 +508,16 @@ void Engine::Unadmit(int64_t bytes) {
 
 absl::StatusOr<uint64_t> Engine::CreateSequence(const std::string& label) {
   if (static_cast<int64_t>(label.size()) > config_.max_label_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("label of ", label.size(),
-                                                   " bytes; at most ", config_.max_label_bytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("label of ", label.size(), " bytes; at most ", config_.max_label_bytes));
   }
   uint64_t id;
   {
     absl::MutexLock lock(&table_mu_);
     if (static_cast<int64_t>(sequences_.size()) >= config_.max_live_sequences) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("server holds ", sequences_.size(), " live sequences, the limit (",
-                       "--max-live-sequences): release one first"));
+      return absl::ResourceExhaustedError(absl::StrCat("server holds ", sequences_.size(),
+                                                       " live sequences, the limit (",
+                                                       "--max-live-sequences): release one first"));
     }
     // Random 64-bit ids from the OS's cryptographic generator: an id from
     // another replica or an earlier run of this one names no sequence here
@@ -524,8 +530,10 @@ absl::StatusOr<uint64_t> Engine::CreateSequence(const std::string& label) {
     if (config_.parallel_mode == ParallelMode::kDataParallel) {
       // The device with the most free pages, then the fewest sequences.
       for (int p = 1; p < static_cast<int>(allocators_.size()); ++p) {
-        const int64_t free_p = allocators_[p]->free_pages(), free_best = allocators_[pool]->free_pages();
-        if (free_p > free_best || (free_p == free_best && live_per_pool_[p] < live_per_pool_[pool])) {
+        const int64_t free_p = allocators_[p]->free_pages(),
+                      free_best = allocators_[pool]->free_pages();
+        if (free_p > free_best ||
+            (free_p == free_best && live_per_pool_[p] < live_per_pool_[pool])) {
           pool = p;
         }
       }
@@ -562,13 +570,12 @@ absl::Status Engine::NotFound(uint64_t id) const {
 void Engine::FreeAfterBarrier(const std::shared_ptr<Sequence>& seq, std::vector<int32_t> pages,
                               absl::AnyInvocable<void()> then) {
   PageAllocator* allocator = &AllocatorOf(*seq);
-  auto* call = new OpCall(
-      this, CallContext{}, 0, nullptr,
-      [allocator, pages = std::move(pages), then = std::move(then)](const absl::Status&,
-                                                                     bool) mutable {
-        allocator->Free(pages);
-        if (then) then();
-      });
+  auto* call = new OpCall(this, CallContext{}, 0, nullptr,
+                          [allocator, pages = std::move(pages), then = std::move(then)](
+                              const absl::Status&, bool) mutable {
+                            allocator->Free(pages);
+                            if (then) then();
+                          });
   {
     // Not counted against the limits: it holds no tensor bytes, and a
     // release must never be refused.
@@ -593,8 +600,8 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
   const int layer = call.layer;
   if (items.empty()) return (absl::InvalidArgumentError("verify request has no items"));
   if (static_cast<int>(items.size()) > config_.max_batch()) {
-    return (absl::InvalidArgumentError(absl::StrCat(
-        "verify request has ", items.size(), " items; max_batch is ", config_.max_batch())));
+    return (absl::InvalidArgumentError(absl::StrCat("verify request has ", items.size(),
+                                                    " items; max_batch is ", config_.max_batch())));
   }
   if (layer < 0 || layer >= config_.num_layers) {
     return (absl::InvalidArgumentError(
@@ -603,7 +610,8 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
   if (std::isnan(call.softmax_scale) || std::isinf(call.softmax_scale)) {
     return (absl::InvalidArgumentError("softmax_scale must be finite"));
   }
-  const float scale = call.softmax_scale > 0.0f ? call.softmax_scale : config_.default_softmax_scale;
+  const float scale =
+      call.softmax_scale > 0.0f ? call.softmax_scale : config_.default_softmax_scale;
 
   // Everything that needs no sequence state, checked before any lock.
   std::vector<std::shared_ptr<const std::vector<uint64_t>>> visibility(items.size());
@@ -613,13 +621,13 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
     const int64_t n = static_cast<int64_t>(it.parents.size());
     if (n < 1 || n > config_.max_draft_len()) {
       return (absl::InvalidArgumentError(absl::StrCat("item ", k, " (sequence ", it.sequence_id,
-                                                            "): ", n, " drafts; need 1..",
-                                                            config_.max_draft_len())));
+                                                      "): ", n, " drafts; need 1..",
+                                                      config_.max_draft_len())));
     }
     absl::StatusOr<std::vector<uint64_t>> words = BuildVisibility(it.parents);
     if (!words.ok()) {
-      return (absl::InvalidArgumentError(absl::StrCat(
-          "item ", k, " (sequence ", it.sequence_id, "): ", words.status().message())));
+      return (absl::InvalidArgumentError(absl::StrCat("item ", k, " (sequence ", it.sequence_id,
+                                                      "): ", words.status().message())));
     }
     visibility[k] = std::make_shared<const std::vector<uint64_t>>(*std::move(words));
     if (static_cast<int64_t>(it.q.size()) != n * heads * kLatentDim ||
@@ -657,8 +665,8 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
   // below asserts each one it relies on.)
   struct Locker {
     std::vector<std::shared_ptr<Sequence>>& seqs;
-    Locker(std::vector<std::shared_ptr<Sequence>>& s, const std::vector<size_t>& order)
-        ABSL_NO_THREAD_SAFETY_ANALYSIS : seqs(s) {
+    Locker(std::vector<std::shared_ptr<Sequence>>& s,
+           const std::vector<size_t>& order) ABSL_NO_THREAD_SAFETY_ANALYSIS : seqs(s) {
       for (size_t k : order) seqs[k]->mu.Lock();
     }
     ~Locker() ABSL_NO_THREAD_SAFETY_ANALYSIS {
@@ -706,7 +714,8 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
     new_pages[p] = *std::move(got);
   }
 
-  auto* task = new VerifyTask(this, std::move(call.context), bytes, layer, call.timing, std::move(done));
+  auto* task =
+      new VerifyTask(this, std::move(call.context), bytes, layer, call.timing, std::move(done));
   task->items.resize(items.size());
   std::vector<size_t> next_page(allocators_.size(), 0);
   int opened = 0;
@@ -795,8 +804,8 @@ absl::Status Engine::StartAppendKv(AppendCall& call,
   const int64_t expected = int64_t{config_.num_layers} * tokens * kLatentDim;
   if (static_cast<int64_t>(call.kv.size()) != expected) {
     return (absl::InvalidArgumentError(absl::StrCat("kv holds ", call.kv.size(), " values; [",
-                                                        config_.num_layers, ", ", tokens,
-                                                        ", 576] needs ", expected)));
+                                                    config_.num_layers, ", ", tokens,
+                                                    ", 576] needs ", expected)));
   }
   absl::StatusOr<std::shared_ptr<Sequence>> found = Find(id);
   if (!found.ok()) return (found.status());
@@ -817,9 +826,9 @@ absl::Status Engine::StartAppendKv(AppendCall& call,
   const int64_t old_length = s.length;
   const int64_t new_length = old_length + tokens;
   if (new_length > config_.max_sequence_len) {
-    return (absl::ResourceExhaustedError(
-        absl::StrCat("sequence ", id, " would reach ", new_length, " tokens; max_sequence_len is ",
-                     config_.max_sequence_len)));
+    return (absl::ResourceExhaustedError(absl::StrCat("sequence ", id, " would reach ", new_length,
+                                                      " tokens; max_sequence_len is ",
+                                                      config_.max_sequence_len)));
   }
   const int64_t bytes = static_cast<int64_t>(call.kv.size()) * sizeof(Bf16);
   if (absl::Status admitted = Admit(bytes); !admitted.ok()) return (admitted);
@@ -863,7 +872,7 @@ absl::Status Engine::StartAppendKv(AppendCall& call,
     return st;
   };
   auto finish = [this, seq, tokens, new_length, done = std::move(done)](const absl::Status& status,
-                                                                         bool ran) mutable {
+                                                                        bool ran) mutable {
     if (status.ok()) {
       tokens_appended_.fetch_add(tokens);
       spdlog::debug("seq {} appended {} tokens, length {}", seq->id, tokens, new_length);
@@ -873,9 +882,9 @@ absl::Status Engine::StartAppendKv(AppendCall& call,
     if (ran) {
       absl::MutexLock lock(&seq->mu);
       if (seq->broken.ok()) {
-        seq->broken = absl::InternalError(absl::StrCat(
-            "sequence ", seq->id, " lost prompt KV in a failed device write (", status.message(),
-            "): release it"));
+        seq->broken = absl::InternalError(absl::StrCat("sequence ", seq->id,
+                                                       " lost prompt KV in a failed device write (",
+                                                       status.message(), "): release it"));
       }
     }
     done(status);
@@ -1071,11 +1080,11 @@ absl::Status Engine::ReadKv(uint64_t sequence_id, int64_t start, int64_t count, 
                                                      " positions the sequence's pages hold"));
     }
     RETURN_IF_ERROR(Admit(0));
-    auto* op_call = new OpCall(this, CallContext{}, 0, nullptr,
-                               [&](const absl::Status& status, bool) {
-                                 result = status;
-                                 finished.Notify();
-                               });
+    auto* op_call =
+        new OpCall(this, CallContext{}, 0, nullptr, [&](const absl::Status& status, bool) {
+          result = status;
+          finished.Notify();
+        });
     op_call->page_table = seq->pages;
     DeviceOp op;
     op.kind = DeviceOp::Kind::kReadRows;

@@ -116,16 +116,16 @@ struct EngineStats {
   int64_t total_pages = 0;
   int64_t free_pages = 0;
   int64_t live_sequences = 0;
-  int64_t pending_steps = 0;             // sequences with an open verify step
-  int64_t tokens_appended_total = 0;     // prompt tokens written by AppendKv
-  int64_t tokens_committed_total = 0;    // accepted drafts
-  int64_t drafts_verified_total = 0;     // draft tokens over all Verify items
+  int64_t pending_steps = 0;           // sequences with an open verify step
+  int64_t tokens_appended_total = 0;   // prompt tokens written by AppendKv
+  int64_t tokens_committed_total = 0;  // accepted drafts
+  int64_t drafts_verified_total = 0;   // draft tokens over all Verify items
   int64_t verify_items_total = 0;
   int64_t steps_committed_total = 0;
   int64_t sequences_created_total = 0;
   int64_t sequences_expired_total = 0;
-  int64_t queued_calls = 0;   // admitted and not finished
-  int64_t queued_bytes = 0;   // tensor bytes those calls hold
+  int64_t queued_calls = 0;  // admitted and not finished
+  int64_t queued_bytes = 0;  // tensor bytes those calls hold
   std::vector<PoolStats> pools;
 };
 
@@ -134,9 +134,9 @@ class Engine {
   // Validates the config against the device list, starts one worker per
   // device (initialising its pool and recording its graphs) and returns when
   // all are ready. `observer` (may be null) outlives the engine.
-  static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineConfig& config,
-                                                        std::vector<std::unique_ptr<Device>> devices,
-                                                        EngineObserver* observer = nullptr);
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(
+      const EngineConfig& config, std::vector<std::unique_ptr<Device>> devices,
+      EngineObserver* observer = nullptr);
   // Runs what is queued, then stops the workers.
   ~Engine();
 

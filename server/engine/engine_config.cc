@@ -44,11 +44,13 @@ absl::Status EngineConfig::Validate(int num_devices) const {
     return absl::InvalidArgumentError(absl::StrCat(
         "page_size = ", page_size, ": need a power of two in 1..", mlaverify::kMaxPageSize));
   }
-  if (auto s = CheckBuckets(draft_buckets, "draft_buckets", mlaverify::kMaxDraftLen); !s.ok()) return s;
-  if (auto s = CheckBuckets(batch_buckets, "batch_buckets", mlaverify::kMaxBatch); !s.ok()) return s;
+  if (auto s = CheckBuckets(draft_buckets, "draft_buckets", mlaverify::kMaxDraftLen); !s.ok())
+    return s;
+  if (auto s = CheckBuckets(batch_buckets, "batch_buckets", mlaverify::kMaxBatch); !s.ok())
+    return s;
   if (!(default_softmax_scale > 0.0f) || !std::isfinite(default_softmax_scale)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("default_softmax_scale = ", default_softmax_scale, ": need a finite value > 0"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "default_softmax_scale = ", default_softmax_scale, ": need a finite value > 0"));
   }
   if (max_sequence_len < max_draft_len() + 1 || max_sequence_len > (int64_t{1} << 30)) {
     return absl::InvalidArgumentError(absl::StrCat("max_sequence_len = ", max_sequence_len,
@@ -58,17 +60,17 @@ absl::Status EngineConfig::Validate(int num_devices) const {
     return absl::InvalidArgumentError("idle_timeout must not be negative");
   }
   if (num_pages() < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "pool_bytes = ", pool_bytes, " holds no page: one page of ", page_size, " tokens x ",
-        num_layers, " layers takes ", bytes_per_page(), " bytes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("pool_bytes = ", pool_bytes, " holds no page: one page of ", page_size,
+                     " tokens x ", num_layers, " layers takes ", bytes_per_page(), " bytes"));
   }
   if (num_pages() > std::numeric_limits<int32_t>::max()) {
     return absl::InvalidArgumentError("pool_bytes gives more than 2^31 pages: raise page_size");
   }
   if (parallel_mode == ParallelMode::kTensorParallel && num_heads % num_devices != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "num_heads = ", num_heads, " does not split over ", num_devices,
-        " tensor-parallel devices: need a multiple of the device count"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_heads = ", num_heads, " does not split over ", num_devices,
+                     " tensor-parallel devices: need a multiple of the device count"));
   }
   if (max_queue_delay < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("max_queue_delay must not be negative");

@@ -14,13 +14,13 @@ namespace mlaverify::engine {
 
 // One verify batch a device ran.
 struct BatchReport {
-  int device = 0;              // index in the engine's device list
-  int requests = 0;            // real (non-padding) requests
-  int rows = 0;                // their draft tokens
-  BatchShape shape;            // launch shape: the graph bucket, or the exact shape
-  bool graph = false;          // replayed a captured graph (else eager launches)
-  bool reused_plan = false;    // read the previous launch's plan
-  double device_seconds = 0;   // device time of the batch
+  int device = 0;             // index in the engine's device list
+  int requests = 0;           // real (non-padding) requests
+  int rows = 0;               // their draft tokens
+  BatchShape shape;           // launch shape: the graph bucket, or the exact shape
+  bool graph = false;         // replayed a captured graph (else eager launches)
+  bool reused_plan = false;   // read the previous launch's plan
+  double device_seconds = 0;  // device time of the batch
   // Host time of the worker's steps: packing the inputs into staging (from
   // taking the batch to the launch call), the launch calls, and copying the
   // outputs to the callers (after the device finished).

@@ -58,14 +58,14 @@ class HostDevice final : public Device {
 
   absl::Status Init(const DeviceGeometry& g) override {
     g_ = g;
-    const size_t pool_bytes = static_cast<size_t>(g.num_layers) * g.num_pages * g.page_size *
-                              kLatentDim * sizeof(Bf16);
+    const size_t pool_bytes =
+        static_cast<size_t>(g.num_layers) * g.num_pages * g.page_size * kLatentDim * sizeof(Bf16);
     if (!pool_.Allocate(pool_bytes)) {
       return absl::ResourceExhaustedError(
           absl::StrCat("cannot allocate ", pool_bytes, " bytes of host memory for the KV pool"));
     }
-    const StagingLayout max = StagingLayout::For({g.max_batch, g.max_draft_len}, g.num_heads,
-                                                 g.max_pages_per_sequence);
+    const StagingLayout max =
+        StagingLayout::For({g.max_batch, g.max_draft_len}, g.num_heads, g.max_pages_per_sequence);
     sets_.resize(g.staging_sets);
     for (StagingSet& s : sets_) {
       if (!s.input.Allocate(max.input_bytes) || !s.output.Allocate(max.output_bytes)) {
@@ -114,18 +114,18 @@ class HostDevice final : public Device {
       absl::MutexLock lock(&record_->mu);
       ++record_->write_rows;
     }
-    ForEachRow(page_table, start, count, [](Bf16* pool_row, const Bf16* row) {
-      std::memcpy(pool_row, row, kLatentRowBytes);
-    }, rows);
+    ForEachRow(
+        page_table, start, count,
+        [](Bf16* pool_row, const Bf16* row) { std::memcpy(pool_row, row, kLatentRowBytes); }, rows);
     return absl::OkStatus();
   }
 
   absl::Status ReadRows(absl::Span<const int32_t> page_table, int64_t start, int64_t count,
                         Bf16* rows) override {
     RETURN_IF_ERROR(CheckFault());
-    ForEachRow(page_table, start, count, [](Bf16* pool_row, Bf16* row) {
-      std::memcpy(row, pool_row, kLatentRowBytes);
-    }, rows);
+    ForEachRow(
+        page_table, start, count,
+        [](Bf16* pool_row, Bf16* row) { std::memcpy(row, pool_row, kLatentRowBytes); }, rows);
     return absl::OkStatus();
   }
 
@@ -187,10 +187,9 @@ class HostDevice final : public Device {
       if (o.graph) {
         const std::vector<BatchShape>& captured = sets_[o.set].captured;
         if (std::find(captured.begin(), captured.end(), o.shape) == captured.end()) {
-          return absl::InternalError(absl::StrCat(name_, ": graph launch of batch ", o.shape.batch,
-                                                  " x draft ", o.shape.draft_len,
-                                                  " on staging set ", o.set,
-                                                  ", which was never captured"));
+          return absl::InternalError(absl::StrCat(
+              name_, ": graph launch of batch ", o.shape.batch, " x draft ", o.shape.draft_len,
+              " on staging set ", o.set, ", which was never captured"));
         }
       }
     } else if (o.graph) {

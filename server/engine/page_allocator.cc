@@ -18,9 +18,8 @@ PageAllocator::PageAllocator(int64_t num_pages) : total_(num_pages) {
 absl::StatusOr<std::vector<int32_t>> PageAllocator::Allocate(int64_t count) {
   absl::MutexLock lock(&mu_);
   if (count < 0 || count > static_cast<int64_t>(free_.size())) {
-    return absl::ResourceExhaustedError(absl::StrCat("KV pool exhausted: need ", count,
-                                                     " pages, ", free_.size(), " of ", total_,
-                                                     " are free"));
+    return absl::ResourceExhaustedError(absl::StrCat("KV pool exhausted: need ", count, " pages, ",
+                                                     free_.size(), " of ", total_, " are free"));
   }
   std::vector<int32_t> pages(free_.end() - count, free_.end());
   free_.resize(free_.size() - count);

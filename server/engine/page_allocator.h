@@ -33,7 +33,7 @@ class PageAllocator {
  private:
   const int64_t total_;
   mutable absl::Mutex mu_;
-  std::vector<int32_t> free_ ABSL_GUARDED_BY(mu_);     // stack of free ids
+  std::vector<int32_t> free_ ABSL_GUARDED_BY(mu_);    // stack of free ids
   std::vector<bool> allocated_ ABSL_GUARDED_BY(mu_);  // double-free detection
 };
 

@@ -1,9 +1,9 @@
 #include "server/transport/grpc_server.h"
 
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+
 #include <fstream>
 #include <sstream>
-
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
 
 #include "absl/strings/str_cat.h"
 #include "spdlog/spdlog.h"
@@ -15,7 +15,8 @@ constexpr char kServiceName[] = "mlaverify.v1.VerifyService";
 
 absl::StatusOr<std::string> ReadFile(const std::string& path, const char* what) {
   std::ifstream f(path, std::ios::binary);
-  if (!f) return absl::InvalidArgumentError(absl::StrCat("cannot read ", what, " file '", path, "'"));
+  if (!f)
+    return absl::InvalidArgumentError(absl::StrCat("cannot read ", what, " file '", path, "'"));
   std::stringstream ss;
   ss << f.rdbuf();
   return ss.str();
@@ -74,7 +75,7 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
   }
   s->SetHealth(false);
   spdlog::info("gRPC listening on port {} ({})", s->port_,
-               options.tls_cert_file.empty() ? "plaintext"
+               options.tls_cert_file.empty()        ? "plaintext"
                : options.tls_client_ca_file.empty() ? "TLS"
                                                     : "mTLS");
   return s;
@@ -119,9 +120,10 @@ DrainCounts GrpcServer::Drain(absl::Duration grace, absl::Duration timeout) {
   counts.calls_in_flight_at_close = service_->calls_in_flight();
   const int64_t finished_before = service_->calls_finished();
   counts.streams_ended = service_->EndStreams();
-  spdlog::info("draining: new work refused, {} calls in flight get up to {} to finish, {} streams "
-               "ended",
-               counts.calls_in_flight_at_close, absl::FormatDuration(timeout), counts.streams_ended);
+  spdlog::info(
+      "draining: new work refused, {} calls in flight get up to {} to finish, {} streams "
+      "ended",
+      counts.calls_in_flight_at_close, absl::FormatDuration(timeout), counts.streams_ended);
   server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoNanoseconds(timeout));
   // Calls still in flight here were cancelled by the deadline (their engine
   // work still completes before Wait returns).

@@ -5,11 +5,11 @@
 #ifndef MLAVERIFY_SERVER_TRANSPORT_GRPC_SERVER_H_
 #define MLAVERIFY_SERVER_TRANSPORT_GRPC_SERVER_H_
 
+#include <grpcpp/grpcpp.h>
+
 #include <atomic>
 #include <memory>
 #include <string>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"

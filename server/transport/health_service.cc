@@ -116,8 +116,8 @@ grpc::ServerUnaryReactor* HealthService::Check(grpc::CallbackServerContext* ctx,
                                                HealthCheckResponse* response) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   if (!Known(request->service())) {
-    reactor->Finish(grpc::Status(grpc::StatusCode::NOT_FOUND,
-                                 "unknown service '" + request->service() + "'"));
+    reactor->Finish(
+        grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown service '" + request->service() + "'"));
     return reactor;
   }
   bool serving;
@@ -130,8 +130,8 @@ grpc::ServerUnaryReactor* HealthService::Check(grpc::CallbackServerContext* ctx,
   return reactor;
 }
 
-grpc::ServerWriteReactor<HealthCheckResponse>* HealthService::Watch(grpc::CallbackServerContext*,
-                                                                    const HealthCheckRequest* request) {
+grpc::ServerWriteReactor<HealthCheckResponse>* HealthService::Watch(
+    grpc::CallbackServerContext*, const HealthCheckRequest* request) {
   auto* reactor = new WatchReactor(this, Known(request->service()));
   absl::MutexLock lock(&mu_);
   watchers_.insert(reactor);

@@ -8,9 +8,9 @@
 #ifndef MLAVERIFY_SERVER_TRANSPORT_HEALTH_SERVICE_H_
 #define MLAVERIFY_SERVER_TRANSPORT_HEALTH_SERVICE_H_
 
-#include <string>
-
 #include <grpcpp/grpcpp.h>
+
+#include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
@@ -34,7 +34,8 @@ class HealthService final : public grpc::health::v1::Health::CallbackService {
                                   const grpc::health::v1::HealthCheckRequest* request,
                                   grpc::health::v1::HealthCheckResponse* response) override;
   grpc::ServerWriteReactor<grpc::health::v1::HealthCheckResponse>* Watch(
-      grpc::CallbackServerContext* ctx, const grpc::health::v1::HealthCheckRequest* request) override;
+      grpc::CallbackServerContext* ctx,
+      const grpc::health::v1::HealthCheckRequest* request) override;
 
  private:
   class WatchReactor;

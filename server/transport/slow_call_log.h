@@ -34,7 +34,8 @@ class SlowCallLog {
   // spdlog), or nullopt when the call was fast or a warning was written less
   // than `min_interval` before `now`.
   std::optional<std::string> Report(absl::string_view rpc, absl::string_view code,
-                                    double queued_seconds, double work_seconds, Clock::time_point now);
+                                    double queued_seconds, double work_seconds,
+                                    Clock::time_point now);
 
  private:
   const double threshold_seconds_;

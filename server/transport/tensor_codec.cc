@@ -43,12 +43,13 @@ absl::StatusOr<absl::Span<const Bf16>> Bf16Input(const v1::Tensor& tensor,
                                                  absl::string_view what) {
   if (tensor.has_shared_memory()) {
     return absl::UnimplementedError(
-        absl::StrCat(what, ": shared-memory tensors are reserved in v1 and not implemented yet; "
-                           "send the bytes inline (raw)"));
+        absl::StrCat(what,
+                     ": shared-memory tensors are reserved in v1 and not implemented yet; "
+                     "send the bytes inline (raw)"));
   }
   if (tensor.dtype() != v1::DTYPE_BF16) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": dtype ", v1::DType_Name(tensor.dtype()),
-                                                   ", expected DTYPE_BF16"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": dtype ", v1::DType_Name(tensor.dtype()), ", expected DTYPE_BF16"));
   }
   const std::string expected = absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
   bool same = tensor.shape_size() == static_cast<int>(shape.size());
@@ -63,13 +64,12 @@ absl::StatusOr<absl::Span<const Bf16>> Bf16Input(const v1::Tensor& tensor,
   }
   const int64_t n = Elements(shape);
   if (n < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": shape ", expected,
-                                                   " is negative or too large"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": shape ", expected, " is negative or too large"));
   }
   if (static_cast<int64_t>(tensor.raw().size()) != n * 2) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": ", tensor.raw().size(),
-                                                   " bytes of data, shape ", expected, " needs ",
-                                                   n * 2));
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": ", tensor.raw().size(), " bytes of data, shape ", expected, " needs ", n * 2));
   }
   return absl::MakeConstSpan(reinterpret_cast<const Bf16*>(tensor.raw().data()),
                              static_cast<size_t>(n));

@@ -46,8 +46,8 @@ absl::Status VerifyServiceImpl::Admit(grpc::CallbackServerContext* ctx,
   }
   // (kDrainGrace: still served while load balancers move away.)
   if (state == ServingState::kFaulted && !allowed_while_draining) {
-    return absl::UnavailableError(absl::StrCat(engine()->fault().message(),
-                                               "; this server is NOT_SERVING"));
+    return absl::UnavailableError(
+        absl::StrCat(engine()->fault().message(), "; this server is NOT_SERVING"));
   }
   if (ctx->IsCancelled()) return absl::CancelledError("the client cancelled the call");
   if (ctx->deadline() < std::chrono::system_clock::now()) {
@@ -78,7 +78,8 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::RunUnary(absl::string_view rpc,
     if (!status.ok() && status.code() != absl::StatusCode::kNotFound) {
       if (const std::optional<int64_t> held = failed_calls_log_.Allow(Clock::now())) {
         spdlog::warn("{} from {}: {}{}", std::string(rpc), ctx->peer(), status.ToString(),
-                     *held > 0 ? absl::StrCat(" (", *held, " more failed calls since the last "
+                     *held > 0 ? absl::StrCat(" (", *held,
+                                              " more failed calls since the last "
                                               "such line, not logged)")
                                : std::string());
       }
@@ -229,15 +230,15 @@ void VerifyServiceImpl::StartVerify(grpc::CallbackServerContext* ctx,
   call.items = absl::MakeSpan(*items);
   call.context = ContextOf(ctx);
   call.timing = timing;
-  engine()->SubmitVerify(std::move(call), [response, items, done = std::move(done)](
-                                              absl::Status status) mutable {
-    if (status.ok()) {
-      for (size_t k = 0; k < items->size(); ++k) {
-        response->mutable_results(static_cast<int>(k))->set_prefix_len((*items)[k].prefix_len);
-      }
-    }
-    done(std::move(status));
-  });
+  engine()->SubmitVerify(
+      std::move(call), [response, items, done = std::move(done)](absl::Status status) mutable {
+        if (status.ok()) {
+          for (size_t k = 0; k < items->size(); ++k) {
+            response->mutable_results(static_cast<int>(k))->set_prefix_len((*items)[k].prefix_len);
+          }
+        }
+        done(std::move(status));
+      });
 }
 
 grpc::ServerUnaryReactor* VerifyServiceImpl::Verify(grpc::CallbackServerContext* ctx,
@@ -299,7 +300,9 @@ class VerifyServiceImpl::StreamReactor final
     : public grpc::ServerBidiReactor<v1::VerifyRequest, v1::VerifyResponse> {
  public:
   StreamReactor(VerifyServiceImpl* service, grpc::CallbackServerContext* ctx)
-      : service_(service), ctx_(ctx), max_in_flight_(std::max(1, service->options_.stream_max_in_flight)) {
+      : service_(service),
+        ctx_(ctx),
+        max_in_flight_(std::max(1, service->options_.stream_max_in_flight)) {
     {
       absl::MutexLock lock(&service_->streams_mu_);
       service_->streams_.insert(this);

@@ -7,17 +7,17 @@
 #ifndef MLAVERIFY_SERVER_TRANSPORT_VERIFY_SERVICE_H_
 #define MLAVERIFY_SERVER_TRANSPORT_VERIFY_SERVICE_H_
 
+#include <grpcpp/grpcpp.h>
+
 #include <atomic>
 #include <chrono>
 #include <string>
 #include <vector>
 
-#include <grpcpp/grpcpp.h>
-
 #include "absl/container/flat_hash_set.h"
 #include "absl/functional/any_invocable.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "mlaverify/v1/verify.grpc.pb.h"
 #include "server/engine/engine.h"
 #include "server/transport/log_limiter.h"
