@@ -9,7 +9,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev
   libcli11-dev nlohmann-json3-dev libcpp-httplib-dev prometheus-cpp-dev
-  python3 clang libclang-rt-14-dev shellcheck
+  python3 clang libclang-rt-14-dev clang-format shellcheck
 )
 
 missing=()
