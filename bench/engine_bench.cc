@@ -32,6 +32,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/geometry.h"
+#include "common/workload.h"
 #include "nlohmann/json.hpp"
 #include "server/engine/device.h"
 #include "server/engine/engine.h"
@@ -49,21 +50,6 @@ namespace mlaverify {
 namespace {
 
 using engine::Engine;
-
-std::vector<Bf16> RandomBf16(size_t n, std::mt19937_64& rng, float range) {
-  std::uniform_real_distribution<float> u(-range, range);
-  std::vector<Bf16> v(n);
-  for (auto& x : v) x = FloatToBf16(u(rng));
-  return v;
-}
-
-std::vector<int32_t> RandomTree(int n, std::mt19937_64& rng) {
-  std::vector<int32_t> parents(n);
-  for (int i = 0; i < n; ++i) {
-    parents[i] = (i == 0 || rng() % 2 == 0) ? i - 1 : static_cast<int32_t>(rng() % (i + 1)) - 1;
-  }
-  return parents;
-}
 
 // Counts the batches the workers ran, by size and path.
 class BatchCounter final : public engine::EngineObserver {
@@ -391,7 +377,7 @@ int Run(int argc, char** argv) {
       std::mt19937_64 rng(prefix * 31 + threads);
       const int64_t chunk = std::min(prefix, 512);
       const std::vector<Bf16> block =
-          RandomBf16(static_cast<size_t>(f.layers) * chunk * kLatentDim, rng, 1.0f);
+          RandomBf16(rng, static_cast<size_t>(f.layers) * chunk * kLatentDim, 1.0f);
       std::vector<uint64_t> ids;
       const absl::Time setup = absl::Now();
       bool setup_ok = true;
@@ -438,13 +424,13 @@ int Run(int argc, char** argv) {
         workers.emplace_back([&, t] {
           std::mt19937_64 r(t + 1);
           const std::vector<Bf16> q =
-              RandomBf16(static_cast<size_t>(n) * heads * kLatentDim, r, 2.0f);
-          const std::vector<Bf16> dkv = RandomBf16(static_cast<size_t>(n) * kLatentDim, r, 1.0f);
+              RandomBf16(r, static_cast<size_t>(n) * heads * kLatentDim, 2.0f);
+          const std::vector<Bf16> dkv = RandomBf16(r, static_cast<size_t>(n) * kLatentDim, 1.0f);
           std::vector<Bf16> out(static_cast<size_t>(n) * heads * kValueDim);
           std::vector<float> lse(static_cast<size_t>(n) * heads);
           latencies[t].reserve(1 << 16);
           while (!stop.load()) {
-            const std::vector<int32_t> tree = RandomTree(n, r);
+            const std::vector<int32_t> tree = RandomDraftTree(r, n);
             for (int layer = 0; layer < f.layers && !stop.load(); ++layer) {
               engine::VerifyItem item{
                   ids[t], tree, q, dkv, absl::MakeSpan(out), absl::MakeSpan(lse)};

@@ -11,9 +11,9 @@
 #include "absl/strings/str_join.h"
 #include "client/reference_check.h"
 #include "client/server_info_text.h"
-#include "client/workload.h"
 #include "common/draft_tree.h"
 #include "common/geometry.h"
+#include "common/workload.h"
 
 namespace mlaverify::client {
 namespace {

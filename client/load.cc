@@ -17,9 +17,9 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "client/server_info_text.h"
-#include "client/workload.h"
 #include "common/geometry.h"
 #include "common/status_macros.h"
+#include "common/workload.h"
 #include "spdlog/spdlog.h"
 
 namespace mlaverify::client {

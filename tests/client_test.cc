@@ -14,8 +14,8 @@
 #include "client/latency_stats.h"
 #include "client/reference_check.h"
 #include "client/wire.h"
-#include "client/workload.h"
 #include "common/draft_tree.h"
+#include "common/workload.h"
 #include "gtest/gtest.h"
 #include "kernels/verify_attention.h"
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/draft_tree.h"
+#include "common/workload.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_reference.h"
@@ -125,21 +126,6 @@ struct Mirror {
   int64_t length() const { return static_cast<int64_t>(layers[0].size()) / kLatentDim; }
 };
 
-std::vector<Bf16> RandomBf16(size_t n, std::mt19937_64& rng, float range) {
-  std::uniform_real_distribution<float> u(-range, range);
-  std::vector<Bf16> v(n);
-  for (auto& x : v) x = FloatToBf16(u(rng));
-  return v;
-}
-
-std::vector<int32_t> RandomTree(int n, std::mt19937_64& rng) {
-  std::vector<int32_t> parents(n);
-  for (int i = 0; i < n; ++i) {
-    parents[i] = (i == 0 || rng() % 2 == 0) ? i - 1 : static_cast<int32_t>(rng() % (i + 1)) - 1;
-  }
-  return parents;
-}
-
 // Reference outputs of one layer's verify: the mirror's prefix plus the drafts,
 // in a page-size-1 pool with identity page table.
 void Reference(const Mirror& m, int layer, const std::vector<Bf16>& draft_kv,
@@ -208,7 +194,7 @@ class EngineTest : public ::testing::Test {
     int64_t done = 0;
     while (done < length) {
       const int64_t chunk = std::min<int64_t>(length - done, 1 + length / 2);
-      const std::vector<Bf16> kv = RandomBf16(kLayers * chunk * kLatentDim, rng_, 1.0f);
+      const std::vector<Bf16> kv = RandomBf16(rng_, kLayers * chunk * kLatentDim, 1.0f);
       auto new_length = engine_->AppendKv(*id, done, chunk, kv);
       EXPECT_TRUE(new_length.ok()) << new_length.status();
       for (int l = 0; l < kLayers; ++l) {
@@ -227,10 +213,10 @@ class EngineTest : public ::testing::Test {
 
   Step RandomStep(int n) {
     Step s;
-    s.parents = RandomTree(n, rng_);
+    s.parents = RandomDraftTree(rng_, n);
     for (int l = 0; l < kLayers; ++l) {
-      s.q.push_back(RandomBf16(static_cast<size_t>(n) * kHeads * kLatentDim, rng_, 2.0f));
-      s.draft_kv.push_back(RandomBf16(static_cast<size_t>(n) * kLatentDim, rng_, 1.0f));
+      s.q.push_back(RandomBf16(rng_, static_cast<size_t>(n) * kHeads * kLatentDim, 2.0f));
+      s.draft_kv.push_back(RandomBf16(rng_, static_cast<size_t>(n) * kLatentDim, 1.0f));
     }
     return s;
   }
@@ -508,12 +494,12 @@ TEST_F(EngineTest, ConcurrentSequencesLeaveNoPagesBehind) {
       std::mt19937_64 rng(w);
       for (int round = 0; round < 5; ++round) {
         auto id = engine_->CreateSequence("worker");
-        std::vector<Bf16> kv = RandomBf16(kLayers * 9 * kLatentDim, rng, 1.0f);
+        std::vector<Bf16> kv = RandomBf16(rng, kLayers * 9 * kLatentDim, 1.0f);
         if (!engine_->AppendKv(*id, 0, 9, kv).ok()) ++failures;
         for (int step = 0; step < 3; ++step) {
-          const std::vector<int32_t> parents = RandomTree(4, rng);
-          const std::vector<Bf16> q = RandomBf16(4 * kHeads * kLatentDim, rng, 2.0f);
-          const std::vector<Bf16> dkv = RandomBf16(4 * kLatentDim, rng, 1.0f);
+          const std::vector<int32_t> parents = RandomDraftTree(rng, 4);
+          const std::vector<Bf16> q = RandomBf16(rng, 4 * kHeads * kLatentDim, 2.0f);
+          const std::vector<Bf16> dkv = RandomBf16(rng, 4 * kLatentDim, 1.0f);
           std::vector<Bf16> out(4 * kHeads * kValueDim);
           std::vector<float> lse(4 * kHeads);
           for (int l = 0; l < kLayers; ++l) {

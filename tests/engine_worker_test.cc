@@ -15,6 +15,7 @@
 #include "absl/time/clock.h"
 #include "common/draft_tree.h"
 #include "common/geometry.h"
+#include "common/workload.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/engine/device.h"
@@ -26,21 +27,6 @@ namespace {
 using ::testing::HasSubstr;
 
 constexpr int kLayers = 3, kHeads = 4, kPage = 8;
-
-std::vector<Bf16> RandomBf16(size_t n, std::mt19937_64& rng, float range) {
-  std::uniform_real_distribution<float> u(-range, range);
-  std::vector<Bf16> v(n);
-  for (auto& x : v) x = FloatToBf16(u(rng));
-  return v;
-}
-
-std::vector<int32_t> RandomTree(int n, std::mt19937_64& rng) {
-  std::vector<int32_t> parents(n);
-  for (int i = 0; i < n; ++i) {
-    parents[i] = (i == 0 || rng() % 2 == 0) ? i - 1 : static_cast<int32_t>(rng() % (i + 1)) - 1;
-  }
-  return parents;
-}
 
 EngineConfig BaseConfig(int heads = kHeads) {
   EngineConfig c;
@@ -64,9 +50,9 @@ struct Work {
 
   Work(uint64_t id_in, int n, int heads, std::mt19937_64& rng)
       : id(id_in),
-        parents(RandomTree(n, rng)),
-        q(RandomBf16(static_cast<size_t>(n) * heads * kLatentDim, rng, 2.0f)),
-        draft_kv(RandomBf16(static_cast<size_t>(n) * kLatentDim, rng, 1.0f)),
+        parents(RandomDraftTree(rng, n)),
+        q(RandomBf16(rng, static_cast<size_t>(n) * heads * kLatentDim, 2.0f)),
+        draft_kv(RandomBf16(rng, static_cast<size_t>(n) * kLatentDim, 1.0f)),
         out(static_cast<size_t>(n) * heads * kValueDim, Bf16QuietNaN()),
         lse(static_cast<size_t>(n) * heads, NAN) {
     item = VerifyItem{id, parents, q, draft_kv, absl::MakeSpan(out), absl::MakeSpan(lse)};
@@ -96,7 +82,7 @@ uint64_t NewSequence(Engine& e, int64_t prompt, std::mt19937_64& rng,
   auto id = e.CreateSequence("test");
   EXPECT_TRUE(id.ok()) << id.status();
   const std::vector<Bf16> kv =
-      RandomBf16(static_cast<size_t>(kLayers) * prompt * kLatentDim, rng, 1.0f);
+      RandomBf16(rng, static_cast<size_t>(kLayers) * prompt * kLatentDim, 1.0f);
   auto length = e.AppendKv(*id, 0, prompt, kv);
   EXPECT_TRUE(length.ok()) << length.status();
   if (kv_out != nullptr) *kv_out = kv;
@@ -391,7 +377,7 @@ TEST(EngineWorkerTest, BusySequenceBlocksNoOtherCaller) {
   const uint64_t id = NewSequence(*engine, 8, rng);
   std::vector<std::unique_ptr<Work>> work;
   std::vector<Pending> pending(16);
-  const std::vector<int32_t> tree = RandomTree(2, rng);
+  const std::vector<int32_t> tree = RandomDraftTree(rng, 2);
   for (int k = 0; k < 16; ++k) {
     work.push_back(std::make_unique<Work>(id, 2, kHeads, rng));
     work.back()->parents = tree;
@@ -426,7 +412,7 @@ TEST(EngineWorkerTest, OneSequencesCallsRunInSubmissionOrder) {
   std::vector<std::vector<Bf16>> chunks;
   std::vector<Pending> pending(kChunks);
   for (int c = 0; c < kChunks; ++c) {
-    chunks.push_back(RandomBf16(static_cast<size_t>(kLayers) * kTokens * kLatentDim, rng, 1.0f));
+    chunks.push_back(RandomBf16(rng, static_cast<size_t>(kLayers) * kTokens * kLatentDim, 1.0f));
     AppendCall call;
     call.sequence_id = *id;
     call.start_position = c * kTokens;
@@ -558,7 +544,7 @@ TEST_P(ParallelModeTest, TwoDevicesMatchOneToTheBit) {
   for (int step = 0; step < 3; ++step) {
     std::vector<std::vector<int32_t>> trees;
     for (int s = 0; s < kSequences; ++s)
-      trees.push_back(RandomTree(1 + static_cast<int>(rng() % 8), rng));
+      trees.push_back(RandomDraftTree(rng, 1 + static_cast<int>(rng() % 8)));
     for (int layer = 0; layer < kLayers; ++layer) {
       std::vector<std::unique_ptr<Work>> a, b;
       std::vector<VerifyItem> items_a, items_b;

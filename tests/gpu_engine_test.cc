@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "common/workload.h"
 #include "gtest/gtest.h"
 #include "kernels/testing/device_problem.h"
 #include "server/engine/device.h"
@@ -25,13 +26,6 @@ namespace mlaverify::engine {
 namespace {
 
 constexpr int kLayers = 3, kPage = 16;
-
-std::vector<Bf16> RandomBf16(size_t n, std::mt19937_64& rng, float range) {
-  std::uniform_real_distribution<float> u(-range, range);
-  std::vector<Bf16> v(n);
-  for (auto& x : v) x = FloatToBf16(u(rng));
-  return v;
-}
 
 struct Mode {
   std::string name;
@@ -117,7 +111,7 @@ TEST_P(GpuEngineTest, MatchesTheCpuEngineStepByStep) {
   std::vector<uint64_t> gpu_ids, cpu_ids;
   std::vector<int64_t> lengths;
   for (int64_t p : prompts) {
-    const std::vector<Bf16> kv = RandomBf16(kLayers * p * kLatentDim, rng_, 1.0f);
+    const std::vector<Bf16> kv = RandomBf16(rng_, kLayers * p * kLatentDim, 1.0f);
     gpu_ids.push_back(*gpu_->CreateSequence("gpu"));
     cpu_ids.push_back(*cpu_->CreateSequence("cpu"));
     ASSERT_TRUE(gpu_->AppendKv(gpu_ids.back(), 0, p, kv).ok());
@@ -141,8 +135,8 @@ TEST_P(GpuEngineTest, MatchesTheCpuEngineStepByStep) {
       std::vector<VerifyItem> items_g(n_seq), items_c(n_seq);
       for (int s = 0; s < n_seq; ++s) {
         const size_t n = parents[s].size();
-        q[s] = RandomBf16(n * heads_ * kLatentDim, rng_, 2.0f);
-        dkv[s] = RandomBf16(n * kLatentDim, rng_, 1.0f);
+        q[s] = RandomBf16(rng_, n * heads_ * kLatentDim, 2.0f);
+        dkv[s] = RandomBf16(rng_, n * kLatentDim, 1.0f);
         out_g[s].assign(n * heads_ * kValueDim, Bf16QuietNaN());
         out_c[s].assign(n * heads_ * kValueDim, Bf16QuietNaN());
         lse_g[s].assign(n * heads_, NAN);

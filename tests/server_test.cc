@@ -12,6 +12,7 @@
 #include "client/client.h"
 #include "client/reference_check.h"
 #include "client/wire.h"
+#include "common/workload.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -32,13 +33,6 @@ constexpr int kLayers = 2, kHeads = 4, kPage = 8, kMaxDraft = 8, kMaxBatch = 4;
 constexpr int64_t kRow = mlaverify::kLatentDim;  // int64_t so {kLayers, T, kRow} is a shape
 constexpr int64_t kPoolPages = 48;
 constexpr int64_t kMaxMessageBytes = 1 << 20;
-
-std::vector<Bf16> RandomBf16(size_t n, std::mt19937_64& rng, float range) {
-  std::uniform_real_distribution<float> u(-range, range);
-  std::vector<Bf16> v(n);
-  for (auto& x : v) x = FloatToBf16(u(rng));
-  return v;
-}
 
 // The inputs of one decode step of one sequence.
 struct Step {
@@ -104,7 +98,7 @@ class ServerTest : public ::testing::Test {
   uint64_t NewSequence(int64_t prompt, client::SequenceMirror* mirror) {
     auto id = client_->CreateSequence("test");
     EXPECT_TRUE(id.ok()) << id.status();
-    const std::vector<Bf16> kv = RandomBf16(kLayers * prompt * kLatentDim, rng_, 1.0f);
+    const std::vector<Bf16> kv = RandomBf16(rng_, kLayers * prompt * kLatentDim, 1.0f);
     auto appended = client_->AppendKv(*id, 0, kLayers, prompt, kv);
     EXPECT_TRUE(appended.ok()) << appended.status();
     mirror->AppendPrompt(kv, prompt);
@@ -118,8 +112,8 @@ class ServerTest : public ::testing::Test {
                                                : static_cast<int32_t>(rng_() % (i + 1)) - 1);
     }
     for (int l = 0; l < kLayers; ++l) {
-      s.q.push_back(RandomBf16(static_cast<size_t>(n) * kHeads * kLatentDim, rng_, 2.0f));
-      s.draft_kv.push_back(RandomBf16(static_cast<size_t>(n) * kLatentDim, rng_, 1.0f));
+      s.q.push_back(RandomBf16(rng_, static_cast<size_t>(n) * kHeads * kLatentDim, 2.0f));
+      s.draft_kv.push_back(RandomBf16(rng_, static_cast<size_t>(n) * kLatentDim, 1.0f));
     }
     return s;
   }

@@ -25,6 +25,18 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 int64_t NowNanos() { return absl::ToUnixNanos(absl::Now()); }
 
+// CANCELLED or DEADLINE_EXCEEDED when the caller no longer wants the call,
+// else OK.
+absl::Status UnwantedStatus(const CallContext& context) {
+  if (context.is_cancelled && context.is_cancelled()) {
+    return absl::CancelledError("the client cancelled the call while it was queued");
+  }
+  if (absl::Now() > context.deadline) {
+    return absl::DeadlineExceededError("the call's deadline passed while it was queued");
+  }
+  return absl::OkStatus();
+}
+
 std::string FormatBytes(int64_t bytes) {
   return absl::StrFormat("%.1f MiB", static_cast<double>(bytes) / (1 << 20));
 }
@@ -104,15 +116,7 @@ class Engine::Call {
   // override may undo the call's effects before saying so. Called once.
   virtual absl::Status Skip() { return ContextStatus(); }
 
-  absl::Status ContextStatus() const {
-    if (context_.is_cancelled && context_.is_cancelled()) {
-      return absl::CancelledError("the client cancelled the call while it was queued");
-    }
-    if (absl::Now() > context_.deadline) {
-      return absl::DeadlineExceededError("the call's deadline passed while it was queued");
-    }
-    return absl::OkStatus();
-  }
+  absl::Status ContextStatus() const { return UnwantedStatus(context_); }
 
   // Records a piece's outcome; true when it was the last piece.
   bool PieceDone(const absl::Status& status) {
@@ -851,12 +855,7 @@ absl::Status Engine::StartAppendKv(AppendCall& call,
   // Cancelled or past its deadline when taken: taken back, unless calls
   // submitted after it build on it (then it runs).
   auto skip = [this, seq, op_number, old_length, added, context = call.context]() -> absl::Status {
-    absl::Status st;
-    if (context.is_cancelled && context.is_cancelled()) {
-      st = absl::CancelledError("the client cancelled the call while it was queued");
-    } else if (absl::Now() > context.deadline) {
-      st = absl::DeadlineExceededError("the call's deadline passed while it was queued");
-    }
+    const absl::Status st = UnwantedStatus(context);
     if (st.ok()) return st;
     std::vector<int32_t> freed;
     {

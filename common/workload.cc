@@ -1,8 +1,8 @@
-#include "client/workload.h"
+#include "common/workload.h"
 
 #include <algorithm>
 
-namespace mlaverify::client {
+namespace mlaverify {
 
 std::vector<int32_t> RandomDraftTree(std::mt19937_64& rng, int n) {
   std::vector<int32_t> parents(std::max(n, 0));
@@ -52,4 +52,10 @@ void FillUniformBf16(std::mt19937_64& rng, float lo, float hi, absl::Span<Bf16> 
   for (Bf16& v : values) v = FloatToBf16(uniform(rng));
 }
 
-}  // namespace mlaverify::client
+std::vector<Bf16> RandomBf16(std::mt19937_64& rng, size_t n, float range) {
+  std::vector<Bf16> v(n);
+  FillUniformBf16(rng, -range, range, absl::MakeSpan(v));
+  return v;
+}
+
+}  // namespace mlaverify

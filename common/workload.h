@@ -1,8 +1,9 @@
-// Random speculative-decoding workloads for the demo, the load generator and
-// the tests: draft trees, accepted paths and bf16 fills. Deterministic for a
+// Random speculative-decoding workloads for the client's demo and load
+// generator, the engine benchmark and the tests: draft trees, accepted paths
+// and bf16 fills. Deterministic for a
 // given std::mt19937_64 state, so a failing run can be replayed by its seed.
-#ifndef MLAVERIFY_CLIENT_WORKLOAD_H_
-#define MLAVERIFY_CLIENT_WORKLOAD_H_
+#ifndef MLAVERIFY_COMMON_WORKLOAD_H_
+#define MLAVERIFY_COMMON_WORKLOAD_H_
 
 #include <cstdint>
 #include <random>
@@ -11,7 +12,7 @@
 #include "absl/types/span.h"
 #include "common/bf16.h"
 
-namespace mlaverify::client {
+namespace mlaverify {
 
 // A random draft forest of n >= 1 nodes with parents before children:
 // parents[i] = i - 1 with probability 1/2 (long chains, as real drafters
@@ -33,6 +34,9 @@ std::vector<int32_t> RandomAcceptedPath(std::mt19937_64& rng, absl::Span<const i
 // Fills `values` with bf16 roundings of uniform draws from [lo, hi].
 void FillUniformBf16(std::mt19937_64& rng, float lo, float hi, absl::Span<Bf16> values);
 
-}  // namespace mlaverify::client
+// `n` bf16 roundings of uniform draws from [-range, range].
+std::vector<Bf16> RandomBf16(std::mt19937_64& rng, size_t n, float range);
 
-#endif  // MLAVERIFY_CLIENT_WORKLOAD_H_
+}  // namespace mlaverify
+
+#endif  // MLAVERIFY_COMMON_WORKLOAD_H_
