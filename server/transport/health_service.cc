@@ -32,9 +32,10 @@ class HealthService::WatchReactor final : public grpc::ServerWriteReactor<Health
   }
 
   void OnWriteDone(bool ok) override {
-    bool write = false, finish = false;
+    bool write = false, finish = false, draining = false;
     {
       absl::MutexLock lock(&mu_);
+      draining = finish_after_write_;
       writing_ = false;
       if (!ok) {
         finish = !done_;
@@ -51,9 +52,9 @@ class HealthService::WatchReactor final : public grpc::ServerWriteReactor<Health
     }
     if (write) StartWrite(&current_);
     if (finish) {
-      Finish(finish_after_write_ ? grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                                "server is draining: watch another replica")
-                                 : grpc::Status::OK);
+      Finish(draining ? grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                     "server is draining: watch another replica")
+                      : grpc::Status::OK);
     }
   }
 
