@@ -177,6 +177,9 @@ void VerifyClient::PrepareContext(grpc::ClientContext* context) const {
     context->set_deadline(DeadlineAfter(options_.call_timeout));
   }
   context->set_wait_for_ready(options_.wait_for_ready);
+  if (!options_.auth_token.empty()) {
+    context->AddMetadata("authorization", "Bearer " + options_.auth_token);
+  }
 }
 
 absl::StatusOr<v1::ServerInfo> VerifyClient::GetServerInfo() {
@@ -323,6 +326,9 @@ absl::StatusOr<std::unique_ptr<VerifyStreamSession>> VerifyClient::OpenVerifyStr
     session->context_.set_deadline(DeadlineAfter(lifetime));
   }
   session->context_.set_wait_for_ready(options_.wait_for_ready);
+  if (!options_.auth_token.empty()) {
+    session->context_.AddMetadata("authorization", "Bearer " + options_.auth_token);
+  }
   session->stream_ = stub_->VerifyStream(&session->context_);
   if (session->stream_ == nullptr) {
     return absl::InternalError("gRPC returned no VerifyStream");

@@ -53,6 +53,9 @@ struct ClientOptions {
   // with UNAVAILABLE (for scripts that start the server and the client
   // together). The call deadline still applies.
   bool wait_for_ready = false;
+  // Sent as "authorization: Bearer <token>" with every call when not empty
+  // (servers started with --auth-token-file require it).
+  std::string auth_token;
 };
 
 enum class ServingStatus { kUnknown, kServing, kNotServing, kServiceUnknown };

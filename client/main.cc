@@ -15,6 +15,7 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_format.h"
 #include "client/client.h"
+#include "common/auth_token.h"
 #include "client/demo.h"
 #include "client/load.h"
 #include "client/server_info_text.h"
@@ -38,6 +39,7 @@ struct GlobalFlags {
   int64_t timeout_ms = 30000;
   int64_t max_message_mib = 256;
   bool wait_for_ready = false;
+  std::string auth_token_file;
 };
 
 int RunInfo(VerifyClient& client, bool json) {
@@ -105,6 +107,8 @@ int Main(int argc, char** argv) {
                  "client limit on one message each way, MiB")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  app.add_option("--auth-token-file", flags.auth_token_file,
+                 "file holding the bearer token servers started with --auth-token-file require");
   app.add_flag("--wait-for-ready", flags.wait_for_ready,
                "wait for the server to come up instead of failing with UNAVAILABLE");
 
@@ -177,6 +181,14 @@ int Main(int argc, char** argv) {
   options.max_send_message_bytes = flags.max_message_mib << 20;
   options.max_receive_message_bytes = flags.max_message_mib << 20;
   options.wait_for_ready = flags.wait_for_ready;
+  if (!flags.auth_token_file.empty()) {
+    absl::StatusOr<std::string> token = ReadAuthToken(flags.auth_token_file);
+    if (!token.ok()) {
+      spdlog::error("--auth-token-file: {}", token.status().ToString());
+      return kExitSetupError;
+    }
+    options.auth_token = *std::move(token);
+  }
   absl::StatusOr<std::unique_ptr<VerifyClient>> client =
       VerifyClient::Create(flags.target, options);
   if (!client.ok()) {

@@ -22,6 +22,7 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
+#include "common/auth_token.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -109,6 +110,7 @@ struct Flags {
   double slow_call_ms = 100;
   int testing_fault_after_launches = 0;
   std::string tls_cert, tls_key, tls_client_ca;
+  std::string auth_token_file;
   std::string log_level = "info";
 };
 
@@ -299,6 +301,9 @@ int Run(int argc, char** argv) {
                  "testing only: the first device's Nth verify launch runs a trapping kernel "
                  "(a real device fault; 0: never)")
       ->capture_default_str();
+  app.add_option("--auth-token-file", f.auth_token_file,
+                 "require \"authorization: Bearer <token>\" on every VerifyService call, the token "
+                 "read from this file (health and reflection stay open)");
   app.add_option("--tls-cert", f.tls_cert, "server certificate (PEM); with --tls-key enables TLS");
   app.add_option("--tls-key", f.tls_key, "server private key (PEM)");
   app.add_option("--tls-client-ca", f.tls_client_ca,
@@ -363,6 +368,14 @@ int Run(int argc, char** argv) {
   options.service.max_message_bytes = static_cast<int64_t>(f.max_message_bytes);
   options.service.slow_call_seconds = f.slow_call_ms / 1e3;
   options.service.stream_max_in_flight = f.stream_max_in_flight;
+  if (!f.auth_token_file.empty()) {
+    absl::StatusOr<std::string> token = ReadAuthToken(f.auth_token_file);
+    if (!token.ok()) {
+      spdlog::error("bad flags: --auth-token-file: {}", std::string(token.status().message()));
+      return 2;
+    }
+    options.service.auth_token = *std::move(token);
+  }
   options.tls_cert_file = f.tls_cert;
   options.tls_key_file = f.tls_key;
   options.tls_client_ca_file = f.tls_client_ca;

@@ -34,6 +34,7 @@ expect_refused "--copy-threads 0" "copy_threads" --copy-threads 0
 expect_refused "heads that do not split over the devices" "does not split" --heads 7 --devices 0,0
 expect_refused "--stream-max-in-flight 0" "stream-max-in-flight" --stream-max-in-flight 0
 expect_refused "an unknown flag" "workers" --workers 8
+expect_refused "a token file that does not exist" "auth-token-file" --auth-token-file /nonexistent/token
 
 # A port in use by another server is refused.
 "$server" "${base[@]}" --listen 127.0.0.1:0 --port-file "$work/ports" > "$work/holder.log" 2>&1 &

@@ -224,6 +224,42 @@ TEST_F(ServerTest, DrainEndsIdleStreamsAtOnceAndFinishesCallsInFlight) {
   watch->Finish();
 }
 
+// With a token configured, every VerifyService call needs the bearer token
+// (UNAUTHENTICATED without it or with another), health does not.
+TEST_F(ServerTest, BearerTokenIsRequiredExceptForHealth) {
+  transport::GrpcServerOptions options;
+  options.listen_address = "127.0.0.1:0";
+  options.service.auth_token = "s3cret-token";
+  auto server = transport::GrpcServer::Start(options, nullptr);
+  ASSERT_TRUE(server.ok()) << server.status();
+  (*server)->AttachEngine(engine_.get());
+  (*server)->SetServing();
+  const std::string target = "127.0.0.1:" + std::to_string((*server)->port());
+  auto make = [&](const std::string& token) {
+    client::ClientOptions o;
+    o.auth_token = token;
+    return *client::VerifyClient::Create(target, o);
+  };
+  auto anonymous = make(""), wrong = make("s3cret-tokeN"), right = make("s3cret-token");
+  EXPECT_EQ(*anonymous->Health(), client::ServingStatus::kServing) << "health needs no token";
+  const absl::Status none = anonymous->CreateSequence("x").status();
+  EXPECT_EQ(none.code(), absl::StatusCode::kUnauthenticated) << none;
+  EXPECT_THAT(std::string(none.message()), HasSubstr("bearer token"));
+  EXPECT_EQ(wrong->GetServerInfo().status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(engine_->Stats().live_sequences, 0) << "a refused call changes nothing";
+  auto id = right->CreateSequence("y");
+  ASSERT_TRUE(id.ok()) << id.status();
+  EXPECT_TRUE(right->ReleaseSequence(*id).ok());
+  auto stream = wrong->OpenVerifyStream(absl::Seconds(10));
+  ASSERT_TRUE(stream.ok());
+  const std::vector<Bf16> q(static_cast<size_t>(kHeads) * kLatentDim), kv(kLatentDim);
+  const std::vector<int32_t> parents = {-1};
+  const client::VerifyItemInput item{1, parents, q, kv};
+  EXPECT_EQ((*stream)->Verify(0, absl::MakeConstSpan(&item, 1)).status().code(),
+            absl::StatusCode::kUnauthenticated)
+      << "stream requests are checked too";
+}
+
 // A call whose deadline passes while it waits for the device is not run, and
 // the step it would have opened is taken back: the sequence is as before.
 TEST_F(ServerTest, DeadlineThatPassesWhileQueuedChangesNothing) {

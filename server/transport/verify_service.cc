@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/auth_token.h"
 #include "common/geometry.h"
 #include "common/status_macros.h"
 #include "server/transport/status_mapping.h"
@@ -48,6 +49,21 @@ absl::Status VerifyServiceImpl::Admit(grpc::CallbackServerContext* ctx,
   if (state == ServingState::kFaulted && !allowed_while_draining) {
     return absl::UnavailableError(
         absl::StrCat(engine()->fault().message(), "; this server is NOT_SERVING"));
+  }
+  if (!options_.auth_token.empty()) {
+    const auto& metadata = ctx->client_metadata();
+    const auto it = metadata.find("authorization");
+    constexpr absl::string_view kBearer = "Bearer ";
+    const bool ok = it != metadata.end() &&
+                    absl::string_view(it->second.data(), it->second.size()).substr(0, kBearer.size()) ==
+                        kBearer &&
+                    ConstantTimeEquals(absl::string_view(it->second.data(), it->second.size())
+                                           .substr(kBearer.size()),
+                                       options_.auth_token);
+    if (!ok) {
+      return absl::UnauthenticatedError(
+          "missing or wrong bearer token (authorization: Bearer <token>)");
+    }
   }
   if (ctx->IsCancelled()) return absl::CancelledError("the client cancelled the call");
   if (ctx->deadline() < std::chrono::system_clock::now()) {

@@ -55,6 +55,9 @@ struct ServiceOptions {
   // Requests of one VerifyStream the server works on at once (read ahead of
   // the answers, answered in order).
   int stream_max_in_flight = 8;
+  // Not empty: every VerifyService call must carry "authorization: Bearer
+  // <token>" (UNAUTHENTICATED otherwise). Health and reflection stay open.
+  std::string auth_token;
 };
 
 class VerifyServiceImpl final : public v1::VerifyService::CallbackService {

@@ -1,0 +1,24 @@
+// The optional bearer token that server and client share: read from a file
+// (so it never appears in a process list), compared in constant time.
+#ifndef MLAVERIFY_COMMON_AUTH_TOKEN_H_
+#define MLAVERIFY_COMMON_AUTH_TOKEN_H_
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace mlaverify {
+
+// The token in `path`, trailing whitespace (a final newline) removed.
+// INVALID_ARGUMENT when the file cannot be read, is empty, holds more than
+// 4 KiB, or the token has whitespace or control characters inside.
+absl::StatusOr<std::string> ReadAuthToken(const std::string& path);
+
+// a == b, in time that depends on the lengths only (not on where the first
+// difference is).
+bool ConstantTimeEquals(absl::string_view a, absl::string_view b);
+
+}  // namespace mlaverify
+
+#endif  // MLAVERIFY_COMMON_AUTH_TOKEN_H_
