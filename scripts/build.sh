@@ -4,7 +4,8 @@
 #                               (/usr/local/cuda or PATH), RelWithDebInfo
 #   scripts/build.sh sanitize   build-sanitize/: clang with -Werror=thread-safety
 #                               (the ABSL_GUARDED_BY annotations are checked) and
-#                               AddressSanitizer + UndefinedBehaviorSanitizer, CPU only
+#                               AddressSanitizer + UndefinedBehaviorSanitizer, CPU
+#                               only, with the libFuzzer targets (tests/fuzz)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 flavor=${1:-default}
@@ -17,7 +18,7 @@ case $flavor in
     dir=build-sanitize
     san="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
     args=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++
-          -DMLAVERIFY_WITH_CUDA=OFF
+          -DMLAVERIFY_WITH_CUDA=OFF -DMLAVERIFY_FUZZ=ON
           "-DCMAKE_CXX_FLAGS=-Wthread-safety -Werror=thread-safety $san"
           "-DCMAKE_EXE_LINKER_FLAGS=$san" "-DCMAKE_SHARED_LINKER_FLAGS=$san")
     ;;
