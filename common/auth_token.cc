@@ -21,12 +21,13 @@ absl::StatusOr<std::string> ReadAuthToken(const std::string& path) {
     return absl::InvalidArgumentError(absl::StrCat("token file '", path, "' is empty"));
   }
   if (token.size() > 4096) {
-    return absl::InvalidArgumentError(absl::StrCat("token file '", path, "' holds more than 4 KiB"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("token file '", path, "' holds more than 4 KiB"));
   }
   for (char c : token) {
     if (static_cast<unsigned char>(c) <= ' ' || c == 0x7f) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the token in '", path, "' has whitespace or control characters inside"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("the token in '", path, "' has whitespace or control characters inside"));
     }
   }
   return token;

@@ -22,10 +22,10 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
-#include "common/auth_token.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/auth_token.h"
 #include "server/admin/admin_http_server.h"
 #include "server/admin/metrics.h"
 #include "server/engine/device.h"

@@ -54,12 +54,13 @@ absl::Status VerifyServiceImpl::Admit(grpc::CallbackServerContext* ctx,
     const auto& metadata = ctx->client_metadata();
     const auto it = metadata.find("authorization");
     constexpr absl::string_view kBearer = "Bearer ";
-    const bool ok = it != metadata.end() &&
-                    absl::string_view(it->second.data(), it->second.size()).substr(0, kBearer.size()) ==
-                        kBearer &&
-                    ConstantTimeEquals(absl::string_view(it->second.data(), it->second.size())
-                                           .substr(kBearer.size()),
-                                       options_.auth_token);
+    const bool ok =
+        it != metadata.end() &&
+        absl::string_view(it->second.data(), it->second.size()).substr(0, kBearer.size()) ==
+            kBearer &&
+        ConstantTimeEquals(
+            absl::string_view(it->second.data(), it->second.size()).substr(kBearer.size()),
+            options_.auth_token);
     if (!ok) {
       return absl::UnauthenticatedError(
           "missing or wrong bearer token (authorization: Bearer <token>)");
