@@ -4,9 +4,10 @@
 //   mlaverify-client health
 //   mlaverify-client demo [--sequences 2 --prompt-len 200 --steps 4 --drafts 8 --stream]
 //   mlaverify-client load [--concurrency 8 --duration-s 10 --json results.json]
+//   mlaverify-client soak [--workers 8 --duration-s 600 --cut-fraction 0.05 --json soak.json]
 //
 // Exit status: 0 on success (info printed; SERVING; demo PASS; load without
-// errors or leaked pages), 1 when the check fails, 2 for usage or setup errors.
+// errors or leaked pages; soak PASS), 1 when the check fails, 2 for usage or setup errors.
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -15,10 +16,11 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_format.h"
 #include "client/client.h"
-#include "common/auth_token.h"
 #include "client/demo.h"
 #include "client/load.h"
 #include "client/server_info_text.h"
+#include "client/soak.h"
+#include "common/auth_token.h"
 #include "nlohmann/json.hpp"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
@@ -77,6 +79,27 @@ int RunLoadCommand(VerifyClient& client, const LoadOptions& options, const std::
   if (!json_path.empty()) {
     std::ofstream file(json_path);
     file << LoadReportToJson(*report).dump(2) << "\n";
+    if (!file) {
+      spdlog::error("cannot write {}", json_path);
+      return kExitSetupError;
+    }
+    std::printf("wrote %s\n", json_path.c_str());
+  }
+  return report->ok() ? kExitOk : kExitCheckFailed;
+}
+
+int RunSoakCommand(VerifyClient& client, const std::string& target, const ClientOptions& options,
+                   const SoakOptions& soak, const std::string& json_path) {
+  absl::StatusOr<SoakReport> report = RunSoak(client, target, options, soak);
+  if (!report.ok()) {
+    spdlog::error("soak: {}", report.status().ToString());
+    return report.status().code() == absl::StatusCode::kInvalidArgument ? kExitSetupError
+                                                                        : kExitCheckFailed;
+  }
+  PrintSoakReport(*report);
+  if (!json_path.empty()) {
+    std::ofstream file(json_path);
+    file << SoakReportToJson(*report).dump(2) << "\n";
     if (!file) {
       spdlog::error("cannot write {}", json_path);
       return kExitSetupError;
@@ -165,6 +188,31 @@ int Main(int argc, char** argv) {
   load_cmd->add_flag("--stream", load.stream, "one VerifyStream per worker");
   load_cmd->add_option("--json", load_json, "write the results to this JSON file");
 
+  CLI::App* soak_cmd = app.add_subcommand(
+      "soak",
+      "long randomised run: whole sequence lifetimes, every answer checked, some calls "
+      "cut short by their deadline; fails on any error, wrong answer or leaked page");
+  SoakOptions soak;
+  std::string soak_json;
+  int64_t cut_deadline_us = 300;
+  soak_cmd->add_option("--workers", soak.workers, "worker threads")->capture_default_str();
+  soak_cmd->add_option("--duration-s", soak.duration_s, "seconds to run")->capture_default_str();
+  soak_cmd->add_option("--max-prompt-len", soak.max_prompt_len, "prompts of 1..this many tokens")
+      ->capture_default_str();
+  soak_cmd->add_option("--max-steps", soak.max_steps, "verify steps per sequence, 1..this many")
+      ->capture_default_str();
+  soak_cmd->add_option("--drafts", soak.drafts, "drafts per step, 1..this many")
+      ->capture_default_str();
+  soak_cmd
+      ->add_option("--cut-fraction", soak.cut_fraction,
+                   "share of Verify calls sent with the short deadline")
+      ->capture_default_str();
+  soak_cmd->add_option("--cut-deadline-us", cut_deadline_us, "the short deadline, microseconds")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  soak_cmd->add_option("--seed", soak.seed, "random seed")->capture_default_str();
+  soak_cmd->add_option("--json", soak_json, "write the report to this JSON file");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -201,6 +249,10 @@ int Main(int argc, char** argv) {
     return RunDemo(**client, demo).passed ? kExitOk : kExitCheckFailed;
   }
   if (load_cmd->parsed()) return RunLoadCommand(**client, load, load_json);
+  if (soak_cmd->parsed()) {
+    soak.cut_deadline = absl::Microseconds(cut_deadline_us);
+    return RunSoakCommand(**client, flags.target, options, soak, soak_json);
+  }
   return RunHealth(**client);
 }
 

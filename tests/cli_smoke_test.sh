@@ -2,7 +2,8 @@
 # End to end with the real binaries: start mlaverify-server on a loopback
 # port, check health and /readyz, run `mlaverify-client demo` (every output
 # checked against the client's reference) and a short `load` (zero errors, the
-# free-page count back to its start), then SIGTERM: the server must drain and
+# free-page count back to its start), a short `soak` (the same with random
+# lifetimes and calls cut by their deadline), then SIGTERM: the server must drain and
 # exit 0.
 #   tests/cli_smoke_test.sh BUILD_DIR
 set -euo pipefail
@@ -39,6 +40,19 @@ r = json.load(open(sys.argv[1]))
 s, l = r["slowest_call"], r["latency_ms"]
 assert s["worker"] >= 0 and s["ms"] == l["max"] and 0 <= s["started_s"] <= r["measured_seconds"], (s, l)
 PY
+# A short soak: whole sequence lifetimes, a third of the Verify calls cut
+# short by their deadline; every answer checked, no page or sequence left.
+"${client[@]}" soak --workers 4 --duration-s 4 --cut-fraction 0.3 --json "$work/soak.json"
+python3 - "$work/soak.json" <<'PY' || fail "soak report: $(cat "$work/soak.json")"
+import json, sys
+r = json.load(open(sys.argv[1]))
+assert r["passed"] and not r["unexpected"], r
+assert r["cut_calls"] > 0 and r["checked_items"] > 0 and r["commits"] > 0, r
+assert r["free_pages_after"] == r["free_pages_before"] and r["live_after"] == 0, r
+PY
+soak_rc=0
+"${client[@]}" soak --workers 0 || soak_rc=$?
+[ "$soak_rc" -eq 2 ] || fail "soak --workers 0 exited $soak_rc, not 2 (usage error)"
 # Read the whole body first: `curl | grep -q` under pipefail fails at random
 # when grep exits on its match while curl is still writing (EPIPE).
 metrics=$(curl -sf "http://127.0.0.1:$admin_port/metrics") || fail "GET /metrics"

@@ -23,8 +23,7 @@
 namespace mlaverify::engine {
 namespace {
 
-// 256-byte aligned, uninitialised host memory (the OS commits pages as they
-// are first touched, so a large pool costs only what is used).
+// 256-byte aligned, uninitialised host memory.
 struct AlignedBuffer {
   struct Free {
     void operator()(uint8_t* p) const { std::free(p); }
@@ -64,6 +63,11 @@ class HostDevice final : public Device {
       return absl::ResourceExhaustedError(
           absl::StrCat("cannot allocate ", pool_bytes, " bytes of host memory for the KV pool"));
     }
+    // Every pool byte is written once here, as a GPU's pool is allocated
+    // whole: the memory is committed at start (no out-of-memory later, a
+    // resident size that stays flat), and all-ones bytes are bf16 NaN, so a
+    // read of a row never written shows up as NaN in an answer.
+    std::memset(pool_.data.get(), 0xFF, pool_.bytes);
     const StagingLayout max =
         StagingLayout::For({g.max_batch, g.max_draft_len}, g.num_heads, g.max_pages_per_sequence);
     sets_.resize(g.staging_sets);
