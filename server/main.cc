@@ -59,6 +59,7 @@ class MetricsObserver final : public transport::RpcObserver, public engine::Engi
   void OnVerifyDone(const engine::VerifyTiming& timing) override {
     metrics_->RecordVerifyTiming(timing);
   }
+  void OnOversizedRequest(absl::string_view rpc) override { metrics_->RecordOversizedRequest(rpc); }
   void OnDeviceFault(const std::string& device, const absl::Status&) override {
     metrics_->RecordDeviceFault(device);
   }

@@ -186,6 +186,8 @@ TEST(MetricsTest, VerifyTimingSplitsQueueDeviceAndTheRest) {
   t.total_seconds = 6e-5;
   metrics.RecordVerifyTiming(t);
   metrics.RecordDeviceFault("cuda:1");
+  metrics.RecordOversizedRequest("VerifyStream");
+  metrics.RecordOversizedRequest("VerifyStream");
   const std::string text = metrics.Serialize();
   EXPECT_THAT(
       SampleValue(text, R"(mlaverify_verify_server_seconds_bucket{part="queue",le="1e-05"})"),
@@ -200,6 +202,8 @@ TEST(MetricsTest, VerifyTimingSplitsQueueDeviceAndTheRest) {
               Optional(::testing::DoubleNear(2e-5, 1e-12)));
   EXPECT_THAT(SampleValue(text, R"(mlaverify_device_faults_total{device="cuda:1"})"),
               Optional(1.0));
+  EXPECT_THAT(SampleValue(text, R"(mlaverify_oversized_requests_total{rpc="VerifyStream"})"),
+              Optional(2.0));
 }
 
 TEST(MetricsTest, EngineGaugesFollowTheStatsSource) {

@@ -3,11 +3,13 @@
 // code, changing nothing (page counts and the sequence's next step) and
 // leaving the server serving. Outputs are checked with the client's own
 // reference (client/reference_check.h) over a mirror of what was sent.
+#include <map>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/reference_check.h"
@@ -43,6 +45,24 @@ struct Step {
   }
 };
 
+// Counts the oversized requests the service reports.
+class OversizeCounter final : public transport::RpcObserver {
+ public:
+  void OnRpc(absl::string_view, grpc::StatusCode, double) override {}
+  void OnOversizedRequest(absl::string_view rpc) override {
+    absl::MutexLock lock(&mu_);
+    ++counts_[std::string(rpc)];
+  }
+  int count(const std::string& rpc) {
+    absl::MutexLock lock(&mu_);
+    return counts_[rpc];
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::map<std::string, int> counts_ ABSL_GUARDED_BY(mu_);
+};
+
 class ServerTest : public ::testing::Test {
  protected:
   void SetUp() override { Make(engine::MakeCpuDevice(2)); }
@@ -69,7 +89,7 @@ class ServerTest : public ::testing::Test {
     transport::GrpcServerOptions options;
     options.listen_address = "127.0.0.1:0";
     options.service.max_message_bytes = kMaxMessageBytes;
-    auto server = transport::GrpcServer::Start(options, nullptr);
+    auto server = transport::GrpcServer::Start(options, &oversize_);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
     server_->AttachEngine(engine_.get());
@@ -141,6 +161,7 @@ class ServerTest : public ::testing::Test {
 
   int64_t FreePages() { return engine_->Stats().free_pages; }
 
+  OversizeCounter oversize_;  // outlives the server
   std::unique_ptr<engine::Engine> engine_;
   std::unique_ptr<transport::GrpcServer> server_;
   std::unique_ptr<client::VerifyClient> client_;
@@ -358,6 +379,70 @@ TEST_F(ServerTest, StreamAnswersInOrderAndSurvivesABadRequest) {
   }
   EXPECT_TRUE((*stream)->Close().ok());
   ASSERT_TRUE(client_->Commit(id, {0}).ok());
+}
+
+// A request over max_message_bytes (but within twice it) is answered
+// RESOURCE_EXHAUSTED by the service, counted, and changes nothing; on a
+// VerifyStream the answer is in band and the stream goes on. Beyond twice the
+// limit gRPC refuses the message itself.
+TEST_F(ServerTest, OversizedRequestsAreCountedAndKeepTheStreamOpen) {
+  Serve();
+  client::SequenceMirror m(kLayers);
+  const uint64_t id = NewSequence(40, &m);
+  const int64_t free_before = FreePages();
+  const Step s = RandomStep(4);
+  const client::VerifyItemInput item = s.Item(id, 0);
+  absl::StatusOr<v1::VerifyRequest> good = client::BuildVerifyRequest(0, {&item, 1}, 0.0f, 0);
+  ASSERT_TRUE(good.ok()) << good.status();
+  v1::VerifyRequest oversized = *good;
+  oversized.mutable_items(0)->mutable_q()->mutable_raw()->append(kMaxMessageBytes, '\0');
+
+  {
+    grpc::ClientContext ctx;
+    v1::VerifyResponse response;
+    const grpc::Status st = stub_->Verify(&ctx, oversized, &response);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+    EXPECT_THAT(st.error_message(), HasSubstr("over the server's max_message_bytes"));
+  }
+  EXPECT_EQ(oversize_.count("Verify"), 1);
+  EXPECT_EQ(FreePages(), free_before);
+  // Nothing was opened: there is no step to commit.
+  EXPECT_EQ(client_->Commit(id, {}).status().code(), absl::StatusCode::kFailedPrecondition);
+
+  {
+    v1::VerifyRequest huge = *good;
+    huge.mutable_items(0)->mutable_q()->mutable_raw()->append(3 * kMaxMessageBytes, '\0');
+    grpc::ClientContext ctx;
+    v1::VerifyResponse response;
+    EXPECT_EQ(stub_->Verify(&ctx, huge, &response).error_code(),
+              grpc::StatusCode::RESOURCE_EXHAUSTED);
+    EXPECT_EQ(oversize_.count("Verify"), 1);  // gRPC's refusal, before the service
+  }
+
+  grpc::ClientContext ctx;
+  auto stream = stub_->VerifyStream(&ctx);
+  oversized.set_request_id(7);
+  ASSERT_TRUE(stream->Write(oversized));
+  v1::VerifyResponse answer;
+  ASSERT_TRUE(stream->Read(&answer));
+  EXPECT_EQ(answer.request_id(), 7u);
+  EXPECT_EQ(answer.error_code(), static_cast<int32_t>(grpc::StatusCode::RESOURCE_EXHAUSTED));
+  EXPECT_THAT(answer.error_message(), HasSubstr("max_message_bytes"));
+  EXPECT_EQ(oversize_.count("VerifyStream"), 1);
+  v1::VerifyRequest next = *good;
+  next.set_request_id(8);
+  ASSERT_TRUE(stream->Write(next));
+  ASSERT_TRUE(stream->Read(&answer));
+  EXPECT_EQ(answer.request_id(), 8u);
+  EXPECT_EQ(answer.error_code(), 0) << answer.error_message();
+  ASSERT_EQ(answer.results_size(), 1);
+  stream->WritesDone();
+  EXPECT_TRUE(stream->Finish().ok());
+  auto results = client::ParseVerifyResponse({&item, 1}, answer);
+  ASSERT_TRUE(results.ok()) << results.status();
+  const float scale = engine_->config().default_softmax_scale;
+  EXPECT_TRUE(client::CompareWithReference(m, 0, item, scale, (*results)[0], 1)->ok(1e-2, 1e-3));
+  EXPECT_TRUE(client_->Commit(id, {}).ok());
 }
 
 // ---- bad inputs -------------------------------------------------------------

@@ -93,6 +93,13 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
            .Name("mlaverify_device_faults_total")
            .Help("Device faults (after one, the device refuses all work), by device.")
            .Register(r);
+  oversized_requests_family_ =
+      &prometheus::BuildCounter()
+           .Name("mlaverify_oversized_requests_total")
+           .Help(
+               "Requests over the server's max_message_bytes answered RESOURCE_EXHAUSTED (a "
+               "stream stays open), by RPC.")
+           .Register(r);
   pool_pages_family_ = &prometheus::BuildGauge()
                             .Name("mlaverify_pool_pages")
                             .Help(
@@ -235,6 +242,10 @@ void Metrics::RecordVerifyTiming(const engine::VerifyTiming& t) {
 
 void Metrics::RecordDeviceFault(absl::string_view device) {
   device_faults_family_->Add({{"device", std::string(device)}}).Increment();
+}
+
+void Metrics::RecordOversizedRequest(absl::string_view rpc) {
+  oversized_requests_family_->Add({{"rpc", std::string(rpc)}}).Increment();
 }
 
 void Metrics::SetStatsSource(std::function<engine::EngineStats()> source) {

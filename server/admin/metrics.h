@@ -60,6 +60,8 @@ class Metrics {
 
   // A device faulted: mlaverify_device_faults_total{device}.
   void RecordDeviceFault(absl::string_view device);
+  // A request over --max-message-bytes: mlaverify_oversized_requests_total{rpc}.
+  void RecordOversizedRequest(absl::string_view rpc);
 
   // Where engine accounting comes from; called on every Serialize(), from the
   // scraping thread, while an internal mutex is held, so it must be cheap and
@@ -112,6 +114,7 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* bucket_family_;
   prometheus::Family<prometheus::Histogram>* device_seconds_family_;
   prometheus::Family<prometheus::Counter>* device_faults_family_;
+  prometheus::Family<prometheus::Counter>* oversized_requests_family_;
   prometheus::Family<prometheus::Gauge>* pool_pages_family_;
 
   prometheus::Counter* verify_batches_eager_;

@@ -65,9 +65,11 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
   builder.AddListeningPort(options.listen_address, *creds, &s->port_);
   builder.RegisterService(s->service_.get());
   builder.RegisterService(s->health_.get());
-  const int max_bytes = static_cast<int>(options.service.max_message_bytes);
-  builder.SetMaxReceiveMessageSize(max_bytes);
-  builder.SetMaxSendMessageSize(max_bytes);
+  // Received messages up to twice the limit reach the service, which answers
+  // them RESOURCE_EXHAUSTED itself (a stream stays open, the request is
+  // counted); answers are held to the limit.
+  builder.SetMaxReceiveMessageSize(TransportReceiveLimit(options.service.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(options.service.max_message_bytes));
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr || s->port_ == 0) {
     return absl::UnavailableError(

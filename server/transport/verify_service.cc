@@ -1,6 +1,8 @@
 #include "server/transport/verify_service.h"
 
+#include <algorithm>
 #include <deque>
+#include <limits>
 #include <memory>
 #include <utility>
 
@@ -73,6 +75,33 @@ absl::Status VerifyServiceImpl::Admit(grpc::CallbackServerContext* ctx,
   return absl::OkStatus();
 }
 
+int TransportReceiveLimit(int64_t max_message_bytes) {
+  return static_cast<int>(
+      std::min<int64_t>(2 * max_message_bytes, std::numeric_limits<int32_t>::max()));
+}
+
+absl::Status VerifyServiceImpl::CheckRequestSize(absl::string_view rpc,
+                                                 const google::protobuf::Message& request) const {
+  const size_t bytes = request.ByteSizeLong();
+  if (bytes <= static_cast<size_t>(options_.max_message_bytes)) return absl::OkStatus();
+  if (observer_ != nullptr) observer_->OnOversizedRequest(rpc);
+  return absl::ResourceExhaustedError(absl::StrCat(
+      rpc, " request of ", bytes, " bytes is over the server's max_message_bytes ",
+      options_.max_message_bytes, " (GetServerInfo): send fewer items or tokens per message"));
+}
+
+void VerifyServiceImpl::LogFailedCall(absl::string_view rpc, grpc::CallbackServerContext* ctx,
+                                      const absl::Status& status) {
+  if (status.ok() || status.code() == absl::StatusCode::kNotFound) return;
+  if (const std::optional<int64_t> held = failed_calls_log_.Allow(Clock::now())) {
+    spdlog::warn("{} from {}: {}{}", std::string(rpc), ctx->peer(), status.ToString(),
+                 *held > 0 ? absl::StrCat(" (", *held,
+                                          " more failed calls since the last "
+                                          "such line, not logged)")
+                           : std::string());
+  }
+}
+
 void VerifyServiceImpl::Observe(absl::string_view rpc, grpc::StatusCode code,
                                 Clock::time_point arrived, double queued_seconds) {
   const Clock::time_point now = Clock::now();
@@ -84,6 +113,7 @@ void VerifyServiceImpl::Observe(absl::string_view rpc, grpc::StatusCode code,
 template <typename Body>
 grpc::ServerUnaryReactor* VerifyServiceImpl::RunUnary(absl::string_view rpc,
                                                       grpc::CallbackServerContext* ctx,
+                                                      const google::protobuf::Message& request,
                                                       bool allowed_while_draining, Body body) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   const Clock::time_point arrived = Clock::now();
@@ -92,19 +122,12 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::RunUnary(absl::string_view rpc,
     in_flight_.fetch_sub(1);
     finished_.fetch_add(1);
     const grpc::Status reply = ToGrpcStatus(status);
-    if (!status.ok() && status.code() != absl::StatusCode::kNotFound) {
-      if (const std::optional<int64_t> held = failed_calls_log_.Allow(Clock::now())) {
-        spdlog::warn("{} from {}: {}{}", std::string(rpc), ctx->peer(), status.ToString(),
-                     *held > 0 ? absl::StrCat(" (", *held,
-                                              " more failed calls since the last "
-                                              "such line, not logged)")
-                               : std::string());
-      }
-    }
+    LogFailedCall(rpc, ctx, status);
     Observe(rpc, reply.error_code(), arrived, queued);
     reactor->Finish(reply);
   };
   absl::Status admitted = Admit(ctx, allowed_while_draining);
+  if (admitted.ok()) admitted = CheckRequestSize(rpc, request);
   if (!admitted.ok()) {
     finish(std::move(admitted));
   } else {
@@ -114,58 +137,59 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::RunUnary(absl::string_view rpc,
 }
 
 grpc::ServerUnaryReactor* VerifyServiceImpl::GetServerInfo(grpc::CallbackServerContext* ctx,
-                                                           const v1::GetServerInfoRequest*,
+                                                           const v1::GetServerInfoRequest* request,
                                                            v1::ServerInfo* r) {
-  return RunUnary("GetServerInfo", ctx, /*allowed_while_draining=*/true, [this, r](auto finish) {
-    const engine::Engine& e = *engine();
-    const engine::EngineConfig& c = e.config();
-    const engine::EngineStats s = e.Stats();
-    r->set_version(options_.version);
-    r->set_backend(e.backend_name());
-    for (const auto& d : e.devices()) {
-      v1::DeviceInfo* info = r->add_devices();
-      info->set_name(d.name);
-      info->set_memory_bytes(d.memory_bytes);
-    }
-    r->set_num_layers(c.num_layers);
-    r->set_num_heads(c.num_heads);
-    r->set_latent_dim(kLatentDim);
-    r->set_value_dim(kValueDim);
-    r->set_rope_dim(kRopeDim);
-    r->set_page_size(c.page_size);
-    r->set_total_pages(s.total_pages);
-    r->set_free_pages(s.free_pages);
-    r->set_max_draft_len(c.max_draft_len());
-    for (int b : c.draft_buckets) r->add_draft_buckets(b);
-    for (int b : c.batch_buckets) r->add_batch_buckets(b);
-    r->set_max_batch(c.max_batch());
-    r->set_max_message_bytes(options_.max_message_bytes);
-    r->set_default_softmax_scale(c.default_softmax_scale);
-    r->set_idle_timeout_seconds(absl::ToInt64Seconds(c.idle_timeout));
-    r->set_live_sequences(s.live_sequences);
-    r->set_max_sequence_len(c.max_sequence_len);
-    r->set_parallel_mode(engine::ParallelModeName(c.parallel_mode));
-    r->set_heads_per_device(e.heads_per_device());
-    for (const engine::PoolStats& p : s.pools) {
-      v1::PoolInfo* pool = r->add_pools();
-      pool->set_devices(p.devices);
-      pool->set_total_pages(p.total_pages);
-      pool->set_free_pages(p.free_pages);
-      pool->set_live_sequences(p.live_sequences);
-    }
-    r->set_cuda_graphs(e.graphs_enabled());
-    r->set_max_queued_calls(c.max_queued_calls);
-    r->set_max_queued_bytes(c.max_queued_bytes);
-    r->set_max_live_sequences(c.max_live_sequences);
-    r->set_instance_id(e.instance_id());
-    finish(absl::OkStatus());
-  });
+  return RunUnary("GetServerInfo", ctx, *request, /*allowed_while_draining=*/true,
+                  [this, r](auto finish) {
+                    const engine::Engine& e = *engine();
+                    const engine::EngineConfig& c = e.config();
+                    const engine::EngineStats s = e.Stats();
+                    r->set_version(options_.version);
+                    r->set_backend(e.backend_name());
+                    for (const auto& d : e.devices()) {
+                      v1::DeviceInfo* info = r->add_devices();
+                      info->set_name(d.name);
+                      info->set_memory_bytes(d.memory_bytes);
+                    }
+                    r->set_num_layers(c.num_layers);
+                    r->set_num_heads(c.num_heads);
+                    r->set_latent_dim(kLatentDim);
+                    r->set_value_dim(kValueDim);
+                    r->set_rope_dim(kRopeDim);
+                    r->set_page_size(c.page_size);
+                    r->set_total_pages(s.total_pages);
+                    r->set_free_pages(s.free_pages);
+                    r->set_max_draft_len(c.max_draft_len());
+                    for (int b : c.draft_buckets) r->add_draft_buckets(b);
+                    for (int b : c.batch_buckets) r->add_batch_buckets(b);
+                    r->set_max_batch(c.max_batch());
+                    r->set_max_message_bytes(options_.max_message_bytes);
+                    r->set_default_softmax_scale(c.default_softmax_scale);
+                    r->set_idle_timeout_seconds(absl::ToInt64Seconds(c.idle_timeout));
+                    r->set_live_sequences(s.live_sequences);
+                    r->set_max_sequence_len(c.max_sequence_len);
+                    r->set_parallel_mode(engine::ParallelModeName(c.parallel_mode));
+                    r->set_heads_per_device(e.heads_per_device());
+                    for (const engine::PoolStats& p : s.pools) {
+                      v1::PoolInfo* pool = r->add_pools();
+                      pool->set_devices(p.devices);
+                      pool->set_total_pages(p.total_pages);
+                      pool->set_free_pages(p.free_pages);
+                      pool->set_live_sequences(p.live_sequences);
+                    }
+                    r->set_cuda_graphs(e.graphs_enabled());
+                    r->set_max_queued_calls(c.max_queued_calls);
+                    r->set_max_queued_bytes(c.max_queued_bytes);
+                    r->set_max_live_sequences(c.max_live_sequences);
+                    r->set_instance_id(e.instance_id());
+                    finish(absl::OkStatus());
+                  });
 }
 
 grpc::ServerUnaryReactor* VerifyServiceImpl::CreateSequence(
     grpc::CallbackServerContext* ctx, const v1::CreateSequenceRequest* request,
     v1::CreateSequenceResponse* response) {
-  return RunUnary("CreateSequence", ctx, false, [this, request, response](auto finish) {
+  return RunUnary("CreateSequence", ctx, *request, false, [this, request, response](auto finish) {
     absl::StatusOr<uint64_t> id = engine()->CreateSequence(request->label());
     if (id.ok()) response->set_sequence_id(*id);
     finish(id.status());
@@ -175,7 +199,7 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::CreateSequence(
 grpc::ServerUnaryReactor* VerifyServiceImpl::AppendKv(grpc::CallbackServerContext* ctx,
                                                       const v1::AppendKvRequest* request,
                                                       v1::AppendKvResponse* response) {
-  return RunUnary("AppendKv", ctx, false, [this, ctx, request, response](auto finish) {
+  return RunUnary("AppendKv", ctx, *request, false, [this, ctx, request, response](auto finish) {
     const v1::Tensor& kv = request->kv();
     const int64_t layers = engine()->config().num_layers;
     // T comes from the tensor itself; everything else must match the geometry.
@@ -261,7 +285,7 @@ void VerifyServiceImpl::StartVerify(grpc::CallbackServerContext* ctx,
 grpc::ServerUnaryReactor* VerifyServiceImpl::Verify(grpc::CallbackServerContext* ctx,
                                                     const v1::VerifyRequest* request,
                                                     v1::VerifyResponse* response) {
-  return RunUnary("Verify", ctx, false, [this, ctx, request, response](auto finish) {
+  return RunUnary("Verify", ctx, *request, false, [this, ctx, request, response](auto finish) {
     // The items and the time split live until the engine is done with them.
     struct State {
       std::vector<engine::VerifyItem> items;
@@ -280,7 +304,7 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::Verify(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* VerifyServiceImpl::Commit(grpc::CallbackServerContext* ctx,
                                                     const v1::CommitRequest* request,
                                                     v1::CommitResponse* response) {
-  return RunUnary("Commit", ctx, false, [this, request, response](auto finish) {
+  return RunUnary("Commit", ctx, *request, false, [this, request, response](auto finish) {
     engine()->SubmitCommit(
         request->sequence_id(),
         absl::MakeConstSpan(request->accepted().data(), request->accepted_size()),
@@ -298,7 +322,7 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::ReleaseSequence(
     grpc::CallbackServerContext* ctx, const v1::ReleaseSequenceRequest* request,
     v1::ReleaseSequenceResponse* response) {
   // Allowed while draining: a scheduler cleaning up frees pages sooner.
-  return RunUnary("ReleaseSequence", ctx, true, [this, request, response](auto finish) {
+  return RunUnary("ReleaseSequence", ctx, *request, true, [this, request, response](auto finish) {
     engine()->SubmitRelease(request->sequence_id(), [response, finish = std::move(finish)](
                                                         absl::StatusOr<int64_t> freed) mutable {
       if (freed.ok()) response->set_freed_pages(*freed);
@@ -432,13 +456,15 @@ class VerifyServiceImpl::StreamReactor final
       service_->finished_.fetch_add(1);
       Completed(slot, std::move(status));
     };
-    const absl::Status admitted = service_->Admit(ctx_, /*allowed_while_draining=*/false);
+    absl::Status admitted = service_->Admit(ctx_, /*allowed_while_draining=*/false);
+    if (admitted.ok()) admitted = service_->CheckRequestSize("VerifyStream", slot->request);
     if (!admitted.ok()) return complete(admitted);
     service_->StartVerify(ctx_, slot->request, &slot->response, &slot->items, &slot->timing,
                           std::move(complete));
   }
 
   void Completed(Slot* slot, absl::Status status) {
+    service_->LogFailedCall("VerifyStream", ctx_, status);
     if (!status.ok()) {
       slot->response.Clear();
       slot->response.set_request_id(slot->request.request_id());

@@ -44,7 +44,16 @@ class RpcObserver {
  public:
   virtual ~RpcObserver() = default;
   virtual void OnRpc(absl::string_view rpc, grpc::StatusCode code, double seconds) = 0;
+  // A request over max_message_bytes was refused (it is also in OnRpc).
+  virtual void OnOversizedRequest(absl::string_view rpc) {}
 };
+
+// gRPC's own receive limit for a service whose messages may be
+// `max_message_bytes`: twice that (at most INT_MAX), so a request somewhat
+// over the limit still reaches the service, which answers it with a precise
+// RESOURCE_EXHAUSTED (in band on a VerifyStream, which stays open) and
+// counts it. Beyond this, gRPC refuses the message and ends the call.
+int TransportReceiveLimit(int64_t max_message_bytes);
 
 struct ServiceOptions {
   std::string version = "0.1.0";
@@ -106,13 +115,20 @@ class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
   using Clock = std::chrono::steady_clock;
   using Finisher = absl::AnyInvocable<void(absl::Status)>;
 
-  // Checks the serving state, cancellation and deadline; on OK calls
-  // body(finish), where finish(status) ends the RPC (from any thread). A
-  // refused call is finished at once.
+  // Checks the serving state, the token, cancellation, deadline and the
+  // request's size; on OK calls body(finish), where finish(status) ends the
+  // RPC (from any thread). A refused call is finished at once.
   template <typename Body>
   grpc::ServerUnaryReactor* RunUnary(absl::string_view rpc, grpc::CallbackServerContext* ctx,
+                                     const google::protobuf::Message& request,
                                      bool allowed_while_draining, Body body);
   absl::Status Admit(grpc::CallbackServerContext* ctx, bool allowed_while_draining) const;
+  // RESOURCE_EXHAUSTED (counted) when `request` is over max_message_bytes.
+  absl::Status CheckRequestSize(absl::string_view rpc,
+                                const google::protobuf::Message& request) const;
+  // A failed call's warning, at most one per 100 ms (the rest counted).
+  void LogFailedCall(absl::string_view rpc, grpc::CallbackServerContext* ctx,
+                     const absl::Status& status);
   // Decodes `request` into `items` (views of its bytes and of `response`'s,
   // which it sizes) and submits it; `done` runs once with the outcome, after
   // the results' prefix lengths are set. `timing` receives the engine's time
