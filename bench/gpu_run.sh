@@ -5,7 +5,7 @@
 #     build/tests/gpu_engine_test build/bench/mlaverify-bench build/bench/mlaverify-engine-bench \
 #     build/server/mlaverify-server build/client/mlaverify-client
 # and carried there (device tool: carry [".device"]):
-#   OUT=/tmp/out bench/gpu_run.sh [tests] [service] [fault] [engine] [anchor] [sweep] [triton] [stalls] [small] [pdl] [ncu] [shapes] [sass] [timeline]
+#   OUT=/tmp/out bench/gpu_run.sh [tests] [service] [fault] [engine] [soak] [anchor] [sweep] [triton] [stalls] [small] [pdl] [ncu] [shapes] [sass] [timeline]
 # Writes logs and JSON into $OUT/results.tgz (one file: the device tool brings
 # back at most 8); prints a short summary last.
 set -uo pipefail
@@ -129,6 +129,16 @@ if want engine && [ -x "$bundle/bin/mlaverify-engine-bench" ]; then
       tee -a "$out/engine.log"
     summary+=("engine bench $mode rc=${PIPESTATUS[0]}")
   done
+fi
+if want soak && [ -x "$bundle/bin/mlaverify-server" ]; then
+  # scripts/soak.sh on the GPU: the demo geometry, 64 workers, SOAK_S
+  # measured seconds (default 300) after a 30-s warm-up.
+  timeout 560 scripts/soak.sh --bin-dir "$bundle/bin" --duration-s "${SOAK_S:-300}" --warmup-s 30 \
+    --workers 64 --out "$out/soak" \
+    --server-flags "--layers 61 --heads 8 --page-size 64 --pool-bytes 4GiB --max-message-bytes 8MiB" \
+    > "$out/soak.log" 2>&1
+  summary+=("soak rc=$?")
+  grep -E "^(result|server|soak)|verify calls|pages" "$out/soak.log" | tail -12
 fi
 if want anchor; then
   timeout 450 "$bundle/bin/mlaverify-bench" --suite anchor --out "$out/anchor.json" 2>&1 |

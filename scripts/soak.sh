@@ -9,8 +9,11 @@
 # than 10 %, when threads or open files grew, or when the drain was unclean.
 #   scripts/soak.sh [--duration-s 600] [--warmup-s 60] [--workers 64]
 #                   [--out DIR] [--server-flags "..."] [--soak-flags "..."]
+#                   [--bin-dir DIR]
 # Writes DIR/soak.json (the client's report plus the process figures),
-# DIR/server.log and DIR/metrics.txt. Builds first (scripts/build.sh).
+# DIR/server.log and DIR/metrics.txt. Builds first (scripts/build.sh) unless
+# --bin-dir names a folder that holds mlaverify-server and mlaverify-client
+# already built (a bundle of scripts/bundle.sh on the GPU machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,6 +23,7 @@ workers=64
 out=""
 server_flags="--layers 61 --heads 8 --page-size 64 --pool-bytes 1GiB --max-message-bytes 8MiB"
 soak_flags=""
+bin_dir=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --duration-s) duration_s=$2; shift 2 ;;
@@ -28,12 +32,20 @@ while [ $# -gt 0 ]; do
     --out) out=$2; shift 2 ;;
     --server-flags) server_flags=$2; shift 2 ;;
     --soak-flags) soak_flags=$2; shift 2 ;;
+    --bin-dir) bin_dir=$2; shift 2 ;;
     *) echo "soak.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
 [ -n "$out" ] || out=$(mktemp -d /tmp/mlaverify-soak.XXXX)
 mkdir -p "$out"
-scripts/build.sh
+if [ -n "$bin_dir" ]; then
+  server_bin=$bin_dir/mlaverify-server
+  client_bin=$bin_dir/mlaverify-client
+else
+  scripts/build.sh
+  server_bin=build/server/mlaverify-server
+  client_bin=build/client/mlaverify-client
+fi
 
 server_pid=""
 # shellcheck disable=SC2317  # called by the EXIT trap
@@ -45,7 +57,7 @@ cleanup() {
 trap cleanup EXIT
 
 # shellcheck disable=SC2086  # server_flags is a list of flags
-build/server/mlaverify-server --listen 127.0.0.1:0 --admin-host 127.0.0.1 --admin-port 0 \
+"$server_bin" --listen 127.0.0.1:0 --admin-host 127.0.0.1 --admin-port 0 \
   --port-file "$out/ports" --backend auto --idle-timeout-s 300 $server_flags \
   > "$out/server.log" 2>&1 &
 server_pid=$!
@@ -56,7 +68,14 @@ for _ in $(seq 1 300); do
 done
 read -r grpc_port admin_port < "$out/ports"
 target="127.0.0.1:$grpc_port"
-build/client/mlaverify-client --target "$target" --wait-for-ready health
+# NOT_SERVING until the engine is ready (on a GPU: pools allocated, graphs
+# recorded).
+for _ in $(seq 1 600); do
+  "$client_bin" --target "$target" --timeout-ms 1000 health > /dev/null 2>&1 && break
+  kill -0 "$server_pid" 2>/dev/null || { cat "$out/server.log"; exit 1; }
+  sleep 0.2
+done
+"$client_bin" --target "$target" health
 
 # rss_kib threads open_files of the server.
 process_figures() {
@@ -69,7 +88,7 @@ process_figures() {
 
 run_soak() {  # seconds json
   # shellcheck disable=SC2086  # soak_flags is a list of flags
-  build/client/mlaverify-client --target "$target" soak --workers "$workers" \
+  "$client_bin" --target "$target" soak --workers "$workers" \
     --duration-s "$1" --json "$2" $soak_flags
 }
 
