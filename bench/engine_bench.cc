@@ -253,8 +253,8 @@ struct Flags {
   bool graphs = true;
   double spin_us = 100;
   bool overlap_inputs = false;
-  bool direct_output = true;
-  int staging_sets = 2;
+  bool direct_output = false;
+  int staging_sets = 3;
   bool probe_memory = false;
   std::string json;
   std::string gpu_name;

@@ -99,8 +99,8 @@ struct Flags {
   int copy_threads = 4;
   double worker_spin_us = 100;
   bool overlap_inputs = false;
-  bool direct_output = true;
-  int staging_sets = 2;
+  bool direct_output = false;
+  int staging_sets = 3;
   double idle_timeout_s = 0;
   uint64_t max_message_bytes = uint64_t{64} << 20;
   float softmax_scale = 1.0f / std::sqrt(192.0f);

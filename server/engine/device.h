@@ -43,7 +43,7 @@ struct DeviceGeometry {
   int max_batch = 0;
   int max_draft_len = 0;
   int64_t max_pages_per_sequence = 0;  // page-table row length in staging
-  int staging_sets = 2;
+  int staging_sets = 3;
 };
 
 struct DeviceDescription {
@@ -209,7 +209,9 @@ std::unique_ptr<Device> MakeFakeDevice(int index, const FakeDeviceOptions& optio
 struct CudaDeviceOptions {
   // The attention writes out and lse straight into the pinned host staging
   // (mapped memory) instead of a device buffer and a device-to-host copy.
-  bool direct_output = true;
+  // Off by default: on the H200 it saved 7.5 us per one-item batch at
+  // L=16K but cost 50 us of device time at L=1K (bench/NOTES.md, e3).
+  bool direct_output = false;
   // > 0: that verify launch runs a trapping kernel first (a real, sticky
   // device fault, for testing the fault path on a GPU).
   int fail_after_launches = 0;
