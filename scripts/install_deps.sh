@@ -10,6 +10,7 @@ packages=(
   libabsl-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev
   libcli11-dev nlohmann-json3-dev libcpp-httplib-dev prometheus-cpp-dev
   python3 clang libclang-rt-14-dev clang-format shellcheck
+  python3-grpcio python3-protobuf python3-numpy python3-pytest
 )
 
 missing=()

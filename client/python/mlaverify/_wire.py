@@ -1,0 +1,172 @@
+"""What the synchronous and the asyncio clients share: geometry, client-side
+checks, request building and response decoding. No I/O here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence
+
+import numpy as np
+
+from mlaverify import tensors
+from mlaverify.v1 import verify_pb2
+
+LATENT_DIM = 576
+VALUE_DIM = 512
+
+
+@dataclass
+class VerifyItem:
+    """One sequence's drafts for one layer.
+
+    q: bf16 [N, num_heads, 576] (uint16 bits or torch.bfloat16);
+    draft_kv: bf16 [N, 576]; parents: N ints, each -1 or an earlier index.
+    """
+
+    sequence_id: int
+    q: Any
+    draft_kv: Any
+    parents: Sequence[int]
+
+
+@dataclass
+class VerifyResult:
+    """out: bf16 [N, num_heads, 512]; lse: fp32 [N, num_heads], natural log;
+    prefix_len: the committed length the drafts attended to."""
+
+    sequence_id: int
+    out: Any
+    lse: Any
+    prefix_len: int
+
+
+@dataclass
+class CommitResult:
+    length: int
+    accepted_count: int
+
+
+def prompt_tokens(kv: Any) -> int:
+    shape = tensors.shape_of(kv)
+    if len(shape) != 3 or shape[1] < 1:
+        raise ValueError(f"kv: expected shape [num_layers, T >= 1, 576], got {list(shape)}")
+    return shape[1]
+
+
+def check_parents(parents: Sequence[int], max_draft_len: int, what: str) -> List[int]:
+    p = [int(x) for x in parents]
+    if not 1 <= len(p) <= max_draft_len:
+        raise ValueError(f"{what}: {len(p)} drafts, the server takes 1..{max_draft_len}")
+    for i, parent in enumerate(p):
+        if not -1 <= parent < i:
+            raise ValueError(f"{what}: parents[{i}] = {parent}, must be -1 or in 0..{i - 1}")
+    return p
+
+
+def check_path(accepted: Sequence[int], what: str) -> List[int]:
+    a = [int(x) for x in accepted]
+    if any(x < 0 for x in a):
+        raise ValueError(f"{what}: accepted indices must be >= 0, got {a}")
+    return a
+
+
+class Geometry:
+    """The parts of ServerInfo the client checks requests against."""
+
+    def __init__(self, info: verify_pb2.ServerInfo):
+        self.info = info
+        self.num_layers = info.num_layers
+        self.num_heads = info.num_heads
+        self.max_draft_len = info.max_draft_len
+        self.max_batch = info.max_batch
+        self.max_message_bytes = info.max_message_bytes
+        self.default_softmax_scale = info.default_softmax_scale
+
+    def append_request(self, sequence_id: int, start_position: int, kv: Any) -> verify_pb2.AppendKvRequest:
+        tensor = tensors.to_proto(kv, tensors.BF16, [self.num_layers, -1, LATENT_DIM], "kv")
+        if tensor.shape[1] < 1:
+            raise ValueError("kv: needs at least one token")
+        return verify_pb2.AppendKvRequest(sequence_id=sequence_id, start_position=start_position,
+                                          kv=tensor)
+
+    def prompt_chunk_tokens(self) -> int:
+        """Tokens per AppendKv chunk that keep a request under the server's
+        message limit (with room for the message's own fields)."""
+        per_token = self.num_layers * LATENT_DIM * 2
+        return max(1, (self.max_message_bytes - 4096) // per_token)
+
+    def verify_request(self, layer: int, items: Sequence[VerifyItem], softmax_scale: float,
+                       request_id: int) -> verify_pb2.VerifyRequest:
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer}: the server has layers 0..{self.num_layers - 1}")
+        if not 1 <= len(items) <= self.max_batch:
+            raise ValueError(f"{len(items)} items, the server takes 1..{self.max_batch} per Verify")
+        if not np.isfinite(softmax_scale):
+            raise ValueError(f"softmax_scale {softmax_scale} is not finite")
+        seen = set()
+        request = verify_pb2.VerifyRequest(layer=layer, softmax_scale=softmax_scale,
+                                           request_id=request_id)
+        for k, item in enumerate(items):
+            what = f"items[{k}] (sequence {item.sequence_id})"
+            if item.sequence_id in seen:
+                raise ValueError(f"{what}: sequence twice in one Verify")
+            seen.add(item.sequence_id)
+            parents = check_parents(item.parents, self.max_draft_len, what)
+            n = len(parents)
+            request.items.append(verify_pb2.VerifyItem(
+                sequence_id=item.sequence_id,
+                q=tensors.to_proto(item.q, tensors.BF16, [n, self.num_heads, LATENT_DIM], f"{what} q"),
+                draft_kv=tensors.to_proto(item.draft_kv, tensors.BF16, [n, LATENT_DIM],
+                                          f"{what} draft_kv"),
+                parents=parents))
+        return request
+
+    def verify_results(self, request: verify_pb2.VerifyRequest, response: verify_pb2.VerifyResponse,
+                       as_torch: bool) -> List[VerifyResult]:
+        if len(response.results) != len(request.items):
+            raise ValueError(f"the server answered {len(response.results)} results for "
+                             f"{len(request.items)} items")
+        results = []
+        for item, r in zip(request.items, response.results):
+            if r.sequence_id != item.sequence_id:
+                raise ValueError(f"result for sequence {r.sequence_id} where {item.sequence_id} "
+                                 "was asked")
+            n = len(item.parents)
+            results.append(VerifyResult(
+                sequence_id=r.sequence_id,
+                out=tensors.from_proto(r.out, tensors.BF16, [n, self.num_heads, VALUE_DIM],
+                                       "out", as_torch),
+                lse=tensors.from_proto(r.lse, tensors.FP32, [n, self.num_heads], "lse", as_torch),
+                prefix_len=r.prefix_len))
+        return results
+
+
+def metadata(auth_token: Optional[str]):
+    return (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+
+
+# grpc.health.v1 by hand: the request is an empty message (service ""), the
+# response's field 1 is the status enum. Generating the health stubs here
+# would register grpc.health.v1 a second time next to grpcio-health-checking.
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+HEALTH_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
+
+
+def decode_health(response: bytes) -> str:
+    status, i = 0, 0
+    while i < len(response):
+        tag = response[i]
+        i += 1
+        if tag == 0x08:  # field 1, varint
+            value, shift = 0, 0
+            while True:
+                byte = response[i]
+                i += 1
+                value |= (byte & 0x7F) << shift
+                shift += 7
+                if not byte & 0x80:
+                    break
+            status = value
+        else:
+            raise ValueError(f"unexpected field tag {tag:#x} in a health response")
+    return HEALTH_STATUS.get(status, f"UNKNOWN({status})")

@@ -1,0 +1,256 @@
+"""Every RPC against a live CPU server, answers checked against the NumPy
+reference, the bad-input codes, a stream with an in-band error, auth, and
+the asyncio client."""
+
+import asyncio
+import os
+import tempfile
+
+import grpc
+import numpy as np
+import pytest
+
+from mlaverify import VerifyClient, VerifyError, VerifyItem, bf16_from_float32, tensors
+from mlaverify.aio import AsyncVerifyClient
+from mlaverify.reference import relative_error, verify_reference
+from mlaverify.v1 import verify_pb2
+
+from conftest import start_server, stop_server
+
+MAX_REL_ERR = 1e-2
+MAX_LSE_ERR = 1e-2
+
+
+def random_bf16(rng, *shape, scale=0.5):
+    return bf16_from_float32(rng.standard_normal(shape).astype(np.float32) * scale)
+
+
+def random_tree(rng, n):
+    return [-1] + [int(rng.integers(-1, i)) for i in range(1, n)]
+
+
+def root_path(parents, node):
+    path = []
+    while node != -1:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+class Mirror:
+    """The client's copy of one sequence's committed KV, per layer."""
+
+    def __init__(self, layers):
+        self.layers = [np.zeros((0, 576), dtype=np.uint16) for _ in range(layers)]
+
+    def append_prompt(self, kv):
+        self.layers = [np.concatenate([m, kv[i]]) for i, m in enumerate(self.layers)]
+
+    def commit(self, drafts_per_layer, accepted):
+        self.layers = [np.concatenate([m, drafts_per_layer[i][accepted]])
+                       for i, m in enumerate(self.layers)]
+
+
+def check(result, mirror, layer, item, scale):
+    want_out, want_lse = verify_reference(mirror.layers[layer], item.q, item.draft_kv,
+                                          item.parents, scale)
+    got_out = tensors.float32_from_bf16(np.asarray(result.out))
+    assert np.isfinite(got_out).all() and np.isfinite(result.lse).all()
+    assert result.prefix_len == mirror.layers[layer].shape[0]
+    assert relative_error(got_out, want_out) <= MAX_REL_ERR
+    assert np.abs(np.asarray(result.lse) - want_lse).max() <= MAX_LSE_ERR
+
+
+def test_health_and_server_info(client):
+    assert client.health() == "SERVING"
+    info = client.server_info()
+    assert (info.num_layers, info.num_heads, info.latent_dim, info.page_size) == (3, 4, 576, 16)
+    assert info.max_draft_len == 8 and info.max_batch == 4 and info.backend == "cpu"
+    assert len(info.instance_id) > 0
+
+
+def test_decode_steps_match_the_reference(client):
+    rng = np.random.default_rng(1)
+    g = client.geometry
+    scale = g.default_softmax_scale
+    seqs = [client.create_sequence(f"pytest-{i}") for i in range(2)]
+    mirrors = [Mirror(g.num_layers) for _ in seqs]
+    for k, (sid, mirror) in enumerate(zip(seqs, mirrors)):
+        prompt = random_bf16(rng, g.num_layers, 40 + 17 * k, 576)
+        assert client.append_prompt(sid, prompt) == prompt.shape[1]
+        mirror.append_prompt(prompt)
+    for step in range(3):
+        n = [5, 8, 3][step]
+        trees = [random_tree(rng, n) for _ in seqs]
+        drafts = [[random_bf16(rng, n, 576) for _ in range(g.num_layers)] for _ in seqs]
+        for layer in range(g.num_layers):
+            items = [VerifyItem(sid, random_bf16(rng, n, g.num_heads, 576), drafts[s][layer], trees[s])
+                     for s, sid in enumerate(seqs)]
+            for item, result in zip(items, client.verify(layer, items)):
+                assert result.sequence_id == item.sequence_id
+                check(result, mirrors[seqs.index(item.sequence_id)], layer, item, scale)
+        for s, sid in enumerate(seqs):
+            accepted = root_path(trees[s], n - 1) if step != 1 else []
+            before = mirrors[s].layers[0].shape[0]
+            r = client.commit(sid, accepted)
+            assert (r.length, r.accepted_count) == (before + len(accepted), len(accepted))
+            mirrors[s].commit(drafts[s], accepted)
+    for sid in seqs:
+        assert client.release_sequence(sid) > 0
+        with pytest.raises(VerifyError) as e:
+            client.release_sequence(sid)
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_client_side_checks_raise_before_the_call(client):
+    g = client.geometry
+    sid = client.create_sequence()
+    try:
+        q = np.zeros((2, g.num_heads, 576), dtype=np.uint16)
+        kv = np.zeros((2, 576), dtype=np.uint16)
+        with pytest.raises(ValueError, match="layers 0..2"):
+            client.verify(3, [VerifyItem(sid, q, kv, [-1, 0])])
+        with pytest.raises(ValueError, match=r"parents\[1\] = 1"):
+            client.verify(0, [VerifyItem(sid, q, kv, [-1, 1])])
+        with pytest.raises(ValueError, match="9 drafts"):
+            client.verify(0, [VerifyItem(sid, q, kv, [-1] * 9)])
+        with pytest.raises(ValueError, match="q: expected shape"):
+            client.verify(0, [VerifyItem(sid, q[:1], kv, [-1, 0])])
+        with pytest.raises(TypeError, match="uint16"):
+            client.verify(0, [VerifyItem(sid, q.astype(np.float32), kv, [-1, 0])])
+        with pytest.raises(ValueError, match="twice"):
+            client.verify(0, [VerifyItem(sid, q, kv, [-1, 0])] * 2)
+        with pytest.raises(ValueError, match="not finite"):
+            client.verify(0, [VerifyItem(sid, q, kv, [-1, 0])], softmax_scale=float("nan"))
+    finally:
+        client.release_sequence(sid)
+
+
+def code_of(call, *args):
+    with pytest.raises(VerifyError) as e:
+        call(*args)
+    return e.value.code
+
+
+def test_server_codes_and_nothing_changes(client):
+    rng = np.random.default_rng(2)
+    g = client.geometry
+    free_before = client.server_info().free_pages
+    sid = client.create_sequence()
+    prompt = random_bf16(rng, g.num_layers, 20, 576)
+    client.append_kv(sid, 0, prompt)
+    q = random_bf16(rng, 2, g.num_heads, 576)
+    kv = random_bf16(rng, 2, 576)
+    C = grpc.StatusCode
+    assert code_of(client.append_kv, sid, 5, prompt) == C.FAILED_PRECONDITION  # wrong start
+    assert code_of(client.commit, sid, []) == C.FAILED_PRECONDITION             # no pending step
+    assert code_of(client.verify, 0, [VerifyItem(sid ^ 1, q, kv, [-1, 0])]) == C.NOT_FOUND
+    assert code_of(client.create_sequence, "x" * 257) == C.INVALID_ARGUMENT
+    big = np.zeros((g.num_layers, 400, 576), dtype=np.uint16)  # 1.38 MB > 1 MiB
+    assert code_of(client.append_kv, sid, 20, big) == C.RESOURCE_EXHAUSTED
+    client.verify(0, [VerifyItem(sid, q, kv, [-1, 0])])
+    assert code_of(client.verify, 1, [VerifyItem(sid, q, kv, [-1, -1])]) == C.FAILED_PRECONDITION
+    assert code_of(client.commit, sid, [1]) == C.INVALID_ARGUMENT                # not from a root
+    assert code_of(client.append_kv, sid, 20, prompt) == C.FAILED_PRECONDITION  # step pending
+    # A tensor the client would not build, straight through the stub.
+    bad = verify_pb2.VerifyRequest(layer=0, items=[verify_pb2.VerifyItem(
+        sequence_id=sid, parents=[-1, 0], draft_kv=tensors.to_proto(kv, "bf16", [2, 576], "kv"),
+        q=verify_pb2.Tensor(dtype=verify_pb2.DTYPE_BF16, shape=[2, g.num_heads, 576], raw=b"12"))])
+    with pytest.raises(grpc.RpcError) as e:
+        client._stub.Verify(bad, timeout=10)
+    assert e.value.code() == C.INVALID_ARGUMENT
+    assert client.commit(sid, []).length == 20
+    assert client.release_sequence(sid) > 0
+    assert client.server_info().free_pages == free_before
+
+
+def test_stream_answers_in_order_with_an_in_band_error(client):
+    rng = np.random.default_rng(3)
+    g = client.geometry
+    sid = client.create_sequence()
+    mirror = Mirror(g.num_layers)
+    prompt = random_bf16(rng, g.num_layers, 33, 576)
+    client.append_prompt(sid, prompt)
+    mirror.append_prompt(prompt)
+    tree = [-1, 0, 0, 1]
+    items = [VerifyItem(sid, random_bf16(rng, 4, g.num_heads, 576), random_bf16(rng, 4, 576), tree)
+             for _ in range(g.num_layers)]
+    with client.verify_stream(max_in_flight=2) as stream:
+        first = stream.submit(0, [items[0]])
+        bad = stream.submit(1, [VerifyItem(sid ^ 7, items[1].q, items[1].draft_kv, tree)])
+        rest = [stream.submit(layer, [items[layer]]) for layer in range(1, g.num_layers)]
+        check(first.result(30)[0], mirror, 0, items[0], g.default_softmax_scale)
+        with pytest.raises(VerifyError) as e:
+            bad.result(30)
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
+        for layer, future in enumerate(rest, start=1):
+            check(future.result(30)[0], mirror, layer, items[layer], g.default_softmax_scale)
+    assert client.commit(sid, [0, 1]).accepted_count == 2
+    client.release_sequence(sid)
+
+
+def test_auth_token():
+    with tempfile.NamedTemporaryFile("w", suffix=".token", delete=False) as f:
+        f.write("s3cret-token\n")
+    proc, target, log = start_server(["--auth-token-file", f.name])
+    try:
+        with VerifyClient(target) as anonymous:
+            assert anonymous.health() == "SERVING"  # health stays open
+            with pytest.raises(VerifyError) as e:
+                anonymous.create_sequence()
+            assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with VerifyClient(target, auth_token="s3cret-token") as authed:
+            sid = authed.create_sequence()
+            authed.release_sequence(sid)
+    finally:
+        assert stop_server(proc) == 0, open(log).read()
+        os.unlink(f.name)
+
+
+@pytest.mark.skipif(not tensors.torch_available(), reason="torch is not importable")
+def test_torch_tensors_in_and_out(server):
+    import torch
+    with VerifyClient(server, as_torch=True) as client:
+        g = client.geometry
+        sid = client.create_sequence()
+        prompt = torch.randn(g.num_layers, 24, 576).to(torch.bfloat16)
+        client.append_prompt(sid, prompt)
+        q = torch.randn(3, g.num_heads, 576).to(torch.bfloat16)
+        kv = torch.randn(3, 576).to(torch.bfloat16)
+        (r,) = client.verify(0, [VerifyItem(sid, q, kv, [-1, 0, 1])])
+        assert r.out.dtype == torch.bfloat16 and tuple(r.out.shape) == (3, g.num_heads, 512)
+        want, _ = verify_reference(prompt[0].float().numpy(), q.float().numpy(), kv.float().numpy(),
+                                   [-1, 0, 1], g.default_softmax_scale)
+        assert relative_error(r.out.float().numpy(), want) <= MAX_REL_ERR
+        client.commit(sid, [])
+        client.release_sequence(sid)
+
+
+def test_asyncio_client_and_stream(server):
+    async def run():
+        rng = np.random.default_rng(4)
+        async with AsyncVerifyClient(server) as client:
+            assert await client.health() == "SERVING"
+            g = await client.geometry()
+            sid = await client.create_sequence("asyncio")
+            mirror = Mirror(g.num_layers)
+            prompt = random_bf16(rng, g.num_layers, 50, 576)
+            assert await client.append_prompt(sid, prompt) == 50
+            mirror.append_prompt(prompt)
+            tree = [-1, 0, 1]
+            items = [VerifyItem(sid, random_bf16(rng, 3, g.num_heads, 576),
+                                random_bf16(rng, 3, 576), tree) for _ in range(g.num_layers)]
+            (r,) = await client.verify(0, [items[0]])
+            check(r, mirror, 0, items[0], g.default_softmax_scale)
+            async with await client.verify_stream(max_in_flight=2) as stream:
+                futures = [await stream.submit(layer, [items[layer]]) for layer in range(g.num_layers)]
+                bad = await stream.submit(0, [VerifyItem(sid ^ 9, items[0].q, items[0].draft_kv, tree)])
+                for layer, f in enumerate(futures):
+                    check((await f)[0], mirror, layer, items[layer], g.default_softmax_scale)
+                with pytest.raises(VerifyError) as e:
+                    await bad
+                assert e.value.code == grpc.StatusCode.NOT_FOUND
+            assert (await client.commit(sid, [0, 1, 2])).length == 53
+            assert await client.release_sequence(sid) > 0
+
+    asyncio.run(run())
