@@ -254,7 +254,7 @@ struct Flags {
   double spin_us = 100;
   bool overlap_inputs = false;
   bool direct_output = false;
-  int staging_sets = 3;
+  int staging_sets = 2;
   bool probe_memory = false;
   std::string json;
   std::string gpu_name;

@@ -2,6 +2,9 @@
 # Installs the Debian 12 packages mlaverify builds and runs with, when they
 # are missing (idempotent). Needs root or sudo. README "Dependencies" says
 # what each one is for.
+#   scripts/install_deps.sh           everything the build, the tests and the demo use
+#   scripts/install_deps.sh --build   only what building server and client needs
+#                                     (the Dockerfile's build stage)
 set -euo pipefail
 
 packages=(
@@ -9,9 +12,17 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev
   libcli11-dev nlohmann-json3-dev libcpp-httplib-dev prometheus-cpp-dev
-  python3 clang libclang-rt-14-dev clang-format shellcheck
-  python3-grpcio python3-protobuf python3-numpy python3-pytest
+  python3
 )
+case ${1:-} in
+  --build) ;;
+  "")
+    packages+=(clang libclang-rt-14-dev clang-format shellcheck
+               python3-grpcio python3-protobuf python3-numpy python3-pytest
+               prometheus yamllint)
+    ;;
+  *) echo "usage: $0 [--build]" >&2; exit 2 ;;
+esac
 
 missing=()
 for p in "${packages[@]}"; do

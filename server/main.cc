@@ -100,7 +100,7 @@ struct Flags {
   double worker_spin_us = 100;
   bool overlap_inputs = false;
   bool direct_output = false;
-  int staging_sets = 3;
+  int staging_sets = 2;
   double idle_timeout_s = 0;
   uint64_t max_message_bytes = uint64_t{64} << 20;
   float softmax_scale = 1.0f / std::sqrt(192.0f);
@@ -312,6 +312,11 @@ int Run(int argc, char** argv) {
   app.add_option("--log-level", f.log_level, "trace | debug | info | warn | error | critical | off")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}))
       ->capture_default_str();
+  // A flags file for deployments (deploy/kubernetes/configmap.yaml): TOML
+  // lines `flag-name = value`, the same names as the flags; a flag on the
+  // command line wins; an unknown name is an error, not ignored.
+  app.set_config("--config", "", "read flags from this TOML file (name = value per line)");
+  app.allow_config_extras(CLI::config_extras_mode::error);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -415,6 +420,7 @@ int Run(int argc, char** argv) {
   spdlog::info("engine ready in {:.2f} s", absl::ToDoubleSeconds(absl::Now() - engine_start));
   metrics.SetInfo(kVersion, (*engine)->backend_name());
   metrics.SetStatsSource([e = engine->get()] { return e->Stats(); });
+  metrics.DeclareDevices((*engine)->device_names());
   (*engine)->SetFaultListener([grpc_server, &metrics](const absl::Status&) {
     metrics.SetReady(false);
     grpc_server->SetFaulted();

@@ -212,7 +212,7 @@ TEST(MetricsTest, EngineGaugesFollowTheStatsSource) {
   fake.Set(PoolStats());
   metrics.SetStatsSource([&fake] { return fake.Get(); });
   std::string text = metrics.Serialize();
-  EXPECT_THAT(SampleValue(text, "mlaverify_kv_pages_total"), Optional(10.0));
+  EXPECT_THAT(SampleValue(text, "mlaverify_kv_pages_capacity"), Optional(10.0));
   EXPECT_THAT(SampleValue(text, "mlaverify_kv_pages_free"), Optional(7.0));
   EXPECT_THAT(SampleValue(text, "mlaverify_kv_pages_used"), Optional(3.0));
   EXPECT_THAT(SampleValue(text, "mlaverify_sequences_live"), Optional(2.0));

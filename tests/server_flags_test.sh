@@ -35,6 +35,11 @@ expect_refused "heads that do not split over the devices" "does not split" --hea
 expect_refused "--stream-max-in-flight 0" "stream-max-in-flight" --stream-max-in-flight 0
 expect_refused "an unknown flag" "workers" --workers 8
 expect_refused "a token file that does not exist" "auth-token-file" --auth-token-file /nonexistent/token
+printf 'layers = 2\nlayerz = 3\n' > "$work/typo.toml"
+expect_refused "a --config file with an unknown flag name" "layerz" --config "$work/typo.toml"
+printf 'page-size = 3\n' > "$work/bad.toml"
+expect_refused "a --config file with a bad value" "page" --config "$work/bad.toml"
+expect_refused "a --config file that does not exist" "not readable" --config /nonexistent/flags.toml
 
 # A port in use by another server is refused.
 "$server" "${base[@]}" --listen 127.0.0.1:0 --port-file "$work/ports" > "$work/holder.log" 2>&1 &

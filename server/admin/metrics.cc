@@ -100,6 +100,11 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                "Requests over the server's max_message_bytes answered RESOURCE_EXHAUSTED (a "
                "stream stays open), by RPC.")
            .Register(r);
+  // At 0 from the start, for every RPC that carries a request body.
+  for (const char* rpc : {"GetServerInfo", "CreateSequence", "AppendKv", "Verify", "VerifyStream",
+                          "Commit", "ReleaseSequence"}) {
+    oversized_requests_family_->Add({{"rpc", rpc}});
+  }
   pool_pages_family_ = &prometheus::BuildGauge()
                             .Name("mlaverify_pool_pages")
                             .Help(
@@ -135,7 +140,7 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   verify_batches_graph_ = &verify_batches_family_->Add({{"path", "graph"}});
   ready_ = &AddGauge(r, "mlaverify_ready",
                      "1 while the server accepts work, 0 while starting or draining.");
-  kv_pages_total_ = &AddGauge(r, "mlaverify_kv_pages_total", "KV pool capacity in pages.");
+  kv_pages_total_ = &AddGauge(r, "mlaverify_kv_pages_capacity", "KV pool capacity in pages.");
   kv_pages_used_ = &AddGauge(r, "mlaverify_kv_pages_used", "KV pages held by sequences.");
   kv_pages_free_ = &AddGauge(r, "mlaverify_kv_pages_free", "KV pages on the free list.");
   sequences_live_ = &AddGauge(r, "mlaverify_sequences_live", "Sequences created and not released.");
@@ -238,6 +243,10 @@ void Metrics::RecordVerifyTiming(const engine::VerifyTiming& t) {
   server_device_seconds_->Observe(t.device_seconds);
   server_other_seconds_->Observe(
       std::max(0.0, t.total_seconds - t.queue_seconds - t.device_seconds));
+}
+
+void Metrics::DeclareDevices(const std::vector<std::string>& devices) {
+  for (const std::string& device : devices) device_faults_family_->Add({{"device", device}});
 }
 
 void Metrics::RecordDeviceFault(absl::string_view device) {

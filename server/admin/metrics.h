@@ -14,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -60,6 +61,9 @@ class Metrics {
 
   // A device faulted: mlaverify_device_faults_total{device}.
   void RecordDeviceFault(absl::string_view device);
+  // Creates the per-device series at 0 (device faults, device time), so a
+  // dashboard and an alert's increase() see them before the first event.
+  void DeclareDevices(const std::vector<std::string>& devices);
   // A request over --max-message-bytes: mlaverify_oversized_requests_total{rpc}.
   void RecordOversizedRequest(absl::string_view rpc);
 

@@ -43,7 +43,7 @@ struct DeviceGeometry {
   int max_batch = 0;
   int max_draft_len = 0;
   int64_t max_pages_per_sequence = 0;  // page-table row length in staging
-  int staging_sets = 3;
+  int staging_sets = 2;
 };
 
 struct DeviceDescription {

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Builds the CPU image from the Dockerfile with Debian's podman and tests it:
+# the server in a container passes the client's checked demo, its health
+# check (curl /healthz) passes, and it drains and exits 0 on SIGTERM.
+#   scripts/image.sh [--tag mlaverify:cpu] [--keep]
+# No registry is reachable from the build machines, so the Debian 12 base
+# image is made here first (debootstrap from Debian's archive, imported as
+# docker.io/library/debian:12) unless one exists. Needs root.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tag=mlaverify:cpu
+keep=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --tag) tag=$2; shift 2 ;;
+    --keep) keep=1; shift ;;
+    *) echo "image.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+
+need=()
+command -v podman >/dev/null || need+=(podman)
+command -v runc >/dev/null || need+=(runc)
+command -v debootstrap >/dev/null || need+=(debootstrap)
+if [ ${#need[@]} -gt 0 ]; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}"
+fi
+# runc rather than crun (crun refuses cgroups in hybrid mode), and resource
+# limits within the host's hard limits: root here may lack CAP_SYS_RESOURCE,
+# and podman's defaults (1M open files) would need it.
+nofile=$(ulimit -Hn)
+[ "$nofile" = unlimited ] && nofile=1048576
+pod=(podman --runtime runc)
+limits=(--ulimit "nofile=$nofile:$nofile" --ulimit nproc=16384:16384)
+
+base=docker.io/library/debian:12
+if ! podman image exists "$base"; then
+  rootfs=$(mktemp -d /tmp/mlaverify-debian12.XXXX)
+  echo "== making $base with debootstrap (minbase bookworm) in $rootfs"
+  debootstrap --variant=minbase bookworm "$rootfs" http://deb.debian.org/debian > "$rootfs.log" 2>&1 ||
+    { tail -20 "$rootfs.log"; exit 1; }
+  # What debootstrap downloaded is not part of the image.
+  rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
+  tar -C "$rootfs" -c . | podman import --change 'CMD ["/bin/bash"]' - "$base"
+  rm -rf "$rootfs" "$rootfs.log"
+fi
+
+echo "== podman build -t $tag"
+# Host networking: the build stage fetches Debian packages. Docker format:
+# the OCI format has no HEALTHCHECK.
+"${pod[@]}" build --format docker --network host "${limits[@]}" -t "$tag" .
+podman image ls "$tag"
+echo "== the runtime stage"
+"${pod[@]}" run --rm "${limits[@]}" --entrypoint /bin/sh "$tag" -c \
+  'id; ls -l /opt/mlaverify/bin; ls /opt/mlaverify/lib | wc -l; du -sh /opt/mlaverify'
+
+name=mlaverify-image-test-$$
+# Loopback ports of the host (host networking: nothing else is reachable).
+port=$((20000 + RANDOM % 20000))
+admin=$((port + 1))
+cleanup() { podman rm -f "$name" > /dev/null 2>&1 || true; }
+[ "$keep" -eq 1 ] || trap cleanup EXIT
+"${pod[@]}" run -d --name "$name" --network host "${limits[@]}" "$tag" \
+  --listen "127.0.0.1:$port" \
+  --admin-host 127.0.0.1 --admin-port "$admin" --backend cpu --layers 61 --heads 8 \
+  --page-size 64 --pool-bytes 512MiB --drain-grace-s 1 > /dev/null
+client=("${pod[@]}" exec "$name" mlaverify-client --target "127.0.0.1:$port")
+for _ in $(seq 1 100); do "${client[@]}" health > /dev/null 2>&1 && break; sleep 0.2; done
+"${client[@]}" health
+echo "== demo against the containerised server"
+"${client[@]}" demo --sequences 2 --prompt-len 300 --steps 4 --drafts 8 | tail -3
+echo "== the image's health check"
+"${pod[@]}" healthcheck run "$name"
+echo "healthcheck: healthy"
+echo "== SIGTERM"
+"${pod[@]}" stop --time 30 "$name" > /dev/null
+code=$(podman inspect --format '{{.State.ExitCode}}' "$name")
+podman logs "$name" 2>&1 | tail -2
+[ "$code" -eq 0 ] || { echo "image.sh: the server exited $code after SIGTERM"; exit 1; }
+echo "image.sh: PASS ($tag)"

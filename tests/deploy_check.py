@@ -1,0 +1,200 @@
+#!/usr/bin/env python3
+"""Checks deploy/ and the Dockerfile against the server they deploy:
+
+- promtool: the Prometheus config and its rules parse; a live CPU server's
+  /metrics passes `promtool check metrics`;
+- every metric that the alerting rules and the Grafana dashboard name exists
+  in that output (so a renamed metric breaks this test);
+- every flag that the ConfigMap, the StatefulSet and the Dockerfile pass is a
+  flag of `mlaverify-server --help`, and the ConfigMap's flags file starts a
+  real server (with CPU overrides on the command line, which win);
+- ports and probes agree with the flags (--listen, --admin-port, /healthz,
+  /readyz answer), the grace period covers preStop + drain;
+- `kubectl kustomize` renders the manifests, where kubectl is installed.
+
+  deploy_check.py SERVER_BINARY CLIENT_BINARY
+Exit 77 (skipped) without promtool or PyYAML.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+DEPLOY = os.path.join(ROOT, "deploy")
+failures = []
+
+
+def fail(message):
+    failures.append(message)
+    print("FAIL:", message)
+
+
+def run(*cmd, **kw):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, **kw)
+
+
+def metric_names(text):
+    """mlaverify_* names in PromQL, histogram suffixes dropped."""
+    names = set(re.findall(r"\bmlaverify_[a-z0-9_]+", text))
+    return {re.sub(r"_(bucket|sum|count)$", "", n) for n in names}
+
+
+def main():
+    server, client = sys.argv[1], sys.argv[2]
+    try:
+        import yaml
+    except ImportError:
+        print("SKIPPED: python3 has no yaml module (python3-yaml; scripts/install_deps.sh installs yamllint, which brings it)")
+        return 77
+    if shutil.which("promtool") is None:
+        print("SKIPPED: promtool is not installed (Debian's prometheus package; scripts/install_deps.sh installs it)")
+        return 77
+
+    # ---- Prometheus config and rules ---------------------------------------
+    for args in (["check", "config", os.path.join(DEPLOY, "prometheus", "prometheus.yml")],
+                 ["check", "rules", os.path.join(DEPLOY, "prometheus", "rules.yml")]):
+        r = run("promtool", *args)
+        if r.returncode != 0:
+            fail(f"promtool {' '.join(args)}: {r.stdout}{r.stderr}")
+
+    # ---- the server's flags -------------------------------------------------
+    help_text = run(server, "--help").stdout
+    flags = set(re.findall(r"^\s+(--[a-z0-9-]+)", help_text, re.M))
+    if "--config" not in flags or "--listen" not in flags:
+        fail(f"could not read the flags from {server} --help")
+
+    manifests = {}
+    for name in os.listdir(os.path.join(DEPLOY, "kubernetes")):
+        if name.endswith(".yaml"):
+            with open(os.path.join(DEPLOY, "kubernetes", name)) as f:
+                for doc in yaml.safe_load_all(f):
+                    if doc and "metadata" in doc:
+                        manifests[(doc["kind"], doc["metadata"]["name"])] = doc
+    configmap = manifests[("ConfigMap", "mlaverify-flags")]
+    toml = configmap["data"]["mlaverify.toml"]
+    for key in re.findall(r"^([a-z0-9-]+)\s*=", toml, re.M):
+        if f"--{key}" not in flags:
+            fail(f"ConfigMap mlaverify-flags sets '{key}', which is not a server flag")
+
+    sts = manifests[("StatefulSet", "mlaverify")]
+    pod = sts["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    args = {}
+    for arg in container["args"]:
+        name, _, value = arg.partition("=")
+        if name not in flags:
+            fail(f"StatefulSet passes {name}, which is not a server flag")
+        args[name] = value
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    if args.get("--listen", "").rsplit(":", 1)[-1] != str(ports.get("grpc")):
+        fail(f"--listen {args.get('--listen')} does not match containerPort grpc {ports.get('grpc')}")
+    if args.get("--admin-port") != str(ports.get("admin")):
+        fail(f"--admin-port {args.get('--admin-port')} does not match containerPort admin {ports.get('admin')}")
+    probe_paths = set()
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        get = container[probe]["httpGet"]
+        probe_paths.add(get["path"])
+        if get["port"] not in ("admin", ports.get("admin")):
+            fail(f"{probe} probes port {get['port']}, not the admin port")
+    if container["readinessProbe"]["httpGet"]["path"] != "/readyz":
+        fail("the readiness probe must use /readyz (503 while starting or draining)")
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    sleep_s = float(pre_stop[-1]) if "sleep" in pre_stop[0] else 0.0
+    needed = sleep_s + float(args.get("--drain-grace-s", 5)) + float(args.get("--drain-timeout-s", 10)) + 5
+    if pod["terminationGracePeriodSeconds"] < needed:
+        fail(f"terminationGracePeriodSeconds {pod['terminationGracePeriodSeconds']} < preStop + "
+             f"drain grace + drain timeout + 5 s = {needed}")
+    for svc in ("mlaverify", "mlaverify-headless"):
+        for p in manifests[("Service", svc)]["spec"]["ports"]:
+            if p["targetPort"] not in ports:
+                fail(f"Service {svc} targets port {p['targetPort']}, which the pod does not name")
+
+    dockerfile = open(os.path.join(ROOT, "Dockerfile")).read()
+    exposed = set(re.findall(r"^EXPOSE\s+(.*)$", dockerfile, re.M)[0].split())
+    if exposed != {str(ports["grpc"]), str(ports["admin"])}:
+        fail(f"Dockerfile EXPOSE {exposed} differs from the pod's ports {ports}")
+    cmd = json.loads(re.search(r"^CMD (\[.*?\])\s*$", dockerfile.replace("\\\n", " "), re.M | re.S).group(1))
+    for word in cmd:
+        if word.startswith("--") and word not in flags:
+            fail(f"Dockerfile CMD passes {word}, which is not a server flag")
+    if "/healthz" not in re.search(r"HEALTHCHECK.*", dockerfile.replace("\\\n", " ")).group(0):
+        fail("the Dockerfile's HEALTHCHECK must probe /healthz")
+
+    # ---- a live server started from the ConfigMap's flags file ------------
+    tmp = tempfile.mkdtemp(prefix="mlaverify-deploy-check-")
+    config = os.path.join(tmp, "mlaverify.toml")
+    open(config, "w").write(toml)
+    port_file = os.path.join(tmp, "ports")
+    log = open(os.path.join(tmp, "server.log"), "w")
+    proc = subprocess.Popen([server, "--config", config, "--backend", "cpu", "--devices", "0",
+                             "--heads", "8", "--layers", "4", "--pool-bytes", "64MiB",
+                             "--listen", "127.0.0.1:0", "--admin-host", "127.0.0.1",
+                             "--admin-port", "0", "--port-file", port_file, "--drain-grace-s", "0"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(300):
+            if os.path.exists(port_file) and os.path.getsize(port_file) > 0:
+                break
+            if proc.poll() is not None:
+                fail(f"the server did not start from the ConfigMap's flags: {open(log.name).read()}")
+                return 1
+            time.sleep(0.05)
+        grpc_port, admin_port = open(port_file).read().split()
+        target = f"127.0.0.1:{grpc_port}"
+        # Traffic, so that the histograms and per-RPC series exist; one
+        # failing call for an error code.
+        r = run(client, "--target", target, "demo", "--sequences", "2", "--prompt-len", "40",
+                "--steps", "2", "--drafts", "4")
+        if r.returncode != 0:
+            fail(f"demo against the ConfigMap-configured server: {r.stdout}{r.stderr}")
+        run(client, "--target", target, "load", "--concurrency", "2", "--duration-s", "1",
+            "--prompt-len", "16", "--drafts", "2")
+        for path in sorted(probe_paths | {"/readyz"}):
+            try:
+                code = urllib.request.urlopen(f"http://127.0.0.1:{admin_port}{path}", timeout=5).status
+            except urllib.error.HTTPError as e:
+                code = e.code
+            if code != 200:
+                fail(f"probe path {path} answered {code} on a serving server")
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/metrics", timeout=5).read().decode()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+    r = run("promtool", "check", "metrics", input=metrics)
+    if r.returncode != 0:
+        fail(f"promtool check metrics: {r.stdout}{r.stderr}")
+    exported = set(re.findall(r"^# TYPE (mlaverify_[a-z0-9_]+) ", metrics, re.M))
+    referenced = {
+        "deploy/prometheus/rules.yml": metric_names(open(os.path.join(DEPLOY, "prometheus", "rules.yml")).read()),
+        "deploy/grafana/mlaverify.json": metric_names(open(os.path.join(DEPLOY, "grafana", "mlaverify.json")).read()),
+    }
+    for where, names in referenced.items():
+        if not names:
+            fail(f"{where} names no metric")
+        for name in sorted(names - exported):
+            fail(f"{where} uses {name}, which the server does not export")
+    json.load(open(os.path.join(DEPLOY, "grafana", "mlaverify.json")))
+
+    if shutil.which("kubectl"):
+        r = run("kubectl", "kustomize", os.path.join(DEPLOY, "kubernetes"))
+        if r.returncode != 0:
+            fail(f"kubectl kustomize deploy/kubernetes: {r.stderr}")
+    else:
+        print("note: kubectl not installed; the manifests were parsed with PyYAML only")
+
+    checked = sum(len(v) for v in referenced.values())
+    print(f"deploy_check: {len(flags)} server flags, {checked} metric references, "
+          f"{len(manifests)} manifests: {'FAIL' if failures else 'ok'}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
