@@ -16,6 +16,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "client/replica_set.h"
 #include "client/server_info_text.h"
 #include "common/geometry.h"
 #include "common/status_macros.h"
@@ -124,14 +125,18 @@ struct WorkerResult {
   int64_t steps_committed = 0;
   int64_t sequences_created = 0;
   std::map<std::string, int64_t> errors;
+  // Failed calls whose replica was down by then, per replica (several
+  // targets only: the run goes on with the other replicas).
+  std::map<int, int64_t> lost_replica_errors;
+  std::map<int, std::string> first_lost_error;
   // Sequences the worker could not (or did not get to) release.
-  std::vector<uint64_t> unreleased;
+  std::vector<PlacedSequence> unreleased;
 };
 
 class LoadWorker {
  public:
-  LoadWorker(VerifyClient& client, const LoadPlan& plan, RunControl& control, int index)
-      : client_(client),
+  LoadWorker(ReplicaSet& replicas, const LoadPlan& plan, RunControl& control, int index)
+      : replicas_(replicas),
         plan_(plan),
         control_(control),
         index_(index),
@@ -151,7 +156,7 @@ class LoadWorker {
 
     // Ramp-up (untimed): this worker's first sequence, or its failures up
     // to the limit, before the run's clock starts.
-    while (!sequence_id_.has_value() && consecutive_failures_ < kMaxConsecutiveFailures)
+    while (!sequence_.has_value() && consecutive_failures_ < kMaxConsecutiveFailures)
       StartSequence();
     control_.WorkerReady();
     control_.AwaitStart();
@@ -162,10 +167,10 @@ class LoadWorker {
                      consecutive_failures_);
         break;
       }
-      if (!sequence_id_.has_value() && !StartSequence()) continue;
+      if (!sequence_.has_value() && !StartSequence()) continue;
       if (!RunStep()) break;
     }
-    if (sequence_id_.has_value()) result_.unreleased.push_back(*sequence_id_);
+    if (sequence_.has_value()) result_.unreleased.push_back(*sequence_);
     if (stream_ != nullptr) {
       // Errors past the end of the run (e.g. the stream's own deadline) are
       // not the server's fault; the stream is only being put away.
@@ -175,7 +180,16 @@ class LoadWorker {
   }
 
  private:
-  void RecordError(const absl::Status& status) {
+  // `replica`: the replica the failed call went to (-1: none, e.g. no
+  // replica was up to create a sequence on).
+  void RecordError(const absl::Status& status, int replica = -1) {
+    if (replicas_.size() > 1 && replica >= 0 && !replicas_.CheckUp(replica).ok()) {
+      // Its replica is gone; the next sequence goes to another one.
+      if (result_.lost_replica_errors[replica]++ == 0) {
+        result_.first_lost_error[replica] = status.ToString();
+      }
+      return;
+    }
     ++result_.errors[absl::StatusCodeToString(status.code())];
     ++consecutive_failures_;
     if (consecutive_failures_ == 1) {
@@ -185,19 +199,19 @@ class LoadWorker {
   }
 
   bool StartSequence() {
-    absl::StatusOr<uint64_t> id = client_.CreateSequence(absl::StrCat("load-", index_));
-    if (!id.ok()) {
-      RecordError(id.status());
+    absl::StatusOr<PlacedSequence> placed = replicas_.CreateSequence(absl::StrCat("load-", index_));
+    if (!placed.ok()) {
+      RecordError(placed.status());
       return false;
     }
     ++result_.sequences_created;
-    sequence_id_ = *id;
+    sequence_ = *placed;
     length_ = 0;
     if (plan_.prompt_len > 0) {
       absl::StatusOr<AppendKvResult> appended =
-          client_.AppendKv(*id, 0, plan_.num_layers, plan_.prompt_len, prompt_);
+          replicas_.AppendKv(*placed, 0, plan_.num_layers, plan_.prompt_len, prompt_);
       if (!appended.ok()) {
-        RecordError(appended.status());
+        RecordError(appended.status(), placed->replica);
         DropSequence();
         return false;
       }
@@ -210,31 +224,46 @@ class LoadWorker {
   // sequence the server no longer knows is gone already; any other failure
   // leaves it for the final release.
   void DropSequence() {
-    if (!sequence_id_.has_value()) return;
-    absl::StatusOr<int64_t> freed = client_.ReleaseSequence(*sequence_id_);
-    if (!freed.ok() && freed.status().code() != absl::StatusCode::kNotFound) {
-      RecordError(freed.status());
-      result_.unreleased.push_back(*sequence_id_);
+    if (!sequence_.has_value()) return;
+    // A sequence of a replica that is down went with it.
+    if (replicas_.CheckUp(sequence_->replica).ok()) {
+      absl::StatusOr<int64_t> freed = replicas_.ReleaseSequence(*sequence_);
+      if (!freed.ok() && freed.status().code() != absl::StatusCode::kNotFound) {
+        RecordError(freed.status(), sequence_->replica);
+        result_.unreleased.push_back(*sequence_);
+      }
     }
-    sequence_id_.reset();
+    sequence_.reset();
   }
 
   absl::StatusOr<std::vector<VerifyItemResult>> VerifyLayer(int layer,
                                                             const VerifyItemInput& item) {
-    if (!plan_.stream) return client_.Verify(layer, {&item, 1});
+    const int owner = sequence_->replica;
+    if (!plan_.stream) return replicas_.Verify(owner, layer, {&item, 1});
+    RETURN_IF_ERROR(replicas_.CheckUp(owner));
+    if (stream_ != nullptr && stream_replica_ != owner) {
+      stream_->Close().IgnoreError();  // the new sequence lives elsewhere
+      stream_.reset();
+    }
     if (stream_ == nullptr) {
       const absl::Duration lifetime = plan_.stream_deadline.has_value()
                                           ? absl::FromChrono(*plan_.stream_deadline - Clock::now())
                                           : absl::InfiniteDuration();
-      ASSIGN_OR_RETURN(stream_, client_.OpenVerifyStream(lifetime));
+      absl::StatusOr<std::unique_ptr<VerifyStreamSession>> opened =
+          replicas_.replica(owner).OpenVerifyStream(lifetime);
+      if (!opened.ok()) return replicas_.Observe(owner, opened.status());
+      stream_ = *std::move(opened);
+      stream_replica_ = owner;
     }
-    return stream_->Verify(layer, {&item, 1});
+    absl::StatusOr<std::vector<VerifyItemResult>> results = stream_->Verify(layer, {&item, 1});
+    if (!results.ok()) return replicas_.Observe(owner, results.status());
+    return results;
   }
 
   // One verify step of the worker's sequence. False when the run is over.
   bool RunStep() {
     const std::vector<int32_t> parents = RandomDraftTree(rng_, plan_.num_drafts);
-    const VerifyItemInput item{*sequence_id_, parents, q_, draft_kv_};
+    const VerifyItemInput item{sequence_->id, parents, q_, draft_kv_};
     for (int layer = 0; layer < plan_.num_layers; ++layer) {
       bool measured = false;
       if (!control_.BeginVerify(&measured)) return false;
@@ -242,7 +271,7 @@ class LoadWorker {
       absl::StatusOr<std::vector<VerifyItemResult>> results = VerifyLayer(layer, item);
       const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
       if (!results.ok()) {
-        RecordError(results.status());
+        RecordError(results.status(), sequence_->replica);
         // A stream that failed may be broken; a fresh one costs little.
         stream_.reset();
         DropSequence();
@@ -268,9 +297,9 @@ class LoadWorker {
       }
     }
     const std::vector<int32_t> accepted = RandomAcceptedPath(rng_, parents);
-    absl::StatusOr<CommitResult> committed = client_.Commit(*sequence_id_, accepted);
+    absl::StatusOr<CommitResult> committed = replicas_.Commit(*sequence_, accepted);
     if (!committed.ok()) {
-      RecordError(committed.status());
+      RecordError(committed.status(), sequence_->replica);
       DropSequence();
       return true;
     }
@@ -278,17 +307,17 @@ class LoadWorker {
     ++result_.steps_committed;
     length_ = committed->length;
     if (length_ + plan_.num_drafts > plan_.max_sequence_len) {
-      absl::StatusOr<int64_t> freed = client_.ReleaseSequence(*sequence_id_);
+      absl::StatusOr<int64_t> freed = replicas_.ReleaseSequence(*sequence_);
       if (!freed.ok()) {
-        RecordError(freed.status());
-        result_.unreleased.push_back(*sequence_id_);
+        RecordError(freed.status(), sequence_->replica);
+        result_.unreleased.push_back(*sequence_);
       }
-      sequence_id_.reset();
+      sequence_.reset();
     }
     return true;
   }
 
-  VerifyClient& client_;
+  ReplicaSet& replicas_;
   const LoadPlan& plan_;
   RunControl& control_;
   const int index_;
@@ -297,7 +326,8 @@ class LoadWorker {
   std::vector<Bf16> q_;         // [N, H, 576]
   std::vector<Bf16> draft_kv_;  // [N, 576]
   std::unique_ptr<VerifyStreamSession> stream_;
-  std::optional<uint64_t> sequence_id_;
+  int stream_replica_ = -1;  // the replica stream_ is open to
+  std::optional<PlacedSequence> sequence_;
   int64_t length_ = 0;
   int consecutive_failures_ = 0;
   WorkerResult result_;
@@ -306,6 +336,12 @@ class LoadWorker {
 }  // namespace
 
 absl::StatusOr<LoadReport> RunLoad(VerifyClient& client, const LoadOptions& options) {
+  ASSIGN_OR_RETURN(std::unique_ptr<ReplicaSet> replicas,
+                   ReplicaSet::Create({client.target()}, client.options()));
+  return RunLoad(*replicas, options);
+}
+
+absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& options) {
   if (options.concurrency < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("--concurrency ", options.concurrency, ": need at least 1"));
@@ -319,16 +355,41 @@ absl::StatusOr<LoadReport> RunLoad(VerifyClient& client, const LoadOptions& opti
         "--drafts %d, --prompt-len %d, --warmup-s %g: need drafts >= 1 and the others >= 0",
         options.drafts, options.prompt_len, options.warmup_s));
   }
-  ASSIGN_OR_RETURN(v1::ServerInfo info, client.GetServerInfo());
+  // Every replica must answer at the start and serve the same geometry.
+  std::vector<v1::ServerInfo> infos;
+  std::vector<std::string> targets;
+  for (int r = 0; r < replicas.size(); ++r) {
+    absl::StatusOr<v1::ServerInfo> replica_info = replicas.replica(r).GetServerInfo();
+    if (!replica_info.ok()) {
+      return absl::Status(replica_info.status().code(),
+                          absl::StrCat(replicas.Name(r), ": ", replica_info.status().message()));
+    }
+    if (!infos.empty() && (replica_info->num_layers() != infos[0].num_layers() ||
+                           replica_info->num_heads() != infos[0].num_heads() ||
+                           replica_info->max_draft_len() != infos[0].max_draft_len())) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "%s serves %d layers, %d heads, N <= %d; %s serves %d, %d, %d", replicas.Name(r),
+          replica_info->num_layers(), replica_info->num_heads(), replica_info->max_draft_len(),
+          replicas.Name(0), infos[0].num_layers(), infos[0].num_heads(), infos[0].max_draft_len()));
+    }
+    infos.push_back(*std::move(replica_info));
+    targets.push_back(replicas.replica(r).target());
+  }
+  const v1::ServerInfo& info = infos[0];
 
   LoadReport report;
-  report.target = client.target();
+  report.target = absl::StrJoin(targets, ",");
   report.options = options;
   report.num_layers = info.num_layers();
   report.num_heads = info.num_heads();
   report.num_drafts = std::min(options.drafts, info.max_draft_len());
-  report.free_pages_before = info.free_pages();
-  const std::string instance_before = info.instance_id();
+  for (int r = 0; r < replicas.size(); ++r) {
+    LoadReport::Replica replica;
+    replica.target = targets[r];
+    replica.free_pages_before = infos[r].free_pages();
+    report.free_pages_before += infos[r].free_pages();
+    report.replicas.push_back(replica);
+  }
 
   LoadPlan plan;
   plan.num_layers = info.num_layers();
@@ -353,7 +414,9 @@ absl::StatusOr<LoadReport> RunLoad(VerifyClient& client, const LoadOptions& opti
   plan.stream = options.stream;
   plan.seed = options.seed;
 
-  absl::PrintF("server %s: %s\n", client.target(), ServerInfoSummaryLine(info));
+  for (int r = 0; r < replicas.size(); ++r) {
+    absl::PrintF("server %s: %s\n", targets[r], ServerInfoSummaryLine(infos[r]));
+  }
   absl::PrintF(
       "load: %d workers, %s after %.1f s warm-up, N=%d, prompt %d, sequences up to %d "
       "tokens, %s calls\n",
@@ -370,7 +433,7 @@ absl::StatusOr<LoadReport> RunLoad(VerifyClient& client, const LoadOptions& opti
   std::vector<std::thread> threads;
   threads.reserve(options.concurrency);
   for (int w = 0; w < options.concurrency; ++w) {
-    threads.emplace_back([&, w] { results[w] = LoadWorker(client, plan, control, w).Run(); });
+    threads.emplace_back([&, w] { results[w] = LoadWorker(replicas, plan, control, w).Run(); });
   }
   const Clock::time_point ramp_up_start = Clock::now();
   control.AwaitAllReady(options.concurrency);
@@ -389,7 +452,7 @@ absl::StatusOr<LoadReport> RunLoad(VerifyClient& client, const LoadOptions& opti
   // call in flight at the end, and a hung server still cannot hold the run.
   // With only a request bound, the run may take up to every measured call at
   // its deadline.
-  const absl::Duration call_timeout = client.options().call_timeout;
+  const absl::Duration call_timeout = replicas.replica(0).options().call_timeout;
   if (call_timeout != absl::InfiniteDuration()) {
     const absl::Duration after_warmup = options.duration_s > 0
                                             ? absl::Seconds(options.duration_s) + call_timeout
@@ -413,10 +476,20 @@ absl::StatusOr<LoadReport> RunLoad(VerifyClient& client, const LoadOptions& opti
     report.steps_committed += result.steps_committed;
     report.sequences_created += result.sequences_created;
     for (const auto& [code, count] : result.errors) report.errors[code] += count;
-    for (uint64_t id : result.unreleased) {
-      absl::StatusOr<int64_t> freed = client.ReleaseSequence(id);
+    for (const auto& [r, count] : result.lost_replica_errors) {
+      LoadReport::Replica& replica = report.replicas[r];
+      if (replica.errors_while_down == 0) replica.first_error = result.first_lost_error[r];
+      replica.errors_while_down += count;
+    }
+    for (const PlacedSequence& seq : result.unreleased) {
+      if (replicas.size() > 1 && !replicas.CheckUp(seq.replica).ok()) continue;  // gone with it
+      absl::StatusOr<int64_t> freed = replicas.ReleaseSequence(seq);
       if (!freed.ok()) ++report.errors[absl::StatusCodeToString(freed.status().code())];
     }
+  }
+  const std::vector<ReplicaState> states = replicas.States();
+  for (int r = 0; r < replicas.size(); ++r) {
+    report.replicas[r].sequences_created = states[r].sequences_created;
   }
   report.latency_ms = Summarize(std::move(latencies));
   if (report.measured_seconds > 0) {
@@ -424,19 +497,49 @@ absl::StatusOr<LoadReport> RunLoad(VerifyClient& client, const LoadOptions& opti
     report.draft_tokens_per_second = report.draft_tokens / report.measured_seconds;
   }
 
-  absl::StatusOr<v1::ServerInfo> after = client.GetServerInfo();
-  if (!after.ok()) {
-    ++report.errors[absl::StatusCodeToString(after.status().code())];
-    report.free_pages_after = -1;
-    report.pages_unchecked =
-        absl::StrCat("the server did not answer at the end (", after.status().ToString(), ")");
-  } else if (after->instance_id() != instance_before) {
-    report.free_pages_after = after->free_pages();
-    report.pages_unchecked = absl::StrCat("the server restarted during the run (instance ",
-                                          instance_before, " then ", after->instance_id(), ")");
+  // Pages back on every replica. With several, one that is gone or
+  // restarted is reported as lost (its sequences went with it); with one
+  // target the page count is then unchecked and the run fails.
+  for (int r = 0; r < replicas.size(); ++r) {
+    LoadReport::Replica& replica = report.replicas[r];
+    absl::StatusOr<v1::ServerInfo> after = replicas.replica(r).GetServerInfo();
+    std::string why;
+    if (!after.ok()) {
+      why = absl::StrCat("did not answer at the end (", after.status().ToString(), ")");
+      if (replicas.size() == 1) ++report.errors[absl::StatusCodeToString(after.status().code())];
+    } else if (after->instance_id() != infos[r].instance_id()) {
+      why = absl::StrCat("restarted during the run (instance ", infos[r].instance_id(), " then ",
+                         after->instance_id(), ")");
+    }
+    if (!why.empty() || replica.errors_while_down > 0) {
+      replica.lost = true;
+      replica.lost_reason =
+          !why.empty() ? why : absl::StrCat("was down during the run: ", states[r].down_reason);
+    }
+    if (after.ok() && why.empty()) {
+      replica.free_pages_after = after->free_pages();
+      replica.page_leak = replica.free_pages_after != replica.free_pages_before;
+    }
+  }
+  if (replicas.size() == 1) {
+    const LoadReport::Replica& only = report.replicas[0];
+    report.free_pages_after = only.free_pages_after;
+    report.page_leak = only.page_leak;
+    if (only.lost) {
+      report.pages_unchecked = absl::StrCat("the server ", only.lost_reason);
+      report.replicas[0].lost = false;  // one target: a failed run, not a lost replica
+    }
   } else {
-    report.free_pages_after = after->free_pages();
-    report.page_leak = report.free_pages_after != report.free_pages_before;
+    int up_at_end = 0;
+    report.free_pages_before = 0;  // over the replicas that were checked
+    for (const LoadReport::Replica& replica : report.replicas) {
+      if (replica.lost) continue;
+      ++up_at_end;
+      report.free_pages_before += replica.free_pages_before;
+      report.free_pages_after += replica.free_pages_after;
+      report.page_leak = report.page_leak || replica.page_leak;
+    }
+    if (up_at_end == 0) report.pages_unchecked = "no replica answered at the end";
   }
   for (const auto& [code, count] : report.errors) report.total_errors += count;
   return report;
@@ -461,17 +564,46 @@ void PrintLoadReport(const LoadReport& report) {
   std::vector<std::string> errors;
   for (const auto& [code, count] : report.errors) errors.push_back(absl::StrCat(code, " ", count));
   absl::PrintF("errors:       %s\n", errors.empty() ? "none" : absl::StrJoin(errors, ", "));
+  if (report.replicas.size() > 1) {
+    for (size_t r = 0; r < report.replicas.size(); ++r) {
+      const LoadReport::Replica& replica = report.replicas[r];
+      if (replica.lost) {
+        absl::PrintF("replica %d:    %s: %d sequences, LOST: %s; %d calls failed on it%s%s\n", r,
+                     replica.target, replica.sequences_created, replica.lost_reason,
+                     replica.errors_while_down, replica.first_error.empty() ? "" : " (first: ",
+                     replica.first_error.empty() ? "" : replica.first_error + ")");
+      } else {
+        absl::PrintF("replica %d:    %s: %d sequences, pages %d free before, %d after%s\n", r,
+                     replica.target, replica.sequences_created, replica.free_pages_before,
+                     replica.free_pages_after, replica.page_leak ? ": PAGE LEAK" : "");
+      }
+    }
+  }
   if (!report.pages_unchecked.empty()) {
     absl::PrintF("pages:        not checked: %s\n", report.pages_unchecked);
   } else {
     absl::PrintF("pages:        %d free before, %d after release%s\n", report.free_pages_before,
                  report.free_pages_after, report.page_leak ? ": PAGE LEAK" : ", all returned");
   }
-  absl::PrintF("result:       %s\n", report.ok() ? "PASS" : "FAIL");
+  absl::PrintF("result:       %s\n", report.ok()                      ? "PASS"
+                                     : report.survived_replica_loss() ? "PASS WITH REPLICA LOSS"
+                                                                      : "FAIL");
 }
 
 nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
   const LoadOptions& o = report.options;
+  nlohmann::ordered_json replicas_json = nlohmann::ordered_json::array();
+  for (const LoadReport::Replica& r : report.replicas) {
+    replicas_json.push_back({{"target", r.target},
+                             {"sequences_created", r.sequences_created},
+                             {"free_pages_before", r.free_pages_before},
+                             {"free_pages_after", r.free_pages_after},
+                             {"page_leak", r.page_leak},
+                             {"lost", r.lost},
+                             {"lost_reason", r.lost_reason},
+                             {"errors_while_down", r.errors_while_down},
+                             {"first_error", r.first_error}});
+  }
   const LatencySummary& l = report.latency_ms;
   return {
       {"target", report.target},
@@ -517,6 +649,8 @@ nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
       {"free_pages_after", report.free_pages_after},
       {"page_leak", report.page_leak},
       {"pages_unchecked", report.pages_unchecked},
+      {"survived_replica_loss", report.survived_replica_loss()},
+      {"replicas", replicas_json},
   };
 }
 

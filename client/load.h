@@ -9,10 +9,12 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "client/client.h"
 #include "client/latency_stats.h"
+#include "client/replica_set.h"
 #include "nlohmann/json.hpp"
 
 namespace mlaverify::client {
@@ -69,12 +71,45 @@ struct LoadReport {
   // Why the page count could not be checked at the end (the server did not
   // answer, or a restarted server answered); empty when it was checked.
   std::string pages_unchecked;
-  bool ok() const { return total_errors == 0 && !page_leak && pages_unchecked.empty(); }
+  // Per target, in the order given. With several targets a replica that went
+  // down or restarted during the run is `lost`: its sequences went with it,
+  // the calls that failed on it are counted here (not in `errors`), and the
+  // run went on with the others.
+  struct Replica {
+    std::string target;
+    int64_t sequences_created = 0;
+    int64_t free_pages_before = 0;
+    int64_t free_pages_after = -1;  // -1: not checked (lost)
+    bool page_leak = false;
+    bool lost = false;
+    std::string lost_reason;
+    int64_t errors_while_down = 0;
+    std::string first_error;
+  };
+  std::vector<Replica> replicas;
+  bool any_replica_lost() const {
+    for (const Replica& r : replicas) {
+      if (r.lost) return true;
+    }
+    return false;
+  }
+  bool ok() const {
+    return total_errors == 0 && !page_leak && pages_unchecked.empty() && !any_replica_lost();
+  }
+  // Finished on the replicas that stayed up, with no other error and every
+  // page back on them, after losing at least one.
+  bool survived_replica_loss() const {
+    return any_replica_lost() && total_errors == 0 && !page_leak && pages_unchecked.empty();
+  }
 };
 
 // Runs the load. INVALID_ARGUMENT for options that would never end or make
 // no sense; the server's errors during the run are counted in the report, not
-// returned. Only talks to the client's target.
+// returned. Over several replicas each worker's sequences are placed by the
+// ReplicaSet (most free pages) and every call goes to the owner; a replica
+// lost during the run is reported, and the workers carry on with the others.
+absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& options);
+// The same against one server.
 absl::StatusOr<LoadReport> RunLoad(VerifyClient& client, const LoadOptions& options);
 
 void PrintLoadReport(const LoadReport& report);

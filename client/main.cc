@@ -8,16 +8,20 @@
 //
 // Exit status: 0 on success (info printed; SERVING; demo PASS; load without
 // errors or leaked pages; soak PASS), 1 when the check fails, 2 for usage or setup errors.
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "client/demo.h"
 #include "client/load.h"
+#include "client/replica_set.h"
 #include "client/server_info_text.h"
 #include "client/soak.h"
 #include "common/auth_token.h"
@@ -31,6 +35,9 @@ namespace {
 constexpr int kExitOk = 0;
 constexpr int kExitCheckFailed = 1;
 constexpr int kExitSetupError = 2;
+// `load` over several targets: it finished on the replicas that stayed up,
+// with every page back there, after losing at least one.
+constexpr int kExitReplicaLost = 3;
 
 struct GlobalFlags {
   std::string target = "127.0.0.1:50051";
@@ -68,8 +75,8 @@ int RunHealth(VerifyClient& client) {
   return *status == ServingStatus::kServing ? kExitOk : kExitCheckFailed;
 }
 
-int RunLoadCommand(VerifyClient& client, const LoadOptions& options, const std::string& json_path) {
-  absl::StatusOr<LoadReport> report = RunLoad(client, options);
+int RunLoadCommand(ReplicaSet& replicas, const LoadOptions& options, const std::string& json_path) {
+  absl::StatusOr<LoadReport> report = RunLoad(replicas, options);
   if (!report.ok()) {
     spdlog::error("load: {}", report.status().ToString());
     return report.status().code() == absl::StatusCode::kInvalidArgument ? kExitSetupError
@@ -85,7 +92,8 @@ int RunLoadCommand(VerifyClient& client, const LoadOptions& options, const std::
     }
     std::printf("wrote %s\n", json_path.c_str());
   }
-  return report->ok() ? kExitOk : kExitCheckFailed;
+  if (report->ok()) return kExitOk;
+  return report->survived_replica_loss() ? kExitReplicaLost : kExitCheckFailed;
 }
 
 int RunSoakCommand(VerifyClient& client, const std::string& target, const ClientOptions& options,
@@ -115,7 +123,10 @@ int Main(int argc, char** argv) {
   CLI::App app{"mlaverify-client: inspect, check and load an mlaverify verify-attention server"};
   app.require_subcommand(1);
   GlobalFlags flags;
-  app.add_option("--target", flags.target, "server address host:port")->capture_default_str();
+  app.add_option("--target", flags.target,
+                 "server address host:port; a comma-separated list for several replicas (load "
+                 "spreads sequences over them; info, health and demo run on each in turn)")
+      ->capture_default_str();
   app.add_flag("--tls", flags.tls, "use TLS with the default roots (implied by the --tls-* files)");
   app.add_option("--tls-ca", flags.tls_ca, "PEM root CA to verify the server with")
       ->check(CLI::ExistingFile);
@@ -237,23 +248,37 @@ int Main(int argc, char** argv) {
     }
     options.auth_token = *std::move(token);
   }
-  absl::StatusOr<std::unique_ptr<VerifyClient>> client =
-      VerifyClient::Create(flags.target, options);
-  if (!client.ok()) {
-    spdlog::error("{}", client.status().ToString());
+  const std::vector<std::string> targets = absl::StrSplit(flags.target, ',', absl::SkipEmpty());
+  absl::StatusOr<std::unique_ptr<ReplicaSet>> replicas = ReplicaSet::Create(targets, options);
+  if (!replicas.ok()) {
+    spdlog::error("--target {}: {}", flags.target, replicas.status().ToString());
     return kExitSetupError;
   }
-
-  if (info_cmd->parsed()) return RunInfo(**client, info_json);
-  if (demo_cmd->parsed()) {
-    return RunDemo(**client, demo).passed ? kExitOk : kExitCheckFailed;
-  }
-  if (load_cmd->parsed()) return RunLoadCommand(**client, load, load_json);
+  ReplicaSet& set = **replicas;
+  if (load_cmd->parsed()) return RunLoadCommand(set, load, load_json);
   if (soak_cmd->parsed()) {
+    if (set.size() > 1) {
+      spdlog::error("soak takes one target (got {})", set.size());
+      return kExitSetupError;
+    }
     soak.cut_deadline = absl::Microseconds(cut_deadline_us);
-    return RunSoakCommand(**client, flags.target, options, soak, soak_json);
+    return RunSoakCommand(set.replica(0), targets[0], options, soak, soak_json);
   }
-  return RunHealth(**client);
+  // info, health and demo: each replica in turn; the worst exit status.
+  int worst = kExitOk;
+  for (int r = 0; r < set.size(); ++r) {
+    if (set.size() > 1) std::printf("== %s\n", set.Name(r).c_str());
+    int rc = kExitOk;
+    if (info_cmd->parsed()) {
+      rc = RunInfo(set.replica(r), info_json);
+    } else if (demo_cmd->parsed()) {
+      rc = RunDemo(set.replica(r), demo).passed ? kExitOk : kExitCheckFailed;
+    } else {
+      rc = RunHealth(set.replica(r));
+    }
+    worst = std::max(worst, rc);
+  }
+  return worst;
 }
 
 }  // namespace

@@ -56,9 +56,14 @@ echo "== the runtime stage"
   'id; ls -l /opt/mlaverify/bin; ls /opt/mlaverify/lib | wc -l; du -sh /opt/mlaverify'
 
 name=mlaverify-image-test-$$
-# Loopback ports of the host (host networking: nothing else is reachable).
+# Host networking (nothing else is reachable here): a free gRPC port, and
+# the image's own admin port 9090, which its HEALTHCHECK probes.
 port=$((20000 + RANDOM % 20000))
-admin=$((port + 1))
+admin=9090
+if (exec 3<> /dev/tcp/127.0.0.1/$admin) 2>/dev/null; then
+  echo "image.sh: port $admin is in use on this host; the container's health check needs it" >&2
+  exit 1
+fi
 cleanup() { podman rm -f "$name" > /dev/null 2>&1 || true; }
 [ "$keep" -eq 1 ] || trap cleanup EXIT
 "${pod[@]}" run -d --name "$name" --network host "${limits[@]}" "$tag" \

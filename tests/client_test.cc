@@ -11,8 +11,10 @@
 #include <random>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "client/latency_stats.h"
 #include "client/reference_check.h"
+#include "client/replica_set.h"
 #include "client/wire.h"
 #include "common/draft_tree.h"
 #include "common/workload.h"
@@ -502,6 +504,48 @@ TEST(VerifyClient, UnreachableServerIsUnavailable) {
   EXPECT_EQ((*stream)->Verify(0, items).status().code(), absl::StatusCode::kUnavailable);
   // The broken stream keeps reporting why it broke.
   EXPECT_EQ((*stream)->Verify(0, items).status().code(), absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace mlaverify::client
+
+namespace mlaverify::client {
+namespace {
+
+TEST(ReplicaSet, RejectsNoTargetsAndRepeatedOnes) {
+  EXPECT_EQ(ReplicaSet::Create({}, ClientOptions{}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ReplicaSet::Create({"127.0.0.1:1", "127.0.0.1:1"}, ClientOptions{}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ReplicaSet, UnavailableMarksAReplicaDownAndItsCallsFailAtOnceNamingIt) {
+  ClientOptions options;
+  options.call_timeout = absl::Seconds(5);
+  absl::StatusOr<std::unique_ptr<ReplicaSet>> set =
+      ReplicaSet::Create({"127.0.0.1:1", "127.0.0.1:2"}, options, absl::Hours(1));
+  ASSERT_TRUE(set.ok()) << set.status();
+  ReplicaSet& replicas = **set;
+  EXPECT_TRUE(replicas.CheckUp(1).ok());
+  // Another code leaves it up; UNAVAILABLE marks it down.
+  EXPECT_TRUE(absl::StrContains(replicas.Observe(1, absl::NotFoundError("x")).message(),
+                                "replica 1 (127.0.0.1:2): x"));
+  EXPECT_TRUE(replicas.CheckUp(1).ok());
+  replicas.Observe(1, absl::UnavailableError("connection refused")).IgnoreError();
+  const absl::Status down = replicas.CheckUp(1);
+  EXPECT_EQ(down.code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(absl::StrContains(down.message(), "replica 1 (127.0.0.1:2) is down"))
+      << down.message();
+  const std::vector<int32_t> path;
+  EXPECT_EQ(replicas.Commit(PlacedSequence{1, 7}, path).status().code(),
+            absl::StatusCode::kUnavailable);
+  // Nothing listens on either port: no replica takes a sequence, and the
+  // error names both.
+  absl::StatusOr<PlacedSequence> placed = replicas.CreateSequence("x");
+  EXPECT_EQ(placed.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(absl::StrContains(placed.status().message(), "replica 0 (127.0.0.1:1)"))
+      << placed.status().message();
+  EXPECT_FALSE(replicas.States()[0].up);
 }
 
 }  // namespace

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Three servers on loopback behind one client (`--target a,b,c`): `load`
+# spreads sequences over all three with zero errors and every page back on
+# each; then one replica is killed mid-run: the load finishes on the other
+# two, reports the lost replica (its calls failed with UNAVAILABLE naming
+# it) and exits 3.
+#   tests/replicas_test.sh BUILD_DIR
+set -uo pipefail
+build=$1
+server=$build/server/mlaverify-server
+client=$build/client/mlaverify-client
+work=$(mktemp -d /tmp/mlaverify-replicas.XXXX)
+pids=()
+trap 'kill -9 "${pids[@]}" 2>/dev/null; rm -rf "$work"' EXIT
+failures=0
+check() {  # what, command...
+  local what=$1
+  shift
+  if "$@"; then echo "ok: $what"; else echo "FAIL: $what"; failures=$((failures + 1)); fi
+}
+
+targets=()
+for r in 0 1 2; do
+  "$server" --backend cpu --layers 4 --heads 8 --page-size 16 --pool-bytes 32MiB --cpu-threads 1 \
+    --listen 127.0.0.1:0 --admin-port -1 --port-file "$work/ports$r" --drain-grace-s 0 \
+    > "$work/server$r.log" 2>&1 &
+  pids+=($!)
+done
+for r in 0 1 2; do
+  for _ in $(seq 1 100); do [ -s "$work/ports$r" ] && break; sleep 0.1; done
+  read -r port _ < "$work/ports$r"
+  targets+=("127.0.0.1:$port")
+done
+list=$(IFS=,; echo "${targets[*]}")
+load=("$client" --target "$list" load --concurrency 32 --warmup-s 0.5 --prompt-len 32 --drafts 4)
+
+echo "== load over three replicas"
+"${load[@]}" --duration-s 4 --json "$work/spread.json" > "$work/spread.log" 2>&1
+rc=$?
+grep -E "^(replica|errors|pages|result)" "$work/spread.log"
+check "load over three replicas exits 0" [ "$rc" -eq 0 ]
+check "every replica got sequences and gave every page back" python3 - "$work/spread.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+reps = r["replicas"]
+ok = len(reps) == 3 and r["total_errors"] == 0 and r["pass"]
+ok = ok and all(x["sequences_created"] > 0 and not x["lost"] and not x["page_leak"]
+                and x["free_pages_after"] == x["free_pages_before"] for x in reps)
+sys.exit(0 if ok else 1)
+PY
+
+echo "== replica 1 killed 2 s into a 6-s load"
+"${load[@]}" --duration-s 6 --json "$work/loss.json" > "$work/loss.log" 2>&1 &
+load_pid=$!
+sleep 2.5
+kill -9 "${pids[1]}"
+wait "$load_pid"
+rc=$?
+grep -E "^(replica|errors|pages|result)" "$work/loss.log"
+check "the load finishes and exits 3 (replica lost)" [ "$rc" -eq 3 ]
+check "replica 1 is reported lost with UNAVAILABLE naming it; the others lost nothing" \
+  python3 - "$work/loss.json" "${targets[1]}" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+lost = r["replicas"][1]
+ok = lost["lost"] and lost["errors_while_down"] > 0
+ok = ok and "UNAVAILABLE" in lost["first_error"] and f"replica 1 ({sys.argv[2]})" in lost["first_error"]
+ok = ok and r["total_errors"] == 0 and r["survived_replica_loss"]
+for x in (r["replicas"][0], r["replicas"][2]):
+    ok = ok and not x["lost"] and not x["page_leak"] and x["free_pages_after"] == x["free_pages_before"]
+sys.exit(0 if ok else 1)
+PY
+
+if [ "$failures" -ne 0 ]; then
+  echo "replicas test FAILED ($failures)"
+  exit 1
+fi
+echo "replicas test passed"
