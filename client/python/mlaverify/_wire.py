@@ -3,13 +3,17 @@ checks, request building and response decoding. No I/O here."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
+import grpc
+
 from mlaverify import tensors
-from mlaverify.v1 import verify_pb2
+from mlaverify.errors import VerifyError, code_from_number
+from mlaverify.v1 import verify_pb2, verify_pb2_grpc
 
 LATENT_DIM = 576
 VALUE_DIM = 512
@@ -139,6 +143,48 @@ class Geometry:
                 lse=tensors.from_proto(r.lse, tensors.FP32, [n, self.num_heads], "lse", as_torch),
                 prefix_len=r.prefix_len))
         return results
+
+
+def unknown_answer(response: verify_pb2.VerifyResponse) -> VerifyError:
+    return VerifyError(grpc.StatusCode.INTERNAL,
+                       f"an answer for unknown request_id {response.request_id}", "VerifyStream")
+
+
+def settle_answer(future, geometry: "Geometry", request: verify_pb2.VerifyRequest,
+                  response: verify_pb2.VerifyResponse, as_torch: bool) -> None:
+    """Completes a stream request's future (concurrent or asyncio) with its
+    results, its in-band error, or the reason its answer is malformed."""
+    if response.error_code != 0:
+        future.set_exception(VerifyError(code_from_number(response.error_code),
+                                         response.error_message, "VerifyStream"))
+        return
+    try:
+        future.set_result(geometry.verify_results(request, response, as_torch))
+    except ValueError as e:
+        future.set_exception(VerifyError(grpc.StatusCode.INTERNAL, str(e), "VerifyStream"))
+
+
+def stream_end_failure(failure, pending: bool):
+    """Why pending requests fail when a stream ended (None: nothing pending
+    and no failure)."""
+    if failure is None and pending:
+        return VerifyError(grpc.StatusCode.UNAVAILABLE, "the stream ended with requests unanswered",
+                           "VerifyStream")
+    return failure
+
+
+def init_client(client, target: str, auth_token: Optional[str], timeout: Optional[float],
+                as_torch: bool) -> None:
+    """The state VerifyClient and AsyncVerifyClient share, over the
+    `client._channel` each made (plain or asyncio)."""
+    client._stub = verify_pb2_grpc.VerifyServiceStub(client._channel)
+    client._health = client._channel.unary_unary(HEALTH_CHECK)
+    client._metadata = metadata(auth_token)
+    client._timeout = timeout
+    client._as_torch = as_torch
+    client._geometry = None
+    client._request_ids = itertools.count(1)
+    client.target = target
 
 
 def metadata(auth_token: Optional[str]):

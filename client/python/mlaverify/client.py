@@ -3,7 +3,6 @@ pipelined per-scheduler stream of Verify requests."""
 
 from __future__ import annotations
 
-import itertools
 import queue
 import threading
 from concurrent.futures import Future
@@ -12,8 +11,8 @@ from typing import Any, Iterator, List, Optional, Sequence
 import grpc
 
 from mlaverify import _wire
-from mlaverify.errors import VerifyError, code_from_number, from_rpc_error
-from mlaverify.v1 import verify_pb2, verify_pb2_grpc
+from mlaverify.errors import VerifyError, from_rpc_error
+from mlaverify.v1 import verify_pb2
 
 # Up to the largest message the server takes (its --max-message-bytes is
 # 64 MiB at most in practice; GetServerInfo says what it is).
@@ -40,14 +39,7 @@ class VerifyClient:
         opts = options if options is not None else channel_options()
         self._channel = (grpc.secure_channel(target, credentials, opts) if credentials
                          else grpc.insecure_channel(target, opts))
-        self._stub = verify_pb2_grpc.VerifyServiceStub(self._channel)
-        self._health = self._channel.unary_unary(_wire.HEALTH_CHECK)
-        self._metadata = _wire.metadata(auth_token)
-        self._timeout = timeout
-        self._as_torch = as_torch
-        self._geometry: Optional[_wire.Geometry] = None
-        self._request_ids = itertools.count(1)
-        self.target = target
+        _wire.init_client(self, target, auth_token, timeout, as_torch)
 
     # -- lifetime -----------------------------------------------------------
     def close(self) -> None:
@@ -187,27 +179,16 @@ class VerifyStream:
                 with self._lock:
                     entry = self._pending.pop(response.request_id, None)
                 if entry is None:
-                    failure = VerifyError(grpc.StatusCode.INTERNAL,
-                                          f"an answer for unknown request_id {response.request_id}",
-                                          "VerifyStream")
+                    failure = _wire.unknown_answer(response)
                     break
                 self._slots.release()
                 request, future = entry
-                if response.error_code != 0:
-                    future.set_exception(VerifyError(code_from_number(response.error_code),
-                                                     response.error_message, "VerifyStream"))
-                    continue
-                try:
-                    future.set_result(self._client.geometry.verify_results(
-                        request, response, self._client._as_torch))
-                except ValueError as e:
-                    future.set_exception(VerifyError(grpc.StatusCode.INTERNAL, str(e), "VerifyStream"))
+                _wire.settle_answer(future, self._client.geometry, request, response,
+                                    self._client._as_torch)
         except grpc.RpcError as e:
             failure = from_rpc_error(e, "VerifyStream")
         with self._lock:
-            if failure is None and self._pending:
-                failure = VerifyError(grpc.StatusCode.UNAVAILABLE,
-                                      "the stream ended with requests unanswered", "VerifyStream")
+            failure = _wire.stream_end_failure(failure, bool(self._pending))
             self._failure = failure
             pending, self._pending = self._pending, {}
         for _, future in pending.values():
