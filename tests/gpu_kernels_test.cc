@@ -128,7 +128,7 @@ struct GridCase {
   }
 };
 
-// Every P, N and H of the grid meets every other; page sizes and masks
+// Every P, N and H of the grid meets every other; page sizes and masks
 // rotate through the combinations so that each pair of values appears too.
 std::vector<GridCase> GridCases() {
   const int kPrefix[] = {0, 1, 63, 64, 65, 1000, 70000};
