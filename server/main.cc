@@ -4,7 +4,7 @@
 // once, calls are still served for --drain-grace-s, then new work is refused
 // with UNAVAILABLE, streams end and calls in flight get --drain-timeout-s to
 // finish; the process exits 0 with a line counting what finished and what was
-// cut.
+// cut. A second signal during the drain exits at once with status 1.
 #include <pthread.h>
 #include <signal.h>
 
@@ -13,6 +13,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <mutex>
@@ -457,7 +458,16 @@ int Run(int argc, char** argv) {
 
   int signal_number = 0;
   sigwait(&signals, &signal_number);
-  spdlog::info("signal {}: draining", signal_number);
+  spdlog::info("signal {}: draining (a second SIGTERM or SIGINT exits at once)", signal_number);
+  // An operator who does not want to wait for the drain signals again: the
+  // process ends now, exit status 1, calls in flight cut by the connection.
+  std::thread([signals] {
+    int second = 0;
+    sigwait(&signals, &second);
+    spdlog::warn("signal {} during the drain: exiting now, without finishing it", second);
+    spdlog::default_logger()->flush();
+    std::_Exit(1);
+  }).detach();
   metrics.SetReady(false);
   const transport::DrainCounts drained =
       grpc_server->Drain(absl::Seconds(f.drain_grace_s), absl::Seconds(f.drain_timeout_s));

@@ -51,6 +51,26 @@ kill -TERM "$holder"
 wait "$holder"
 holder=""
 
+# A second SIGTERM during the drain exits at once (status 1) instead of
+# waiting out a 30-s grace.
+"$server" "${base[@]}" --listen 127.0.0.1:0 --port-file "$work/ports2" --drain-grace-s 30 \
+  > "$work/twice.log" 2>&1 &
+twice=$!
+for _ in $(seq 1 100); do [ -s "$work/ports2" ] && break; sleep 0.1; done
+kill -TERM "$twice"
+sleep 0.5
+start=$(date +%s)
+kill -TERM "$twice"
+rc=0
+wait "$twice" || rc=$?
+took=$(($(date +%s) - start))
+if [ "$rc" -eq 1 ] && [ "$took" -le 5 ] && grep -q "during the drain: exiting now" "$work/twice.log"; then
+  echo "ok: a second SIGTERM exits at once (status $rc after ${took} s)"
+else
+  echo "FAIL: a second SIGTERM: status $rc after ${took} s: $(tail -2 "$work/twice.log")"
+  failures=$((failures + 1))
+fi
+
 if [ "$failures" -ne 0 ]; then
   echo "server flags test FAILED ($failures)"
   exit 1
