@@ -8,6 +8,8 @@
 #   scripts/demo.sh [extra mlaverify-client demo flags]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/server_wait.sh
+. scripts/server_wait.sh
 scripts/install_deps.sh
 scripts/build.sh
 
@@ -27,11 +29,7 @@ build/server/mlaverify-server --listen 127.0.0.1:0 --admin-host 127.0.0.1 --admi
   --port-file "$work/ports" --backend auto --layers 61 --heads 8 --page-size 64 \
   --pool-bytes 1GiB --max-message-bytes 8MiB --idle-timeout-s 300 > "$work/server.log" 2>&1 &
 server_pid=$!
-for _ in $(seq 1 100); do
-  [ -s "$work/ports" ] && break
-  kill -0 "$server_pid" 2>/dev/null || { cat "$work/server.log"; exit 1; }
-  sleep 0.1
-done
+wait_for_port_file "$work/ports" "$server_pid" "$work/server.log" 10
 read -r grpc_port admin_port < "$work/ports"
 target="127.0.0.1:$grpc_port"
 echo "== server (log: $work/server.log)"

@@ -17,6 +17,8 @@
 # already built (a bundle of scripts/bundle.sh on the GPU machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/server_wait.sh
+. scripts/server_wait.sh
 
 duration_s=600
 warmup_s=60
@@ -62,20 +64,10 @@ trap cleanup EXIT
   --port-file "$out/ports" --backend auto --idle-timeout-s 300 $server_flags \
   > "$out/server.log" 2>&1 &
 server_pid=$!
-for _ in $(seq 1 300); do
-  [ -s "$out/ports" ] && break
-  kill -0 "$server_pid" 2>/dev/null || { cat "$out/server.log"; exit 1; }
-  sleep 0.1
-done
+# The port file is written once SERVING (on a GPU: after the pools and graphs).
+wait_for_port_file "$out/ports" "$server_pid" "$out/server.log" 120
 read -r grpc_port admin_port < "$out/ports"
 target="127.0.0.1:$grpc_port"
-# NOT_SERVING until the engine is ready (on a GPU: pools allocated, graphs
-# recorded).
-for _ in $(seq 1 600); do
-  "$client_bin" --target "$target" --timeout-ms 1000 health > /dev/null 2>&1 && break
-  kill -0 "$server_pid" 2>/dev/null || { cat "$out/server.log"; exit 1; }
-  sleep 0.2
-done
 "$client_bin" --target "$target" health
 
 # rss_kib threads open_files of the server.
