@@ -335,12 +335,6 @@ class LoadWorker {
 
 }  // namespace
 
-absl::StatusOr<LoadReport> RunLoad(VerifyClient& client, const LoadOptions& options) {
-  ASSIGN_OR_RETURN(std::unique_ptr<ReplicaSet> replicas,
-                   ReplicaSet::Create({client.target()}, client.options()));
-  return RunLoad(*replicas, options);
-}
-
 absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& options) {
   if (options.concurrency < 1) {
     return absl::InvalidArgumentError(
@@ -497,50 +491,44 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
     report.draft_tokens_per_second = report.draft_tokens / report.measured_seconds;
   }
 
-  // Pages back on every replica. With several, one that is gone or
-  // restarted is reported as lost (its sequences went with it); with one
-  // target the page count is then unchecked and the run fails.
+  // Pages back on every replica. With one target, a server that is gone or
+  // restarted leaves the page count unchecked and the run fails; with
+  // several, such a replica is lost (its sequences went with it) and the
+  // totals cover the replicas that were checked.
+  const bool several = replicas.size() > 1;
+  if (several) report.free_pages_before = 0;
+  int checked = 0;
   for (int r = 0; r < replicas.size(); ++r) {
     LoadReport::Replica& replica = report.replicas[r];
     absl::StatusOr<v1::ServerInfo> after = replicas.replica(r).GetServerInfo();
     std::string why;
     if (!after.ok()) {
       why = absl::StrCat("did not answer at the end (", after.status().ToString(), ")");
-      if (replicas.size() == 1) ++report.errors[absl::StatusCodeToString(after.status().code())];
+      if (!several) ++report.errors[absl::StatusCodeToString(after.status().code())];
     } else if (after->instance_id() != infos[r].instance_id()) {
       why = absl::StrCat("restarted during the run (instance ", infos[r].instance_id(), " then ",
                          after->instance_id(), ")");
+    }
+    if (!several && !why.empty()) {
+      report.free_pages_after = after.ok() ? after->free_pages() : -1;
+      report.pages_unchecked = absl::StrCat("the server ", why);
+      continue;
     }
     if (!why.empty() || replica.errors_while_down > 0) {
       replica.lost = true;
       replica.lost_reason =
           !why.empty() ? why : absl::StrCat("was down during the run: ", states[r].down_reason);
+      if (!why.empty()) continue;
     }
-    if (after.ok() && why.empty()) {
-      replica.free_pages_after = after->free_pages();
-      replica.page_leak = replica.free_pages_after != replica.free_pages_before;
-    }
+    replica.free_pages_after = after->free_pages();
+    replica.page_leak = replica.free_pages_after != replica.free_pages_before;
+    if (replica.lost) continue;  // answered again, but its sequences are gone
+    ++checked;
+    if (several) report.free_pages_before += replica.free_pages_before;
+    report.free_pages_after += replica.free_pages_after;
+    report.page_leak = report.page_leak || replica.page_leak;
   }
-  if (replicas.size() == 1) {
-    const LoadReport::Replica& only = report.replicas[0];
-    report.free_pages_after = only.free_pages_after;
-    report.page_leak = only.page_leak;
-    if (only.lost) {
-      report.pages_unchecked = absl::StrCat("the server ", only.lost_reason);
-      report.replicas[0].lost = false;  // one target: a failed run, not a lost replica
-    }
-  } else {
-    int up_at_end = 0;
-    report.free_pages_before = 0;  // over the replicas that were checked
-    for (const LoadReport::Replica& replica : report.replicas) {
-      if (replica.lost) continue;
-      ++up_at_end;
-      report.free_pages_before += replica.free_pages_before;
-      report.free_pages_after += replica.free_pages_after;
-      report.page_leak = report.page_leak || replica.page_leak;
-    }
-    if (up_at_end == 0) report.pages_unchecked = "no replica answered at the end";
-  }
+  if (several && checked == 0) report.pages_unchecked = "no replica answered at the end";
   for (const auto& [code, count] : report.errors) report.total_errors += count;
   return report;
 }

@@ -109,8 +109,6 @@ struct LoadReport {
 // ReplicaSet (most free pages) and every call goes to the owner; a replica
 // lost during the run is reported, and the workers carry on with the others.
 absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& options);
-// The same against one server.
-absl::StatusOr<LoadReport> RunLoad(VerifyClient& client, const LoadOptions& options);
 
 void PrintLoadReport(const LoadReport& report);
 nlohmann::ordered_json LoadReportToJson(const LoadReport& report);

@@ -61,8 +61,8 @@ class Metrics {
 
   // A device faulted: mlaverify_device_faults_total{device}.
   void RecordDeviceFault(absl::string_view device);
-  // Creates the per-device series at 0 (device faults, device time), so a
-  // dashboard and an alert's increase() see them before the first event.
+  // Creates each device's fault series at 0, so that an alert's increase()
+  // sees the first fault (a series born at 1 shows no increase).
   void DeclareDevices(const std::vector<std::string>& devices);
   // A request over --max-message-bytes: mlaverify_oversized_requests_total{rpc}.
   void RecordOversizedRequest(absl::string_view rpc);
