@@ -173,18 +173,21 @@ def stream_end_failure(failure, pending: bool):
     return failure
 
 
-def init_client(client, target: str, auth_token: Optional[str], timeout: Optional[float],
-                as_torch: bool) -> None:
-    """The state VerifyClient and AsyncVerifyClient share, over the
-    `client._channel` each made (plain or asyncio)."""
-    client._stub = verify_pb2_grpc.VerifyServiceStub(client._channel)
-    client._health = client._channel.unary_unary(HEALTH_CHECK)
-    client._metadata = metadata(auth_token)
-    client._timeout = timeout
-    client._as_torch = as_torch
-    client._geometry = None
-    client._request_ids = itertools.count(1)
-    client.target = target
+class ClientBase:
+    """What VerifyClient and AsyncVerifyClient share, over the channel each
+    made (plain or asyncio)."""
+
+    def __init__(self, channel, target: str, auth_token: Optional[str],
+                 timeout: Optional[float], as_torch: bool):
+        self._channel = channel
+        self._stub = verify_pb2_grpc.VerifyServiceStub(channel)
+        self._health = channel.unary_unary(HEALTH_CHECK)
+        self._metadata = metadata(auth_token)
+        self._timeout = timeout
+        self._as_torch = as_torch
+        self._geometry: Optional[Geometry] = None
+        self._request_ids = itertools.count(1)
+        self.target = target
 
 
 def metadata(auth_token: Optional[str]):

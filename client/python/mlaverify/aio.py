@@ -15,16 +15,16 @@ from mlaverify.errors import VerifyError, from_rpc_error
 from mlaverify.v1 import verify_pb2
 
 
-class AsyncVerifyClient:
+class AsyncVerifyClient(_wire.ClientBase):
     """As VerifyClient (same arguments), every RPC a coroutine."""
 
     def __init__(self, target: str, *, credentials: Optional[grpc.ChannelCredentials] = None,
                  auth_token: Optional[str] = None, timeout: Optional[float] = 30.0,
                  as_torch: bool = False, options=None):
         opts = options if options is not None else channel_options()
-        self._channel = (grpc.aio.secure_channel(target, credentials, opts) if credentials
-                         else grpc.aio.insecure_channel(target, opts))
-        _wire.init_client(self, target, auth_token, timeout, as_torch)
+        channel = (grpc.aio.secure_channel(target, credentials, opts) if credentials
+                   else grpc.aio.insecure_channel(target, opts))
+        super().__init__(channel, target, auth_token, timeout, as_torch)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -24,7 +24,7 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
             ("grpc.max_receive_message_length", max_message_bytes)]
 
 
-class VerifyClient:
+class VerifyClient(_wire.ClientBase):
     """A client of one mlaverify server.
 
     target: "host:port". credentials: grpc.ssl_channel_credentials(...) for
@@ -37,9 +37,9 @@ class VerifyClient:
                  auth_token: Optional[str] = None, timeout: Optional[float] = 30.0,
                  as_torch: bool = False, options=None):
         opts = options if options is not None else channel_options()
-        self._channel = (grpc.secure_channel(target, credentials, opts) if credentials
-                         else grpc.insecure_channel(target, opts))
-        _wire.init_client(self, target, auth_token, timeout, as_torch)
+        channel = (grpc.secure_channel(target, credentials, opts) if credentials
+                   else grpc.insecure_channel(target, opts))
+        super().__init__(channel, target, auth_token, timeout, as_torch)
 
     # -- lifetime -----------------------------------------------------------
     def close(self) -> None:
