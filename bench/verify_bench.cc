@@ -53,6 +53,13 @@ struct Shape {
   MaskKind mask;
 };
 
+// The fields that name a shape in every JSON row.
+nlohmann::json ShapeJson(const Shape& s) {
+  return {{"batch", s.batch},         {"prefix_len", s.prefix},
+          {"draft_len", s.draft},     {"heads", s.heads},
+          {"page_size", s.page_size}, {"mask", kernels::testing::MaskName(s.mask)}};
+}
+
 bool ParseShape(const std::string& text, Shape* s) {
   std::vector<std::string> parts = absl::StrSplit(text, ',');
   if (parts.size() < 4 || parts.size() > 6) return false;
@@ -469,14 +476,10 @@ int Run(int argc, char** argv) {
       if (!recorded.ok()) {
         st = recorded.status();
       } else {
-        stamp_rows.push_back({{"batch", s.batch},
-                              {"prefix_len", s.prefix},
-                              {"draft_len", s.draft},
-                              {"heads", s.heads},
-                              {"page_size", s.page_size},
-                              {"mask", kernels::testing::MaskName(s.mask)},
-                              {"time_us", timing->median_us},
-                              {"replays", *recorded}});
+        nlohmann::json row = ShapeJson(s);
+        row["time_us"] = timing->median_us;
+        row["replays"] = *recorded;
+        stamp_rows.push_back(std::move(row));
       }
     }
     // The same shape as the layers of a verify step after the first run it
@@ -521,25 +524,21 @@ int Run(int argc, char** argv) {
                   : "",
         ok ? "" : "  FAILED CHECK");
     std::fflush(stdout);
-    rows.push_back({{"batch", s.batch},
-                    {"prefix_len", s.prefix},
-                    {"draft_len", s.draft},
-                    {"heads", s.heads},
-                    {"page_size", s.page_size},
-                    {"mask", kernels::testing::MaskName(s.mask)},
-                    {"time_us", timing->median_us},
-                    {"min_us", timing->min_us},
-                    {"reps", reps},
-                    {"tbps", bytes / t / 1e12},
-                    {"tflops", flops / t / 1e12},
-                    {"floor_us", floor_s * 1e6},
-                    {"time_over_floor", t / floor_s},
-                    {"rel_err", check.rel_err},
-                    {"lse_max_abs_err", check.lse_max_abs_err},
-                    {"rows_checked", check.rows_checked},
-                    {"nan_outputs", check.nan_outputs},
-                    {"prefix_ramp", ramp},
-                    {"plan", plan_name}});
+    nlohmann::json row = ShapeJson(s);
+    row.update(nlohmann::json{{"time_us", timing->median_us},
+                              {"min_us", timing->min_us},
+                              {"reps", reps},
+                              {"tbps", bytes / t / 1e12},
+                              {"tflops", flops / t / 1e12},
+                              {"floor_us", floor_s * 1e6},
+                              {"time_over_floor", t / floor_s},
+                              {"rel_err", check.rel_err},
+                              {"lse_max_abs_err", check.lse_max_abs_err},
+                              {"rows_checked", check.rows_checked},
+                              {"nan_outputs", check.nan_outputs},
+                              {"prefix_ramp", ramp},
+                              {"plan", plan_name}});
+    rows.push_back(std::move(row));
     if (reused_us) {
       rows.back()["time_us_reused_plan"] = *reused_us;
       rows.back()["rel_err_reused_plan"] = reused_check.rel_err;
