@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <utility>
@@ -158,6 +159,12 @@ absl::StatusOr<std::unique_ptr<VerifyClient>> VerifyClient::Create(std::string t
   grpc::ChannelArguments arguments;
   arguments.SetMaxSendMessageSize(ClampToInt(options.max_send_message_bytes));
   arguments.SetMaxReceiveMessageSize(ClampToInt(options.max_receive_message_bytes));
+  if (options.http2_max_frame_bytes > 0) {
+    arguments.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, options.http2_max_frame_bytes);
+  }
+  if (options.http2_lookahead_bytes > 0) {
+    arguments.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, options.http2_lookahead_bytes);
+  }
   std::shared_ptr<grpc::Channel> channel =
       grpc::CreateCustomChannel(target, credentials, arguments);
   return std::unique_ptr<VerifyClient>(
@@ -233,7 +240,8 @@ absl::StatusOr<int64_t> VerifyClient::ServerMessageLimit() {
 
 absl::StatusOr<AppendKvResult> VerifyClient::AppendKv(uint64_t sequence_id, int64_t start_position,
                                                       int num_layers, int64_t tokens,
-                                                      absl::Span<const Bf16> kv) {
+                                                      absl::Span<const Bf16> kv,
+                                                      const ShmStaging* staging) {
   using mlaverify::kLatentDim;
   if (num_layers < 1 || tokens < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -244,6 +252,9 @@ absl::StatusOr<AppendKvResult> VerifyClient::AppendKv(uint64_t sequence_id, int6
     return absl::InvalidArgumentError(absl::StrCat("AppendKv: kv holds ", kv.size(), " values; [",
                                                    num_layers, ", ", tokens, ", ", kLatentDim,
                                                    "] needs ", expected));
+  }
+  if (staging != nullptr) {
+    return AppendKvThroughStaging(sequence_id, start_position, num_layers, tokens, kv, *staging);
   }
   ASSIGN_OR_RETURN(int64_t server_limit, ServerMessageLimit());
   // A server that reports no limit (0) is bounded by this channel's own.
@@ -284,6 +295,108 @@ absl::StatusOr<AppendKvResult> VerifyClient::AppendKv(uint64_t sequence_id, int6
     ++result.chunks;
   }
   return result;
+}
+
+absl::StatusOr<AppendKvResult> VerifyClient::AppendKvThroughStaging(
+    uint64_t sequence_id, int64_t start_position, int num_layers, int64_t tokens,
+    absl::Span<const Bf16> kv, const ShmStaging& staging) {
+  using mlaverify::kLatentDim;
+  const uint64_t token_bytes = static_cast<uint64_t>(num_layers) * kLatentDim * sizeof(Bf16);
+  const int64_t max_chunk_tokens = static_cast<int64_t>(staging.bytes / token_bytes);
+  if (max_chunk_tokens < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("AppendKv staging of ", staging.bytes,
+                                                   " bytes holds no token of ", num_layers,
+                                                   " layers (", token_bytes, " bytes)"));
+  }
+  const auto* begin = reinterpret_cast<const uint8_t*>(kv.data());
+  const uint8_t* area = staging.base + staging.offset;
+  const bool in_place = tokens <= max_chunk_tokens && begin >= area &&
+                        begin + kv.size() * sizeof(Bf16) <= area + staging.bytes;
+  const std::vector<TokenRange> chunks =
+      in_place ? std::vector<TokenRange>{{0, tokens}} : PlanAppendChunks(tokens, max_chunk_tokens);
+  AppendKvResult result;
+  for (const TokenRange& range : chunks) {
+    const uint64_t offset =
+        in_place ? static_cast<uint64_t>(begin - staging.base) : staging.offset;
+    if (!in_place) {
+      // [num_layers, chunk, 576] gathered from each layer's slice.
+      const size_t run_bytes = static_cast<size_t>(range.size()) * kLatentDim * sizeof(Bf16);
+      for (int layer = 0; layer < num_layers; ++layer) {
+        std::memcpy(staging.base + offset + layer * run_bytes,
+                    kv.data() + (layer * tokens + range.begin) * kLatentDim, run_bytes);
+      }
+    }
+    v1::AppendKvRequest request;
+    request.set_sequence_id(sequence_id);
+    request.set_start_position(start_position + range.begin);
+    v1::Tensor* tensor = request.mutable_kv();
+    tensor->set_dtype(v1::DTYPE_BF16);
+    tensor->add_shape(num_layers);
+    tensor->add_shape(range.size());
+    tensor->add_shape(kLatentDim);
+    v1::SharedMemoryRef* ref = tensor->mutable_shared_memory();
+    ref->set_region(staging.region);
+    ref->set_offset(offset);
+    ref->set_byte_size(static_cast<uint64_t>(range.size()) * token_bytes);
+    grpc::ClientContext context;
+    PrepareContext(&context);
+    v1::AppendKvResponse response;
+    absl::Status status = FromGrpcStatus(stub_->AppendKv(&context, request, &response));
+    if (!status.ok()) {
+      if (chunks.size() == 1) return status;
+      return absl::Status(
+          status.code(),
+          absl::StrCat(status.message(), " [AppendKv chunk ", result.chunks + 1, " of ",
+                       chunks.size(), " at position ", start_position + range.begin, "; ",
+                       range.begin, " of ", tokens, " tokens were appended]"));
+    }
+    if (response.length() != start_position + range.end) {
+      return absl::InternalError(absl::StrCat("AppendKv of tokens up to position ",
+                                              start_position + range.end, " answered length ",
+                                              response.length()));
+    }
+    result.length = response.length();
+    ++result.chunks;
+  }
+  return result;
+}
+
+absl::Status VerifyClient::RegisterSystemSharedMemory(const std::string& name,
+                                                      const std::string& key, uint64_t offset,
+                                                      uint64_t byte_size) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  v1::RegisterSystemSharedMemoryRequest request;
+  request.set_name(name);
+  request.set_key(key);
+  request.set_offset(offset);
+  request.set_byte_size(byte_size);
+  v1::RegisterSystemSharedMemoryResponse response;
+  return FromGrpcStatus(stub_->RegisterSystemSharedMemory(&context, request, &response));
+}
+
+absl::StatusOr<std::vector<std::string>> VerifyClient::UnregisterSystemSharedMemory(
+    const std::string& name) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  v1::UnregisterSystemSharedMemoryRequest request;
+  request.set_name(name);
+  v1::UnregisterSystemSharedMemoryResponse response;
+  RETURN_IF_ERROR(
+      FromGrpcStatus(stub_->UnregisterSystemSharedMemory(&context, request, &response)));
+  return std::vector<std::string>(response.unregistered().begin(), response.unregistered().end());
+}
+
+absl::StatusOr<std::vector<v1::SystemSharedMemoryRegion>> VerifyClient::SystemSharedMemoryStatus(
+    const std::string& name) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  v1::SystemSharedMemoryStatusRequest request;
+  request.set_name(name);
+  v1::SystemSharedMemoryStatusResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(stub_->SystemSharedMemoryStatus(&context, request, &response)));
+  return std::vector<v1::SystemSharedMemoryRegion>(response.regions().begin(),
+                                                   response.regions().end());
 }
 
 absl::StatusOr<std::vector<VerifyItemResult>> VerifyClient::Verify(

@@ -47,6 +47,10 @@ struct ClientOptions {
   // default. AppendKv chunks stay under min(server limit, send limit).
   int64_t max_send_message_bytes = int64_t{256} << 20;
   int64_t max_receive_message_bytes = int64_t{256} << 20;
+  // HTTP/2 settings for 100 KiB-8 MiB messages (0: gRPC's default): the
+  // largest frame this side accepts, and the per-call receive window.
+  int http2_max_frame_bytes = (1 << 24) - 1;
+  int http2_lookahead_bytes = 8 << 20;
   // Deadline of each unary call; absl::InfiniteDuration() sets none.
   absl::Duration call_timeout = absl::Seconds(30);
   // Queue calls while the channel connects instead of failing them at once
@@ -138,9 +142,15 @@ class VerifyClient {
   // messages as the server's max_message_bytes requires (each under 90% of
   // it), sent in order. If a chunk fails, the chunks before it stay appended
   // and the error says how many tokens made it.
+  //
+  // With `staging` (a registered shared-memory range) the chunks go through
+  // it instead of inline: as many whole tokens of every layer as it holds per
+  // AppendKv, each copied in and referenced. A prompt that already lies in
+  // the staging range whole is referenced where it is, without a copy.
   absl::StatusOr<AppendKvResult> AppendKv(uint64_t sequence_id, int64_t start_position,
                                           int num_layers, int64_t tokens,
-                                          absl::Span<const Bf16> kv);
+                                          absl::Span<const Bf16> kv,
+                                          const ShmStaging* staging = nullptr);
 
   // Verify attention of one layer for one or more sequences (one item each).
   // softmax_scale <= 0 uses the server's default. Results come in item order.
@@ -154,6 +164,16 @@ class VerifyClient {
   // Frees the sequence; returns the pages freed.
   absl::StatusOr<int64_t> ReleaseSequence(uint64_t sequence_id);
 
+  // System shared memory (servers started with --allow-client-shm): makes
+  // [offset, offset + byte_size) of the POSIX object `key` known as `name`.
+  absl::Status RegisterSystemSharedMemory(const std::string& name, const std::string& key,
+                                          uint64_t offset, uint64_t byte_size);
+  // Removes `name` ("" : every region); returns the names removed.
+  absl::StatusOr<std::vector<std::string>> UnregisterSystemSharedMemory(const std::string& name);
+  // `name` ("" : every region) with its use.
+  absl::StatusOr<std::vector<v1::SystemSharedMemoryRegion>> SystemSharedMemoryStatus(
+      const std::string& name = "");
+
   // Opens a VerifyStream. `lifetime` bounds the whole stream (not each
   // call): a stream that outlives it ends with DEADLINE_EXCEEDED.
   absl::StatusOr<std::unique_ptr<VerifyStreamSession>> OpenVerifyStream(
@@ -164,6 +184,11 @@ class VerifyClient {
 
   // Applies the call deadline and wait-for-ready to a fresh context.
   void PrepareContext(grpc::ClientContext* context) const;
+
+  absl::StatusOr<AppendKvResult> AppendKvThroughStaging(uint64_t sequence_id,
+                                                        int64_t start_position, int num_layers,
+                                                        int64_t tokens, absl::Span<const Bf16> kv,
+                                                        const ShmStaging& staging);
 
   // The server's message limit as AppendKv sees it, from the cached
   // ServerInfo (fetched on first use).

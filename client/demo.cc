@@ -1,5 +1,7 @@
 #include "client/demo.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <memory>
@@ -102,13 +104,19 @@ class DemoRun {
                           options_.sequences, info_.max_batch()));
       return false;
     }
+    if (options_.data_plane == "shm") {
+      if (!SetupSharedMemory()) return false;
+    } else if (options_.data_plane != "inline") {
+      Fail(absl::StrCat("--data-plane ", options_.data_plane, ": need inline or shm"));
+      return false;
+    }
     scale_ = options_.softmax_scale > 0.0f ? options_.softmax_scale : info_.default_softmax_scale();
     free_pages_before_ = info_.free_pages();
     absl::PrintF(
-        "demo: %d sequences, prompt %d tokens, %d steps of %d drafts, %s calls, "
+        "demo: %d sequences, prompt %d tokens, %d steps of %d drafts, %s calls, %s data plane, "
         "softmax scale %.6g, seed %d\n",
         options_.sequences, options_.prompt_len, options_.steps, num_drafts_,
-        options_.stream ? "streamed" : "unary", scale_, options_.seed);
+        options_.stream ? "streamed" : "unary", options_.data_plane, scale_, options_.seed);
 
     for (int s = 0; s < options_.sequences; ++s) {
       absl::StatusOr<uint64_t> id = client_.CreateSequence(absl::StrCat("demo-", s));
@@ -122,7 +130,8 @@ class DemoRun {
       std::vector<Bf16> prompt(static_cast<size_t>(num_layers_) * options_.prompt_len * kLatentDim);
       FillUniformBf16(rng_, -kKvRange, kKvRange, absl::MakeSpan(prompt));
       absl::StatusOr<AppendKvResult> appended =
-          client_.AppendKv(seq.id, 0, num_layers_, options_.prompt_len, prompt);
+          client_.AppendKv(seq.id, 0, num_layers_, options_.prompt_len, prompt,
+                           shm_ != nullptr ? &staging_ : nullptr);
       if (!appended.ok()) {
         Fail(absl::StrCat("AppendKv sequence ", seq.id, ": ", appended.status().ToString()));
         return false;
@@ -179,9 +188,11 @@ class DemoRun {
     double verify_seconds = 0.0;
     for (int layer = 0; layer < num_layers_; ++layer) {
       std::vector<VerifyItemInput> items;
-      for (DemoSequence& seq : sequences_) {
+      for (size_t k = 0; k < sequences_.size(); ++k) {
+        DemoSequence& seq = sequences_[k];
         FillUniformBf16(rng_, -kQueryRange, kQueryRange, absl::MakeSpan(seq.q));
-        items.push_back({seq.id, seq.parents, seq.q, seq.draft_kv[layer]});
+        items.push_back({seq.id, seq.parents, seq.q, seq.draft_kv[layer],
+                         shm_ != nullptr ? &placements_[k] : nullptr});
       }
       const auto start = std::chrono::steady_clock::now();
       absl::StatusOr<std::vector<VerifyItemResult>> results = VerifyLayer(layer, items);
@@ -245,8 +256,49 @@ class DemoRun {
     return true;
   }
 
+  // One region: every sequence's Verify tensors, then a prompt staging area.
+  bool SetupSharedMemory() {
+    constexpr uint64_t kMaxStaging = uint64_t{64} << 20;
+    const uint64_t item = (ShmVerifyItemBytes(num_drafts_, num_heads_) + 255) / 256 * 256;
+    const uint64_t token_bytes = static_cast<uint64_t>(num_layers_) * kLatentDim * sizeof(Bf16);
+    const uint64_t staging = std::max<uint64_t>(
+        token_bytes,
+        std::min<uint64_t>(kMaxStaging, static_cast<uint64_t>(options_.prompt_len) * token_bytes));
+    absl::StatusOr<std::unique_ptr<SharedMemoryBuffer>> shm =
+        SharedMemoryBuffer::Create(item * options_.sequences + staging);
+    if (!shm.ok()) {
+      Fail(absl::StrCat("shared memory: ", shm.status().ToString()));
+      return false;
+    }
+    shm_ = *std::move(shm);
+    shm_name_ = absl::StrCat("mlaverify-demo-", getpid());
+    if (absl::Status s =
+            client_.RegisterSystemSharedMemory(shm_name_, shm_->key(), 0, shm_->size());
+        !s.ok()) {
+      Fail(absl::StrCat("RegisterSystemSharedMemory: ", s.ToString()));
+      shm_.reset();
+      return false;
+    }
+    shm_registered_ = true;
+    for (int k = 0; k < options_.sequences; ++k) {
+      placements_.push_back(
+          PlaceVerifyItem(shm_name_, shm_->data(), item * k, num_drafts_, num_heads_));
+    }
+    staging_ = {shm_name_, shm_->data(), item * options_.sequences, staging};
+    absl::PrintF("shared memory: %s registered as %s (%d bytes)\n", shm_->key(), shm_name_,
+                 shm_->size());
+    return true;
+  }
+
   // Closes the stream, releases every sequence and reports the page balance.
   void Cleanup() {
+    if (shm_registered_) {
+      // Every call has been answered by now, so no call holds the region.
+      absl::StatusOr<std::vector<std::string>> gone =
+          client_.UnregisterSystemSharedMemory(shm_name_);
+      if (!gone.ok()) Fail(absl::StrCat("UnregisterSystemSharedMemory: ", gone.status().ToString()));
+      shm_registered_ = false;
+    }
     if (stream_ != nullptr) {
       if (absl::Status closed = stream_->Close(); !closed.ok()) {
         Fail(absl::StrCat("VerifyStream close: ", closed.ToString()));
@@ -287,6 +339,12 @@ class DemoRun {
   int64_t free_pages_before_ = 0;
   std::vector<DemoSequence> sequences_;
   std::unique_ptr<VerifyStreamSession> stream_;
+  // The shared-memory data plane (shm_ null: inline).
+  std::unique_ptr<SharedMemoryBuffer> shm_;
+  std::string shm_name_;
+  bool shm_registered_ = false;
+  std::vector<ShmItemPlacement> placements_;  // by sequence
+  ShmStaging staging_;
 };
 
 }  // namespace

@@ -19,6 +19,9 @@ struct DemoOptions {
   int drafts = 8;            // N per step, capped by the server's max_draft_len
   uint64_t seed = 1;
   bool stream = false;         // per-layer calls over one VerifyStream
+  // "inline" or "shm": tensors through a shared-memory region the demo
+  // creates, registers and removes (the server needs --allow-client-shm).
+  std::string data_plane = "inline";
   float softmax_scale = 0.0f;  // > 0 overrides the server's default per request
   double max_rel_err = 1e-2;   // ||out - ref|| / ||ref|| allowed per item and layer
   double max_lse_err = 1e-2;   // |lse - ref| allowed, natural-log units

@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include <unistd.h>
+
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -18,6 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "client/replica_set.h"
 #include "client/server_info_text.h"
+#include "client/shared_memory.h"
 #include "common/geometry.h"
 #include "common/status_macros.h"
 #include "common/workload.h"
@@ -45,6 +48,10 @@ struct LoadPlan {
   int64_t prompt_len = 0;
   int64_t max_sequence_len = 0;
   bool stream = false;
+  // Shared-memory data plane: each worker's placement and AppendKv staging
+  // (indexed by worker); empty for inline.
+  std::vector<ShmItemPlacement> placements;
+  std::vector<ShmStaging> stagings;
   // When every stream ends, whenever it was opened; nullopt: never.
   std::optional<Clock::time_point> stream_deadline;
   uint64_t seed = 0;
@@ -54,9 +61,14 @@ struct LoadPlan {
   int64_t request_limit = 0;  // 0: none
 };
 
+class RunControl;
+// The run in progress, for StopRunningLoad (a signal handler).
+std::atomic<RunControl*> g_running{nullptr};
+
 class RunControl {
  public:
-  explicit RunControl(const LoadPlan& plan) : plan_(plan) {}
+  explicit RunControl(const LoadPlan& plan) : plan_(plan) { g_running.store(this); }
+  ~RunControl() { g_running.store(nullptr); }
 
   // The ramp-up: every worker first gets its sequence (prompt appended, or
   // given up after its failures), then waits here until RunLoad has seen all
@@ -124,6 +136,9 @@ struct WorkerResult {
   int64_t draft_tokens = 0;
   int64_t steps_committed = 0;
   int64_t sequences_created = 0;
+  int64_t append_bytes = 0;
+  double append_seconds = 0.0;
+  int64_t ramp_up_append_bytes = 0;
   std::map<std::string, int64_t> errors;
   // Failed calls whose replica was down by then, per replica (several
   // targets only: the run goes on with the other replicas).
@@ -153,11 +168,25 @@ class LoadWorker {
     FillUniformBf16(rng_, -2.0f, 2.0f, absl::MakeSpan(q_));
     draft_kv_.resize(static_cast<size_t>(plan_.num_drafts) * kLatentDim);
     FillUniformBf16(rng_, -1.0f, 1.0f, absl::MakeSpan(draft_kv_));
+    q_view_ = q_;
+    draft_kv_view_ = draft_kv_;
+    if (!plan_.placements.empty()) {
+      // As a co-located scheduler would: the inputs are made in shared memory
+      // once, and every call references them where they are.
+      const ShmItemPlacement& p = plan_.placements[index_];
+      auto* q = reinterpret_cast<Bf16*>(p.base + p.q_offset);
+      auto* kv = reinterpret_cast<Bf16*>(p.base + p.draft_kv_offset);
+      std::copy(q_.begin(), q_.end(), q);
+      std::copy(draft_kv_.begin(), draft_kv_.end(), kv);
+      q_view_ = absl::MakeConstSpan(q, q_.size());
+      draft_kv_view_ = absl::MakeConstSpan(kv, draft_kv_.size());
+    }
 
     // Ramp-up (untimed): this worker's first sequence, or its failures up
     // to the limit, before the run's clock starts.
     while (!sequence_.has_value() && consecutive_failures_ < kMaxConsecutiveFailures)
       StartSequence();
+    result_.ramp_up_append_bytes = result_.append_bytes;
     control_.WorkerReady();
     control_.AwaitStart();
 
@@ -208,8 +237,12 @@ class LoadWorker {
     sequence_ = *placed;
     length_ = 0;
     if (plan_.prompt_len > 0) {
+      const Clock::time_point start = Clock::now();
       absl::StatusOr<AppendKvResult> appended =
-          replicas_.AppendKv(*placed, 0, plan_.num_layers, plan_.prompt_len, prompt_);
+          replicas_.AppendKv(*placed, 0, plan_.num_layers, plan_.prompt_len, prompt_,
+                             plan_.stagings.empty() ? nullptr : &plan_.stagings[index_]);
+      result_.append_seconds += std::chrono::duration<double>(Clock::now() - start).count();
+      if (appended.ok()) result_.append_bytes += static_cast<int64_t>(prompt_.size() * 2);
       if (!appended.ok()) {
         RecordError(appended.status(), placed->replica);
         DropSequence();
@@ -263,7 +296,8 @@ class LoadWorker {
   // One verify step of the worker's sequence. False when the run is over.
   bool RunStep() {
     const std::vector<int32_t> parents = RandomDraftTree(rng_, plan_.num_drafts);
-    const VerifyItemInput item{sequence_->id, parents, q_, draft_kv_};
+    const VerifyItemInput item{sequence_->id, parents, q_view_, draft_kv_view_,
+                               plan_.placements.empty() ? nullptr : &plan_.placements[index_]};
     for (int layer = 0; layer < plan_.num_layers; ++layer) {
       bool measured = false;
       if (!control_.BeginVerify(&measured)) return false;
@@ -325,6 +359,8 @@ class LoadWorker {
   std::vector<Bf16> prompt_;    // [num_layers, prompt_len, 576]
   std::vector<Bf16> q_;         // [N, H, 576]
   std::vector<Bf16> draft_kv_;  // [N, 576]
+  // What the calls send: the vectors above, or their copies in shared memory.
+  absl::Span<const Bf16> q_view_, draft_kv_view_;
   std::unique_ptr<VerifyStreamSession> stream_;
   int stream_replica_ = -1;  // the replica stream_ is open to
   std::optional<PlacedSequence> sequence_;
@@ -334,6 +370,13 @@ class LoadWorker {
 };
 
 }  // namespace
+
+bool StopRunningLoad() {
+  RunControl* run = g_running.load();
+  if (run == nullptr) return false;
+  run->Stop();
+  return true;
+}
 
 absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& options) {
   if (options.concurrency < 1) {
@@ -408,19 +451,68 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
   plan.stream = options.stream;
   plan.seed = options.seed;
 
+  // The shared-memory data plane: one region for the whole run, registered
+  // under the same name on every target; removed again however the run ends.
+  std::unique_ptr<SharedMemoryBuffer> shm;
+  const std::string shm_name = absl::StrCat("mlaverify-load-", getpid());
+  struct Unregister {
+    ReplicaSet& replicas;
+    const std::string& name;
+    int registered = 0;
+    ~Unregister() {
+      for (int r = 0; r < registered; ++r) {
+        absl::StatusOr<std::vector<std::string>> gone =
+            replicas.replica(r).UnregisterSystemSharedMemory(name);
+        if (!gone.ok()) {
+          spdlog::warn("{}: unregistering shared memory '{}': {}", replicas.Name(r), name,
+                       gone.status().ToString());
+        }
+      }
+    }
+  } unregister{replicas, shm_name};
+  if (options.data_plane == "shm") {
+    constexpr uint64_t kMaxStagingPerWorker = uint64_t{16} << 20;
+    const uint64_t token_bytes = static_cast<uint64_t>(plan.num_layers) * kLatentDim * 2;
+    const uint64_t staging = std::max<uint64_t>(
+        token_bytes, std::min<uint64_t>(kMaxStagingPerWorker,
+                                        static_cast<uint64_t>(plan.prompt_len) * token_bytes));
+    const uint64_t item = (ShmVerifyItemBytes(plan.num_drafts, plan.num_heads) + 255) / 256 * 256;
+    const uint64_t per_worker = item + (staging + 255) / 256 * 256;
+    ASSIGN_OR_RETURN(shm, SharedMemoryBuffer::Create(per_worker * options.concurrency));
+    for (int w = 0; w < options.concurrency; ++w) {
+      const uint64_t base = per_worker * w;
+      plan.placements.push_back(
+          PlaceVerifyItem(shm_name, shm->data(), base, plan.num_drafts, plan.num_heads));
+      plan.stagings.push_back({shm_name, shm->data(), base + item, staging});
+    }
+    for (int r = 0; r < replicas.size(); ++r) {
+      absl::Status registered =
+          replicas.replica(r).RegisterSystemSharedMemory(shm_name, shm->key(), 0, shm->size());
+      if (!registered.ok()) {
+        return absl::Status(registered.code(),
+                            absl::StrCat(replicas.Name(r), ": registering shared memory: ",
+                                         registered.message()));
+      }
+      ++unregister.registered;
+    }
+  } else if (options.data_plane != "inline") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--data-plane ", options.data_plane, ": need inline or shm"));
+  }
+
   for (int r = 0; r < replicas.size(); ++r) {
     absl::PrintF("server %s: %s\n", targets[r], ServerInfoSummaryLine(infos[r]));
   }
   absl::PrintF(
       "load: %d workers, %s after %.1f s warm-up, N=%d, prompt %d, sequences up to %d "
-      "tokens, %s calls\n",
+      "tokens, %s calls, %s data plane\n",
       options.concurrency,
       options.duration_s > 0 && options.requests > 0
           ? absl::StrFormat("%.1f s or %d calls", options.duration_s, options.requests)
       : options.duration_s > 0 ? absl::StrFormat("%.1f s", options.duration_s)
                                : absl::StrFormat("%d calls", options.requests),
       options.warmup_s, plan.num_drafts, plan.prompt_len, plan.max_sequence_len,
-      options.stream ? "streamed" : "unary");
+      options.stream ? "streamed" : "unary", options.data_plane);
 
   RunControl control(plan);
   std::vector<WorkerResult> results(options.concurrency);
@@ -469,6 +561,9 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
     report.draft_tokens += result.draft_tokens;
     report.steps_committed += result.steps_committed;
     report.sequences_created += result.sequences_created;
+    report.append_bytes += result.append_bytes;
+    report.append_call_seconds += result.append_seconds;
+    report.ramp_up_append_bytes += result.ramp_up_append_bytes;
     for (const auto& [code, count] : result.errors) report.errors[code] += count;
     for (const auto& [r, count] : result.lost_replica_errors) {
       LoadReport::Replica& replica = report.replicas[r];
@@ -486,6 +581,12 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
     report.replicas[r].sequences_created = states[r].sequences_created;
   }
   report.latency_ms = Summarize(std::move(latencies));
+  if (report.append_call_seconds > 0) {
+    report.append_gb_per_s_per_call = report.append_bytes / report.append_call_seconds / 1e9;
+  }
+  if (report.ramp_up_seconds > 0) {
+    report.append_gb_per_s_ramp_up = report.ramp_up_append_bytes / report.ramp_up_seconds / 1e9;
+  }
   if (report.measured_seconds > 0) {
     report.calls_per_second = report.verify_calls / report.measured_seconds;
     report.draft_tokens_per_second = report.draft_tokens / report.measured_seconds;
@@ -549,6 +650,13 @@ void PrintLoadReport(const LoadReport& report) {
   }
   absl::PrintF("steps:        %d committed, %d sequences created\n", report.steps_committed,
                report.sequences_created);
+  if (report.append_bytes > 0) {
+    absl::PrintF(
+        "append:       %.1f MB of prompt KV, %.2f GB/s per call, %.2f GB/s aggregate in the "
+        "ramp-up\n",
+        report.append_bytes / 1e6, report.append_gb_per_s_per_call,
+        report.append_gb_per_s_ramp_up);
+  }
   std::vector<std::string> errors;
   for (const auto& [code, count] : report.errors) errors.push_back(absl::StrCat(code, " ", count));
   absl::PrintF("errors:       %s\n", errors.empty() ? "none" : absl::StrJoin(errors, ", "));
@@ -604,6 +712,7 @@ nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
         {"prompt_len", o.prompt_len},
         {"drafts", o.drafts},
         {"stream", o.stream},
+        {"data_plane", o.data_plane},
         {"seed", o.seed}}},
       {"geometry",
        {{"num_layers", report.num_layers},
@@ -616,6 +725,12 @@ nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
       {"calls_per_second", report.calls_per_second},
       {"draft_tokens_per_second", report.draft_tokens_per_second},
       {"steps_committed", report.steps_committed},
+      {"append",
+       {{"bytes", report.append_bytes},
+        {"call_seconds", report.append_call_seconds},
+        {"gb_per_s_per_call", report.append_gb_per_s_per_call},
+        {"ramp_up_bytes", report.ramp_up_append_bytes},
+        {"gb_per_s_ramp_up", report.append_gb_per_s_ramp_up}}},
       {"sequences_created", report.sequences_created},
       {"latency_ms",
        {{"count", l.count},

@@ -33,6 +33,11 @@ struct LoadOptions {
   // worker). 0: prompt_len + 512, capped by the server's max_sequence_len.
   int64_t max_sequence_len = 0;
   bool stream = false;  // each worker uses one VerifyStream
+  // "inline" (tensor bytes in the messages) or "shm" (a system shared-memory
+  // region the run creates, registers on every target and removes again:
+  // each worker's q, draft_kv, out and lse, and its AppendKv chunks, live
+  // there; servers need --allow-client-shm).
+  std::string data_plane = "inline";
   uint64_t seed = 1;
 };
 
@@ -51,6 +56,14 @@ struct LoadReport {
   int64_t sequences_created = 0;
   double calls_per_second = 0.0;
   double draft_tokens_per_second = 0.0;
+  // Prompt uploads (AppendKv, every phase): bytes of latent KV sent, the
+  // time the calls took summed over workers, and the aggregate rate over the
+  // ramp-up, in which every worker uploads its first prompt at once.
+  int64_t append_bytes = 0;
+  double append_call_seconds = 0.0;
+  int64_t ramp_up_append_bytes = 0;
+  double append_gb_per_s_per_call = 0.0;  // append_bytes / append_call_seconds
+  double append_gb_per_s_ramp_up = 0.0;   // ramp_up_append_bytes / ramp_up_seconds
   LatencySummary latency_ms;  // of measured, successful Verify calls
   // The slowest of those calls: when it started (seconds after the measured
   // window opened), which worker sent it, for which layer, and the
@@ -109,6 +122,11 @@ struct LoadReport {
 // ReplicaSet (most free pages) and every call goes to the owner; a replica
 // lost during the run is reported, and the workers carry on with the others.
 absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& options);
+
+// Asks the RunLoad in progress to end as if its time were up: the workers
+// stop after their call in flight, and the run releases its sequences and
+// shared memory and reports. False when no load runs. Async-signal-safe.
+bool StopRunningLoad();
 
 void PrintLoadReport(const LoadReport& report);
 nlohmann::ordered_json LoadReportToJson(const LoadReport& report);

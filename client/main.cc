@@ -9,6 +9,8 @@
 // Exit status: 0 on success (info printed; SERVING; demo PASS; load without
 // errors or leaked pages; soak PASS), 1 when the check fails, 2 for usage or setup errors.
 #include <algorithm>
+#include <atomic>
+#include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -23,6 +25,7 @@
 #include "client/load.h"
 #include "client/replica_set.h"
 #include "client/server_info_text.h"
+#include "client/shared_memory.h"
 #include "client/soak.h"
 #include "common/auth_token.h"
 #include "nlohmann/json.hpp"
@@ -50,6 +53,18 @@ struct GlobalFlags {
   bool wait_for_ready = false;
   std::string auth_token_file;
 };
+
+// SIGINT/SIGTERM: a running load ends as if its time were up (it releases
+// its sequences and shared memory and reports); otherwise, or on a second
+// signal, the shared-memory objects this process created are unlinked and
+// the signal takes its default course.
+std::atomic<int> g_signals{0};
+extern "C" void OnSignal(int sig) {
+  if (g_signals.fetch_add(1) == 0 && StopRunningLoad()) return;
+  UnlinkSharedMemoryFromSignalHandler();
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
+}
 
 int RunInfo(VerifyClient& client, bool json) {
   absl::StatusOr<v1::ServerInfo> info = client.GetServerInfo();
@@ -165,6 +180,12 @@ int Main(int argc, char** argv) {
   demo_cmd->add_option("--seed", demo.seed, "random seed")->capture_default_str();
   demo_cmd->add_flag("--stream", demo.stream, "per-layer calls over VerifyStream");
   demo_cmd
+      ->add_option("--data-plane", demo.data_plane,
+                   "inline (bytes in the messages) or shm (a shared-memory region the demo "
+                   "creates and registers; the server needs --allow-client-shm)")
+      ->check(CLI::IsMember({"inline", "shm"}))
+      ->capture_default_str();
+  demo_cmd
       ->add_option("--softmax-scale", demo.softmax_scale,
                    "override the server's softmax scale (0: server default)")
       ->capture_default_str();
@@ -197,6 +218,12 @@ int Main(int argc, char** argv) {
       ->capture_default_str();
   load_cmd->add_option("--seed", load.seed, "random seed")->capture_default_str();
   load_cmd->add_flag("--stream", load.stream, "one VerifyStream per worker");
+  load_cmd
+      ->add_option("--data-plane", load.data_plane,
+                   "inline (bytes in the messages) or shm (a shared-memory region this run "
+                   "creates and registers; the server needs --allow-client-shm)")
+      ->check(CLI::IsMember({"inline", "shm"}))
+      ->capture_default_str();
   load_cmd->add_option("--json", load_json, "write the results to this JSON file");
 
   CLI::App* soak_cmd = app.add_subcommand(
@@ -255,6 +282,8 @@ int Main(int argc, char** argv) {
     return kExitSetupError;
   }
   ReplicaSet& set = **replicas;
+  std::signal(SIGINT, OnSignal);
+  std::signal(SIGTERM, OnSignal);
   if (load_cmd->parsed()) return RunLoadCommand(set, load, load_json);
   if (soak_cmd->parsed()) {
     if (set.size() > 1) {

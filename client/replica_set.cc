@@ -148,10 +148,11 @@ absl::StatusOr<PlacedSequence> ReplicaSet::CreateSequence(absl::string_view labe
 
 absl::StatusOr<AppendKvResult> ReplicaSet::AppendKv(const PlacedSequence& seq,
                                                     int64_t start_position, int num_layers,
-                                                    int64_t tokens, absl::Span<const Bf16> kv) {
+                                                    int64_t tokens, absl::Span<const Bf16> kv,
+                                                    const ShmStaging* staging) {
   if (absl::Status up = CheckUp(seq.replica); !up.ok()) return up;
   absl::StatusOr<AppendKvResult> r =
-      clients_[seq.replica]->AppendKv(seq.id, start_position, num_layers, tokens, kv);
+      clients_[seq.replica]->AppendKv(seq.id, start_position, num_layers, tokens, kv, staging);
   if (!r.ok()) return Observe(seq.replica, r.status());
   return r;
 }

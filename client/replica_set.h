@@ -68,7 +68,8 @@ class ReplicaSet {
   // name when there are several.
   absl::StatusOr<AppendKvResult> AppendKv(const PlacedSequence& seq, int64_t start_position,
                                           int num_layers, int64_t tokens,
-                                          absl::Span<const Bf16> kv);
+                                          absl::Span<const Bf16> kv,
+                                          const ShmStaging* staging = nullptr);
   // Items must all be of sequences on `owner`.
   absl::StatusOr<std::vector<VerifyItemResult>> Verify(int owner, int layer,
                                                        absl::Span<const VerifyItemInput> items,

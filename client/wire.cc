@@ -23,8 +23,9 @@ std::string ShapeString(const v1::Tensor& t) {
   return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
 }
 
-// Checks dtype, shape and inline byte count of one returned tensor; `what`
-// names it in the message ("item 2 out").
+// Checks dtype, shape and inline byte count of one returned tensor (dtype
+// and shape only for element_bytes 0); `what` names it in the message
+// ("item 2 out").
 absl::Status CheckTensor(const v1::Tensor& tensor, v1::DType dtype, absl::Span<const int64_t> shape,
                          size_t element_bytes, absl::string_view what) {
   if (tensor.dtype() != dtype) {
@@ -37,6 +38,7 @@ absl::Status CheckTensor(const v1::Tensor& tensor, v1::DType dtype, absl::Span<c
                                             ShapeString(tensor), "; expected [",
                                             absl::StrJoin(shape, ", "), "]"));
   }
+  if (element_bytes == 0) return absl::OkStatus();  // a reference: checked by the caller
   if (tensor.data_case() != v1::Tensor::kRaw) {
     return absl::InternalError(absl::StrCat("server returned ", what,
                                             " without inline bytes (data case ",
@@ -51,6 +53,43 @@ absl::Status CheckTensor(const v1::Tensor& tensor, v1::DType dtype, absl::Span<c
                                             " bytes; the shape needs ", expected_bytes));
   }
   return absl::OkStatus();
+}
+
+// Checks that a returned tensor references exactly [offset, offset+bytes)
+// of `region`.
+absl::Status CheckReference(const v1::Tensor& tensor, const std::string& region, uint64_t offset,
+                            uint64_t bytes, absl::string_view what) {
+  if (tensor.data_case() != v1::Tensor::kSharedMemory) {
+    return absl::InternalError(
+        absl::StrCat("server returned ", what, " inline; it was placed in shared memory"));
+  }
+  const v1::SharedMemoryRef& ref = tensor.shared_memory();
+  if (ref.region() != region || ref.offset() != offset || ref.byte_size() != bytes) {
+    return absl::InternalError(absl::StrCat("server returned ", what, " at ", ref.region(), "+",
+                                            ref.offset(), " (", ref.byte_size(),
+                                            " bytes); it was placed at ", region, "+", offset,
+                                            " (", bytes, " bytes)"));
+  }
+  return absl::OkStatus();
+}
+
+void SetShmTensor(v1::DType dtype, absl::Span<const int64_t> shape, const std::string& region,
+                  uint64_t offset, uint64_t bytes, v1::Tensor* tensor) {
+  tensor->set_dtype(dtype);
+  tensor->clear_shape();
+  for (int64_t d : shape) tensor->add_shape(d);
+  v1::SharedMemoryRef* ref = tensor->mutable_shared_memory();
+  ref->set_region(region);
+  ref->set_offset(offset);
+  ref->set_byte_size(bytes);
+}
+
+// Copies `values` to `offset` of the placement unless they are there already.
+void PlaceBytes(const ShmItemPlacement& p, uint64_t offset, absl::Span<const Bf16> values) {
+  uint8_t* dst = p.base + offset;
+  if (reinterpret_cast<const uint8_t*>(values.data()) != dst) {
+    std::memcpy(dst, values.data(), values.size() * sizeof(Bf16));
+  }
 }
 
 }  // namespace
@@ -103,10 +142,28 @@ absl::StatusOr<v1::VerifyRequest> BuildVerifyRequest(int layer,
     v1::VerifyItem* wire = request.add_items();
     wire->set_sequence_id(item.sequence_id);
     const int64_t q_shape[] = {n, heads, kLatentDim};
-    SetBf16Tensor(q_shape, item.q, wire->mutable_q());
     const int64_t kv_shape[] = {n, kLatentDim};
-    SetBf16Tensor(kv_shape, item.draft_kv, wire->mutable_draft_kv());
     wire->mutable_parents()->Add(item.parents.begin(), item.parents.end());
+    if (item.shm == nullptr) {
+      SetBf16Tensor(q_shape, item.q, wire->mutable_q());
+      SetBf16Tensor(kv_shape, item.draft_kv, wire->mutable_draft_kv());
+      continue;
+    }
+    const ShmItemPlacement& p = *item.shm;
+    PlaceBytes(p, p.q_offset, item.q);
+    PlaceBytes(p, p.draft_kv_offset, item.draft_kv);
+    SetShmTensor(v1::DTYPE_BF16, q_shape, p.region, p.q_offset, item.q.size() * sizeof(Bf16),
+                 wire->mutable_q());
+    SetShmTensor(v1::DTYPE_BF16, kv_shape, p.region, p.draft_kv_offset,
+                 item.draft_kv.size() * sizeof(Bf16), wire->mutable_draft_kv());
+    v1::SharedMemoryRef* out = wire->mutable_out_shared_memory();
+    out->set_region(p.region);
+    out->set_offset(p.out_offset);
+    out->set_byte_size(static_cast<uint64_t>(n * heads * kValueDim) * sizeof(Bf16));
+    v1::SharedMemoryRef* lse = wire->mutable_lse_shared_memory();
+    lse->set_region(p.region);
+    lse->set_offset(p.lse_offset);
+    lse->set_byte_size(static_cast<uint64_t>(n * heads) * sizeof(float));
   }
   return request;
 }
@@ -130,10 +187,23 @@ absl::StatusOr<std::vector<VerifyItemResult>> ParseVerifyResponse(
     const int64_t out_shape[] = {n, heads, kValueDim};
     const int64_t lse_shape[] = {n, heads};
     const std::string where = absl::StrCat("item ", k, " (sequence ", item.sequence_id, ")");
-    RETURN_IF_ERROR(CheckTensor(wire.out(), v1::DTYPE_BF16, out_shape, sizeof(Bf16),
-                                absl::StrCat(where, " out")));
-    RETURN_IF_ERROR(CheckTensor(wire.lse(), v1::DTYPE_FP32, lse_shape, sizeof(float),
-                                absl::StrCat(where, " lse")));
+    const uint64_t out_bytes = static_cast<uint64_t>(n * heads * kValueDim) * sizeof(Bf16);
+    const uint64_t lse_bytes = static_cast<uint64_t>(n * heads) * sizeof(float);
+    if (item.shm != nullptr) {
+      RETURN_IF_ERROR(CheckTensor(wire.out(), v1::DTYPE_BF16, out_shape, 0,
+                                  absl::StrCat(where, " out")));
+      RETURN_IF_ERROR(CheckTensor(wire.lse(), v1::DTYPE_FP32, lse_shape, 0,
+                                  absl::StrCat(where, " lse")));
+      RETURN_IF_ERROR(CheckReference(wire.out(), item.shm->region, item.shm->out_offset,
+                                     out_bytes, absl::StrCat(where, " out")));
+      RETURN_IF_ERROR(CheckReference(wire.lse(), item.shm->region, item.shm->lse_offset,
+                                     lse_bytes, absl::StrCat(where, " lse")));
+    } else {
+      RETURN_IF_ERROR(CheckTensor(wire.out(), v1::DTYPE_BF16, out_shape, sizeof(Bf16),
+                                  absl::StrCat(where, " out")));
+      RETURN_IF_ERROR(CheckTensor(wire.lse(), v1::DTYPE_FP32, lse_shape, sizeof(float),
+                                  absl::StrCat(where, " lse")));
+    }
     if (wire.prefix_len() < 0) {
       return absl::InternalError(
           absl::StrCat(where, ": server returned prefix_len ", wire.prefix_len()));
@@ -144,9 +214,13 @@ absl::StatusOr<std::vector<VerifyItemResult>> ParseVerifyResponse(
     result.num_heads = static_cast<int>(heads);
     result.prefix_len = wire.prefix_len();
     result.out.resize(n * heads * kValueDim);
-    std::memcpy(result.out.data(), wire.out().raw().data(), wire.out().raw().size());
     result.lse.resize(n * heads);
-    std::memcpy(result.lse.data(), wire.lse().raw().data(), wire.lse().raw().size());
+    const void* out_src = item.shm != nullptr ? item.shm->base + item.shm->out_offset
+                                              : static_cast<const void*>(wire.out().raw().data());
+    const void* lse_src = item.shm != nullptr ? item.shm->base + item.shm->lse_offset
+                                              : static_cast<const void*>(wire.lse().raw().data());
+    std::memcpy(result.out.data(), out_src, out_bytes);
+    std::memcpy(result.lse.data(), lse_src, lse_bytes);
   }
   return results;
 }

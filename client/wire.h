@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "client/shared_memory.h"
 #include "common/bf16.h"
 #include "grpcpp/support/status.h"
 #include "mlaverify/v1/verify.pb.h"
@@ -22,6 +23,11 @@ struct VerifyItemInput {
   absl::Span<const int32_t> parents;  // [N], the draft tree
   absl::Span<const Bf16> q;           // [N, H, 576] absorbed queries
   absl::Span<const Bf16> draft_kv;    // [N, 576] the drafts' latent KV
+  // Not null: the shared-memory data plane for this item. q and draft_kv
+  // are copied into the placement (unless they already point there) and sent
+  // as references; the server writes out and lse there, and the result is
+  // read back from it.
+  const ShmItemPlacement* shm = nullptr;
 };
 
 // The server's answer for one item, checked against the item's shape.
@@ -51,9 +57,11 @@ absl::StatusOr<v1::VerifyRequest> BuildVerifyRequest(int layer,
 
 // Checks a VerifyResponse against the request's items and unpacks it: one
 // result per item in order, matching sequence ids, out bf16 [N, H, 512] and
-// lse fp32 [N, H] with inline bytes of exactly that size. INTERNAL for a
-// response of the wrong structure (count, ids, dtype, shape, no inline
-// bytes), DATA_LOSS when the bytes do not match the declared shape.
+// lse fp32 [N, H] with inline bytes of exactly that size (or, for an item
+// placed in shared memory, references to exactly its placement, whose bytes
+// are then read). INTERNAL for a response of the wrong structure (count, ids,
+// dtype, shape, no inline bytes, another reference), DATA_LOSS when the bytes
+// do not match the declared shape.
 absl::StatusOr<std::vector<VerifyItemResult>> ParseVerifyResponse(
     absl::Span<const VerifyItemInput> items, const v1::VerifyResponse& response);
 

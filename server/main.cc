@@ -107,6 +107,14 @@ struct Flags {
   float softmax_scale = 1.0f / std::sqrt(192.0f);
   int cpu_threads = 0;
   int stream_max_in_flight = 8;
+  bool allow_client_shm = false;
+  int64_t max_shm_regions = 256;
+  uint64_t max_shm_bytes = uint64_t{64} << 30;
+  // HTTP/2 settings for 100 KiB-8 MiB messages (0: gRPC's default): one
+  // DATA frame per message instead of 16 KiB ones, and a stream window that
+  // lets a whole Verify answer go out without waiting for window updates.
+  int http2_max_frame_bytes = (1 << 24) - 1;
+  int http2_lookahead_bytes = 8 << 20;
   double drain_grace_s = 5;
   double drain_timeout_s = 10;
   double slow_call_ms = 100;
@@ -140,6 +148,24 @@ absl::Status ValidateFlags(const Flags& f) {
   }
   if (f.devices.empty() || *std::min_element(f.devices.begin(), f.devices.end()) < 0) {
     return absl::InvalidArgumentError("--devices: need at least one ordinal, each >= 0");
+  }
+  if (f.http2_max_frame_bytes != 0 &&
+      (f.http2_max_frame_bytes < 16384 || f.http2_max_frame_bytes > (1 << 24) - 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--http2-max-frame-bytes ", f.http2_max_frame_bytes, ": need 0 or 16384..16777215"));
+  }
+  if (f.http2_lookahead_bytes != 0 && f.http2_lookahead_bytes < 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("--http2-lookahead-bytes ",
+                                                   f.http2_lookahead_bytes,
+                                                   ": need 0 or >= 65535"));
+  }
+  if (f.max_shm_regions < 1 || f.max_shm_regions > 65536) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-shm-regions ", f.max_shm_regions, ": need 1..65536"));
+  }
+  if (f.max_shm_bytes < 1 || f.max_shm_bytes > (uint64_t{1} << 50)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-shm-bytes ", f.max_shm_bytes, ": need 1..2^50"));
   }
   if (f.stream_max_in_flight < 1 || f.stream_max_in_flight > 1024) {
     return absl::InvalidArgumentError(
@@ -289,6 +315,22 @@ int Run(int argc, char** argv) {
   app.add_option("--stream-max-in-flight", f.stream_max_in_flight,
                  "requests of one VerifyStream worked on at once (answered in order)")
       ->capture_default_str();
+  app.add_option("--allow-client-shm", f.allow_client_shm,
+                 "accept client shared-memory regions (RegisterSystemSharedMemory) and tensors "
+                 "in them; only for trusted schedulers on this host")
+      ->capture_default_str();
+  app.add_option("--max-shm-regions", f.max_shm_regions, "shared-memory regions registered at once")
+      ->capture_default_str();
+  app.add_option("--max-shm-bytes", f.max_shm_bytes,
+                 "bytes of all registered shared-memory regions together, e.g. 64GiB")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  app.add_option("--http2-max-frame-bytes", f.http2_max_frame_bytes,
+                 "HTTP/2 max frame size the server accepts (0: gRPC's default, 16384)")
+      ->capture_default_str();
+  app.add_option("--http2-lookahead-bytes", f.http2_lookahead_bytes,
+                 "HTTP/2 stream window (lookahead) per call (0: gRPC's default)")
+      ->capture_default_str();
   app.add_option("--slow-call-ms", f.slow_call_ms,
                  "log a warning for calls this long in the server, at most one a second (0: off)")
       ->capture_default_str();
@@ -375,6 +417,11 @@ int Run(int argc, char** argv) {
   options.service.max_message_bytes = static_cast<int64_t>(f.max_message_bytes);
   options.service.slow_call_seconds = f.slow_call_ms / 1e3;
   options.service.stream_max_in_flight = f.stream_max_in_flight;
+  options.service.shared_memory.enabled = f.allow_client_shm;
+  options.service.shared_memory.max_regions = f.max_shm_regions;
+  options.service.shared_memory.max_total_bytes = static_cast<int64_t>(f.max_shm_bytes);
+  options.http2_max_frame_bytes = f.http2_max_frame_bytes;
+  options.http2_lookahead_bytes = f.http2_lookahead_bytes;
   if (!f.auth_token_file.empty()) {
     absl::StatusOr<std::string> token = ReadAuthToken(f.auth_token_file);
     if (!token.ok()) {

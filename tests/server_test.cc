@@ -3,6 +3,7 @@
 // code, changing nothing (page counts and the sequence's next step) and
 // leaving the server serving. Outputs are checked with the client's own
 // reference (client/reference_check.h) over a mirror of what was sent.
+#include <cstring>
 #include <map>
 #include <random>
 #include <string>
@@ -13,6 +14,7 @@
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/reference_check.h"
+#include "client/shared_memory.h"
 #include "client/wire.h"
 #include "common/workload.h"
 #include "gmock/gmock.h"
@@ -89,6 +91,7 @@ class ServerTest : public ::testing::Test {
     transport::GrpcServerOptions options;
     options.listen_address = "127.0.0.1:0";
     options.service.max_message_bytes = kMaxMessageBytes;
+    options.service.shared_memory = shm_options_;
     auto server = transport::GrpcServer::Start(options, &oversize_);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
@@ -161,6 +164,31 @@ class ServerTest : public ::testing::Test {
 
   int64_t FreePages() { return engine_->Stats().free_pages; }
 
+  // Rebuilds the server with client shared memory enabled (limits small
+  // enough to reach in a test).
+  void MakeWithSharedMemory(std::unique_ptr<engine::Device> device) {
+    shm_options_.enabled = true;
+    shm_options_.max_regions = 3;
+    shm_options_.max_total_bytes = 64 << 20;
+    Make(std::move(device));
+  }
+
+  // A client-side shared-memory object registered as `name`.
+  std::unique_ptr<client::SharedMemoryBuffer> RegisterBuffer(const std::string& name,
+                                                             size_t bytes) {
+    auto shm = client::SharedMemoryBuffer::Create(bytes);
+    EXPECT_TRUE(shm.ok()) << shm.status();
+    absl::Status registered = client_->RegisterSystemSharedMemory(name, (*shm)->key(), 0, bytes);
+    EXPECT_TRUE(registered.ok()) << registered;
+    return *std::move(shm);
+  }
+
+  // Calls holding region `name` now, or -1 when the server does not know it.
+  int64_t RegionCallsInFlight(const std::string& name) {
+    auto regions = client_->SystemSharedMemoryStatus(name);
+    return regions.ok() && regions->size() == 1 ? (*regions)[0].calls_in_flight() : -1;
+  }
+
   OversizeCounter oversize_;  // outlives the server
   std::unique_ptr<engine::Engine> engine_;
   std::unique_ptr<transport::GrpcServer> server_;
@@ -168,6 +196,7 @@ class ServerTest : public ::testing::Test {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::VerifyService::Stub> stub_;
   std::mt19937_64 rng_{2024};
+  transport::SharedMemoryOptions shm_options_;  // what Make gives the server
 };
 
 TEST_F(ServerTest, HealthFollowsTheServingState) {
@@ -511,10 +540,23 @@ TEST_F(ServerTest, BadInputsGetTheirCodeAndChangeNothing) {
        modified([](v1::VerifyRequest* r) {
          r->mutable_items(0)->mutable_draft_kv()->set_shape(1, 512);
        })},
-      {"q in shared memory", StatusCode::UNIMPLEMENTED, "shared-memory",
-       modified([](v1::VerifyRequest* r) {
-         r->mutable_items(0)->mutable_q()->mutable_shared_memory()->set_region("r");
+      {"q in shared memory on a server without --allow-client-shm",
+       StatusCode::FAILED_PRECONDITION, "--allow-client-shm", modified([](v1::VerifyRequest* r) {
+         v1::SharedMemoryRef* ref = r->mutable_items(0)->mutable_q()->mutable_shared_memory();
+         ref->set_region("r");
+         ref->set_byte_size(4 * kHeads * kLatentDim * 2);
        })},
+      {"shared-memory registration without --allow-client-shm", StatusCode::FAILED_PRECONDITION,
+       "--allow-client-shm",
+       [&] {
+         grpc::ClientContext ctx;
+         v1::RegisterSystemSharedMemoryRequest r;
+         r.set_name("r");
+         r.set_key("/mlaverify-test-none");
+         r.set_byte_size(4096);
+         v1::RegisterSystemSharedMemoryResponse resp;
+         return stub_->RegisterSystemSharedMemory(&ctx, r, &resp);
+       }},
       {"N above the largest bucket", StatusCode::INVALID_ARGUMENT, "need 1..8",
        modified([](v1::VerifyRequest* r) {
          for (int i = 4; i < 9; ++i) r->mutable_items(0)->add_parents(i - 1);
@@ -653,6 +695,313 @@ TEST_F(ServerTest, BadInputsGetTheirCodeAndChangeNothing) {
   ASSERT_TRUE(client_->Commit(id, {}).ok());
   RunCheckedStep(id, &m, RandomStep(4));
   RunCheckedStep(id, &m, RandomStep(kMaxDraft));
+}
+
+// ---- system shared memory ---------------------------------------------------
+
+// Verify (unary and stream) and AppendKv through a registered region give the
+// reference's answers; the region's use is counted, and it goes away on
+// request once no call holds it.
+TEST_F(ServerTest, SharedMemoryDataPlaneEndToEnd) {
+  MakeWithSharedMemory(engine::MakeCpuDevice(2));
+  Serve();
+  const int n = 4;
+  const uint64_t item_bytes = client::ShmVerifyItemBytes(n, kHeads);
+  const uint64_t staging_bytes = 3 * kLayers * kLatentDim * 2;  // 3 tokens: the prompt goes in 7
+  auto shm = RegisterBuffer("plane", 2 * item_bytes + staging_bytes);
+  const client::ShmStaging staging{"plane", shm->data(), 2 * item_bytes, staging_bytes};
+
+  client::SequenceMirror m(kLayers);
+  auto id = client_->CreateSequence("shm");
+  ASSERT_TRUE(id.ok());
+  const int64_t prompt = 20;
+  const std::vector<Bf16> kv = RandomBf16(rng_, kLayers * prompt * kLatentDim, 1.0f);
+  auto appended = client_->AppendKv(*id, 0, kLayers, prompt, kv, &staging);
+  ASSERT_TRUE(appended.ok()) << appended.status();
+  EXPECT_EQ(appended->length, prompt);
+  EXPECT_EQ(appended->chunks, 7);
+  m.AppendPrompt(kv, prompt);
+  // What the server holds is what was staged, chunk by chunk.
+  std::vector<Bf16> held(kLayers * prompt * kLatentDim);
+  ASSERT_TRUE(engine_->ReadKv(*id, 0, prompt, absl::MakeSpan(held)).ok());
+  EXPECT_EQ(std::memcmp(held.data(), kv.data(), kv.size() * sizeof(Bf16)), 0);
+
+  const float scale = engine_->config().default_softmax_scale;
+  const client::ShmItemPlacement place =
+      client::PlaceVerifyItem("plane", shm->data(), 0, n, kHeads);
+  auto stream = client_->OpenVerifyStream();
+  ASSERT_TRUE(stream.ok());
+  for (int step = 0; step < 2; ++step) {
+    const Step s = RandomStep(n);
+    for (int l = 0; l < kLayers; ++l) {
+      client::VerifyItemInput item = s.Item(*id, l);
+      item.shm = &place;
+      auto results = step == 0 ? client_->Verify(l, absl::MakeConstSpan(&item, 1))
+                               : (*stream)->Verify(l, absl::MakeConstSpan(&item, 1));
+      ASSERT_TRUE(results.ok()) << results.status();
+      auto cmp = client::CompareWithReference(m, l, item, scale, (*results)[0], 1);
+      ASSERT_TRUE(cmp.ok()) << cmp.status();
+      EXPECT_TRUE(cmp->ok(1e-2, 1e-3)) << "step " << step << " layer " << l;
+    }
+    auto committed = client_->Commit(*id, {0});
+    ASSERT_TRUE(committed.ok()) << committed.status();
+    m.AppendAccepted(s.draft_kv, {0});
+  }
+  ASSERT_TRUE((*stream)->Close().ok());
+
+  auto regions = client_->SystemSharedMemoryStatus();
+  ASSERT_TRUE(regions.ok()) << regions.status();
+  ASSERT_EQ(regions->size(), 1u);
+  EXPECT_EQ((*regions)[0].name(), "plane");
+  EXPECT_EQ((*regions)[0].key(), shm->key());
+  EXPECT_EQ((*regions)[0].calls_total(), 7 + 2 * kLayers);
+  EXPECT_EQ((*regions)[0].calls_in_flight(), 0);
+  auto gone = client_->UnregisterSystemSharedMemory("plane");
+  ASSERT_TRUE(gone.ok()) << gone.status();
+  EXPECT_EQ(*gone, std::vector<std::string>{"plane"});
+  client::VerifyItemInput item = RandomStep(n).Item(*id, 0);
+  item.shm = &place;
+  EXPECT_EQ(client_->Verify(0, absl::MakeConstSpan(&item, 1)).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(engine_->Stats().pending_steps, 0);
+}
+
+// Every malformed registration and reference gets its documented code,
+// leaves the sequences and the registry as they were and holds no region.
+TEST_F(ServerTest, SharedMemoryBadReferencesGetTheirCodeAndChangeNothing) {
+  MakeWithSharedMemory(engine::MakeCpuDevice(2));
+  Serve();
+  client::SequenceMirror m(kLayers);
+  const uint64_t id = NewSequence(20, &m);
+  const int n = 4;
+  const uint64_t item_bytes = client::ShmVerifyItemBytes(n, kHeads);
+  auto shm = RegisterBuffer("r", 2 * item_bytes);
+  const client::ShmItemPlacement place = client::PlaceVerifyItem("r", shm->data(), 0, n, kHeads);
+  const Step s = RandomStep(n);
+  client::VerifyItemInput good_item = s.Item(id, 0);
+  good_item.shm = &place;
+  const v1::VerifyRequest good =
+      *client::BuildVerifyRequest(0, absl::MakeConstSpan(&good_item, 1), 0.0f, 1);
+  auto verify = [this](const v1::VerifyRequest& r) {
+    grpc::ClientContext ctx;
+    v1::VerifyResponse resp;
+    return stub_->Verify(&ctx, r, &resp);
+  };
+  auto modified = [&](std::function<void(v1::VerifyItem*)> edit) {
+    v1::VerifyRequest r = good;
+    edit(r.mutable_items(0));
+    return [r, verify] { return verify(r); };
+  };
+  auto streamed = [&](std::function<void(v1::VerifyItem*)> edit) {
+    v1::VerifyRequest r = good;
+    edit(r.mutable_items(0));
+    return [this, r] {
+      grpc::ClientContext ctx;
+      auto stream = stub_->VerifyStream(&ctx);
+      stream->Write(r);
+      stream->WritesDone();
+      v1::VerifyResponse answer;
+      EXPECT_TRUE(stream->Read(&answer));
+      EXPECT_TRUE(stream->Finish().ok());
+      return grpc::Status(static_cast<grpc::StatusCode>(answer.error_code()),
+                          answer.error_message());
+    };
+  };
+  auto append_ref = [&](const std::string& region, uint64_t offset, int64_t tokens) {
+    return [this, id, region, offset, tokens] {
+      v1::AppendKvRequest r;
+      r.set_sequence_id(id);
+      r.set_start_position(20);
+      v1::Tensor* t = r.mutable_kv();
+      t->set_dtype(v1::DTYPE_BF16);
+      for (int64_t d : {int64_t{kLayers}, tokens, kRow}) t->add_shape(d);
+      v1::SharedMemoryRef* ref = t->mutable_shared_memory();
+      ref->set_region(region);
+      ref->set_offset(offset);
+      ref->set_byte_size(static_cast<uint64_t>(kLayers * tokens * kLatentDim * 2));
+      grpc::ClientContext ctx;
+      v1::AppendKvResponse resp;
+      return stub_->AppendKv(&ctx, r, &resp);
+    };
+  };
+  auto reg = [this](const std::string& name, const std::string& key, uint64_t offset,
+                    uint64_t bytes) {
+    return [this, name, key, offset, bytes] {
+      grpc::ClientContext ctx;
+      v1::RegisterSystemSharedMemoryRequest r;
+      r.set_name(name);
+      r.set_key(key);
+      r.set_offset(offset);
+      r.set_byte_size(bytes);
+      v1::RegisterSystemSharedMemoryResponse resp;
+      return stub_->RegisterSystemSharedMemory(&ctx, r, &resp);
+    };
+  };
+  const uint64_t q_bytes = static_cast<uint64_t>(n) * kHeads * kLatentDim * 2;
+  const uint64_t region_bytes = 2 * item_bytes;
+
+  using grpc::StatusCode;
+  std::vector<BadCase> cases = {
+      {"unknown region", StatusCode::NOT_FOUND, "no shared-memory region 'nope'",
+       modified([](v1::VerifyItem* i) { i->mutable_q()->mutable_shared_memory()->set_region("nope"); })},
+      {"q past the region's end", StatusCode::OUT_OF_RANGE, "past the end",
+       modified([&](v1::VerifyItem* i) {
+         i->mutable_q()->mutable_shared_memory()->set_offset(region_bytes - q_bytes + 256);
+       })},
+      {"q offset near 2^64", StatusCode::OUT_OF_RANGE, "past the end",
+       modified([](v1::VerifyItem* i) {
+         i->mutable_q()->mutable_shared_memory()->set_offset(~uint64_t{0} - 1);
+       })},
+      {"q byte_size a byte short", StatusCode::INVALID_ARGUMENT, "byte_size",
+       modified([&](v1::VerifyItem* i) {
+         i->mutable_q()->mutable_shared_memory()->set_byte_size(q_bytes - 1);
+       })},
+      {"q offset not bf16-aligned", StatusCode::INVALID_ARGUMENT, "multiple of 2",
+       modified([](v1::VerifyItem* i) {
+         i->mutable_q()->mutable_shared_memory()->set_offset(1);
+       })},
+      {"lse offset not fp32-aligned", StatusCode::INVALID_ARGUMENT, "multiple of 4",
+       modified([](v1::VerifyItem* i) {
+         auto* ref = i->mutable_lse_shared_memory();
+         ref->set_offset(ref->offset() + 2);
+       })},
+      {"out overlapping q", StatusCode::INVALID_ARGUMENT, "overlaps",
+       modified([](v1::VerifyItem* i) {
+         i->mutable_out_shared_memory()->set_offset(i->q().shared_memory().offset());
+       })},
+      {"lse overlapping out", StatusCode::INVALID_ARGUMENT, "overlaps",
+       modified([](v1::VerifyItem* i) {
+         i->mutable_lse_shared_memory()->set_offset(i->out_shared_memory().offset() + 64);
+       })},
+      {"out placed without lse", StatusCode::INVALID_ARGUMENT, "both or neither",
+       modified([](v1::VerifyItem* i) { i->clear_lse_shared_memory(); })},
+      {"out in an unknown region", StatusCode::NOT_FOUND, "no shared-memory region",
+       modified([](v1::VerifyItem* i) { i->mutable_out_shared_memory()->set_region("nope"); })},
+      {"out of the wrong size", StatusCode::INVALID_ARGUMENT, "byte_size",
+       modified([](v1::VerifyItem* i) {
+         auto* ref = i->mutable_out_shared_memory();
+         ref->set_byte_size(ref->byte_size() * 2);
+       })},
+      {"stream: q past the region's end", StatusCode::OUT_OF_RANGE, "past the end",
+       streamed([&](v1::VerifyItem* i) {
+         i->mutable_q()->mutable_shared_memory()->set_offset(region_bytes);
+       })},
+      {"stream: out overlapping draft_kv", StatusCode::INVALID_ARGUMENT, "overlaps",
+       streamed([](v1::VerifyItem* i) {
+         i->mutable_out_shared_memory()->set_offset(i->draft_kv().shared_memory().offset());
+       })},
+      {"append from an unknown region", StatusCode::NOT_FOUND, "no shared-memory region",
+       append_ref("nope", 0, 1)},
+      {"append past the region's end", StatusCode::OUT_OF_RANGE, "past the end",
+       append_ref("r", 0, static_cast<int64_t>(region_bytes / (kLayers * kLatentDim * 2)) + 1)},
+      {"register with an empty name", StatusCode::INVALID_ARGUMENT, "name",
+       reg("", shm->key(), 0, 4096)},
+      {"register with a key without '/'", StatusCode::INVALID_ARGUMENT, "key",
+       reg("k", "mlaverify", 0, 4096)},
+      {"register an object that does not exist", StatusCode::NOT_FOUND, "shm_open",
+       reg("k", "/mlaverify-test-does-not-exist", 0, 4096)},
+      {"register a name twice", StatusCode::ALREADY_EXISTS, "already registered",
+       reg("r", shm->key(), 0, 4096)},
+      {"register past the object's end", StatusCode::INVALID_ARGUMENT, "does not fit",
+       reg("k", shm->key(), 4096, region_bytes)},
+      {"register 0 bytes", StatusCode::INVALID_ARGUMENT, "byte_size is 0",
+       reg("k", shm->key(), 0, 0)},
+      {"register over --max-shm-bytes", StatusCode::RESOURCE_EXHAUSTED, "--max-shm-bytes",
+       reg("k", shm->key(), 0, uint64_t{65} << 20)},
+      {"unregister an unknown region", StatusCode::NOT_FOUND, "no shared-memory region",
+       [&] {
+         grpc::ClientContext ctx;
+         v1::UnregisterSystemSharedMemoryRequest r;
+         r.set_name("nope");
+         v1::UnregisterSystemSharedMemoryResponse resp;
+         return stub_->UnregisterSystemSharedMemory(&ctx, r, &resp);
+       }},
+      {"status of an unknown region", StatusCode::NOT_FOUND, "no shared-memory region",
+       [&] {
+         grpc::ClientContext ctx;
+         v1::SystemSharedMemoryStatusRequest r;
+         r.set_name("nope");
+         v1::SystemSharedMemoryStatusResponse resp;
+         return stub_->SystemSharedMemoryStatus(&ctx, r, &resp);
+       }},
+  };
+  for (const BadCase& c : cases) {
+    const int64_t free_before = FreePages();
+    const grpc::Status status = c.send();
+    EXPECT_EQ(status.error_code(), c.code) << c.name << ": " << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr(c.message_part)) << c.name;
+    EXPECT_EQ(FreePages(), free_before) << c.name << " changed the page count";
+    EXPECT_EQ(engine_->Stats().pending_steps, 0) << c.name << " opened a step";
+    EXPECT_EQ(RegionCallsInFlight("r"), 0) << c.name << " left the region held";
+    auto regions = client_->SystemSharedMemoryStatus();
+    ASSERT_TRUE(regions.ok());
+    EXPECT_EQ(regions->size(), 1u) << c.name << " changed the registry";
+  }
+  // The region limit: two more fit (3 in all), the fourth does not.
+  auto second = RegisterBuffer("r2", 4096);
+  auto third = RegisterBuffer("r3", 4096);
+  EXPECT_EQ(reg("r4", shm->key(), 0, 4096)().error_code(), StatusCode::RESOURCE_EXHAUSTED);
+  // The good request still works, and unregistering every region at once
+  // removes all three.
+  EXPECT_TRUE(verify(good).ok());
+  ASSERT_TRUE(client_->Commit(id, {}).ok());
+  auto gone = client_->UnregisterSystemSharedMemory("");
+  ASSERT_TRUE(gone.ok()) << gone.status();
+  EXPECT_EQ(gone->size(), 3u);
+}
+
+// A region a running call holds cannot be unregistered: the call completes
+// (its outputs in place), then the region goes.
+TEST_F(ServerTest, SharedMemoryRegionHeldByARunningCallStays) {
+  MakeWithSharedMemory(SlowDevice(absl::Milliseconds(400)));
+  Serve();
+  client::SequenceMirror m(kLayers);
+  const uint64_t id = NewSequence(8, &m);
+  const int n = 2;
+  auto shm = RegisterBuffer("held", client::ShmVerifyItemBytes(n, kHeads));
+  const client::ShmItemPlacement place =
+      client::PlaceVerifyItem("held", shm->data(), 0, n, kHeads);
+  const Step s = RandomStep(n);
+  client::VerifyItemInput item = s.Item(id, 0);
+  item.shm = &place;
+  absl::StatusOr<std::vector<client::VerifyItemResult>> results;
+  std::thread call([&] { results = client_->Verify(0, absl::MakeConstSpan(&item, 1)); });
+  while (RegionCallsInFlight("held") == 0) absl::SleepFor(absl::Milliseconds(5));
+  auto refused = client_->UnregisterSystemSharedMemory("held");
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("held by calls in flight"));
+  auto refused_all = client_->UnregisterSystemSharedMemory("");
+  EXPECT_EQ(refused_all.status().code(), absl::StatusCode::kFailedPrecondition);
+  call.join();
+  ASSERT_TRUE(results.ok()) << results.status();
+  auto cmp = client::CompareWithReference(m, 0, item, engine_->config().default_softmax_scale,
+                                          (*results)[0], 1);
+  ASSERT_TRUE(cmp.ok());
+  EXPECT_TRUE(cmp->ok(1e-2, 1e-3));
+  EXPECT_EQ(RegionCallsInFlight("held"), 0);
+  EXPECT_TRUE(client_->UnregisterSystemSharedMemory("held").ok());
+}
+
+TEST(SharedMemoryRegistryTest, ReleaseAllDropsEveryRegionAndLeasesKeepTheirMapping) {
+  transport::SharedMemoryOptions options;
+  options.enabled = true;
+  transport::SharedMemoryRegistry registry(options);
+  auto shm = client::SharedMemoryBuffer::Create(8192);
+  ASSERT_TRUE(shm.ok());
+  std::memset((*shm)->data(), 7, 8192);
+  ASSERT_TRUE(registry.Register("a", (*shm)->key(), 4096, 4096).ok());
+  ASSERT_TRUE(registry.Register("b", (*shm)->key(), 0, 4096).ok());
+  EXPECT_EQ(registry.registered_bytes(), 8192);
+  transport::RegionLeases leases;
+  auto data = leases.Resolve(registry, "a", 8, 16, 16, 4, false, "t");
+  ASSERT_TRUE(data.ok()) << data.status();
+  EXPECT_EQ((*data)[0], 7);
+  EXPECT_EQ(registry.ReleaseAll(), 2);
+  EXPECT_EQ(registry.regions(), 0);
+  EXPECT_EQ(registry.registered_bytes(), 0);
+  (*data)[0] = 9;  // still mapped: the lease holds it
+  EXPECT_EQ((*shm)->data()[4096 + 8], 9);
+  leases.Clear();
 }
 
 TEST_F(ServerTest, VerifyExhaustionChangesNothing) {

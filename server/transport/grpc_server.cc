@@ -62,6 +62,13 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
   // No SO_REUSEPORT: a second server on the same port would share its new
   // connections at random, and sequences live in one process.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  if (options.http2_max_frame_bytes > 0) {
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, options.http2_max_frame_bytes);
+  }
+  if (options.http2_lookahead_bytes > 0) {
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES,
+                               options.http2_lookahead_bytes);
+  }
   builder.AddListeningPort(options.listen_address, *creds, &s->port_);
   builder.RegisterService(s->service_.get());
   builder.RegisterService(s->health_.get());
@@ -134,6 +141,9 @@ DrainCounts GrpcServer::Drain(absl::Duration grace, absl::Duration timeout) {
   counts.calls_finished = service_->calls_finished() - finished_before - counts.calls_cut;
   spdlog::info("gRPC server stopped: {} calls finished in the drain, {} cut at the timeout",
                counts.calls_finished, counts.calls_cut);
+  if (const int64_t regions = service_->ReleaseSharedMemory(); regions > 0) {
+    spdlog::info("released {} shared-memory regions", regions);
+  }
   return counts;
 }
 

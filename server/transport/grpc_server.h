@@ -27,6 +27,9 @@ struct GrpcServerOptions {
   std::string tls_cert_file;
   std::string tls_key_file;
   std::string tls_client_ca_file;
+  // HTTP/2 max frame size and per-stream window (lookahead); 0: gRPC's default.
+  int http2_max_frame_bytes = 0;
+  int http2_lookahead_bytes = 0;
 };
 
 class GrpcServer {

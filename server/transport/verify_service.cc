@@ -32,6 +32,7 @@ VerifyServiceImpl::VerifyServiceImpl(const ServiceOptions& options, RpcObserver*
                                      const std::atomic<ServingState>* state)
     : options_(options),
       observer_(observer),
+      shared_memory_(options.shared_memory),
       state_(state),
       slow_calls_(options.slow_call_seconds, std::chrono::seconds(1)),
       failed_calls_log_(std::chrono::milliseconds(100)) {}
@@ -208,7 +209,10 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::AppendKv(grpc::CallbackServerContex
       return finish(absl::InvalidArgumentError(absl::StrCat(
           "kv: shape ", ShapeString(kv), ", expected [", layers, ", T, 576] with T >= 1")));
     }
-    absl::StatusOr<absl::Span<const Bf16>> data = Bf16Input(kv, {layers, tokens, kLatentDim}, "kv");
+    // Held until the engine is done with the bytes.
+    auto leases = std::make_unique<RegionLeases>();
+    absl::StatusOr<absl::Span<const Bf16>> data = Bf16Input(
+        kv, {layers, tokens, kLatentDim}, "kv", SharedMemoryScope{&shared_memory_, leases.get()});
     if (!data.ok()) return finish(data.status());
     engine::AppendCall call;
     call.sequence_id = request->sequence_id();
@@ -216,18 +220,22 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::AppendKv(grpc::CallbackServerContex
     call.tokens = tokens;
     call.kv = *data;
     call.context = ContextOf(ctx);
-    engine()->SubmitAppendKv(std::move(call), [response, finish = std::move(finish)](
-                                                  absl::StatusOr<int64_t> length) mutable {
-      if (length.ok()) response->set_length(*length);
-      finish(length.status());
-    });
+    engine()->SubmitAppendKv(
+        std::move(call), [response, leases = std::move(leases),
+                          finish = std::move(finish)](absl::StatusOr<int64_t> length) mutable {
+          leases.reset();
+          if (length.ok()) response->set_length(*length);
+          finish(length.status());
+        });
   });
 }
 
 void VerifyServiceImpl::StartVerify(grpc::CallbackServerContext* ctx,
                                     const v1::VerifyRequest& request, v1::VerifyResponse* response,
                                     std::vector<engine::VerifyItem>* items,
-                                    engine::VerifyTiming* timing, Finisher done) {
+                                    engine::VerifyTiming* timing, RegionLeases* leases,
+                                    Finisher done) {
+  const SharedMemoryScope shm{&shared_memory_, leases};
   const int64_t heads = engine()->config().num_heads;
   const int max_draft = engine()->config().max_draft_len();
   response->set_request_id(request.request_id());
@@ -247,23 +255,45 @@ void VerifyServiceImpl::StartVerify(grpc::CallbackServerContext* ctx,
     item.sequence_id = in.sequence_id();
     item.parents = absl::MakeConstSpan(in.parents().data(), in.parents_size());
     absl::StatusOr<absl::Span<const Bf16>> q =
-        Bf16Input(in.q(), {n, heads, kLatentDim}, absl::StrCat(where, " q"));
+        Bf16Input(in.q(), {n, heads, kLatentDim}, absl::StrCat(where, " q"), shm);
     if (!q.ok()) return done(q.status());
     absl::StatusOr<absl::Span<const Bf16>> draft_kv =
-        Bf16Input(in.draft_kv(), {n, kLatentDim}, absl::StrCat(where, " draft_kv"));
+        Bf16Input(in.draft_kv(), {n, kLatentDim}, absl::StrCat(where, " draft_kv"), shm);
     if (!draft_kv.ok()) return done(draft_kv.status());
     item.q = *q;
     item.draft_kv = *draft_kv;
+    if (in.has_out_shared_memory() != in.has_lse_shared_memory()) {
+      return done(absl::InvalidArgumentError(absl::StrCat(
+          where, ": out_shared_memory and lse_shared_memory go together (both or neither)")));
+    }
   }
   // Outputs are sized only once every input passed, so a rejected request
   // allocates nothing large.
   response->mutable_results()->Reserve(request.items_size());
   for (int k = 0; k < request.items_size(); ++k) {
-    const int64_t n = request.items(k).parents_size();
+    const v1::VerifyItem& in = request.items(k);
+    const int64_t n = in.parents_size();
     v1::VerifyResult* result = response->add_results();
     result->set_sequence_id((*items)[k].sequence_id);
-    (*items)[k].out = Bf16Output(result->mutable_out(), {n, heads, kValueDim});
-    (*items)[k].lse = Fp32Output(result->mutable_lse(), {n, heads});
+    if (!in.has_out_shared_memory()) {
+      (*items)[k].out = Bf16Output(result->mutable_out(), {n, heads, kValueDim});
+      (*items)[k].lse = Fp32Output(result->mutable_lse(), {n, heads});
+      continue;
+    }
+    const std::string where = absl::StrCat("items[", k, "] (sequence ", in.sequence_id(), ")");
+    absl::StatusOr<absl::Span<Bf16>> out =
+        Bf16SharedOutput(in.out_shared_memory(), {n, heads, kValueDim},
+                         absl::StrCat(where, " out"), shm, result->mutable_out());
+    if (!out.ok()) return done(out.status());
+    absl::StatusOr<absl::Span<float>> lse = Fp32SharedOutput(
+        in.lse_shared_memory(), {n, heads}, absl::StrCat(where, " lse"), shm,
+        result->mutable_lse());
+    if (!lse.ok()) return done(lse.status());
+    (*items)[k].out = *out;
+    (*items)[k].lse = *lse;
+  }
+  if (!leases->empty()) {
+    if (absl::Status s = leases->CheckOutputsDoNotOverlap(); !s.ok()) return done(s);
   }
   engine::VerifyCall call;
   call.layer = request.layer();
@@ -290,9 +320,10 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::Verify(grpc::CallbackServerContext*
     struct State {
       std::vector<engine::VerifyItem> items;
       engine::VerifyTiming timing;
+      RegionLeases leases;
     };
     auto* state = new State;
-    StartVerify(ctx, *request, response, &state->items, &state->timing,
+    StartVerify(ctx, *request, response, &state->items, &state->timing, &state->leases,
                 [state, finish = std::move(finish)](absl::Status status) mutable {
                   const double queued = state->timing.queue_seconds;
                   delete state;
@@ -329,6 +360,53 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::ReleaseSequence(
       finish(freed.status());
     });
   });
+}
+
+grpc::ServerUnaryReactor* VerifyServiceImpl::RegisterSystemSharedMemory(
+    grpc::CallbackServerContext* ctx, const v1::RegisterSystemSharedMemoryRequest* request,
+    v1::RegisterSystemSharedMemoryResponse* /*response*/) {
+  return RunUnary("RegisterSystemSharedMemory", ctx, *request, false,
+                  [this, request](auto finish) {
+                    finish(shared_memory_.Register(request->name(), request->key(),
+                                                   request->offset(), request->byte_size()));
+                  });
+}
+
+grpc::ServerUnaryReactor* VerifyServiceImpl::UnregisterSystemSharedMemory(
+    grpc::CallbackServerContext* ctx, const v1::UnregisterSystemSharedMemoryRequest* request,
+    v1::UnregisterSystemSharedMemoryResponse* response) {
+  // Allowed while draining: a client cleaning up.
+  return RunUnary("UnregisterSystemSharedMemory", ctx, *request, true,
+                  [this, request, response](auto finish) {
+                    absl::StatusOr<std::vector<std::string>> names =
+                        shared_memory_.Unregister(request->name());
+                    if (names.ok()) {
+                      for (std::string& n : *names) response->add_unregistered(std::move(n));
+                    }
+                    finish(names.status());
+                  });
+}
+
+grpc::ServerUnaryReactor* VerifyServiceImpl::SystemSharedMemoryStatus(
+    grpc::CallbackServerContext* ctx, const v1::SystemSharedMemoryStatusRequest* request,
+    v1::SystemSharedMemoryStatusResponse* response) {
+  return RunUnary("SystemSharedMemoryStatus", ctx, *request, true,
+                  [this, request, response](auto finish) {
+                    absl::StatusOr<std::vector<SharedMemoryRegionStatus>> regions =
+                        shared_memory_.Status(request->name());
+                    if (regions.ok()) {
+                      for (const SharedMemoryRegionStatus& r : *regions) {
+                        v1::SystemSharedMemoryRegion* out = response->add_regions();
+                        out->set_name(r.name);
+                        out->set_key(r.key);
+                        out->set_offset(r.offset);
+                        out->set_byte_size(r.byte_size);
+                        out->set_calls_in_flight(r.calls_in_flight);
+                        out->set_calls_total(r.calls_total);
+                      }
+                    }
+                    finish(regions.status());
+                  });
 }
 
 // Reads ahead up to stream_max_in_flight requests, submits each to the
@@ -444,6 +522,7 @@ class VerifyServiceImpl::StreamReactor final
     v1::VerifyResponse response;
     std::vector<engine::VerifyItem> items;
     engine::VerifyTiming timing;
+    RegionLeases leases;  // dropped once the request's work completed
     Clock::time_point arrived;
     bool done = false;
   };
@@ -460,10 +539,11 @@ class VerifyServiceImpl::StreamReactor final
     if (admitted.ok()) admitted = service_->CheckRequestSize("VerifyStream", slot->request);
     if (!admitted.ok()) return complete(admitted);
     service_->StartVerify(ctx_, slot->request, &slot->response, &slot->items, &slot->timing,
-                          std::move(complete));
+                          &slot->leases, std::move(complete));
   }
 
   void Completed(Slot* slot, absl::Status status) {
+    slot->leases.Clear();  // the outputs are in place; the regions are free to go
     service_->LogFailedCall("VerifyStream", ctx_, status);
     if (!status.ok()) {
       slot->response.Clear();

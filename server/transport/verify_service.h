@@ -21,6 +21,7 @@
 #include "mlaverify/v1/verify.grpc.pb.h"
 #include "server/engine/engine.h"
 #include "server/transport/log_limiter.h"
+#include "server/transport/shared_memory.h"
 #include "server/transport/slow_call_log.h"
 
 namespace mlaverify::transport {
@@ -67,6 +68,8 @@ struct ServiceOptions {
   // Not empty: every VerifyService call must carry "authorization: Bearer
   // <token>" (UNAUTHENTICATED otherwise). Health and reflection stay open.
   std::string auth_token;
+  // Client shared-memory regions (off unless enabled; limits).
+  SharedMemoryOptions shared_memory;
 };
 
 class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
@@ -88,6 +91,9 @@ class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
   int64_t calls_in_flight() const { return in_flight_.load(); }
   // Unary calls and stream requests finished since the start.
   int64_t calls_finished() const { return finished_.load(); }
+  // The end of a drain (no call left running): every region is dropped.
+  // Returns how many there were.
+  int64_t ReleaseSharedMemory() { return shared_memory_.ReleaseAll(); }
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
                                           const v1::GetServerInfoRequest* request,
@@ -109,6 +115,15 @@ class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
   grpc::ServerUnaryReactor* ReleaseSequence(grpc::CallbackServerContext* ctx,
                                             const v1::ReleaseSequenceRequest* request,
                                             v1::ReleaseSequenceResponse* response) override;
+  grpc::ServerUnaryReactor* RegisterSystemSharedMemory(
+      grpc::CallbackServerContext* ctx, const v1::RegisterSystemSharedMemoryRequest* request,
+      v1::RegisterSystemSharedMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* UnregisterSystemSharedMemory(
+      grpc::CallbackServerContext* ctx, const v1::UnregisterSystemSharedMemoryRequest* request,
+      v1::UnregisterSystemSharedMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* SystemSharedMemoryStatus(
+      grpc::CallbackServerContext* ctx, const v1::SystemSharedMemoryStatusRequest* request,
+      v1::SystemSharedMemoryStatusResponse* response) override;
 
  private:
   class StreamReactor;
@@ -130,12 +145,13 @@ class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
   void LogFailedCall(absl::string_view rpc, grpc::CallbackServerContext* ctx,
                      const absl::Status& status);
   // Decodes `request` into `items` (views of its bytes and of `response`'s,
-  // which it sizes) and submits it; `done` runs once with the outcome, after
-  // the results' prefix lengths are set. `timing` receives the engine's time
-  // split.
+  // which it sizes, or of the shared-memory ranges it references, leased in
+  // `leases`) and submits it; `done` runs once with the outcome, after the
+  // results' prefix lengths are set. `timing` receives the engine's time
+  // split. `items`, `timing` and `leases` live until `done` ran.
   void StartVerify(grpc::CallbackServerContext* ctx, const v1::VerifyRequest& request,
                    v1::VerifyResponse* response, std::vector<engine::VerifyItem>* items,
-                   engine::VerifyTiming* timing, Finisher done);
+                   engine::VerifyTiming* timing, RegionLeases* leases, Finisher done);
   // One finished call (or stream message).
   void Observe(absl::string_view rpc, grpc::StatusCode code, Clock::time_point arrived,
                double queued_seconds);
@@ -148,6 +164,7 @@ class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
   absl::flat_hash_set<StreamReactor*> streams_ ABSL_GUARDED_BY(streams_mu_);
   const ServiceOptions options_;
   RpcObserver* const observer_;
+  SharedMemoryRegistry shared_memory_;
   const std::atomic<ServingState>* const state_;
   SlowCallLog slow_calls_;
   // Failed calls are logged at most ten times a second.

@@ -1,0 +1,337 @@
+#include "server/transport/shared_memory.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "spdlog/spdlog.h"
+
+namespace mlaverify::transport {
+namespace {
+
+constexpr size_t kMaxNameBytes = 128;
+constexpr size_t kMaxKeyBytes = 255;  // NAME_MAX of /dev/shm
+
+absl::Status CheckName(const std::string& name) {
+  if (name.empty() || name.size() > kMaxNameBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("shared-memory region name of ", name.size(),
+                                                   " bytes; need 1..", kMaxNameBytes));
+  }
+  for (unsigned char c : name) {
+    if (c < 0x21 || c > 0x7e) {
+      return absl::InvalidArgumentError(
+          "shared-memory region name must be printable ASCII without spaces");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckKey(const std::string& key) {
+  if (key.size() < 2 || key.size() > kMaxKeyBytes || key[0] != '/' ||
+      key.find('/', 1) != std::string::npos) {
+    return absl::InvalidArgumentError(
+        "shared-memory key must be '/' followed by 1..254 characters and no other '/' (a "
+        "shm_open name)");
+  }
+  for (unsigned char c : key) {
+    if (c < 0x21 || c > 0x7e) {
+      return absl::InvalidArgumentError("shared-memory key must be printable ASCII");
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The escaped form of a client string for messages and logs.
+std::string Quoted(absl::string_view s) {
+  std::string out = "'";
+  for (unsigned char c : s.substr(0, kMaxNameBytes)) {
+    if (c >= 0x20 && c < 0x7f && c != '\'' && c != '\\') {
+      out.push_back(static_cast<char>(c));
+    } else {
+      absl::StrAppend(&out, "\\x", absl::Hex(c, absl::kZeroPad2));
+    }
+  }
+  if (s.size() > kMaxNameBytes) out += "...";
+  return out + "'";
+}
+
+absl::Status FromErrno(int err, absl::string_view what) {
+  const std::string message = absl::StrCat(what, ": ", std::strerror(err));
+  switch (err) {
+    case ENOENT:
+      return absl::NotFoundError(message);
+    case EACCES:
+    case EPERM:
+      return absl::PermissionDeniedError(message);
+    case ENOMEM:
+    case EMFILE:
+    case ENFILE:
+      return absl::ResourceExhaustedError(message);
+    default:
+      return absl::InvalidArgumentError(message);
+  }
+}
+
+}  // namespace
+
+SharedMemoryRegion::~SharedMemoryRegion() {
+  if (mapping_ != nullptr) munmap(mapping_, mapping_bytes_);
+}
+
+// ---- RegionLeases -----------------------------------------------------------
+
+RegionLeases::~RegionLeases() { Clear(); }
+
+void RegionLeases::Clear() {
+  for (const auto& region : leases_) region->in_flight_.fetch_sub(1);
+  leases_.clear();
+  ranges_.clear();
+}
+
+absl::StatusOr<uint8_t*> RegionLeases::Resolve(SharedMemoryRegistry& registry,
+                                               absl::string_view region, uint64_t offset,
+                                               uint64_t byte_size, uint64_t expected_bytes,
+                                               uint64_t alignment, bool is_output,
+                                               absl::string_view what) {
+  if (!registry.enabled()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, ": shared-memory tensors are off on this server (it runs without "
+              "--allow-client-shm); send the bytes inline"));
+  }
+  if (byte_size != expected_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": shared-memory byte_size ", byte_size,
+                                                   ", the tensor's shape needs ", expected_bytes));
+  }
+  if (alignment > 1 && offset % alignment != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": shared-memory offset ", offset,
+                                                   " is not a multiple of ", alignment,
+                                                   " (the dtype's size)"));
+  }
+  std::shared_ptr<SharedMemoryRegion> leased;
+  for (const auto& held : leases_) {
+    if (held->name() == region) leased = held;
+  }
+  if (leased == nullptr) {
+    absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> fresh = registry.Lease(region);
+    if (!fresh.ok()) {
+      return absl::Status(fresh.status().code(),
+                          absl::StrCat(what, ": ", fresh.status().message()));
+    }
+    leased = *fresh;
+    leases_.push_back(leased);
+  }
+  if (offset > leased->byte_size() || byte_size > leased->byte_size() - offset) {
+    return absl::OutOfRangeError(absl::StrCat(what, ": bytes [", offset, ", ", offset, " + ",
+                                              byte_size, ") are past the end of region ",
+                                              Quoted(region), " (", leased->byte_size(),
+                                              " bytes)"));
+  }
+  ranges_.push_back({leased.get(), offset, offset + byte_size, is_output, std::string(what)});
+  return leased->data() + offset;
+}
+
+absl::Status RegionLeases::CheckOutputsDoNotOverlap() const {
+  for (size_t i = 0; i < ranges_.size(); ++i) {
+    if (!ranges_[i].is_output) continue;
+    for (size_t j = 0; j < ranges_.size(); ++j) {
+      if (i == j) continue;
+      const Range& a = ranges_[i];
+      const Range& b = ranges_[j];
+      if (a.region == b.region && a.begin < b.end && b.begin < a.end && a.begin != a.end &&
+          b.begin != b.end) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            a.what, ": its shared-memory range [", a.begin, ", ", a.end, ") overlaps ", b.what,
+            "'s [", b.begin, ", ", b.end, ") in region ", Quoted(a.region->name())));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// ---- SharedMemoryRegistry ---------------------------------------------------
+
+SharedMemoryRegistry::SharedMemoryRegistry(const SharedMemoryOptions& options)
+    : options_(options) {}
+
+SharedMemoryRegistry::~SharedMemoryRegistry() = default;
+
+absl::Status SharedMemoryRegistry::Register(const std::string& name, const std::string& key,
+                                            uint64_t offset, uint64_t byte_size) {
+  if (!options_.enabled) {
+    return absl::FailedPreconditionError(
+        "shared memory is off on this server (it runs without --allow-client-shm)");
+  }
+  if (absl::Status s = CheckName(name); !s.ok()) return s;
+  if (absl::Status s = CheckKey(key); !s.ok()) return s;
+  if (byte_size == 0) return absl::InvalidArgumentError("shared-memory byte_size is 0");
+  if (offset > (uint64_t{1} << 62) || byte_size > (uint64_t{1} << 62)) {
+    return absl::InvalidArgumentError("shared-memory offset or byte_size beyond 2^62");
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (regions_.count(name) > 0) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("shared-memory region ", Quoted(name), " is already registered"));
+    }
+    if (static_cast<int64_t>(regions_.size()) >= options_.max_regions) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the server holds ", regions_.size(), " shared-memory regions, its limit (",
+                       "--max-shm-regions ", options_.max_regions, ")"));
+    }
+    if (registered_bytes_ + static_cast<int64_t>(byte_size) > options_.max_total_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "registering ", byte_size, " bytes would bring the shared memory mapped to ",
+          registered_bytes_ + static_cast<int64_t>(byte_size), " bytes, over --max-shm-bytes ",
+          options_.max_total_bytes));
+    }
+  }
+  // Opening and mapping happen outside the lock (a slow file system must not
+  // hold up the calls resolving references).
+  const int fd = shm_open(key.c_str(), O_RDWR, 0);
+  if (fd < 0) return FromErrno(errno, absl::StrCat("shm_open ", Quoted(key)));
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    const int err = errno;
+    close(fd);
+    return FromErrno(err, absl::StrCat("fstat ", Quoted(key)));
+  }
+  if (static_cast<uint64_t>(st.st_size) < offset + byte_size) {
+    close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shared-memory object ", Quoted(key), " has ", st.st_size, " bytes; the range [", offset,
+        ", ", offset + byte_size, ") does not fit"));
+  }
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t map_start = offset / page * page;
+  auto region = std::shared_ptr<SharedMemoryRegion>(new SharedMemoryRegion());
+  region->mapping_bytes_ = static_cast<size_t>(offset + byte_size - map_start);
+  region->mapping_ = mmap(nullptr, region->mapping_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+                          static_cast<off_t>(map_start));
+  const int map_errno = errno;
+  close(fd);  // the mapping keeps the object
+  if (region->mapping_ == MAP_FAILED) {
+    region->mapping_ = nullptr;
+    return FromErrno(map_errno, absl::StrCat("mmap ", Quoted(key)));
+  }
+  region->name_ = name;
+  region->key_ = key;
+  region->offset_ = offset;
+  region->byte_size_ = byte_size;
+  region->data_ = static_cast<uint8_t*>(region->mapping_) + (offset - map_start);
+  {
+    absl::MutexLock lock(&mu_);
+    // Checked again: another registration may have raced this one.
+    if (regions_.count(name) > 0) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("shared-memory region ", Quoted(name), " is already registered"));
+    }
+    if (static_cast<int64_t>(regions_.size()) >= options_.max_regions ||
+        registered_bytes_ + static_cast<int64_t>(byte_size) > options_.max_total_bytes) {
+      return absl::ResourceExhaustedError(
+          "shared-memory limits reached while the region was mapped (--max-shm-regions, "
+          "--max-shm-bytes)");
+    }
+    registered_bytes_ += static_cast<int64_t>(byte_size);
+    regions_.emplace(name, std::move(region));
+  }
+  spdlog::info("shared-memory region {} registered: {} bytes at offset {} of {}", Quoted(name),
+               byte_size, offset, Quoted(key));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::string>> SharedMemoryRegistry::Unregister(const std::string& name) {
+  std::vector<std::shared_ptr<SharedMemoryRegion>> removed;  // unmapped outside the lock
+  std::vector<std::string> names;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!name.empty()) {
+      const auto it = regions_.find(name);
+      if (it == regions_.end()) {
+        return absl::NotFoundError(
+            absl::StrCat("no shared-memory region ", Quoted(name), " is registered"));
+      }
+    }
+    std::vector<std::string> busy;
+    for (const auto& [region_name, region] : regions_) {
+      if (!name.empty() && region_name != name) continue;
+      const int64_t held = region->in_flight_.load();
+      if (held > 0) busy.push_back(absl::StrCat(Quoted(region_name), " (", held, " calls)"));
+    }
+    if (!busy.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "shared-memory region", busy.size() > 1 ? "s " : " ", absl::StrJoin(busy, ", "),
+          " held by calls in flight; nothing was unregistered: retry once they finished"));
+    }
+    for (auto it = regions_.begin(); it != regions_.end();) {
+      if (!name.empty() && it->first != name) {
+        ++it;
+        continue;
+      }
+      registered_bytes_ -= static_cast<int64_t>(it->second->byte_size());
+      names.push_back(it->first);
+      removed.push_back(std::move(it->second));
+      it = regions_.erase(it);
+    }
+  }
+  for (const std::string& n : names) spdlog::info("shared-memory region {} unregistered", Quoted(n));
+  return names;
+}
+
+absl::StatusOr<std::vector<SharedMemoryRegionStatus>> SharedMemoryRegistry::Status(
+    const std::string& name) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<SharedMemoryRegionStatus> out;
+  for (const auto& [region_name, r] : regions_) {
+    if (!name.empty() && region_name != name) continue;
+    out.push_back({r->name_, r->key_, r->offset_, r->byte_size_, r->in_flight_.load(),
+                   r->calls_total_.load()});
+  }
+  if (!name.empty() && out.empty()) {
+    return absl::NotFoundError(
+        absl::StrCat("no shared-memory region ", Quoted(name), " is registered"));
+  }
+  return out;
+}
+
+int64_t SharedMemoryRegistry::ReleaseAll() {
+  std::map<std::string, std::shared_ptr<SharedMemoryRegion>, std::less<>> dropped;
+  {
+    absl::MutexLock lock(&mu_);
+    dropped.swap(regions_);
+    registered_bytes_ = 0;
+  }
+  return static_cast<int64_t>(dropped.size());
+}
+
+int64_t SharedMemoryRegistry::regions() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(regions_.size());
+}
+
+int64_t SharedMemoryRegistry::registered_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return registered_bytes_;
+}
+
+absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> SharedMemoryRegistry::Lease(
+    absl::string_view name) {
+  absl::MutexLock lock(&mu_);
+  const auto it = regions_.find(name);
+  if (it == regions_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("no shared-memory region ", Quoted(name),
+                     " is registered (RegisterSystemSharedMemory first)"));
+  }
+  it->second->in_flight_.fetch_add(1);
+  it->second->calls_total_.fetch_add(1);
+  return it->second;
+}
+
+}  // namespace mlaverify::transport

@@ -1,0 +1,159 @@
+// The system shared-memory data plane: POSIX shared-memory ranges that
+// co-located clients register by name, so that tensors travel as
+// (region, offset, byte_size) references instead of bytes through gRPC.
+// Modelled on Triton Inference Server's system shared-memory extension.
+//
+// The registry maps each registered range once (read-write, MAP_SHARED) and
+// keeps it mapped while any call holds it: a call takes a lease on every
+// region it references (RegionLeases) before its work is queued and drops it
+// after the work completed, and Unregister refuses a region a lease holds.
+// Every reference is checked against its region's bounds and the dtype's
+// alignment; outputs may not overlap any other range of the same call.
+//
+// Trust: a client that shrinks a registered object (ftruncate) after
+// registering it makes the server's next access to the lost pages fault
+// (SIGBUS). Shared memory is therefore off unless the operator enables it,
+// for schedulers on the same host under the same administration.
+//
+// No gRPC or protobuf here: the service converts its messages to these calls.
+// Thread-safe.
+#ifndef MLAVERIFY_SERVER_TRANSPORT_SHARED_MEMORY_H_
+#define MLAVERIFY_SERVER_TRANSPORT_SHARED_MEMORY_H_
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+
+namespace mlaverify::transport {
+
+struct SharedMemoryOptions {
+  bool enabled = false;  // --allow-client-shm
+  int64_t max_regions = 256;
+  int64_t max_total_bytes = int64_t{64} << 30;  // of all registered ranges together
+};
+
+struct SharedMemoryRegionStatus {
+  std::string name;
+  std::string key;
+  uint64_t offset = 0;
+  uint64_t byte_size = 0;
+  int64_t calls_in_flight = 0;
+  int64_t calls_total = 0;
+};
+
+// One mapped range. Owned by the registry and by the leases on it; unmapped
+// when the last of them lets go.
+class SharedMemoryRegion {
+ public:
+  ~SharedMemoryRegion();
+  SharedMemoryRegion(const SharedMemoryRegion&) = delete;
+  SharedMemoryRegion& operator=(const SharedMemoryRegion&) = delete;
+
+  const std::string& name() const { return name_; }
+  uint64_t byte_size() const { return byte_size_; }
+  // The first byte of the registered range (offset 0 of every reference).
+  uint8_t* data() const { return data_; }
+
+ private:
+  friend class SharedMemoryRegistry;
+  friend class RegionLeases;
+  SharedMemoryRegion() = default;
+
+  std::string name_, key_;
+  uint64_t offset_ = 0, byte_size_ = 0;
+  void* mapping_ = nullptr;  // page-aligned start of the mmap
+  size_t mapping_bytes_ = 0;
+  uint8_t* data_ = nullptr;
+  std::atomic<int64_t> in_flight_{0};
+  std::atomic<int64_t> calls_total_{0};
+};
+
+class SharedMemoryRegistry;
+
+// The regions one call references, leased until it is destroyed (after the
+// call's work completed), and the byte ranges it uses in them for the overlap
+// check. Not thread-safe: one call's decoding thread fills it.
+class RegionLeases {
+ public:
+  RegionLeases() = default;
+  ~RegionLeases();
+  RegionLeases(const RegionLeases&) = delete;
+  RegionLeases& operator=(const RegionLeases&) = delete;
+
+  // The bytes of `byte_size` at `offset` of `region`, leased for this call.
+  // FAILED_PRECONDITION (shared memory off), NOT_FOUND (unknown region),
+  // INVALID_ARGUMENT (byte_size is not `expected_bytes`, offset not a
+  // multiple of `alignment`), OUT_OF_RANGE (past the region's end); `what`
+  // names the tensor in the message.
+  absl::StatusOr<uint8_t*> Resolve(SharedMemoryRegistry& registry, absl::string_view region,
+                                   uint64_t offset, uint64_t byte_size, uint64_t expected_bytes,
+                                   uint64_t alignment, bool is_output, absl::string_view what);
+  // INVALID_ARGUMENT naming both tensors when an output range overlaps any
+  // other range resolved through this object.
+  absl::Status CheckOutputsDoNotOverlap() const;
+  bool empty() const { return leases_.empty(); }
+  // Drops every lease now (the destructor does the same).
+  void Clear();
+
+ private:
+  struct Range {
+    const SharedMemoryRegion* region;
+    uint64_t begin, end;
+    bool is_output;
+    std::string what;
+  };
+  std::vector<std::shared_ptr<SharedMemoryRegion>> leases_;  // each region once
+  std::vector<Range> ranges_;
+};
+
+class SharedMemoryRegistry {
+ public:
+  explicit SharedMemoryRegistry(const SharedMemoryOptions& options);
+  ~SharedMemoryRegistry();
+
+  bool enabled() const { return options_.enabled; }
+  const SharedMemoryOptions& options() const { return options_; }
+
+  // Opens `key` read-write and maps [offset, offset + byte_size). Errors as
+  // RegisterSystemSharedMemory documents them in verify.proto.
+  absl::Status Register(const std::string& name, const std::string& key, uint64_t offset,
+                        uint64_t byte_size);
+  // Removes `name` (empty: every region) unless a call holds it; returns the
+  // names removed. Atomic: on error nothing is removed.
+  absl::StatusOr<std::vector<std::string>> Unregister(const std::string& name);
+  // `name` (empty: every region), by name.
+  absl::StatusOr<std::vector<SharedMemoryRegionStatus>> Status(const std::string& name) const;
+  // Drops every region whatever holds it (the server drains: no call is left
+  // running; leases still held keep their mappings until they let go).
+  // Returns how many there were.
+  int64_t ReleaseAll();
+
+  int64_t regions() const;
+  int64_t registered_bytes() const;
+
+ private:
+  friend class RegionLeases;
+  // The region of `name`, its in-flight count raised (under the lock, so
+  // that Unregister's check sees it), or NOT_FOUND.
+  absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> Lease(absl::string_view name);
+
+  const SharedMemoryOptions options_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<SharedMemoryRegion>, std::less<>> regions_
+      ABSL_GUARDED_BY(mu_);
+  int64_t registered_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace mlaverify::transport
+
+#endif  // MLAVERIFY_SERVER_TRANSPORT_SHARED_MEMORY_H_
