@@ -5,7 +5,7 @@
 #     build/tests/gpu_engine_test build/bench/mlaverify-bench build/bench/mlaverify-engine-bench \
 #     build/server/mlaverify-server build/client/mlaverify-client
 # and carried there (device tool: carry [".device"]):
-#   OUT=/tmp/out bench/gpu_run.sh [tests] [service] [fault] [engine] [soak] [anchor] [sweep] [triton] [stalls] [small] [pdl] [ncu] [shapes] [sass] [timeline]
+#   OUT=/tmp/out bench/gpu_run.sh [tests] [service] [planes] [fault] [engine] [soak] [anchor] [sweep] [triton] [stalls] [small] [pdl] [ncu] [shapes] [sass] [timeline]
 # Writes logs and JSON into $OUT/results.tgz (one file: the device tool brings
 # back at most 8); prints a short summary last.
 set -uo pipefail
@@ -103,6 +103,60 @@ if want service && [ -x "$bundle/bin/mlaverify-server" ]; then
     stop_server "$mode"
     grep -E "captured|engine ready|stopped" "$out/server-$mode.log" | head -4
   done
+fi
+if want planes && [ -x "$bundle/bin/mlaverify-server" ]; then
+  # The data planes (inline and system shared memory) on one GPU, 61 layers x
+  # 8 heads, page 64, N=16 trees: the checked demo on each plane, then load
+  # with the bare-transport floor measured after each row (load --floor):
+  # one call in flight at L=16K and 64 workers at L=1K, unary and stream;
+  # the kernel's time for both shapes; then inline with gRPC's default
+  # HTTP/2 settings on both ends beside the tuned ones. Summarised by
+  # bench/service_planes.py into bench/results/service-<gpu>-<date>.json.
+  start_server planes 127.0.0.1:0 --devices 0 --heads 8 --pool-bytes 40GiB --allow-client-shm true
+  for plane in inline shm; do
+    for rpc in unary stream; do
+      extra=(); [ "$rpc" = stream ] && extra=(--stream)
+      timeout 120 "${cl[@]}" demo --sequences 4 --prompt-len 4000 --steps 2 --drafts 16 \
+        --data-plane $plane "${extra[@]}" > "$out/demo-$plane-$rpc.log" 2>&1
+      summary+=("demo $plane $rpc rc=$?")
+      tail -1 "$out/demo-$plane-$rpc.log"
+    done
+  done
+  for plane in inline shm; do
+    for rpc in unary stream; do
+      extra=(); [ "$rpc" = stream ] && extra=(--stream)
+      timeout 100 "${cl[@]}" load --concurrency 1 --duration-s 6 --warmup-s 1 --prompt-len 16384 \
+        --max-seq-len 16900 --drafts 16 --data-plane $plane "${extra[@]}" --floor \
+        --json "$out/planes-$plane-$rpc-c1-16k.json" > "$out/planes-$plane-$rpc-c1-16k.log" 2>&1
+      summary+=("load $plane $rpc c1 16k rc=$?")
+      grep -E "^(latency|server split|floor: |append|result)" "$out/planes-$plane-$rpc-c1-16k.log"
+      timeout 100 "${cl[@]}" load --concurrency 64 --duration-s 8 --warmup-s 2 --prompt-len 1024 \
+        --drafts 16 --data-plane $plane "${extra[@]}" --floor \
+        --json "$out/planes-$plane-$rpc-c64-1k.json" > "$out/planes-$plane-$rpc-c64-1k.log" 2>&1
+      summary+=("load $plane $rpc c64 1k rc=$?")
+      grep -E "^(verify calls|latency|server split|floor: |append|result)" \
+        "$out/planes-$plane-$rpc-c64-1k.log"
+    done
+  done
+  stop_server planes
+  timeout 120 "$bundle/bin/mlaverify-bench" --shape 1,16384,16,8,64,tree --shape 1,1024,16,8,64,tree \
+    --out "$out/planes-kernel.json" > "$out/planes-kernel.log" 2>&1
+  summary+=("kernel shapes rc=$?")
+  grep -E '^B=' "$out/planes-kernel.log"
+  # gRPC's default HTTP/2 settings (16 KiB frames, default window) on both ends.
+  start_server http2default 127.0.0.1:0 --devices 0 --heads 8 --pool-bytes 40GiB \
+    --http2-max-frame-bytes 0 --http2-lookahead-bytes 0
+  cl+=(--http2-max-frame-bytes 0 --http2-lookahead-bytes 0)
+  for rpc in unary stream; do
+    extra=(); [ "$rpc" = stream ] && extra=(--stream)
+    timeout 100 "${cl[@]}" load --concurrency 1 --duration-s 6 --warmup-s 1 --prompt-len 16384 \
+      --max-seq-len 16900 --drafts 16 "${extra[@]}" --floor \
+      --json "$out/planes-inline-$rpc-c1-16k-http2default.json" \
+      > "$out/planes-inline-$rpc-c1-16k-http2default.log" 2>&1
+    summary+=("load http2 default $rpc c1 16k rc=$?")
+    grep -E "^(latency|floor: |append|result)" "$out/planes-inline-$rpc-c1-16k-http2default.log"
+  done
+  stop_server http2default
 fi
 if want fault && [ -x "$bundle/bin/mlaverify-server" ]; then
   # A real device fault: the third verify launch runs a trapping kernel. The

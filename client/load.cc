@@ -21,6 +21,8 @@
 #include "client/replica_set.h"
 #include "client/server_info_text.h"
 #include "client/shared_memory.h"
+#include "client/transport_floor.h"
+#include "client/wire.h"
 #include "common/geometry.h"
 #include "common/status_macros.h"
 #include "common/workload.h"
@@ -547,8 +549,32 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
                                                     absl::ToChronoMicroseconds(after_warmup));
   }
 
+  // GetServerInfo's verify sums over every target.
+  const auto read_split = [&replicas]() {
+    LoadReport::ServerSplit sums;
+    for (int r = 0; r < replicas.size(); ++r) {
+      absl::StatusOr<v1::ServerInfo> i = replicas.replica(r).GetServerInfo();
+      if (!i.ok()) continue;
+      sums.calls += i->verify_calls_timed();
+      sums.server_us += i->verify_server_seconds_total();
+      sums.queue_us += i->verify_queue_seconds_total();
+      sums.device_us += i->verify_device_seconds_total();
+    }
+    return sums;
+  };
   control.Start();
+  std::this_thread::sleep_until(plan.measure_start);
+  const LoadReport::ServerSplit split_before = read_split();
   for (std::thread& thread : threads) thread.join();
+  const LoadReport::ServerSplit split_after = read_split();
+  if (const int64_t calls = split_after.calls - split_before.calls; calls > 0) {
+    LoadReport::ServerSplit& d = report.server_split;
+    d.calls = calls;
+    d.server_us = (split_after.server_us - split_before.server_us) * 1e6 / calls;
+    d.queue_us = (split_after.queue_us - split_before.queue_us) * 1e6 / calls;
+    d.device_us = (split_after.device_us - split_before.device_us) * 1e6 / calls;
+    d.rest_us = d.server_us - d.queue_us - d.device_us;
+  }
   const Clock::time_point end = Clock::now();
   report.measured_seconds =
       std::max(0.0, std::chrono::duration<double>(end - plan.measure_start).count());
@@ -631,6 +657,67 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
   }
   if (several && checked == 0) report.pages_unchecked = "no replica answered at the end";
   for (const auto& [code, count] : report.errors) report.total_errors += count;
+
+  if (options.floor) {
+    // One request and one answer of the run's shape, as they travel.
+    const std::vector<int32_t> chain = [&] {
+      std::vector<int32_t> p(plan.num_drafts);
+      for (int i = 0; i < plan.num_drafts; ++i) p[i] = i - 1;
+      return p;
+    }();
+    const std::vector<Bf16> q(static_cast<size_t>(plan.num_drafts) * plan.num_heads * kLatentDim);
+    const std::vector<Bf16> kv(static_cast<size_t>(plan.num_drafts) * kLatentDim);
+    std::vector<uint8_t> scratch;
+    ShmItemPlacement scratch_place;
+    const ShmItemPlacement* place = nullptr;
+    if (!plan.placements.empty()) {
+      // The request references the region; nothing is copied where the
+      // run's workers wrote (a scratch copy of the placement's offsets).
+      scratch.resize(plan.placements[0].end_offset - plan.placements[0].q_offset);
+      scratch_place = plan.placements[0];
+      scratch_place.base = scratch.data() - scratch_place.q_offset;
+      place = &scratch_place;
+    }
+    const VerifyItemInput item{1, chain, q, kv, place};
+    ASSIGN_OR_RETURN(v1::VerifyRequest request,
+                     BuildVerifyRequest(0, absl::MakeConstSpan(&item, 1), 0.0f, 1));
+    v1::VerifyResponse answer;
+    answer.set_request_id(1);
+    v1::VerifyResult* result = answer.add_results();
+    result->set_sequence_id(1);
+    result->set_prefix_len(plan.prompt_len);
+    const int64_t out_bytes = int64_t{plan.num_drafts} * plan.num_heads * kValueDim * 2;
+    const int64_t lse_bytes = int64_t{plan.num_drafts} * plan.num_heads * 4;
+    if (place != nullptr) {
+      *result->mutable_out()->mutable_shared_memory() = request.items(0).out_shared_memory();
+      *result->mutable_lse()->mutable_shared_memory() = request.items(0).lse_shared_memory();
+    } else {
+      result->mutable_out()->mutable_raw()->assign(static_cast<size_t>(out_bytes), '\0');
+      result->mutable_lse()->mutable_raw()->assign(static_cast<size_t>(lse_bytes), '\0');
+    }
+    FloorOptions f;
+    f.concurrency = options.concurrency;
+    f.stream = options.stream;
+    f.request_bytes = static_cast<int64_t>(request.ByteSizeLong());
+    f.reply_bytes = static_cast<int64_t>(answer.ByteSizeLong());
+    f.duration_s = options.duration_s > 0 ? options.duration_s : 5.0;
+    f.warmup_s = std::min(options.warmup_s, 1.0);
+    f.http2_max_frame_bytes = replicas.replica(0).options().http2_max_frame_bytes;
+    f.http2_lookahead_bytes = replicas.replica(0).options().http2_lookahead_bytes;
+    absl::PrintF("floor:        bare gRPC echo of %d-byte requests and %d-byte answers, %s, %d "
+                 "threads, %.1f s\n",
+                 f.request_bytes, f.reply_bytes, f.stream ? "streamed" : "unary", f.concurrency,
+                 f.duration_s);
+    ASSIGN_OR_RETURN(FloorReport floor, MeasureTransportFloor(f));
+    report.floor.measured = true;
+    report.floor.request_bytes = f.request_bytes;
+    report.floor.reply_bytes = f.reply_bytes;
+    report.floor.calls = floor.calls;
+    report.floor.calls_per_second = floor.calls_per_second;
+    report.floor.latency_ms = floor.latency_ms;
+    report.floor.errors = floor.errors;
+    report.floor.first_error = floor.first_error;
+  }
   return report;
 }
 
@@ -656,6 +743,22 @@ void PrintLoadReport(const LoadReport& report) {
         "ramp-up\n",
         report.append_bytes / 1e6, report.append_gb_per_s_per_call,
         report.append_gb_per_s_ramp_up);
+  }
+  const LoadReport::ServerSplit& sp = report.server_split;
+  if (sp.calls > 0) {
+    absl::PrintF(
+        "server split: %d calls, mean us: %.1f in the server = %.1f queued + %.1f device + %.1f "
+        "rest\n",
+        sp.calls, sp.server_us, sp.queue_us, sp.device_us, sp.rest_us);
+  }
+  if (report.floor.measured) {
+    const LoadReport::Floor& f = report.floor;
+    absl::PrintF(
+        "floor:        %d calls (%.1f calls/s), ms p50 %.3f p99 %.3f%s; the run's p50 is %.3f "
+        "ms above it\n",
+        f.calls, f.calls_per_second, f.latency_ms.p50, f.latency_ms.p99,
+        f.errors > 0 ? absl::StrCat(", ", f.errors, " errors (", f.first_error, ")") : "",
+        l.p50 - f.latency_ms.p50);
   }
   std::vector<std::string> errors;
   for (const auto& [code, count] : report.errors) errors.push_back(absl::StrCat(code, " ", count));
@@ -713,6 +816,7 @@ nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
         {"drafts", o.drafts},
         {"stream", o.stream},
         {"data_plane", o.data_plane},
+        {"floor", o.floor},
         {"seed", o.seed}}},
       {"geometry",
        {{"num_layers", report.num_layers},
@@ -746,6 +850,22 @@ nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
         {"worker", report.slowest.worker},
         {"layer", report.slowest.layer},
         {"sequence_len", report.slowest.sequence_len}}},
+      {"server_split_us",
+       {{"calls", report.server_split.calls},
+        {"server", report.server_split.server_us},
+        {"queue", report.server_split.queue_us},
+        {"device", report.server_split.device_us},
+        {"rest", report.server_split.rest_us}}},
+      {"floor",
+       report.floor.measured
+           ? nlohmann::ordered_json{{"request_bytes", report.floor.request_bytes},
+                                    {"reply_bytes", report.floor.reply_bytes},
+                                    {"calls", report.floor.calls},
+                                    {"calls_per_second", report.floor.calls_per_second},
+                                    {"p50_ms", report.floor.latency_ms.p50},
+                                    {"p99_ms", report.floor.latency_ms.p99},
+                                    {"errors", report.floor.errors}}
+           : nlohmann::ordered_json(nullptr)},
       {"errors", report.errors},
       {"total_errors", report.total_errors},
       {"free_pages_before", report.free_pages_before},

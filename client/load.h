@@ -38,6 +38,10 @@ struct LoadOptions {
   // each worker's q, draft_kv, out and lse, and its AppendKv chunks, live
   // there; servers need --allow-client-shm).
   std::string data_plane = "inline";
+  // After the run, the bare-transport floor for the same messages
+  // (client/transport_floor.h): same request/answer sizes, RPC kind,
+  // concurrency and duration, against an echo in this process.
+  bool floor = false;
   uint64_t seed = 1;
 };
 
@@ -65,6 +69,26 @@ struct LoadReport {
   double append_gb_per_s_per_call = 0.0;  // append_bytes / append_call_seconds
   double append_gb_per_s_ramp_up = 0.0;   // ramp_up_append_bytes / ramp_up_seconds
   LatencySummary latency_ms;  // of measured, successful Verify calls
+  // The server's own split of the calls it answered in the measured window
+  // (GetServerInfo's sums, read when the window opened and at the end,
+  // summed over the targets): mean microseconds per call from arrival to
+  // answer, waiting for a device, device time, and the rest (decoding,
+  // host copies, completion).
+  struct ServerSplit {
+    int64_t calls = 0;
+    double server_us = 0, queue_us = 0, device_us = 0, rest_us = 0;
+  } server_split;
+  // The floor (options.floor): sizes of one request and one answer as sent.
+  struct Floor {
+    bool measured = false;
+    int64_t request_bytes = 0;
+    int64_t reply_bytes = 0;
+    int64_t calls = 0;
+    double calls_per_second = 0;
+    LatencySummary latency_ms;
+    int64_t errors = 0;
+    std::string first_error;
+  } floor;
   // The slowest of those calls: when it started (seconds after the measured
   // window opened), which worker sent it, for which layer, and the
   // sequence's length then, so that an outlier can be matched with the

@@ -51,6 +51,8 @@ struct GlobalFlags {
   int64_t timeout_ms = 30000;
   int64_t max_message_mib = 256;
   bool wait_for_ready = false;
+  int http2_max_frame_bytes = ClientOptions{}.http2_max_frame_bytes;
+  int http2_lookahead_bytes = ClientOptions{}.http2_lookahead_bytes;
   std::string auth_token_file;
 };
 
@@ -158,6 +160,14 @@ int Main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--auth-token-file", flags.auth_token_file,
                  "file holding the bearer token servers started with --auth-token-file require");
+  app.add_option("--http2-max-frame-bytes", flags.http2_max_frame_bytes,
+                 "HTTP/2 max frame size this client accepts (0: gRPC's default, 16384)")
+      ->check(CLI::Range(0, (1 << 24) - 1))
+      ->capture_default_str();
+  app.add_option("--http2-lookahead-bytes", flags.http2_lookahead_bytes,
+                 "HTTP/2 per-call receive window (0: gRPC's default)")
+      ->check(CLI::Range(0, 1 << 30))
+      ->capture_default_str();
   app.add_flag("--wait-for-ready", flags.wait_for_ready,
                "wait for the server to come up instead of failing with UNAVAILABLE");
 
@@ -224,6 +234,9 @@ int Main(int argc, char** argv) {
                    "creates and registers; the server needs --allow-client-shm)")
       ->check(CLI::IsMember({"inline", "shm"}))
       ->capture_default_str();
+  load_cmd->add_flag("--floor", load.floor,
+                     "then measure the bare-transport floor: a gRPC echo of the same message "
+                     "sizes, RPC kind, concurrency and duration in this process");
   load_cmd->add_option("--json", load_json, "write the results to this JSON file");
 
   CLI::App* soak_cmd = app.add_subcommand(
@@ -267,6 +280,8 @@ int Main(int argc, char** argv) {
   options.max_send_message_bytes = flags.max_message_mib << 20;
   options.max_receive_message_bytes = flags.max_message_mib << 20;
   options.wait_for_ready = flags.wait_for_ready;
+  options.http2_max_frame_bytes = flags.http2_max_frame_bytes;
+  options.http2_lookahead_bytes = flags.http2_lookahead_bytes;
   if (!flags.auth_token_file.empty()) {
     absl::StatusOr<std::string> token = ReadAuthToken(flags.auth_token_file);
     if (!token.ok()) {

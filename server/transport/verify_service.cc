@@ -111,6 +111,17 @@ void VerifyServiceImpl::Observe(absl::string_view rpc, grpc::StatusCode code,
   slow_calls_.Report(rpc, GrpcCodeName(code), queued_seconds, total - queued_seconds, now);
 }
 
+void VerifyServiceImpl::RecordVerifySplit(const engine::VerifyTiming& timing,
+                                          Clock::time_point arrived) {
+  const auto ns = [](double seconds) { return static_cast<int64_t>(seconds * 1e9); };
+  verify_timed_.fetch_add(1, std::memory_order_relaxed);
+  verify_server_ns_.fetch_add(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - arrived).count(),
+      std::memory_order_relaxed);
+  verify_queue_ns_.fetch_add(ns(timing.queue_seconds), std::memory_order_relaxed);
+  verify_device_ns_.fetch_add(ns(timing.device_seconds), std::memory_order_relaxed);
+}
+
 template <typename Body>
 grpc::ServerUnaryReactor* VerifyServiceImpl::RunUnary(absl::string_view rpc,
                                                       grpc::CallbackServerContext* ctx,
@@ -183,6 +194,10 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::GetServerInfo(grpc::CallbackServerC
                     r->set_max_queued_bytes(c.max_queued_bytes);
                     r->set_max_live_sequences(c.max_live_sequences);
                     r->set_instance_id(e.instance_id());
+                    r->set_verify_calls_timed(verify_timed_.load());
+                    r->set_verify_server_seconds_total(verify_server_ns_.load() * 1e-9);
+                    r->set_verify_queue_seconds_total(verify_queue_ns_.load() * 1e-9);
+                    r->set_verify_device_seconds_total(verify_device_ns_.load() * 1e-9);
                     finish(absl::OkStatus());
                   });
 }
@@ -315,7 +330,9 @@ void VerifyServiceImpl::StartVerify(grpc::CallbackServerContext* ctx,
 grpc::ServerUnaryReactor* VerifyServiceImpl::Verify(grpc::CallbackServerContext* ctx,
                                                     const v1::VerifyRequest* request,
                                                     v1::VerifyResponse* response) {
-  return RunUnary("Verify", ctx, *request, false, [this, ctx, request, response](auto finish) {
+  const Clock::time_point arrived = Clock::now();
+  return RunUnary("Verify", ctx, *request, false, [this, ctx, request, response,
+                                                   arrived](auto finish) {
     // The items and the time split live until the engine is done with them.
     struct State {
       std::vector<engine::VerifyItem> items;
@@ -324,7 +341,8 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::Verify(grpc::CallbackServerContext*
     };
     auto* state = new State;
     StartVerify(ctx, *request, response, &state->items, &state->timing, &state->leases,
-                [state, finish = std::move(finish)](absl::Status status) mutable {
+                [this, state, arrived, finish = std::move(finish)](absl::Status status) mutable {
+                  if (status.ok()) RecordVerifySplit(state->timing, arrived);
                   const double queued = state->timing.queue_seconds;
                   delete state;
                   finish(std::move(status), queued);
@@ -544,6 +562,7 @@ class VerifyServiceImpl::StreamReactor final
 
   void Completed(Slot* slot, absl::Status status) {
     slot->leases.Clear();  // the outputs are in place; the regions are free to go
+    if (status.ok()) service_->RecordVerifySplit(slot->timing, slot->arrived);
     service_->LogFailedCall("VerifyStream", ctx_, status);
     if (!status.ok()) {
       slot->response.Clear();

@@ -152,6 +152,9 @@ class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
   void StartVerify(grpc::CallbackServerContext* ctx, const v1::VerifyRequest& request,
                    v1::VerifyResponse* response, std::vector<engine::VerifyItem>* items,
                    engine::VerifyTiming* timing, RegionLeases* leases, Finisher done);
+  // A Verify call or stream request that succeeded: its split, summed for
+  // GetServerInfo.
+  void RecordVerifySplit(const engine::VerifyTiming& timing, Clock::time_point arrived);
   // One finished call (or stream message).
   void Observe(absl::string_view rpc, grpc::StatusCode code, Clock::time_point arrived,
                double queued_seconds);
@@ -160,6 +163,11 @@ class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
   std::atomic<engine::Engine*> engine_{nullptr};
   std::atomic<int64_t> in_flight_{0};
   std::atomic<int64_t> finished_{0};
+  // RecordVerifySplit's sums, in nanoseconds.
+  std::atomic<int64_t> verify_timed_{0};
+  std::atomic<int64_t> verify_server_ns_{0};
+  std::atomic<int64_t> verify_queue_ns_{0};
+  std::atomic<int64_t> verify_device_ns_{0};
   absl::Mutex streams_mu_;
   absl::flat_hash_set<StreamReactor*> streams_ ABSL_GUARDED_BY(streams_mu_);
   const ServiceOptions options_;
