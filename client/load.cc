@@ -141,6 +141,7 @@ struct WorkerResult {
   int64_t append_bytes = 0;
   double append_seconds = 0.0;
   int64_t ramp_up_append_bytes = 0;
+  std::optional<Clock::time_point> first_append_start, last_append_end;  // in the ramp-up
   std::map<std::string, int64_t> errors;
   // Failed calls whose replica was down by then, per replica (several
   // targets only: the run goes on with the other replicas).
@@ -163,8 +164,18 @@ class LoadWorker {
     // The server never looks at the values, so one random set per worker is
     // reused for every call: the client's CPU goes to sending, not to rand().
     if (plan_.prompt_len > 0) {
-      prompt_.resize(static_cast<size_t>(plan_.num_layers) * plan_.prompt_len * kLatentDim);
-      FillUniformBf16(rng_, -1.0f, 1.0f, absl::MakeSpan(prompt_));
+      const size_t values = static_cast<size_t>(plan_.num_layers) * plan_.prompt_len * kLatentDim;
+      const ShmStaging* staging = plan_.stagings.empty() ? nullptr : &plan_.stagings[index_];
+      if (staging != nullptr && values * sizeof(Bf16) <= staging->bytes) {
+        // Made where the append reads it: the call carries a reference only.
+        auto* in_place = reinterpret_cast<Bf16*>(staging->base + staging->offset);
+        FillUniformBf16(rng_, -1.0f, 1.0f, absl::MakeSpan(in_place, values));
+        prompt_view_ = absl::MakeConstSpan(in_place, values);
+      } else {
+        prompt_.resize(values);
+        FillUniformBf16(rng_, -1.0f, 1.0f, absl::MakeSpan(prompt_));
+        prompt_view_ = prompt_;
+      }
     }
     q_.resize(static_cast<size_t>(plan_.num_drafts) * plan_.num_heads * kLatentDim);
     FillUniformBf16(rng_, -2.0f, 2.0f, absl::MakeSpan(q_));
@@ -189,6 +200,7 @@ class LoadWorker {
     while (!sequence_.has_value() && consecutive_failures_ < kMaxConsecutiveFailures)
       StartSequence();
     result_.ramp_up_append_bytes = result_.append_bytes;
+    ramped_up_ = true;
     control_.WorkerReady();
     control_.AwaitStart();
 
@@ -241,10 +253,15 @@ class LoadWorker {
     if (plan_.prompt_len > 0) {
       const Clock::time_point start = Clock::now();
       absl::StatusOr<AppendKvResult> appended =
-          replicas_.AppendKv(*placed, 0, plan_.num_layers, plan_.prompt_len, prompt_,
+          replicas_.AppendKv(*placed, 0, plan_.num_layers, plan_.prompt_len, prompt_view_,
                              plan_.stagings.empty() ? nullptr : &plan_.stagings[index_]);
-      result_.append_seconds += std::chrono::duration<double>(Clock::now() - start).count();
-      if (appended.ok()) result_.append_bytes += static_cast<int64_t>(prompt_.size() * 2);
+      const Clock::time_point end = Clock::now();
+      result_.append_seconds += std::chrono::duration<double>(end - start).count();
+      if (!ramped_up_) {
+        if (!result_.first_append_start.has_value()) result_.first_append_start = start;
+        result_.last_append_end = end;
+      }
+      if (appended.ok()) result_.append_bytes += static_cast<int64_t>(prompt_view_.size() * 2);
       if (!appended.ok()) {
         RecordError(appended.status(), placed->replica);
         DropSequence();
@@ -359,6 +376,8 @@ class LoadWorker {
   const int index_;
   std::mt19937_64 rng_;
   std::vector<Bf16> prompt_;    // [num_layers, prompt_len, 576]
+  absl::Span<const Bf16> prompt_view_;  // prompt_, or the prompt made in shared memory
+  bool ramped_up_ = false;
   std::vector<Bf16> q_;         // [N, H, 576]
   std::vector<Bf16> draft_kv_;  // [N, 576]
   // What the calls send: the vectors above, or their copies in shared memory.
@@ -473,10 +492,9 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
     }
   } unregister{replicas, shm_name};
   if (options.data_plane == "shm") {
-    constexpr uint64_t kMaxStagingPerWorker = uint64_t{16} << 20;
     const uint64_t token_bytes = static_cast<uint64_t>(plan.num_layers) * kLatentDim * 2;
     const uint64_t staging = std::max<uint64_t>(
-        token_bytes, std::min<uint64_t>(kMaxStagingPerWorker,
+        token_bytes, std::min<uint64_t>(static_cast<uint64_t>(options.shm_staging_bytes),
                                         static_cast<uint64_t>(plan.prompt_len) * token_bytes));
     const uint64_t item = (ShmVerifyItemBytes(plan.num_drafts, plan.num_heads) + 255) / 256 * 256;
     const uint64_t per_worker = item + (staging + 255) / 256 * 256;
@@ -580,6 +598,7 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
       std::max(0.0, std::chrono::duration<double>(end - plan.measure_start).count());
 
   std::vector<double> latencies;
+  std::optional<Clock::time_point> ramp_first, ramp_last;
   for (WorkerResult& result : results) {
     latencies.insert(latencies.end(), result.latencies_ms.begin(), result.latencies_ms.end());
     if (result.slowest.ms > report.slowest.ms) report.slowest = result.slowest;
@@ -590,6 +609,11 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
     report.append_bytes += result.append_bytes;
     report.append_call_seconds += result.append_seconds;
     report.ramp_up_append_bytes += result.ramp_up_append_bytes;
+    if (result.first_append_start.has_value()) {
+      ramp_first = std::min(ramp_first.value_or(*result.first_append_start),
+                            *result.first_append_start);
+      ramp_last = std::max(ramp_last.value_or(*result.last_append_end), *result.last_append_end);
+    }
     for (const auto& [code, count] : result.errors) report.errors[code] += count;
     for (const auto& [r, count] : result.lost_replica_errors) {
       LoadReport::Replica& replica = report.replicas[r];
@@ -610,8 +634,10 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
   if (report.append_call_seconds > 0) {
     report.append_gb_per_s_per_call = report.append_bytes / report.append_call_seconds / 1e9;
   }
-  if (report.ramp_up_seconds > 0) {
-    report.append_gb_per_s_ramp_up = report.ramp_up_append_bytes / report.ramp_up_seconds / 1e9;
+  if (ramp_first.has_value() && *ramp_last > *ramp_first) {
+    report.append_gb_per_s_ramp_up =
+        report.ramp_up_append_bytes /
+        std::chrono::duration<double>(*ramp_last - *ramp_first).count() / 1e9;
   }
   if (report.measured_seconds > 0) {
     report.calls_per_second = report.verify_calls / report.measured_seconds;

@@ -38,6 +38,10 @@ struct LoadOptions {
   // each worker's q, draft_kv, out and lse, and its AppendKv chunks, live
   // there; servers need --allow-client-shm).
   std::string data_plane = "inline";
+  // shm: each worker's AppendKv staging area. A prompt that fits is made
+  // right there (as a co-located prefill would leave it) and appended in
+  // one call without a copy; a longer one is staged chunk by chunk.
+  int64_t shm_staging_bytes = int64_t{16} << 20;
   // After the run, the bare-transport floor for the same messages
   // (client/transport_floor.h): same request/answer sizes, RPC kind,
   // concurrency and duration, against an echo in this process.
@@ -67,7 +71,9 @@ struct LoadReport {
   double append_call_seconds = 0.0;
   int64_t ramp_up_append_bytes = 0;
   double append_gb_per_s_per_call = 0.0;  // append_bytes / append_call_seconds
-  double append_gb_per_s_ramp_up = 0.0;   // ramp_up_append_bytes / ramp_up_seconds
+  // ramp_up_append_bytes over the ramp-up's appends, from the first start
+  // to the last end (prompt generation before them excluded).
+  double append_gb_per_s_ramp_up = 0.0;
   LatencySummary latency_ms;  // of measured, successful Verify calls
   // The server's own split of the calls it answered in the measured window
   // (GetServerInfo's sums, read when the window opened and at the end,

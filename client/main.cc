@@ -234,6 +234,13 @@ int Main(int argc, char** argv) {
                    "creates and registers; the server needs --allow-client-shm)")
       ->check(CLI::IsMember({"inline", "shm"}))
       ->capture_default_str();
+  int64_t shm_staging_mib = 16;
+  load_cmd
+      ->add_option("--shm-staging-mib", shm_staging_mib,
+                   "shm: AppendKv staging per worker; a prompt that fits is made there and "
+                   "appended without a copy")
+      ->check(CLI::Range(1, 1 << 16))
+      ->capture_default_str();
   load_cmd->add_flag("--floor", load.floor,
                      "then measure the bare-transport floor: a gRPC echo of the same message "
                      "sizes, RPC kind, concurrency and duration in this process");
@@ -299,6 +306,7 @@ int Main(int argc, char** argv) {
   ReplicaSet& set = **replicas;
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
+  load.shm_staging_bytes = shm_staging_mib << 20;
   if (load_cmd->parsed()) return RunLoadCommand(set, load, load_json);
   if (soak_cmd->parsed()) {
     if (set.size() > 1) {

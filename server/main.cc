@@ -531,6 +531,9 @@ int Run(int argc, char** argv) {
       "{} live sequences, {} of {} pages free",
       drained.calls_finished, drained.calls_cut, drained.streams_ended, stats.live_sequences,
       stats.free_pages, stats.total_pages);
+  // The server (its shared-memory regions unpin through the engine) goes
+  // before the engine.
+  server->reset();
   return 0;
 }
 

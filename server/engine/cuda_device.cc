@@ -213,9 +213,29 @@ class CudaDevice final : public Device {
     RETURN_IF_ERROR(UploadPageTable(page_table));
     const int64_t layers = g_.num_layers;
     const int64_t chunk_max = std::max<int64_t>(1, kRowChunkBytes / (layers * kLatentRowBytes));
+    // Rows in page-locked memory (a pinned shared-memory region) are copied
+    // by DMA straight from where they are, one strided copy per chunk: no
+    // staging copy on the host, and no host wait between chunks (the stream
+    // orders each chunk's copy after the previous chunk's kernel).
+    cudaPointerAttributes attributes{};
+    const bool pinned = cudaPointerGetAttributes(&attributes, rows) == cudaSuccess &&
+                        attributes.type == cudaMemoryTypeHost;
+    if (!pinned) cudaGetLastError();  // clears a failed query's error
     bool used[2] = {false, false};
     for (int64_t c0 = 0, i = 0; c0 < count; c0 += chunk_max, i ^= 1) {
       const int64_t chunk = std::min(chunk_max, count - c0);
+      if (pinned) {
+        const size_t run = static_cast<size_t>(chunk) * kLatentRowBytes;
+        RETURN_IF_ERROR(Check(cudaMemcpy2DAsync(row_dev_[i], run, rows + c0 * kLatentDim,
+                                                static_cast<size_t>(count) * kLatentRowBytes, run,
+                                                static_cast<size_t>(layers),
+                                                cudaMemcpyHostToDevice, stream_),
+                              "row upload"));
+        RETURN_IF_ERROR(kernels::LaunchCopyRows(View(), PageTableOnDevice(), start + c0, chunk,
+                                                static_cast<Bf16*>(row_dev_[i]),
+                                                /*to_pool=*/true, stream_));
+        continue;
+      }
       // The buffer's previous chunk must have left it before it is refilled.
       if (used[i]) RETURN_IF_ERROR(Check(cudaEventSynchronize(row_done_[i]), "row upload"));
       auto* host = static_cast<Bf16*>(row_host_[i]);
@@ -286,6 +306,21 @@ class CudaDevice final : public Device {
     c.accepted = dev_path + 2;
     RETURN_IF_ERROR(kernels::LaunchCompactAcceptedKv(c, stream_));
     return Check(cudaStreamSynchronize(stream_), "compaction");
+  }
+
+  absl::Status PinHostMemory(void* data, size_t bytes) override {
+    // On this device's context (a thread with none would create one on
+    // device 0); portable: every device of the process sees it pinned.
+    RETURN_IF_ERROR(BindThread());
+    const cudaError_t err = cudaHostRegister(data, bytes, cudaHostRegisterPortable);
+    if (err == cudaSuccess) return absl::OkStatus();
+    cudaGetLastError();  // not sticky: clear it for this thread's next call
+    return absl::UnavailableError(absl::StrCat(name_, ": cudaHostRegister of ", bytes,
+                                               " bytes: ", cudaGetErrorString(err)));
+  }
+
+  void UnpinHostMemory(void* data) override {
+    if (!BindThread().ok() || cudaHostUnregister(data) != cudaSuccess) cudaGetLastError();
   }
 
  private:

@@ -15,7 +15,9 @@
 //
 // Threading: Init, CaptureGraphs, Launch, WriteRows, ReadRows and Compact are
 // called from the worker's launch thread; Wait from its completion thread;
-// Staging from both. Work is executed in the order it was issued.
+// Staging from both; PinHostMemory and UnpinHostMemory from any thread (they
+// touch no stream or buffer of the device). Work is executed in the order it
+// was issued.
 #ifndef MLAVERIFY_SERVER_ENGINE_DEVICE_H_
 #define MLAVERIFY_SERVER_ENGINE_DEVICE_H_
 
@@ -28,6 +30,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/bf16.h"
@@ -172,6 +175,17 @@ class Device {
   // P+accepted[t] to P+t in every layer.
   virtual absl::Status Compact(absl::Span<const int32_t> page_table, int64_t prefix_len,
                                absl::Span<const int32_t> accepted) = 0;
+
+  // Page-locks [data, data + bytes) of host memory for every device of the
+  // process, so that copies between it and a device run as DMA straight from
+  // it (WriteRows then skips its staging copy for rows there). May take a
+  // while for large ranges. UNIMPLEMENTED where the device has no use for it
+  // (host devices); the device's error otherwise (e.g. the locked-memory
+  // limit). UnpinHostMemory(data) before the memory is unmapped.
+  virtual absl::Status PinHostMemory(void* data, size_t bytes) {
+    return absl::UnimplementedError(absl::StrCat(name(), ": no use for pinned host memory"));
+  }
+  virtual void UnpinHostMemory(void* data) {}
 };
 
 // Test hooks of HostDevice: what a GPU would do that tests must see without one.
@@ -222,6 +236,7 @@ struct CudaDeviceOptions {
 // the device cannot be used; UNIMPLEMENTED in a build without CUDA.
 absl::StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int ordinal,
                                                        const CudaDeviceOptions& options = {});
+
 
 }  // namespace mlaverify::engine
 

@@ -143,6 +143,11 @@ class DeviceWorker {
   int index() const { return index_; }
   const std::string& name() const { return name_; }
   DeviceDescription Describe() const { return device_->Describe(); }
+  // Device::PinHostMemory / UnpinHostMemory (any thread).
+  absl::Status PinHostMemory(void* data, size_t bytes) {
+    return device_->PinHostMemory(data, bytes);
+  }
+  void UnpinHostMemory(void* data) { device_->UnpinHostMemory(data); }
   // The device's error once it faulted (then all work fails), else OK.
   absl::Status fault() const;
   // Verify shards and ops queued and not yet taken.

@@ -1154,4 +1154,10 @@ absl::StatusOr<int64_t> Engine::Release(uint64_t sequence_id) {
   return result;
 }
 
+absl::Status Engine::PinHostMemory(void* data, size_t bytes) {
+  return workers_[0]->PinHostMemory(data, bytes);
+}
+
+void Engine::UnpinHostMemory(void* data) { workers_[0]->UnpinHostMemory(data); }
+
 }  // namespace mlaverify::engine

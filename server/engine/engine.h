@@ -184,6 +184,12 @@ class Engine {
   // Called periodically by the server's janitor thread.
   int ExpireIdle(absl::Time now);
 
+  // Page-locks host memory that calls will reference (a client's shared-
+  // memory region) through the first device; see Device::PinHostMemory.
+  // Any thread.
+  absl::Status PinHostMemory(void* data, size_t bytes);
+  void UnpinHostMemory(void* data);
+
   // Reads positions [start, start+count) of every layer of a sequence from
   // its `replica`-th device (tests: TP replicas must agree).
   absl::Status ReadKv(uint64_t sequence_id, int64_t start, int64_t count, absl::Span<Bf16> kv,

@@ -82,6 +82,7 @@ absl::Status FromErrno(int err, absl::string_view what) {
 }  // namespace
 
 SharedMemoryRegion::~SharedMemoryRegion() {
+  if (unpin_) unpin_(data_);
   if (mapping_ != nullptr) munmap(mapping_, mapping_bytes_);
 }
 
@@ -162,6 +163,11 @@ SharedMemoryRegistry::SharedMemoryRegistry(const SharedMemoryOptions& options)
 
 SharedMemoryRegistry::~SharedMemoryRegistry() = default;
 
+void SharedMemoryRegistry::SetPinner(HostMemoryPinner pinner) {
+  absl::MutexLock lock(&mu_);
+  pinner_ = std::move(pinner);
+}
+
 absl::Status SharedMemoryRegistry::Register(const std::string& name, const std::string& key,
                                             uint64_t offset, uint64_t byte_size) {
   if (!options_.enabled) {
@@ -225,6 +231,23 @@ absl::Status SharedMemoryRegistry::Register(const std::string& name, const std::
   region->offset_ = offset;
   region->byte_size_ = byte_size;
   region->data_ = static_cast<uint8_t*>(region->mapping_) + (offset - map_start);
+  HostMemoryPinner pinner;
+  {
+    absl::MutexLock lock(&mu_);
+    pinner = pinner_;
+  }
+  std::string pin_note = "not pinned (no device to pin it for)";
+  if (pinner.pin) {
+    // Page-locked, copies to the devices run as DMA straight from the
+    // region. A failure (e.g. RLIMIT_MEMLOCK) leaves it usable unpinned.
+    const absl::Status pinned = pinner.pin(region->data_, static_cast<size_t>(byte_size));
+    if (pinned.ok()) {
+      region->unpin_ = pinner.unpin;
+      pin_note = "pinned";
+    } else {
+      pin_note = absl::StrCat("not pinned: ", pinned.message());
+    }
+  }
   {
     absl::MutexLock lock(&mu_);
     // Checked again: another registration may have raced this one.
@@ -241,8 +264,8 @@ absl::Status SharedMemoryRegistry::Register(const std::string& name, const std::
     registered_bytes_ += static_cast<int64_t>(byte_size);
     regions_.emplace(name, std::move(region));
   }
-  spdlog::info("shared-memory region {} registered: {} bytes at offset {} of {}", Quoted(name),
-               byte_size, offset, Quoted(key));
+  spdlog::info("shared-memory region {} registered: {} bytes at offset {} of {}, {}",
+               Quoted(name), byte_size, offset, Quoted(key), pin_note);
   return absl::OkStatus();
 }
 
@@ -291,7 +314,7 @@ absl::StatusOr<std::vector<SharedMemoryRegionStatus>> SharedMemoryRegistry::Stat
   for (const auto& [region_name, r] : regions_) {
     if (!name.empty() && region_name != name) continue;
     out.push_back({r->name_, r->key_, r->offset_, r->byte_size_, r->in_flight_.load(),
-                   r->calls_total_.load()});
+                   r->calls_total_.load(), static_cast<bool>(r->unpin_)});
   }
   if (!name.empty() && out.empty()) {
     return absl::NotFoundError(

@@ -23,6 +23,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -49,6 +50,15 @@ struct SharedMemoryRegionStatus {
   uint64_t byte_size = 0;
   int64_t calls_in_flight = 0;
   int64_t calls_total = 0;
+  bool pinned = false;
+};
+
+// Page-locking of mapped regions for direct device copies (the engine's
+// PinHostMemory); pin returns OK or why not (the region is then used
+// unpinned).
+struct HostMemoryPinner {
+  std::function<absl::Status(void*, size_t)> pin;
+  std::function<void(void*)> unpin;
 };
 
 // One mapped range. Owned by the registry and by the leases on it; unmapped
@@ -74,6 +84,7 @@ class SharedMemoryRegion {
   void* mapping_ = nullptr;  // page-aligned start of the mmap
   size_t mapping_bytes_ = 0;
   uint8_t* data_ = nullptr;
+  std::function<void(void*)> unpin_;  // set when pinned
   std::atomic<int64_t> in_flight_{0};
   std::atomic<int64_t> calls_total_{0};
 };
@@ -122,6 +133,9 @@ class SharedMemoryRegistry {
   ~SharedMemoryRegistry();
 
   bool enabled() const { return options_.enabled; }
+  // Regions registered from now on are page-locked through `pinner` (set
+  // once, when the engine is attached; until then regions stay unpinned).
+  void SetPinner(HostMemoryPinner pinner);
   const SharedMemoryOptions& options() const { return options_; }
 
   // Opens `key` read-write and maps [offset, offset + byte_size). Errors as
@@ -152,6 +166,7 @@ class SharedMemoryRegistry {
   std::map<std::string, std::shared_ptr<SharedMemoryRegion>, std::less<>> regions_
       ABSL_GUARDED_BY(mu_);
   int64_t registered_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  HostMemoryPinner pinner_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace mlaverify::transport

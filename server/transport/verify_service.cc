@@ -39,6 +39,17 @@ VerifyServiceImpl::VerifyServiceImpl(const ServiceOptions& options, RpcObserver*
 
 VerifyServiceImpl::~VerifyServiceImpl() = default;
 
+void VerifyServiceImpl::AttachEngine(engine::Engine* engine) {
+  // Regions are page-locked for the engine's devices where that helps (a
+  // CUDA backend: AppendKv rows go to the device by DMA from the region).
+  if (engine->backend_name() == "cuda") {
+    shared_memory_.SetPinner(
+        {[engine](void* data, size_t bytes) { return engine->PinHostMemory(data, bytes); },
+         [engine](void* data) { engine->UnpinHostMemory(data); }});
+  }
+  engine_.store(engine, std::memory_order_release);
+}
+
 absl::Status VerifyServiceImpl::Admit(grpc::CallbackServerContext* ctx,
                                       bool allowed_while_draining) const {
   const ServingState state = state_->load();
@@ -421,6 +432,7 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::SystemSharedMemoryStatus(
                         out->set_byte_size(r.byte_size);
                         out->set_calls_in_flight(r.calls_in_flight);
                         out->set_calls_total(r.calls_total);
+                        out->set_pinned(r.pinned);
                       }
                     }
                     finish(regions.status());

@@ -81,7 +81,7 @@ class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
 
   // The engine the RPCs reach; set once, before the state becomes kServing
   // (until then every RPC is refused with UNAVAILABLE). Outlives the service.
-  void AttachEngine(engine::Engine* engine) { engine_.store(engine, std::memory_order_release); }
+  void AttachEngine(engine::Engine* engine);
 
   // Draining: every open VerifyStream stops reading; an idle one ends at once
   // with UNAVAILABLE, a busy one once its answers are written. Returns how
