@@ -108,10 +108,12 @@ if want planes && [ -x "$bundle/bin/mlaverify-server" ]; then
   # The data planes (inline and system shared memory) on one GPU, 61 layers x
   # 8 heads, page 64, N=16 trees: the checked demo on each plane, then load
   # with the bare-transport floor measured after each row (load --floor):
-  # one call in flight at L=16K and 64 workers at L=1K, unary and stream;
-  # the kernel's time for both shapes; then inline with gRPC's default
-  # HTTP/2 settings on both ends beside the tuned ones. Summarised by
-  # bench/service_planes.py into bench/results/service-<gpu>-<date>.json.
+  # one call in flight at L=16K, 64 workers at L=1K, and 4 workers of 32
+  # items per call at L=1K (a scheduler verifying its batch), unary and
+  # stream; AppendKv in smaller messages; a longer worker spin; the kernel's
+  # time for the shapes. Summarised by bench/service_planes.py into
+  # bench/results/service-<gpu>-<date>.json.
+  df -h /dev/shm | tail -1
   start_server planes 127.0.0.1:0 --devices 0 --heads 8 --pool-bytes 40GiB --allow-client-shm true
   for plane in inline shm; do
     for rpc in unary stream; do
@@ -122,41 +124,48 @@ if want planes && [ -x "$bundle/bin/mlaverify-server" ]; then
       tail -1 "$out/demo-$plane-$rpc.log"
     done
   done
-  for plane in inline shm; do
-    for rpc in unary stream; do
-      extra=(); [ "$rpc" = stream ] && extra=(--stream)
-      timeout 100 "${cl[@]}" load --concurrency 1 --duration-s 6 --warmup-s 1 --prompt-len 16384 \
-        --max-seq-len 16900 --drafts 16 --data-plane $plane "${extra[@]}" --floor \
-        --json "$out/planes-$plane-$rpc-c1-16k.json" > "$out/planes-$plane-$rpc-c1-16k.log" 2>&1
-      summary+=("load $plane $rpc c1 16k rc=$?")
-      grep -E "^(latency|server split|floor: |append|result)" "$out/planes-$plane-$rpc-c1-16k.log"
-      timeout 100 "${cl[@]}" load --concurrency 64 --duration-s 8 --warmup-s 2 --prompt-len 1024 \
-        --drafts 16 --data-plane $plane "${extra[@]}" --floor \
-        --json "$out/planes-$plane-$rpc-c64-1k.json" > "$out/planes-$plane-$rpc-c64-1k.log" 2>&1
-      summary+=("load $plane $rpc c64 1k rc=$?")
-      grep -E "^(verify calls|latency|server split|floor: |append|result)" \
-        "$out/planes-$plane-$rpc-c64-1k.log"
-    done
-  done
-  stop_server planes
-  timeout 120 "$bundle/bin/mlaverify-bench" --shape 1,16384,16,8,64,tree --shape 1,1024,16,8,64,tree \
-    --out "$out/planes-kernel.json" > "$out/planes-kernel.log" 2>&1
-  summary+=("kernel shapes rc=$?")
-  grep -E '^B=' "$out/planes-kernel.log"
-  # gRPC's default HTTP/2 settings (16 KiB frames, default window) on both ends.
-  start_server http2default 127.0.0.1:0 --devices 0 --heads 8 --pool-bytes 40GiB \
-    --http2-max-frame-bytes 0 --http2-lookahead-bytes 0
-  cl+=(--http2-max-frame-bytes 0 --http2-lookahead-bytes 0)
+  # load ROW ARGS...: one load with the floor, its JSON and log named by ROW.
+  load_row() {
+    local row=$1
+    shift
+    timeout 100 "${cl[@]}" load --drafts 16 --floor --progress false "$@" \
+      --json "$out/planes-$row.json" > "$out/planes-$row.log" 2>&1
+    summary+=("load $row rc=$?")
+    echo "== $row"
+    grep -E "^(verify calls|latency|server split|floor: |append|errors|result)" "$out/planes-$row.log"
+  }
+  # The shm rows make the whole prompt in the region (--shm-staging-mib
+  # above its 1.15 GB at L=16K, 70 MB at L=1K): AppendKv of one reference,
+  # copied to the device by DMA from the pinned region.
+  c1=(--concurrency 1 --duration-s 5 --warmup-s 1 --prompt-len 16384 --max-seq-len 16900)
+  c64=(--concurrency 64 --duration-s 6 --warmup-s 1.5 --prompt-len 1024)
+  items=(--concurrency 4 --items 32 --duration-s 6 --warmup-s 1.5 --prompt-len 1024)
   for rpc in unary stream; do
     extra=(); [ "$rpc" = stream ] && extra=(--stream)
-    timeout 100 "${cl[@]}" load --concurrency 1 --duration-s 6 --warmup-s 1 --prompt-len 16384 \
-      --max-seq-len 16900 --drafts 16 "${extra[@]}" --floor \
-      --json "$out/planes-inline-$rpc-c1-16k-http2default.json" \
-      > "$out/planes-inline-$rpc-c1-16k-http2default.log" 2>&1
-    summary+=("load http2 default $rpc c1 16k rc=$?")
-    grep -E "^(latency|floor: |append|result)" "$out/planes-inline-$rpc-c1-16k-http2default.log"
+    load_row "inline-$rpc-c1-16k" "${c1[@]}" "${extra[@]}"
+    load_row "shm-$rpc-c1-16k" "${c1[@]}" "${extra[@]}" --data-plane shm --shm-staging-mib 1200
+    load_row "inline-$rpc-c64-1k" "${c64[@]}" "${extra[@]}"
+    load_row "shm-$rpc-c64-1k" "${c64[@]}" "${extra[@]}" --data-plane shm --shm-staging-mib 72
+    load_row "inline-$rpc-c4-1k-items32" "${items[@]}" "${extra[@]}"
+    load_row "shm-$rpc-c4-1k-items32" "${items[@]}" "${extra[@]}" --data-plane shm --shm-staging-mib 72
   done
-  stop_server http2default
+  # Inline AppendKv in 16 MiB messages instead of the server's 64 MiB limit.
+  cl_small=("${cl[@]}" --max-message-mib 16)
+  cl_saved=("${cl[@]}"); cl=("${cl_small[@]}")
+  load_row "inline-stream-c1-16k-chunks16mib" "${c1[@]}" --stream
+  cl=("${cl_saved[@]}")
+  stop_server planes
+  # The launch thread polling its queue 500 us instead of 100 us before it
+  # sleeps (one call in flight leaves it idle ~200 us between calls).
+  start_server spin 127.0.0.1:0 --devices 0 --heads 8 --pool-bytes 40GiB --allow-client-shm true \
+    --worker-spin-us 500
+  load_row "shm-stream-c1-16k-spin500" "${c1[@]}" --stream --data-plane shm --shm-staging-mib 1200
+  load_row "inline-stream-c1-16k-spin500" "${c1[@]}" --stream
+  stop_server spin
+  timeout 120 "$bundle/bin/mlaverify-bench" --shape 1,16384,16,8,64,tree --shape 1,1024,16,8,64,tree \
+    --shape 32,1024,16,8,64,tree --out "$out/planes-kernel.json" > "$out/planes-kernel.log" 2>&1
+  summary+=("kernel shapes rc=$?")
+  grep -E '^B=' "$out/planes-kernel.log"
 fi
 if want fault && [ -x "$bundle/bin/mlaverify-server" ]; then
   # A real device fault: the third verify launch runs a trapping kernel. The

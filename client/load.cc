@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <memory>
 #include <optional>
 #include <random>
@@ -47,6 +48,7 @@ struct LoadPlan {
   int num_layers = 0;
   int num_heads = 0;
   int num_drafts = 0;
+  int items = 1;  // sequences per Verify call
   int64_t prompt_len = 0;
   int64_t max_sequence_len = 0;
   bool stream = false;
@@ -120,12 +122,22 @@ class RunControl {
   }
 
   bool stopped() const { return stop_.load(std::memory_order_relaxed); }
+  // Totals for the progress line.
+  void CountCall(int items) {
+    calls_.fetch_add(1, std::memory_order_relaxed);
+    items_.fetch_add(items, std::memory_order_relaxed);
+  }
+  void CountError() { errors_.fetch_add(1, std::memory_order_relaxed); }
+  int64_t calls() const { return calls_.load(std::memory_order_relaxed); }
+  int64_t items() const { return items_.load(std::memory_order_relaxed); }
+  int64_t errors() const { return errors_.load(std::memory_order_relaxed); }
   void Stop() { stop_.store(true, std::memory_order_relaxed); }
 
  private:
   const LoadPlan& plan_;
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> issued_{0};
+  std::atomic<int64_t> calls_{0}, items_{0}, errors_{0};
   absl::Mutex mu_;
   int ready_ ABSL_GUARDED_BY(mu_) = 0;
   bool started_ ABSL_GUARDED_BY(mu_) = false;
@@ -135,6 +147,7 @@ struct WorkerResult {
   std::vector<double> latencies_ms;
   LoadReport::SlowestCall slowest;
   int64_t verify_calls = 0;
+  int64_t verify_items = 0;
   int64_t draft_tokens = 0;
   int64_t steps_committed = 0;
   int64_t sequences_created = 0;
@@ -143,6 +156,7 @@ struct WorkerResult {
   int64_t ramp_up_append_bytes = 0;
   std::optional<Clock::time_point> first_append_start, last_append_end;  // in the ramp-up
   std::map<std::string, int64_t> errors;
+  std::map<std::string, std::map<std::string, int64_t>> errors_by_rpc;
   // Failed calls whose replica was down by then, per replica (several
   // targets only: the run goes on with the other replicas).
   std::map<int, int64_t> lost_replica_errors;
@@ -181,24 +195,27 @@ class LoadWorker {
     FillUniformBf16(rng_, -2.0f, 2.0f, absl::MakeSpan(q_));
     draft_kv_.resize(static_cast<size_t>(plan_.num_drafts) * kLatentDim);
     FillUniformBf16(rng_, -1.0f, 1.0f, absl::MakeSpan(draft_kv_));
-    q_view_ = q_;
-    draft_kv_view_ = draft_kv_;
-    if (!plan_.placements.empty()) {
-      // As a co-located scheduler would: the inputs are made in shared memory
-      // once, and every call references them where they are.
-      const ShmItemPlacement& p = plan_.placements[index_];
-      auto* q = reinterpret_cast<Bf16*>(p.base + p.q_offset);
-      auto* kv = reinterpret_cast<Bf16*>(p.base + p.draft_kv_offset);
-      std::copy(q_.begin(), q_.end(), q);
-      std::copy(draft_kv_.begin(), draft_kv_.end(), kv);
-      q_view_ = absl::MakeConstSpan(q, q_.size());
-      draft_kv_view_ = absl::MakeConstSpan(kv, draft_kv_.size());
+    // Every item of a call gets the same inputs; with shared memory each has
+    // its own placement (outputs may not overlap), the inputs copied in once,
+    // as a co-located scheduler would make them there.
+    for (int k = 0; k < plan_.items; ++k) {
+      absl::Span<const Bf16> q = q_, kv = draft_kv_;
+      const ShmItemPlacement* place = nullptr;
+      if (!plan_.placements.empty()) {
+        place = &plan_.placements[static_cast<size_t>(index_) * plan_.items + k];
+        auto* q_shm = reinterpret_cast<Bf16*>(place->base + place->q_offset);
+        auto* kv_shm = reinterpret_cast<Bf16*>(place->base + place->draft_kv_offset);
+        std::copy(q_.begin(), q_.end(), q_shm);
+        std::copy(draft_kv_.begin(), draft_kv_.end(), kv_shm);
+        q = absl::MakeConstSpan(q_shm, q_.size());
+        kv = absl::MakeConstSpan(kv_shm, draft_kv_.size());
+      }
+      item_inputs_.push_back({0, {}, q, kv, place});
     }
 
-    // Ramp-up (untimed): this worker's first sequence, or its failures up
+    // Ramp-up (untimed): this worker's first sequences, or its failures up
     // to the limit, before the run's clock starts.
-    while (!sequence_.has_value() && consecutive_failures_ < kMaxConsecutiveFailures)
-      StartSequence();
+    while (group_.empty() && consecutive_failures_ < kMaxConsecutiveFailures) StartGroup();
     result_.ramp_up_append_bytes = result_.append_bytes;
     ramped_up_ = true;
     control_.WorkerReady();
@@ -210,10 +227,10 @@ class LoadWorker {
                      consecutive_failures_);
         break;
       }
-      if (!sequence_.has_value() && !StartSequence()) continue;
+      if (group_.empty() && !StartGroup()) continue;
       if (!RunStep()) break;
     }
-    if (sequence_.has_value()) result_.unreleased.push_back(*sequence_);
+    for (const PlacedSequence& seq : group_) result_.unreleased.push_back(seq);
     if (stream_ != nullptr) {
       // Errors past the end of the run (e.g. the stream's own deadline) are
       // not the server's fault; the stream is only being put away.
@@ -225,7 +242,7 @@ class LoadWorker {
  private:
   // `replica`: the replica the failed call went to (-1: none, e.g. no
   // replica was up to create a sequence on).
-  void RecordError(const absl::Status& status, int replica = -1) {
+  void RecordError(const char* rpc, const absl::Status& status, int replica = -1) {
     if (replicas_.size() > 1 && replica >= 0 && !replicas_.CheckUp(replica).ok()) {
       // Its replica is gone; the next sequence goes to another one.
       if (result_.lost_replica_errors[replica]++ == 0) {
@@ -234,6 +251,8 @@ class LoadWorker {
       return;
     }
     ++result_.errors[absl::StatusCodeToString(status.code())];
+    ++result_.errors_by_rpc[rpc][absl::StatusCodeToString(status.code())];
+    control_.CountError();
     ++consecutive_failures_;
     if (consecutive_failures_ == 1) {
       spdlog::warn("load worker {}: {}", index_, status.ToString());
@@ -241,16 +260,21 @@ class LoadWorker {
     std::this_thread::sleep_for(kFailureBackoff);
   }
 
-  bool StartSequence() {
-    absl::StatusOr<PlacedSequence> placed = replicas_.CreateSequence(absl::StrCat("load-", index_));
-    if (!placed.ok()) {
-      RecordError(placed.status());
-      return false;
-    }
-    ++result_.sequences_created;
-    sequence_ = *placed;
-    length_ = 0;
-    if (plan_.prompt_len > 0) {
+  // The worker's `items` sequences, each with its prompt. With several items
+  // there is one target (RunLoad checks), so all of them share a replica.
+  bool StartGroup() {
+    for (int k = 0; k < plan_.items; ++k) {
+      absl::StatusOr<PlacedSequence> placed =
+          replicas_.CreateSequence(absl::StrCat("load-", index_));
+      if (!placed.ok()) {
+        RecordError("CreateSequence", placed.status());
+        DropGroup();
+        return false;
+      }
+      ++result_.sequences_created;
+      group_.push_back(*placed);
+      lengths_.push_back(0);
+      if (plan_.prompt_len == 0) continue;
       const Clock::time_point start = Clock::now();
       absl::StatusOr<AppendKvResult> appended =
           replicas_.AppendKv(*placed, 0, plan_.num_layers, plan_.prompt_len, prompt_view_,
@@ -261,40 +285,41 @@ class LoadWorker {
         if (!result_.first_append_start.has_value()) result_.first_append_start = start;
         result_.last_append_end = end;
       }
-      if (appended.ok()) result_.append_bytes += static_cast<int64_t>(prompt_view_.size() * 2);
       if (!appended.ok()) {
-        RecordError(appended.status(), placed->replica);
-        DropSequence();
+        RecordError("AppendKv", appended.status(), placed->replica);
+        DropGroup();
         return false;
       }
-      length_ = appended->length;
+      result_.append_bytes += static_cast<int64_t>(prompt_view_.size() * sizeof(Bf16));
+      lengths_.back() = appended->length;
     }
     return true;
   }
 
-  // Releases the current sequence after a failure left its state unknown. A
-  // sequence the server no longer knows is gone already; any other failure
-  // leaves it for the final release.
-  void DropSequence() {
-    if (!sequence_.has_value()) return;
-    // A sequence of a replica that is down went with it.
-    if (replicas_.CheckUp(sequence_->replica).ok()) {
-      absl::StatusOr<int64_t> freed = replicas_.ReleaseSequence(*sequence_);
+  // Releases the current sequences after a failure left their state
+  // unknown. A sequence the server no longer knows is gone already; any other
+  // failure leaves it for the final release.
+  void DropGroup() {
+    for (const PlacedSequence& seq : group_) {
+      // A sequence of a replica that is down went with it.
+      if (!replicas_.CheckUp(seq.replica).ok()) continue;
+      absl::StatusOr<int64_t> freed = replicas_.ReleaseSequence(seq);
       if (!freed.ok() && freed.status().code() != absl::StatusCode::kNotFound) {
-        RecordError(freed.status(), sequence_->replica);
-        result_.unreleased.push_back(*sequence_);
+        RecordError("ReleaseSequence", freed.status(), seq.replica);
+        result_.unreleased.push_back(seq);
       }
     }
-    sequence_.reset();
+    group_.clear();
+    lengths_.clear();
   }
 
-  absl::StatusOr<std::vector<VerifyItemResult>> VerifyLayer(int layer,
-                                                            const VerifyItemInput& item) {
-    const int owner = sequence_->replica;
-    if (!plan_.stream) return replicas_.Verify(owner, layer, {&item, 1});
+  absl::StatusOr<std::vector<VerifyItemResult>> VerifyLayer(
+      int layer, absl::Span<const VerifyItemInput> items) {
+    const int owner = group_.front().replica;
+    if (!plan_.stream) return replicas_.Verify(owner, layer, items);
     RETURN_IF_ERROR(replicas_.CheckUp(owner));
     if (stream_ != nullptr && stream_replica_ != owner) {
-      stream_->Close().IgnoreError();  // the new sequence lives elsewhere
+      stream_->Close().IgnoreError();  // the new sequences live elsewhere
       stream_.reset();
     }
     if (stream_ == nullptr) {
@@ -307,65 +332,79 @@ class LoadWorker {
       stream_ = *std::move(opened);
       stream_replica_ = owner;
     }
-    absl::StatusOr<std::vector<VerifyItemResult>> results = stream_->Verify(layer, {&item, 1});
+    absl::StatusOr<std::vector<VerifyItemResult>> results = stream_->Verify(layer, items);
     if (!results.ok()) return replicas_.Observe(owner, results.status());
     return results;
   }
 
-  // One verify step of the worker's sequence. False when the run is over.
+  // One verify step of the worker's sequences (a tree each, every layer in
+  // one call per layer). False when the run is over.
   bool RunStep() {
-    const std::vector<int32_t> parents = RandomDraftTree(rng_, plan_.num_drafts);
-    const VerifyItemInput item{sequence_->id, parents, q_view_, draft_kv_view_,
-                               plan_.placements.empty() ? nullptr : &plan_.placements[index_]};
+    const int items = static_cast<int>(group_.size());
+    std::vector<std::vector<int32_t>> parents(items);
+    for (int k = 0; k < items; ++k) {
+      parents[k] = RandomDraftTree(rng_, plan_.num_drafts);
+      item_inputs_[k].sequence_id = group_[k].id;
+      item_inputs_[k].parents = parents[k];
+    }
+    const absl::Span<const VerifyItemInput> call(item_inputs_.data(), items);
     for (int layer = 0; layer < plan_.num_layers; ++layer) {
       bool measured = false;
       if (!control_.BeginVerify(&measured)) return false;
       const Clock::time_point start = Clock::now();
-      absl::StatusOr<std::vector<VerifyItemResult>> results = VerifyLayer(layer, item);
+      absl::StatusOr<std::vector<VerifyItemResult>> results = VerifyLayer(layer, call);
       const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
       if (!results.ok()) {
-        RecordError(results.status(), sequence_->replica);
+        RecordError(plan_.stream ? "VerifyStream" : "Verify", results.status(),
+                    group_.front().replica);
         // A stream that failed may be broken; a fresh one costs little.
         stream_.reset();
-        DropSequence();
+        DropGroup();
         return true;
       }
-      const std::vector<Bf16>& out = results->front().out;
-      const std::vector<float>& lse = results->front().lse;
-      const bool finite =
-          std::all_of(out.begin(), out.end(),
-                      [](Bf16 v) { return std::isfinite(Bf16ToFloat(v)); }) &&
-          std::all_of(lse.begin(), lse.end(), [](float v) { return std::isfinite(v); });
-      if (!finite) {
-        ++result_.errors[kNonFiniteOutput];
+      for (const VerifyItemResult& r : *results) {
+        const bool finite =
+            std::all_of(r.out.begin(), r.out.end(),
+                        [](Bf16 v) { return std::isfinite(Bf16ToFloat(v)); }) &&
+            std::all_of(r.lse.begin(), r.lse.end(), [](float v) { return std::isfinite(v); });
+        if (!finite) ++result_.errors[kNonFiniteOutput];
       }
       if (measured) {
         if (ms > result_.slowest.ms) {
           result_.slowest = {ms, std::chrono::duration<double>(start - plan_.measure_start).count(),
-                             index_, layer, length_};
+                             index_, layer, lengths_.front()};
         }
         result_.latencies_ms.push_back(ms);
+        control_.CountCall(items);
         ++result_.verify_calls;
-        result_.draft_tokens += plan_.num_drafts;
+        result_.verify_items += items;
+        result_.draft_tokens += int64_t{items} * plan_.num_drafts;
       }
     }
-    const std::vector<int32_t> accepted = RandomAcceptedPath(rng_, parents);
-    absl::StatusOr<CommitResult> committed = replicas_.Commit(*sequence_, accepted);
-    if (!committed.ok()) {
-      RecordError(committed.status(), sequence_->replica);
-      DropSequence();
-      return true;
+    bool full = false;
+    for (int k = 0; k < items; ++k) {
+      const std::vector<int32_t> accepted = RandomAcceptedPath(rng_, parents[k]);
+      absl::StatusOr<CommitResult> committed = replicas_.Commit(group_[k], accepted);
+      if (!committed.ok()) {
+        RecordError("Commit", committed.status(), group_[k].replica);
+        DropGroup();
+        return true;
+      }
+      lengths_[k] = committed->length;
+      full = full || lengths_[k] + plan_.num_drafts > plan_.max_sequence_len;
     }
     consecutive_failures_ = 0;
-    ++result_.steps_committed;
-    length_ = committed->length;
-    if (length_ + plan_.num_drafts > plan_.max_sequence_len) {
-      absl::StatusOr<int64_t> freed = replicas_.ReleaseSequence(*sequence_);
-      if (!freed.ok()) {
-        RecordError(freed.status(), sequence_->replica);
-        result_.unreleased.push_back(*sequence_);
+    result_.steps_committed += items;
+    if (full) {
+      for (const PlacedSequence& seq : group_) {
+        absl::StatusOr<int64_t> freed = replicas_.ReleaseSequence(seq);
+        if (!freed.ok()) {
+          RecordError("ReleaseSequence", freed.status(), seq.replica);
+          result_.unreleased.push_back(seq);
+        }
       }
-      sequence_.reset();
+      group_.clear();
+      lengths_.clear();
     }
     return true;
   }
@@ -384,8 +423,10 @@ class LoadWorker {
   absl::Span<const Bf16> q_view_, draft_kv_view_;
   std::unique_ptr<VerifyStreamSession> stream_;
   int stream_replica_ = -1;  // the replica stream_ is open to
-  std::optional<PlacedSequence> sequence_;
-  int64_t length_ = 0;
+  // The inputs of one call's items (the ids and trees set per step).
+  std::vector<VerifyItemInput> item_inputs_;
+  std::vector<PlacedSequence> group_;  // the live sequences, items of every call
+  std::vector<int64_t> lengths_;       // their committed lengths
   int consecutive_failures_ = 0;
   WorkerResult result_;
 };
@@ -453,6 +494,15 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
   plan.num_layers = info.num_layers();
   plan.num_heads = info.num_heads();
   plan.num_drafts = report.num_drafts;
+  plan.items = options.items;
+  if (options.items < 1 || options.items > info.max_batch()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--items %d: need 1..%d (the server's max_batch)", options.items, info.max_batch()));
+  }
+  if (options.items > 1 && replicas.size() > 1) {
+    return absl::InvalidArgumentError(
+        "--items above 1 takes one target: the items of a call must live on one replica");
+  }
   plan.prompt_len = options.prompt_len;
   plan.max_sequence_len =
       options.max_sequence_len > 0 ? options.max_sequence_len : options.prompt_len + 512;
@@ -497,13 +547,16 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
         token_bytes, std::min<uint64_t>(static_cast<uint64_t>(options.shm_staging_bytes),
                                         static_cast<uint64_t>(plan.prompt_len) * token_bytes));
     const uint64_t item = (ShmVerifyItemBytes(plan.num_drafts, plan.num_heads) + 255) / 256 * 256;
-    const uint64_t per_worker = item + (staging + 255) / 256 * 256;
+    const uint64_t items = item * static_cast<uint64_t>(plan.items);
+    const uint64_t per_worker = items + (staging + 255) / 256 * 256;
     ASSIGN_OR_RETURN(shm, SharedMemoryBuffer::Create(per_worker * options.concurrency));
     for (int w = 0; w < options.concurrency; ++w) {
       const uint64_t base = per_worker * w;
-      plan.placements.push_back(
-          PlaceVerifyItem(shm_name, shm->data(), base, plan.num_drafts, plan.num_heads));
-      plan.stagings.push_back({shm_name, shm->data(), base + item, staging});
+      for (int k = 0; k < plan.items; ++k) {
+        plan.placements.push_back(PlaceVerifyItem(shm_name, shm->data(), base + item * k,
+                                                  plan.num_drafts, plan.num_heads));
+      }
+      plan.stagings.push_back({shm_name, shm->data(), base + items, staging});
     }
     for (int r = 0; r < replicas.size(); ++r) {
       absl::Status registered =
@@ -524,9 +577,9 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
     absl::PrintF("server %s: %s\n", targets[r], ServerInfoSummaryLine(infos[r]));
   }
   absl::PrintF(
-      "load: %d workers, %s after %.1f s warm-up, N=%d, prompt %d, sequences up to %d "
-      "tokens, %s calls, %s data plane\n",
-      options.concurrency,
+      "load: %d workers x %d items per call, %s after %.1f s warm-up, N=%d, prompt %d, "
+      "sequences up to %d tokens, %s calls, %s data plane\n",
+      options.concurrency, options.items,
       options.duration_s > 0 && options.requests > 0
           ? absl::StrFormat("%.1f s or %d calls", options.duration_s, options.requests)
       : options.duration_s > 0 ? absl::StrFormat("%.1f s", options.duration_s)
@@ -546,7 +599,7 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
   const Clock::time_point start = Clock::now();
   report.ramp_up_seconds = std::chrono::duration<double>(start - ramp_up_start).count();
   absl::PrintF("ramp-up:      %d sequences ready (prompts appended) in %.2f s, not timed\n",
-               options.concurrency, report.ramp_up_seconds);
+               options.concurrency * options.items, report.ramp_up_seconds);
   plan.measure_start = start + std::chrono::duration_cast<Clock::duration>(
                                    std::chrono::duration<double>(options.warmup_s));
   if (options.duration_s > 0) {
@@ -583,7 +636,31 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
   control.Start();
   std::this_thread::sleep_until(plan.measure_start);
   const LoadReport::ServerSplit split_before = read_split();
+  // A line a second on stderr while the workers run: measured calls so far,
+  // the last second's rate, errors.
+  std::atomic<bool> workers_done{false};
+  std::thread progress;
+  if (options.progress) {
+    progress = std::thread([&] {
+      int64_t last_calls = 0;
+      for (int second = 1; !workers_done.load(); ++second) {
+        const Clock::time_point tick = plan.measure_start + std::chrono::seconds(second);
+        while (!workers_done.load() && Clock::now() < tick) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        }
+        if (workers_done.load()) break;
+        const int64_t calls = control.calls();
+        std::fprintf(stderr, "[%3d s] %lld calls (%lld/s, %lld items), %lld errors\n", second,
+                     static_cast<long long>(calls), static_cast<long long>(calls - last_calls),
+                     static_cast<long long>(control.items()),
+                     static_cast<long long>(control.errors()));
+        last_calls = calls;
+      }
+    });
+  }
   for (std::thread& thread : threads) thread.join();
+  workers_done.store(true);
+  if (progress.joinable()) progress.join();
   const LoadReport::ServerSplit split_after = read_split();
   if (const int64_t calls = split_after.calls - split_before.calls; calls > 0) {
     LoadReport::ServerSplit& d = report.server_split;
@@ -603,6 +680,7 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
     latencies.insert(latencies.end(), result.latencies_ms.begin(), result.latencies_ms.end());
     if (result.slowest.ms > report.slowest.ms) report.slowest = result.slowest;
     report.verify_calls += result.verify_calls;
+    report.verify_items += result.verify_items;
     report.draft_tokens += result.draft_tokens;
     report.steps_committed += result.steps_committed;
     report.sequences_created += result.sequences_created;
@@ -615,6 +693,9 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
       ramp_last = std::max(ramp_last.value_or(*result.last_append_end), *result.last_append_end);
     }
     for (const auto& [code, count] : result.errors) report.errors[code] += count;
+    for (const auto& [rpc, codes] : result.errors_by_rpc) {
+      for (const auto& [code, count] : codes) report.errors_by_rpc[rpc][code] += count;
+    }
     for (const auto& [r, count] : result.lost_replica_errors) {
       LoadReport::Replica& replica = report.replicas[r];
       if (replica.errors_while_down == 0) replica.first_error = result.first_lost_error[r];
@@ -623,7 +704,10 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
     for (const PlacedSequence& seq : result.unreleased) {
       if (replicas.size() > 1 && !replicas.CheckUp(seq.replica).ok()) continue;  // gone with it
       absl::StatusOr<int64_t> freed = replicas.ReleaseSequence(seq);
-      if (!freed.ok()) ++report.errors[absl::StatusCodeToString(freed.status().code())];
+      if (!freed.ok()) {
+        ++report.errors[absl::StatusCodeToString(freed.status().code())];
+        ++report.errors_by_rpc["ReleaseSequence"][absl::StatusCodeToString(freed.status().code())];
+      }
     }
   }
   const std::vector<ReplicaState> states = replicas.States();
@@ -641,6 +725,7 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
   }
   if (report.measured_seconds > 0) {
     report.calls_per_second = report.verify_calls / report.measured_seconds;
+    report.items_per_second = report.verify_items / report.measured_seconds;
     report.draft_tokens_per_second = report.draft_tokens / report.measured_seconds;
   }
 
@@ -750,8 +835,9 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
 void PrintLoadReport(const LoadReport& report) {
   const LatencySummary& l = report.latency_ms;
   absl::PrintF("\nmeasured:     %.2f s after warm-up\n", report.measured_seconds);
-  absl::PrintF("verify calls: %d (%.1f calls/s, %.1f draft tokens/s)\n", report.verify_calls,
-               report.calls_per_second, report.draft_tokens_per_second);
+  absl::PrintF("verify calls: %d (%.1f calls/s, %.1f items/s, %.1f draft tokens/s)\n",
+               report.verify_calls, report.calls_per_second, report.items_per_second,
+               report.draft_tokens_per_second);
   absl::PrintF("latency ms:   p50 %.3f  p90 %.3f  p99 %.3f  p99.9 %.3f  max %.3f  (mean %.3f)\n",
                l.p50, l.p90, l.p99, l.p999, l.max, l.mean);
   if (report.slowest.worker >= 0) {
@@ -787,7 +873,12 @@ void PrintLoadReport(const LoadReport& report) {
         l.p50 - f.latency_ms.p50);
   }
   std::vector<std::string> errors;
-  for (const auto& [code, count] : report.errors) errors.push_back(absl::StrCat(code, " ", count));
+  for (const auto& [rpc, codes] : report.errors_by_rpc) {
+    for (const auto& [code, count] : codes) errors.push_back(absl::StrCat(rpc, " ", code, " ", count));
+  }
+  for (const auto& [code, count] : report.errors) {
+    if (code == kNonFiniteOutput) errors.push_back(absl::StrCat(code, " ", count));
+  }
   absl::PrintF("errors:       %s\n", errors.empty() ? "none" : absl::StrJoin(errors, ", "));
   if (report.replicas.size() > 1) {
     for (size_t r = 0; r < report.replicas.size(); ++r) {
@@ -840,6 +931,7 @@ nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
         {"warmup_s", o.warmup_s},
         {"prompt_len", o.prompt_len},
         {"drafts", o.drafts},
+        {"items", o.items},
         {"stream", o.stream},
         {"data_plane", o.data_plane},
         {"floor", o.floor},
@@ -853,6 +945,8 @@ nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
       {"verify_calls", report.verify_calls},
       {"draft_tokens", report.draft_tokens},
       {"calls_per_second", report.calls_per_second},
+      {"verify_items", report.verify_items},
+      {"items_per_second", report.items_per_second},
       {"draft_tokens_per_second", report.draft_tokens_per_second},
       {"steps_committed", report.steps_committed},
       {"append",
@@ -893,6 +987,7 @@ nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
                                     {"errors", report.floor.errors}}
            : nlohmann::ordered_json(nullptr)},
       {"errors", report.errors},
+      {"errors_by_rpc", report.errors_by_rpc},
       {"total_errors", report.total_errors},
       {"free_pages_before", report.free_pages_before},
       {"free_pages_after", report.free_pages_after},

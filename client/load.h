@@ -1,8 +1,10 @@
 // `mlaverify-client load`: closed-loop load generator. `concurrency` worker
-// threads each drive one sequence through verify steps (Verify of every
-// layer, then Commit) as fast as the server answers, for a bounded time or
-// number of calls, and the run reports exact latency percentiles, throughput,
-// errors by gRPC code and whether every page came back.
+// threads each drive `items` sequences through verify steps (per layer one
+// Verify carrying all of them, then a Commit each) as fast as the server
+// answers, for a bounded time or number of calls, and the run reports exact
+// latency percentiles, throughput, the server's own time split, errors by RPC
+// and gRPC code, prompt upload rates, whether every page came back, and on
+// request the bare-transport floor for the same messages.
 #ifndef MLAVERIFY_CLIENT_LOAD_H_
 #define MLAVERIFY_CLIENT_LOAD_H_
 
@@ -29,6 +31,10 @@ struct LoadOptions {
   double warmup_s = 2.0;
   int64_t prompt_len = 64;
   int drafts = 4;  // N, capped by the server's max_draft_len
+  // Sequences per Verify call (a scheduler verifying its whole batch per
+  // layer): each worker drives this many, every call carries all of them.
+  // Above 1: one target.
+  int items = 1;
   // A sequence longer than this is released and replaced (bounds memory per
   // worker). 0: prompt_len + 512, capped by the server's max_sequence_len.
   int64_t max_sequence_len = 0;
@@ -46,6 +52,7 @@ struct LoadOptions {
   // (client/transport_floor.h): same request/answer sizes, RPC kind,
   // concurrency and duration, against an echo in this process.
   bool floor = false;
+  bool progress = true;  // a line a second on stderr while the workers run
   uint64_t seed = 1;
 };
 
@@ -59,10 +66,12 @@ struct LoadReport {
   double ramp_up_seconds = 0.0;
   double measured_seconds = 0.0;
   int64_t verify_calls = 0;     // measured, successful
+  int64_t verify_items = 0;     // items in those calls
   int64_t draft_tokens = 0;     // drafts in those calls
   int64_t steps_committed = 0;  // all commits, warm-up included
   int64_t sequences_created = 0;
   double calls_per_second = 0.0;
+  double items_per_second = 0.0;
   double draft_tokens_per_second = 0.0;
   // Prompt uploads (AppendKv, every phase): bytes of latent KV sent, the
   // time the calls took summed over workers, and the aggregate rate over the
@@ -107,6 +116,8 @@ struct LoadReport {
     int64_t sequence_len = 0;
   } slowest;
   std::map<std::string, int64_t> errors;  // by gRPC code name, all phases
+  // The same failures by RPC ("Verify", "AppendKv", ...) and code.
+  std::map<std::string, std::map<std::string, int64_t>> errors_by_rpc;
   int64_t total_errors = 0;
   int64_t free_pages_before = 0;
   int64_t free_pages_after = 0;

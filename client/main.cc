@@ -207,7 +207,7 @@ int Main(int argc, char** argv) {
   CLI::App* load_cmd = app.add_subcommand("load", "closed-loop load generator");
   LoadOptions load;
   std::string load_json;
-  load_cmd->add_option("--concurrency", load.concurrency, "worker threads, one sequence each")
+  load_cmd->add_option("--concurrency", load.concurrency, "worker threads, each driving --items sequences")
       ->capture_default_str();
   load_cmd->add_option("--duration-s", load.duration_s, "measured seconds (0: no time bound)")
       ->capture_default_str();
@@ -219,6 +219,9 @@ int Main(int argc, char** argv) {
   load_cmd->add_option("--warmup-s", load.warmup_s, "seconds excluded from the statistics")
       ->capture_default_str();
   load_cmd->add_option("--prompt-len", load.prompt_len, "prompt tokens per sequence")
+      ->capture_default_str();
+  load_cmd->add_option("--items", load.items,
+                       "sequences per Verify call (each worker drives this many; one target)")
       ->capture_default_str();
   load_cmd->add_option("--drafts", load.drafts, "drafts per step (capped by max_draft_len)")
       ->capture_default_str();
@@ -244,6 +247,8 @@ int Main(int argc, char** argv) {
   load_cmd->add_flag("--floor", load.floor,
                      "then measure the bare-transport floor: a gRPC echo of the same message "
                      "sizes, RPC kind, concurrency and duration in this process");
+  load_cmd->add_option("--progress", load.progress, "a progress line a second on stderr")
+      ->capture_default_str();
   load_cmd->add_option("--json", load_json, "write the results to this JSON file");
 
   CLI::App* soak_cmd = app.add_subcommand(
