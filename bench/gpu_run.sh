@@ -115,8 +115,11 @@ if want planes && [ -x "$bundle/bin/mlaverify-server" ]; then
   # bench/results/service-<gpu>-<date>.json.
   df -h /dev/shm | tail -1
   start_server planes 127.0.0.1:0 --devices 0 --heads 8 --pool-bytes 40GiB --allow-client-shm true
+  # PLANES_QUICK=1: the load rows and the kernel only (no demos, no A/B rows).
+  quick=${PLANES_QUICK:-0}
   for plane in inline shm; do
     for rpc in unary stream; do
+      [ "$quick" = 1 ] && continue
       extra=(); [ "$rpc" = stream ] && extra=(--stream)
       timeout 120 "${cl[@]}" demo --sequences 4 --prompt-len 4000 --steps 2 --drafts 16 \
         --data-plane $plane "${extra[@]}" > "$out/demo-$plane-$rpc.log" 2>&1
@@ -149,19 +152,23 @@ if want planes && [ -x "$bundle/bin/mlaverify-server" ]; then
     load_row "inline-$rpc-c4-1k-items32" "${items[@]}" "${extra[@]}"
     load_row "shm-$rpc-c4-1k-items32" "${items[@]}" "${extra[@]}" --data-plane shm --shm-staging-mib 72
   done
-  # Inline AppendKv in 16 MiB messages instead of the server's 64 MiB limit.
-  cl_small=("${cl[@]}" --max-message-mib 16)
-  cl_saved=("${cl[@]}"); cl=("${cl_small[@]}")
-  load_row "inline-stream-c1-16k-chunks16mib" "${c1[@]}" --stream
-  cl=("${cl_saved[@]}")
+  if [ "$quick" != 1 ]; then
+    # Inline AppendKv in 16 MiB messages instead of the server's 64 MiB limit.
+    cl_small=("${cl[@]}" --max-message-mib 16)
+    cl_saved=("${cl[@]}"); cl=("${cl_small[@]}")
+    load_row "inline-stream-c1-16k-chunks16mib" "${c1[@]}" --stream
+    cl=("${cl_saved[@]}")
+  fi
   stop_server planes
-  # The launch thread polling its queue 500 us instead of 100 us before it
-  # sleeps (one call in flight leaves it idle ~200 us between calls).
-  start_server spin 127.0.0.1:0 --devices 0 --heads 8 --pool-bytes 40GiB --allow-client-shm true \
-    --worker-spin-us 500
-  load_row "shm-stream-c1-16k-spin500" "${c1[@]}" --stream --data-plane shm --shm-staging-mib 1200
-  load_row "inline-stream-c1-16k-spin500" "${c1[@]}" --stream
-  stop_server spin
+  if [ "$quick" != 1 ]; then
+    # The launch thread polling its queue 500 us instead of 100 us before it
+    # sleeps (one call in flight leaves it idle ~200 us between calls).
+    start_server spin 127.0.0.1:0 --devices 0 --heads 8 --pool-bytes 40GiB \
+      --allow-client-shm true --worker-spin-us 500
+    load_row "shm-stream-c1-16k-spin500" "${c1[@]}" --stream --data-plane shm --shm-staging-mib 1200
+    load_row "inline-stream-c1-16k-spin500" "${c1[@]}" --stream
+    stop_server spin
+  fi
   timeout 120 "$bundle/bin/mlaverify-bench" --shape 1,16384,16,8,64,tree --shape 1,1024,16,8,64,tree \
     --shape 32,1024,16,8,64,tree --out "$out/planes-kernel.json" > "$out/planes-kernel.log" 2>&1
   summary+=("kernel shapes rc=$?")

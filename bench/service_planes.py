@@ -45,6 +45,8 @@ def main():
         if not m:
             continue
         plane, rpc, _, _, variant = m.groups()
+        if variant and variant.startswith("items"):
+            variant = None  # the items count is a field of its own
         with open(path) as f:
             load = json.load(f)
         o = load["options"]
@@ -70,7 +72,8 @@ def main():
             "floor_message_bytes": [floor.get("request_bytes"), floor.get("reply_bytes")]
             if floor else None,
             "server_split_us": {k: round(v, 1) for k, v in load["server_split_us"].items()},
-            "variant": variant or "tuned HTTP/2",
+            # An A/B row's change from the defaults (tuned HTTP/2, 100 us spin).
+            "variant": variant,
         })
         a = load.get("append", {})
         if a.get("bytes"):
@@ -81,7 +84,7 @@ def main():
                 "prompt_len": prefix,
                 "gb_per_s": round(a["gb_per_s_per_call"], 3),
                 "gb_per_s_aggregate": round(a["gb_per_s_ramp_up"], 3),
-                "variant": variant or "tuned HTTP/2",
+                "variant": variant,
             })
     with open(args.out, "w") as f:
         json.dump({"gpu": gpu, "rows": rows, "append": appends}, f, indent=1)

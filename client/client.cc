@@ -297,9 +297,11 @@ absl::StatusOr<AppendKvResult> VerifyClient::AppendKv(uint64_t sequence_id, int6
   return result;
 }
 
-absl::StatusOr<AppendKvResult> VerifyClient::AppendKvThroughStaging(
-    uint64_t sequence_id, int64_t start_position, int num_layers, int64_t tokens,
-    absl::Span<const Bf16> kv, const ShmStaging& staging) {
+absl::StatusOr<AppendKvResult> VerifyClient::AppendKvThroughStaging(uint64_t sequence_id,
+                                                                    int64_t start_position,
+                                                                    int num_layers, int64_t tokens,
+                                                                    absl::Span<const Bf16> kv,
+                                                                    const ShmStaging& staging) {
   using mlaverify::kLatentDim;
   const uint64_t token_bytes = static_cast<uint64_t>(num_layers) * kLatentDim * sizeof(Bf16);
   const int64_t max_chunk_tokens = static_cast<int64_t>(staging.bytes / token_bytes);
@@ -316,8 +318,7 @@ absl::StatusOr<AppendKvResult> VerifyClient::AppendKvThroughStaging(
       in_place ? std::vector<TokenRange>{{0, tokens}} : PlanAppendChunks(tokens, max_chunk_tokens);
   AppendKvResult result;
   for (const TokenRange& range : chunks) {
-    const uint64_t offset =
-        in_place ? static_cast<uint64_t>(begin - staging.base) : staging.offset;
+    const uint64_t offset = in_place ? static_cast<uint64_t>(begin - staging.base) : staging.offset;
     if (!in_place) {
       // [num_layers, chunk, 576] gathered from each layer's slice.
       const size_t run_bytes = static_cast<size_t>(range.size()) * kLatentDim * sizeof(Bf16);

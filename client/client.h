@@ -148,8 +148,7 @@ class VerifyClient {
   // AppendKv, each copied in and referenced. A prompt that already lies in
   // the staging range whole is referenced where it is, without a copy.
   absl::StatusOr<AppendKvResult> AppendKv(uint64_t sequence_id, int64_t start_position,
-                                          int num_layers, int64_t tokens,
-                                          absl::Span<const Bf16> kv,
+                                          int num_layers, int64_t tokens, absl::Span<const Bf16> kv,
                                           const ShmStaging* staging = nullptr);
 
   // Verify attention of one layer for one or more sequences (one item each).

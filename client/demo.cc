@@ -296,7 +296,8 @@ class DemoRun {
       // Every call has been answered by now, so no call holds the region.
       absl::StatusOr<std::vector<std::string>> gone =
           client_.UnregisterSystemSharedMemory(shm_name_);
-      if (!gone.ok()) Fail(absl::StrCat("UnregisterSystemSharedMemory: ", gone.status().ToString()));
+      if (!gone.ok())
+        Fail(absl::StrCat("UnregisterSystemSharedMemory: ", gone.status().ToString()));
       shm_registered_ = false;
     }
     if (stream_ != nullptr) {

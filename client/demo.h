@@ -18,7 +18,7 @@ struct DemoOptions {
   int steps = 4;             // decode steps
   int drafts = 8;            // N per step, capped by the server's max_draft_len
   uint64_t seed = 1;
-  bool stream = false;         // per-layer calls over one VerifyStream
+  bool stream = false;  // per-layer calls over one VerifyStream
   // "inline" or "shm": tensors through a shared-memory region the demo
   // creates, registers and removes (the server needs --allow-client-shm).
   std::string data_plane = "inline";

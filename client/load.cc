@@ -1,5 +1,7 @@
 #include "client/load.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -11,8 +13,6 @@
 #include <thread>
 #include <utility>
 #include <vector>
-
-#include <unistd.h>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
@@ -414,7 +414,7 @@ class LoadWorker {
   RunControl& control_;
   const int index_;
   std::mt19937_64 rng_;
-  std::vector<Bf16> prompt_;    // [num_layers, prompt_len, 576]
+  std::vector<Bf16> prompt_;            // [num_layers, prompt_len, 576]
   absl::Span<const Bf16> prompt_view_;  // prompt_, or the prompt made in shared memory
   bool ramped_up_ = false;
   std::vector<Bf16> q_;         // [N, H, 576]
@@ -562,9 +562,9 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
       absl::Status registered =
           replicas.replica(r).RegisterSystemSharedMemory(shm_name, shm->key(), 0, shm->size());
       if (!registered.ok()) {
-        return absl::Status(registered.code(),
-                            absl::StrCat(replicas.Name(r), ": registering shared memory: ",
-                                         registered.message()));
+        return absl::Status(
+            registered.code(),
+            absl::StrCat(replicas.Name(r), ": registering shared memory: ", registered.message()));
       }
       ++unregister.registered;
     }
@@ -688,8 +688,8 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
     report.append_call_seconds += result.append_seconds;
     report.ramp_up_append_bytes += result.ramp_up_append_bytes;
     if (result.first_append_start.has_value()) {
-      ramp_first = std::min(ramp_first.value_or(*result.first_append_start),
-                            *result.first_append_start);
+      ramp_first =
+          std::min(ramp_first.value_or(*result.first_append_start), *result.first_append_start);
       ramp_last = std::max(ramp_last.value_or(*result.last_append_end), *result.last_append_end);
     }
     for (const auto& [code, count] : result.errors) report.errors[code] += count;
@@ -815,10 +815,11 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
     f.warmup_s = std::min(options.warmup_s, 1.0);
     f.http2_max_frame_bytes = replicas.replica(0).options().http2_max_frame_bytes;
     f.http2_lookahead_bytes = replicas.replica(0).options().http2_lookahead_bytes;
-    absl::PrintF("floor:        bare gRPC echo of %d-byte requests and %d-byte answers, %s, %d "
-                 "threads, %.1f s\n",
-                 f.request_bytes, f.reply_bytes, f.stream ? "streamed" : "unary", f.concurrency,
-                 f.duration_s);
+    absl::PrintF(
+        "floor:        bare gRPC echo of %d-byte requests and %d-byte answers, %s, %d "
+        "threads, %.1f s\n",
+        f.request_bytes, f.reply_bytes, f.stream ? "streamed" : "unary", f.concurrency,
+        f.duration_s);
     ASSIGN_OR_RETURN(FloorReport floor, MeasureTransportFloor(f));
     report.floor.measured = true;
     report.floor.request_bytes = f.request_bytes;
@@ -853,8 +854,7 @@ void PrintLoadReport(const LoadReport& report) {
     absl::PrintF(
         "append:       %.1f MB of prompt KV, %.2f GB/s per call, %.2f GB/s aggregate in the "
         "ramp-up\n",
-        report.append_bytes / 1e6, report.append_gb_per_s_per_call,
-        report.append_gb_per_s_ramp_up);
+        report.append_bytes / 1e6, report.append_gb_per_s_per_call, report.append_gb_per_s_ramp_up);
   }
   const LoadReport::ServerSplit& sp = report.server_split;
   if (sp.calls > 0) {
@@ -874,7 +874,8 @@ void PrintLoadReport(const LoadReport& report) {
   }
   std::vector<std::string> errors;
   for (const auto& [rpc, codes] : report.errors_by_rpc) {
-    for (const auto& [code, count] : codes) errors.push_back(absl::StrCat(rpc, " ", code, " ", count));
+    for (const auto& [code, count] : codes)
+      errors.push_back(absl::StrCat(rpc, " ", code, " ", count));
   }
   for (const auto& [code, count] : report.errors) {
     if (code == kNonFiniteOutput) errors.push_back(absl::StrCat(code, " ", count));
@@ -976,16 +977,15 @@ nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
         {"queue", report.server_split.queue_us},
         {"device", report.server_split.device_us},
         {"rest", report.server_split.rest_us}}},
-      {"floor",
-       report.floor.measured
-           ? nlohmann::ordered_json{{"request_bytes", report.floor.request_bytes},
-                                    {"reply_bytes", report.floor.reply_bytes},
-                                    {"calls", report.floor.calls},
-                                    {"calls_per_second", report.floor.calls_per_second},
-                                    {"p50_ms", report.floor.latency_ms.p50},
-                                    {"p99_ms", report.floor.latency_ms.p99},
-                                    {"errors", report.floor.errors}}
-           : nlohmann::ordered_json(nullptr)},
+      {"floor", report.floor.measured
+                    ? nlohmann::ordered_json{{"request_bytes", report.floor.request_bytes},
+                                             {"reply_bytes", report.floor.reply_bytes},
+                                             {"calls", report.floor.calls},
+                                             {"calls_per_second", report.floor.calls_per_second},
+                                             {"p50_ms", report.floor.latency_ms.p50},
+                                             {"p99_ms", report.floor.latency_ms.p99},
+                                             {"errors", report.floor.errors}}
+                    : nlohmann::ordered_json(nullptr)},
       {"errors", report.errors},
       {"errors_by_rpc", report.errors_by_rpc},
       {"total_errors", report.total_errors},

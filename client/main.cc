@@ -207,7 +207,9 @@ int Main(int argc, char** argv) {
   CLI::App* load_cmd = app.add_subcommand("load", "closed-loop load generator");
   LoadOptions load;
   std::string load_json;
-  load_cmd->add_option("--concurrency", load.concurrency, "worker threads, each driving --items sequences")
+  load_cmd
+      ->add_option("--concurrency", load.concurrency,
+                   "worker threads, each driving --items sequences")
       ->capture_default_str();
   load_cmd->add_option("--duration-s", load.duration_s, "measured seconds (0: no time bound)")
       ->capture_default_str();
@@ -220,8 +222,9 @@ int Main(int argc, char** argv) {
       ->capture_default_str();
   load_cmd->add_option("--prompt-len", load.prompt_len, "prompt tokens per sequence")
       ->capture_default_str();
-  load_cmd->add_option("--items", load.items,
-                       "sequences per Verify call (each worker drives this many; one target)")
+  load_cmd
+      ->add_option("--items", load.items,
+                   "sequences per Verify call (each worker drives this many; one target)")
       ->capture_default_str();
   load_cmd->add_option("--drafts", load.drafts, "drafts per step (capped by max_draft_len)")
       ->capture_default_str();

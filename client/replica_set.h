@@ -67,8 +67,7 @@ class ReplicaSet {
   // otherwise the owner's answer, its message prefixed with the replica's
   // name when there are several.
   absl::StatusOr<AppendKvResult> AppendKv(const PlacedSequence& seq, int64_t start_position,
-                                          int num_layers, int64_t tokens,
-                                          absl::Span<const Bf16> kv,
+                                          int num_layers, int64_t tokens, absl::Span<const Bf16> kv,
                                           const ShmStaging* staging = nullptr);
   // Items must all be of sequences on `owner`.
   absl::StatusOr<std::vector<VerifyItemResult>> Verify(int owner, int layer,

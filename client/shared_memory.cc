@@ -52,8 +52,7 @@ uint64_t Align256(uint64_t v) { return (v + 255) / 256 * 256; }
 
 absl::StatusOr<std::unique_ptr<SharedMemoryBuffer>> SharedMemoryBuffer::Create(size_t bytes) {
   if (bytes == 0) return absl::InvalidArgumentError("shared-memory buffer of 0 bytes");
-  const std::string key =
-      absl::StrCat("/mlaverify-", getpid(), "-", g_next_buffer.fetch_add(1));
+  const std::string key = absl::StrCat("/mlaverify-", getpid(), "-", g_next_buffer.fetch_add(1));
   const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) {
     return absl::UnavailableError(absl::StrCat("shm_open ", key, ": ", std::strerror(errno)));
@@ -64,8 +63,8 @@ absl::StatusOr<std::unique_ptr<SharedMemoryBuffer>> SharedMemoryBuffer::Create(s
     close(fd);
     shm_unlink(key.c_str());
     FreeSlot(slot);
-    return absl::UnavailableError(absl::StrCat("ftruncate ", key, " to ", bytes,
-                                               " bytes: ", std::strerror(err)));
+    return absl::UnavailableError(
+        absl::StrCat("ftruncate ", key, " to ", bytes, " bytes: ", std::strerror(err)));
   }
   void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int err = errno;
@@ -97,8 +96,8 @@ uint64_t ShmVerifyItemBytes(int num_drafts, int num_heads) {
          Align256(n * h * kValueDim * 2) + Align256(n * h * 4);
 }
 
-ShmItemPlacement PlaceVerifyItem(std::string region, uint8_t* base, uint64_t offset,
-                                 int num_drafts, int num_heads) {
+ShmItemPlacement PlaceVerifyItem(std::string region, uint8_t* base, uint64_t offset, int num_drafts,
+                                 int num_heads) {
   const uint64_t n = static_cast<uint64_t>(num_drafts), h = static_cast<uint64_t>(num_heads);
   ShmItemPlacement p;
   p.region = std::move(region);

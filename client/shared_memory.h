@@ -66,8 +66,8 @@ struct ShmItemPlacement {
 // Bytes one item of N drafts and H heads takes (PlaceVerifyItem's span).
 uint64_t ShmVerifyItemBytes(int num_drafts, int num_heads);
 // Lays an item's tensors out from `offset` (rounded up to 256) of `region`.
-ShmItemPlacement PlaceVerifyItem(std::string region, uint8_t* base, uint64_t offset,
-                                 int num_drafts, int num_heads);
+ShmItemPlacement PlaceVerifyItem(std::string region, uint8_t* base, uint64_t offset, int num_drafts,
+                                 int num_heads);
 
 // A registered range AppendKv may stage prompt chunks in (whole tokens of
 // every layer per chunk; the region must hold at least one token's rows).

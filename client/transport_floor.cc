@@ -104,11 +104,10 @@ absl::StatusOr<FloorReport> MeasureTransportFloor(const FloorOptions& o) {
   std::unique_ptr<fv1::TransportFloor::Stub> stub = fv1::TransportFloor::NewStub(channel);
 
   const Clock::time_point start = Clock::now();
-  const Clock::time_point measure_from =
-      start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o.warmup_s));
-  const Clock::time_point end =
-      measure_from +
-      std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o.duration_s));
+  const Clock::time_point measure_from = start + std::chrono::duration_cast<Clock::duration>(
+                                                     std::chrono::duration<double>(o.warmup_s));
+  const Clock::time_point end = measure_from + std::chrono::duration_cast<Clock::duration>(
+                                                   std::chrono::duration<double>(o.duration_s));
   std::vector<ThreadResult> results(o.concurrency);
   std::vector<std::thread> threads;
   for (int t = 0; t < o.concurrency; ++t) {

@@ -65,10 +65,9 @@ absl::Status CheckReference(const v1::Tensor& tensor, const std::string& region,
   }
   const v1::SharedMemoryRef& ref = tensor.shared_memory();
   if (ref.region() != region || ref.offset() != offset || ref.byte_size() != bytes) {
-    return absl::InternalError(absl::StrCat("server returned ", what, " at ", ref.region(), "+",
-                                            ref.offset(), " (", ref.byte_size(),
-                                            " bytes); it was placed at ", region, "+", offset,
-                                            " (", bytes, " bytes)"));
+    return absl::InternalError(absl::StrCat(
+        "server returned ", what, " at ", ref.region(), "+", ref.offset(), " (", ref.byte_size(),
+        " bytes); it was placed at ", region, "+", offset, " (", bytes, " bytes)"));
   }
   return absl::OkStatus();
 }
@@ -190,14 +189,14 @@ absl::StatusOr<std::vector<VerifyItemResult>> ParseVerifyResponse(
     const uint64_t out_bytes = static_cast<uint64_t>(n * heads * kValueDim) * sizeof(Bf16);
     const uint64_t lse_bytes = static_cast<uint64_t>(n * heads) * sizeof(float);
     if (item.shm != nullptr) {
-      RETURN_IF_ERROR(CheckTensor(wire.out(), v1::DTYPE_BF16, out_shape, 0,
-                                  absl::StrCat(where, " out")));
-      RETURN_IF_ERROR(CheckTensor(wire.lse(), v1::DTYPE_FP32, lse_shape, 0,
-                                  absl::StrCat(where, " lse")));
-      RETURN_IF_ERROR(CheckReference(wire.out(), item.shm->region, item.shm->out_offset,
-                                     out_bytes, absl::StrCat(where, " out")));
-      RETURN_IF_ERROR(CheckReference(wire.lse(), item.shm->region, item.shm->lse_offset,
-                                     lse_bytes, absl::StrCat(where, " lse")));
+      RETURN_IF_ERROR(
+          CheckTensor(wire.out(), v1::DTYPE_BF16, out_shape, 0, absl::StrCat(where, " out")));
+      RETURN_IF_ERROR(
+          CheckTensor(wire.lse(), v1::DTYPE_FP32, lse_shape, 0, absl::StrCat(where, " lse")));
+      RETURN_IF_ERROR(CheckReference(wire.out(), item.shm->region, item.shm->out_offset, out_bytes,
+                                     absl::StrCat(where, " out")));
+      RETURN_IF_ERROR(CheckReference(wire.lse(), item.shm->region, item.shm->lse_offset, lse_bytes,
+                                     absl::StrCat(where, " lse")));
     } else {
       RETURN_IF_ERROR(CheckTensor(wire.out(), v1::DTYPE_BF16, out_shape, sizeof(Bf16),
                                   absl::StrCat(where, " out")));

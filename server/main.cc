@@ -155,9 +155,8 @@ absl::Status ValidateFlags(const Flags& f) {
         "--http2-max-frame-bytes ", f.http2_max_frame_bytes, ": need 0 or 16384..16777215"));
   }
   if (f.http2_lookahead_bytes != 0 && f.http2_lookahead_bytes < 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("--http2-lookahead-bytes ",
-                                                   f.http2_lookahead_bytes,
-                                                   ": need 0 or >= 65535"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--http2-lookahead-bytes ", f.http2_lookahead_bytes, ": need 0 or >= 65535"));
   }
   if (f.max_shm_regions < 1 || f.max_shm_regions > 65536) {
     return absl::InvalidArgumentError(

@@ -15,6 +15,7 @@
 #include "client/latency_stats.h"
 #include "client/reference_check.h"
 #include "client/replica_set.h"
+#include "client/shared_memory.h"
 #include "client/wire.h"
 #include "common/draft_tree.h"
 #include "common/workload.h"
@@ -236,6 +237,54 @@ TEST(VerifyWire, MalformedResponsesAreInternalOrDataLoss) {
   r = good;
   r.mutable_results(1)->mutable_lse()->mutable_raw()->append("abcd");
   EXPECT_EQ(ParseVerifyResponse(items, r).status().code(), absl::StatusCode::kDataLoss);
+}
+
+// The shared-memory plane: the request carries references to the placement
+// (its inputs copied in), the answer's references must be exactly the
+// placement's, and the outputs are read from the region.
+TEST(VerifyWire, SharedMemoryItemsTravelAsReferences) {
+  const ItemBuffers a = MakeItem(3, 2);
+  std::vector<uint8_t> region(ShmVerifyItemBytes(3, 2) + 512);
+  const ShmItemPlacement place = PlaceVerifyItem("r", region.data(), 100, 3, 2);
+  EXPECT_EQ(place.q_offset % 256, 0u);
+  EXPECT_LE(place.end_offset, region.size());
+  VerifyItemInput item = a.Input(5);
+  item.shm = &place;
+  const absl::StatusOr<v1::VerifyRequest> request = BuildVerifyRequest(0, {&item, 1}, 0, 1);
+  ASSERT_TRUE(request.ok()) << request.status();
+  const v1::VerifyItem& wire = request->items(0);
+  EXPECT_TRUE(wire.q().raw().empty());
+  EXPECT_EQ(wire.q().shared_memory().region(), "r");
+  EXPECT_EQ(wire.q().shared_memory().offset(), place.q_offset);
+  EXPECT_EQ(wire.q().shared_memory().byte_size(), a.q.size() * 2);
+  EXPECT_EQ(wire.draft_kv().shared_memory().offset(), place.draft_kv_offset);
+  EXPECT_EQ(wire.out_shared_memory().offset(), place.out_offset);
+  EXPECT_EQ(wire.out_shared_memory().byte_size(), 3u * 2 * kValueDim * 2);
+  EXPECT_EQ(wire.lse_shared_memory().offset(), place.lse_offset);
+  EXPECT_EQ(std::memcmp(region.data() + place.q_offset, a.q.data(), a.q.size() * 2), 0);
+  EXPECT_EQ(
+      std::memcmp(region.data() + place.draft_kv_offset, a.draft_kv.data(), a.draft_kv.size() * 2),
+      0);
+
+  // The server's answer: references, the bytes in the region.
+  v1::VerifyResponse answer = AnswerFor(*request);
+  v1::VerifyResult* result = answer.mutable_results(0);
+  *result->mutable_out()->mutable_shared_memory() = wire.out_shared_memory();
+  *result->mutable_lse()->mutable_shared_memory() = wire.lse_shared_memory();
+  const float lse_value = 3.5f;
+  std::memcpy(region.data() + place.lse_offset, &lse_value, sizeof(float));
+  const absl::StatusOr<std::vector<VerifyItemResult>> results =
+      ParseVerifyResponse({&item, 1}, answer);
+  ASSERT_TRUE(results.ok()) << results.status();
+  EXPECT_EQ((*results)[0].lse[0], lse_value);
+
+  v1::VerifyResponse elsewhere = answer;
+  elsewhere.mutable_results(0)->mutable_out()->mutable_shared_memory()->set_offset(0);
+  EXPECT_EQ(ParseVerifyResponse({&item, 1}, elsewhere).status().code(),
+            absl::StatusCode::kInternal);
+  const v1::VerifyResponse inline_answer = AnswerFor(*request);
+  EXPECT_EQ(ParseVerifyResponse({&item, 1}, inline_answer).status().code(),
+            absl::StatusCode::kInternal);
 }
 
 // ---- Percentiles ------------------------------------------------------------

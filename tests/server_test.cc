@@ -540,8 +540,8 @@ TEST_F(ServerTest, BadInputsGetTheirCodeAndChangeNothing) {
        modified([](v1::VerifyRequest* r) {
          r->mutable_items(0)->mutable_draft_kv()->set_shape(1, 512);
        })},
-      {"q in shared memory on a server without --allow-client-shm",
-       StatusCode::FAILED_PRECONDITION, "--allow-client-shm", modified([](v1::VerifyRequest* r) {
+      {"q in shared memory on a server without --allow-client-shm", StatusCode::FAILED_PRECONDITION,
+       "--allow-client-shm", modified([](v1::VerifyRequest* r) {
          v1::SharedMemoryRef* ref = r->mutable_items(0)->mutable_q()->mutable_shared_memory();
          ref->set_region("r");
          ref->set_byte_size(4 * kHeads * kLatentDim * 2);
@@ -843,7 +843,8 @@ TEST_F(ServerTest, SharedMemoryBadReferencesGetTheirCodeAndChangeNothing) {
   using grpc::StatusCode;
   std::vector<BadCase> cases = {
       {"unknown region", StatusCode::NOT_FOUND, "no shared-memory region 'nope'",
-       modified([](v1::VerifyItem* i) { i->mutable_q()->mutable_shared_memory()->set_region("nope"); })},
+       modified(
+           [](v1::VerifyItem* i) { i->mutable_q()->mutable_shared_memory()->set_region("nope"); })},
       {"q past the region's end", StatusCode::OUT_OF_RANGE, "past the end",
        modified([&](v1::VerifyItem* i) {
          i->mutable_q()->mutable_shared_memory()->set_offset(region_bytes - q_bytes + 256);
@@ -857,9 +858,7 @@ TEST_F(ServerTest, SharedMemoryBadReferencesGetTheirCodeAndChangeNothing) {
          i->mutable_q()->mutable_shared_memory()->set_byte_size(q_bytes - 1);
        })},
       {"q offset not bf16-aligned", StatusCode::INVALID_ARGUMENT, "multiple of 2",
-       modified([](v1::VerifyItem* i) {
-         i->mutable_q()->mutable_shared_memory()->set_offset(1);
-       })},
+       modified([](v1::VerifyItem* i) { i->mutable_q()->mutable_shared_memory()->set_offset(1); })},
       {"lse offset not fp32-aligned", StatusCode::INVALID_ARGUMENT, "multiple of 4",
        modified([](v1::VerifyItem* i) {
          auto* ref = i->mutable_lse_shared_memory();
@@ -959,8 +958,7 @@ TEST_F(ServerTest, SharedMemoryRegionHeldByARunningCallStays) {
   const uint64_t id = NewSequence(8, &m);
   const int n = 2;
   auto shm = RegisterBuffer("held", client::ShmVerifyItemBytes(n, kHeads));
-  const client::ShmItemPlacement place =
-      client::PlaceVerifyItem("held", shm->data(), 0, n, kHeads);
+  const client::ShmItemPlacement place = client::PlaceVerifyItem("held", shm->data(), 0, n, kHeads);
   const Step s = RandomStep(n);
   client::VerifyItemInput item = s.Item(id, 0);
   item.shm = &place;

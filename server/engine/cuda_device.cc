@@ -226,11 +226,11 @@ class CudaDevice final : public Device {
       const int64_t chunk = std::min(chunk_max, count - c0);
       if (pinned) {
         const size_t run = static_cast<size_t>(chunk) * kLatentRowBytes;
-        RETURN_IF_ERROR(Check(cudaMemcpy2DAsync(row_dev_[i], run, rows + c0 * kLatentDim,
-                                                static_cast<size_t>(count) * kLatentRowBytes, run,
-                                                static_cast<size_t>(layers),
-                                                cudaMemcpyHostToDevice, stream_),
-                              "row upload"));
+        RETURN_IF_ERROR(
+            Check(cudaMemcpy2DAsync(row_dev_[i], run, rows + c0 * kLatentDim,
+                                    static_cast<size_t>(count) * kLatentRowBytes, run,
+                                    static_cast<size_t>(layers), cudaMemcpyHostToDevice, stream_),
+                  "row upload"));
         RETURN_IF_ERROR(kernels::LaunchCopyRows(View(), PageTableOnDevice(), start + c0, chunk,
                                                 static_cast<Bf16*>(row_dev_[i]),
                                                 /*to_pool=*/true, stream_));
@@ -315,8 +315,8 @@ class CudaDevice final : public Device {
     const cudaError_t err = cudaHostRegister(data, bytes, cudaHostRegisterPortable);
     if (err == cudaSuccess) return absl::OkStatus();
     cudaGetLastError();  // not sticky: clear it for this thread's next call
-    return absl::UnavailableError(absl::StrCat(name_, ": cudaHostRegister of ", bytes,
-                                               " bytes: ", cudaGetErrorString(err)));
+    return absl::UnavailableError(
+        absl::StrCat(name_, ": cudaHostRegister of ", bytes, " bytes: ", cudaGetErrorString(err)));
   }
 
   void UnpinHostMemory(void* data) override {

@@ -29,8 +29,8 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/bf16.h"
@@ -236,7 +236,6 @@ struct CudaDeviceOptions {
 // the device cannot be used; UNIMPLEMENTED in a build without CUDA.
 absl::StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int ordinal,
                                                        const CudaDeviceOptions& options = {});
-
 
 }  // namespace mlaverify::engine
 

@@ -102,9 +102,10 @@ absl::StatusOr<uint8_t*> RegionLeases::Resolve(SharedMemoryRegistry& registry,
                                                uint64_t alignment, bool is_output,
                                                absl::string_view what) {
   if (!registry.enabled()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        what, ": shared-memory tensors are off on this server (it runs without "
-              "--allow-client-shm); send the bytes inline"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(what,
+                     ": shared-memory tensors are off on this server (it runs without "
+                     "--allow-client-shm); send the bytes inline"));
   }
   if (byte_size != expected_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": shared-memory byte_size ", byte_size,
@@ -129,10 +130,9 @@ absl::StatusOr<uint8_t*> RegionLeases::Resolve(SharedMemoryRegistry& registry,
     leases_.push_back(leased);
   }
   if (offset > leased->byte_size() || byte_size > leased->byte_size() - offset) {
-    return absl::OutOfRangeError(absl::StrCat(what, ": bytes [", offset, ", ", offset, " + ",
-                                              byte_size, ") are past the end of region ",
-                                              Quoted(region), " (", leased->byte_size(),
-                                              " bytes)"));
+    return absl::OutOfRangeError(absl::StrCat(
+        what, ": bytes [", offset, ", ", offset, " + ", byte_size, ") are past the end of region ",
+        Quoted(region), " (", leased->byte_size(), " bytes)"));
   }
   ranges_.push_back({leased.get(), offset, offset + byte_size, is_output, std::string(what)});
   return leased->data() + offset;
@@ -192,10 +192,10 @@ absl::Status SharedMemoryRegistry::Register(const std::string& name, const std::
                        "--max-shm-regions ", options_.max_regions, ")"));
     }
     if (registered_bytes_ + static_cast<int64_t>(byte_size) > options_.max_total_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "registering ", byte_size, " bytes would bring the shared memory mapped to ",
-          registered_bytes_ + static_cast<int64_t>(byte_size), " bytes, over --max-shm-bytes ",
-          options_.max_total_bytes));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("registering ", byte_size, " bytes would bring the shared memory mapped to ",
+                       registered_bytes_ + static_cast<int64_t>(byte_size),
+                       " bytes, over --max-shm-bytes ", options_.max_total_bytes));
     }
   }
   // Opening and mapping happen outside the lock (a slow file system must not
@@ -210,9 +210,9 @@ absl::Status SharedMemoryRegistry::Register(const std::string& name, const std::
   }
   if (static_cast<uint64_t>(st.st_size) < offset + byte_size) {
     close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(
-        "shared-memory object ", Quoted(key), " has ", st.st_size, " bytes; the range [", offset,
-        ", ", offset + byte_size, ") does not fit"));
+    return absl::InvalidArgumentError(absl::StrCat("shared-memory object ", Quoted(key), " has ",
+                                                   st.st_size, " bytes; the range [", offset, ", ",
+                                                   offset + byte_size, ") does not fit"));
   }
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   const uint64_t map_start = offset / page * page;
@@ -264,8 +264,8 @@ absl::Status SharedMemoryRegistry::Register(const std::string& name, const std::
     registered_bytes_ += static_cast<int64_t>(byte_size);
     regions_.emplace(name, std::move(region));
   }
-  spdlog::info("shared-memory region {} registered: {} bytes at offset {} of {}, {}",
-               Quoted(name), byte_size, offset, Quoted(key), pin_note);
+  spdlog::info("shared-memory region {} registered: {} bytes at offset {} of {}, {}", Quoted(name),
+               byte_size, offset, Quoted(key), pin_note);
   return absl::OkStatus();
 }
 
@@ -303,7 +303,8 @@ absl::StatusOr<std::vector<std::string>> SharedMemoryRegistry::Unregister(const 
       it = regions_.erase(it);
     }
   }
-  for (const std::string& n : names) spdlog::info("shared-memory region {} unregistered", Quoted(n));
+  for (const std::string& n : names)
+    spdlog::info("shared-memory region {} unregistered", Quoted(n));
   return names;
 }
 
@@ -348,9 +349,8 @@ absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> SharedMemoryRegistry::Lease(
   absl::MutexLock lock(&mu_);
   const auto it = regions_.find(name);
   if (it == regions_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("no shared-memory region ", Quoted(name),
-                     " is registered (RegisterSystemSharedMemory first)"));
+    return absl::NotFoundError(absl::StrCat("no shared-memory region ", Quoted(name),
+                                            " is registered (RegisterSystemSharedMemory first)"));
   }
   it->second->in_flight_.fetch_add(1);
   it->second->calls_total_.fetch_add(1);

@@ -42,9 +42,9 @@ absl::StatusOr<absl::Span<T>> SharedRange(const v1::SharedMemoryRef& ref, int64_
     return absl::FailedPreconditionError(
         absl::StrCat(what, ": shared-memory tensors are not accepted here; send the bytes inline"));
   }
-  absl::StatusOr<uint8_t*> data = shm.leases->Resolve(
-      *shm.registry, ref.region(), ref.offset(), ref.byte_size(),
-      static_cast<uint64_t>(elements) * sizeof(T), alignof(T), is_output, what);
+  absl::StatusOr<uint8_t*> data =
+      shm.leases->Resolve(*shm.registry, ref.region(), ref.offset(), ref.byte_size(),
+                          static_cast<uint64_t>(elements) * sizeof(T), alignof(T), is_output, what);
   if (!data.ok()) return data.status();
   return absl::MakeSpan(reinterpret_cast<T*>(*data), static_cast<size_t>(elements));
 }

@@ -246,13 +246,13 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::AppendKv(grpc::CallbackServerContex
     call.tokens = tokens;
     call.kv = *data;
     call.context = ContextOf(ctx);
-    engine()->SubmitAppendKv(
-        std::move(call), [response, leases = std::move(leases),
-                          finish = std::move(finish)](absl::StatusOr<int64_t> length) mutable {
-          leases.reset();
-          if (length.ok()) response->set_length(*length);
-          finish(length.status());
-        });
+    engine()->SubmitAppendKv(std::move(call),
+                             [response, leases = std::move(leases),
+                              finish = std::move(finish)](absl::StatusOr<int64_t> length) mutable {
+                               leases.reset();
+                               if (length.ok()) response->set_length(*length);
+                               finish(length.status());
+                             });
   });
 }
 
@@ -308,12 +308,12 @@ void VerifyServiceImpl::StartVerify(grpc::CallbackServerContext* ctx,
     }
     const std::string where = absl::StrCat("items[", k, "] (sequence ", in.sequence_id(), ")");
     absl::StatusOr<absl::Span<Bf16>> out =
-        Bf16SharedOutput(in.out_shared_memory(), {n, heads, kValueDim},
-                         absl::StrCat(where, " out"), shm, result->mutable_out());
+        Bf16SharedOutput(in.out_shared_memory(), {n, heads, kValueDim}, absl::StrCat(where, " out"),
+                         shm, result->mutable_out());
     if (!out.ok()) return done(out.status());
-    absl::StatusOr<absl::Span<float>> lse = Fp32SharedOutput(
-        in.lse_shared_memory(), {n, heads}, absl::StrCat(where, " lse"), shm,
-        result->mutable_lse());
+    absl::StatusOr<absl::Span<float>> lse =
+        Fp32SharedOutput(in.lse_shared_memory(), {n, heads}, absl::StrCat(where, " lse"), shm,
+                         result->mutable_lse());
     if (!lse.ok()) return done(lse.status());
     (*items)[k].out = *out;
     (*items)[k].lse = *lse;
@@ -342,23 +342,24 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::Verify(grpc::CallbackServerContext*
                                                     const v1::VerifyRequest* request,
                                                     v1::VerifyResponse* response) {
   const Clock::time_point arrived = Clock::now();
-  return RunUnary("Verify", ctx, *request, false, [this, ctx, request, response,
-                                                   arrived](auto finish) {
-    // The items and the time split live until the engine is done with them.
-    struct State {
-      std::vector<engine::VerifyItem> items;
-      engine::VerifyTiming timing;
-      RegionLeases leases;
-    };
-    auto* state = new State;
-    StartVerify(ctx, *request, response, &state->items, &state->timing, &state->leases,
-                [this, state, arrived, finish = std::move(finish)](absl::Status status) mutable {
-                  if (status.ok()) RecordVerifySplit(state->timing, arrived);
-                  const double queued = state->timing.queue_seconds;
-                  delete state;
-                  finish(std::move(status), queued);
-                });
-  });
+  return RunUnary(
+      "Verify", ctx, *request, false, [this, ctx, request, response, arrived](auto finish) {
+        // The items and the time split live until the engine is done with them.
+        struct State {
+          std::vector<engine::VerifyItem> items;
+          engine::VerifyTiming timing;
+          RegionLeases leases;
+        };
+        auto* state = new State;
+        StartVerify(
+            ctx, *request, response, &state->items, &state->timing, &state->leases,
+            [this, state, arrived, finish = std::move(finish)](absl::Status status) mutable {
+              if (status.ok()) RecordVerifySplit(state->timing, arrived);
+              const double queued = state->timing.queue_seconds;
+              delete state;
+              finish(std::move(status), queued);
+            });
+      });
 }
 
 grpc::ServerUnaryReactor* VerifyServiceImpl::Commit(grpc::CallbackServerContext* ctx,
@@ -394,26 +395,24 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::ReleaseSequence(
 grpc::ServerUnaryReactor* VerifyServiceImpl::RegisterSystemSharedMemory(
     grpc::CallbackServerContext* ctx, const v1::RegisterSystemSharedMemoryRequest* request,
     v1::RegisterSystemSharedMemoryResponse* /*response*/) {
-  return RunUnary("RegisterSystemSharedMemory", ctx, *request, false,
-                  [this, request](auto finish) {
-                    finish(shared_memory_.Register(request->name(), request->key(),
-                                                   request->offset(), request->byte_size()));
-                  });
+  return RunUnary("RegisterSystemSharedMemory", ctx, *request, false, [this, request](auto finish) {
+    finish(shared_memory_.Register(request->name(), request->key(), request->offset(),
+                                   request->byte_size()));
+  });
 }
 
 grpc::ServerUnaryReactor* VerifyServiceImpl::UnregisterSystemSharedMemory(
     grpc::CallbackServerContext* ctx, const v1::UnregisterSystemSharedMemoryRequest* request,
     v1::UnregisterSystemSharedMemoryResponse* response) {
   // Allowed while draining: a client cleaning up.
-  return RunUnary("UnregisterSystemSharedMemory", ctx, *request, true,
-                  [this, request, response](auto finish) {
-                    absl::StatusOr<std::vector<std::string>> names =
-                        shared_memory_.Unregister(request->name());
-                    if (names.ok()) {
-                      for (std::string& n : *names) response->add_unregistered(std::move(n));
-                    }
-                    finish(names.status());
-                  });
+  return RunUnary(
+      "UnregisterSystemSharedMemory", ctx, *request, true, [this, request, response](auto finish) {
+        absl::StatusOr<std::vector<std::string>> names = shared_memory_.Unregister(request->name());
+        if (names.ok()) {
+          for (std::string& n : *names) response->add_unregistered(std::move(n));
+        }
+        finish(names.status());
+      });
 }
 
 grpc::ServerUnaryReactor* VerifyServiceImpl::SystemSharedMemoryStatus(
