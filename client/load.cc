@@ -62,6 +62,10 @@ struct LoadPlan {
 
   Clock::time_point measure_start;
   std::optional<Clock::time_point> deadline;
+  // Open loop: Verify calls start at `rate` per second in all, from
+  // `rate_origin` on (0: closed loop, each worker as fast as answered).
+  double rate = 0;
+  Clock::time_point rate_origin;
   int64_t request_limit = 0;  // 0: none
 };
 
@@ -104,10 +108,32 @@ class RunControl {
 
   // Called before each Verify. False when the run is over; otherwise sets
   // `measured` to whether the call counts (it starts after the warm-up and,
-  // with a request bound, got one of the measured slots).
-  bool BeginVerify(bool* measured) {
+  // with a request bound, got one of the measured slots) and `start` to the
+  // time its latency counts from: now, or with a rate the call's slot in the
+  // schedule (waited for; a call that starts after its slot because every
+  // worker was busy counts from the slot, so the latency includes the wait).
+  bool BeginVerify(bool* measured, Clock::time_point* start) {
     if (stop_.load(std::memory_order_relaxed)) return false;
-    const Clock::time_point now = Clock::now();
+    Clock::time_point now = Clock::now();
+    if (plan_.rate > 0) {
+      const int64_t slot = next_slot_.fetch_add(1, std::memory_order_relaxed);
+      const Clock::time_point due =
+          plan_.rate_origin + std::chrono::duration_cast<Clock::duration>(
+                                  std::chrono::duration<double>(slot / plan_.rate));
+      // The run ends at its deadline, also with slots still owed (a server
+      // that fell behind leaves a backlog; it is not worked off).
+      if (plan_.deadline.has_value() && (due >= *plan_.deadline || now >= *plan_.deadline)) {
+        Stop();
+        return false;
+      }
+      if (due > now) {
+        std::this_thread::sleep_until(due);
+      } else if (now - due > std::chrono::milliseconds(1)) {
+        late_.fetch_add(1, std::memory_order_relaxed);
+      }
+      now = due;
+    }
+    *start = now;
     if (plan_.deadline.has_value() && now >= *plan_.deadline) {
       Stop();
       return false;
@@ -131,6 +157,8 @@ class RunControl {
   int64_t calls() const { return calls_.load(std::memory_order_relaxed); }
   int64_t items() const { return items_.load(std::memory_order_relaxed); }
   int64_t errors() const { return errors_.load(std::memory_order_relaxed); }
+  // With a rate: calls that started over 1 ms after their slot.
+  int64_t late_starts() const { return late_.load(std::memory_order_relaxed); }
   void Stop() { stop_.store(true, std::memory_order_relaxed); }
 
  private:
@@ -138,6 +166,7 @@ class RunControl {
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> issued_{0};
   std::atomic<int64_t> calls_{0}, items_{0}, errors_{0};
+  std::atomic<int64_t> next_slot_{0}, late_{0};
   absl::Mutex mu_;
   int ready_ ABSL_GUARDED_BY(mu_) = 0;
   bool started_ ABSL_GUARDED_BY(mu_) = false;
@@ -350,8 +379,8 @@ class LoadWorker {
     const absl::Span<const VerifyItemInput> call(item_inputs_.data(), items);
     for (int layer = 0; layer < plan_.num_layers; ++layer) {
       bool measured = false;
-      if (!control_.BeginVerify(&measured)) return false;
-      const Clock::time_point start = Clock::now();
+      Clock::time_point start;
+      if (!control_.BeginVerify(&measured, &start)) return false;
       absl::StatusOr<std::vector<VerifyItemResult>> results = VerifyLayer(layer, call);
       const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
       if (!results.ok()) {
@@ -444,6 +473,10 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
   if (options.concurrency < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("--concurrency ", options.concurrency, ": need at least 1"));
+  }
+  if (!(options.rate >= 0) || options.rate > 1e7) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--rate ", options.rate, ": need 0 (closed loop) or a rate up to 1e7 calls/s"));
   }
   if (options.duration_s <= 0 && options.requests <= 0) {
     return absl::InvalidArgumentError(
@@ -578,14 +611,16 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
   }
   absl::PrintF(
       "load: %d workers x %d items per call, %s after %.1f s warm-up, N=%d, prompt %d, "
-      "sequences up to %d tokens, %s calls, %s data plane\n",
+      "sequences up to %d tokens, %s calls, %s data plane%s\n",
       options.concurrency, options.items,
       options.duration_s > 0 && options.requests > 0
           ? absl::StrFormat("%.1f s or %d calls", options.duration_s, options.requests)
       : options.duration_s > 0 ? absl::StrFormat("%.1f s", options.duration_s)
                                : absl::StrFormat("%d calls", options.requests),
       options.warmup_s, plan.num_drafts, plan.prompt_len, plan.max_sequence_len,
-      options.stream ? "streamed" : "unary", options.data_plane);
+      options.stream ? "streamed" : "unary", options.data_plane,
+      options.rate > 0 ? absl::StrFormat(", open loop at %g calls/s", options.rate)
+                       : std::string(", closed loop"));
 
   RunControl control(plan);
   std::vector<WorkerResult> results(options.concurrency);
@@ -607,6 +642,8 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
                                              std::chrono::duration<double>(options.duration_s));
   }
   plan.request_limit = options.requests;
+  plan.rate = options.rate;
+  plan.rate_origin = start;
   // A stream outlives the run by at most one call's deadline: enough for the
   // call in flight at the end, and a hung server still cannot hold the run.
   // With only a request bound, the run may take up to every measured call at
@@ -662,6 +699,7 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
   workers_done.store(true);
   if (progress.joinable()) progress.join();
   const LoadReport::ServerSplit split_after = read_split();
+  report.late_starts = control.late_starts();
   if (const int64_t calls = split_after.calls - split_before.calls; calls > 0) {
     LoadReport::ServerSplit& d = report.server_split;
     d.calls = calls;
@@ -841,6 +879,12 @@ void PrintLoadReport(const LoadReport& report) {
                report.draft_tokens_per_second);
   absl::PrintF("latency ms:   p50 %.3f  p90 %.3f  p99 %.3f  p99.9 %.3f  max %.3f  (mean %.3f)\n",
                l.p50, l.p90, l.p99, l.p999, l.max, l.mean);
+  if (report.options.rate > 0) {
+    absl::PrintF(
+        "open loop:    %g calls/s asked, %.1f answered; %d calls started over 1 ms late (every "
+        "worker busy: latency counts from the slot)\n",
+        report.options.rate, report.calls_per_second, report.late_starts);
+  }
   if (report.slowest.worker >= 0) {
     absl::PrintF(
         "slowest call: %.3f ms, %.3f s into the window (worker %d, layer %d, sequence at %d "
@@ -936,6 +980,7 @@ nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
         {"stream", o.stream},
         {"data_plane", o.data_plane},
         {"floor", o.floor},
+        {"rate", o.rate},
         {"seed", o.seed}}},
       {"geometry",
        {{"num_layers", report.num_layers},
@@ -947,6 +992,7 @@ nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
       {"draft_tokens", report.draft_tokens},
       {"calls_per_second", report.calls_per_second},
       {"verify_items", report.verify_items},
+      {"late_starts", report.late_starts},
       {"items_per_second", report.items_per_second},
       {"draft_tokens_per_second", report.draft_tokens_per_second},
       {"steps_committed", report.steps_committed},

@@ -39,6 +39,11 @@ struct LoadOptions {
   // worker). 0: prompt_len + 512, capped by the server's max_sequence_len.
   int64_t max_sequence_len = 0;
   bool stream = false;  // each worker uses one VerifyStream
+  // > 0: open loop. Verify calls are scheduled at this many per second in
+  // all, each taken by the next free worker (`concurrency` bounds the calls
+  // in flight); a call's latency counts from its slot, so a server that
+  // falls behind shows in the percentiles instead of slowing the schedule.
+  double rate = 0;
   // "inline" (tensor bytes in the messages) or "shm" (a system shared-memory
   // region the run creates, registers on every target and removes again:
   // each worker's q, draft_kv, out and lse, and its AppendKv chunks, live
@@ -72,6 +77,7 @@ struct LoadReport {
   int64_t sequences_created = 0;
   double calls_per_second = 0.0;
   double items_per_second = 0.0;
+  int64_t late_starts = 0;  // open loop: calls started over 1 ms after their slot
   double draft_tokens_per_second = 0.0;
   // Prompt uploads (AppendKv, every phase): bytes of latent KV sent, the
   // time the calls took summed over workers, and the aggregate rate over the

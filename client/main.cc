@@ -92,25 +92,74 @@ int RunHealth(VerifyClient& client) {
   return *status == ServingStatus::kServing ? kExitOk : kExitCheckFailed;
 }
 
-int RunLoadCommand(ReplicaSet& replicas, const LoadOptions& options, const std::string& json_path) {
-  absl::StatusOr<LoadReport> report = RunLoad(replicas, options);
-  if (!report.ok()) {
-    spdlog::error("load: {}", report.status().ToString());
-    return report.status().code() == absl::StatusCode::kInvalidArgument ? kExitSetupError
-                                                                        : kExitCheckFailed;
+// One load, or with `sweep` one per value (the concurrency, or with --rate
+// the rate), then a table of all of them; the JSON is the report, or
+// {"sweep": ..., "runs": [reports]}.
+int RunLoadCommand(ReplicaSet& replicas, const LoadOptions& options,
+                   const std::vector<double>& sweep, const std::string& json_path) {
+  const bool by_rate = options.rate > 0;
+  std::vector<LoadOptions> runs;
+  if (sweep.empty()) runs.push_back(options);
+  for (double v : sweep) {
+    LoadOptions o = options;
+    if (by_rate) {
+      o.rate = v;
+    } else {
+      o.concurrency = static_cast<int>(v);
+      if (o.concurrency != v || o.concurrency < 1) {
+        spdlog::error("--sweep {}: concurrency values are whole numbers >= 1", v);
+        return kExitSetupError;
+      }
+    }
+    runs.push_back(o);
   }
-  PrintLoadReport(*report);
+  std::vector<LoadReport> reports;
+  int worst = kExitOk;
+  for (const LoadOptions& o : runs) {
+    absl::StatusOr<LoadReport> report = RunLoad(replicas, o);
+    if (!report.ok()) {
+      spdlog::error("load: {}", report.status().ToString());
+      return report.status().code() == absl::StatusCode::kInvalidArgument ? kExitSetupError
+                                                                          : kExitCheckFailed;
+    }
+    PrintLoadReport(*report);
+    worst = std::max(worst, report->ok()                      ? kExitOk
+                            : report->survived_replica_loss() ? kExitReplicaLost
+                                                              : kExitCheckFailed);
+    reports.push_back(*std::move(report));
+  }
+  if (!sweep.empty()) {
+    std::printf("\nsweep over %s:\n%12s %12s %12s %10s %10s %8s %14s\n",
+                by_rate ? "the rate" : "concurrency", by_rate ? "rate" : "concurrency",
+                "calls/s", "items/s", "p50 ms", "p99 ms", "errors", "floor calls/s");
+    for (const LoadReport& r : reports) {
+      const std::string value = by_rate ? absl::StrFormat("%g", r.options.rate)
+                                        : absl::StrCat(r.options.concurrency);
+      std::printf("%12s %12.1f %12.1f %10.3f %10.3f %8lld %14s\n", value.c_str(),
+                  r.calls_per_second, r.items_per_second, r.latency_ms.p50, r.latency_ms.p99,
+                  static_cast<long long>(r.total_errors),
+                  r.floor.measured ? absl::StrFormat("%.1f", r.floor.calls_per_second).c_str()
+                                   : "-");
+    }
+  }
   if (!json_path.empty()) {
+    nlohmann::ordered_json out;
+    if (sweep.empty()) {
+      out = LoadReportToJson(reports[0]);
+    } else {
+      out["sweep"] = by_rate ? "rate" : "concurrency";
+      out["runs"] = nlohmann::ordered_json::array();
+      for (const LoadReport& r : reports) out["runs"].push_back(LoadReportToJson(r));
+    }
     std::ofstream file(json_path);
-    file << LoadReportToJson(*report).dump(2) << "\n";
+    file << out.dump(2) << "\n";
     if (!file) {
       spdlog::error("cannot write {}", json_path);
       return kExitSetupError;
     }
     std::printf("wrote %s\n", json_path.c_str());
   }
-  if (report->ok()) return kExitOk;
-  return report->survived_replica_loss() ? kExitReplicaLost : kExitCheckFailed;
+  return worst;
 }
 
 int RunSoakCommand(VerifyClient& client, const std::string& target, const ClientOptions& options,
@@ -250,6 +299,15 @@ int Main(int argc, char** argv) {
   load_cmd->add_flag("--floor", load.floor,
                      "then measure the bare-transport floor: a gRPC echo of the same message "
                      "sizes, RPC kind, concurrency and duration in this process");
+  load_cmd->add_option("--rate", load.rate,
+                       "open loop: Verify calls per second in all, taken by free workers "
+                       "(0: closed loop)")
+      ->capture_default_str();
+  std::vector<double> load_sweep;
+  load_cmd->add_option("--sweep", load_sweep,
+                       "one run per value, comma-separated: the concurrency, or with --rate "
+                       "the rate; then a table")
+      ->delimiter(',');
   load_cmd->add_option("--progress", load.progress, "a progress line a second on stderr")
       ->capture_default_str();
   load_cmd->add_option("--json", load_json, "write the results to this JSON file");
@@ -315,7 +373,7 @@ int Main(int argc, char** argv) {
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
   load.shm_staging_bytes = shm_staging_mib << 20;
-  if (load_cmd->parsed()) return RunLoadCommand(set, load, load_json);
+  if (load_cmd->parsed()) return RunLoadCommand(set, load, load_sweep, load_json);
   if (soak_cmd->parsed()) {
     if (set.size() > 1) {
       spdlog::error("soak takes one target (got {})", set.size());
