@@ -5,7 +5,7 @@
 #     build/tests/gpu_engine_test build/bench/mlaverify-bench build/bench/mlaverify-engine-bench \
 #     build/server/mlaverify-server build/client/mlaverify-client
 # and carried there (device tool: carry [".device"]):
-#   OUT=/tmp/out bench/gpu_run.sh [tests] [service] [planes] [fault] [engine] [soak] [anchor] [sweep] [triton] [stalls] [small] [pdl] [ncu] [shapes] [sass] [timeline]
+#   OUT=/tmp/out bench/gpu_run.sh [tests] [service] [planes] [latency] [fault] [engine] [soak] [anchor] [sweep] [triton] [stalls] [small] [pdl] [ncu] [shapes] [sass] [timeline]
 # Writes logs and JSON into $OUT/results.tgz (one file: the device tool brings
 # back at most 8); prints a short summary last.
 set -uo pipefail
@@ -173,6 +173,29 @@ if want planes && [ -x "$bundle/bin/mlaverify-server" ]; then
     --shape 32,1024,16,8,64,tree --out "$out/planes-kernel.json" > "$out/planes-kernel.log" 2>&1
   summary+=("kernel shapes rc=$?")
   grep -E '^B=' "$out/planes-kernel.log"
+fi
+if want latency && [ -x "$bundle/bin/mlaverify-server" ]; then
+  # One call in flight over shm streams at L=16K (the planes' lowest-latency
+  # row) with the server's defaults, with the launch thread polling its queue
+  # 500 us instead of 100 us before it sleeps, and with eager launches instead
+  # of graph replays: what the engine's hand-offs cost at one call in flight.
+  for variant in defaults spin500 eager; do
+    case $variant in
+      defaults) vflags=() ;;
+      spin500) vflags=(--worker-spin-us 500) ;;
+      eager) vflags=(--cuda-graphs false) ;;
+    esac
+    start_server "latency-$variant" 127.0.0.1:0 --devices 0 --heads 8 --pool-bytes 8GiB \
+      --allow-client-shm true "${vflags[@]}"
+    timeout 60 "${cl[@]}" load --concurrency 1 --duration-s 5 --warmup-s 1 --prompt-len 16384 \
+      --max-seq-len 16900 --drafts 16 --stream --data-plane shm --shm-staging-mib 1200 \
+      --json "$out/latency-shm-stream-c1-16k-$variant.json" \
+      > "$out/latency-shm-stream-c1-16k-$variant.log" 2>&1
+    summary+=("latency $variant rc=$?")
+    echo "== $variant"
+    grep -E "^(verify calls|latency|server split|result)" "$out/latency-shm-stream-c1-16k-$variant.log"
+    stop_server "latency-$variant"
+  done
 fi
 if want fault && [ -x "$bundle/bin/mlaverify-server" ]; then
   # A real device fault: the third verify launch runs a trapping kernel. The
