@@ -475,8 +475,8 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
         absl::StrCat("--concurrency ", options.concurrency, ": need at least 1"));
   }
   if (!(options.rate >= 0) || options.rate > 1e7) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--rate ", options.rate, ": need 0 (closed loop) or a rate up to 1e7 calls/s"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--rate ", options.rate, ": need 0 (closed loop) or a rate up to 1e7 calls/s"));
   }
   if (options.duration_s <= 0 && options.requests <= 0) {
     return absl::InvalidArgumentError(

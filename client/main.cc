@@ -130,16 +130,16 @@ int RunLoadCommand(ReplicaSet& replicas, const LoadOptions& options,
   }
   if (!sweep.empty()) {
     std::printf("\nsweep over %s:\n%12s %12s %12s %10s %10s %8s %14s\n",
-                by_rate ? "the rate" : "concurrency", by_rate ? "rate" : "concurrency",
-                "calls/s", "items/s", "p50 ms", "p99 ms", "errors", "floor calls/s");
+                by_rate ? "the rate" : "concurrency", by_rate ? "rate" : "concurrency", "calls/s",
+                "items/s", "p50 ms", "p99 ms", "errors", "floor calls/s");
     for (const LoadReport& r : reports) {
-      const std::string value = by_rate ? absl::StrFormat("%g", r.options.rate)
-                                        : absl::StrCat(r.options.concurrency);
-      std::printf("%12s %12.1f %12.1f %10.3f %10.3f %8lld %14s\n", value.c_str(),
-                  r.calls_per_second, r.items_per_second, r.latency_ms.p50, r.latency_ms.p99,
-                  static_cast<long long>(r.total_errors),
-                  r.floor.measured ? absl::StrFormat("%.1f", r.floor.calls_per_second).c_str()
-                                   : "-");
+      const std::string value =
+          by_rate ? absl::StrFormat("%g", r.options.rate) : absl::StrCat(r.options.concurrency);
+      std::printf(
+          "%12s %12.1f %12.1f %10.3f %10.3f %8lld %14s\n", value.c_str(), r.calls_per_second,
+          r.items_per_second, r.latency_ms.p50, r.latency_ms.p99,
+          static_cast<long long>(r.total_errors),
+          r.floor.measured ? absl::StrFormat("%.1f", r.floor.calls_per_second).c_str() : "-");
     }
   }
   if (!json_path.empty()) {
@@ -299,14 +299,16 @@ int Main(int argc, char** argv) {
   load_cmd->add_flag("--floor", load.floor,
                      "then measure the bare-transport floor: a gRPC echo of the same message "
                      "sizes, RPC kind, concurrency and duration in this process");
-  load_cmd->add_option("--rate", load.rate,
-                       "open loop: Verify calls per second in all, taken by free workers "
-                       "(0: closed loop)")
+  load_cmd
+      ->add_option("--rate", load.rate,
+                   "open loop: Verify calls per second in all, taken by free workers "
+                   "(0: closed loop)")
       ->capture_default_str();
   std::vector<double> load_sweep;
-  load_cmd->add_option("--sweep", load_sweep,
-                       "one run per value, comma-separated: the concurrency, or with --rate "
-                       "the rate; then a table")
+  load_cmd
+      ->add_option("--sweep", load_sweep,
+                   "one run per value, comma-separated: the concurrency, or with --rate "
+                   "the rate; then a table")
       ->delimiter(',');
   load_cmd->add_option("--progress", load.progress, "a progress line a second on stderr")
       ->capture_default_str();

@@ -467,6 +467,10 @@ int Run(int argc, char** argv) {
   spdlog::info("engine ready in {:.2f} s", absl::ToDoubleSeconds(absl::Now() - engine_start));
   metrics.SetInfo(kVersion, (*engine)->backend_name());
   metrics.SetStatsSource([e = engine->get()] { return e->Stats(); });
+  metrics.SetSharedMemorySource([grpc_server] {
+    return admin::Metrics::SharedMemoryUsage{grpc_server->shared_memory().regions(),
+                                             grpc_server->shared_memory().registered_bytes()};
+  });
   metrics.DeclareDevices((*engine)->device_names());
   (*engine)->SetFaultListener([grpc_server, &metrics](const absl::Status&) {
     metrics.SetReady(false);
@@ -531,7 +535,9 @@ int Run(int argc, char** argv) {
       drained.calls_finished, drained.calls_cut, drained.streams_ended, stats.live_sequences,
       stats.free_pages, stats.total_pages);
   // The server (its shared-memory regions unpin through the engine) goes
-  // before the engine.
+  // before the engine; the metrics stop reading it first.
+  metrics.SetSharedMemorySource(nullptr);
+  metrics.SetStatsSource(nullptr);
   server->reset();
   return 0;
 }

@@ -280,6 +280,20 @@ TEST(MetricsTest, MirroredCountersAdvanceByEngineDeltas) {
   EXPECT_THAT(SampleValue(text, "mlaverify_tokens_appended_total"), Optional(17.0));
 }
 
+TEST(MetricsTest, SharedMemoryGaugesFollowTheirSource) {
+  admin::Metrics metrics;
+  EXPECT_THAT(SampleValue(metrics.Serialize(), "mlaverify_shm_regions"), Optional(0.0));
+  admin::Metrics::SharedMemoryUsage usage{3, 4096};
+  metrics.SetSharedMemorySource([&usage] { return usage; });
+  std::string text = metrics.Serialize();
+  EXPECT_THAT(SampleValue(text, "mlaverify_shm_regions"), Optional(3.0));
+  EXPECT_THAT(SampleValue(text, "mlaverify_shm_registered_bytes"), Optional(4096.0));
+  usage = {1, 512};
+  text = metrics.Serialize();
+  EXPECT_THAT(SampleValue(text, "mlaverify_shm_regions"), Optional(1.0));
+  EXPECT_THAT(SampleValue(text, "mlaverify_shm_registered_bytes"), Optional(512.0));
+}
+
 TEST(MetricsTest, InfoAndReady) {
   Metrics metrics;
   metrics.SetInfo("0.1.0", "cpu");

@@ -759,7 +759,8 @@ TEST_F(ServerTest, SharedMemoryDataPlaneEndToEnd) {
   auto gone = client_->UnregisterSystemSharedMemory("plane");
   ASSERT_TRUE(gone.ok()) << gone.status();
   EXPECT_EQ(*gone, std::vector<std::string>{"plane"});
-  client::VerifyItemInput item = RandomStep(n).Item(*id, 0);
+  const Step last = RandomStep(n);
+  client::VerifyItemInput item = last.Item(*id, 0);
   item.shm = &place;
   EXPECT_EQ(client_->Verify(0, absl::MakeConstSpan(&item, 1)).status().code(),
             absl::StatusCode::kNotFound);

@@ -143,6 +143,10 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   kv_pages_total_ = &AddGauge(r, "mlaverify_kv_pages_capacity", "KV pool capacity in pages.");
   kv_pages_used_ = &AddGauge(r, "mlaverify_kv_pages_used", "KV pages held by sequences.");
   kv_pages_free_ = &AddGauge(r, "mlaverify_kv_pages_free", "KV pages on the free list.");
+  shm_regions_ = &AddGauge(r, "mlaverify_shm_regions",
+                           "Client shared-memory regions registered (--allow-client-shm).");
+  shm_bytes_ = &AddGauge(r, "mlaverify_shm_registered_bytes",
+                         "Bytes of the registered shared-memory regions together.");
   sequences_live_ = &AddGauge(r, "mlaverify_sequences_live", "Sequences created and not released.");
   verify_steps_pending_ =
       &AddGauge(r, "mlaverify_verify_steps_pending",
@@ -265,6 +269,11 @@ void Metrics::SetStatsSource(std::function<engine::EngineStats()> source) {
   for (MirroredCounter& m : mirrored_) m.last_seen = 0;
 }
 
+void Metrics::SetSharedMemorySource(std::function<SharedMemoryUsage()> source) {
+  absl::MutexLock lock(&refresh_mu_);
+  shm_source_ = std::move(source);
+}
+
 void Metrics::SetInfo(absl::string_view version, absl::string_view backend) {
   absl::MutexLock lock(&info_mu_);
   if (build_info_ != nullptr) build_info_family_->Remove(build_info_);
@@ -277,6 +286,11 @@ void Metrics::SetReady(bool ready) { ready_->Set(ready ? 1 : 0); }
 
 void Metrics::RefreshFromEngine() {
   absl::MutexLock lock(&refresh_mu_);
+  if (shm_source_) {
+    const SharedMemoryUsage shm = shm_source_();
+    shm_regions_->Set(static_cast<double>(shm.regions));
+    shm_bytes_->Set(static_cast<double>(shm.bytes));
+  }
   if (!stats_source_) return;
   const engine::EngineStats stats = stats_source_();
   kv_pages_total_->Set(static_cast<double>(stats.total_pages));

@@ -74,6 +74,15 @@ class Metrics {
   // (counters never go down). An empty function stops the refresh.
   void SetStatsSource(std::function<engine::EngineStats()> source);
 
+  // Client shared-memory regions registered now and their bytes
+  // (mlaverify_shm_regions, mlaverify_shm_registered_bytes), read on every
+  // Serialize() like the engine's stats; same rules for the function.
+  struct SharedMemoryUsage {
+    int64_t regions = 0;
+    int64_t bytes = 0;
+  };
+  void SetSharedMemorySource(std::function<SharedMemoryUsage()> source);
+
   // mlaverify_build_info{version,backend} 1. A later call replaces the labels.
   void SetInfo(absl::string_view version, absl::string_view backend);
 
@@ -156,6 +165,9 @@ class Metrics {
   // same engine delta to a mirrored counter.
   absl::Mutex refresh_mu_;
   std::function<engine::EngineStats()> stats_source_ ABSL_GUARDED_BY(refresh_mu_);
+  std::function<SharedMemoryUsage()> shm_source_ ABSL_GUARDED_BY(refresh_mu_);
+  prometheus::Gauge* shm_regions_;
+  prometheus::Gauge* shm_bytes_;
   MirroredCounter mirrored_[kMirroredTotals] ABSL_GUARDED_BY(refresh_mu_);
 };
 

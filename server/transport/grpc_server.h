@@ -46,6 +46,8 @@ class GrpcServer {
 
   // The engine RPCs reach; before SetServing. It outlives the server.
   void AttachEngine(engine::Engine* engine) { service_->AttachEngine(engine); }
+  // The client shared-memory regions (for metrics; thread-safe).
+  const SharedMemoryRegistry& shared_memory() const { return service_->shared_memory(); }
   // Health SERVING; RPCs admitted.
   void SetServing();
   // A device faulted: health NOT_SERVING, device calls UNAVAILABLE (info and

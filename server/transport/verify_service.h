@@ -94,6 +94,7 @@ class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
   // The end of a drain (no call left running): every region is dropped.
   // Returns how many there were.
   int64_t ReleaseSharedMemory() { return shared_memory_.ReleaseAll(); }
+  const SharedMemoryRegistry& shared_memory() const { return shared_memory_; }
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
                                           const v1::GetServerInfoRequest* request,
