@@ -69,14 +69,15 @@ struct LoadPlan {
   int64_t request_limit = 0;  // 0: none
 };
 
-class RunControl;
-// The run in progress, for StopRunningLoad (a signal handler).
-std::atomic<RunControl*> g_running{nullptr};
+// Set by StopRunningLoad (a signal handler): every run from then on ends at
+// once, the one in progress as if its time were up. Lock-free, so the
+// handler touches nothing that may go away under it.
+std::atomic<bool> g_stop_requested{false};
+static_assert(std::atomic<bool>::is_always_lock_free);
 
 class RunControl {
  public:
-  explicit RunControl(const LoadPlan& plan) : plan_(plan) { g_running.store(this); }
-  ~RunControl() { g_running.store(nullptr); }
+  explicit RunControl(const LoadPlan& plan) : plan_(plan) {}
 
   // The ramp-up: every worker first gets its sequence (prompt appended, or
   // given up after its failures), then waits here until RunLoad has seen all
@@ -113,7 +114,7 @@ class RunControl {
   // schedule (waited for; a call that starts after its slot because every
   // worker was busy counts from the slot, so the latency includes the wait).
   bool BeginVerify(bool* measured, Clock::time_point* start) {
-    if (stop_.load(std::memory_order_relaxed)) return false;
+    if (stopped()) return false;
     Clock::time_point now = Clock::now();
     if (plan_.rate > 0) {
       const int64_t slot = next_slot_.fetch_add(1, std::memory_order_relaxed);
@@ -127,7 +128,13 @@ class RunControl {
         return false;
       }
       if (due > now) {
-        std::this_thread::sleep_until(due);
+        // In short sleeps, so that a stop is seen within 10 ms even when
+        // the slot is far ahead (a low rate with many workers).
+        while (Clock::now() < due) {
+          if (stopped()) return false;
+          std::this_thread::sleep_until(
+              std::min(due, Clock::now() + std::chrono::milliseconds(10)));
+        }
       } else if (now - due > std::chrono::milliseconds(1)) {
         late_.fetch_add(1, std::memory_order_relaxed);
       }
@@ -147,7 +154,10 @@ class RunControl {
     return true;
   }
 
-  bool stopped() const { return stop_.load(std::memory_order_relaxed); }
+  bool stopped() const {
+    return stop_.load(std::memory_order_relaxed) ||
+           g_stop_requested.load(std::memory_order_relaxed);
+  }
   // Totals for the progress line.
   void CountCall(int items) {
     calls_.fetch_add(1, std::memory_order_relaxed);
@@ -462,12 +472,9 @@ class LoadWorker {
 
 }  // namespace
 
-bool StopRunningLoad() {
-  RunControl* run = g_running.load();
-  if (run == nullptr) return false;
-  run->Stop();
-  return true;
-}
+void StopRunningLoad() { g_stop_requested.store(true); }
+
+bool LoadStopRequested() { return g_stop_requested.load(); }
 
 absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& options) {
   if (options.concurrency < 1) {
@@ -565,8 +572,14 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
     int registered = 0;
     ~Unregister() {
       for (int r = 0; r < registered; ++r) {
-        absl::StatusOr<std::vector<std::string>> gone =
-            replicas.replica(r).UnregisterSystemSharedMemory(name);
+        // A call the client gave up on (its deadline) may still hold the
+        // region on the server for a moment: retry that for up to 5 s.
+        absl::StatusOr<std::vector<std::string>> gone;
+        for (int attempt = 0; attempt < 50; ++attempt) {
+          gone = replicas.replica(r).UnregisterSystemSharedMemory(name);
+          if (gone.status().code() != absl::StatusCode::kFailedPrecondition) break;
+          std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        }
         if (!gone.ok()) {
           spdlog::warn("{}: unregistering shared memory '{}': {}", replicas.Name(r), name,
                        gone.status().ToString());
@@ -622,6 +635,7 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
       options.rate > 0 ? absl::StrFormat(", open loop at %g calls/s", options.rate)
                        : std::string(", closed loop"));
 
+  if (g_stop_requested.load()) return absl::CancelledError("the load was stopped before it began");
   RunControl control(plan);
   std::vector<WorkerResult> results(options.concurrency);
   std::vector<std::thread> threads;
@@ -698,6 +712,7 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
   for (std::thread& thread : threads) thread.join();
   workers_done.store(true);
   if (progress.joinable()) progress.join();
+  const Clock::time_point end = Clock::now();
   const LoadReport::ServerSplit split_after = read_split();
   report.late_starts = control.late_starts();
   if (const int64_t calls = split_after.calls - split_before.calls; calls > 0) {
@@ -708,7 +723,6 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
     d.device_us = (split_after.device_us - split_before.device_us) * 1e6 / calls;
     d.rest_us = d.server_us - d.queue_us - d.device_us;
   }
-  const Clock::time_point end = Clock::now();
   report.measured_seconds =
       std::max(0.0, std::chrono::duration<double>(end - plan.measure_start).count());
 

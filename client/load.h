@@ -170,10 +170,12 @@ struct LoadReport {
 // lost during the run is reported, and the workers carry on with the others.
 absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& options);
 
-// Asks the RunLoad in progress to end as if its time were up: the workers
-// stop after their call in flight, and the run releases its sequences and
-// shared memory and reports. False when no load runs. Async-signal-safe.
-bool StopRunningLoad();
+// Asks the RunLoad in progress to end as if its time were up (the workers
+// stop after their call in flight; the run releases its sequences and shared
+// memory and reports), and every later one to end before it starts
+// (CANCELLED). Async-signal-safe. LoadStopRequested: whether it was asked.
+void StopRunningLoad();
+bool LoadStopRequested();
 
 void PrintLoadReport(const LoadReport& report);
 nlohmann::ordered_json LoadReportToJson(const LoadReport& report);

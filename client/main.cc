@@ -56,13 +56,18 @@ struct GlobalFlags {
   std::string auth_token_file;
 };
 
-// SIGINT/SIGTERM: a running load ends as if its time were up (it releases
-// its sequences and shared memory and reports); otherwise, or on a second
-// signal, the shared-memory objects this process created are unlinked and
-// the signal takes its default course.
+// SIGINT/SIGTERM: during `load` the first one ends the run in progress as if
+// its time were up (it releases its sequences and shared memory and reports)
+// and the sweep's remaining runs; otherwise, or on a second signal, the
+// shared-memory objects this process created are unlinked and the signal
+// takes its default course.
 std::atomic<int> g_signals{0};
+std::atomic<bool> g_load_command{false};
 extern "C" void OnSignal(int sig) {
-  if (g_signals.fetch_add(1) == 0 && StopRunningLoad()) return;
+  if (g_signals.fetch_add(1) == 0 && g_load_command.load()) {
+    StopRunningLoad();
+    return;
+  }
   UnlinkSharedMemoryFromSignalHandler();
   std::signal(sig, SIG_DFL);
   std::raise(sig);
@@ -116,6 +121,7 @@ int RunLoadCommand(ReplicaSet& replicas, const LoadOptions& options,
   std::vector<LoadReport> reports;
   int worst = kExitOk;
   for (const LoadOptions& o : runs) {
+    if (LoadStopRequested()) break;  // a signal ended the sweep
     absl::StatusOr<LoadReport> report = RunLoad(replicas, o);
     if (!report.ok()) {
       spdlog::error("load: {}", report.status().ToString());
@@ -127,6 +133,10 @@ int RunLoadCommand(ReplicaSet& replicas, const LoadOptions& options,
                             : report->survived_replica_loss() ? kExitReplicaLost
                                                               : kExitCheckFailed);
     reports.push_back(*std::move(report));
+  }
+  if (reports.empty()) {
+    spdlog::error("load: stopped by a signal before its first run");
+    return kExitCheckFailed;
   }
   if (!sweep.empty()) {
     std::printf("\nsweep over %s:\n%12s %12s %12s %10s %10s %8s %14s\n",
@@ -375,6 +385,7 @@ int Main(int argc, char** argv) {
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
   load.shm_staging_bytes = shm_staging_mib << 20;
+  g_load_command.store(load_cmd->parsed());
   if (load_cmd->parsed()) return RunLoadCommand(set, load, load_sweep, load_json);
   if (soak_cmd->parsed()) {
     if (set.size() > 1) {

@@ -66,6 +66,17 @@ absl::StatusOr<std::unique_ptr<SharedMemoryBuffer>> SharedMemoryBuffer::Create(s
     return absl::UnavailableError(
         absl::StrCat("ftruncate ", key, " to ", bytes, " bytes: ", std::strerror(err)));
   }
+  // The object's pages reserved now: a /dev/shm too small for it fails here
+  // with a message instead of a SIGBUS at the first write past its room
+  // (ours, or the server's writing outputs into it).
+  if (const int err = posix_fallocate(fd, 0, static_cast<off_t>(bytes)); err != 0) {
+    close(fd);
+    shm_unlink(key.c_str());
+    FreeSlot(slot);
+    return absl::UnavailableError(
+        absl::StrCat("posix_fallocate ", key, " of ", bytes,
+                     " bytes (is /dev/shm large enough?): ", std::strerror(err)));
+  }
   void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int err = errno;
   close(fd);

@@ -538,6 +538,7 @@ int Run(int argc, char** argv) {
   // before the engine; the metrics stop reading it first.
   metrics.SetSharedMemorySource(nullptr);
   metrics.SetStatsSource(nullptr);
+  (*engine)->SetFaultListener(nullptr);
   server->reset();
   return 0;
 }

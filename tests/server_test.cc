@@ -950,6 +950,53 @@ TEST_F(ServerTest, SharedMemoryBadReferencesGetTheirCodeAndChangeNothing) {
   EXPECT_EQ(gone->size(), 3u);
 }
 
+// Alignment and overlap are checked on the object's bytes, whatever the
+// regions' names: a region registered at an odd offset cannot serve a bf16
+// tensor at its offset 0, and an output in one region may not overlap an
+// input through another region over the same object.
+TEST_F(ServerTest, SharedMemoryChecksSeeTheObjectNotTheName) {
+  MakeWithSharedMemory(engine::MakeCpuDevice(2));
+  Serve();
+  client::SequenceMirror m(kLayers);
+  const uint64_t id = NewSequence(8, &m);
+  const int n = 2;
+  const uint64_t item_bytes = client::ShmVerifyItemBytes(n, kHeads);
+  auto shm = RegisterBuffer("a", 2 * item_bytes);
+  ASSERT_TRUE(client_->RegisterSystemSharedMemory("b", shm->key(), 0, 2 * item_bytes).ok());
+  ASSERT_TRUE(client_->RegisterSystemSharedMemory("odd", shm->key(), 1, item_bytes).ok());
+  const Step s = RandomStep(n);
+  client::VerifyItemInput item = s.Item(id, 0);
+  const client::ShmItemPlacement place = client::PlaceVerifyItem("a", shm->data(), 0, n, kHeads);
+  item.shm = &place;
+  v1::VerifyRequest request = *client::BuildVerifyRequest(0, absl::MakeConstSpan(&item, 1), 0, 1);
+  auto verify = [this](const v1::VerifyRequest& r) {
+    grpc::ClientContext ctx;
+    v1::VerifyResponse resp;
+    return stub_->Verify(&ctx, r, &resp);
+  };
+  // out through "b", at the same object bytes as q through "a".
+  v1::VerifyRequest aliased = request;
+  aliased.mutable_items(0)->mutable_out_shared_memory()->set_region("b");
+  aliased.mutable_items(0)->mutable_out_shared_memory()->set_offset(place.q_offset);
+  grpc::Status status = verify(aliased);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("overlaps"));
+  // q at offset 0 of "odd" is byte 1 of the object.
+  v1::VerifyRequest odd = request;
+  odd.mutable_items(0)->mutable_q()->mutable_shared_memory()->set_region("odd");
+  odd.mutable_items(0)->mutable_q()->mutable_shared_memory()->set_offset(0);
+  status = verify(odd);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("multiple of 2"));
+  EXPECT_EQ(engine_->Stats().pending_steps, 0);
+  // The untouched request works; out through "b" where "a" has it is fine.
+  v1::VerifyRequest through_b = request;
+  through_b.mutable_items(0)->mutable_out_shared_memory()->set_region("b");
+  EXPECT_TRUE(verify(through_b).ok());
+  EXPECT_TRUE(client_->Commit(id, {}).ok());
+  EXPECT_EQ(client_->UnregisterSystemSharedMemory("")->size(), 3u);
+}
+
 // A region a running call holds cannot be unregistered: the call completes
 // (its outputs in place), then the region goes.
 TEST_F(ServerTest, SharedMemoryRegionHeldByARunningCallStays) {

@@ -111,11 +111,6 @@ absl::StatusOr<uint8_t*> RegionLeases::Resolve(SharedMemoryRegistry& registry,
     return absl::InvalidArgumentError(absl::StrCat(what, ": shared-memory byte_size ", byte_size,
                                                    ", the tensor's shape needs ", expected_bytes));
   }
-  if (alignment > 1 && offset % alignment != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": shared-memory offset ", offset,
-                                                   " is not a multiple of ", alignment,
-                                                   " (the dtype's size)"));
-  }
   std::shared_ptr<SharedMemoryRegion> leased;
   for (const auto& held : leases_) {
     if (held->name() == region) leased = held;
@@ -134,7 +129,16 @@ absl::StatusOr<uint8_t*> RegionLeases::Resolve(SharedMemoryRegistry& registry,
         what, ": bytes [", offset, ", ", offset, " + ", byte_size, ") are past the end of region ",
         Quoted(region), " (", leased->byte_size(), " bytes)"));
   }
-  ranges_.push_back({leased.get(), offset, offset + byte_size, is_output, std::string(what)});
+  // The mapping starts on a page of the object, so a tensor's address is
+  // aligned as its place in the object is.
+  const uint64_t begin = leased->offset_ + offset;
+  if (alignment > 1 && begin % alignment != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": shared-memory offset ", offset, " puts it at byte ", begin,
+                     " of the object ", "(region ", Quoted(region), " starts at ", leased->offset_,
+                     "), not a multiple of ", alignment, " (the dtype's size)"));
+  }
+  ranges_.push_back({leased.get(), begin, begin + byte_size, is_output, std::string(what)});
   return leased->data() + offset;
 }
 
@@ -145,11 +149,14 @@ absl::Status RegionLeases::CheckOutputsDoNotOverlap() const {
       if (i == j) continue;
       const Range& a = ranges_[i];
       const Range& b = ranges_[j];
-      if (a.region == b.region && a.begin < b.end && b.begin < a.end && a.begin != a.end &&
+      const bool same_object =
+          a.region->device_ == b.region->device_ && a.region->inode_ == b.region->inode_;
+      if (same_object && a.begin < b.end && b.begin < a.end && a.begin != a.end &&
           b.begin != b.end) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            a.what, ": its shared-memory range [", a.begin, ", ", a.end, ") overlaps ", b.what,
-            "'s [", b.begin, ", ", b.end, ") in region ", Quoted(a.region->name())));
+        return absl::InvalidArgumentError(
+            absl::StrCat(a.what, ": its bytes [", a.begin, ", ", a.end, ") of region ",
+                         Quoted(a.region->name()), "'s object overlaps ", b.what, "'s [", b.begin,
+                         ", ", b.end, ") (region ", Quoted(b.region->name()), ")"));
       }
     }
   }
@@ -228,6 +235,8 @@ absl::Status SharedMemoryRegistry::Register(const std::string& name, const std::
   }
   region->name_ = name;
   region->key_ = key;
+  region->device_ = static_cast<uint64_t>(st.st_dev);
+  region->inode_ = static_cast<uint64_t>(st.st_ino);
   region->offset_ = offset;
   region->byte_size_ = byte_size;
   region->data_ = static_cast<uint8_t*>(region->mapping_) + (offset - map_start);

@@ -81,6 +81,9 @@ class SharedMemoryRegion {
 
   std::string name_, key_;
   uint64_t offset_ = 0, byte_size_ = 0;
+  // The object itself: two names over one object are told apart only by
+  // these (the overlap check compares object bytes, not names).
+  uint64_t device_ = 0, inode_ = 0;
   void* mapping_ = nullptr;  // page-aligned start of the mmap
   size_t mapping_bytes_ = 0;
   uint8_t* data_ = nullptr;
@@ -103,14 +106,15 @@ class RegionLeases {
 
   // The bytes of `byte_size` at `offset` of `region`, leased for this call.
   // FAILED_PRECONDITION (shared memory off), NOT_FOUND (unknown region),
-  // INVALID_ARGUMENT (byte_size is not `expected_bytes`, offset not a
-  // multiple of `alignment`), OUT_OF_RANGE (past the region's end); `what`
-  // names the tensor in the message.
+  // INVALID_ARGUMENT (byte_size is not `expected_bytes`; the tensor's place
+  // in the object, region offset + offset, not a multiple of `alignment`),
+  // OUT_OF_RANGE (past the region's end); `what` names the tensor.
   absl::StatusOr<uint8_t*> Resolve(SharedMemoryRegistry& registry, absl::string_view region,
                                    uint64_t offset, uint64_t byte_size, uint64_t expected_bytes,
                                    uint64_t alignment, bool is_output, absl::string_view what);
   // INVALID_ARGUMENT naming both tensors when an output range overlaps any
-  // other range resolved through this object.
+  // other range resolved through this object, in the same shared-memory
+  // object (also through two regions over one object).
   absl::Status CheckOutputsDoNotOverlap() const;
   bool empty() const { return leases_.empty(); }
   // Drops every lease now (the destructor does the same).
@@ -119,7 +123,7 @@ class RegionLeases {
  private:
   struct Range {
     const SharedMemoryRegion* region;
-    uint64_t begin, end;
+    uint64_t begin, end;  // byte offsets in the object (region offset included)
     bool is_output;
     std::string what;
   };
