@@ -21,9 +21,11 @@ except ImportError as e:  # pragma: no cover
 from mlaverify._wire import CommitResult, VerifyItem, VerifyResult  # noqa: E402
 from mlaverify.client import VerifyClient, VerifyStream  # noqa: E402
 from mlaverify.errors import VerifyError  # noqa: E402
+from mlaverify.shm import SharedMemoryRegion, ShmPlacement, place_item  # noqa: E402
 from mlaverify.tensors import bf16_from_float32, float32_from_bf16  # noqa: E402
 
 __all__ = [
-    "CommitResult", "VerifyClient", "VerifyError", "VerifyItem", "VerifyResult", "VerifyStream",
-    "bf16_from_float32", "float32_from_bf16",
+    "CommitResult", "SharedMemoryRegion", "ShmPlacement", "VerifyClient", "VerifyError",
+    "VerifyItem", "VerifyResult", "VerifyStream", "bf16_from_float32", "float32_from_bf16",
+    "place_item",
 ]

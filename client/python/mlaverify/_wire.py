@@ -13,6 +13,7 @@ import grpc
 
 from mlaverify import tensors
 from mlaverify.errors import VerifyError, code_from_number
+from mlaverify.shm import ShmPlacement
 from mlaverify.v1 import verify_pb2, verify_pb2_grpc
 
 LATENT_DIM = 576
@@ -31,6 +32,10 @@ class VerifyItem:
     q: Any
     draft_kv: Any
     parents: Sequence[int]
+    # Not None: the shared-memory plane for this item (a region registered
+    # with register_system_shared_memory): q and draft_kv are copied into
+    # the placement and sent as references, out and lse come back there.
+    shm: Optional[ShmPlacement] = None
 
 
 @dataclass
@@ -77,8 +82,10 @@ def check_path(accepted: Sequence[int], what: str) -> List[int]:
 class Geometry:
     """The parts of ServerInfo the client checks requests against."""
 
-    def __init__(self, info: verify_pb2.ServerInfo):
+    def __init__(self, info: verify_pb2.ServerInfo, regions: dict):
         self.info = info
+        # Registered region name -> this process's SharedMemoryRegion.
+        self.regions = regions
         self.num_layers = info.num_layers
         self.num_heads = info.num_heads
         self.max_draft_len = info.max_draft_len
@@ -117,13 +124,51 @@ class Geometry:
             seen.add(item.sequence_id)
             parents = check_parents(item.parents, self.max_draft_len, what)
             n = len(parents)
-            request.items.append(verify_pb2.VerifyItem(
-                sequence_id=item.sequence_id,
-                q=tensors.to_proto(item.q, tensors.BF16, [n, self.num_heads, LATENT_DIM], f"{what} q"),
-                draft_kv=tensors.to_proto(item.draft_kv, tensors.BF16, [n, LATENT_DIM],
-                                          f"{what} draft_kv"),
-                parents=parents))
+            q_shape, kv_shape = [n, self.num_heads, LATENT_DIM], [n, LATENT_DIM]
+            if item.shm is None:
+                request.items.append(verify_pb2.VerifyItem(
+                    sequence_id=item.sequence_id,
+                    q=tensors.to_proto(item.q, tensors.BF16, q_shape, f"{what} q"),
+                    draft_kv=tensors.to_proto(item.draft_kv, tensors.BF16, kv_shape,
+                                              f"{what} draft_kv"),
+                    parents=parents))
+                continue
+            p = item.shm
+            region = self._region(p.region, what)
+            wire = verify_pb2.VerifyItem(sequence_id=item.sequence_id, parents=parents)
+            for field, value, shape, offset in (("q", item.q, q_shape, p.q_offset),
+                                                ("draft_kv", item.draft_kv, kv_shape,
+                                                 p.draft_kv_offset)):
+                values = tensors.as_bits(value, tensors.BF16, shape, f"{what} {field}")
+                region.array(offset, np.uint16, shape)[...] = values
+                tensor = getattr(wire, field)
+                tensor.dtype = verify_pb2.DTYPE_BF16
+                tensor.shape.extend(shape)
+                tensor.shared_memory.CopyFrom(verify_pb2.SharedMemoryRef(
+                    region=p.region, offset=offset, byte_size=values.nbytes))
+            wire.out_shared_memory.CopyFrom(verify_pb2.SharedMemoryRef(
+                region=p.region, offset=p.out_offset, byte_size=n * self.num_heads * VALUE_DIM * 2))
+            wire.lse_shared_memory.CopyFrom(verify_pb2.SharedMemoryRef(
+                region=p.region, offset=p.lse_offset, byte_size=n * self.num_heads * 4))
+            request.items.append(wire)
         return request
+
+    def _region(self, name: str, what: str):
+        region = self.regions.get(name)
+        if region is None:
+            raise ValueError(f"{what}: shared-memory region {name!r} was not registered "
+                             "through this client (register_system_shared_memory)")
+        return region
+
+    def _placed_output(self, wanted: verify_pb2.SharedMemoryRef, got: verify_pb2.Tensor,
+                       dtype, shape, what: str, as_torch: bool):
+        if got.WhichOneof("data") != "shared_memory" or got.shared_memory != wanted:
+            raise ValueError(f"{what}: the server answered it elsewhere than it was placed")
+        if list(got.shape) != list(shape):
+            raise ValueError(f"{what}: shape {list(got.shape)}, expected {list(shape)}")
+        region = self._region(wanted.region, what)
+        values = region.array(wanted.offset, dtype, shape).copy()  # the region is reused
+        return tensors.maybe_torch(values, as_torch)
 
     def verify_results(self, request: verify_pb2.VerifyRequest, response: verify_pb2.VerifyResponse,
                        as_torch: bool) -> List[VerifyResult]:
@@ -136,13 +181,36 @@ class Geometry:
                 raise ValueError(f"result for sequence {r.sequence_id} where {item.sequence_id} "
                                  "was asked")
             n = len(item.parents)
-            results.append(VerifyResult(
-                sequence_id=r.sequence_id,
-                out=tensors.from_proto(r.out, tensors.BF16, [n, self.num_heads, VALUE_DIM],
-                                       "out", as_torch),
-                lse=tensors.from_proto(r.lse, tensors.FP32, [n, self.num_heads], "lse", as_torch),
-                prefix_len=r.prefix_len))
+            if item.HasField("out_shared_memory"):
+                out = self._placed_output(item.out_shared_memory, r.out, np.uint16,
+                                          [n, self.num_heads, VALUE_DIM], "out", as_torch)
+                lse = self._placed_output(item.lse_shared_memory, r.lse, np.float32,
+                                          [n, self.num_heads], "lse", as_torch)
+            else:
+                out = tensors.from_proto(r.out, tensors.BF16, [n, self.num_heads, VALUE_DIM],
+                                         "out", as_torch)
+                lse = tensors.from_proto(r.lse, tensors.FP32, [n, self.num_heads], "lse",
+                                         as_torch)
+            results.append(VerifyResult(sequence_id=r.sequence_id, out=out, lse=lse,
+                                        prefix_len=r.prefix_len))
         return results
+
+
+class RegisteredView:
+    """A registered range of a SharedMemoryRegion: offsets count from its start."""
+
+    def __init__(self, region, offset: int):
+        self._region, self._offset = region, offset
+
+    def array(self, offset: int, dtype, shape) -> np.ndarray:
+        return self._region.array(self._offset + offset, dtype, shape)
+
+
+def register_request(name: str, region, offset: int,
+                     byte_size: Optional[int]) -> verify_pb2.RegisterSystemSharedMemoryRequest:
+    byte_size = region.size - offset if byte_size is None else byte_size
+    return verify_pb2.RegisterSystemSharedMemoryRequest(name=name, key=region.key, offset=offset,
+                                                        byte_size=byte_size)
 
 
 def unknown_answer(response: verify_pb2.VerifyResponse) -> VerifyError:
@@ -186,6 +254,7 @@ class ClientBase:
         self._timeout = timeout
         self._as_torch = as_torch
         self._geometry: Optional[Geometry] = None
+        self._regions: dict = {}  # registered name -> SharedMemoryRegion (shared with geometry)
         self._request_ids = itertools.count(1)
         self.target = target
 

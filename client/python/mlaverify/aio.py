@@ -52,7 +52,7 @@ class AsyncVerifyClient(_wire.ClientBase):
     async def server_info(self) -> verify_pb2.ServerInfo:
         info = await self._call("GetServerInfo", self._stub.GetServerInfo,
                                 verify_pb2.GetServerInfoRequest())
-        self._geometry = _wire.Geometry(info)
+        self._geometry = _wire.Geometry(info, self._regions)
         return info
 
     async def geometry(self) -> _wire.Geometry:
@@ -95,6 +95,21 @@ class AsyncVerifyClient(_wire.ClientBase):
         r = await self._call("ReleaseSequence", self._stub.ReleaseSequence,
                              verify_pb2.ReleaseSequenceRequest(sequence_id=sequence_id))
         return r.freed_pages
+
+    async def register_system_shared_memory(self, name: str, region, offset: int = 0,
+                                            byte_size: Optional[int] = None) -> None:
+        """As VerifyClient.register_system_shared_memory."""
+        request = _wire.register_request(name, region, offset, byte_size)
+        await self._call("RegisterSystemSharedMemory", self._stub.RegisterSystemSharedMemory,
+                         request)
+        self._regions[name] = _wire.RegisteredView(region, offset)
+
+    async def unregister_system_shared_memory(self, name: str = "") -> List[str]:
+        r = await self._call("UnregisterSystemSharedMemory", self._stub.UnregisterSystemSharedMemory,
+                             verify_pb2.UnregisterSystemSharedMemoryRequest(name=name))
+        for n in r.unregistered:
+            self._regions.pop(n, None)
+        return list(r.unregistered)
 
     async def verify_stream(self, max_in_flight: int = 16) -> "AsyncVerifyStream":
         return AsyncVerifyStream(self, await self.geometry(), max_in_flight)

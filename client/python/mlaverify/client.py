@@ -10,7 +10,7 @@ from typing import Any, Iterator, List, Optional, Sequence
 
 import grpc
 
-from mlaverify import _wire
+from mlaverify import _wire, shm
 from mlaverify.errors import VerifyError, from_rpc_error
 from mlaverify.v1 import verify_pb2
 
@@ -70,7 +70,7 @@ class VerifyClient(_wire.ClientBase):
     def server_info(self) -> verify_pb2.ServerInfo:
         """GetServerInfo; also refreshes the geometry requests are checked against."""
         info = self._call("GetServerInfo", self._stub.GetServerInfo, verify_pb2.GetServerInfoRequest())
-        self._geometry = _wire.Geometry(info)
+        self._geometry = _wire.Geometry(info, self._regions)
         return info
 
     @property
@@ -115,6 +115,29 @@ class VerifyClient(_wire.ClientBase):
         """Frees the sequence's pages; returns how many."""
         return self._call("ReleaseSequence", self._stub.ReleaseSequence,
                           verify_pb2.ReleaseSequenceRequest(sequence_id=sequence_id)).freed_pages
+
+    # -- system shared memory ------------------------------------------------
+    def register_system_shared_memory(self, name: str, region: "shm.SharedMemoryRegion",
+                                      offset: int = 0, byte_size: Optional[int] = None) -> None:
+        """Registers [offset, offset + byte_size) of `region` (a
+        SharedMemoryRegion of this process) as `name`; items placed there
+        (VerifyItem.shm) then travel as references."""
+        request = _wire.register_request(name, region, offset, byte_size)
+        self._call("RegisterSystemSharedMemory", self._stub.RegisterSystemSharedMemory, request)
+        self._regions[name] = _wire.RegisteredView(region, offset)
+
+    def unregister_system_shared_memory(self, name: str = "") -> List[str]:
+        """Removes `name` ("" : every region); returns the names removed."""
+        names = list(self._call("UnregisterSystemSharedMemory",
+                                self._stub.UnregisterSystemSharedMemory,
+                                verify_pb2.UnregisterSystemSharedMemoryRequest(name=name)).unregistered)
+        for n in names:
+            self._regions.pop(n, None)
+        return names
+
+    def system_shared_memory_status(self, name: str = "") -> List[verify_pb2.SystemSharedMemoryRegion]:
+        return list(self._call("SystemSharedMemoryStatus", self._stub.SystemSharedMemoryStatus,
+                               verify_pb2.SystemSharedMemoryStatusRequest(name=name)).regions)
 
     def verify_stream(self, max_in_flight: int = 16) -> "VerifyStream":
         return VerifyStream(self, max_in_flight)

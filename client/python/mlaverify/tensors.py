@@ -81,13 +81,32 @@ def _as_numpy(x: Any, dtype: str, what: str) -> np.ndarray:
     return np.ascontiguousarray(a)
 
 
-def to_proto(x: Any, dtype: str, shape: Sequence[int], what: str) -> verify_pb2.Tensor:
-    """Checks `x` against `shape` (every dimension; -1 matches any) and packs
-    it into a Tensor with raw bytes (one copy, into the message)."""
+def as_bits(x: Any, dtype: str, shape: Sequence[int], what: str) -> np.ndarray:
+    """`x` as a C-contiguous NumPy array of the wire dtype, checked against
+    `shape` (every dimension; -1 matches any)."""
     a = _as_numpy(x, dtype, what)
     if a.ndim != len(shape) or any(s != -1 and s != d for s, d in zip(shape, a.shape)):
         raise ValueError(f"{what}: expected shape {_shape_text(shape)}, got {list(a.shape)}")
+    return a
+
+
+def to_proto(x: Any, dtype: str, shape: Sequence[int], what: str) -> verify_pb2.Tensor:
+    """Checks `x` against `shape` (every dimension; -1 matches any) and packs
+    it into a Tensor with raw bytes (one copy, into the message)."""
+    a = as_bits(x, dtype, shape, what)
     return verify_pb2.Tensor(dtype=_PROTO_DTYPE[dtype], shape=list(a.shape), raw=a.tobytes())
+
+
+def maybe_torch(a: np.ndarray, as_torch: bool) -> Any:
+    """A writable NumPy array (uint16 bf16 bits or float32) as it is, or as a
+    torch tensor (bfloat16 or float32) sharing its memory."""
+    if not as_torch:
+        return a
+    if _torch is None:
+        raise RuntimeError("as_torch=True but torch is not importable")
+    if a.dtype == np.uint16:
+        return _torch.from_numpy(a.view(np.int16)).view(_torch.bfloat16)
+    return _torch.from_numpy(a)
 
 
 def from_proto(t: verify_pb2.Tensor, dtype: str, shape: Sequence[int], what: str,

@@ -14,7 +14,8 @@ from mlaverify import VerifyClient
 SERVER_FLAGS = ["--backend", "cpu", "--layers", "3", "--heads", "4", "--page-size", "16",
                 "--pool-bytes", "8MiB", "--draft-buckets", "1", "2", "4", "8",
                 "--batch-buckets", "1", "2", "4", "--max-message-bytes", "1MiB",
-                "--drain-grace-s", "0", "--drain-timeout-s", "2", "--log-level", "warn"]
+                "--drain-grace-s", "0", "--drain-timeout-s", "2", "--log-level", "warn",
+                "--allow-client-shm", "true"]
 
 
 def start_server(extra=()):

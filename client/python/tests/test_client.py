@@ -254,3 +254,70 @@ def test_asyncio_client_and_stream(server):
             assert await client.release_sequence(sid) > 0
 
     asyncio.run(run())
+
+
+def test_shared_memory_plane_matches_the_reference(client):
+    """q and draft_kv by reference, out and lse written into the region:
+    unary and stream answers match the reference; the region's use is
+    counted and it goes away on request."""
+    from mlaverify import SharedMemoryRegion, place_item
+    from mlaverify.shm import item_bytes
+
+    rng = np.random.default_rng(7)
+    info = client.server_info()
+    n = 4
+    with SharedMemoryRegion(2 * item_bytes(n, info.num_heads)) as region:
+        client.register_system_shared_memory("py-plane", region)
+        place = place_item("py-plane", 0, n, info.num_heads)
+        seq = client.create_sequence("shm")
+        mirror = Mirror(info.num_layers)
+        prompt = random_bf16(rng, info.num_layers, 20, 576)
+        client.append_prompt(seq, prompt)
+        mirror.append_prompt(prompt)
+        parents = random_tree(rng, n)
+        drafts = [random_bf16(rng, n, 576) for _ in range(info.num_layers)]
+        with client.verify_stream() as stream:
+            for layer in range(info.num_layers):
+                item = VerifyItem(seq, random_bf16(rng, n, info.num_heads, 576), drafts[layer],
+                                  parents, shm=place)
+                call = client.verify if layer % 2 == 0 else stream.verify
+                (result,) = call(layer, [item])
+                check(result, mirror, layer, item, info.default_softmax_scale)
+        (status,) = client.system_shared_memory_status("py-plane")
+        assert status.key == region.key and status.calls_total == info.num_layers
+        assert status.calls_in_flight == 0
+        client.commit(seq, [])
+        # A reference to a region the server does not know: NOT_FOUND.
+        client._regions["py-gone"] = client._regions["py-plane"]
+        gone = place_item("py-gone", 0, n, info.num_heads)
+        with pytest.raises(VerifyError) as e:
+            client.verify(0, [VerifyItem(seq, random_bf16(rng, n, info.num_heads, 576), drafts[0],
+                                         parents, shm=gone)])
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
+        del client._regions["py-gone"]
+        assert client.unregister_system_shared_memory("py-plane") == ["py-plane"]
+        client.release_sequence(seq)
+
+
+def test_asyncio_client_over_shared_memory(server):
+    from mlaverify import SharedMemoryRegion, place_item
+    from mlaverify.shm import item_bytes
+
+    async def run():
+        rng = np.random.default_rng(11)
+        async with AsyncVerifyClient(server, timeout=30) as c:
+            info = await c.server_info()
+            with SharedMemoryRegion(item_bytes(2, info.num_heads)) as region:
+                await c.register_system_shared_memory("py-aio", region)
+                seq = await c.create_sequence("aio-shm")
+                mirror = Mirror(info.num_layers)
+                item = VerifyItem(seq, random_bf16(rng, 2, info.num_heads, 576),
+                                  random_bf16(rng, 2, 576), [-1, 0],
+                                  shm=place_item("py-aio", 0, 2, info.num_heads))
+                (result,) = await c.verify(0, [item])
+                check(result, mirror, 0, item, info.default_softmax_scale)
+                await c.commit(seq, [])
+                assert await c.unregister_system_shared_memory("py-aio") == ["py-aio"]
+                await c.release_sequence(seq)
+
+    asyncio.run(run())
