@@ -258,8 +258,12 @@ absl::StatusOr<AppendKvResult> VerifyClient::AppendKv(uint64_t sequence_id, int6
   }
   ASSIGN_OR_RETURN(int64_t server_limit, ServerMessageLimit());
   // A server that reports no limit (0) is bounded by this channel's own.
-  const int64_t limit = server_limit > 0 ? std::min(server_limit, options_.max_send_message_bytes)
-                                         : options_.max_send_message_bytes;
+  int64_t limit = server_limit > 0 ? std::min(server_limit, options_.max_send_message_bytes)
+                                   : options_.max_send_message_bytes;
+  // Capped for speed (kAppendKvMessageCap), unless a token would not fit.
+  if (MaxAppendChunkTokens(kAppendKvMessageCap, num_layers) >= 1) {
+    limit = std::min(limit, kAppendKvMessageCap);
+  }
   const int64_t max_chunk_tokens = MaxAppendChunkTokens(limit, num_layers);
   if (max_chunk_tokens < 1) {
     return absl::ResourceExhaustedError(

@@ -72,6 +72,13 @@ absl::StatusOr<std::vector<VerifyItemResult>> ParseVerifyResponse(
 // slightly differently.
 inline constexpr double kAppendKvHeadroom = 0.9;
 
+// AppendKv messages stay under this even where the limits allow more: on
+// the H200 host one stream of 15 MB chunks uploaded 0.54 GB/s against 0.46
+// GB/s with 57 MB ones (bench/NOTES.md, "The data planes"); buffers above
+// glibc's 32 MiB mmap threshold are fresh, page-faulted memory on every
+// message, on both ends.
+inline constexpr int64_t kAppendKvMessageCap = int64_t{16} << 20;
+
 // Tokens of [num_layers, T, 576] bf16 KV that fit one AppendKv message under
 // `message_limit_bytes` with the headroom above. 0 when not even one token
 // fits (the caller reports that; sending would only be refused).

@@ -18,6 +18,7 @@ from mlaverify.v1 import verify_pb2, verify_pb2_grpc
 
 LATENT_DIM = 576
 VALUE_DIM = 512
+APPEND_MESSAGE_CAP = 16 << 20
 
 
 @dataclass
@@ -102,9 +103,14 @@ class Geometry:
 
     def prompt_chunk_tokens(self) -> int:
         """Tokens per AppendKv chunk that keep a request under the server's
-        message limit (with room for the message's own fields)."""
+        message limit (with room for the message's own fields) and under
+        16 MiB, which uploads faster than larger messages (as the C++
+        client's kAppendKvMessageCap)."""
         per_token = self.num_layers * LATENT_DIM * 2
-        return max(1, (self.max_message_bytes - 4096) // per_token)
+        limit = min(self.max_message_bytes, APPEND_MESSAGE_CAP)
+        if limit - 4096 < per_token:
+            limit = self.max_message_bytes
+        return max(1, (limit - 4096) // per_token)
 
     def verify_request(self, layer: int, items: Sequence[VerifyItem], softmax_scale: float,
                        request_id: int) -> verify_pb2.VerifyRequest:
