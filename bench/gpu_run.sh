@@ -5,7 +5,7 @@
 #     build/tests/gpu_engine_test build/bench/mlaverify-bench build/bench/mlaverify-engine-bench \
 #     build/server/mlaverify-server build/client/mlaverify-client
 # and carried there (device tool: carry [".device"]):
-#   OUT=/tmp/out bench/gpu_run.sh [tests] [service] [planes] [latency] [fault] [engine] [soak] [anchor] [sweep] [triton] [stalls] [small] [pdl] [ncu] [shapes] [sass] [timeline]
+#   OUT=/tmp/out bench/gpu_run.sh [tests] [service] [planes] [cudashm] [latency] [fault] [engine] [soak] [anchor] [sweep] [triton] [stalls] [small] [pdl] [ncu] [shapes] [sass] [timeline]
 # Writes logs and JSON into $OUT/results.tgz (one file: the device tool brings
 # back at most 8); prints a short summary last.
 set -uo pipefail
@@ -173,6 +173,34 @@ if want planes && [ -x "$bundle/bin/mlaverify-server" ]; then
     --shape 32,1024,16,8,64,tree --out "$out/planes-kernel.json" > "$out/planes-kernel.log" 2>&1
   summary+=("kernel shapes rc=$?")
   grep -E '^B=' "$out/planes-kernel.log"
+fi
+if want cudashm && [ -x "$bundle/bin/mlaverify-server" ]; then
+  # CUDA shared memory: the checked demo with every Verify tensor in a
+  # client device buffer (unary, stream), then one call in flight at L=16K,
+  # 64 workers at L=1K and 4 workers x 32 items at L=1K, over VerifyStream,
+  # each with its floor. Rows named like the planes' for service_planes.py.
+  start_server cudashm 127.0.0.1:0 --devices 0 --heads 8 --pool-bytes 40GiB --allow-client-shm true
+  timeout 90 "${cl[@]}" demo --sequences 4 --prompt-len 2000 --steps 2 --drafts 16 \
+    --data-plane cuda-shm > "$out/demo-cuda-shm-unary.log" 2>&1
+  summary+=("demo cuda-shm unary rc=$?"); tail -1 "$out/demo-cuda-shm-unary.log"
+  timeout 60 "${cl[@]}" demo --sequences 2 --prompt-len 500 --steps 1 --drafts 16 \
+    --data-plane cuda-shm --stream > "$out/demo-cuda-shm-stream.log" 2>&1
+  summary+=("demo cuda-shm stream rc=$?"); tail -1 "$out/demo-cuda-shm-stream.log"
+  for row in "c1-16k:--concurrency 1 --duration-s 5 --warmup-s 1 --prompt-len 16384 --max-seq-len 16900" \
+             "c64-1k:--concurrency 64 --duration-s 6 --warmup-s 1.5 --prompt-len 1024" \
+             "c4-1k-items32:--concurrency 4 --items 32 --duration-s 6 --warmup-s 1.5 --prompt-len 1024"; do
+    name=${row%%:*}
+    # shellcheck disable=SC2086  # the row's flags are several words
+    timeout 90 "${cl[@]}" load --drafts 16 --floor --progress false --stream --data-plane cuda-shm \
+      ${row#*:} --json "$out/planes-cuda-shm-stream-$name.json" \
+      > "$out/planes-cuda-shm-stream-$name.log" 2>&1
+    summary+=("load cuda-shm stream $name rc=$?")
+    echo "== cuda-shm stream $name"
+    grep -E "^(verify calls|latency|server split|floor: |errors|result)" \
+      "$out/planes-cuda-shm-stream-$name.log"
+  done
+  grep -E "CUDA shared|error|warn" "$out/server-cudashm.log" | head -5
+  stop_server cudashm
 fi
 if want latency && [ -x "$bundle/bin/mlaverify-server" ]; then
   # One call in flight over shm streams at L=16K (the planes' lowest-latency

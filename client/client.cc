@@ -380,6 +380,20 @@ absl::Status VerifyClient::RegisterSystemSharedMemory(const std::string& name,
   return FromGrpcStatus(stub_->RegisterSystemSharedMemory(&context, request, &response));
 }
 
+absl::Status VerifyClient::RegisterCudaSharedMemory(const std::string& name,
+                                                    const std::string& handle, int device_id,
+                                                    uint64_t byte_size) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  v1::RegisterCudaSharedMemoryRequest request;
+  request.set_name(name);
+  request.set_raw_handle(handle);
+  request.set_device_id(device_id);
+  request.set_byte_size(byte_size);
+  v1::RegisterCudaSharedMemoryResponse response;
+  return FromGrpcStatus(stub_->RegisterCudaSharedMemory(&context, request, &response));
+}
+
 absl::StatusOr<std::vector<std::string>> VerifyClient::UnregisterSystemSharedMemory(
     const std::string& name) {
   grpc::ClientContext context;

@@ -167,7 +167,11 @@ class VerifyClient {
   // [offset, offset + byte_size) of the POSIX object `key` known as `name`.
   absl::Status RegisterSystemSharedMemory(const std::string& name, const std::string& key,
                                           uint64_t offset, uint64_t byte_size);
-  // Removes `name` ("" : every region); returns the names removed.
+  // CUDA shared memory: a device allocation exported by cudaIpcGetMemHandle
+  // (`handle`, e.g. CudaSharedMemoryBuffer::ipc_handle()) on `device_id`.
+  absl::Status RegisterCudaSharedMemory(const std::string& name, const std::string& handle,
+                                        int device_id, uint64_t byte_size);
+  // Removes `name` ("" : every region, either kind); returns the names removed.
   absl::StatusOr<std::vector<std::string>> UnregisterSystemSharedMemory(const std::string& name);
   // `name` ("" : every region) with its use.
   absl::StatusOr<std::vector<v1::SystemSharedMemoryRegion>> SystemSharedMemoryStatus(

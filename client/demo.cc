@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "client/cuda_shared_memory.h"
 #include "client/reference_check.h"
 #include "client/server_info_text.h"
 #include "common/draft_tree.h"
@@ -106,8 +107,10 @@ class DemoRun {
     }
     if (options_.data_plane == "shm") {
       if (!SetupSharedMemory()) return false;
+    } else if (options_.data_plane == "cuda-shm") {
+      if (!SetupCudaSharedMemory()) return false;
     } else if (options_.data_plane != "inline") {
-      Fail(absl::StrCat("--data-plane ", options_.data_plane, ": need inline or shm"));
+      Fail(absl::StrCat("--data-plane ", options_.data_plane, ": need inline, shm or cuda-shm"));
       return false;
     }
     scale_ = options_.softmax_scale > 0.0f ? options_.softmax_scale : info_.default_softmax_scale();
@@ -192,7 +195,7 @@ class DemoRun {
         DemoSequence& seq = sequences_[k];
         FillUniformBf16(rng_, -kQueryRange, kQueryRange, absl::MakeSpan(seq.q));
         items.push_back({seq.id, seq.parents, seq.q, seq.draft_kv[layer],
-                         shm_ != nullptr ? &placements_[k] : nullptr});
+                         placements_.empty() ? nullptr : &placements_[k]});
       }
       const auto start = std::chrono::steady_clock::now();
       absl::StatusOr<std::vector<VerifyItemResult>> results = VerifyLayer(layer, items);
@@ -290,6 +293,36 @@ class DemoRun {
     return true;
   }
 
+  // One device buffer on --cuda-device for every sequence's Verify tensors
+  // (q and draft_kv written to it per call, out and lse read back to check
+  // them); prompts go inline.
+  bool SetupCudaSharedMemory() {
+    const uint64_t item = (ShmVerifyItemBytes(num_drafts_, num_heads_) + 255) / 256 * 256;
+    absl::StatusOr<std::unique_ptr<CudaSharedMemoryBuffer>> buffer =
+        CudaSharedMemoryBuffer::Create(options_.cuda_device, item * options_.sequences);
+    if (!buffer.ok()) {
+      Fail(absl::StrCat("CUDA shared memory: ", buffer.status().ToString()));
+      return false;
+    }
+    cuda_ = *std::move(buffer);
+    shm_name_ = absl::StrCat("mlaverify-demo-cuda-", getpid());
+    if (absl::Status s = client_.RegisterCudaSharedMemory(shm_name_, cuda_->ipc_handle(),
+                                                          options_.cuda_device, cuda_->size());
+        !s.ok()) {
+      Fail(absl::StrCat("RegisterCudaSharedMemory: ", s.ToString()));
+      cuda_.reset();
+      return false;
+    }
+    shm_registered_ = true;
+    for (int k = 0; k < options_.sequences; ++k) {
+      placements_.push_back(PlaceVerifyItem(shm_name_, nullptr, item * k, num_drafts_, num_heads_));
+      placements_.back().cuda = cuda_.get();
+    }
+    absl::PrintF("CUDA shared memory: %d bytes on device %d registered as %s\n", cuda_->size(),
+                 options_.cuda_device, shm_name_);
+    return true;
+  }
+
   // Closes the stream, releases every sequence and reports the page balance.
   void Cleanup() {
     if (shm_registered_) {
@@ -344,6 +377,7 @@ class DemoRun {
   std::unique_ptr<SharedMemoryBuffer> shm_;
   std::string shm_name_;
   bool shm_registered_ = false;
+  std::unique_ptr<CudaSharedMemoryBuffer> cuda_;  // the cuda-shm plane's buffer
   std::vector<ShmItemPlacement> placements_;  // by sequence
   ShmStaging staging_;
 };

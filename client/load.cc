@@ -21,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "client/replica_set.h"
 #include "client/server_info_text.h"
+#include "client/cuda_shared_memory.h"
 #include "client/shared_memory.h"
 #include "client/transport_floor.h"
 #include "client/wire.h"
@@ -240,7 +241,17 @@ class LoadWorker {
     for (int k = 0; k < plan_.items; ++k) {
       absl::Span<const Bf16> q = q_, kv = draft_kv_;
       const ShmItemPlacement* place = nullptr;
-      if (!plan_.placements.empty()) {
+      if (!plan_.placements.empty() && plan_.placements[0].cuda != nullptr) {
+        // Written to the device once; every call references them there.
+        place = &plan_.placements[static_cast<size_t>(index_) * plan_.items + k];
+        const absl::Status wrote =
+            place->cuda->Write(place->q_offset, q_.data(), q_.size() * sizeof(Bf16));
+        const absl::Status wrote_kv = place->cuda->Write(place->draft_kv_offset, draft_kv_.data(),
+                                                         draft_kv_.size() * sizeof(Bf16));
+        if (!wrote.ok() || !wrote_kv.ok()) {
+          RecordError("CudaSharedMemory", !wrote.ok() ? wrote : wrote_kv);
+        }
+      } else if (!plan_.placements.empty()) {
         place = &plan_.placements[static_cast<size_t>(index_) * plan_.items + k];
         auto* q_shm = reinterpret_cast<Bf16*>(place->base + place->q_offset);
         auto* kv_shm = reinterpret_cast<Bf16*>(place->base + place->draft_kv_offset);
@@ -565,6 +576,7 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
   // The shared-memory data plane: one region for the whole run, registered
   // under the same name on every target; removed again however the run ends.
   std::unique_ptr<SharedMemoryBuffer> shm;
+  std::unique_ptr<CudaSharedMemoryBuffer> cuda;  // the cuda-shm plane's buffer
   const std::string shm_name = absl::StrCat("mlaverify-load-", getpid());
   struct Unregister {
     ReplicaSet& replicas;
@@ -614,9 +626,38 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
       }
       ++unregister.registered;
     }
+  } else if (options.data_plane == "cuda-shm") {
+    // One device buffer: every worker's items' placements. Inputs written
+    // once and referenced where they are, outputs left on the device (as a
+    // scheduler on the GPU uses them); prompts go inline.
+    const uint64_t item = (ShmVerifyItemBytes(plan.num_drafts, plan.num_heads) + 255) / 256 * 256;
+    ASSIGN_OR_RETURN(cuda, CudaSharedMemoryBuffer::Create(
+                               options.cuda_device,
+                               item * static_cast<uint64_t>(plan.items) * options.concurrency));
+    for (int w = 0; w < options.concurrency; ++w) {
+      for (int k = 0; k < plan.items; ++k) {
+        const uint64_t base = item * (static_cast<uint64_t>(w) * plan.items + k);
+        plan.placements.push_back(
+            PlaceVerifyItem(shm_name, nullptr, base, plan.num_drafts, plan.num_heads));
+        ShmItemPlacement& p = plan.placements.back();
+        p.cuda = cuda.get();
+        p.inputs_in_place = true;
+        p.read_back = false;
+      }
+    }
+    for (int r = 0; r < replicas.size(); ++r) {
+      absl::Status registered = replicas.replica(r).RegisterCudaSharedMemory(
+          shm_name, cuda->ipc_handle(), options.cuda_device, cuda->size());
+      if (!registered.ok()) {
+        return absl::Status(registered.code(),
+                            absl::StrCat(replicas.Name(r), ": registering CUDA shared memory: ",
+                                         registered.message()));
+      }
+      ++unregister.registered;
+    }
   } else if (options.data_plane != "inline") {
     return absl::InvalidArgumentError(
-        absl::StrCat("--data-plane ", options.data_plane, ": need inline or shm"));
+        absl::StrCat("--data-plane ", options.data_plane, ": need inline, shm or cuda-shm"));
   }
 
   for (int r = 0; r < replicas.size(); ++r) {

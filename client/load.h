@@ -49,6 +49,10 @@ struct LoadOptions {
   // each worker's q, draft_kv, out and lse, and its AppendKv chunks, live
   // there; servers need --allow-client-shm).
   std::string data_plane = "inline";
+  // "cuda-shm": one device buffer on `cuda_device`, exported by CUDA IPC:
+  // every item's q and draft_kv written there once, out and lse left there
+  // (the server writes them before it answers); prompts inline.
+  int cuda_device = 0;
   // shm: each worker's AppendKv staging area. A prompt that fits is made
   // right there (as a co-located prefill would leave it) and appended in
   // one call without a copy; a longer one is staged chunk by chunk.

@@ -248,11 +248,14 @@ int Main(int argc, char** argv) {
       ->capture_default_str();
   demo_cmd->add_option("--seed", demo.seed, "random seed")->capture_default_str();
   demo_cmd->add_flag("--stream", demo.stream, "per-layer calls over VerifyStream");
+  demo_cmd->add_option("--cuda-device", demo.cuda_device, "cuda-shm: the buffer's device")
+      ->capture_default_str();
   demo_cmd
       ->add_option("--data-plane", demo.data_plane,
-                   "inline (bytes in the messages) or shm (a shared-memory region the demo "
-                   "creates and registers; the server needs --allow-client-shm)")
-      ->check(CLI::IsMember({"inline", "shm"}))
+                   "inline (bytes in the messages), shm (a shared-memory region the demo "
+                   "creates and registers) or cuda-shm (a device buffer by CUDA IPC handle); "
+                   "the server needs --allow-client-shm")
+      ->check(CLI::IsMember({"inline", "shm", "cuda-shm"}))
       ->capture_default_str();
   demo_cmd
       ->add_option("--softmax-scale", demo.softmax_scale,
@@ -293,11 +296,14 @@ int Main(int argc, char** argv) {
       ->capture_default_str();
   load_cmd->add_option("--seed", load.seed, "random seed")->capture_default_str();
   load_cmd->add_flag("--stream", load.stream, "one VerifyStream per worker");
+  load_cmd->add_option("--cuda-device", load.cuda_device, "cuda-shm: the buffer's device")
+      ->capture_default_str();
   load_cmd
       ->add_option("--data-plane", load.data_plane,
-                   "inline (bytes in the messages) or shm (a shared-memory region this run "
-                   "creates and registers; the server needs --allow-client-shm)")
-      ->check(CLI::IsMember({"inline", "shm"}))
+                   "inline (bytes in the messages), shm (a shared-memory region this run "
+                   "creates and registers) or cuda-shm (a device buffer by CUDA IPC handle); "
+                   "the server needs --allow-client-shm")
+      ->check(CLI::IsMember({"inline", "shm", "cuda-shm"}))
       ->capture_default_str();
   int64_t shm_staging_mib = 16;
   load_cmd

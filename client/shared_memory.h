@@ -50,12 +50,23 @@ class SharedMemoryBuffer {
 // (unlink(2) of /dev/shm paths prepared beforehand): for signal handlers.
 void UnlinkSharedMemoryFromSignalHandler();
 
+class CudaSharedMemoryBuffer;
+
 // Where one Verify item's tensors sit in a registered region: byte offsets
 // from the start of the registered range, each on a 256-byte boundary.
-// `base` is this process's address of offset 0.
+// `base` is this process's address of offset 0 (system shared memory); for a
+// CUDA region `cuda` is the buffer instead and `base` stays null.
 struct ShmItemPlacement {
   std::string region;
   uint8_t* base = nullptr;
+  const CudaSharedMemoryBuffer* cuda = nullptr;
+  // The caller keeps q and draft_kv in the region itself (written once, or
+  // made there): the request references them and copies nothing in. For
+  // system memory a span that points there already is never copied anyway.
+  bool inputs_in_place = false;
+  // Read out and lse back into the result (false: they stay in the region,
+  // the result's vectors empty: a scheduler that uses them on the device).
+  bool read_back = true;
   uint64_t q_offset = 0;         // bf16 [N, H, 576]
   uint64_t draft_kv_offset = 0;  // bf16 [N, 576]
   uint64_t out_offset = 0;       // bf16 [N, H, 512]

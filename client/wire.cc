@@ -1,5 +1,7 @@
 #include "client/wire.h"
 
+#include "client/cuda_shared_memory.h"
+
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -84,11 +86,22 @@ void SetShmTensor(v1::DType dtype, absl::Span<const int64_t> shape, const std::s
 }
 
 // Copies `values` to `offset` of the placement unless they are there already.
-void PlaceBytes(const ShmItemPlacement& p, uint64_t offset, absl::Span<const Bf16> values) {
+absl::Status PlaceBytes(const ShmItemPlacement& p, uint64_t offset,
+                        absl::Span<const Bf16> values) {
+  if (p.inputs_in_place) return absl::OkStatus();
+  if (p.cuda != nullptr) return p.cuda->Write(offset, values.data(), values.size() * sizeof(Bf16));
   uint8_t* dst = p.base + offset;
   if (reinterpret_cast<const uint8_t*>(values.data()) != dst) {
     std::memcpy(dst, values.data(), values.size() * sizeof(Bf16));
   }
+  return absl::OkStatus();
+}
+
+// Reads `bytes` at `offset` of the placement's region into `dst`.
+absl::Status ReadPlaced(const ShmItemPlacement& p, uint64_t offset, void* dst, size_t bytes) {
+  if (p.cuda != nullptr) return p.cuda->Read(offset, dst, bytes);
+  std::memcpy(dst, p.base + offset, bytes);
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -149,8 +162,8 @@ absl::StatusOr<v1::VerifyRequest> BuildVerifyRequest(int layer,
       continue;
     }
     const ShmItemPlacement& p = *item.shm;
-    PlaceBytes(p, p.q_offset, item.q);
-    PlaceBytes(p, p.draft_kv_offset, item.draft_kv);
+    RETURN_IF_ERROR(PlaceBytes(p, p.q_offset, item.q));
+    RETURN_IF_ERROR(PlaceBytes(p, p.draft_kv_offset, item.draft_kv));
     SetShmTensor(v1::DTYPE_BF16, q_shape, p.region, p.q_offset, item.q.size() * sizeof(Bf16),
                  wire->mutable_q());
     SetShmTensor(v1::DTYPE_BF16, kv_shape, p.region, p.draft_kv_offset,
@@ -212,14 +225,16 @@ absl::StatusOr<std::vector<VerifyItemResult>> ParseVerifyResponse(
     result.num_drafts = static_cast<int>(n);
     result.num_heads = static_cast<int>(heads);
     result.prefix_len = wire.prefix_len();
+    if (item.shm != nullptr && !item.shm->read_back) continue;  // they stay in the region
     result.out.resize(n * heads * kValueDim);
     result.lse.resize(n * heads);
-    const void* out_src = item.shm != nullptr ? item.shm->base + item.shm->out_offset
-                                              : static_cast<const void*>(wire.out().raw().data());
-    const void* lse_src = item.shm != nullptr ? item.shm->base + item.shm->lse_offset
-                                              : static_cast<const void*>(wire.lse().raw().data());
-    std::memcpy(result.out.data(), out_src, out_bytes);
-    std::memcpy(result.lse.data(), lse_src, lse_bytes);
+    if (item.shm != nullptr) {
+      RETURN_IF_ERROR(ReadPlaced(*item.shm, item.shm->out_offset, result.out.data(), out_bytes));
+      RETURN_IF_ERROR(ReadPlaced(*item.shm, item.shm->lse_offset, result.lse.data(), lse_bytes));
+    } else {
+      std::memcpy(result.out.data(), wire.out().raw().data(), out_bytes);
+      std::memcpy(result.lse.data(), wire.lse().raw().data(), lse_bytes);
+    }
   }
   return results;
 }

@@ -181,6 +181,33 @@ class CudaDevice final : public Device {
     if (options_.fail_after_launches > 0 && launches_ == options_.fail_after_launches) {
       RETURN_IF_ERROR(Check(kernels::LaunchTrapKernel(stream_), "fault injection"));
     }
+    if (!o.inputs_from_device.empty() || !o.outputs_to_device.empty()) {
+      // Some shards' tensors are in a client's device memory: the staged
+      // inputs go up (the input-copy graph), those shards' q/draft_kv rows
+      // are copied over them device to device, the kernels run (the
+      // after-input graph), then their out/lse rows are copied to the
+      // client; all on the compute stream, so the stop event (and Wait)
+      // follows the last copy.
+      RETURN_IF_ERROR(Check(cudaEventRecord(s.start, stream_), "cudaEventRecord"));
+      RETURN_IF_ERROR(Replay(o, Part::kInput, stream_));
+      auto* in = static_cast<uint8_t*>(s.dev_in);
+      for (const DeviceCopy& c : o.inputs_from_device) {
+        RETURN_IF_ERROR(Check(cudaMemcpy2DAsync(in + c.staging_offset, c.staging_pitch, c.other,
+                                                c.other_pitch, c.width, c.rows, cudaMemcpyDefault,
+                                                stream_),
+                              "input copy from device memory"));
+      }
+      RETURN_IF_ERROR(Replay(o, Part::kAfterInput, stream_));
+      auto* out =
+          static_cast<uint8_t*>(options_.direct_output ? s.host_out_on_device : s.dev_out);
+      for (const DeviceCopy& c : o.outputs_to_device) {
+        RETURN_IF_ERROR(Check(cudaMemcpy2DAsync(c.other, c.other_pitch, out + c.staging_offset,
+                                                c.staging_pitch, c.width, c.rows,
+                                                cudaMemcpyDefault, stream_),
+                              "output copy to device memory"));
+      }
+      return Check(cudaEventRecord(s.stop, stream_), "cudaEventRecord");
+    }
     if (o.overlap_input) {
       // The input copy runs on the copy stream beside the running batch;
       // the kernels follow it and that batch (stream order) on the compute
@@ -322,6 +349,31 @@ class CudaDevice final : public Device {
   void UnpinHostMemory(void* data) override {
     if (!BindThread().ok() || cudaHostUnregister(data) != cudaSuccess) cudaGetLastError();
   }
+
+  absl::StatusOr<void*> OpenIpcMemory(absl::string_view handle) override {
+    if (handle.size() != sizeof(cudaIpcMemHandle_t)) {
+      return absl::InvalidArgumentError(absl::StrCat("a CUDA IPC handle is ",
+                                                     sizeof(cudaIpcMemHandle_t), " bytes, not ",
+                                                     handle.size()));
+    }
+    RETURN_IF_ERROR(BindThread());
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handle.data(), sizeof(h));
+    void* data = nullptr;
+    const cudaError_t err = cudaIpcOpenMemHandle(&data, h, cudaIpcMemLazyEnablePeerAccess);
+    if (err != cudaSuccess) {
+      cudaGetLastError();  // not sticky
+      return absl::InvalidArgumentError(
+          absl::StrCat(name_, ": cudaIpcOpenMemHandle: ", cudaGetErrorString(err)));
+    }
+    return data;
+  }
+
+  void CloseIpcMemory(void* data) override {
+    if (!BindThread().ok() || cudaIpcCloseMemHandle(data) != cudaSuccess) cudaGetLastError();
+  }
+
+  int cuda_ordinal() const override { return ordinal_; }
 
  private:
   struct StagingSet {

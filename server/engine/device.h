@@ -119,6 +119,17 @@ struct StagingView {
   }
 };
 
+// A strided copy between a staging set's device buffers and device memory
+// elsewhere (a client's CUDA shared memory): `rows` rows of `width` bytes.
+struct DeviceCopy {
+  size_t staging_offset = 0;  // into the set's device input (or output) region
+  size_t staging_pitch = 0;   // bytes between rows there
+  void* other = nullptr;      // the client's device memory (as this device addresses it)
+  size_t other_pitch = 0;     // bytes between rows there
+  size_t width = 0;
+  size_t rows = 0;
+};
+
 struct LaunchOptions {
   int set = 0;
   BatchShape shape;
@@ -132,6 +143,13 @@ struct LaunchOptions {
   // stream, overlapped with it, then run the kernels after it (devices that
   // cannot ignore it).
   bool overlap_input = false;
+  // Shards whose tensors are in device memory: after the staged inputs are
+  // on the device these copies overwrite their q/draft_kv rows, and after
+  // the attention these copy their out/lse rows to the client's memory,
+  // all before Wait returns. Valid until Launch returns. Devices without
+  // device memory refuse them.
+  absl::Span<const DeviceCopy> inputs_from_device;
+  absl::Span<const DeviceCopy> outputs_to_device;
 };
 
 class Device {
@@ -186,6 +204,16 @@ class Device {
     return absl::UnimplementedError(absl::StrCat(name(), ": no use for pinned host memory"));
   }
   virtual void UnpinHostMemory(void* data) {}
+
+  // Maps device memory another process exported (a cudaIpcMemHandle's
+  // bytes) into this device's address space; CloseIpcMemory unmaps it.
+  // Any thread. UNIMPLEMENTED where the device has none (host devices).
+  virtual absl::StatusOr<void*> OpenIpcMemory(absl::string_view handle) {
+    return absl::UnimplementedError(absl::StrCat(name(), ": no device memory to share"));
+  }
+  virtual void CloseIpcMemory(void* data) {}
+  // The CUDA device ordinal, or -1 for devices that are not CUDA devices.
+  virtual int cuda_ordinal() const { return -1; }
 };
 
 // Test hooks of HostDevice: what a GPU would do that tests must see without one.

@@ -320,6 +320,7 @@ void DeviceWorker::RunBatch(std::vector<VerifyShard> shards, absl::Time taken) {
   const size_t q_row_bytes = static_cast<size_t>(heads) * kLatentDim * sizeof(Bf16);
   auto pack = [&](int k) {
     const VerifyShard& s = batch[k];
+    if (s.device_resident) return;  // copied on the device (below)
     Bf16* q = v.q() + static_cast<int64_t>(first_row[k]) * heads * kLatentDim;
     if (s.q_token_stride == static_cast<int64_t>(heads) * kLatentDim) {
       std::memcpy(q, s.q, s.draft_len * q_row_bytes);
@@ -338,10 +339,33 @@ void DeviceWorker::RunBatch(std::vector<VerifyShard> shards, absl::Time taken) {
     for (int k = 0; k < requests; ++k) pack(k);
   }
 
+  // Device-resident shards: their rows are copied device to device, after
+  // the staged inputs and after the attention.
+  std::vector<DeviceCopy> in_copies, out_copies;
+  for (int k = 0; k < requests; ++k) {
+    const VerifyShard& s = batch[k];
+    if (!s.device_resident) continue;
+    const size_t row = static_cast<size_t>(first_row[k]);
+    const size_t n = static_cast<size_t>(s.draft_len);
+    const size_t q_row = static_cast<size_t>(heads) * kLatentDim * sizeof(Bf16);
+    in_copies.push_back({v.layout.q + row * q_row, q_row, const_cast<Bf16*>(s.q),
+                         static_cast<size_t>(s.q_token_stride) * sizeof(Bf16), q_row, n});
+    in_copies.push_back({v.layout.draft_kv + row * kLatentRowBytes, kLatentRowBytes,
+                         const_cast<Bf16*>(s.draft_kv), kLatentRowBytes, kLatentRowBytes, n});
+    const size_t out_row = static_cast<size_t>(heads) * kValueDim * sizeof(Bf16);
+    out_copies.push_back({v.layout.out + row * out_row, out_row, s.out,
+                          static_cast<size_t>(s.out_token_stride) * sizeof(Bf16), out_row, n});
+    const size_t lse_row = static_cast<size_t>(heads) * sizeof(float);
+    out_copies.push_back({v.layout.lse + row * lse_row, lse_row, s.lse,
+                          static_cast<size_t>(s.lse_token_stride) * sizeof(float), lse_row, n});
+  }
+
   LaunchOptions launch;
   launch.set = set;
   launch.shape = shape;
   launch.graph = graph;
+  launch.inputs_from_device = in_copies;
+  launch.outputs_to_device = out_copies;
   launch.reuse_plan = plan_.Matches(shape, prefix, drafts);
   launch.overlap_input = options_.overlap_inputs && previous_running;
   const absl::Time packed = absl::Now();
@@ -414,6 +438,7 @@ void DeviceWorker::CompletionLoop() {
       const size_t out_row_bytes = static_cast<size_t>(heads) * kValueDim * sizeof(Bf16);
       auto unpack = [&](int k) {
         const VerifyShard& s = f.shards[k];
+        if (s.device_resident) return;  // the device copied its outputs
         const int64_t row = f.first_row[k];
         const Bf16* out = v.out() + row * heads * kValueDim;
         const float* lse = v.lse() + row * heads;

@@ -64,6 +64,9 @@ struct VerifyShard {
   int64_t out_token_stride = 0;
   float* lse = nullptr;
   int64_t lse_token_stride = 0;
+  // q, draft_kv, out and lse are in device memory this device can copy from
+  // and to (a client's CUDA shared memory), not host memory.
+  bool device_resident = false;
 };
 
 // How a shard went, for the owner's timing split.
@@ -148,6 +151,14 @@ class DeviceWorker {
     return device_->PinHostMemory(data, bytes);
   }
   void UnpinHostMemory(void* data) { device_->UnpinHostMemory(data); }
+  // Device::OpenIpcMemory / CloseIpcMemory / cuda_ordinal (any thread).
+  absl::StatusOr<void*> OpenIpcMemory(absl::string_view handle) {
+    return device_->OpenIpcMemory(handle);
+  }
+  void CloseIpcMemory(void* data) { device_->CloseIpcMemory(data); }
+  int cuda_ordinal() const { return device_->cuda_ordinal(); }
+  // The Device's own name ("cuda:0"; workers over one device share it).
+  std::string device_name() const { return device_->name(); }
   // The device's error once it faulted (then all work fails), else OK.
   absl::Status fault() const;
   // Verify shards and ops queued and not yet taken.

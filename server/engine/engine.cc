@@ -634,7 +634,16 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
                                                       "): ", words.status().message())));
     }
     visibility[k] = std::make_shared<const std::vector<uint64_t>>(*std::move(words));
-    if (static_cast<int64_t>(it.q.size()) != n * heads * kLatentDim ||
+    if (it.device != nullptr) {
+      const size_t w = workers_.size();
+      if (!it.q.empty() || !it.draft_kv.empty() || !it.out.empty() || !it.lse.empty() ||
+          it.device->q.size() != w || it.device->draft_kv.size() != w ||
+          it.device->out.size() != w || it.device->lse.size() != w) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "item ", k, " (sequence ", it.sequence_id,
+            "): device tensors need one address per device and no host buffers"));
+      }
+    } else if (static_cast<int64_t>(it.q.size()) != n * heads * kLatentDim ||
         static_cast<int64_t>(it.draft_kv.size()) != n * kLatentDim ||
         static_cast<int64_t>(it.out.size()) != n * heads * kValueDim ||
         static_cast<int64_t>(it.lse.size()) != n * heads) {
@@ -648,6 +657,7 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
             "sequence ", it.sequence_id, " appears twice (items ", j, " and ", k, ")")));
       }
     }
+    // Device tensors hold no host memory: they count as nothing queued.
     bytes += static_cast<int64_t>(it.q.size() + it.draft_kv.size() + it.out.size()) * sizeof(Bf16) +
              static_cast<int64_t>(it.lse.size()) * sizeof(float);
   }
@@ -779,13 +789,16 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
       shard.layer = layer;
       shard.scale = scale;
       shard.visibility = item.visibility->data();
-      shard.q = items[k].q.data() + h0 * kLatentDim;
+      const DeviceTensors* dev = items[k].device;
+      const int w = devices[r];
+      shard.q = (dev != nullptr ? dev->q[w] : items[k].q.data()) + h0 * kLatentDim;
       shard.q_token_stride = static_cast<int64_t>(heads) * kLatentDim;
-      shard.draft_kv = items[k].draft_kv.data();
-      shard.out = items[k].out.data() + h0 * kValueDim;
+      shard.draft_kv = dev != nullptr ? dev->draft_kv[w] : items[k].draft_kv.data();
+      shard.out = (dev != nullptr ? dev->out[w] : items[k].out.data()) + h0 * kValueDim;
       shard.out_token_stride = static_cast<int64_t>(heads) * kValueDim;
-      shard.lse = items[k].lse.data() + h0;
+      shard.lse = (dev != nullptr ? dev->lse[w] : items[k].lse.data()) + h0;
       shard.lse_token_stride = heads;
+      shard.device_resident = dev != nullptr;
       workers_[devices[r]]->Enqueue(shard);
     }
   }
@@ -1159,5 +1172,51 @@ absl::Status Engine::PinHostMemory(void* data, size_t bytes) {
 }
 
 void Engine::UnpinHostMemory(void* data) { workers_[0]->UnpinHostMemory(data); }
+
+absl::StatusOr<std::vector<void*>> Engine::OpenIpcMemory(absl::string_view handle,
+                                                         int device_id) {
+  bool known = false;
+  for (const auto& w : workers_) known = known || w->cuda_ordinal() == device_id;
+  if (workers_[0]->cuda_ordinal() < 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "CUDA shared memory needs the CUDA backend; this server runs ", backend_name_));
+  }
+  if (!known) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device_id ", device_id, " is none of this server's devices (",
+                     absl::StrJoin(device_names(), ", "), ")"));
+  }
+  // Workers over the same device share one mapping (a handle opens once
+  // per device and process).
+  std::vector<void*> out(workers_.size(), nullptr);
+  std::vector<std::pair<std::string, void*>> opened;
+  for (size_t k = 0; k < workers_.size(); ++k) {
+    const std::string device = workers_[k]->device_name();
+    for (const auto& [name, data] : opened) {
+      if (name == device) out[k] = data;
+    }
+    if (out[k] != nullptr) continue;
+    absl::StatusOr<void*> data = workers_[k]->OpenIpcMemory(handle);
+    if (!data.ok()) {
+      std::vector<void*> partial(out.begin(), out.begin() + k);
+      CloseIpcMemory(partial);
+      return data.status();
+    }
+    out[k] = *data;
+    opened.emplace_back(device, *data);
+  }
+  return out;
+}
+
+void Engine::CloseIpcMemory(const std::vector<void*>& data) {
+  std::vector<void*> closed;
+  for (size_t k = 0; k < data.size() && k < workers_.size(); ++k) {
+    if (data[k] == nullptr || std::find(closed.begin(), closed.end(), data[k]) != closed.end()) {
+      continue;
+    }
+    workers_[k]->CloseIpcMemory(data[k]);
+    closed.push_back(data[k]);
+  }
+}
 
 }  // namespace mlaverify::engine

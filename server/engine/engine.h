@@ -62,9 +62,19 @@
 
 namespace mlaverify::engine {
 
+// An item's tensors in device memory (a client's CUDA shared memory), as each
+// worker's device addresses it (indexed by worker; OpenIpcMemory's order).
+struct DeviceTensors {
+  std::vector<const Bf16*> q;         // [N, H, 576]
+  std::vector<const Bf16*> draft_kv;  // [N, 576]
+  std::vector<Bf16*> out;             // [N, H, 512]
+  std::vector<float*> lse;            // [N, H]
+};
+
 // One item of a Verify call. Inputs and outputs are caller-owned buffers (the
 // transport points them into the request and response messages); they must
-// stay valid until the call's `done` has run.
+// stay valid until the call's `done` has run. With `device` set the tensors
+// are there instead and the spans stay empty.
 struct VerifyItem {
   uint64_t sequence_id = 0;
   absl::Span<const int32_t> parents;  // N
@@ -73,6 +83,7 @@ struct VerifyItem {
   absl::Span<Bf16> out;               // [N, H, 512], written on success
   absl::Span<float> lse;              // [N, H], written on success
   int64_t prefix_len = 0;             // set on success: P the drafts attended to
+  const DeviceTensors* device = nullptr;
 };
 
 // When a queued call stops being wanted.
@@ -189,6 +200,13 @@ class Engine {
   // Any thread.
   absl::Status PinHostMemory(void* data, size_t bytes);
   void UnpinHostMemory(void* data);
+  // Maps a client's exported device memory (cudaIpcMemHandle bytes) on
+  // every worker's device, once per physical device; returns each worker's
+  // address of it. INVALID_ARGUMENT when `device_id` is none of the engine's
+  // CUDA devices or the handle does not open; FAILED_PRECONDITION on a
+  // backend without device memory. CloseIpcMemory takes the result back.
+  absl::StatusOr<std::vector<void*>> OpenIpcMemory(absl::string_view handle, int device_id);
+  void CloseIpcMemory(const std::vector<void*>& data);
 
   // Reads positions [start, start+count) of every layer of a sequence from
   // its `replica`-th device (tests: TP replicas must agree).

@@ -100,6 +100,9 @@ class HostDevice final : public Device {
   }
 
   absl::Status Launch(const LaunchOptions& o) override {
+    if (!o.inputs_from_device.empty() || !o.outputs_to_device.empty()) {
+      return absl::InternalError(absl::StrCat(name(), ": a batch with device-memory tensors"));
+    }
     StagingSet& s = sets_[o.set];
     s.status = Run(o);
     return absl::OkStatus();

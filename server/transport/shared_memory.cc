@@ -84,6 +84,7 @@ absl::Status FromErrno(int err, absl::string_view what) {
 SharedMemoryRegion::~SharedMemoryRegion() {
   if (unpin_) unpin_(data_);
   if (mapping_ != nullptr) munmap(mapping_, mapping_bytes_);
+  if (close_ipc_) close_ipc_(std::vector<void*>(device_data_.begin(), device_data_.end()));
 }
 
 // ---- RegionLeases -----------------------------------------------------------
@@ -96,16 +97,22 @@ void RegionLeases::Clear() {
   ranges_.clear();
 }
 
-absl::StatusOr<uint8_t*> RegionLeases::Resolve(SharedMemoryRegistry& registry,
-                                               absl::string_view region, uint64_t offset,
-                                               uint64_t byte_size, uint64_t expected_bytes,
-                                               uint64_t alignment, bool is_output,
-                                               absl::string_view what) {
+bool RegionLeases::IsCuda(const SharedMemoryRegistry& registry, absl::string_view region) {
+  absl::MutexLock lock(&registry.mu_);
+  const auto it = registry.regions_.find(region);
+  return it != registry.regions_.end() && it->second->cuda_;
+}
+
+absl::StatusOr<SharedMemoryRegion*> RegionLeases::Check(SharedMemoryRegistry& registry,
+                                                        absl::string_view region, uint64_t offset,
+                                                        uint64_t byte_size,
+                                                        uint64_t expected_bytes,
+                                                        uint64_t alignment, bool is_output,
+                                                        bool cuda, absl::string_view what) {
   if (!registry.enabled()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(what,
-                     ": shared-memory tensors are off on this server (it runs without "
-                     "--allow-client-shm); send the bytes inline"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, ": shared-memory tensors are off on this server (it runs without "
+              "--allow-client-shm); send the bytes inline"));
   }
   if (byte_size != expected_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": shared-memory byte_size ", byte_size,
@@ -124,22 +131,54 @@ absl::StatusOr<uint8_t*> RegionLeases::Resolve(SharedMemoryRegistry& registry,
     leased = *fresh;
     leases_.push_back(leased);
   }
-  if (offset > leased->byte_size() || byte_size > leased->byte_size() - offset) {
-    return absl::OutOfRangeError(absl::StrCat(
-        what, ": bytes [", offset, ", ", offset, " + ", byte_size, ") are past the end of region ",
-        Quoted(region), " (", leased->byte_size(), " bytes)"));
+  if (leased->cuda_ != cuda) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": region ", Quoted(region), " is ", leased->cuda_ ? "CUDA" : "system",
+        " shared memory; this tensor needs ", cuda ? "CUDA" : "system",
+        cuda ? " shared memory (an item's q, draft_kv, out and lse are all in CUDA memory or "
+               "none)"
+             : " shared memory or inline bytes"));
   }
-  // The mapping starts on a page of the object, so a tensor's address is
-  // aligned as its place in the object is.
+  if (offset > leased->byte_size() || byte_size > leased->byte_size() - offset) {
+    return absl::OutOfRangeError(absl::StrCat(what, ": bytes [", offset, ", ", offset, " + ",
+                                              byte_size, ") are past the end of region ",
+                                              Quoted(region), " (", leased->byte_size(),
+                                              " bytes)"));
+  }
+  // A mapping starts on a page of the object (and a device allocation on a
+  // 256-byte boundary), so a tensor's address is aligned as its place is.
   const uint64_t begin = leased->offset_ + offset;
   if (alignment > 1 && begin % alignment != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": shared-memory offset ", offset, " puts it at byte ", begin,
-                     " of the object ", "(region ", Quoted(region), " starts at ", leased->offset_,
-                     "), not a multiple of ", alignment, " (the dtype's size)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": shared-memory offset ", offset, " puts it at byte ", begin, " of the object ",
+        "(region ", Quoted(region), " starts at ", leased->offset_, "), not a multiple of ",
+        alignment, " (the dtype's size)"));
   }
   ranges_.push_back({leased.get(), begin, begin + byte_size, is_output, std::string(what)});
-  return leased->data() + offset;
+  return leased.get();
+}
+
+absl::StatusOr<uint8_t*> RegionLeases::Resolve(SharedMemoryRegistry& registry,
+                                               absl::string_view region, uint64_t offset,
+                                               uint64_t byte_size, uint64_t expected_bytes,
+                                               uint64_t alignment, bool is_output,
+                                               absl::string_view what) {
+  absl::StatusOr<SharedMemoryRegion*> r = Check(registry, region, offset, byte_size,
+                                                expected_bytes, alignment, is_output, false, what);
+  if (!r.ok()) return r.status();
+  return (*r)->data() + offset;
+}
+
+absl::StatusOr<std::vector<uint8_t*>> RegionLeases::ResolveDevice(
+    SharedMemoryRegistry& registry, absl::string_view region, uint64_t offset,
+    uint64_t byte_size, uint64_t expected_bytes, uint64_t alignment, bool is_output,
+    absl::string_view what) {
+  absl::StatusOr<SharedMemoryRegion*> r = Check(registry, region, offset, byte_size,
+                                                expected_bytes, alignment, is_output, true, what);
+  if (!r.ok()) return r.status();
+  std::vector<uint8_t*> out;
+  for (uint8_t* base : (*r)->device_data()) out.push_back(base + offset);
+  return out;
 }
 
 absl::Status RegionLeases::CheckOutputsDoNotOverlap() const {
@@ -278,6 +317,78 @@ absl::Status SharedMemoryRegistry::Register(const std::string& name, const std::
   return absl::OkStatus();
 }
 
+absl::Status SharedMemoryRegistry::CheckRoom(const std::string& name, uint64_t byte_size) const {
+  if (regions_.count(name) > 0) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("shared-memory region ", Quoted(name), " is already registered"));
+  }
+  if (static_cast<int64_t>(regions_.size()) >= options_.max_regions) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the server holds ", regions_.size(), " shared-memory regions, its limit (",
+                     "--max-shm-regions ", options_.max_regions, ")"));
+  }
+  if (registered_bytes_ + static_cast<int64_t>(byte_size) > options_.max_total_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "registering ", byte_size, " bytes would bring the shared memory mapped to ",
+        registered_bytes_ + static_cast<int64_t>(byte_size), " bytes, over --max-shm-bytes ",
+        options_.max_total_bytes));
+  }
+  return absl::OkStatus();
+}
+
+void SharedMemoryRegistry::SetCudaOpener(CudaIpcOpener opener) {
+  absl::MutexLock lock(&mu_);
+  cuda_opener_ = std::move(opener);
+}
+
+absl::Status SharedMemoryRegistry::RegisterCuda(const std::string& name, const std::string& handle,
+                                                int device_id, uint64_t byte_size) {
+  if (!options_.enabled) {
+    return absl::FailedPreconditionError(
+        "shared memory is off on this server (it runs without --allow-client-shm)");
+  }
+  if (absl::Status s = CheckName(name); !s.ok()) return s;
+  if (byte_size == 0) return absl::InvalidArgumentError("shared-memory byte_size is 0");
+  if (byte_size > (uint64_t{1} << 62)) {
+    return absl::InvalidArgumentError("shared-memory byte_size beyond 2^62");
+  }
+  CudaIpcOpener opener;
+  {
+    absl::MutexLock lock(&mu_);
+    if (absl::Status room = CheckRoom(name, byte_size); !room.ok()) return room;
+    opener = cuda_opener_;
+  }
+  if (!opener.open) {
+    return absl::FailedPreconditionError(
+        "CUDA shared memory needs the CUDA backend (this server has no device memory)");
+  }
+  // The size is the client's word: cudaIpcOpenMemHandle does not say how
+  // large the allocation is, so a byte_size beyond it is the client's fault
+  // and faults only its own calls' copies.
+  absl::StatusOr<std::vector<void*>> opened = opener.open(handle, device_id);
+  if (!opened.ok()) return opened.status();
+  auto region = std::shared_ptr<SharedMemoryRegion>(new SharedMemoryRegion());
+  region->name_ = name;
+  region->key_ = absl::StrCat("cuda:", device_id);
+  region->byte_size_ = byte_size;
+  region->cuda_ = true;
+  region->device_id_ = device_id;
+  for (void* p : *opened) region->device_data_.push_back(static_cast<uint8_t*>(p));
+  region->close_ipc_ = opener.close;
+  // Its own object for the overlap check.
+  region->device_ = ~uint64_t{0};
+  region->inode_ = reinterpret_cast<uintptr_t>(region.get());
+  {
+    absl::MutexLock lock(&mu_);
+    if (absl::Status room = CheckRoom(name, byte_size); !room.ok()) return room;
+    registered_bytes_ += static_cast<int64_t>(byte_size);
+    regions_.emplace(name, std::move(region));
+  }
+  spdlog::info("CUDA shared-memory region {} registered: {} bytes on device {}", Quoted(name),
+               byte_size, device_id);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<std::string>> SharedMemoryRegistry::Unregister(const std::string& name) {
   std::vector<std::shared_ptr<SharedMemoryRegion>> removed;  // unmapped outside the lock
   std::vector<std::string> names;
@@ -324,7 +435,8 @@ absl::StatusOr<std::vector<SharedMemoryRegionStatus>> SharedMemoryRegistry::Stat
   for (const auto& [region_name, r] : regions_) {
     if (!name.empty() && region_name != name) continue;
     out.push_back({r->name_, r->key_, r->offset_, r->byte_size_, r->in_flight_.load(),
-                   r->calls_total_.load(), static_cast<bool>(r->unpin_)});
+                   r->calls_total_.load(), static_cast<bool>(r->unpin_), r->cuda_,
+                   r->device_id_});
   }
   if (!name.empty() && out.empty()) {
     return absl::NotFoundError(

@@ -51,6 +51,16 @@ struct SharedMemoryRegionStatus {
   int64_t calls_in_flight = 0;
   int64_t calls_total = 0;
   bool pinned = false;
+  bool cuda = false;   // CUDA shared memory (device memory by IPC handle)
+  int device_id = -1;  // its device (cuda only)
+};
+
+// CUDA shared memory: mapping a client's exported device memory on the
+// engine's devices (the engine's OpenIpcMemory / CloseIpcMemory).
+struct CudaIpcOpener {
+  std::function<absl::StatusOr<std::vector<void*>>(const std::string& handle, int device_id)>
+      open;
+  std::function<void(const std::vector<void*>&)> close;
 };
 
 // Page-locking of mapped regions for direct device copies (the engine's
@@ -71,8 +81,12 @@ class SharedMemoryRegion {
 
   const std::string& name() const { return name_; }
   uint64_t byte_size() const { return byte_size_; }
-  // The first byte of the registered range (offset 0 of every reference).
+  bool cuda() const { return cuda_; }
+  // The first byte of the registered range (offset 0 of every reference);
+  // null for CUDA regions.
   uint8_t* data() const { return data_; }
+  // CUDA regions: the first byte as each engine worker's device addresses it.
+  const std::vector<uint8_t*>& device_data() const { return device_data_; }
 
  private:
   friend class SharedMemoryRegistry;
@@ -88,6 +102,10 @@ class SharedMemoryRegion {
   size_t mapping_bytes_ = 0;
   uint8_t* data_ = nullptr;
   std::function<void(void*)> unpin_;  // set when pinned
+  bool cuda_ = false;
+  int device_id_ = -1;
+  std::vector<uint8_t*> device_data_;
+  std::function<void(const std::vector<void*>&)> close_ipc_;
   std::atomic<int64_t> in_flight_{0};
   std::atomic<int64_t> calls_total_{0};
 };
@@ -104,6 +122,10 @@ class RegionLeases {
   RegionLeases(const RegionLeases&) = delete;
   RegionLeases& operator=(const RegionLeases&) = delete;
 
+  // Whether `region` is a registered CUDA region (false also when unknown:
+  // Resolve then says NOT_FOUND).
+  static bool IsCuda(const SharedMemoryRegistry& registry, absl::string_view region);
+
   // The bytes of `byte_size` at `offset` of `region`, leased for this call.
   // FAILED_PRECONDITION (shared memory off), NOT_FOUND (unknown region),
   // INVALID_ARGUMENT (byte_size is not `expected_bytes`; the tensor's place
@@ -112,6 +134,13 @@ class RegionLeases {
   absl::StatusOr<uint8_t*> Resolve(SharedMemoryRegistry& registry, absl::string_view region,
                                    uint64_t offset, uint64_t byte_size, uint64_t expected_bytes,
                                    uint64_t alignment, bool is_output, absl::string_view what);
+  // The same for a CUDA region: the bytes as each engine worker's device
+  // addresses them. A region of the other kind is INVALID_ARGUMENT.
+  absl::StatusOr<std::vector<uint8_t*>> ResolveDevice(SharedMemoryRegistry& registry,
+                                                      absl::string_view region, uint64_t offset,
+                                                      uint64_t byte_size, uint64_t expected_bytes,
+                                                      uint64_t alignment, bool is_output,
+                                                      absl::string_view what);
   // INVALID_ARGUMENT naming both tensors when an output range overlaps any
   // other range resolved through this object, in the same shared-memory
   // object (also through two regions over one object).
@@ -121,6 +150,12 @@ class RegionLeases {
   void Clear();
 
  private:
+  // The checks both Resolves share; the leased region.
+  absl::StatusOr<SharedMemoryRegion*> Check(SharedMemoryRegistry& registry,
+                                            absl::string_view region, uint64_t offset,
+                                            uint64_t byte_size, uint64_t expected_bytes,
+                                            uint64_t alignment, bool is_output, bool cuda,
+                                            absl::string_view what);
   struct Range {
     const SharedMemoryRegion* region;
     uint64_t begin, end;  // byte offsets in the object (region offset included)
@@ -146,6 +181,14 @@ class SharedMemoryRegistry {
   // RegisterSystemSharedMemory documents them in verify.proto.
   absl::Status Register(const std::string& name, const std::string& key, uint64_t offset,
                         uint64_t byte_size);
+  // Maps the client's exported device memory (`handle`: cudaIpcMemHandle
+  // bytes, on device `device_id`) as region `name` of `byte_size` bytes on
+  // every engine device. Errors as RegisterCudaSharedMemory documents them.
+  absl::Status RegisterCuda(const std::string& name, const std::string& handle, int device_id,
+                            uint64_t byte_size);
+  // CUDA regions can be registered from now on (set when a CUDA engine is
+  // attached; until then RegisterCuda is FAILED_PRECONDITION).
+  void SetCudaOpener(CudaIpcOpener opener);
   // Removes `name` (empty: every region) unless a call holds it; returns the
   // names removed. Atomic: on error nothing is removed.
   absl::StatusOr<std::vector<std::string>> Unregister(const std::string& name);
@@ -171,6 +214,10 @@ class SharedMemoryRegistry {
       ABSL_GUARDED_BY(mu_);
   int64_t registered_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   HostMemoryPinner pinner_ ABSL_GUARDED_BY(mu_);
+  CudaIpcOpener cuda_opener_ ABSL_GUARDED_BY(mu_);
+  // Checks name uniqueness and the limits for `byte_size` more (under mu_).
+  absl::Status CheckRoom(const std::string& name, uint64_t byte_size) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
 
 }  // namespace mlaverify::transport

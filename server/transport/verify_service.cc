@@ -4,6 +4,7 @@
 #include <deque>
 #include <limits>
 #include <memory>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -46,6 +47,11 @@ void VerifyServiceImpl::AttachEngine(engine::Engine* engine) {
     shared_memory_.SetPinner(
         {[engine](void* data, size_t bytes) { return engine->PinHostMemory(data, bytes); },
          [engine](void* data) { engine->UnpinHostMemory(data); }});
+    shared_memory_.SetCudaOpener(
+        {[engine](const std::string& handle, int device_id) {
+           return engine->OpenIpcMemory(handle, device_id);
+         },
+         [engine](const std::vector<void*>& data) { engine->CloseIpcMemory(data); }});
   }
   engine_.store(engine, std::memory_order_release);
 }
@@ -259,9 +265,11 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::AppendKv(grpc::CallbackServerContex
 void VerifyServiceImpl::StartVerify(grpc::CallbackServerContext* ctx,
                                     const v1::VerifyRequest& request, v1::VerifyResponse* response,
                                     std::vector<engine::VerifyItem>* items,
+                                    std::vector<engine::DeviceTensors>* device_items,
                                     engine::VerifyTiming* timing, RegionLeases* leases,
                                     Finisher done) {
   const SharedMemoryScope shm{&shared_memory_, leases};
+  device_items->assign(request.items_size(), {});  // addresses stay put from here on
   const int64_t heads = engine()->config().num_heads;
   const int max_draft = engine()->config().max_draft_len();
   response->set_request_id(request.request_id());
@@ -280,6 +288,16 @@ void VerifyServiceImpl::StartVerify(grpc::CallbackServerContext* ctx,
     engine::VerifyItem& item = (*items)[k];
     item.sequence_id = in.sequence_id();
     item.parents = absl::MakeConstSpan(in.parents().data(), in.parents_size());
+    if (in.q().has_shared_memory() &&
+        RegionLeases::IsCuda(shared_memory_, in.q().shared_memory().region())) {
+      if (absl::Status s =
+              ResolveDeviceItem(in, n, heads, where, leases, &(*device_items)[k]);
+          !s.ok()) {
+        return done(s);
+      }
+      item.device = &(*device_items)[k];
+      continue;
+    }
     absl::StatusOr<absl::Span<const Bf16>> q =
         Bf16Input(in.q(), {n, heads, kLatentDim}, absl::StrCat(where, " q"), shm);
     if (!q.ok()) return done(q.status());
@@ -301,6 +319,19 @@ void VerifyServiceImpl::StartVerify(grpc::CallbackServerContext* ctx,
     const int64_t n = in.parents_size();
     v1::VerifyResult* result = response->add_results();
     result->set_sequence_id((*items)[k].sequence_id);
+    if ((*items)[k].device != nullptr) {
+      // Written into the client's device memory; the answer says where.
+      for (auto [tensor, ref, dtype] :
+           {std::tuple{result->mutable_out(), &in.out_shared_memory(), v1::DTYPE_BF16},
+            std::tuple{result->mutable_lse(), &in.lse_shared_memory(), v1::DTYPE_FP32}}) {
+        tensor->set_dtype(dtype);
+        tensor->add_shape(n);
+        tensor->add_shape(heads);
+        if (dtype == v1::DTYPE_BF16) tensor->add_shape(kValueDim);
+        *tensor->mutable_shared_memory() = *ref;
+      }
+      continue;
+    }
     if (!in.has_out_shared_memory()) {
       (*items)[k].out = Bf16Output(result->mutable_out(), {n, heads, kValueDim});
       (*items)[k].lse = Fp32Output(result->mutable_lse(), {n, heads});
@@ -338,6 +369,60 @@ void VerifyServiceImpl::StartVerify(grpc::CallbackServerContext* ctx,
       });
 }
 
+absl::Status VerifyServiceImpl::ResolveDeviceItem(const v1::VerifyItem& in, int64_t n,
+                                                  int64_t heads, const std::string& where,
+                                                  RegionLeases* leases,
+                                                  engine::DeviceTensors* device) {
+  if (!in.draft_kv().has_shared_memory() || !in.has_out_shared_memory() ||
+      !in.has_lse_shared_memory()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": q is in CUDA shared memory, so draft_kv, out and lse must be too (all four "
+               "or none)"));
+  }
+  if (in.q().dtype() != v1::DTYPE_BF16 || in.draft_kv().dtype() != v1::DTYPE_BF16) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": q and draft_kv must be DTYPE_BF16"));
+  }
+  const auto same_shape = [](const v1::Tensor& t, std::initializer_list<int64_t> shape) {
+    return std::equal(t.shape().begin(), t.shape().end(), shape.begin(), shape.end());
+  };
+  if (!same_shape(in.q(), {n, heads, kLatentDim})) {
+    return absl::InvalidArgumentError(absl::StrCat(where, " q: shape ", ShapeString(in.q()),
+                                                   ", expected [", n, ", ", heads, ", 576]"));
+  }
+  if (!same_shape(in.draft_kv(), {n, kLatentDim})) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, " draft_kv: shape ", ShapeString(in.draft_kv()), ", expected [", n, ", 576]"));
+  }
+  const struct {
+    const v1::SharedMemoryRef& ref;
+    uint64_t bytes, alignment;
+    bool output;
+    const char* name;
+  } parts[] = {
+      {in.q().shared_memory(), static_cast<uint64_t>(n * heads * kLatentDim * 2), 2, false, "q"},
+      {in.draft_kv().shared_memory(), static_cast<uint64_t>(n * kLatentDim * 2), 2, false,
+       "draft_kv"},
+      {in.out_shared_memory(), static_cast<uint64_t>(n * heads * kValueDim * 2), 2, true, "out"},
+      {in.lse_shared_memory(), static_cast<uint64_t>(n * heads * 4), 4, true, "lse"},
+  };
+  std::vector<uint8_t*> resolved[4];
+  for (int p = 0; p < 4; ++p) {
+    absl::StatusOr<std::vector<uint8_t*>> r = leases->ResolveDevice(
+        shared_memory_, parts[p].ref.region(), parts[p].ref.offset(), parts[p].ref.byte_size(),
+        parts[p].bytes, parts[p].alignment, parts[p].output,
+        absl::StrCat(where, " ", parts[p].name));
+    if (!r.ok()) return r.status();
+    resolved[p] = *std::move(r);
+  }
+  for (size_t w = 0; w < resolved[0].size(); ++w) {
+    device->q.push_back(reinterpret_cast<const Bf16*>(resolved[0][w]));
+    device->draft_kv.push_back(reinterpret_cast<const Bf16*>(resolved[1][w]));
+    device->out.push_back(reinterpret_cast<Bf16*>(resolved[2][w]));
+    device->lse.push_back(reinterpret_cast<float*>(resolved[3][w]));
+  }
+  return absl::OkStatus();
+}
+
 grpc::ServerUnaryReactor* VerifyServiceImpl::Verify(grpc::CallbackServerContext* ctx,
                                                     const v1::VerifyRequest* request,
                                                     v1::VerifyResponse* response) {
@@ -347,12 +432,14 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::Verify(grpc::CallbackServerContext*
         // The items and the time split live until the engine is done with them.
         struct State {
           std::vector<engine::VerifyItem> items;
+          std::vector<engine::DeviceTensors> device_items;
           engine::VerifyTiming timing;
           RegionLeases leases;
         };
         auto* state = new State;
         StartVerify(
-            ctx, *request, response, &state->items, &state->timing, &state->leases,
+            ctx, *request, response, &state->items, &state->device_items, &state->timing,
+            &state->leases,
             [this, state, arrived, finish = std::move(finish)](absl::Status status) mutable {
               if (status.ok()) RecordVerifySplit(state->timing, arrived);
               const double queued = state->timing.queue_seconds;
@@ -401,6 +488,15 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::RegisterSystemSharedMemory(
   });
 }
 
+grpc::ServerUnaryReactor* VerifyServiceImpl::RegisterCudaSharedMemory(
+    grpc::CallbackServerContext* ctx, const v1::RegisterCudaSharedMemoryRequest* request,
+    v1::RegisterCudaSharedMemoryResponse* /*response*/) {
+  return RunUnary("RegisterCudaSharedMemory", ctx, *request, false, [this, request](auto finish) {
+    finish(shared_memory_.RegisterCuda(request->name(), request->raw_handle(),
+                                       request->device_id(), request->byte_size()));
+  });
+}
+
 grpc::ServerUnaryReactor* VerifyServiceImpl::UnregisterSystemSharedMemory(
     grpc::CallbackServerContext* ctx, const v1::UnregisterSystemSharedMemoryRequest* request,
     v1::UnregisterSystemSharedMemoryResponse* response) {
@@ -432,6 +528,8 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::SystemSharedMemoryStatus(
                         out->set_calls_in_flight(r.calls_in_flight);
                         out->set_calls_total(r.calls_total);
                         out->set_pinned(r.pinned);
+                        out->set_cuda(r.cuda);
+                        out->set_device_id(r.device_id);
                       }
                     }
                     finish(regions.status());
@@ -550,6 +648,7 @@ class VerifyServiceImpl::StreamReactor final
     v1::VerifyRequest request;
     v1::VerifyResponse response;
     std::vector<engine::VerifyItem> items;
+    std::vector<engine::DeviceTensors> device_items;
     engine::VerifyTiming timing;
     RegionLeases leases;  // dropped once the request's work completed
     Clock::time_point arrived;
@@ -567,8 +666,8 @@ class VerifyServiceImpl::StreamReactor final
     absl::Status admitted = service_->Admit(ctx_, /*allowed_while_draining=*/false);
     if (admitted.ok()) admitted = service_->CheckRequestSize("VerifyStream", slot->request);
     if (!admitted.ok()) return complete(admitted);
-    service_->StartVerify(ctx_, slot->request, &slot->response, &slot->items, &slot->timing,
-                          &slot->leases, std::move(complete));
+    service_->StartVerify(ctx_, slot->request, &slot->response, &slot->items,
+                          &slot->device_items, &slot->timing, &slot->leases, std::move(complete));
   }
 
   void Completed(Slot* slot, absl::Status status) {

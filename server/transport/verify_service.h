@@ -119,6 +119,9 @@ class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
   grpc::ServerUnaryReactor* RegisterSystemSharedMemory(
       grpc::CallbackServerContext* ctx, const v1::RegisterSystemSharedMemoryRequest* request,
       v1::RegisterSystemSharedMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* RegisterCudaSharedMemory(
+      grpc::CallbackServerContext* ctx, const v1::RegisterCudaSharedMemoryRequest* request,
+      v1::RegisterCudaSharedMemoryResponse* response) override;
   grpc::ServerUnaryReactor* UnregisterSystemSharedMemory(
       grpc::CallbackServerContext* ctx, const v1::UnregisterSystemSharedMemoryRequest* request,
       v1::UnregisterSystemSharedMemoryResponse* response) override;
@@ -152,7 +155,13 @@ class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
   // split. `items`, `timing` and `leases` live until `done` ran.
   void StartVerify(grpc::CallbackServerContext* ctx, const v1::VerifyRequest& request,
                    v1::VerifyResponse* response, std::vector<engine::VerifyItem>* items,
+                   std::vector<engine::DeviceTensors>* device_items,
                    engine::VerifyTiming* timing, RegionLeases* leases, Finisher done);
+  // An item whose tensors are all in CUDA regions: resolves them into
+  // `device` (each engine worker's addresses).
+  absl::Status ResolveDeviceItem(const v1::VerifyItem& in, int64_t n, int64_t heads,
+                                 const std::string& where, RegionLeases* leases,
+                                 engine::DeviceTensors* device);
   // A Verify call or stream request that succeeded: its split, summed for
   // GetServerInfo.
   void RecordVerifySplit(const engine::VerifyTiming& timing, Clock::time_point arrived);
