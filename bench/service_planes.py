@@ -77,8 +77,11 @@ def main():
         })
         a = load.get("append", {})
         if a.get("bytes"):
+            # cuda-shm rows upload their prompts inline (AppendKv takes inline
+            # bytes or system shared memory).
             appends.append({
-                "data_plane": plane,
+                "data_plane": "inline" if plane == "cuda-shm" else plane,
+                "with_rows_of": plane,
                 "rpc": rpc,
                 "concurrency": o["concurrency"],
                 "prompt_len": prefix,

@@ -43,24 +43,24 @@ CudaSharedMemoryBuffer::~CudaSharedMemoryBuffer() {
 
 absl::Status CudaSharedMemoryBuffer::Write(uint64_t offset, const void* src, size_t bytes) const {
   if (offset > size_ || bytes > size_ - offset) {
-    return absl::OutOfRangeError(absl::StrCat("write of ", bytes, " bytes at ", offset,
-                                              " past the buffer's ", size_));
+    return absl::OutOfRangeError(
+        absl::StrCat("write of ", bytes, " bytes at ", offset, " past the buffer's ", size_));
   }
   if (absl::Status s = Check(cudaSetDevice(device_), "cudaSetDevice"); !s.ok()) return s;
-  return Check(cudaMemcpy(static_cast<uint8_t*>(data_) + offset, src, bytes,
-                          cudaMemcpyHostToDevice),
-               "cudaMemcpy to the device");
+  return Check(
+      cudaMemcpy(static_cast<uint8_t*>(data_) + offset, src, bytes, cudaMemcpyHostToDevice),
+      "cudaMemcpy to the device");
 }
 
 absl::Status CudaSharedMemoryBuffer::Read(uint64_t offset, void* dst, size_t bytes) const {
   if (offset > size_ || bytes > size_ - offset) {
-    return absl::OutOfRangeError(absl::StrCat("read of ", bytes, " bytes at ", offset,
-                                              " past the buffer's ", size_));
+    return absl::OutOfRangeError(
+        absl::StrCat("read of ", bytes, " bytes at ", offset, " past the buffer's ", size_));
   }
   if (absl::Status s = Check(cudaSetDevice(device_), "cudaSetDevice"); !s.ok()) return s;
-  return Check(cudaMemcpy(dst, static_cast<const uint8_t*>(data_) + offset, bytes,
-                          cudaMemcpyDeviceToHost),
-               "cudaMemcpy from the device");
+  return Check(
+      cudaMemcpy(dst, static_cast<const uint8_t*>(data_) + offset, bytes, cudaMemcpyDeviceToHost),
+      "cudaMemcpy from the device");
 }
 
 }  // namespace mlaverify::client

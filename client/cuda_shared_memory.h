@@ -27,8 +27,7 @@ class CudaSharedMemoryBuffer {
  public:
   // cudaMalloc of `bytes` on `device` and its IPC handle. UNAVAILABLE with
   // CUDA's words when the device or the memory is not there.
-  static absl::StatusOr<std::unique_ptr<CudaSharedMemoryBuffer>> Create(int device,
-                                                                        size_t bytes);
+  static absl::StatusOr<std::unique_ptr<CudaSharedMemoryBuffer>> Create(int device, size_t bytes);
   ~CudaSharedMemoryBuffer();  // cudaFree (unregister it from the server first)
   CudaSharedMemoryBuffer(const CudaSharedMemoryBuffer&) = delete;
   CudaSharedMemoryBuffer& operator=(const CudaSharedMemoryBuffer&) = delete;

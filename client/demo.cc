@@ -378,7 +378,7 @@ class DemoRun {
   std::string shm_name_;
   bool shm_registered_ = false;
   std::unique_ptr<CudaSharedMemoryBuffer> cuda_;  // the cuda-shm plane's buffer
-  std::vector<ShmItemPlacement> placements_;  // by sequence
+  std::vector<ShmItemPlacement> placements_;      // by sequence
   ShmStaging staging_;
 };
 

@@ -23,10 +23,10 @@ struct DemoOptions {
   // creates, registers and removes (the server needs --allow-client-shm).
   std::string data_plane = "inline";  // or "cuda-shm": a device buffer by IPC handle
   int cuda_device = 0;                // cuda-shm: the buffer's device
-  float softmax_scale = 0.0f;  // > 0 overrides the server's default per request
-  double max_rel_err = 1e-2;   // ||out - ref|| / ||ref|| allowed per item and layer
-  double max_lse_err = 1e-2;   // |lse - ref| allowed, natural-log units
-  int reference_threads = 0;   // CPU reference threads; <= 0: all
+  float softmax_scale = 0.0f;         // > 0 overrides the server's default per request
+  double max_rel_err = 1e-2;          // ||out - ref|| / ||ref|| allowed per item and layer
+  double max_lse_err = 1e-2;          // |lse - ref| allowed, natural-log units
+  int reference_threads = 0;          // CPU reference threads; <= 0: all
 };
 
 struct DemoSummary {

@@ -1,13 +1,12 @@
 #include "client/wire.h"
 
-#include "client/cuda_shared_memory.h"
-
 #include <algorithm>
 #include <cstring>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "client/cuda_shared_memory.h"
 #include "common/geometry.h"
 #include "common/status_macros.h"
 
@@ -86,8 +85,7 @@ void SetShmTensor(v1::DType dtype, absl::Span<const int64_t> shape, const std::s
 }
 
 // Copies `values` to `offset` of the placement unless they are there already.
-absl::Status PlaceBytes(const ShmItemPlacement& p, uint64_t offset,
-                        absl::Span<const Bf16> values) {
+absl::Status PlaceBytes(const ShmItemPlacement& p, uint64_t offset, absl::Span<const Bf16> values) {
   if (p.inputs_in_place) return absl::OkStatus();
   if (p.cuda != nullptr) return p.cuda->Write(offset, values.data(), values.size() * sizeof(Bf16));
   uint8_t* dst = p.base + offset;

@@ -908,6 +908,27 @@ TEST_F(ServerTest, SharedMemoryBadReferencesGetTheirCodeAndChangeNothing) {
        reg("k", shm->key(), 0, 0)},
       {"register over --max-shm-bytes", StatusCode::RESOURCE_EXHAUSTED, "--max-shm-bytes",
        reg("k", shm->key(), 0, uint64_t{65} << 20)},
+      {"register CUDA memory on the CPU backend", StatusCode::FAILED_PRECONDITION,
+       "needs the CUDA backend",
+       [&] {
+         grpc::ClientContext ctx;
+         v1::RegisterCudaSharedMemoryRequest r;
+         r.set_name("gpu");
+         r.set_raw_handle(std::string(64, '\0'));
+         r.set_device_id(0);
+         r.set_byte_size(4096);
+         v1::RegisterCudaSharedMemoryResponse resp;
+         return stub_->RegisterCudaSharedMemory(&ctx, r, &resp);
+       }},
+      {"register CUDA memory of 0 bytes", StatusCode::INVALID_ARGUMENT, "byte_size is 0",
+       [&] {
+         grpc::ClientContext ctx;
+         v1::RegisterCudaSharedMemoryRequest r;
+         r.set_name("gpu");
+         r.set_raw_handle(std::string(64, '\0'));
+         v1::RegisterCudaSharedMemoryResponse resp;
+         return stub_->RegisterCudaSharedMemory(&ctx, r, &resp);
+       }},
       {"unregister an unknown region", StatusCode::NOT_FOUND, "no shared-memory region",
        [&] {
          grpc::ClientContext ctx;

@@ -192,19 +192,18 @@ class CudaDevice final : public Device {
       RETURN_IF_ERROR(Replay(o, Part::kInput, stream_));
       auto* in = static_cast<uint8_t*>(s.dev_in);
       for (const DeviceCopy& c : o.inputs_from_device) {
-        RETURN_IF_ERROR(Check(cudaMemcpy2DAsync(in + c.staging_offset, c.staging_pitch, c.other,
-                                                c.other_pitch, c.width, c.rows, cudaMemcpyDefault,
-                                                stream_),
-                              "input copy from device memory"));
+        RETURN_IF_ERROR(
+            Check(cudaMemcpy2DAsync(in + c.staging_offset, c.staging_pitch, c.other, c.other_pitch,
+                                    c.width, c.rows, cudaMemcpyDefault, stream_),
+                  "input copy from device memory"));
       }
       RETURN_IF_ERROR(Replay(o, Part::kAfterInput, stream_));
-      auto* out =
-          static_cast<uint8_t*>(options_.direct_output ? s.host_out_on_device : s.dev_out);
+      auto* out = static_cast<uint8_t*>(options_.direct_output ? s.host_out_on_device : s.dev_out);
       for (const DeviceCopy& c : o.outputs_to_device) {
-        RETURN_IF_ERROR(Check(cudaMemcpy2DAsync(c.other, c.other_pitch, out + c.staging_offset,
-                                                c.staging_pitch, c.width, c.rows,
-                                                cudaMemcpyDefault, stream_),
-                              "output copy to device memory"));
+        RETURN_IF_ERROR(
+            Check(cudaMemcpy2DAsync(c.other, c.other_pitch, out + c.staging_offset, c.staging_pitch,
+                                    c.width, c.rows, cudaMemcpyDefault, stream_),
+                  "output copy to device memory"));
       }
       return Check(cudaEventRecord(s.stop, stream_), "cudaEventRecord");
     }
@@ -352,9 +351,8 @@ class CudaDevice final : public Device {
 
   absl::StatusOr<void*> OpenIpcMemory(absl::string_view handle) override {
     if (handle.size() != sizeof(cudaIpcMemHandle_t)) {
-      return absl::InvalidArgumentError(absl::StrCat("a CUDA IPC handle is ",
-                                                     sizeof(cudaIpcMemHandle_t), " bytes, not ",
-                                                     handle.size()));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a CUDA IPC handle is ", sizeof(cudaIpcMemHandle_t), " bytes, not ", handle.size()));
     }
     RETURN_IF_ERROR(BindThread());
     cudaIpcMemHandle_t h;

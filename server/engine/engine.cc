@@ -639,14 +639,14 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
       if (!it.q.empty() || !it.draft_kv.empty() || !it.out.empty() || !it.lse.empty() ||
           it.device->q.size() != w || it.device->draft_kv.size() != w ||
           it.device->out.size() != w || it.device->lse.size() != w) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "item ", k, " (sequence ", it.sequence_id,
-            "): device tensors need one address per device and no host buffers"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("item ", k, " (sequence ", it.sequence_id,
+                         "): device tensors need one address per device and no host buffers"));
       }
     } else if (static_cast<int64_t>(it.q.size()) != n * heads * kLatentDim ||
-        static_cast<int64_t>(it.draft_kv.size()) != n * kLatentDim ||
-        static_cast<int64_t>(it.out.size()) != n * heads * kValueDim ||
-        static_cast<int64_t>(it.lse.size()) != n * heads) {
+               static_cast<int64_t>(it.draft_kv.size()) != n * kLatentDim ||
+               static_cast<int64_t>(it.out.size()) != n * heads * kValueDim ||
+               static_cast<int64_t>(it.lse.size()) != n * heads) {
       return (absl::InvalidArgumentError(absl::StrCat(
           "item ", k, " (sequence ", it.sequence_id, "): buffer sizes do not match N=", n,
           ", H=", heads, " (q [N,H,576], draft_kv [N,576], out [N,H,512], lse [N,H])")));
@@ -1173,8 +1173,7 @@ absl::Status Engine::PinHostMemory(void* data, size_t bytes) {
 
 void Engine::UnpinHostMemory(void* data) { workers_[0]->UnpinHostMemory(data); }
 
-absl::StatusOr<std::vector<void*>> Engine::OpenIpcMemory(absl::string_view handle,
-                                                         int device_id) {
+absl::StatusOr<std::vector<void*>> Engine::OpenIpcMemory(absl::string_view handle, int device_id) {
   bool known = false;
   for (const auto& w : workers_) known = known || w->cuda_ordinal() == device_id;
   if (workers_[0]->cuda_ordinal() < 0) {
@@ -1182,9 +1181,9 @@ absl::StatusOr<std::vector<void*>> Engine::OpenIpcMemory(absl::string_view handl
         "CUDA shared memory needs the CUDA backend; this server runs ", backend_name_));
   }
   if (!known) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("device_id ", device_id, " is none of this server's devices (",
-                     absl::StrJoin(device_names(), ", "), ")"));
+    return absl::InvalidArgumentError(absl::StrCat("device_id ", device_id,
+                                                   " is none of this server's devices (",
+                                                   absl::StrJoin(device_names(), ", "), ")"));
   }
   // Workers over the same device share one mapping (a handle opens once
   // per device and process).

@@ -105,14 +105,14 @@ bool RegionLeases::IsCuda(const SharedMemoryRegistry& registry, absl::string_vie
 
 absl::StatusOr<SharedMemoryRegion*> RegionLeases::Check(SharedMemoryRegistry& registry,
                                                         absl::string_view region, uint64_t offset,
-                                                        uint64_t byte_size,
-                                                        uint64_t expected_bytes,
+                                                        uint64_t byte_size, uint64_t expected_bytes,
                                                         uint64_t alignment, bool is_output,
                                                         bool cuda, absl::string_view what) {
   if (!registry.enabled()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        what, ": shared-memory tensors are off on this server (it runs without "
-              "--allow-client-shm); send the bytes inline"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(what,
+                     ": shared-memory tensors are off on this server (it runs without "
+                     "--allow-client-shm); send the bytes inline"));
   }
   if (byte_size != expected_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": shared-memory byte_size ", byte_size,
@@ -140,19 +140,18 @@ absl::StatusOr<SharedMemoryRegion*> RegionLeases::Check(SharedMemoryRegistry& re
              : " shared memory or inline bytes"));
   }
   if (offset > leased->byte_size() || byte_size > leased->byte_size() - offset) {
-    return absl::OutOfRangeError(absl::StrCat(what, ": bytes [", offset, ", ", offset, " + ",
-                                              byte_size, ") are past the end of region ",
-                                              Quoted(region), " (", leased->byte_size(),
-                                              " bytes)"));
+    return absl::OutOfRangeError(absl::StrCat(
+        what, ": bytes [", offset, ", ", offset, " + ", byte_size, ") are past the end of region ",
+        Quoted(region), " (", leased->byte_size(), " bytes)"));
   }
   // A mapping starts on a page of the object (and a device allocation on a
   // 256-byte boundary), so a tensor's address is aligned as its place is.
   const uint64_t begin = leased->offset_ + offset;
   if (alignment > 1 && begin % alignment != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ": shared-memory offset ", offset, " puts it at byte ", begin, " of the object ",
-        "(region ", Quoted(region), " starts at ", leased->offset_, "), not a multiple of ",
-        alignment, " (the dtype's size)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": shared-memory offset ", offset, " puts it at byte ", begin,
+                     " of the object ", "(region ", Quoted(region), " starts at ", leased->offset_,
+                     "), not a multiple of ", alignment, " (the dtype's size)"));
   }
   ranges_.push_back({leased.get(), begin, begin + byte_size, is_output, std::string(what)});
   return leased.get();
@@ -163,18 +162,17 @@ absl::StatusOr<uint8_t*> RegionLeases::Resolve(SharedMemoryRegistry& registry,
                                                uint64_t byte_size, uint64_t expected_bytes,
                                                uint64_t alignment, bool is_output,
                                                absl::string_view what) {
-  absl::StatusOr<SharedMemoryRegion*> r = Check(registry, region, offset, byte_size,
-                                                expected_bytes, alignment, is_output, false, what);
+  absl::StatusOr<SharedMemoryRegion*> r =
+      Check(registry, region, offset, byte_size, expected_bytes, alignment, is_output, false, what);
   if (!r.ok()) return r.status();
   return (*r)->data() + offset;
 }
 
 absl::StatusOr<std::vector<uint8_t*>> RegionLeases::ResolveDevice(
-    SharedMemoryRegistry& registry, absl::string_view region, uint64_t offset,
-    uint64_t byte_size, uint64_t expected_bytes, uint64_t alignment, bool is_output,
-    absl::string_view what) {
-  absl::StatusOr<SharedMemoryRegion*> r = Check(registry, region, offset, byte_size,
-                                                expected_bytes, alignment, is_output, true, what);
+    SharedMemoryRegistry& registry, absl::string_view region, uint64_t offset, uint64_t byte_size,
+    uint64_t expected_bytes, uint64_t alignment, bool is_output, absl::string_view what) {
+  absl::StatusOr<SharedMemoryRegion*> r =
+      Check(registry, region, offset, byte_size, expected_bytes, alignment, is_output, true, what);
   if (!r.ok()) return r.status();
   std::vector<uint8_t*> out;
   for (uint8_t* base : (*r)->device_data()) out.push_back(base + offset);
@@ -328,10 +326,10 @@ absl::Status SharedMemoryRegistry::CheckRoom(const std::string& name, uint64_t b
                      "--max-shm-regions ", options_.max_regions, ")"));
   }
   if (registered_bytes_ + static_cast<int64_t>(byte_size) > options_.max_total_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "registering ", byte_size, " bytes would bring the shared memory mapped to ",
-        registered_bytes_ + static_cast<int64_t>(byte_size), " bytes, over --max-shm-bytes ",
-        options_.max_total_bytes));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("registering ", byte_size, " bytes would bring the shared memory mapped to ",
+                     registered_bytes_ + static_cast<int64_t>(byte_size),
+                     " bytes, over --max-shm-bytes ", options_.max_total_bytes));
   }
   return absl::OkStatus();
 }
@@ -435,8 +433,7 @@ absl::StatusOr<std::vector<SharedMemoryRegionStatus>> SharedMemoryRegistry::Stat
   for (const auto& [region_name, r] : regions_) {
     if (!name.empty() && region_name != name) continue;
     out.push_back({r->name_, r->key_, r->offset_, r->byte_size_, r->in_flight_.load(),
-                   r->calls_total_.load(), static_cast<bool>(r->unpin_), r->cuda_,
-                   r->device_id_});
+                   r->calls_total_.load(), static_cast<bool>(r->unpin_), r->cuda_, r->device_id_});
   }
   if (!name.empty() && out.empty()) {
     return absl::NotFoundError(

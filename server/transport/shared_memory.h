@@ -58,8 +58,7 @@ struct SharedMemoryRegionStatus {
 // CUDA shared memory: mapping a client's exported device memory on the
 // engine's devices (the engine's OpenIpcMemory / CloseIpcMemory).
 struct CudaIpcOpener {
-  std::function<absl::StatusOr<std::vector<void*>>(const std::string& handle, int device_id)>
-      open;
+  std::function<absl::StatusOr<std::vector<void*>>(const std::string& handle, int device_id)> open;
   std::function<void(const std::vector<void*>&)> close;
 };
 

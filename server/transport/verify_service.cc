@@ -290,8 +290,7 @@ void VerifyServiceImpl::StartVerify(grpc::CallbackServerContext* ctx,
     item.parents = absl::MakeConstSpan(in.parents().data(), in.parents_size());
     if (in.q().has_shared_memory() &&
         RegionLeases::IsCuda(shared_memory_, in.q().shared_memory().region())) {
-      if (absl::Status s =
-              ResolveDeviceItem(in, n, heads, where, leases, &(*device_items)[k]);
+      if (absl::Status s = ResolveDeviceItem(in, n, heads, where, leases, &(*device_items)[k]);
           !s.ok()) {
         return done(s);
       }
@@ -375,9 +374,10 @@ absl::Status VerifyServiceImpl::ResolveDeviceItem(const v1::VerifyItem& in, int6
                                                   engine::DeviceTensors* device) {
   if (!in.draft_kv().has_shared_memory() || !in.has_out_shared_memory() ||
       !in.has_lse_shared_memory()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ": q is in CUDA shared memory, so draft_kv, out and lse must be too (all four "
-               "or none)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where,
+                     ": q is in CUDA shared memory, so draft_kv, out and lse must be too (all four "
+                     "or none)"));
   }
   if (in.q().dtype() != v1::DTYPE_BF16 || in.draft_kv().dtype() != v1::DTYPE_BF16) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": q and draft_kv must be DTYPE_BF16"));
@@ -407,10 +407,10 @@ absl::Status VerifyServiceImpl::ResolveDeviceItem(const v1::VerifyItem& in, int6
   };
   std::vector<uint8_t*> resolved[4];
   for (int p = 0; p < 4; ++p) {
-    absl::StatusOr<std::vector<uint8_t*>> r = leases->ResolveDevice(
-        shared_memory_, parts[p].ref.region(), parts[p].ref.offset(), parts[p].ref.byte_size(),
-        parts[p].bytes, parts[p].alignment, parts[p].output,
-        absl::StrCat(where, " ", parts[p].name));
+    absl::StatusOr<std::vector<uint8_t*>> r =
+        leases->ResolveDevice(shared_memory_, parts[p].ref.region(), parts[p].ref.offset(),
+                              parts[p].ref.byte_size(), parts[p].bytes, parts[p].alignment,
+                              parts[p].output, absl::StrCat(where, " ", parts[p].name));
     if (!r.ok()) return r.status();
     resolved[p] = *std::move(r);
   }
@@ -492,8 +492,8 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::RegisterCudaSharedMemory(
     grpc::CallbackServerContext* ctx, const v1::RegisterCudaSharedMemoryRequest* request,
     v1::RegisterCudaSharedMemoryResponse* /*response*/) {
   return RunUnary("RegisterCudaSharedMemory", ctx, *request, false, [this, request](auto finish) {
-    finish(shared_memory_.RegisterCuda(request->name(), request->raw_handle(),
-                                       request->device_id(), request->byte_size()));
+    finish(shared_memory_.RegisterCuda(request->name(), request->raw_handle(), request->device_id(),
+                                       request->byte_size()));
   });
 }
 
@@ -666,8 +666,8 @@ class VerifyServiceImpl::StreamReactor final
     absl::Status admitted = service_->Admit(ctx_, /*allowed_while_draining=*/false);
     if (admitted.ok()) admitted = service_->CheckRequestSize("VerifyStream", slot->request);
     if (!admitted.ok()) return complete(admitted);
-    service_->StartVerify(ctx_, slot->request, &slot->response, &slot->items,
-                          &slot->device_items, &slot->timing, &slot->leases, std::move(complete));
+    service_->StartVerify(ctx_, slot->request, &slot->response, &slot->items, &slot->device_items,
+                          &slot->timing, &slot->leases, std::move(complete));
   }
 
   void Completed(Slot* slot, absl::Status status) {

@@ -155,8 +155,8 @@ class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
   // split. `items`, `timing` and `leases` live until `done` ran.
   void StartVerify(grpc::CallbackServerContext* ctx, const v1::VerifyRequest& request,
                    v1::VerifyResponse* response, std::vector<engine::VerifyItem>* items,
-                   std::vector<engine::DeviceTensors>* device_items,
-                   engine::VerifyTiming* timing, RegionLeases* leases, Finisher done);
+                   std::vector<engine::DeviceTensors>* device_items, engine::VerifyTiming* timing,
+                   RegionLeases* leases, Finisher done);
   // An item whose tensors are all in CUDA regions: resolves them into
   // `device` (each engine worker's addresses).
   absl::Status ResolveDeviceItem(const v1::VerifyItem& in, int64_t n, int64_t heads,
