@@ -361,8 +361,9 @@ absl::Status SharedMemoryRegistry::RegisterCuda(const std::string& name, const s
         "CUDA shared memory needs the CUDA backend (this server has no device memory)");
   }
   // The size is the client's word: cudaIpcOpenMemHandle does not say how
-  // large the allocation is, so a byte_size beyond it is the client's fault
-  // and faults only its own calls' copies.
+  // large the allocation is. A byte_size beyond it makes a copy fail with a
+  // sticky device error (the device faults): trusted clients only, as the
+  // flag's help says.
   absl::StatusOr<std::vector<void*>> opened = opener.open(handle, device_id);
   if (!opened.ok()) return opened.status();
   auto region = std::shared_ptr<SharedMemoryRegion>(new SharedMemoryRegion());
