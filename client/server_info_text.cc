@@ -10,6 +10,9 @@ std::string FormatServerInfo(const v1::ServerInfo& info) {
   std::string text;
   absl::StrAppendFormat(&text, "version:               %s\n", info.version());
   absl::StrAppendFormat(&text, "instance:              %s\n", info.instance_id());
+  absl::StrAppendFormat(&text, "shared memory:         %s\n",
+                        info.client_shared_memory() ? "accepted (system; CUDA on the CUDA backend)"
+                                                    : "off (--allow-client-shm)");
   absl::StrAppendFormat(&text, "backend:               %s (%s mode, %d heads per device, %s)\n",
                         info.backend(), info.parallel_mode(), info.heads_per_device(),
                         info.cuda_graphs() ? "CUDA graphs per bucket" : "eager launches");
@@ -81,6 +84,7 @@ nlohmann::ordered_json ServerInfoToJson(const v1::ServerInfo& info) {
       {"parallel_mode", info.parallel_mode()},
       {"heads_per_device", info.heads_per_device()},
       {"cuda_graphs", info.cuda_graphs()},
+      {"client_shared_memory", info.client_shared_memory()},
       {"devices", devices},
       {"pools", pools},
       {"max_queued_calls", info.max_queued_calls()},

@@ -540,6 +540,12 @@ TEST_F(ServerTest, BadInputsGetTheirCodeAndChangeNothing) {
        modified([](v1::VerifyRequest* r) {
          r->mutable_items(0)->mutable_draft_kv()->set_shape(1, 512);
        })},
+      {"ServerInfo says shared memory is off", StatusCode::OK, "",
+       [&] {
+         return client_->GetServerInfo()->client_shared_memory()
+                    ? grpc::Status(grpc::StatusCode::INTERNAL, "client_shared_memory is true")
+                    : grpc::Status::OK;
+       }},
       {"q in shared memory on a server without --allow-client-shm", StatusCode::FAILED_PRECONDITION,
        "--allow-client-shm", modified([](v1::VerifyRequest* r) {
          v1::SharedMemoryRef* ref = r->mutable_items(0)->mutable_q()->mutable_shared_memory();
@@ -705,6 +711,7 @@ TEST_F(ServerTest, BadInputsGetTheirCodeAndChangeNothing) {
 TEST_F(ServerTest, SharedMemoryDataPlaneEndToEnd) {
   MakeWithSharedMemory(engine::MakeCpuDevice(2));
   Serve();
+  EXPECT_TRUE(client_->GetServerInfo()->client_shared_memory());
   const int n = 4;
   const uint64_t item_bytes = client::ShmVerifyItemBytes(n, kHeads);
   const uint64_t staging_bytes = 3 * kLayers * kLatentDim * 2;  // 3 tokens: the prompt goes in 7

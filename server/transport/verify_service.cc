@@ -211,6 +211,7 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::GetServerInfo(grpc::CallbackServerC
                     r->set_max_queued_bytes(c.max_queued_bytes);
                     r->set_max_live_sequences(c.max_live_sequences);
                     r->set_instance_id(e.instance_id());
+                    r->set_client_shared_memory(shared_memory_.enabled());
                     r->set_verify_calls_timed(verify_timed_.load());
                     r->set_verify_server_seconds_total(verify_server_ns_.load() * 1e-9);
                     r->set_verify_queue_seconds_total(verify_queue_ns_.load() * 1e-9);
