@@ -8,6 +8,7 @@
 #include <sstream>
 #include <utility>
 
+#include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "common/geometry.h"
 #include "common/status_macros.h"
@@ -271,11 +272,19 @@ absl::StatusOr<AppendKvResult> VerifyClient::AppendKv(uint64_t sequence_id, int6
                      static_cast<int64_t>(num_layers) * kLatentDim * sizeof(Bf16),
                      " bytes) does not fit an AppendKv message under ", limit, " bytes"));
   }
-  const std::vector<TokenRange> chunks = PlanAppendChunks(tokens, max_chunk_tokens);
+  return SendAppendChunks(start_position, tokens, PlanAppendChunks(tokens, max_chunk_tokens),
+                          [&](const TokenRange& range) {
+                            return BuildAppendKvChunk(sequence_id, start_position, num_layers,
+                                                      tokens, kv, range);
+                          });
+}
+
+absl::StatusOr<AppendKvResult> VerifyClient::SendAppendChunks(
+    int64_t start_position, int64_t tokens, const std::vector<TokenRange>& chunks,
+    absl::FunctionRef<v1::AppendKvRequest(const TokenRange&)> build) {
   AppendKvResult result;
   for (const TokenRange& range : chunks) {
-    const v1::AppendKvRequest request =
-        BuildAppendKvChunk(sequence_id, start_position, num_layers, tokens, kv, range);
+    const v1::AppendKvRequest request = build(range);
     grpc::ClientContext context;
     PrepareContext(&context);
     v1::AppendKvResponse response;
@@ -320,50 +329,12 @@ absl::StatusOr<AppendKvResult> VerifyClient::AppendKvThroughStaging(uint64_t seq
                         begin + kv.size() * sizeof(Bf16) <= area + staging.bytes;
   const std::vector<TokenRange> chunks =
       in_place ? std::vector<TokenRange>{{0, tokens}} : PlanAppendChunks(tokens, max_chunk_tokens);
-  AppendKvResult result;
-  for (const TokenRange& range : chunks) {
+  return SendAppendChunks(start_position, tokens, chunks, [&](const TokenRange& range) {
     const uint64_t offset = in_place ? static_cast<uint64_t>(begin - staging.base) : staging.offset;
-    if (!in_place) {
-      // [num_layers, chunk, 576] gathered from each layer's slice.
-      const size_t run_bytes = static_cast<size_t>(range.size()) * kLatentDim * sizeof(Bf16);
-      for (int layer = 0; layer < num_layers; ++layer) {
-        std::memcpy(staging.base + offset + layer * run_bytes,
-                    kv.data() + (layer * tokens + range.begin) * kLatentDim, run_bytes);
-      }
-    }
-    v1::AppendKvRequest request;
-    request.set_sequence_id(sequence_id);
-    request.set_start_position(start_position + range.begin);
-    v1::Tensor* tensor = request.mutable_kv();
-    tensor->set_dtype(v1::DTYPE_BF16);
-    tensor->add_shape(num_layers);
-    tensor->add_shape(range.size());
-    tensor->add_shape(kLatentDim);
-    v1::SharedMemoryRef* ref = tensor->mutable_shared_memory();
-    ref->set_region(staging.region);
-    ref->set_offset(offset);
-    ref->set_byte_size(static_cast<uint64_t>(range.size()) * token_bytes);
-    grpc::ClientContext context;
-    PrepareContext(&context);
-    v1::AppendKvResponse response;
-    absl::Status status = FromGrpcStatus(stub_->AppendKv(&context, request, &response));
-    if (!status.ok()) {
-      if (chunks.size() == 1) return status;
-      return absl::Status(
-          status.code(),
-          absl::StrCat(status.message(), " [AppendKv chunk ", result.chunks + 1, " of ",
-                       chunks.size(), " at position ", start_position + range.begin, "; ",
-                       range.begin, " of ", tokens, " tokens were appended]"));
-    }
-    if (response.length() != start_position + range.end) {
-      return absl::InternalError(absl::StrCat("AppendKv of tokens up to position ",
-                                              start_position + range.end, " answered length ",
-                                              response.length()));
-    }
-    result.length = response.length();
-    ++result.chunks;
-  }
-  return result;
+    if (!in_place) GatherAppendChunk(num_layers, tokens, kv, range, staging.base + offset);
+    return BuildAppendKvChunkReference(sequence_id, start_position, num_layers, range,
+                                       staging.region, offset);
+  });
 }
 
 absl::Status VerifyClient::RegisterSystemSharedMemory(const std::string& name,

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -192,6 +193,12 @@ class VerifyClient {
                                                         int64_t start_position, int num_layers,
                                                         int64_t tokens, absl::Span<const Bf16> kv,
                                                         const ShmStaging& staging);
+
+  // Sends `chunks` of a prompt in order, each request made by `build`;
+  // stops at the first failure, saying how far the prompt got.
+  absl::StatusOr<AppendKvResult> SendAppendChunks(
+      int64_t start_position, int64_t tokens, const std::vector<TokenRange>& chunks,
+      absl::FunctionRef<v1::AppendKvRequest(const TokenRange&)> build);
 
   // The server's message limit as AppendKv sees it, from the cached
   // ServerInfo (fetched on first use).

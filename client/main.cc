@@ -73,6 +73,19 @@ extern "C" void OnSignal(int sig) {
   std::raise(sig);
 }
 
+// --data-plane and --cuda-device of `demo` and `load`.
+void AddDataPlaneOptions(CLI::App* command, std::string* plane, int* cuda_device) {
+  command->add_option("--cuda-device", *cuda_device, "cuda-shm: the buffer's device")
+      ->capture_default_str();
+  command
+      ->add_option("--data-plane", *plane,
+                   "inline (bytes in the messages), shm (a shared-memory region the command "
+                   "creates and registers) or cuda-shm (a device buffer by CUDA IPC handle); "
+                   "the server needs --allow-client-shm")
+      ->check(CLI::IsMember({"inline", "shm", "cuda-shm"}))
+      ->capture_default_str();
+}
+
 int RunInfo(VerifyClient& client, bool json) {
   absl::StatusOr<v1::ServerInfo> info = client.GetServerInfo();
   if (!info.ok()) {
@@ -248,15 +261,7 @@ int Main(int argc, char** argv) {
       ->capture_default_str();
   demo_cmd->add_option("--seed", demo.seed, "random seed")->capture_default_str();
   demo_cmd->add_flag("--stream", demo.stream, "per-layer calls over VerifyStream");
-  demo_cmd->add_option("--cuda-device", demo.cuda_device, "cuda-shm: the buffer's device")
-      ->capture_default_str();
-  demo_cmd
-      ->add_option("--data-plane", demo.data_plane,
-                   "inline (bytes in the messages), shm (a shared-memory region the demo "
-                   "creates and registers) or cuda-shm (a device buffer by CUDA IPC handle); "
-                   "the server needs --allow-client-shm")
-      ->check(CLI::IsMember({"inline", "shm", "cuda-shm"}))
-      ->capture_default_str();
+  AddDataPlaneOptions(demo_cmd, &demo.data_plane, &demo.cuda_device);
   demo_cmd
       ->add_option("--softmax-scale", demo.softmax_scale,
                    "override the server's softmax scale (0: server default)")
@@ -296,15 +301,7 @@ int Main(int argc, char** argv) {
       ->capture_default_str();
   load_cmd->add_option("--seed", load.seed, "random seed")->capture_default_str();
   load_cmd->add_flag("--stream", load.stream, "one VerifyStream per worker");
-  load_cmd->add_option("--cuda-device", load.cuda_device, "cuda-shm: the buffer's device")
-      ->capture_default_str();
-  load_cmd
-      ->add_option("--data-plane", load.data_plane,
-                   "inline (bytes in the messages), shm (a shared-memory region this run "
-                   "creates and registers) or cuda-shm (a device buffer by CUDA IPC handle); "
-                   "the server needs --allow-client-shm")
-      ->check(CLI::IsMember({"inline", "shm", "cuda-shm"}))
-      ->capture_default_str();
+  AddDataPlaneOptions(load_cmd, &load.data_plane, &load.cuda_device);
   int64_t shm_staging_mib = 16;
   load_cmd
       ->add_option("--shm-staging-mib", shm_staging_mib,

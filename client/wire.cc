@@ -256,9 +256,12 @@ std::vector<TokenRange> PlanAppendChunks(int64_t tokens, int64_t max_chunk_token
   return chunks;
 }
 
-v1::AppendKvRequest BuildAppendKvChunk(uint64_t sequence_id, int64_t start_position, int num_layers,
-                                       int64_t total_tokens, absl::Span<const Bf16> kv,
-                                       TokenRange range) {
+namespace {
+
+// The request of a chunk, its tensor shaped [num_layers, range.size(), 576]
+// without data.
+v1::AppendKvRequest AppendKvChunkHeader(uint64_t sequence_id, int64_t start_position,
+                                        int num_layers, TokenRange range) {
   v1::AppendKvRequest request;
   request.set_sequence_id(sequence_id);
   request.set_start_position(start_position + range.begin);
@@ -267,15 +270,40 @@ v1::AppendKvRequest BuildAppendKvChunk(uint64_t sequence_id, int64_t start_posit
   tensor->add_shape(num_layers);
   tensor->add_shape(range.size());
   tensor->add_shape(kLatentDim);
+  return request;
+}
+
+}  // namespace
+
+void GatherAppendChunk(int num_layers, int64_t total_tokens, absl::Span<const Bf16> kv,
+                       TokenRange range, uint8_t* dst) {
   // Each layer's chunk is a contiguous run of rows in the caller's layout;
-  // the chunk tensor stacks those runs layer after layer.
+  // the chunk stacks those runs layer after layer.
   const size_t run_bytes = static_cast<size_t>(range.size()) * kLatentDim * sizeof(Bf16);
-  std::string* raw = tensor->mutable_raw();
-  raw->resize(run_bytes * num_layers);
   for (int layer = 0; layer < num_layers; ++layer) {
     const Bf16* src = kv.data() + (layer * total_tokens + range.begin) * kLatentDim;
-    std::memcpy(raw->data() + layer * run_bytes, src, run_bytes);
+    std::memcpy(dst + layer * run_bytes, src, run_bytes);
   }
+}
+
+v1::AppendKvRequest BuildAppendKvChunk(uint64_t sequence_id, int64_t start_position, int num_layers,
+                                       int64_t total_tokens, absl::Span<const Bf16> kv,
+                                       TokenRange range) {
+  v1::AppendKvRequest request = AppendKvChunkHeader(sequence_id, start_position, num_layers, range);
+  std::string* raw = request.mutable_kv()->mutable_raw();
+  raw->resize(static_cast<size_t>(range.size()) * num_layers * kLatentDim * sizeof(Bf16));
+  GatherAppendChunk(num_layers, total_tokens, kv, range, reinterpret_cast<uint8_t*>(raw->data()));
+  return request;
+}
+
+v1::AppendKvRequest BuildAppendKvChunkReference(uint64_t sequence_id, int64_t start_position,
+                                                int num_layers, TokenRange range,
+                                                const std::string& region, uint64_t offset) {
+  v1::AppendKvRequest request = AppendKvChunkHeader(sequence_id, start_position, num_layers, range);
+  v1::SharedMemoryRef* ref = request.mutable_kv()->mutable_shared_memory();
+  ref->set_region(region);
+  ref->set_offset(offset);
+  ref->set_byte_size(static_cast<uint64_t>(range.size()) * num_layers * kLatentDim * sizeof(Bf16));
   return request;
 }
 

@@ -5,6 +5,7 @@
 #define MLAVERIFY_CLIENT_WIRE_H_
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -102,6 +103,17 @@ std::vector<TokenRange> PlanAppendChunks(int64_t tokens, int64_t max_chunk_token
 v1::AppendKvRequest BuildAppendKvChunk(uint64_t sequence_id, int64_t start_position, int num_layers,
                                        int64_t total_tokens, absl::Span<const Bf16> kv,
                                        TokenRange range);
+
+// The same chunk gathered into `dst` (range.size() * num_layers * 576 bf16),
+// e.g. a shared-memory staging area.
+void GatherAppendChunk(int num_layers, int64_t total_tokens, absl::Span<const Bf16> kv,
+                       TokenRange range, uint8_t* dst);
+
+// The AppendKv request of a chunk that lies at `offset` of registered
+// shared-memory region `region` (a reference, no bytes).
+v1::AppendKvRequest BuildAppendKvChunkReference(uint64_t sequence_id, int64_t start_position,
+                                                int num_layers, TokenRange range,
+                                                const std::string& region, uint64_t offset);
 
 }  // namespace mlaverify::client
 

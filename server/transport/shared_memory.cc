@@ -226,21 +226,7 @@ absl::Status SharedMemoryRegistry::Register(const std::string& name, const std::
   }
   {
     absl::MutexLock lock(&mu_);
-    if (regions_.count(name) > 0) {
-      return absl::AlreadyExistsError(
-          absl::StrCat("shared-memory region ", Quoted(name), " is already registered"));
-    }
-    if (static_cast<int64_t>(regions_.size()) >= options_.max_regions) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("the server holds ", regions_.size(), " shared-memory regions, its limit (",
-                       "--max-shm-regions ", options_.max_regions, ")"));
-    }
-    if (registered_bytes_ + static_cast<int64_t>(byte_size) > options_.max_total_bytes) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("registering ", byte_size, " bytes would bring the shared memory mapped to ",
-                       registered_bytes_ + static_cast<int64_t>(byte_size),
-                       " bytes, over --max-shm-bytes ", options_.max_total_bytes));
-    }
+    if (absl::Status room = CheckRoom(name, byte_size); !room.ok()) return room;
   }
   // Opening and mapping happen outside the lock (a slow file system must not
   // hold up the calls resolving references).
@@ -294,22 +280,7 @@ absl::Status SharedMemoryRegistry::Register(const std::string& name, const std::
       pin_note = absl::StrCat("not pinned: ", pinned.message());
     }
   }
-  {
-    absl::MutexLock lock(&mu_);
-    // Checked again: another registration may have raced this one.
-    if (regions_.count(name) > 0) {
-      return absl::AlreadyExistsError(
-          absl::StrCat("shared-memory region ", Quoted(name), " is already registered"));
-    }
-    if (static_cast<int64_t>(regions_.size()) >= options_.max_regions ||
-        registered_bytes_ + static_cast<int64_t>(byte_size) > options_.max_total_bytes) {
-      return absl::ResourceExhaustedError(
-          "shared-memory limits reached while the region was mapped (--max-shm-regions, "
-          "--max-shm-bytes)");
-    }
-    registered_bytes_ += static_cast<int64_t>(byte_size);
-    regions_.emplace(name, std::move(region));
-  }
+  if (absl::Status inserted = Insert(std::move(region)); !inserted.ok()) return inserted;
   spdlog::info("shared-memory region {} registered: {} bytes at offset {} of {}, {}", Quoted(name),
                byte_size, offset, Quoted(key), pin_note);
   return absl::OkStatus();
@@ -331,6 +302,18 @@ absl::Status SharedMemoryRegistry::CheckRoom(const std::string& name, uint64_t b
                      registered_bytes_ + static_cast<int64_t>(byte_size),
                      " bytes, over --max-shm-bytes ", options_.max_total_bytes));
   }
+  return absl::OkStatus();
+}
+
+absl::Status SharedMemoryRegistry::Insert(std::shared_ptr<SharedMemoryRegion> region) {
+  absl::MutexLock lock(&mu_);
+  // Checked again: another registration may have raced this one while the
+  // region was mapped (outside the lock). On failure the region goes (and
+  // with it the mapping).
+  if (absl::Status room = CheckRoom(region->name_, region->byte_size_); !room.ok()) return room;
+  registered_bytes_ += static_cast<int64_t>(region->byte_size_);
+  const std::string name = region->name_;
+  regions_.emplace(name, std::move(region));
   return absl::OkStatus();
 }
 
@@ -377,12 +360,7 @@ absl::Status SharedMemoryRegistry::RegisterCuda(const std::string& name, const s
   // Its own object for the overlap check.
   region->device_ = ~uint64_t{0};
   region->inode_ = reinterpret_cast<uintptr_t>(region.get());
-  {
-    absl::MutexLock lock(&mu_);
-    if (absl::Status room = CheckRoom(name, byte_size); !room.ok()) return room;
-    registered_bytes_ += static_cast<int64_t>(byte_size);
-    regions_.emplace(name, std::move(region));
-  }
+  if (absl::Status inserted = Insert(std::move(region)); !inserted.ok()) return inserted;
   spdlog::info("CUDA shared-memory region {} registered: {} bytes on device {}", Quoted(name),
                byte_size, device_id);
   return absl::OkStatus();

@@ -217,6 +217,8 @@ class SharedMemoryRegistry {
   // Checks name uniqueness and the limits for `byte_size` more (under mu_).
   absl::Status CheckRoom(const std::string& name, uint64_t byte_size) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds a mapped region if CheckRoom still allows it.
+  absl::Status Insert(std::shared_ptr<SharedMemoryRegion> region);
 };
 
 }  // namespace mlaverify::transport
