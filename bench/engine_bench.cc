@@ -59,7 +59,7 @@ class BatchCounter final : public engine::EngineObserver {
     ++sizes_[r.requests];
     (r.graph ? graph_ : eager_) += 1;
     reused_ += r.reused_plan ? 1 : 0;
-    overlapped_ += r.overlapped_input ? 1 : 0;
+    descriptors_ += r.copy_descriptors;
     device_seconds_ += r.device_seconds;
     pack_seconds_ += r.pack_seconds;
     launch_seconds_ += r.launch_seconds;
@@ -78,7 +78,7 @@ class BatchCounter final : public engine::EngineObserver {
   void Reset() {
     absl::MutexLock lock(&mu_);
     sizes_.clear();
-    graph_ = eager_ = reused_ = batches_ = calls_ = overlapped_ = 0;
+    graph_ = eager_ = reused_ = batches_ = calls_ = descriptors_ = 0;
     device_seconds_ = queue_seconds_ = total_seconds_ = verify_device_seconds_ = 0;
     pack_seconds_ = launch_seconds_ = unpack_seconds_ = 0;
   }
@@ -95,7 +95,7 @@ class BatchCounter final : public engine::EngineObserver {
         {"graph_batches", graph_},
         {"eager_batches", eager_},
         {"plan_reused_batches", reused_},
-        {"overlapped_input_batches", overlapped_},
+        {"mean_copy_descriptors_per_batch", descriptors_ / nb},
         {"mean_pack_us_per_batch", 1e6 * pack_seconds_ / nb},
         {"mean_launch_us_per_batch", 1e6 * launch_seconds_ / nb},
         {"mean_unpack_us_per_batch", 1e6 * unpack_seconds_ / nb},
@@ -110,7 +110,7 @@ class BatchCounter final : public engine::EngineObserver {
   std::map<int, int64_t> sizes_ ABSL_GUARDED_BY(mu_);
   int64_t graph_ ABSL_GUARDED_BY(mu_) = 0, eager_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t reused_ ABSL_GUARDED_BY(mu_) = 0, batches_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t overlapped_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t descriptors_ ABSL_GUARDED_BY(mu_) = 0;
   double pack_seconds_ ABSL_GUARDED_BY(mu_) = 0, launch_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   double unpack_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t calls_ ABSL_GUARDED_BY(mu_) = 0;
@@ -251,10 +251,8 @@ struct Flags {
   uint64_t pool_bytes = uint64_t{80} << 30;
   int copy_threads = 4;
   bool graphs = true;
-  double spin_us = 100;
-  bool overlap_inputs = false;
-  bool direct_output = false;
-  int staging_sets = 2;
+  int batches_in_flight = 2;
+  std::string inputs = "host";
   bool probe_memory = false;
   std::string json;
   std::string gpu_name;
@@ -292,10 +290,12 @@ int Run(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--copy-threads", f.copy_threads)->capture_default_str();
   app.add_option("--cuda-graphs", f.graphs)->capture_default_str();
-  app.add_option("--worker-spin-us", f.spin_us)->capture_default_str();
-  app.add_option("--overlap-inputs", f.overlap_inputs)->capture_default_str();
-  app.add_option("--direct-output", f.direct_output)->capture_default_str();
-  app.add_option("--staging-sets", f.staging_sets)->capture_default_str();
+  app.add_option("--batches-in-flight", f.batches_in_flight)->capture_default_str();
+  app.add_option("--inputs", f.inputs,
+                 "host: every thread's q, draft_kv, out and lse in ordinary host memory; device: "
+                 "in device memory registered as a region (a scheduler on the GPU)")
+      ->check(CLI::IsMember({"host", "device"}))
+      ->capture_default_str();
   app.add_flag("--probe-memory", f.probe_memory,
                "first measure host memcpy and PCIe copy bandwidth (what bounds the host side)");
   app.add_option("--json", f.json, "append rows to this results file (created if missing)");
@@ -315,18 +315,15 @@ int Run(int argc, char** argv) {
       tp ? engine::ParallelMode::kTensorParallel : engine::ParallelMode::kDataParallel;
   config.use_graphs = f.graphs;
   config.copy_threads = f.copy_threads;
-  config.worker_spin = absl::Microseconds(f.spin_us);
-  config.overlap_inputs = f.overlap_inputs;
-  config.staging_sets = f.staging_sets;
+  config.batches_in_flight = f.batches_in_flight;
   config.max_live_sequences = 1 << 20;
+  config.shared_memory.enabled = true;  // --inputs device registers the threads' buffers
   std::vector<std::unique_ptr<engine::Device>> devices;
   for (int d : f.devices) {
     if (f.backend == "cpu") {
       devices.push_back(engine::MakeCpuDevice(0));
     } else {
-      engine::CudaDeviceOptions options;
-      options.direct_output = f.direct_output;
-      auto cuda = engine::MakeCudaDevice(d, options);
+      auto cuda = engine::MakeCudaDevice(d);
       if (!cuda.ok()) {
         std::fprintf(stderr, "cuda device %d: %s\n", d, cuda.status().ToString().c_str());
         return 2;
@@ -428,12 +425,61 @@ int Run(int argc, char** argv) {
           const std::vector<Bf16> dkv = RandomBf16(r, static_cast<size_t>(n) * kLatentDim, 1.0f);
           std::vector<Bf16> out(static_cast<size_t>(n) * heads * kValueDim);
           std::vector<float> lse(static_cast<size_t>(n) * heads);
+          // --inputs device: the four tensors in one device allocation,
+          // registered as this thread's region.
+          const size_t q_bytes = q.size() * sizeof(Bf16), dkv_bytes = dkv.size() * sizeof(Bf16);
+          const size_t out_bytes = out.size() * sizeof(Bf16),
+                       lse_bytes = lse.size() * sizeof(float);
+          const std::string region = absl::StrCat("bench-", prefix, "-", threads, "-", t);
+          void* device_memory = nullptr;
+          if (f.inputs == "device") {
+#ifdef MLAVERIFY_HAVE_CUDA
+            const size_t bytes = q_bytes + dkv_bytes + out_bytes + lse_bytes;
+            cudaSetDevice(f.devices[0]);
+            if (cudaMalloc(&device_memory, bytes) != cudaSuccess) device_memory = nullptr;
+            if (device_memory != nullptr) {
+              cudaMemcpy(device_memory, q.data(), q_bytes, cudaMemcpyHostToDevice);
+              cudaMemcpy(static_cast<uint8_t*>(device_memory) + q_bytes, dkv.data(), dkv_bytes,
+                         cudaMemcpyHostToDevice);
+              const absl::Status registered = engine->regions().RegisterLocalDevice(
+                  region, reinterpret_cast<uint64_t>(device_memory), f.devices[0], bytes);
+              if (!registered.ok()) {
+                std::fprintf(stderr, "register: %s\n", registered.ToString().c_str());
+                cudaFree(device_memory);
+                device_memory = nullptr;
+              }
+            }
+#endif
+            if (device_memory == nullptr) {
+              ++errors;
+              stop = true;
+              return;
+            }
+          }
+          auto in_region = [&](uint64_t offset, uint64_t bytes) {
+            engine::RegionRange range{region, offset, bytes};
+            return range;
+          };
           latencies[t].reserve(1 << 16);
           while (!stop.load()) {
             const std::vector<int32_t> tree = RandomDraftTree(r, n);
             for (int layer = 0; layer < f.layers && !stop.load(); ++layer) {
               engine::VerifyItem item{
                   ids[t], tree, q, dkv, absl::MakeSpan(out), absl::MakeSpan(lse)};
+              if (device_memory != nullptr) {
+                item.q = engine::TensorRef();
+                item.q.in_region = true;
+                item.q.range = in_region(0, q_bytes);
+                item.draft_kv = engine::TensorRef();
+                item.draft_kv.in_region = true;
+                item.draft_kv.range = in_region(q_bytes, dkv_bytes);
+                item.out = engine::OutputRef();
+                item.out.in_region = true;
+                item.out.range = in_region(q_bytes + dkv_bytes, out_bytes);
+                item.lse = engine::OutputRef();
+                item.lse.in_region = true;
+                item.lse.range = in_region(q_bytes + dkv_bytes + out_bytes, lse_bytes);
+              }
               const absl::Time t0 = absl::Now();
               const absl::Status s = engine->Verify(layer, 0.0f, absl::MakeSpan(&item, 1));
               const double us = absl::ToDoubleMicroseconds(absl::Now() - t0);
@@ -450,6 +496,12 @@ int Run(int argc, char** argv) {
             }
             if (!engine->Commit(ids[t], {}).ok()) ++errors;
           }
+#ifdef MLAVERIFY_HAVE_CUDA
+          if (device_memory != nullptr) {
+            (void)engine->regions().Unregister(region, engine::RegionKind::kCuda);
+            cudaFree(device_memory);
+          }
+#endif
         });
       }
       absl::SleepFor(absl::Seconds(f.warmup_s));
@@ -482,11 +534,9 @@ int Run(int argc, char** argv) {
                             {"layers", f.layers},
                             {"threads", threads},
                             {"cuda_graphs", engine->graphs_enabled()},
-                            {"worker_spin_us", f.spin_us},
-                            {"overlap_inputs", f.overlap_inputs},
-                            {"direct_output", f.direct_output},
+                            {"inputs", f.inputs},
                             {"copy_threads", f.copy_threads},
-                            {"staging_sets", f.staging_sets},
+                            {"batches_in_flight", f.batches_in_flight},
                             {"items_per_s", items_per_s},
                             {"p50_us", pct(0.5)},
                             {"p90_us", pct(0.9)},

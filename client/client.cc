@@ -367,26 +367,39 @@ absl::Status VerifyClient::RegisterCudaSharedMemory(const std::string& name,
 
 absl::StatusOr<std::vector<std::string>> VerifyClient::UnregisterSystemSharedMemory(
     const std::string& name) {
-  grpc::ClientContext context;
-  PrepareContext(&context);
   v1::UnregisterSystemSharedMemoryRequest request;
   request.set_name(name);
-  v1::UnregisterSystemSharedMemoryResponse response;
-  RETURN_IF_ERROR(
-      FromGrpcStatus(stub_->UnregisterSystemSharedMemory(&context, request, &response)));
+  ASSIGN_OR_RETURN(auto response,
+                   Unary(&v1::VerifyService::Stub::UnregisterSystemSharedMemory, request));
   return std::vector<std::string>(response.unregistered().begin(), response.unregistered().end());
 }
 
 absl::StatusOr<std::vector<v1::SystemSharedMemoryRegion>> VerifyClient::SystemSharedMemoryStatus(
     const std::string& name) {
-  grpc::ClientContext context;
-  PrepareContext(&context);
   v1::SystemSharedMemoryStatusRequest request;
   request.set_name(name);
-  v1::SystemSharedMemoryStatusResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(stub_->SystemSharedMemoryStatus(&context, request, &response)));
+  ASSIGN_OR_RETURN(auto response,
+                   Unary(&v1::VerifyService::Stub::SystemSharedMemoryStatus, request));
   return std::vector<v1::SystemSharedMemoryRegion>(response.regions().begin(),
                                                    response.regions().end());
+}
+
+absl::StatusOr<std::vector<std::string>> VerifyClient::UnregisterCudaSharedMemory(
+    const std::string& name) {
+  v1::UnregisterCudaSharedMemoryRequest request;
+  request.set_name(name);
+  ASSIGN_OR_RETURN(auto response,
+                   Unary(&v1::VerifyService::Stub::UnregisterCudaSharedMemory, request));
+  return std::vector<std::string>(response.unregistered().begin(), response.unregistered().end());
+}
+
+absl::StatusOr<std::vector<v1::CudaSharedMemoryRegion>> VerifyClient::CudaSharedMemoryStatus(
+    const std::string& name) {
+  v1::CudaSharedMemoryStatusRequest request;
+  request.set_name(name);
+  ASSIGN_OR_RETURN(auto response, Unary(&v1::VerifyService::Stub::CudaSharedMemoryStatus, request));
+  return std::vector<v1::CudaSharedMemoryRegion>(response.regions().begin(),
+                                                 response.regions().end());
 }
 
 absl::StatusOr<std::vector<VerifyItemResult>> VerifyClient::Verify(

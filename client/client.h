@@ -174,8 +174,12 @@ class VerifyClient {
                                         int device_id, uint64_t byte_size);
   // Removes `name` ("" : every region, either kind); returns the names removed.
   absl::StatusOr<std::vector<std::string>> UnregisterSystemSharedMemory(const std::string& name);
-  // `name` ("" : every region) with its use.
+  // `name` ("" : every region, either kind) with its use.
   absl::StatusOr<std::vector<v1::SystemSharedMemoryRegion>> SystemSharedMemoryStatus(
+      const std::string& name = "");
+  // The same for CUDA regions only (a system region's name is NOT_FOUND).
+  absl::StatusOr<std::vector<std::string>> UnregisterCudaSharedMemory(const std::string& name);
+  absl::StatusOr<std::vector<v1::CudaSharedMemoryRegion>> CudaSharedMemoryStatus(
       const std::string& name = "");
 
   // Opens a VerifyStream. `lifetime` bounds the whole stream (not each
@@ -188,6 +192,20 @@ class VerifyClient {
 
   // Applies the call deadline and wait-for-ready to a fresh context.
   void PrepareContext(grpc::ClientContext* context) const;
+
+  // One unary call of the stub with a prepared context.
+  template <typename Request, typename Response>
+  absl::StatusOr<Response> Unary(grpc::Status (v1::VerifyService::Stub::*rpc)(grpc::ClientContext*,
+                                                                              const Request&,
+                                                                              Response*),
+                                 const Request& request) {
+    grpc::ClientContext context;
+    PrepareContext(&context);
+    Response response;
+    const grpc::Status status = (stub_.get()->*rpc)(&context, request, &response);
+    if (!status.ok()) return FromGrpcStatus(status);
+    return response;
+  }
 
   absl::StatusOr<AppendKvResult> AppendKvThroughStaging(uint64_t sequence_id,
                                                         int64_t start_position, int num_layers,

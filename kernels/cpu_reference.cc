@@ -65,7 +65,7 @@ void AttendRow(const float* q, const float* keys, int64_t prefix, int draft_len,
 // Converts the L = P + N key rows of request b to fp32, in parallel.
 std::vector<float> GatherKeys(const VerifyArguments& a, int b, int64_t total, int num_threads) {
   std::vector<float> keys(static_cast<size_t>(total) * kLatentDim);
-  const int32_t* pages = a.page_table + b * a.page_table_stride;
+  const int32_t* pages = a.PageRow(b);
   const int layer = a.layer[b];
   ParallelFor(total, num_threads, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {

@@ -111,12 +111,16 @@ absl::Status ValidateRequests(const VerifyArguments& a) {
     }
     if (n == 0) continue;
     const int64_t pages_needed = (p + n + a.pool.page_size - 1) / a.pool.page_size;
-    if (pages_needed > a.page_table_stride) {
+    if (a.page_table_offset == nullptr && pages_needed > a.page_table_stride) {
       return absl::InvalidArgumentError(
           absl::StrCat("request ", b, ": ", p + n, " tokens need ", pages_needed,
                        " pages but the page table holds ", a.page_table_stride));
     }
-    const int32_t* pages = a.page_table + b * a.page_table_stride;
+    if (a.page_table_offset != nullptr && a.page_table_offset[b] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "request ", b, ": page_table_offset = ", a.page_table_offset[b], " is negative"));
+    }
+    const int32_t* pages = a.PageRow(b);
     for (int64_t k = 0; k < pages_needed; ++k) {
       if (pages[k] < 0 || pages[k] >= a.pool.num_pages) {
         return absl::InvalidArgumentError(absl::StrCat("request ", b, ": page_table[", k,

@@ -59,11 +59,15 @@ struct VerifyArguments {
   int64_t q_head_stride = 0;   // elements between heads; rows are contiguous
 
   KvPoolView pool;
-  const int32_t* page_table = nullptr;  // [batch, page_table_stride]
-  int64_t page_table_stride = 0;        // elements between requests' rows
-  const int32_t* prefix_len = nullptr;  // [batch] P_b >= 0
-  const int32_t* draft_len = nullptr;   // [batch] N_b in 0..max_draft_len
-  const int32_t* layer = nullptr;       // [batch] in 0..pool.num_layers-1
+  // Request b's page ids start at page_table + PageRowStart(b): b *
+  // page_table_stride, or page_table_offset[b] when that is set (the
+  // per-sequence tables of a device's page-table arena).
+  const int32_t* page_table = nullptr;
+  int64_t page_table_stride = 0;               // elements between requests' rows
+  const int64_t* page_table_offset = nullptr;  // [batch] or nullptr
+  const int32_t* prefix_len = nullptr;         // [batch] P_b >= 0
+  const int32_t* draft_len = nullptr;          // [batch] N_b in 0..max_draft_len
+  const int32_t* layer = nullptr;              // [batch] in 0..pool.num_layers-1
   // [batch] per-request softmax scale, or nullptr for default_softmax_scale.
   const float* softmax_scale = nullptr;
   float default_softmax_scale = 0.0f;
@@ -76,6 +80,11 @@ struct VerifyArguments {
   int64_t out_token_stride = 0;
   int64_t out_head_stride = 0;
   float* lse = nullptr;
+
+  const int32_t* PageRow(int b) const {
+    return page_table +
+           (page_table_offset != nullptr ? page_table_offset[b] : b * page_table_stride);
+  }
 };
 
 // Checks everything that can be checked without reading the per-request

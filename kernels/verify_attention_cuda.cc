@@ -101,6 +101,7 @@ absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchC
   p.page_size_log2 = Log2(a.pool.page_size);
   p.page_table = a.page_table;
   p.page_table_stride = a.page_table_stride;
+  p.page_table_offset = a.page_table_offset;
   p.prefix_len = a.prefix_len;
   p.draft_len = a.draft_len;
   p.layer = a.layer;
@@ -191,6 +192,23 @@ absl::Status LaunchCopyRows(const KvPoolView& pool, const int32_t* page_table, i
   p.count = count;
   p.rows = reinterpret_cast<uint16_t*>(rows);
   return CudaErrorToStatus(LaunchRowCopyKernel(p, to_pool, stream), "row copy launch");
+}
+
+absl::Status LaunchGatherCopies(const GatherParams& params, cudaStream_t stream) {
+  if (params.slots == nullptr || params.cursor == nullptr || params.arrivals == nullptr ||
+      params.num_slots < 1 || params.capacity < 1 || params.capacity > 65535 ||
+      params.row_blocks < 1 || params.row_blocks > 65535) {
+    return absl::InvalidArgumentError("gather copies: a null pointer or a grid out of range");
+  }
+  return CudaErrorToStatus(LaunchGatherKernel(params, stream), "gather launch");
+}
+
+absl::Status LaunchScatterCopies(const ScatterParams& params, cudaStream_t stream) {
+  if (params.list == nullptr || params.capacity < 1 || params.capacity > 65535 ||
+      params.row_blocks < 1 || params.row_blocks > 65535) {
+    return absl::InvalidArgumentError("scatter copies: a null list or a grid out of range");
+  }
+  return CudaErrorToStatus(LaunchScatterKernel(params, stream), "scatter launch");
 }
 
 absl::Status LaunchCompactAcceptedKv(const CompactArguments& a, cudaStream_t stream) {

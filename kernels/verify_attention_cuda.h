@@ -125,6 +125,13 @@ absl::Status LaunchCopyRows(const KvPoolView& pool, const int32_t* page_table, i
                             int64_t count, Bf16* rows, bool to_pool, cudaStream_t stream);
 absl::Status LaunchCompactAcceptedKv(const CompactArguments& args, cudaStream_t stream);
 
+// The copy-list kernels (copy_list.h): the gather runs the list in the ring
+// slot its cursor names and advances the cursor; the scatter runs a list in
+// device memory. INVALID_ARGUMENT for a null pointer or a grid beyond CUDA's
+// limits.
+absl::Status LaunchGatherCopies(const GatherParams& params, cudaStream_t stream);
+absl::Status LaunchScatterCopies(const ScatterParams& params, cudaStream_t stream);
+
 }  // namespace mlaverify::kernels
 
 #endif  // MLAVERIFY_KERNELS_VERIFY_ATTENTION_CUDA_H_

@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "kernels/copy_list.h"
+
 namespace mlaverify::kernels {
 
 // Query rows one attention CTA owns (BLOCK_M of verify_config.cuh, which
@@ -61,13 +63,14 @@ struct VerifyParams {
   int64_t q_head_stride;   // elements
   const uint16_t* pool;    // [num_layers, num_pages, page_size, 576] bf16
   int64_t num_pages;
-  int page_size_log2;         // page_size = 1 << page_size_log2
-  const int32_t* page_table;  // [batch, page_table_stride]
-  int64_t page_table_stride;
-  const int32_t* prefix_len;   // [batch]
-  const int32_t* draft_len;    // [batch]
-  const int32_t* layer;        // [batch]
-  const float* softmax_scale;  // [batch] or nullptr
+  int page_size_log2;                // page_size = 1 << page_size_log2
+  const int32_t* page_table;         // request b's page ids start at page_table + row_start(b)
+  int64_t page_table_stride;         // row_start(b) = b * stride, unless page_table_offset is set
+  const int64_t* page_table_offset;  // [batch] row_start(b), or nullptr
+  const int32_t* prefix_len;         // [batch]
+  const int32_t* draft_len;          // [batch]
+  const int32_t* layer;              // [batch]
+  const float* softmax_scale;        // [batch] or nullptr
   float default_softmax_scale;
   const uint64_t* visibility;  // [total_draft]
   int batch;
@@ -154,6 +157,9 @@ cudaError_t LaunchDraftKvWriteKernel(const DraftKvWriteParams& params, cudaStrea
 cudaError_t LaunchCompactKernel(const CompactParams& params, cudaStream_t stream);
 // to_pool: rows -> pool, else pool -> rows.
 cudaError_t LaunchRowCopyKernel(const RowCopyParams& params, bool to_pool, cudaStream_t stream);
+// The copy-list kernels (copy_list.h).
+cudaError_t LaunchGatherKernel(const GatherParams& params, cudaStream_t stream);
+cudaError_t LaunchScatterKernel(const ScatterParams& params, cudaStream_t stream);
 // Raises the dynamic shared-memory limit of the attention kernel on the
 // current device; idempotent.
 cudaError_t PrepareVerifyKernels();

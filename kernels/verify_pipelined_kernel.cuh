@@ -439,7 +439,9 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p,
   // address, a 64-bit add and two selects for the row's), and each
   // instruction on the PV warps' path costs ~2.6 cycles per tile
   // (bench/NOTES.md v19).
-  const int32_t* pages = ptx::Opaque(p.page_table + b * p.page_table_stride);
+  const int32_t* pages =
+      ptx::Opaque(p.page_table + (p.page_table_offset != nullptr ? p.page_table_offset[b]
+                                                                 : b * p.page_table_stride));
   const int page_mask = (1 << p.page_size_log2) - 1;
   const uint16_t* layer_base =
       p.pool + static_cast<int64_t>(p.layer[b]) * p.num_pages * (int64_t{D_QK} << p.page_size_log2);

@@ -98,10 +98,8 @@ struct Flags {
   uint64_t max_queued_bytes = uint64_t{2} << 30;
   int64_t max_live_sequences = 65536;
   int copy_threads = 4;
-  double worker_spin_us = 100;
-  bool overlap_inputs = false;
-  bool direct_output = false;
-  int staging_sets = 2;
+  int batches_in_flight = 2;
+  uint64_t pinned_staging_bytes = uint64_t{512} << 20;
   double idle_timeout_s = 0;
   uint64_t max_message_bytes = uint64_t{64} << 20;
   float softmax_scale = 1.0f / std::sqrt(192.0f);
@@ -175,8 +173,7 @@ absl::Status ValidateFlags(const Flags& f) {
         {"--drain-grace-s", f.drain_grace_s},
         {"--slow-call-ms", f.slow_call_ms},
         {"--idle-timeout-s", f.idle_timeout_s},
-        {"--max-queue-delay-us", f.max_queue_delay_us},
-        {"--worker-spin-us", f.worker_spin_us}}) {
+        {"--max-queue-delay-us", f.max_queue_delay_us}}) {
     if (!(value >= 0) || value > 1e9) {
       return absl::InvalidArgumentError(absl::StrCat(name, " ", value, ": need a value >= 0"));
     }
@@ -198,7 +195,6 @@ absl::StatusOr<std::vector<std::unique_ptr<engine::Device>>> MakeDevices(const F
     absl::Status why;
     for (size_t k = 0; k < f.devices.size() && usable; ++k) {
       engine::CudaDeviceOptions options;
-      options.direct_output = f.direct_output;
       // The fault injection applies to the first device only.
       options.fail_after_launches = k == 0 ? f.testing_fault_after_launches : 0;
       auto cuda = engine::MakeCudaDevice(f.devices[k], options);
@@ -282,22 +278,17 @@ int Run(int argc, char** argv) {
                  "sequences alive at once; beyond: RESOURCE_EXHAUSTED")
       ->capture_default_str();
   app.add_option("--copy-threads", f.copy_threads,
-                 "threads per device that copy large batches to and from pinned staging")
+                 "threads per device that complete a large batch's calls (copying their inline "
+                 "outputs out)")
       ->capture_default_str();
-  app.add_option(
-         "--worker-spin-us", f.worker_spin_us,
-         "how long a device worker polls its empty queue before sleeping (0: sleep at once)")
+  app.add_option("--batches-in-flight", f.batches_in_flight,
+                 "launches a device has in flight at most (the next batch is launched while "
+                 "one runs)")
       ->capture_default_str();
-  app.add_option("--overlap-inputs", f.overlap_inputs,
-                 "copy a batch's inputs to the GPU while the previous batch runs (not yet "
-                 "checked on a GPU by the engine test)")
-      ->capture_default_str();
-  app.add_option("--direct-output", f.direct_output,
-                 "the attention writes outputs straight into pinned host memory (false: a device "
-                 "buffer and a copy)")
-      ->capture_default_str();
-  app.add_option("--staging-sets", f.staging_sets,
-                 "pinned staging sets per device (batches packed, running and unpacked at once)")
+  app.add_option("--pinned-staging-bytes", f.pinned_staging_bytes,
+                 "page-locked host memory for inline tensors on the GPU path, e.g. 512MiB; a "
+                 "call that finds too little free: RESOURCE_EXHAUSTED")
+      ->transform(CLI::AsSizeValue(false))
       ->capture_default_str();
   app.add_option("--idle-timeout-s", f.idle_timeout_s,
                  "release sequences idle this long (0: never)")
@@ -398,9 +389,11 @@ int Run(int argc, char** argv) {
   config.max_queued_bytes = static_cast<int64_t>(f.max_queued_bytes);
   config.max_live_sequences = f.max_live_sequences;
   config.copy_threads = f.copy_threads;
-  config.worker_spin = absl::Microseconds(f.worker_spin_us);
-  config.overlap_inputs = f.overlap_inputs;
-  config.staging_sets = f.staging_sets;
+  config.batches_in_flight = f.batches_in_flight;
+  config.pinned_staging_bytes = static_cast<int64_t>(f.pinned_staging_bytes);
+  config.shared_memory.enabled = f.allow_client_shm;
+  config.shared_memory.max_regions = f.max_shm_regions;
+  config.shared_memory.max_total_bytes = static_cast<int64_t>(f.max_shm_bytes);
   // Flag errors first, before anything listens.
   if (absl::Status valid = config.Validate(static_cast<int>(f.devices.size())); !valid.ok()) {
     spdlog::error("bad flags: {}", std::string(valid.message()));
@@ -416,9 +409,6 @@ int Run(int argc, char** argv) {
   options.service.max_message_bytes = static_cast<int64_t>(f.max_message_bytes);
   options.service.slow_call_seconds = f.slow_call_ms / 1e3;
   options.service.stream_max_in_flight = f.stream_max_in_flight;
-  options.service.shared_memory.enabled = f.allow_client_shm;
-  options.service.shared_memory.max_regions = f.max_shm_regions;
-  options.service.shared_memory.max_total_bytes = static_cast<int64_t>(f.max_shm_bytes);
   options.http2_max_frame_bytes = f.http2_max_frame_bytes;
   options.http2_lookahead_bytes = f.http2_lookahead_bytes;
   if (!f.auth_token_file.empty()) {
@@ -467,9 +457,9 @@ int Run(int argc, char** argv) {
   spdlog::info("engine ready in {:.2f} s", absl::ToDoubleSeconds(absl::Now() - engine_start));
   metrics.SetInfo(kVersion, (*engine)->backend_name());
   metrics.SetStatsSource([e = engine->get()] { return e->Stats(); });
-  metrics.SetSharedMemorySource([grpc_server] {
-    return admin::Metrics::SharedMemoryUsage{grpc_server->shared_memory().regions(),
-                                             grpc_server->shared_memory().registered_bytes()};
+  metrics.SetSharedMemorySource([e = engine->get()] {
+    return admin::Metrics::SharedMemoryUsage{e->regions().regions(),
+                                             e->regions().registered_bytes()};
   });
   metrics.DeclareDevices((*engine)->device_names());
   (*engine)->SetFaultListener([grpc_server, &metrics](const absl::Status&) {

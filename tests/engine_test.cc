@@ -17,7 +17,9 @@
 #include "kernels/cpu_reference.h"
 #include "server/engine/batch_plan.h"
 #include "server/engine/device.h"
+#include "server/engine/host_staging.h"
 #include "server/engine/page_allocator.h"
+#include "server/engine/page_table_arena.h"
 
 namespace mlaverify::engine {
 namespace {
@@ -90,6 +92,97 @@ TEST(ChooseBucket, SmallestBucketPairThatHoldsTheBatch) {
   EXPECT_EQ(ChooseBucket(batches, drafts, 2, 4), (BatchShape{2, 4}));
   EXPECT_FALSE(ChooseBucket(batches, drafts, 9, 1).has_value()) << "more requests than any bucket";
   EXPECT_FALSE(ChooseBucket(batches, drafts, 1, 17).has_value()) << "longer drafts than any bucket";
+}
+
+TEST(PageTableArena, WritesOnlyWhatChangedAndMovesTablesThatOutgrowTheirRange) {
+  PageTableArena arena(1024);
+  std::vector<TableWrite> writes;
+  std::vector<int32_t> values;
+  ASSERT_TRUE(arena.Apply(7, TableDelta{0, {10, 11, 12}}).ok());
+  const int64_t first = arena.OffsetOf(7);
+  ASSERT_GE(first, 0);
+  arena.TakeWrites(&writes, &values);
+  ASSERT_EQ(writes.size(), 1u);
+  EXPECT_EQ(writes[0].at, first);
+  EXPECT_EQ(writes[0].count, 3);
+  EXPECT_EQ(values, (std::vector<int32_t>{10, 11, 12}));
+  // Trimmed by a rejected step: nothing to write.
+  ASSERT_TRUE(arena.Apply(7, TableDelta{2, {}}).ok());
+  arena.TakeWrites(&writes, &values);
+  EXPECT_TRUE(writes.empty());
+  // Past 16 entries: the two kept ones move (device to device) to a range of
+  // 32, the new ones are written after them.
+  std::vector<int32_t> more(18);
+  for (int k = 0; k < 18; ++k) more[k] = 100 + k;
+  ASSERT_TRUE(arena.Apply(7, TableDelta{2, more}).ok());
+  const int64_t moved = arena.OffsetOf(7);
+  EXPECT_NE(moved, first);
+  // The range given up is not reused by the same launch...
+  ASSERT_TRUE(arena.Apply(8, TableDelta{0, {1}}).ok());
+  EXPECT_NE(arena.OffsetOf(8), first);
+  arena.TakeWrites(&writes, &values);
+  ASSERT_EQ(writes.size(), 3u);
+  EXPECT_EQ(writes[0].from, first);
+  EXPECT_EQ(writes[0].at, moved);
+  EXPECT_EQ(writes[0].count, 2);
+  EXPECT_EQ(writes[1].at, moved + 2);
+  EXPECT_EQ(writes[1].count, 18);
+  // ...but by the next one.
+  ASSERT_TRUE(arena.Apply(9, TableDelta{0, {2}}).ok());
+  EXPECT_EQ(arena.OffsetOf(9), first);
+  const std::vector<int32_t>* list = arena.Entries(7);
+  ASSERT_NE(list, nullptr);
+  EXPECT_EQ(list->size(), 20u);
+  EXPECT_EQ((*list)[1], 11);
+  EXPECT_EQ((*list)[2], 100);
+  EXPECT_EQ(arena.Apply(7, TableDelta{21, {}}).code(), absl::StatusCode::kInternal)
+      << "a change that keeps more than the table has is a bug";
+}
+
+TEST(PageTableArena, CompactsWhenTooFragmentedAndAsksForAFullUpload) {
+  PageTableArena arena(64);
+  std::vector<TableWrite> writes;
+  std::vector<int32_t> values;
+  for (uint64_t id = 1; id <= 4; ++id) {
+    ASSERT_TRUE(arena.Apply(id, TableDelta{0, {static_cast<int32_t>(id)}}).ok());
+  }
+  arena.Release(2);
+  arena.Release(4);
+  arena.TakeWrites(&writes, &values);
+  // 32 entries are free, but not in one piece.
+  std::vector<int32_t> grown(17, 5);
+  ASSERT_TRUE(arena.Apply(1, TableDelta{1, grown}).ok());
+  EXPECT_TRUE(arena.needs_full_upload());
+  const std::vector<int32_t> snapshot = arena.Snapshot();
+  const int64_t a = arena.OffsetOf(1), c = arena.OffsetOf(3);
+  EXPECT_EQ(snapshot[a], 1);
+  EXPECT_EQ(snapshot[a + 17], 5);
+  EXPECT_EQ(snapshot[c], 3);
+  arena.TakeWrites(&writes, &values);
+  EXPECT_TRUE(writes.empty()) << "the upload replaces the writes";
+  EXPECT_FALSE(arena.needs_full_upload());
+}
+
+TEST(HostStaging, FirstFitWithCoalescingAndExhaustionWithTheNumbers) {
+  std::vector<uint8_t> memory(4096);
+  HostStaging staging(memory.data(), memory.size(), {1000, 2000}, nullptr);
+  auto a = staging.Allocate(300, "a");  // 512
+  auto b = staging.Allocate(256, "b");
+  auto c = staging.Allocate(1024, "c");
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  EXPECT_EQ(a->bytes, 512u);
+  EXPECT_EQ(staging.DeviceAddress(1, b->host), 2000u + 512);
+  staging.Free(*b);
+  auto d = staging.Allocate(512, "d");  // does not fit where b was
+  ASSERT_TRUE(d.ok());
+  EXPECT_GT(d->host, c->host);
+  auto e = staging.Allocate(2048, "the big one");
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(e.status().message()), HasSubstr("the big one needs 2.0 KiB"));
+  for (const auto& block : {*a, *c, *d}) staging.Free(block);
+  EXPECT_EQ(staging.in_use(), 0u);
+  auto all = staging.Allocate(4096, "everything");
+  EXPECT_TRUE(all.ok()) << "freed ranges coalesce";
 }
 
 TEST(EngineConfig, RejectsBadSettings) {
@@ -171,15 +264,22 @@ class EngineTest : public ::testing::Test {
   void SetUp() override { Make(/*pool_pages=*/64); }
 
   void Make(int64_t pool_pages, std::unique_ptr<Device> device = nullptr) {
+    std::vector<std::unique_ptr<Device>> devices;
+    devices.push_back(device ? std::move(device) : MakeCpuDevice(2));
+    MakeOn(pool_pages, kPage, std::move(devices));
+  }
+
+  // An engine over `devices` (tensor parallel when there are several).
+  void MakeOn(int64_t pool_pages, int page_size, std::vector<std::unique_ptr<Device>> devices) {
+    engine_.reset();
     config_.num_layers = kLayers;
     config_.num_heads = kHeads;
-    config_.page_size = kPage;
+    config_.page_size = page_size;
     config_.pool_bytes = pool_pages * config_.bytes_per_page();
     config_.max_sequence_len = 4096;
     config_.draft_buckets = {1, 2, 4, 8, 16};
     config_.batch_buckets = {1, 2, 4};
-    std::vector<std::unique_ptr<Device>> devices;
-    devices.push_back(device ? std::move(device) : MakeCpuDevice(2));
+    config_.pinned_staging_bytes = 4 << 20;
     auto engine = Engine::Create(config_, std::move(devices));
     ASSERT_TRUE(engine.ok()) << engine.status();
     engine_ = *std::move(engine);
@@ -249,10 +349,10 @@ class EngineTest : public ::testing::Test {
     }
   }
 
-  void ExpectKvEquals(uint64_t id, const Mirror& m) {
+  void ExpectKvEquals(uint64_t id, const Mirror& m, int replica = 0) {
     const int64_t len = m.length();
     std::vector<Bf16> kv(static_cast<size_t>(kLayers) * len * kLatentDim);
-    ASSERT_TRUE(engine_->ReadKv(id, 0, len, absl::MakeSpan(kv)).ok());
+    ASSERT_TRUE(engine_->ReadKv(id, 0, len, absl::MakeSpan(kv), replica).ok());
     for (int l = 0; l < kLayers; ++l) {
       EXPECT_EQ(std::memcmp(kv.data() + l * len * kLatentDim, m.layers[l].data(),
                             len * kLatentDim * sizeof(Bf16)),
@@ -378,7 +478,7 @@ TEST_F(EngineTest, VerifyRejectsBadItemsWithoutChangingAnything) {
   EXPECT_EQ(engine_->Verify(0, 0.0f, absl::MakeSpan(&cyclic, 1)).code(),
             absl::StatusCode::kInvalidArgument);
   VerifyItem short_q = item_for(a);
-  short_q.q = short_q.q.subspan(1);
+  short_q.q.bytes = short_q.q.bytes.subspan(2);  // one bf16 value short
   EXPECT_EQ(engine_->Verify(0, 0.0f, absl::MakeSpan(&short_q, 1)).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(engine_->Stats().free_pages, free_before);
@@ -483,6 +583,73 @@ TEST_F(EngineTest, DeviceFaultFailsTheCallUndoesTheStepAndStopsDeviceWork) {
   ASSERT_TRUE(engine_->Release(id).ok());
   EXPECT_EQ(engine_->Stats().free_pages, engine_->Stats().total_pages);
 }
+
+// The devices keep each sequence's page table themselves (the engine sends
+// only what changed). With one page per token, tables outgrow their first
+// ranges (16 entries) and move, are trimmed by rejected drafts, and freed
+// ranges are reused by new sequences; on two tensor-parallel devices of each
+// flavor (the CPU backend; fakes that launch from the submitting thread; and
+// fakes that, like a GPU, address only their own memory, so that every
+// tensor goes through the engine's host staging) every output equals the
+// reference over an independent mirror and both replicas hold every row.
+class PageTableTest : public EngineTest, public ::testing::WithParamInterface<std::string> {};
+
+TEST_P(PageTableTest, TablesFollowGrowthMovesTrimsAndReuse) {
+  std::vector<std::unique_ptr<Device>> devices;
+  FakeDeviceRecord records[2];
+  for (int d = 0; d < 2; ++d) {
+    if (GetParam() == "cpu") {
+      devices.push_back(MakeCpuDevice(1));
+      continue;
+    }
+    FakeDeviceOptions options;
+    options.graphs = true;
+    options.asynchronous = true;
+    options.addresses_host_memory = GetParam() != "staged";
+    devices.push_back(MakeFakeDevice(d, options, &records[d]));
+  }
+  MakeOn(/*pool_pages=*/700, /*page_size=*/1, std::move(devices));
+  std::vector<Mirror> mirrors(3);
+  std::vector<uint64_t> ids = {NewSequence(5, &mirrors[0]), NewSequence(14, &mirrors[1]),
+                               NewSequence(40, &mirrors[2])};
+  for (int step = 0; step < 7; ++step) {
+    if (step == 3) {
+      // A released sequence's range goes back; a new one may take it.
+      ASSERT_TRUE(engine_->Release(ids[1]).ok());
+      mirrors[1] = Mirror{};
+      ids[1] = NewSequence(3, &mirrors[1]);
+    }
+    for (size_t k = 0; k < ids.size(); ++k) {
+      Step s = RandomStep(7);
+      if ((step + k) % 2 == 0) s.parents = {-1, 0, 1, 2, 3, 4, 5};  // a chain: 7 accepted
+      for (int l = 0; l < kLayers; ++l) VerifyLayerAndCheck(ids[k], mirrors[k], s, l);
+      std::vector<int32_t> path;
+      if ((step + k) % 4 != 1) {
+        for (int a = 6; a >= 0; a = s.parents[a]) path.insert(path.begin(), a);
+      }
+      ASSERT_TRUE(engine_->Commit(ids[k], path).ok());
+      ApplyCommit(&mirrors[k], s, path);
+    }
+  }
+  for (size_t k = 0; k < ids.size(); ++k) {
+    // Two moves (past 16 and 32 entries); the replacement of sequence 1 one.
+    EXPECT_GT(mirrors[k].length(), k == 1 ? 16 : 32);
+    ExpectKvEquals(ids[k], mirrors[k], 0);
+    ExpectKvEquals(ids[k], mirrors[k], 1);
+    ASSERT_TRUE(engine_->Release(ids[k]).ok());
+  }
+  EXPECT_EQ(engine_->Stats().free_pages, engine_->Stats().total_pages);
+  if (GetParam() != "cpu") {
+    absl::MutexLock lock(&records[0].mu);
+    EXPECT_GT(records[0].table_entries_written, 0);
+    EXPECT_EQ(records[0].table_uploads, 0) << "no arena compaction needed";
+  }
+  EXPECT_EQ(engine_->Stats().staging_bytes > 0, GetParam() == "staged");
+  EXPECT_EQ(engine_->Stats().staging_bytes_in_use, 0) << "every call's staging went back";
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, PageTableTest, ::testing::Values("cpu", "async", "staged"),
+                         [](const auto& info) { return info.param; });
 
 TEST_F(EngineTest, ConcurrentSequencesLeaveNoPagesBehind) {
   Make(256);

@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/draft_tree.h"
@@ -122,15 +123,15 @@ std::vector<std::unique_ptr<Device>> Fakes(
   return devices;
 }
 
-TEST(EngineWorkerTest, CapturesEveryBucketOnEveryStagingSetAtStart) {
+TEST(EngineWorkerTest, CapturesEveryBucketOnceAtStart) {
   std::vector<std::unique_ptr<FakeDeviceRecord>> records;
   EngineConfig config = BaseConfig();
-  config.staging_sets = 2;
+  config.batches_in_flight = 3;
   auto engine = MakeEngine(config, Fakes(1, FakeDeviceOptions{}, &records));
   ASSERT_NE(engine, nullptr);
   absl::MutexLock lock(&records[0]->mu);
-  EXPECT_EQ(records[0]->captured.size(), 2u * 4 * 3)
-      << "2 staging sets x 4 batch x 3 draft buckets";
+  EXPECT_EQ(records[0]->captured.size(), 4u * 3)
+      << "one graph per (batch bucket, draft bucket), whatever the launches in flight";
   EXPECT_TRUE(engine->graphs_enabled());
 }
 
@@ -500,17 +501,91 @@ TEST(EngineWorkerTest, DeviceFaultFailsTouchedCallsAndRefusesLaterWork) {
   EXPECT_EQ(faults.load(), 1);
 }
 
+// On an idle device that launches asynchronously (a GPU), the thread that
+// submits a call launches it: no hand-off to another thread. While launches
+// are in flight, calls queue and the completion thread launches them as one
+// batch once a launch finishes.
+TEST(EngineWorkerTest, TheSubmittingThreadLaunchesOnAnIdleDevice) {
+  std::vector<std::unique_ptr<FakeDeviceRecord>> records;
+  FakeDeviceOptions gpu_like;
+  gpu_like.asynchronous = true;
+  gpu_like.latency = absl::Milliseconds(30);
+  EngineConfig config = BaseConfig();
+  config.batches_in_flight = 1;
+  auto engine = MakeEngine(config, Fakes(1, gpu_like, &records));
+  ASSERT_NE(engine, nullptr);
+  std::mt19937_64 rng(41);
+  std::vector<uint64_t> ids;
+  for (int s = 0; s < 4; ++s) ids.push_back(NewSequence(*engine, 6 + s, rng));
+  {
+    absl::MutexLock lock(&records[0]->mu);
+    records[0]->launch_threads.clear();
+    records[0]->launch_requests.clear();
+  }
+  std::vector<std::unique_ptr<Work>> work;
+  std::vector<Pending> pending(4);
+  for (int s = 0; s < 4; ++s) {
+    work.push_back(std::make_unique<Work>(ids[s], 2, kHeads, rng));
+    SubmitOne(*engine, 0, *work[s], &pending[s]);
+  }
+  for (auto& p : pending) {
+    p.done.WaitForNotification();
+    EXPECT_TRUE(p.status.ok()) << p.status;
+  }
+  absl::MutexLock lock(&records[0]->mu);
+  ASSERT_EQ(records[0]->launch_threads.size(), 2u);
+  EXPECT_EQ(records[0]->launch_threads[0], std::this_thread::get_id())
+      << "the idle device's first call is launched by its submitter";
+  EXPECT_NE(records[0]->launch_threads[1], std::this_thread::get_id())
+      << "the rest queued behind it and went out as one batch from the completion side";
+  EXPECT_EQ(records[0]->launch_requests, (std::vector<int>{1, 3}));
+}
+
+// A batch's copy lists name each byte it moves once: per request its queries
+// and its draft rows (one descriptor per page the rows fall in), the page
+// table's new entries, and the request arrays, visibility words and output
+// list; the output list has out and lse per request.
+TEST(EngineWorkerTest, ABatchsCopyListsNameEachPieceOnce) {
+  std::vector<std::unique_ptr<FakeDeviceRecord>> records;
+  EngineConfig config = BaseConfig();  // page 8
+  auto engine = MakeEngine(config, Fakes(1, FakeDeviceOptions{}, &records));
+  ASSERT_NE(engine, nullptr);
+  std::mt19937_64 rng(43);
+  const uint64_t id = NewSequence(*engine, 14, rng);  // 2 pages; drafts at 14..16: two pages
+  Work w(id, 3, kHeads, rng);
+  ASSERT_TRUE(engine->Verify(0, 0.0f, absl::MakeSpan(&w.item, 1)).ok());
+  ASSERT_TRUE(engine->Verify(1, 0.0f, absl::MakeSpan(&w.item, 1)).ok());
+  absl::MutexLock lock(&records[0]->mu);
+  ASSERT_EQ(records[0]->gather_descriptors.size(), 2u);
+  EXPECT_EQ(records[0]->gather_descriptors[0], 1 + 2 + 1 + 3)
+      << "q, two draft runs, the step's new page, request arrays, visibility, output list";
+  EXPECT_EQ(records[0]->gather_descriptors[1], 1 + 2 + 3)
+      << "the next layer: the page table is already on the device";
+}
+
 // Tensor parallel over two devices: each computes half the heads, the KV is
 // written to both, and outputs and pools equal one device's to the bit.
 // Data parallel: sequences spread over the devices, each with all heads.
-class ParallelModeTest : public ::testing::TestWithParam<ParallelMode> {};
+// Each on fakes that launch on the calling thread, that launch
+// asynchronously as a GPU does, and that also address only their own memory
+// (every tensor through the engine's host staging).
+struct ParallelCase {
+  ParallelMode mode;
+  std::string flavor;  // "sync", "async", "staged"
+};
+
+class ParallelModeTest : public ::testing::TestWithParam<ParallelCase> {};
 
 TEST_P(ParallelModeTest, TwoDevicesMatchOneToTheBit) {
-  const ParallelMode mode = GetParam();
+  const ParallelMode mode = GetParam().mode;
   EngineConfig config = BaseConfig(/*heads=*/8);
   config.parallel_mode = mode;
+  config.pinned_staging_bytes = 8 << 20;
+  FakeDeviceOptions options;
+  options.asynchronous = GetParam().flavor != "sync";
+  options.addresses_host_memory = GetParam().flavor != "staged";
   std::vector<std::unique_ptr<FakeDeviceRecord>> records;
-  auto engine = MakeEngine(config, Fakes(2, FakeDeviceOptions{}, &records));
+  auto engine = MakeEngine(config, Fakes(2, options, &records));
   EngineConfig single_config = config;
   single_config.parallel_mode = ParallelMode::kTensorParallel;
   std::vector<std::unique_ptr<Device>> one;
@@ -611,10 +686,15 @@ TEST_P(ParallelModeTest, TwoDevicesMatchOneToTheBit) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, ParallelModeTest,
-                         ::testing::Values(ParallelMode::kTensorParallel,
-                                           ParallelMode::kDataParallel),
+                         ::testing::Values(ParallelCase{ParallelMode::kTensorParallel, "sync"},
+                                           ParallelCase{ParallelMode::kDataParallel, "sync"},
+                                           ParallelCase{ParallelMode::kTensorParallel, "async"},
+                                           ParallelCase{ParallelMode::kDataParallel, "async"},
+                                           ParallelCase{ParallelMode::kTensorParallel, "staged"},
+                                           ParallelCase{ParallelMode::kDataParallel, "staged"}),
                          [](const auto& info) {
-                           return std::string(ParallelModeName(info.param));
+                           return absl::StrCat(ParallelModeName(info.param.mode), "_",
+                                               info.param.flavor);
                          });
 
 }  // namespace

@@ -3,10 +3,17 @@
 // submitted one item at a time so the worker batches them, commits,
 // rollbacks), outputs within bf16 tolerance, pool contents equal to the bit
 // after every commit (on every replica in tensor-parallel mode), no pages
-// left behind. Runs single-device, tensor-parallel and data-parallel over
-// device 0 listed twice, and single-device with graphs off (the eager path).
-// Skipped with the reason when no GPU is present.
+// left behind. Every item's tensors are spread over the three data planes
+// (inline host bytes, a page-locked system region, device memory registered
+// as a region), a different mix each step. Runs single-device,
+// tensor-parallel and data-parallel over device 0 listed twice,
+// single-device with graphs off (the eager path) and with one token per page
+// (page tables that move on the device). Skipped with the reason when no
+// GPU is present.
 #include <cuda_runtime_api.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstring>
@@ -25,7 +32,8 @@
 namespace mlaverify::engine {
 namespace {
 
-constexpr int kLayers = 3, kPage = 16;
+constexpr int kLayers = 3;
+constexpr size_t kRegionBytes = size_t{8} << 20;
 
 struct Mode {
   std::string name;
@@ -33,7 +41,11 @@ struct Mode {
   ParallelMode parallel;
   int heads;  // per Verify item
   bool graphs;
+  int page_size = 16;
 };
+
+// Where a tensor of a test item lives.
+enum class Plane { kInline, kSystem, kDevice };
 
 void PrintTo(const Mode& mode, std::ostream* os) { *os << mode.name; }
 
@@ -47,8 +59,9 @@ class GpuEngineTest : public ::testing::TestWithParam<Mode> {
     EngineConfig config;
     config.num_layers = kLayers;
     config.num_heads = mode.heads;
-    config.page_size = kPage;
-    config.pool_bytes = 200 * config.bytes_per_page();
+    config.page_size = mode.page_size;
+    config.pool_bytes = (3200 / mode.page_size + 100) * config.bytes_per_page();
+    config.shared_memory.enabled = true;
     config.draft_buckets = {1, 4, 16};
     config.batch_buckets = {1, 2, 4};
     config.max_sequence_len = 8192;
@@ -70,6 +83,85 @@ class GpuEngineTest : public ::testing::TestWithParam<Mode> {
     gpu_ = *std::move(gpu);
     cpu_ = *std::move(cpu);
     EXPECT_EQ(gpu_->graphs_enabled(), mode.graphs);
+    // The two regions: a POSIX shared-memory object and device memory.
+    shm_key_ = absl::StrCat("/mlaverify-gpu-engine-test-", getpid());
+    const int fd = shm_open(shm_key_.c_str(), O_CREAT | O_RDWR | O_TRUNC, 0600);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(ftruncate(fd, kRegionBytes), 0);
+    system_ = static_cast<uint8_t*>(
+        mmap(nullptr, kRegionBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+    close(fd);
+    ASSERT_NE(system_, MAP_FAILED);
+    ASSERT_TRUE(gpu_->regions().Register("sys", shm_key_, 0, kRegionBytes).ok());
+    ASSERT_EQ(cudaSetDevice(mode.devices[0]), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&device_, kRegionBytes), cudaSuccess);
+    ASSERT_TRUE(gpu_->regions()
+                    .RegisterLocalDevice("dev", reinterpret_cast<uint64_t>(device_),
+                                         mode.devices[0], kRegionBytes)
+                    .ok());
+  }
+
+  void TearDown() override {
+    if (gpu_ != nullptr) {
+      EXPECT_TRUE(gpu_->regions().Unregister("", RegionKind::kAny).ok());
+    }
+    if (device_ != nullptr) cudaFree(device_);
+    if (system_ != nullptr && system_ != MAP_FAILED) munmap(system_, kRegionBytes);
+    if (!shm_key_.empty()) shm_unlink(shm_key_.c_str());
+  }
+
+  // Places `bytes` of an input in `plane` (copying them there) or names
+  // them inline; `used` is the next free offset of each region.
+  TensorRef Input(Plane plane, const std::vector<Bf16>& values, uint64_t used[2]) {
+    if (plane == Plane::kInline) return TensorRef(values);
+    TensorRef t;
+    t.in_region = true;
+    t.range = Take(plane, values.size() * sizeof(Bf16), sizeof(Bf16), used);
+    if (plane == Plane::kSystem) {
+      std::memcpy(system_ + t.range.offset, values.data(), t.range.byte_size);
+    } else {
+      EXPECT_EQ(cudaMemcpy(static_cast<uint8_t*>(device_) + t.range.offset, values.data(),
+                           t.range.byte_size, cudaMemcpyHostToDevice),
+                cudaSuccess);
+    }
+    return t;
+  }
+  template <typename T>
+  OutputRef Output(Plane plane, std::vector<T>& values, uint64_t used[2]) {
+    if (plane == Plane::kInline) return OutputRef(absl::MakeSpan(values));
+    OutputRef o;
+    o.in_region = true;
+    o.range = Take(plane, values.size() * sizeof(T), sizeof(T), used);
+    // NaN until the engine writes it.
+    if (plane == Plane::kSystem) {
+      std::memset(system_ + o.range.offset, 0xFF, o.range.byte_size);
+    } else {
+      EXPECT_EQ(
+          cudaMemset(static_cast<uint8_t*>(device_) + o.range.offset, 0xFF, o.range.byte_size),
+          cudaSuccess);
+    }
+    return o;
+  }
+  // An output written into a region, copied back into `values`.
+  template <typename T>
+  void ReadBack(const OutputRef& o, std::vector<T>& values) {
+    if (!o.in_region) return;
+    if (o.range.region == "sys") {
+      std::memcpy(values.data(), system_ + o.range.offset, o.range.byte_size);
+    } else {
+      EXPECT_EQ(cudaMemcpy(values.data(), static_cast<uint8_t*>(device_) + o.range.offset,
+                           o.range.byte_size, cudaMemcpyDeviceToHost),
+                cudaSuccess);
+    }
+  }
+  RegionRange Take(Plane plane, uint64_t bytes, uint64_t alignment, uint64_t used[2]) {
+    const int k = plane == Plane::kSystem ? 0 : 1;
+    // Now and then only the dtype's alignment: the copy kernels take any
+    // alignment the dtype allows.
+    const uint64_t offset = used[k] + (rng_() % 4 == 0 ? alignment : 0);
+    used[k] = (offset + bytes + 255) / 256 * 256;
+    EXPECT_LE(used[k], kRegionBytes);
+    return RegionRange{k == 0 ? "sys" : "dev", offset, bytes};
   }
 
   void ExpectSameKv(uint64_t gpu_id, uint64_t cpu_id, int64_t length) {
@@ -104,6 +196,9 @@ class GpuEngineTest : public ::testing::TestWithParam<Mode> {
   int heads_ = 0;
   std::unique_ptr<Engine> gpu_, cpu_;
   std::mt19937_64 rng_{99};
+  std::string shm_key_;
+  uint8_t* system_ = nullptr;
+  void* device_ = nullptr;
 };
 
 TEST_P(GpuEngineTest, MatchesTheCpuEngineStepByStep) {
@@ -133,6 +228,7 @@ TEST_P(GpuEngineTest, MatchesTheCpuEngineStepByStep) {
       std::vector<std::vector<Bf16>> q(n_seq), dkv(n_seq), out_g(n_seq), out_c(n_seq);
       std::vector<std::vector<float>> lse_g(n_seq), lse_c(n_seq);
       std::vector<VerifyItem> items_g(n_seq), items_c(n_seq);
+      uint64_t used[2] = {0, 0};
       for (int s = 0; s < n_seq; ++s) {
         const size_t n = parents[s].size();
         q[s] = RandomBf16(rng_, n * heads_ * kLatentDim, 2.0f);
@@ -141,12 +237,15 @@ TEST_P(GpuEngineTest, MatchesTheCpuEngineStepByStep) {
         out_c[s].assign(n * heads_ * kValueDim, Bf16QuietNaN());
         lse_g[s].assign(n * heads_, NAN);
         lse_c[s].assign(n * heads_, NAN);
-        items_g[s] = {gpu_ids[s],
-                      parents[s],
-                      q[s],
-                      dkv[s],
-                      absl::MakeSpan(out_g[s]),
-                      absl::MakeSpan(lse_g[s])};
+        // Each tensor on its own plane, a different mix per item and step
+        // (out and lse share one: both in a region or neither).
+        const auto plane = [&](int k) { return static_cast<Plane>((s + step + layer + k) % 3); };
+        items_g[s].sequence_id = gpu_ids[s];
+        items_g[s].parents = parents[s];
+        items_g[s].q = Input(plane(0), q[s], used);
+        items_g[s].draft_kv = Input(plane(1), dkv[s], used);
+        items_g[s].out = Output(plane(2), out_g[s], used);
+        items_g[s].lse = Output(plane(2), lse_g[s], used);
         items_c[s] = {cpu_ids[s],
                       parents[s],
                       q[s],
@@ -177,6 +276,8 @@ TEST_P(GpuEngineTest, MatchesTheCpuEngineStepByStep) {
       }
       ASSERT_TRUE(cpu_->Verify(layer, 0.0f, absl::MakeSpan(items_c)).ok());
       for (int s = 0; s < n_seq; ++s) {
+        ReadBack(items_g[s].out, out_g[s]);
+        ReadBack(items_g[s].lse, lse_g[s]);
         ExpectClose(out_g[s], out_c[s], lse_g[s], lse_c[s],
                     absl::StrCat("step ", step, " layer ", layer, " seq ", s));
       }
@@ -211,7 +312,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Mode{"single", {0}, ParallelMode::kTensorParallel, 8, true},
                       Mode{"tp_0_0", {0, 0}, ParallelMode::kTensorParallel, 16, true},
                       Mode{"dp_0_0", {0, 0}, ParallelMode::kDataParallel, 8, true},
-                      Mode{"single_eager", {0}, ParallelMode::kTensorParallel, 8, false}),
+                      Mode{"single_eager", {0}, ParallelMode::kTensorParallel, 8, false},
+                      Mode{"single_page1", {0}, ParallelMode::kTensorParallel, 8, true, 1}),
     [](const auto& info) { return info.param.name; });
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "common/draft_tree.h"
 #include "gtest/gtest.h"
+#include "kernels/copy_list.h"
 #include "kernels/cpu_reference.h"
 #include "kernels/testing/device_problem.h"
 #include "kernels/testing/verify_problem.h"
@@ -565,6 +566,118 @@ TEST_F(GpuKernelTest, RejectsUnsupportedLaunchConfig) {
                                   device.workspace_bytes(), nullptr)
                 .code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// The copy lists of a batch (copy_list.h): the gather runs the list in the
+// ring slot its cursor names (host memory read in place) and advances the
+// cursor, so launches of one grid take slots 0, 1, 2, 0, ...; the scatter
+// runs a list in device memory. Rows of random sizes and pitches at every
+// alignment a dtype allows, between device memory and mapped host memory in
+// both directions, equal a host memcpy of the same list.
+TEST_F(GpuKernelTest, CopyListsMoveEveryRowAtAnyAlignment) {
+  constexpr int kSlots = 3, kCapacity = 48, kRowBlocks = 4;
+  constexpr size_t kBuffer = size_t{4} << 20;
+  const size_t slot_bytes = CopyListBytes(kCapacity);
+  uint8_t *slots = nullptr, *host_src = nullptr, *host_dst = nullptr;
+  ASSERT_EQ(cudaHostAlloc(reinterpret_cast<void**>(&slots), kSlots * slot_bytes,
+                          cudaHostAllocMapped | cudaHostAllocPortable),
+            cudaSuccess);
+  ASSERT_EQ(cudaHostAlloc(reinterpret_cast<void**>(&host_src), kBuffer, cudaHostAllocMapped),
+            cudaSuccess);
+  ASSERT_EQ(cudaHostAlloc(reinterpret_cast<void**>(&host_dst), kBuffer, cudaHostAllocMapped),
+            cudaSuccess);
+  DeviceBuffer dev_src, dev_dst, counters, device_list;
+  ASSERT_TRUE(dev_src.Allocate(kBuffer).ok());
+  ASSERT_TRUE(dev_dst.Allocate(kBuffer).ok());
+  ASSERT_TRUE(counters.Allocate(16).ok());
+  ASSERT_TRUE(device_list.Allocate(slot_bytes).ok());
+  ASSERT_EQ(cudaMemset(counters.as<void>(), 0, 16), cudaSuccess);
+  void *slots_dev = nullptr, *src_dev = nullptr, *dst_dev = nullptr;
+  ASSERT_EQ(cudaHostGetDevicePointer(&slots_dev, slots, 0), cudaSuccess);
+  ASSERT_EQ(cudaHostGetDevicePointer(&src_dev, host_src, 0), cudaSuccess);
+  ASSERT_EQ(cudaHostGetDevicePointer(&dst_dev, host_dst, 0), cudaSuccess);
+  std::mt19937_64 rng(17);
+  std::vector<uint8_t> src_mirror(kBuffer), dst_mirror(kBuffer), host_dst_mirror(kBuffer);
+  for (auto& b : src_mirror) b = static_cast<uint8_t>(rng());
+  for (size_t k = 0; k < kBuffer; ++k) host_src[k] = static_cast<uint8_t>(rng());
+  ASSERT_EQ(cudaMemcpy(dev_src.as<void>(), src_mirror.data(), kBuffer, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  const uint64_t dev_src_a = reinterpret_cast<uint64_t>(dev_src.as<void>());
+  const uint64_t dev_dst_a = reinterpret_cast<uint64_t>(dev_dst.as<void>());
+  const uint64_t host_src_a = reinterpret_cast<uint64_t>(src_dev);
+  const uint64_t host_dst_a = reinterpret_cast<uint64_t>(dst_dev);
+  GatherParams gather{};
+  gather.slots = static_cast<const uint8_t*>(slots_dev);
+  gather.slot_bytes = slot_bytes;
+  gather.num_slots = kSlots;
+  gather.cursor = counters.as<int32_t>();
+  gather.arrivals = reinterpret_cast<uint32_t*>(counters.as<int32_t>() + 1);
+  gather.capacity = kCapacity;
+  gather.row_blocks = kRowBlocks;
+  for (int launch = 0; launch < 7; ++launch) {
+    const bool scatter = launch == 6;
+    std::memset(host_dst, 0xAB, kBuffer);
+    std::fill(host_dst_mirror.begin(), host_dst_mirror.end(), 0xAB);
+    ASSERT_EQ(cudaMemset(dev_dst.as<void>(), 0xCD, kBuffer), cudaSuccess);
+    std::fill(dst_mirror.begin(), dst_mirror.end(), 0xCD);
+    // The list, and the same list over the host mirrors.
+    std::vector<uint8_t> list_bytes(slot_bytes);
+    auto* list = reinterpret_cast<CopyListHeader*>(list_bytes.data());
+    std::vector<uint8_t> mirror_list_bytes(slot_bytes);
+    auto* mirror_list = reinterpret_cast<CopyListHeader*>(mirror_list_bytes.data());
+    list->count = mirror_list->count = 10 + static_cast<int>(rng() % (kCapacity - 10));
+    size_t next_dst = 0;
+    for (int c = 0; c < list->count; ++c) {
+      const uint32_t align = 1u << (rng() % 5);  // 1..16
+      const uint32_t rows = 1 + static_cast<uint32_t>(rng() % 20);
+      const uint32_t row_bytes = align * (1 + static_cast<uint32_t>(rng() % 300));
+      const uint32_t src_pitch = row_bytes + align * static_cast<uint32_t>(rng() % 4);
+      const uint32_t dst_pitch = row_bytes + align * static_cast<uint32_t>(rng() % 4);
+      const uint64_t src_off = align * (rng() % ((kBuffer / 2) / align));
+      const uint64_t dst_off = (next_dst + align - 1) / align * align;
+      next_dst = dst_off + static_cast<uint64_t>(rows) * dst_pitch;
+      ASSERT_LE(next_dst, kBuffer) << "test sizes";
+      const bool from_host = rng() % 3 == 0, to_host = rng() % 3 == 0;
+      CopyDescriptor& d = CopyListEntries(list)[c];
+      d = {(from_host ? host_src_a : dev_src_a) + src_off,
+           (to_host ? host_dst_a : dev_dst_a) + dst_off,
+           src_pitch,
+           dst_pitch,
+           row_bytes,
+           rows};
+      CopyDescriptor& m = CopyListEntries(mirror_list)[c];
+      m = d;
+      m.src = reinterpret_cast<uint64_t>(from_host ? host_src : src_mirror.data()) + src_off;
+      m.dst = reinterpret_cast<uint64_t>(to_host ? host_dst_mirror.data() : dst_mirror.data()) +
+              dst_off;
+    }
+    RunCopyListOnHost(mirror_list);
+    if (scatter) {
+      ASSERT_EQ(
+          cudaMemcpy(device_list.as<void>(), list_bytes.data(), slot_bytes, cudaMemcpyHostToDevice),
+          cudaSuccess);
+      ScatterParams p{device_list.as<CopyListHeader>(), kCapacity, kRowBlocks};
+      ASSERT_TRUE(LaunchScatterCopies(p, nullptr).ok());
+    } else {
+      std::memcpy(slots + (launch % kSlots) * slot_bytes, list_bytes.data(), slot_bytes);
+      ASSERT_TRUE(LaunchGatherCopies(gather, nullptr).ok());
+    }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<uint8_t> got(kBuffer);
+    ASSERT_EQ(cudaMemcpy(got.data(), dev_dst.as<void>(), kBuffer, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    EXPECT_EQ(got, dst_mirror) << "launch " << launch << ": device destinations";
+    EXPECT_EQ(std::memcmp(host_dst, host_dst_mirror.data(), kBuffer), 0)
+        << "launch " << launch << ": host destinations";
+    int32_t cursor[2] = {-1, -1};
+    ASSERT_EQ(cudaMemcpy(cursor, counters.as<void>(), 8, cudaMemcpyDeviceToHost), cudaSuccess);
+    const int gathers = std::min(launch + 1, 6);
+    EXPECT_EQ(cursor[0], gathers % kSlots) << "the cursor moves one slot per gather";
+    EXPECT_EQ(cursor[1], 0) << "the arrival count is left zero";
+  }
+  cudaFreeHost(slots);
+  cudaFreeHost(host_src);
+  cudaFreeHost(host_dst);
 }
 
 TEST_F(GpuKernelTest, DraftWriteMatchesCpu) {

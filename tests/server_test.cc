@@ -83,6 +83,7 @@ class ServerTest : public ::testing::Test {
     config.draft_buckets = {1, 2, 4, kMaxDraft};
     config.batch_buckets = {1, 2, kMaxBatch};
     config.max_sequence_len = 4096;
+    config.shared_memory = shm_options_;
     std::vector<std::unique_ptr<engine::Device>> devices;
     devices.push_back(std::move(device));
     auto engine = engine::Engine::Create(config, std::move(devices));
@@ -91,7 +92,6 @@ class ServerTest : public ::testing::Test {
     transport::GrpcServerOptions options;
     options.listen_address = "127.0.0.1:0";
     options.service.max_message_bytes = kMaxMessageBytes;
-    options.service.shared_memory = shm_options_;
     auto server = transport::GrpcServer::Start(options, &oversize_);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
@@ -196,7 +196,7 @@ class ServerTest : public ::testing::Test {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::VerifyService::Stub> stub_;
   std::mt19937_64 rng_{2024};
-  transport::SharedMemoryOptions shm_options_;  // what Make gives the server
+  engine::RegionOptions shm_options_;  // what Make gives the engine
 };
 
 TEST_F(ServerTest, HealthFollowsTheServingState) {
@@ -1057,23 +1057,24 @@ TEST_F(ServerTest, SharedMemoryRegionHeldByARunningCallStays) {
 }
 
 TEST(SharedMemoryRegistryTest, ReleaseAllDropsEveryRegionAndLeasesKeepTheirMapping) {
-  transport::SharedMemoryOptions options;
+  engine::RegionOptions options;
   options.enabled = true;
-  transport::SharedMemoryRegistry registry(options);
+  engine::RegionRegistry registry(options);
   auto shm = client::SharedMemoryBuffer::Create(8192);
   ASSERT_TRUE(shm.ok());
   std::memset((*shm)->data(), 7, 8192);
   ASSERT_TRUE(registry.Register("a", (*shm)->key(), 4096, 4096).ok());
   ASSERT_TRUE(registry.Register("b", (*shm)->key(), 0, 4096).ok());
   EXPECT_EQ(registry.registered_bytes(), 8192);
-  transport::RegionLeases leases;
-  auto data = leases.Resolve(registry, "a", 8, 16, 16, 4, false, "t");
-  ASSERT_TRUE(data.ok()) << data.status();
-  EXPECT_EQ((*data)[0], 7);
+  engine::RegionLeases leases;
+  auto range = leases.Resolve(registry, {"a", 8, 16}, 16, 4, false, "t");
+  ASSERT_TRUE(range.ok()) << range.status();
+  uint8_t* data = range->host();
+  EXPECT_EQ(data[0], 7);
   EXPECT_EQ(registry.ReleaseAll(), 2);
   EXPECT_EQ(registry.regions(), 0);
   EXPECT_EQ(registry.registered_bytes(), 0);
-  (*data)[0] = 9;  // still mapped: the lease holds it
+  data[0] = 9;  // still mapped: the lease holds it
   EXPECT_EQ((*shm)->data()[4096 + 8], 9);
   leases.Clear();
 }

@@ -1,20 +1,21 @@
-// CudaDevice: one GPU's KV pool replica and the launches of its verify
-// batches. Everything a batch needs sits at fixed addresses, allocated once at
-// Init: per staging set a pinned host input region (write-combined: the host
-// only writes it) and its device mirror, a pinned host output region, one
-// attention workspace, the pool. A batch of shape (B, N) is one host-to-device
-// copy of its packed inputs, the draft-row write, the attention (plan,
-// attention, combine) writing its outputs straight into the pinned host
-// output region (mapped memory; or, with direct_output off, into a device
-// buffer and one device-to-host copy), all on the compute stream.
-// CaptureGraphs records that sequence as CUDA graphs per (staging set, shape):
-// the whole sequence, for a batch launched on an idle device, and for a batch
-// launched while the previous one runs, its input copy (replayed on a copy
-// stream, overlapped with the running batch) apart from the rest (replayed on
-// the compute stream once both are done); each with and without the plan
-// kernel. Lengths, page tables and trees are read from device memory, so one
-// graph serves every prefix length. Eager launches issue the same sequence
-// directly.
+// CudaDevice: one GPU's KV pool replica and the launches of its work.
+// Everything a launch touches sits at fixed addresses, allocated once at
+// Init: the pool, the page-table arena, the batch buffers (queries, outputs,
+// request arrays, visibility words, the output list) and the attention
+// workspace in device memory; the ring of slots in page-locked host memory,
+// which the device reads in place. A verify batch of shape (B, N) is three
+// steps on the compute stream: the gather kernel runs the copy list of the
+// slot the device's cursor names (page-table writes, the request arrays, the
+// queries into the query buffer, the draft rows straight into the pool, the
+// output list into device memory) and advances the cursor; the attention
+// (plan, attention, combine) reads only device memory; the scatter kernel
+// runs the output list (each output row to its caller's memory: a CUDA
+// region, a page-locked system region, or the engine's host staging).
+// CaptureGraphs records those steps as one CUDA graph per (B, N) and plan
+// variant; lengths, page tables, trees and every address a batch uses are
+// read from memory, so one graph serves every batch of its bucket. Pool
+// operations run the same gather first and then their kernel, eagerly, on
+// the same stream; nothing but ReadRows and UploadTable waits on the host.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -27,6 +28,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/geometry.h"
 #include "common/status_macros.h"
+#include "kernels/copy_list.h"
 #include "kernels/device_fault.h"
 #include "kernels/verify_attention_cuda.h"
 #include "server/engine/device.h"
@@ -34,9 +36,13 @@
 namespace mlaverify::engine {
 namespace {
 
-// Pinned staging for AppendKv / ReadKv rows, two buffers so that the host copy
-// of one chunk overlaps the device's copy of the previous one.
-constexpr size_t kRowChunkBytes = size_t{32} << 20;
+// ReadRows' chunk (tests only): device rows, copied back through pinned memory.
+constexpr size_t kReadChunkBytes = size_t{32} << 20;
+
+template <typename T>
+T* At(uint64_t address, size_t offset = 0) {
+  return reinterpret_cast<T*>(address + offset);
+}
 
 class CudaDevice final : public Device {
  public:
@@ -48,26 +54,16 @@ class CudaDevice final : public Device {
     // process is on its way out.
     cudaSetDevice(ordinal_);
     for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
-    for (StagingSet& s : sets_) {
-      cudaFreeHost(s.host_in);
-      cudaFreeHost(s.host_out);
-      cudaFree(s.dev_in);
-      cudaFree(s.dev_out);
-      if (s.start != nullptr) cudaEventDestroy(s.start);
-      if (s.stop != nullptr) cudaEventDestroy(s.stop);
-      if (s.input_done != nullptr) cudaEventDestroy(s.input_done);
+    for (cudaEvent_t e : start_) cudaEventDestroy(e);
+    for (cudaEvent_t e : stop_) cudaEventDestroy(e);
+    cudaFreeHost(slots_);
+    cudaFreeHost(read_host_);
+    cudaFreeHost(upload_host_);
+    for (void* p : {pool_, table_, q_, out_, lse_, requests_, visibility_, outputs_, counters_,
+                    workspace_, read_dev_}) {
+      cudaFree(p);
     }
-    for (int i = 0; i < 2; ++i) {
-      cudaFreeHost(row_host_[i]);
-      cudaFree(row_dev_[i]);
-      if (row_done_[i] != nullptr) cudaEventDestroy(row_done_[i]);
-    }
-    cudaFreeHost(small_host_);
-    cudaFree(small_dev_);
-    cudaFree(workspace_);
-    cudaFree(pool_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
-    if (copy_stream_ != nullptr) cudaStreamDestroy(copy_stream_);
   }
 
   std::string name() const override { return name_; }
@@ -86,35 +82,35 @@ class CudaDevice final : public Device {
     RETURN_IF_ERROR(BindThread());
     ASSIGN_OR_RETURN(config_, kernels::PrepareVerifyLaunch(ordinal_));
     RETURN_IF_ERROR(Check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"));
-    RETURN_IF_ERROR(
-        Check(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking), "stream"));
+    const size_t rows = static_cast<size_t>(g.max_batch) * g.max_draft_len;
     const size_t pool_bytes =
         static_cast<size_t>(g.num_layers) * g.num_pages * g.page_size * kLatentRowBytes;
     RETURN_IF_ERROR(Check(cudaMalloc(&pool_, pool_bytes), "pool allocation"));
-    const StagingLayout max =
-        StagingLayout::For({g.max_batch, g.max_draft_len}, g.num_heads, g.max_pages_per_sequence);
-    sets_.resize(g.staging_sets);
-    for (StagingSet& s : sets_) {
-      // Write-combined: the host only writes the inputs, and the device reads
-      // such memory faster over PCIe.
-      RETURN_IF_ERROR(Check(cudaHostAlloc(&s.host_in, max.input_bytes, cudaHostAllocWriteCombined),
-                            "pinned staging"));
-      RETURN_IF_ERROR(Check(
-          cudaHostAlloc(&s.host_out, max.output_bytes, cudaHostAllocMapped | cudaHostAllocPortable),
-          "pinned staging"));
-      RETURN_IF_ERROR(Check(cudaHostGetDevicePointer(&s.host_out_on_device, s.host_out, 0),
-                            "cudaHostGetDevicePointer"));
-      RETURN_IF_ERROR(Check(cudaMalloc(&s.dev_in, max.input_bytes), "input buffers"));
-      if (!options_.direct_output) {
-        RETURN_IF_ERROR(Check(cudaMalloc(&s.dev_out, max.output_bytes), "output buffers"));
-      }
-      RETURN_IF_ERROR(Check(cudaEventCreate(&s.start), "event"));
-      RETURN_IF_ERROR(Check(cudaEventCreate(&s.stop), "event"));
-      RETURN_IF_ERROR(
-          Check(cudaEventCreateWithFlags(&s.input_done, cudaEventDisableTiming), "event"));
-      // All padding until a batch is packed: a stray replay reads nothing.
-      std::memset(s.host_in, 0, max.input_bytes);
-      RETURN_IF_ERROR(Check(cudaMemset(s.dev_in, 0, max.input_bytes), "input buffers"));
+    RETURN_IF_ERROR(Allocate(&table_, static_cast<size_t>(g.table_entries) * sizeof(int32_t),
+                             "page-table arena"));
+    RETURN_IF_ERROR(Allocate(&q_, rows * g.num_heads * kLatentRowBytes, "query buffer"));
+    RETURN_IF_ERROR(Allocate(&out_, rows * g.num_heads * kValueDim * sizeof(Bf16), "out buffer"));
+    RETURN_IF_ERROR(Allocate(&lse_, rows * g.num_heads * sizeof(float), "lse buffer"));
+    RETURN_IF_ERROR(Allocate(&requests_, g.slot.requests.bytes, "request arrays"));
+    RETURN_IF_ERROR(Allocate(&visibility_, rows * sizeof(uint64_t), "visibility words"));
+    RETURN_IF_ERROR(
+        Allocate(&outputs_, kernels::CopyListBytes(g.slot.output_capacity), "output list"));
+    RETURN_IF_ERROR(Allocate(&counters_, 2 * sizeof(int32_t), "gather cursor"));
+    // The slots: page-locked, mapped (the gather reads them in place),
+    // portable (every device of the process may read them).
+    const size_t slot_bytes = static_cast<size_t>(g.slots) * g.slot.bytes;
+    RETURN_IF_ERROR(Check(cudaHostAlloc(reinterpret_cast<void**>(&slots_), slot_bytes,
+                                        cudaHostAllocPortable | cudaHostAllocMapped),
+                          "slot allocation"));
+    std::memset(slots_, 0, slot_bytes);
+    void* slots_device = nullptr;
+    RETURN_IF_ERROR(
+        Check(cudaHostGetDevicePointer(&slots_device, slots_, 0), "cudaHostGetDevicePointer"));
+    start_.resize(g.slots);
+    stop_.resize(g.slots);
+    for (int k = 0; k < g.slots; ++k) {
+      RETURN_IF_ERROR(Check(cudaEventCreate(&start_[k]), "event"));
+      RETURN_IF_ERROR(Check(cudaEventCreate(&stop_[k]), "event"));
     }
     kernels::VerifyArguments shape;
     shape.batch = g.max_batch;
@@ -124,180 +120,126 @@ class CudaDevice final : public Device {
     RETURN_IF_ERROR(Check(cudaMalloc(&workspace_, workspace_bytes_), "workspace"));
     RETURN_IF_ERROR(
         kernels::InitVerifyWorkspace(shape, config_, workspace_, workspace_bytes_, stream_));
-    for (int i = 0; i < 2; ++i) {
-      RETURN_IF_ERROR(
-          Check(cudaHostAlloc(&row_host_[i], kRowChunkBytes, cudaHostAllocDefault), "row staging"));
-      RETURN_IF_ERROR(Check(cudaMalloc(&row_dev_[i], kRowChunkBytes), "row staging"));
-      RETURN_IF_ERROR(
-          Check(cudaEventCreateWithFlags(&row_done_[i], cudaEventDisableTiming), "event"));
-    }
-    // A sequence's page list, then a compaction's [prefix, k, path...].
-    small_bytes_ =
-        (static_cast<size_t>(g.max_pages_per_sequence) + kMaxDraftLen + 2) * sizeof(int32_t);
-    RETURN_IF_ERROR(
-        Check(cudaHostAlloc(&small_host_, small_bytes_, cudaHostAllocDefault), "pinned staging"));
-    RETURN_IF_ERROR(Check(cudaMalloc(&small_dev_, small_bytes_), "page table buffer"));
+    buffers_.pool = Address(pool_);
+    buffers_.table = Address(table_);
+    buffers_.q = Address(q_);
+    buffers_.out = Address(out_);
+    buffers_.lse = Address(lse_);
+    buffers_.requests = Address(requests_);
+    buffers_.visibility = Address(visibility_);
+    buffers_.outputs = Address(outputs_);
+    buffers_.slots = Address(slots_device);
     return Check(cudaStreamSynchronize(stream_), "initialisation");
   }
 
+  const DeviceBuffers& buffers() const override { return buffers_; }
+  uint8_t* slot(int k) override { return slots_ + static_cast<size_t>(k) * g_.slot.bytes; }
+  bool asynchronous() const override { return true; }
+  bool addresses_host_memory() const override { return false; }
   bool SupportsGraphs() const override { return true; }
 
-  absl::StatusOr<int64_t> CaptureGraphs(int set, BatchShape shape) override {
+  absl::StatusOr<int64_t> CaptureGraphs(BatchShape shape) override {
+    RETURN_IF_ERROR(BindThread());
     size_t free_before = 0, free_after = 0, total = 0;
     RETURN_IF_ERROR(Check(cudaMemGetInfo(&free_before, &total), "cudaMemGetInfo"));
-    for (const Part part : {Part::kWhole, Part::kAfterInput, Part::kInput}) {
-      for (const bool reuse : {false, true}) {
-        if (part == Part::kInput && reuse) continue;  // the copy has no plan
-        cudaStream_t stream = part == Part::kInput ? copy_stream_ : stream_;
-        RETURN_IF_ERROR(Check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal),
-                              "cudaStreamBeginCapture"));
-        const absl::Status enqueued = Enqueue(set, shape, reuse, part, stream);
-        cudaGraph_t graph = nullptr;
-        const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
-        RETURN_IF_ERROR(enqueued);
-        RETURN_IF_ERROR(Check(ended, "cudaStreamEndCapture"));
-        cudaGraphExec_t exec = nullptr;
-        const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
-        cudaGraphDestroy(graph);
-        RETURN_IF_ERROR(Check(instantiated, "cudaGraphInstantiate"));
-        graphs_[Key(set, shape, reuse, part)] = exec;
-      }
+    for (const bool reuse : {false, true}) {
+      RETURN_IF_ERROR(Check(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal),
+                            "cudaStreamBeginCapture"));
+      const absl::Status enqueued = EnqueueBatch(shape, reuse);
+      cudaGraph_t graph = nullptr;
+      const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
+      RETURN_IF_ERROR(enqueued);
+      RETURN_IF_ERROR(Check(ended, "cudaStreamEndCapture"));
+      cudaGraphExec_t exec = nullptr;
+      const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
+      cudaGraphDestroy(graph);
+      RETURN_IF_ERROR(Check(instantiated, "cudaGraphInstantiate"));
+      graphs_[Key(shape, reuse)] = exec;
     }
     RETURN_IF_ERROR(Check(cudaMemGetInfo(&free_after, &total), "cudaMemGetInfo"));
     return free_before > free_after ? static_cast<int64_t>(free_before - free_after) : 0;
   }
 
-  StagingView Staging(int set, BatchShape shape) override {
-    StagingView v;
-    v.layout = StagingLayout::For(shape, g_.num_heads, g_.max_pages_per_sequence);
-    v.input = static_cast<uint8_t*>(sets_[set].host_in);
-    v.output = static_cast<uint8_t*>(sets_[set].host_out);
-    return v;
-  }
-
   absl::Status Launch(const LaunchOptions& o) override {
-    StagingSet& s = sets_[o.set];
+    // Launchers are whichever thread holds the worker's launch lock.
+    RETURN_IF_ERROR(BindThread());
     ++launches_;
     if (options_.fail_after_launches > 0 && launches_ == options_.fail_after_launches) {
       RETURN_IF_ERROR(Check(kernels::LaunchTrapKernel(stream_), "fault injection"));
     }
-    if (!o.inputs_from_device.empty() || !o.outputs_to_device.empty()) {
-      // Some shards' tensors are in a client's device memory: the staged
-      // inputs go up (the input-copy graph), those shards' q/draft_kv rows
-      // are copied over them device to device, the kernels run (the
-      // after-input graph), then their out/lse rows are copied to the
-      // client; all on the compute stream, so the stop event (and Wait)
-      // follows the last copy.
-      RETURN_IF_ERROR(Check(cudaEventRecord(s.start, stream_), "cudaEventRecord"));
-      RETURN_IF_ERROR(Replay(o, Part::kInput, stream_));
-      auto* in = static_cast<uint8_t*>(s.dev_in);
-      for (const DeviceCopy& c : o.inputs_from_device) {
-        RETURN_IF_ERROR(
-            Check(cudaMemcpy2DAsync(in + c.staging_offset, c.staging_pitch, c.other, c.other_pitch,
-                                    c.width, c.rows, cudaMemcpyDefault, stream_),
-                  "input copy from device memory"));
+    RETURN_IF_ERROR(Check(cudaEventRecord(start_[o.slot], stream_), "cudaEventRecord"));
+    if (o.graph) {
+      const auto it = graphs_.find(Key(o.shape, o.reuse_plan));
+      if (it == graphs_.end()) {
+        return absl::InternalError(absl::StrCat(name_, ": no graph was captured for batch ",
+                                                o.shape.batch, " x draft ", o.shape.draft_len));
       }
-      RETURN_IF_ERROR(Replay(o, Part::kAfterInput, stream_));
-      auto* out = static_cast<uint8_t*>(options_.direct_output ? s.host_out_on_device : s.dev_out);
-      for (const DeviceCopy& c : o.outputs_to_device) {
-        RETURN_IF_ERROR(
-            Check(cudaMemcpy2DAsync(c.other, c.other_pitch, out + c.staging_offset, c.staging_pitch,
-                                    c.width, c.rows, cudaMemcpyDefault, stream_),
-                  "output copy to device memory"));
-      }
-      return Check(cudaEventRecord(s.stop, stream_), "cudaEventRecord");
-    }
-    if (o.overlap_input) {
-      // The input copy runs on the copy stream beside the running batch;
-      // the kernels follow it and that batch (stream order) on the compute
-      // stream. The device time counted is the kernels' alone (the copy
-      // overlapped, and the wait for the previous batch is not this one's).
-      RETURN_IF_ERROR(Replay(o, Part::kInput, copy_stream_));
-      RETURN_IF_ERROR(Check(cudaEventRecord(s.input_done, copy_stream_), "cudaEventRecord"));
-      RETURN_IF_ERROR(Check(cudaStreamWaitEvent(stream_, s.input_done, 0), "cudaStreamWaitEvent"));
-      RETURN_IF_ERROR(Check(cudaEventRecord(s.start, stream_), "cudaEventRecord"));
-      RETURN_IF_ERROR(Replay(o, Part::kAfterInput, stream_));
+      RETURN_IF_ERROR(Check(cudaGraphLaunch(it->second, stream_), "cudaGraphLaunch"));
     } else {
-      // One graph for the whole batch; its device time runs from the input
-      // copy to the end of the kernels.
-      RETURN_IF_ERROR(Check(cudaEventRecord(s.start, stream_), "cudaEventRecord"));
-      RETURN_IF_ERROR(Replay(o, Part::kWhole, stream_));
+      RETURN_IF_ERROR(EnqueueBatch(o.shape, o.reuse_plan));
     }
-    return Check(cudaEventRecord(s.stop, stream_), "cudaEventRecord");
+    return Check(cudaEventRecord(stop_[o.slot], stream_), "cudaEventRecord");
   }
 
-  absl::StatusOr<double> Wait(int set) override {
-    StagingSet& s = sets_[set];
-    RETURN_IF_ERROR(Check(cudaEventSynchronize(s.stop), "verify batch"));
+  absl::Status LaunchWriteRows(int slot, int gather_count, int64_t table_offset, int64_t start,
+                               int64_t count, uint64_t rows) override {
+    RETURN_IF_ERROR(BeginOp(slot, gather_count));
+    // Rows read in place: page-locked host memory (a region, the staging)
+    // across PCIe, or device memory.
+    RETURN_IF_ERROR(kernels::LaunchCopyRows(View(), TableAt(table_offset), start, count,
+                                            At<Bf16>(rows), /*to_pool=*/true, stream_));
+    return Check(cudaEventRecord(stop_[slot], stream_), "cudaEventRecord");
+  }
+
+  absl::Status LaunchCompact(int slot, int gather_count, int64_t table_offset) override {
+    RETURN_IF_ERROR(BeginOp(slot, gather_count));
+    // The path is read in place from the slot's op area (mapped memory).
+    const uint64_t op = buffers_.slots + static_cast<uint64_t>(slot) * g_.slot.bytes + g_.slot.op;
+    kernels::CompactArguments c;
+    c.batch = 1;
+    c.pool = View();
+    c.page_table = TableAt(table_offset);
+    c.page_table_stride = std::max<int64_t>(1, g_.table_entries - table_offset);
+    c.prefix_len = At<const int32_t>(op);
+    c.accepted_len = At<const int32_t>(op, sizeof(int32_t));
+    c.accepted = At<const int32_t>(op, 2 * sizeof(int32_t));
+    RETURN_IF_ERROR(kernels::LaunchCompactAcceptedKv(c, stream_));
+    return Check(cudaEventRecord(stop_[slot], stream_), "cudaEventRecord");
+  }
+
+  absl::Status LaunchGather(int slot, int gather_count) override {
+    RETURN_IF_ERROR(BeginOp(slot, gather_count));
+    return Check(cudaEventRecord(stop_[slot], stream_), "cudaEventRecord");
+  }
+
+  absl::StatusOr<double> Wait(int slot) override {
+    RETURN_IF_ERROR(Check(cudaEventSynchronize(stop_[slot]), "launch"));
     float ms = 0;
-    RETURN_IF_ERROR(Check(cudaEventElapsedTime(&ms, s.start, s.stop), "cudaEventElapsedTime"));
+    RETURN_IF_ERROR(
+        Check(cudaEventElapsedTime(&ms, start_[slot], stop_[slot]), "cudaEventElapsedTime"));
     return ms * 1e-3;
   }
 
-  absl::Status WriteRows(absl::Span<const int32_t> page_table, int64_t start, int64_t count,
-                         const Bf16* rows) override {
-    RETURN_IF_ERROR(UploadPageTable(page_table));
-    const int64_t layers = g_.num_layers;
-    const int64_t chunk_max = std::max<int64_t>(1, kRowChunkBytes / (layers * kLatentRowBytes));
-    // Rows in page-locked memory (a pinned shared-memory region) are copied
-    // by DMA straight from where they are, one strided copy per chunk: no
-    // staging copy on the host, and no host wait between chunks (the stream
-    // orders each chunk's copy after the previous chunk's kernel).
-    cudaPointerAttributes attributes{};
-    const bool pinned = cudaPointerGetAttributes(&attributes, rows) == cudaSuccess &&
-                        attributes.type == cudaMemoryTypeHost;
-    if (!pinned) cudaGetLastError();  // clears a failed query's error
-    bool used[2] = {false, false};
-    for (int64_t c0 = 0, i = 0; c0 < count; c0 += chunk_max, i ^= 1) {
-      const int64_t chunk = std::min(chunk_max, count - c0);
-      if (pinned) {
-        const size_t run = static_cast<size_t>(chunk) * kLatentRowBytes;
-        RETURN_IF_ERROR(
-            Check(cudaMemcpy2DAsync(row_dev_[i], run, rows + c0 * kLatentDim,
-                                    static_cast<size_t>(count) * kLatentRowBytes, run,
-                                    static_cast<size_t>(layers), cudaMemcpyHostToDevice, stream_),
-                  "row upload"));
-        RETURN_IF_ERROR(kernels::LaunchCopyRows(View(), PageTableOnDevice(), start + c0, chunk,
-                                                static_cast<Bf16*>(row_dev_[i]),
-                                                /*to_pool=*/true, stream_));
-        continue;
-      }
-      // The buffer's previous chunk must have left it before it is refilled.
-      if (used[i]) RETURN_IF_ERROR(Check(cudaEventSynchronize(row_done_[i]), "row upload"));
-      auto* host = static_cast<Bf16*>(row_host_[i]);
-      for (int64_t layer = 0; layer < layers; ++layer) {
-        std::memcpy(host + layer * chunk * kLatentDim, rows + (layer * count + c0) * kLatentDim,
-                    static_cast<size_t>(chunk) * kLatentRowBytes);
-      }
-      const size_t bytes = static_cast<size_t>(layers * chunk) * kLatentRowBytes;
-      RETURN_IF_ERROR(
-          Check(cudaMemcpyAsync(row_dev_[i], host, bytes, cudaMemcpyHostToDevice, stream_),
-                "row upload"));
-      RETURN_IF_ERROR(kernels::LaunchCopyRows(View(), PageTableOnDevice(), start + c0, chunk,
-                                              static_cast<Bf16*>(row_dev_[i]), /*to_pool=*/true,
-                                              stream_));
-      RETURN_IF_ERROR(Check(cudaEventRecord(row_done_[i], stream_), "cudaEventRecord"));
-      used[i] = true;
+  absl::Status ReadRows(int64_t table_offset, int64_t start, int64_t count, Bf16* rows) override {
+    RETURN_IF_ERROR(BindThread());
+    if (read_dev_ == nullptr) {
+      RETURN_IF_ERROR(Check(cudaMalloc(&read_dev_, kReadChunkBytes), "row read buffer"));
+      RETURN_IF_ERROR(Check(cudaHostAlloc(&read_host_, kReadChunkBytes, cudaHostAllocDefault),
+                            "row read buffer"));
     }
-    return Check(cudaStreamSynchronize(stream_), "row upload");
-  }
-
-  absl::Status ReadRows(absl::Span<const int32_t> page_table, int64_t start, int64_t count,
-                        Bf16* rows) override {
-    RETURN_IF_ERROR(UploadPageTable(page_table));
     const int64_t layers = g_.num_layers;
-    const int64_t chunk_max = std::max<int64_t>(1, kRowChunkBytes / (layers * kLatentRowBytes));
+    const int64_t chunk_max = std::max<int64_t>(1, kReadChunkBytes / (layers * kLatentRowBytes));
     for (int64_t c0 = 0; c0 < count; c0 += chunk_max) {
       const int64_t chunk = std::min(chunk_max, count - c0);
-      RETURN_IF_ERROR(kernels::LaunchCopyRows(View(), PageTableOnDevice(), start + c0, chunk,
-                                              static_cast<Bf16*>(row_dev_[0]), /*to_pool=*/false,
+      RETURN_IF_ERROR(kernels::LaunchCopyRows(View(), TableAt(table_offset), start + c0, chunk,
+                                              static_cast<Bf16*>(read_dev_), /*to_pool=*/false,
                                               stream_));
       const size_t bytes = static_cast<size_t>(layers * chunk) * kLatentRowBytes;
       RETURN_IF_ERROR(
-          Check(cudaMemcpyAsync(row_host_[0], row_dev_[0], bytes, cudaMemcpyDeviceToHost, stream_),
+          Check(cudaMemcpyAsync(read_host_, read_dev_, bytes, cudaMemcpyDeviceToHost, stream_),
                 "row download"));
       RETURN_IF_ERROR(Check(cudaStreamSynchronize(stream_), "row download"));
-      const auto* host = static_cast<const Bf16*>(row_host_[0]);
+      const auto* host = static_cast<const Bf16*>(read_host_);
       for (int64_t layer = 0; layer < layers; ++layer) {
         std::memcpy(rows + (layer * count + c0) * kLatentDim, host + layer * chunk * kLatentDim,
                     static_cast<size_t>(chunk) * kLatentRowBytes);
@@ -306,50 +248,53 @@ class CudaDevice final : public Device {
     return absl::OkStatus();
   }
 
-  absl::Status Compact(absl::Span<const int32_t> page_table, int64_t prefix_len,
-                       absl::Span<const int32_t> accepted) override {
-    // [page table][prefix, k, accepted[0..63]] in one upload.
-    auto* host = static_cast<int32_t*>(small_host_);
-    const size_t pages = page_table.size();
-    std::memcpy(host, page_table.data(), pages * sizeof(int32_t));
-    int32_t* path = host + g_.max_pages_per_sequence;
-    std::fill(path, path + kMaxDraftLen + 2, 0);
-    path[0] = static_cast<int32_t>(prefix_len);
-    path[1] = static_cast<int32_t>(accepted.size());
-    std::copy(accepted.begin(), accepted.end(), path + 2);
-    RETURN_IF_ERROR(Check(
-        cudaMemcpyAsync(small_dev_, small_host_, small_bytes_, cudaMemcpyHostToDevice, stream_),
-        "path upload"));
-    const int32_t* dev = static_cast<const int32_t*>(small_dev_);
-    const int32_t* dev_path = dev + g_.max_pages_per_sequence;
-    kernels::CompactArguments c;
-    c.batch = 1;
-    c.pool = View();
-    c.page_table = dev;
-    c.page_table_stride = std::max<int64_t>(1, static_cast<int64_t>(pages));
-    c.prefix_len = dev_path;
-    c.accepted_len = dev_path + 1;
-    c.accepted = dev_path + 2;
-    RETURN_IF_ERROR(kernels::LaunchCompactAcceptedKv(c, stream_));
-    return Check(cudaStreamSynchronize(stream_), "compaction");
+  absl::Status UploadTable(absl::Span<const int32_t> entries) override {
+    RETURN_IF_ERROR(BindThread());
+    const size_t bytes = entries.size() * sizeof(int32_t);
+    if (entries.size() != static_cast<size_t>(g_.table_entries)) {
+      return absl::InternalError("page-table upload of the wrong size");
+    }
+    if (upload_host_ == nullptr) {
+      RETURN_IF_ERROR(
+          Check(cudaHostAlloc(&upload_host_, bytes, cudaHostAllocDefault), "table upload buffer"));
+    }
+    std::memcpy(upload_host_, entries.data(), bytes);
+    RETURN_IF_ERROR(
+        Check(cudaMemcpyAsync(table_, upload_host_, bytes, cudaMemcpyHostToDevice, stream_),
+              "table upload"));
+    // Rare (a compacted arena): the buffer is reused only once this is done.
+    return Check(cudaStreamSynchronize(stream_), "table upload");
   }
 
-  absl::Status PinHostMemory(void* data, size_t bytes) override {
+  absl::Status PinHost(void* data, size_t bytes) override {
     // On this device's context (a thread with none would create one on
     // device 0); portable: every device of the process sees it pinned.
     RETURN_IF_ERROR(BindThread());
-    const cudaError_t err = cudaHostRegister(data, bytes, cudaHostRegisterPortable);
+    const cudaError_t err =
+        cudaHostRegister(data, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
     if (err == cudaSuccess) return absl::OkStatus();
     cudaGetLastError();  // not sticky: clear it for this thread's next call
     return absl::UnavailableError(
         absl::StrCat(name_, ": cudaHostRegister of ", bytes, " bytes: ", cudaGetErrorString(err)));
   }
 
-  void UnpinHostMemory(void* data) override {
+  void UnpinHost(void* data) override {
     if (!BindThread().ok() || cudaHostUnregister(data) != cudaSuccess) cudaGetLastError();
   }
 
-  absl::StatusOr<void*> OpenIpcMemory(absl::string_view handle) override {
+  absl::StatusOr<uint64_t> AddressOfHost(const void* data) override {
+    RETURN_IF_ERROR(BindThread());
+    void* device = nullptr;
+    const cudaError_t err = cudaHostGetDevicePointer(&device, const_cast<void*>(data), 0);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      return absl::InternalError(
+          absl::StrCat(name_, ": cudaHostGetDevicePointer: ", cudaGetErrorString(err)));
+    }
+    return Address(device);
+  }
+
+  absl::StatusOr<uint64_t> OpenIpcMemory(absl::string_view handle) override {
     if (handle.size() != sizeof(cudaIpcMemHandle_t)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "a CUDA IPC handle is ", sizeof(cudaIpcMemHandle_t), " bytes, not ", handle.size()));
@@ -364,49 +309,64 @@ class CudaDevice final : public Device {
       return absl::InvalidArgumentError(
           absl::StrCat(name_, ": cudaIpcOpenMemHandle: ", cudaGetErrorString(err)));
     }
-    return data;
+    return Address(data);
   }
 
-  void CloseIpcMemory(void* data) override {
-    if (!BindThread().ok() || cudaIpcCloseMemHandle(data) != cudaSuccess) cudaGetLastError();
+  void CloseIpcMemory(uint64_t address) override {
+    if (!BindThread().ok() || cudaIpcCloseMemHandle(At<void>(address)) != cudaSuccess) {
+      cudaGetLastError();
+    }
+  }
+
+  absl::StatusOr<uint64_t> AddressOfDeviceMemory(uint64_t address, int device_id) override {
+    if (device_id == ordinal_) return address;
+    RETURN_IF_ERROR(BindThread());
+    int can = 0;
+    if (cudaDeviceCanAccessPeer(&can, ordinal_, device_id) != cudaSuccess || can == 0) {
+      cudaGetLastError();
+      return absl::InvalidArgumentError(
+          absl::StrCat(name_, " cannot reach the memory of cuda:", device_id, " (no peer access)"));
+    }
+    const cudaError_t err = cudaDeviceEnablePeerAccess(device_id, 0);
+    if (err != cudaSuccess && err != cudaErrorPeerAccessAlreadyEnabled) {
+      cudaGetLastError();
+      return absl::InternalError(
+          absl::StrCat(name_, ": cudaDeviceEnablePeerAccess: ", cudaGetErrorString(err)));
+    }
+    cudaGetLastError();
+    return address;  // unified addressing: the same address on every device
+  }
+
+  absl::StatusOr<uint8_t*> AllocateHostStaging(size_t bytes) override {
+    RETURN_IF_ERROR(BindThread());
+    void* data = nullptr;
+    RETURN_IF_ERROR(Check(cudaHostAlloc(&data, bytes, cudaHostAllocPortable | cudaHostAllocMapped),
+                          "page-locked staging allocation"));
+    return static_cast<uint8_t*>(data);
+  }
+
+  void FreeHostStaging(uint8_t* data) override {
+    if (BindThread().ok()) cudaFreeHost(data);
   }
 
   int cuda_ordinal() const override { return ordinal_; }
 
  private:
-  struct StagingSet {
-    void* host_in = nullptr;
-    void* host_out = nullptr;
-    void* host_out_on_device = nullptr;  // the same memory as the device addresses it
-    void* dev_in = nullptr;
-    void* dev_out = nullptr;  // only without direct_output
-    cudaEvent_t start = nullptr;
-    cudaEvent_t stop = nullptr;
-    cudaEvent_t input_done = nullptr;
-  };
-  // Which part of a batch's launch sequence a graph holds.
-  enum class Part { kWhole, kInput, kAfterInput };
-  using GraphKey = std::tuple<int, int, int, bool, Part>;  // set, batch, draft, reuse_plan, part
+  using GraphKey = std::tuple<int, int, bool>;  // batch, draft, reuse_plan
 
-  static GraphKey Key(int set, BatchShape shape, bool reuse, Part part) {
-    return {set, shape.batch, shape.draft_len, reuse, part};
+  static GraphKey Key(BatchShape shape, bool reuse) {
+    return {shape.batch, shape.draft_len, reuse};
   }
-
-  // Replays the graph of `part` for a launch, or issues it eagerly.
-  absl::Status Replay(const LaunchOptions& o, Part part, cudaStream_t stream) {
-    if (!o.graph) return Enqueue(o.set, o.shape, o.reuse_plan, part, stream);
-    const bool reuse = part == Part::kInput ? false : o.reuse_plan;
-    const auto it = graphs_.find(Key(o.set, o.shape, reuse, part));
-    if (it == graphs_.end()) {
-      return absl::InternalError(absl::StrCat(name_, ": no graph was captured for batch ",
-                                              o.shape.batch, " x draft ", o.shape.draft_len));
-    }
-    return Check(cudaGraphLaunch(it->second, stream), "cudaGraphLaunch");
-  }
+  static uint64_t Address(const void* p) { return reinterpret_cast<uint64_t>(p); }
 
   absl::Status Check(cudaError_t err, const char* what) const {
     if (err == cudaSuccess) return absl::OkStatus();
     return absl::InternalError(absl::StrCat(name_, ": CUDA ", what, ": ", cudaGetErrorString(err)));
+  }
+
+  absl::Status Allocate(void** p, size_t bytes, const char* what) {
+    RETURN_IF_ERROR(Check(cudaMalloc(p, std::max<size_t>(bytes, 16)), what));
+    return Check(cudaMemsetAsync(*p, 0, std::max<size_t>(bytes, 16), stream_), what);
   }
 
   kernels::KvPoolView View() const {
@@ -414,97 +374,92 @@ class CudaDevice final : public Device {
                                g_.page_size};
   }
 
-  const int32_t* PageTableOnDevice() const { return static_cast<const int32_t*>(small_dev_); }
-
-  // The row operations' page list, through pinned memory (no pageable copy).
-  absl::Status UploadPageTable(absl::Span<const int32_t> page_table) {
-    std::memcpy(small_host_, page_table.data(), page_table.size() * sizeof(int32_t));
-    return Check(cudaMemcpyAsync(small_dev_, small_host_, page_table.size() * sizeof(int32_t),
-                                 cudaMemcpyHostToDevice, stream_),
-                 "page table upload");
+  const int32_t* TableAt(int64_t offset) const {
+    return static_cast<const int32_t*>(table_) + offset;
   }
 
-  // The launch sequence of one batch of `shape` from staging set `set`, or
-  // one part of it, on `stream`.
-  absl::Status Enqueue(int set, BatchShape shape, bool reuse_plan, Part part, cudaStream_t stream) {
-    const StagingSet& s = sets_[set];
-    const StagingLayout l = StagingLayout::For(shape, g_.num_heads, g_.max_pages_per_sequence);
-    auto* in = static_cast<uint8_t*>(s.dev_in);
-    auto* out = static_cast<uint8_t*>(options_.direct_output ? s.host_out_on_device : s.dev_out);
-    if (part != Part::kAfterInput) {
-      RETURN_IF_ERROR(
-          Check(cudaMemcpyAsync(s.dev_in, s.host_in, l.input_bytes, cudaMemcpyHostToDevice, stream),
-                "input upload"));
-    }
-    if (part == Part::kInput) return absl::OkStatus();
-    const auto* prefix = reinterpret_cast<const int32_t*>(in + l.prefix_len);
-    const auto* drafts = reinterpret_cast<const int32_t*>(in + l.draft_len);
-    const auto* layers = reinterpret_cast<const int32_t*>(in + l.layer);
-    const auto* tables = reinterpret_cast<const int32_t*>(in + l.page_tables);
-    const auto* draft_kv = reinterpret_cast<const Bf16*>(in + l.draft_kv);
+  kernels::GatherParams Gather(int capacity, int row_blocks) const {
+    kernels::GatherParams p{};
+    p.slots = At<const uint8_t>(buffers_.slots);
+    p.slot_bytes = g_.slot.bytes;
+    p.num_slots = g_.slots;
+    p.cursor = static_cast<int32_t*>(counters_);
+    p.arrivals = reinterpret_cast<uint32_t*>(static_cast<int32_t*>(counters_) + 1);
+    p.capacity = std::max(1, capacity);
+    p.row_blocks = row_blocks;
+    return p;
+  }
 
-    kernels::DraftKvWriteArguments w;
-    w.batch = shape.batch;
-    w.total_draft_capacity = shape.rows();
-    w.draft_kv = draft_kv;
-    w.draft_kv_stride = kLatentDim;
-    w.pool = View();
-    w.page_table = tables;
-    w.page_table_stride = l.page_table_stride;
-    w.prefix_len = prefix;
-    w.draft_len = drafts;
-    w.layer = layers;
-    RETURN_IF_ERROR(kernels::LaunchWriteDraftKv(w, stream));
+  // A pool operation's start: its slot's gather (page-table writes).
+  absl::Status BeginOp(int slot, int gather_count) {
+    RETURN_IF_ERROR(BindThread());
+    RETURN_IF_ERROR(Check(cudaEventRecord(start_[slot], stream_), "cudaEventRecord"));
+    return kernels::LaunchGatherCopies(Gather(gather_count, 1), stream_);
+  }
 
+  // The launch sequence of one batch of `shape` on the compute stream.
+  absl::Status EnqueueBatch(BatchShape shape, bool reuse_plan) {
+    const int row_blocks = CopyRowBlocks(shape.draft_len);
+    RETURN_IF_ERROR(kernels::LaunchGatherCopies(
+        Gather(GatherCapacity(shape, g_.page_size, g_.max_batch), row_blocks), stream_));
+    const RequestArraysLayout& r = g_.slot.requests;
     kernels::VerifyArguments a;
     a.batch = shape.batch;
     a.num_heads = g_.num_heads;
     a.max_draft_len = shape.draft_len;
     a.total_draft_capacity = shape.rows();
-    a.q = reinterpret_cast<const Bf16*>(in + l.q);
+    a.q = static_cast<const Bf16*>(q_);
     a.q_token_stride = static_cast<int64_t>(g_.num_heads) * kLatentDim;
     a.q_head_stride = kLatentDim;
     a.pool = View();
-    a.page_table = tables;
-    a.page_table_stride = l.page_table_stride;
-    a.prefix_len = prefix;
-    a.draft_len = drafts;
-    a.layer = layers;
-    a.softmax_scale = reinterpret_cast<const float*>(in + l.scale);
+    a.page_table = static_cast<const int32_t*>(table_);
+    a.page_table_stride = 1;  // unused: every request has its offset
+    a.page_table_offset = At<const int64_t>(buffers_.requests, r.table_offset);
+    a.prefix_len = At<const int32_t>(buffers_.requests, r.prefix_len);
+    a.draft_len = At<const int32_t>(buffers_.requests, r.draft_len);
+    a.layer = At<const int32_t>(buffers_.requests, r.layer);
+    a.softmax_scale = At<const float>(buffers_.requests, r.scale);
     a.default_softmax_scale = 1.0f;  // unused: every request carries its scale
-    a.visibility = reinterpret_cast<const uint64_t*>(in + l.visibility);
-    a.out = reinterpret_cast<Bf16*>(out + l.out);
+    a.visibility = static_cast<const uint64_t*>(visibility_);
+    a.out = static_cast<Bf16*>(out_);
     a.out_token_stride = static_cast<int64_t>(g_.num_heads) * kValueDim;
     a.out_head_stride = kValueDim;
-    a.lse = reinterpret_cast<float*>(out + l.lse);
+    a.lse = static_cast<float*>(lse_);
     kernels::VerifyLaunchConfig config = config_;
     config.reuse_plan = reuse_plan;
     RETURN_IF_ERROR(
-        kernels::LaunchVerifyAttention(a, config, workspace_, workspace_bytes_, stream));
-    if (options_.direct_output) return absl::OkStatus();
-    return Check(
-        cudaMemcpyAsync(s.host_out, s.dev_out, l.output_bytes, cudaMemcpyDeviceToHost, stream),
-        "output download");
+        kernels::LaunchVerifyAttention(a, config, workspace_, workspace_bytes_, stream_));
+    kernels::ScatterParams s{};
+    s.list = static_cast<const kernels::CopyListHeader*>(outputs_);
+    s.capacity = ScatterCapacity(shape);
+    s.row_blocks = row_blocks;
+    return kernels::LaunchScatterCopies(s, stream_);
   }
 
   const int ordinal_;
   const std::string name_;
   const CudaDeviceOptions options_;
   DeviceGeometry g_;
+  DeviceBuffers buffers_;
   kernels::VerifyLaunchConfig config_;
-  cudaStream_t stream_ = nullptr;       // the kernels, row copies, compactions
-  cudaStream_t copy_stream_ = nullptr;  // overlapped input copies
+  cudaStream_t stream_ = nullptr;  // every launch, in order
   void* pool_ = nullptr;
+  void* table_ = nullptr;
+  void* q_ = nullptr;
+  void* out_ = nullptr;
+  void* lse_ = nullptr;
+  void* requests_ = nullptr;
+  void* visibility_ = nullptr;
+  void* outputs_ = nullptr;
+  void* counters_ = nullptr;  // the gather's cursor and arrival count
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
-  std::vector<StagingSet> sets_;
+  uint8_t* slots_ = nullptr;  // host view
+  std::vector<cudaEvent_t> start_, stop_;
   std::map<GraphKey, cudaGraphExec_t> graphs_;
-  void* row_host_[2] = {nullptr, nullptr};
-  void* row_dev_[2] = {nullptr, nullptr};
-  cudaEvent_t row_done_[2] = {nullptr, nullptr};
-  void* small_host_ = nullptr;
-  void* small_dev_ = nullptr;
-  size_t small_bytes_ = 0;
+  void* read_dev_ = nullptr;
+  void* read_host_ = nullptr;
+  void* upload_host_ = nullptr;
   int launches_ = 0;
 };
 

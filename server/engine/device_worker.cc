@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -10,11 +11,65 @@
 #include "spdlog/spdlog.h"
 
 namespace mlaverify::engine {
+
+// Fills one slot: its gather list, request arrays, visibility words, output
+// list and staged page-table values (device.h has the layout).
+class SlotWriter {
+ public:
+  SlotWriter(uint8_t* host, uint64_t device, const SlotLayout& layout, int gather_capacity)
+      : host_(host), device_(device), layout_(layout), gather_capacity_(gather_capacity) {}
+
+  // Adds a descriptor to the gather list; false when it is full.
+  bool Gather(uint64_t src, uint32_t src_pitch, uint64_t dst, uint32_t dst_pitch,
+              uint32_t row_bytes, uint32_t rows) {
+    if (rows == 0 || row_bytes == 0) return true;
+    if (gathers_ >= gather_capacity_) return false;
+    kernels::CopyListEntries(List())[gathers_++] = {src,       dst,       src_pitch,
+                                                    dst_pitch, row_bytes, rows};
+    return true;
+  }
+  bool Output(uint64_t src, uint32_t src_pitch, uint64_t dst, uint32_t dst_pitch,
+              uint32_t row_bytes, uint32_t rows) {
+    if (rows == 0 || row_bytes == 0) return true;
+    if (outputs_ >= layout_.output_capacity) return false;
+    kernels::CopyListEntries(OutputList())[outputs_++] = {src,       dst,       src_pitch,
+                                                          dst_pitch, row_bytes, rows};
+    return true;
+  }
+  template <typename T>
+  T* Host(size_t offset) const {
+    return reinterpret_cast<T*>(host_ + offset);
+  }
+  uint64_t Device(size_t offset) const { return device_ + offset; }
+  int gathers() const { return gathers_; }
+  int outputs() const { return outputs_; }
+  int gather_capacity() const { return gather_capacity_; }
+  const SlotLayout& layout() const { return layout_; }
+  // Drops every descriptor added so far.
+  void Reset() { gathers_ = outputs_ = 0; }
+  // Writes the lists' lengths (the last thing before the launch).
+  void Close() {
+    List()->count = gathers_;
+    OutputList()->count = outputs_;
+  }
+
+ private:
+  kernels::CopyListHeader* List() const { return Host<kernels::CopyListHeader>(layout_.list); }
+  kernels::CopyListHeader* OutputList() const {
+    return Host<kernels::CopyListHeader>(layout_.outputs);
+  }
+
+  uint8_t* const host_;
+  const uint64_t device_;
+  const SlotLayout& layout_;
+  const int gather_capacity_;
+  int gathers_ = 0;
+  int outputs_ = 0;
+};
+
 namespace {
 
-// Below this many bytes of host copies a batch is packed (or unpacked) by
-// one thread: waking helpers costs more than it saves.
-constexpr size_t kParallelCopyBytes = size_t{512} << 10;
+uint32_t U32(int64_t v) { return static_cast<uint32_t>(v); }
 
 }  // namespace
 
@@ -27,8 +82,7 @@ DeviceWorker::DeviceWorker(int index, std::unique_ptr<Device> device, std::strin
       options_(options),
       observer_(observer),
       on_fault_(std::move(on_fault)),
-      pack_runner_(options.copy_threads),
-      unpack_runner_(options.copy_threads) {}
+      completion_runner_(options.copy_threads) {}
 
 DeviceWorker::~DeviceWorker() { Stop(); }
 
@@ -38,39 +92,42 @@ absl::Status DeviceWorker::Start(const DeviceGeometry& geometry) {
   if (absl::Status s = device_->Init(geometry); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat(name_, ": ", s.message()));
   }
+  asynchronous_ = device_->asynchronous();
+  // The launch thread launches where no submitting thread may: on a device
+  // whose launches compute (the CPU backend), and when a queue delay holds
+  // partial batches back.
+  launch_thread_launches_ = !asynchronous_ || options_.max_queue_delay > absl::ZeroDuration();
+  {
+    absl::MutexLock lock(&launch_mu_);
+    tables_ = std::make_unique<PageTableArena>(geometry.table_entries);
+  }
   uses_graphs_ = options_.use_graphs && device_->SupportsGraphs();
   if (uses_graphs_) {
     const absl::Time begin = absl::Now();
     int64_t graph_bytes = 0;
     int graphs = 0;
-    for (int set = 0; set < geometry.staging_sets; ++set) {
-      for (int b : options_.batch_buckets) {
-        for (int n : options_.draft_buckets) {
-          absl::StatusOr<int64_t> bytes = device_->CaptureGraphs(set, BatchShape{b, n});
-          if (!bytes.ok()) {
-            return absl::Status(bytes.status().code(),
-                                absl::StrCat(name_, ": capturing the graph of batch ", b,
-                                             " x draft ", n, ": ", bytes.status().message()));
-          }
-          graph_bytes += *bytes;
-          ++graphs;
+    for (int b : options_.batch_buckets) {
+      for (int n : options_.draft_buckets) {
+        absl::StatusOr<int64_t> bytes = device_->CaptureGraphs(BatchShape{b, n});
+        if (!bytes.ok()) {
+          return absl::Status(bytes.status().code(),
+                              absl::StrCat(name_, ": capturing the graph of batch ", b, " x draft ",
+                                           n, ": ", bytes.status().message()));
         }
+        graph_bytes += *bytes;
+        ++graphs;
       }
     }
     spdlog::info(
-        "{}: captured the verify graphs of {} buckets x {} staging sets in {:.3f} s, "
-        "{:.1f} MiB of device memory",
-        name_, graphs / geometry.staging_sets, geometry.staging_sets,
-        absl::ToDoubleSeconds(absl::Now() - begin), static_cast<double>(graph_bytes) / (1 << 20));
+        "{}: captured the verify graphs of {} buckets in {:.3f} s, {:.1f} MiB of device "
+        "memory",
+        name_, graphs, absl::ToDoubleSeconds(absl::Now() - begin),
+        static_cast<double>(graph_bytes) / (1 << 20));
   } else {
     spdlog::info("{}: no CUDA graphs ({}): every batch is launched eagerly", name_,
                  options_.use_graphs ? "the device has none" : "disabled");
   }
-  {
-    absl::MutexLock lock(&mu_);
-    for (int set = 0; set < geometry.staging_sets; ++set) free_sets_.push_back(set);
-  }
-  launch_thread_ = std::thread([this] { LaunchLoop(); });
+  launch_thread_ = std::thread([this] { LaunchThreadLoop(); });
   completion_thread_ = std::thread([this] { CompletionLoop(); });
   started_ = true;
   return absl::OkStatus();
@@ -82,6 +139,8 @@ void DeviceWorker::Stop() {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
   }
+  // Whatever is still queued is launched (or failed) before the threads end.
+  if (!launch_thread_launches_) LaunchWhilePossible();
   launch_thread_.join();
   completion_thread_.join();
   started_ = false;
@@ -90,9 +149,8 @@ void DeviceWorker::Stop() {
 void DeviceWorker::Enqueue(VerifyShard shard) {
   absl::MutexLock lock(&mu_);
   Entry e;
-  e.shard = shard;
+  e.shard = std::move(shard);
   queue_.push_back(std::move(e));
-  queue_size_.store(static_cast<int>(queue_.size()), std::memory_order_release);
   ++queued_shards_;
 }
 
@@ -102,17 +160,17 @@ void DeviceWorker::Enqueue(DeviceOp op) {
   e.is_op = true;
   e.op = std::move(op);
   queue_.push_back(std::move(e));
-  queue_size_.store(static_cast<int>(queue_.size()), std::memory_order_release);
+}
+
+void DeviceWorker::Kick() {
+  // The launch thread waits on a condition of mu_'s state: it re-evaluates
+  // on its own. Elsewhere the caller launches.
+  if (!launch_thread_launches_) LaunchWhilePossible();
 }
 
 absl::Status DeviceWorker::fault() const {
   absl::MutexLock lock(&mu_);
   return fault_;
-}
-
-int DeviceWorker::queued() const {
-  absl::MutexLock lock(&mu_);
-  return static_cast<int>(queue_.size());
 }
 
 void DeviceWorker::Fault(const absl::Status& status) {
@@ -134,6 +192,19 @@ void DeviceWorker::FailShards(absl::Span<const VerifyShard> shards, const absl::
   for (const VerifyShard& s : shards) s.owner->ShardDone(s.index, status, timing);
 }
 
+int DeviceWorker::NextSlot() const {
+  absl::MutexLock lock(&mu_);
+  return launches_ % geometry_.slots;
+}
+
+bool DeviceWorker::Launchable() const {
+  if (queue_.empty()) return false;
+  if (!fault_.ok()) return true;  // to fail it
+  const Entry& head = queue_.front();
+  if (head.is_op && head.op.kind == DeviceOp::Kind::kBarrier) return true;
+  return static_cast<int>(in_flight_.size()) < geometry_.slots;
+}
+
 std::vector<VerifyShard> DeviceWorker::TakeBatch() {
   const size_t max_items = static_cast<size_t>(options_.batch_buckets.back());
   std::vector<VerifyShard> batch;
@@ -145,135 +216,127 @@ std::vector<VerifyShard> DeviceWorker::TakeBatch() {
       return s.sequence == next.sequence && s.layer == next.layer;
     });
     if (conflict) break;
-    batch.push_back(next);
+    batch.push_back(std::move(queue_.front().shard));
     queue_.pop_front();
     --queued_shards_;
   }
-  queue_size_.store(static_cast<int>(queue_.size()), std::memory_order_release);
   return batch;
 }
 
-void DeviceWorker::LaunchLoop() {
-  if (absl::Status s = device_->BindThread(); !s.ok()) Fault(s);
-  const int max_items = options_.batch_buckets.back();
-  mu_.Lock();
+void DeviceWorker::LaunchWhilePossible() {
   while (true) {
-    if (queue_.empty() && !stopping_ && options_.spin > absl::ZeroDuration()) {
-      // Poll for a while before sleeping: a call that arrives within the
-      // spin starts without a wake-up.
-      mu_.Unlock();
-      const absl::Time until = absl::Now() + options_.spin;
-      while (queue_size_.load(std::memory_order_acquire) == 0 && absl::Now() < until) {
-#if defined(__x86_64__)
-        __builtin_ia32_pause();
-#endif
-      }
-      mu_.Lock();
-    }
-    mu_.Await(absl::Condition(
-        +[](DeviceWorker* w)
-             ABSL_EXCLUSIVE_LOCKS_REQUIRED(w->mu_) { return w->stopping_ || !w->queue_.empty(); },
-        this));
-    if (queue_.empty()) break;  // stopping, and everything queued has run
-    if (queue_.front().is_op) {
-      DeviceOp op = std::move(queue_.front().op);
-      queue_.pop_front();
-      queue_size_.store(static_cast<int>(queue_.size()), std::memory_order_release);
-      mu_.Unlock();
-      RunOp(std::move(op));
-      mu_.Lock();
-      continue;
-    }
-    // The next batch is whatever has queued by the time a staging set is
-    // free (while the previous batches run), plus, with a queue delay, what
-    // arrives within it.
-    mu_.Await(absl::Condition(
-        +[](DeviceWorker* w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(w->mu_) {
-          return !w->free_sets_.empty() || !w->fault_.ok();
-        },
-        this));
-    if (options_.max_queue_delay > absl::ZeroDuration() && queued_shards_ < max_items) {
-      struct Full {
-        DeviceWorker* w;
-        int max;
-        static bool Eval(Full* f) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-          return f->w->stopping_ || f->w->queued_shards_ >= f->max;
-        }
-      } full{this, max_items};
-      mu_.AwaitWithTimeout(absl::Condition(&Full::Eval, &full), options_.max_queue_delay);
-    }
-    std::vector<VerifyShard> batch = TakeBatch();
-    mu_.Unlock();
-    RunBatch(std::move(batch), absl::Now());
-    mu_.Lock();
+    if (!launch_mu_.TryLock()) return;  // the holder launches what is queued
+    LaunchQueued();
+    launch_mu_.Unlock();
+    // Work enqueued while the lock was held, whose submitter found it held.
+    absl::MutexLock lock(&mu_);
+    if (!Launchable()) return;
   }
-  launch_done_ = true;
-  mu_.Unlock();
 }
 
-void DeviceWorker::RunOp(DeviceOp op) {
-  if (op.admit) {
-    const absl::Status admitted = op.admit();
-    if (!admitted.ok()) {
-      op.done(admitted);
-      return;
+void DeviceWorker::LaunchQueued() {
+  while (true) {
+    std::vector<VerifyShard> batch;
+    DeviceOp op;
+    bool is_op = false;
+    std::deque<Entry> failed;
+    absl::Status fault;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!Launchable()) return;
+      launching_ = true;
+      if (!fault_.ok()) {
+        failed.swap(queue_);
+        queued_shards_ = 0;
+        fault = fault_;
+      } else if (queue_.front().is_op) {
+        op = std::move(queue_.front().op);
+        queue_.pop_front();
+        is_op = true;
+      } else {
+        batch = TakeBatch();
+      }
+    }
+    if (!failed.empty()) {
+      // After a fault every piece of work fails with it (table changes no
+      // longer matter: the device is not used again).
+      ShardTiming timing;
+      timing.taken = absl::Now();
+      for (Entry& e : failed) {
+        if (e.is_op) {
+          if (e.op.done) e.op.done(fault);
+        } else {
+          e.shard.owner->ShardDone(e.shard.index, fault, timing);
+        }
+      }
+    } else if (is_op) {
+      RunOp(std::move(op));
+    } else {
+      RunBatch(std::move(batch), absl::Now());
+    }
+    absl::MutexLock lock(&mu_);
+    launching_ = false;
+  }
+}
+
+void DeviceWorker::ApplyTable(uint64_t sequence, const std::shared_ptr<const TableDelta>& delta,
+                              bool release) {
+  if (delta != nullptr) {
+    if (absl::Status s = tables_->Apply(sequence, *delta); !s.ok()) Fault(s);
+  }
+  if (release) tables_->Release(sequence);
+}
+
+absl::Status DeviceWorker::BeginSlot(int slot, SlotWriter* w) {
+  const bool full = tables_->needs_full_upload();
+  tables_->TakeWrites(&writes_, &values_);
+  const SlotLayout& l = geometry_.slot;
+  bool fits = !full && static_cast<int64_t>(values_.size()) <= l.value_capacity &&
+              static_cast<int>(writes_.size()) <= 2 * geometry_.max_batch;
+  if (fits) {
+    std::copy(values_.begin(), values_.end(), w->Host<int32_t>(l.values));
+    const uint64_t table = device_->buffers().table;
+    for (const TableWrite& t : writes_) {
+      const uint64_t src = t.from >= 0 ? table + 4 * static_cast<uint64_t>(t.from)
+                                       : w->Device(l.values) + 4 * static_cast<uint64_t>(t.value);
+      fits = fits &&
+             w->Gather(src, 0, table + 4 * static_cast<uint64_t>(t.at), 0, U32(4 * t.count), 1);
     }
   }
-  if (absl::Status f = fault(); !f.ok()) {
-    op.done(f);
-    return;
-  }
-  absl::Status status;
-  switch (op.kind) {
-    case DeviceOp::Kind::kWriteRows:
-      status = device_->WriteRows(op.page_table, op.start, op.count, op.rows_in);
-      break;
-    case DeviceOp::Kind::kReadRows:
-      status = device_->ReadRows(op.page_table, op.start, op.count, op.rows_out);
-      break;
-    case DeviceOp::Kind::kCompact:
-      status = device_->Compact(op.page_table, op.prefix_len, op.accepted);
-      break;
-    case DeviceOp::Kind::kBarrier:
-      // Everything queued before it has been issued to the device; what is
-      // issued after runs after it (one stream, or a synchronous device).
-      break;
-  }
-  if (!status.ok()) {
-    plan_.Clear();
-    Fault(status);
-    status = fault();
-  }
-  op.done(status);
+  if (fits) return absl::OkStatus();
+  // A compaction of the arena, or more changes than a slot holds: the whole
+  // arena goes up, in stream order, before this launch.
+  spdlog::info("{}: uploading the whole page-table arena ({} of {} entries in use)", name_,
+               tables_->used_entries(), tables_->entries());
+  w->Reset();
+  return device_->UploadTable(tables_->Snapshot());
+}
+
+void DeviceWorker::PushInFlight(InFlight f) {
+  absl::MutexLock lock(&mu_);
+  in_flight_.push_back(std::move(f));
+  ++launches_;
 }
 
 void DeviceWorker::RunBatch(std::vector<VerifyShard> shards, absl::Time taken) {
   ShardTiming timing;
   timing.taken = taken;
+  // The page tables follow every shard taken, whether it runs or not: the
+  // engine's next changes are relative to them.
+  for (const VerifyShard& s : shards) ApplyTable(s.sequence, s.table, false);
   std::vector<VerifyShard> batch;
   batch.reserve(shards.size());
-  for (const VerifyShard& s : shards) {
+  for (VerifyShard& s : shards) {
     const absl::Status admitted = s.owner->AdmitShard(s.index);
     if (admitted.ok()) {
-      batch.push_back(s);
+      batch.push_back(std::move(s));
     } else {
       s.owner->ShardDone(s.index, admitted, timing);
     }
   }
   if (batch.empty()) return;
-  int set = -1;
-  bool previous_running = false;
-  {
-    absl::MutexLock lock(&mu_);
-    if (fault_.ok()) {
-      // Oldest free set first: sets are used in turn.
-      set = free_sets_.front();
-      free_sets_.erase(free_sets_.begin());
-      previous_running = running_batches_ > 0;
-    }
-  }
-  if (set < 0) {
-    FailShards(batch, fault(), timing);
+  if (absl::Status f = fault(); !f.ok()) {
+    FailShards(batch, f, timing);
     return;
   }
 
@@ -290,84 +353,98 @@ void DeviceWorker::RunBatch(std::vector<VerifyShard> shards, absl::Time taken) {
   }
   const bool graph = bucket.has_value();
   const BatchShape shape = graph ? *bucket : BatchShape{requests, max_draft};
-  const StagingView v = device_->Staging(set, shape);
   const int heads = geometry_.num_heads;
+  const SlotLayout& l = geometry_.slot;
+  const DeviceBuffers& buf = device_->buffers();
+  const int slot = NextSlot();
+  const uint64_t slot_device = buf.slots + static_cast<uint64_t>(slot) * l.bytes;
+  SlotWriter w(device_->slot(slot), slot_device, l,
+               GatherCapacity(shape, geometry_.page_size, geometry_.max_batch));
+  absl::Status status = BeginSlot(slot, &w);
 
-  // Per-request scalars, page tables and visibility words: small, on this
-  // thread. Padding requests have no drafts and read nothing.
-  // Staging may be write-combined memory: written once, never read back
-  // (the per-request arrays are built here and copied).
-  std::vector<int> first_row(requests);
-  std::vector<int32_t> prefix(shape.batch, 0), drafts(shape.batch, 0), layers(shape.batch, 0);
-  std::vector<float> scales(shape.batch, batch[0].scale);
+  // Request arrays (padding: no drafts, reads nothing) and visibility words.
+  const RequestArraysLayout& r = l.requests;
+  auto* prefix = w.Host<int32_t>(l.request_block + r.prefix_len);
+  auto* drafts = w.Host<int32_t>(l.request_block + r.draft_len);
+  auto* layers = w.Host<int32_t>(l.request_block + r.layer);
+  auto* scales = w.Host<float>(l.request_block + r.scale);
+  auto* offsets = w.Host<int64_t>(l.request_block + r.table_offset);
+  auto* visibility = w.Host<uint64_t>(l.visibility);
+  std::vector<int32_t> prefix_now(shape.batch, 0), drafts_now(shape.batch, 0);
+  const size_t q_row = static_cast<size_t>(heads) * kLatentRowBytes;
+  const size_t out_row = static_cast<size_t>(heads) * kValueDim * sizeof(Bf16);
+  const size_t lse_row = static_cast<size_t>(heads) * sizeof(float);
+  const int64_t page_size = geometry_.page_size;
   int row = 0;
-  for (int b = 0; b < requests; ++b) {
+  for (int b = 0; b < shape.batch && status.ok(); ++b) {
+    if (b >= requests) {
+      prefix[b] = drafts[b] = layers[b] = 0;
+      scales[b] = batch[0].scale;
+      offsets[b] = 0;
+      continue;
+    }
     const VerifyShard& s = batch[b];
-    first_row[b] = row;
-    prefix[b] = s.prefix_len;
-    drafts[b] = s.draft_len;
+    const int64_t offset = tables_->OffsetOf(s.sequence);
+    const std::vector<int32_t>* pages = tables_->Entries(s.sequence);
+    const int64_t needed =
+        (static_cast<int64_t>(s.prefix_len) + s.draft_len + page_size - 1) / page_size;
+    if (offset < 0 || pages == nullptr || static_cast<int64_t>(pages->size()) < needed) {
+      status = absl::InternalError(absl::StrCat("sequence ", s.sequence, " has ",
+                                                pages == nullptr ? 0 : pages->size(),
+                                                " pages on the device, its batch needs ", needed));
+      break;
+    }
+    prefix[b] = prefix_now[b] = s.prefix_len;
+    drafts[b] = drafts_now[b] = s.draft_len;
     layers[b] = s.layer;
     scales[b] = s.scale;
-    std::memcpy(v.page_table(b), s.page_table.data(), s.page_table.size() * sizeof(int32_t));
-    std::memcpy(v.visibility() + row, s.visibility, s.draft_len * sizeof(uint64_t));
+    offsets[b] = offset;
+    std::memcpy(visibility + row, s.visibility,
+                static_cast<size_t>(s.draft_len) * sizeof(uint64_t));
+    const uint32_t n = U32(s.draft_len);
+    bool fits = w.Gather(s.q.address, s.q.pitch, buf.q + row * q_row, U32(q_row), U32(q_row), n);
+    // Draft rows straight into the pool, one descriptor per run inside a page.
+    for (int i = 0; i < s.draft_len && fits;) {
+      const int64_t position = static_cast<int64_t>(s.prefix_len) + i;
+      const int64_t in_page = position % page_size;
+      const int run = static_cast<int>(std::min<int64_t>(page_size - in_page, s.draft_len - i));
+      const int64_t page = (*pages)[static_cast<size_t>(position / page_size)];
+      const uint64_t dst =
+          buf.pool +
+          ((static_cast<uint64_t>(s.layer) * geometry_.num_pages + page) * page_size + in_page) *
+              kLatentRowBytes;
+      fits = w.Gather(s.draft_kv.address + static_cast<uint64_t>(i) * s.draft_kv.pitch,
+                      s.draft_kv.pitch, dst, U32(kLatentRowBytes), U32(kLatentRowBytes), U32(run));
+      i += run;
+    }
+    fits = fits &&
+           w.Output(buf.out + row * out_row, U32(out_row), s.out.address, s.out.pitch, U32(out_row),
+                    n) &&
+           w.Output(buf.lse + row * lse_row, U32(lse_row), s.lse.address, s.lse.pitch, U32(lse_row),
+                    n);
+    if (!fits) status = absl::InternalError("a batch's copy list outgrew its slot");
     row += s.draft_len;
   }
-  std::memcpy(v.prefix_len(), prefix.data(), shape.batch * sizeof(int32_t));
-  std::memcpy(v.draft_len(), drafts.data(), shape.batch * sizeof(int32_t));
-  std::memcpy(v.layer(), layers.data(), shape.batch * sizeof(int32_t));
-  std::memcpy(v.scale(), scales.data(), shape.batch * sizeof(float));
-  // The tensors: this device's heads of each token's queries, and the drafts' rows.
-  const size_t q_row_bytes = static_cast<size_t>(heads) * kLatentDim * sizeof(Bf16);
-  auto pack = [&](int k) {
-    const VerifyShard& s = batch[k];
-    if (s.device_resident) return;  // copied on the device (below)
-    Bf16* q = v.q() + static_cast<int64_t>(first_row[k]) * heads * kLatentDim;
-    if (s.q_token_stride == static_cast<int64_t>(heads) * kLatentDim) {
-      std::memcpy(q, s.q, s.draft_len * q_row_bytes);
-    } else {
-      for (int i = 0; i < s.draft_len; ++i) {
-        std::memcpy(q + static_cast<int64_t>(i) * heads * kLatentDim, s.q + i * s.q_token_stride,
-                    q_row_bytes);
-      }
-    }
-    std::memcpy(v.draft_kv() + static_cast<int64_t>(first_row[k]) * kLatentDim, s.draft_kv,
-                static_cast<size_t>(s.draft_len) * kLatentRowBytes);
-  };
-  if (static_cast<size_t>(rows) * (q_row_bytes + kLatentRowBytes) >= kParallelCopyBytes) {
-    pack_runner_.Run(requests, pack);
-  } else {
-    for (int k = 0; k < requests; ++k) pack(k);
+  if (status.ok()) {
+    const bool fits =
+        w.Gather(w.Device(l.request_block), 0, buf.requests, 0, U32(r.bytes), 1) &&
+        w.Gather(w.Device(l.visibility), 0, buf.visibility, 0, U32(row * sizeof(uint64_t)), 1) &&
+        w.Gather(w.Device(l.outputs), 0, buf.outputs, 0, U32(kernels::CopyListBytes(w.outputs())),
+                 1);
+    if (!fits) status = absl::InternalError("a batch's copy list outgrew its slot");
   }
-
-  // Device-resident shards: their rows are copied device to device, after
-  // the staged inputs and after the attention.
-  std::vector<DeviceCopy> in_copies, out_copies;
-  for (int k = 0; k < requests; ++k) {
-    const VerifyShard& s = batch[k];
-    if (!s.device_resident) continue;
-    const size_t row = static_cast<size_t>(first_row[k]);
-    const size_t n = static_cast<size_t>(s.draft_len);
-    const size_t q_row = static_cast<size_t>(heads) * kLatentDim * sizeof(Bf16);
-    in_copies.push_back({v.layout.q + row * q_row, q_row, const_cast<Bf16*>(s.q),
-                         static_cast<size_t>(s.q_token_stride) * sizeof(Bf16), q_row, n});
-    in_copies.push_back({v.layout.draft_kv + row * kLatentRowBytes, kLatentRowBytes,
-                         const_cast<Bf16*>(s.draft_kv), kLatentRowBytes, kLatentRowBytes, n});
-    const size_t out_row = static_cast<size_t>(heads) * kValueDim * sizeof(Bf16);
-    out_copies.push_back({v.layout.out + row * out_row, out_row, s.out,
-                          static_cast<size_t>(s.out_token_stride) * sizeof(Bf16), out_row, n});
-    const size_t lse_row = static_cast<size_t>(heads) * sizeof(float);
-    out_copies.push_back({v.layout.lse + row * lse_row, lse_row, s.lse,
-                          static_cast<size_t>(s.lse_token_stride) * sizeof(float), lse_row, n});
+  if (!status.ok()) {
+    Fault(status);
+    FailShards(batch, fault(), timing);
+    return;
   }
+  w.Close();
 
   LaunchOptions launch;
-  launch.set = set;
+  launch.slot = slot;
   launch.shape = shape;
   launch.graph = graph;
-  launch.inputs_from_device = in_copies;
-  launch.outputs_to_device = out_copies;
-  launch.reuse_plan = plan_.Matches(shape, prefix, drafts);
-  launch.overlap_input = options_.overlap_inputs && previous_running;
+  launch.reuse_plan = plan_.Matches(shape, prefix_now, drafts_now);
   const absl::Time packed = absl::Now();
   const absl::Status launched = device_->Launch(launch);
   const absl::Time issued = absl::Now();
@@ -375,17 +452,13 @@ void DeviceWorker::RunBatch(std::vector<VerifyShard> shards, absl::Time taken) {
     plan_.Clear();
     Fault(launched);
     FailShards(batch, fault(), timing);
-    absl::MutexLock lock(&mu_);
-    free_sets_.push_back(set);
     return;
   }
-  plan_.Record(shape, prefix, drafts);
+  plan_.Record(shape, prefix_now, drafts_now);
 
   InFlight f;
-  f.set = set;
-  f.shape = shape;
+  f.slot = slot;
   f.shards = std::move(batch);
-  f.first_row = std::move(first_row);
   f.taken = taken;
   f.report.device = index_;
   f.report.requests = requests;
@@ -393,91 +466,185 @@ void DeviceWorker::RunBatch(std::vector<VerifyShard> shards, absl::Time taken) {
   f.report.shape = shape;
   f.report.graph = graph;
   f.report.reused_plan = launch.reuse_plan;
-  f.report.overlapped_input = launch.overlap_input;
+  f.report.copy_descriptors = w.gathers() + w.outputs();
   f.report.pack_seconds = absl::ToDoubleSeconds(packed - taken);
   f.report.launch_seconds = absl::ToDoubleSeconds(issued - packed);
+  PushInFlight(std::move(f));
+}
+
+void DeviceWorker::RunOp(DeviceOp op) {
+  ApplyTable(op.sequence, op.table, op.release_table);
+  auto finish = [&op](const absl::Status& status) {
+    if (op.done) op.done(status);
+  };
+  if (op.admit) {
+    const absl::Status admitted = op.admit();
+    if (!admitted.ok()) {
+      finish(admitted);
+      return;
+    }
+  }
+  if (absl::Status f = fault(); !f.ok()) {
+    finish(f);
+    return;
+  }
+  if (op.kind == DeviceOp::Kind::kBarrier) {
+    // Everything queued before it has been launched; what is launched after
+    // runs after it (one stream, or a synchronous device).
+    finish(absl::OkStatus());
+    return;
+  }
+  const SlotLayout& l = geometry_.slot;
+  const int slot = NextSlot();
+  const uint64_t slot_device = device_->buffers().slots + static_cast<uint64_t>(slot) * l.bytes;
+  SlotWriter w(device_->slot(slot), slot_device, l, l.list_capacity);
+  absl::Status status = BeginSlot(slot, &w);
+  const int64_t offset = tables_->OffsetOf(op.sequence);
+  if (status.ok() && offset < 0) {
+    status = absl::InternalError(
+        absl::StrCat("sequence ", op.sequence, " has no page table on device ", name_));
+  }
+  if (status.ok() && op.kind == DeviceOp::Kind::kCompact) {
+    auto* params = w.Host<int32_t>(l.op);
+    params[0] = static_cast<int32_t>(op.prefix_len);
+    params[1] = static_cast<int32_t>(op.accepted.size());
+    std::copy(op.accepted.begin(), op.accepted.end(), params + 2);
+  }
+  w.Close();
+  if (status.ok()) {
+    switch (op.kind) {
+      case DeviceOp::Kind::kWriteRows:
+        status =
+            device_->LaunchWriteRows(slot, w.gathers(), offset, op.start, op.count, op.rows_in);
+        break;
+      case DeviceOp::Kind::kCompact:
+        status = device_->LaunchCompact(slot, w.gathers(), offset);
+        break;
+      case DeviceOp::Kind::kReadRows:
+        // Synchronous (tests): the table writes, then the rows.
+        status = device_->LaunchGather(slot, w.gathers());
+        if (status.ok()) {
+          {
+            absl::MutexLock lock(&mu_);
+            ++launches_;
+          }
+          status = device_->Wait(slot).status();
+        }
+        if (status.ok()) status = device_->ReadRows(offset, op.start, op.count, op.rows_out);
+        if (!status.ok()) {
+          Fault(status);
+          status = fault();
+        }
+        finish(status);
+        return;
+      case DeviceOp::Kind::kBarrier:
+        break;
+    }
+  }
+  if (!status.ok()) {
+    Fault(status);
+    finish(fault());
+    return;
+  }
+  InFlight f;
+  f.slot = slot;
+  f.is_op = true;
+  f.op = std::move(op);
+  f.taken = absl::Now();
+  PushInFlight(std::move(f));
+}
+
+void DeviceWorker::LaunchThreadLoop() {
+  if (absl::Status s = device_->BindThread(); !s.ok()) Fault(s);
+  const int max_items = options_.batch_buckets.back();
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      struct Ready {
+        DeviceWorker* w;
+        static bool Eval(Ready* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+          DeviceWorker* w = r->w;
+          if (!w->launch_thread_launches_) return w->stopping_;
+          return w->Launchable() || (w->stopping_ && w->queue_.empty());
+        }
+      } ready{this};
+      mu_.Await(absl::Condition(&Ready::Eval, &ready));
+      if (!launch_thread_launches_ || !Launchable()) break;  // stopping, nothing left
+      if (options_.max_queue_delay > absl::ZeroDuration() && queued_shards_ < max_items &&
+          !queue_.front().is_op) {
+        // Hold a partial batch open for more items, at most the delay.
+        struct Full {
+          DeviceWorker* w;
+          int max;
+          static bool Eval(Full* f) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+            return f->w->stopping_ || f->w->queued_shards_ >= f->max;
+          }
+        } full{this, max_items};
+        mu_.AwaitWithTimeout(absl::Condition(&Full::Eval, &full), options_.max_queue_delay);
+      }
+    }
+    absl::MutexLock launch(&launch_mu_);
+    LaunchQueued();
+  }
   absl::MutexLock lock(&mu_);
-  in_flight_.push_back(std::move(f));
-  ++running_batches_;
+  launch_thread_done_ = true;
 }
 
 void DeviceWorker::CompletionLoop() {
   if (absl::Status s = device_->BindThread(); !s.ok()) Fault(s);
-  const int heads = geometry_.num_heads;
   while (true) {
+    int slot = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      struct Work {
+        DeviceWorker* w;
+        static bool Eval(Work* k) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+          DeviceWorker* w = k->w;
+          if (!w->in_flight_.empty()) return true;
+          // Stopping: nothing queued and nothing being launched, and the
+          // launch thread (where it launches) gone.
+          return w->stopping_ && w->queue_.empty() && !w->launching_ &&
+                 (!w->launch_thread_launches_ || w->launch_thread_done_);
+        }
+      } work{this};
+      mu_.Await(absl::Condition(&Work::Eval, &work));
+      if (in_flight_.empty()) return;
+      slot = in_flight_.front().slot;
+    }
+    const absl::StatusOr<double> seconds = device_->Wait(slot);
+    const absl::Time finished = absl::Now();
     InFlight f;
     {
       absl::MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(
-          +[](DeviceWorker* w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(w->mu_) {
-            return w->launch_done_ || !w->in_flight_.empty();
-          },
-          this));
-      if (in_flight_.empty()) return;
       f = std::move(in_flight_.front());
       in_flight_.pop_front();
+    }
+    if (!seconds.ok()) Fault(seconds.status());
+    // The slot is free: launch what queued meanwhile before completing this
+    // launch's calls, so the device does not wait for them.
+    if (!launch_thread_launches_) LaunchWhilePossible();
+    const absl::Status status = seconds.ok() ? absl::OkStatus() : fault();
+    if (f.is_op) {
+      if (f.op.done) f.op.done(status);
+      continue;
     }
     ShardTiming timing;
     timing.taken = f.taken;
     timing.batch_requests = f.report.requests;
-    absl::StatusOr<double> seconds = device_->Wait(f.set);
-    const absl::Time finished = absl::Now();
-    {
-      absl::MutexLock lock(&mu_);
-      --running_batches_;
-    }
-    absl::Status status;
-    if (!seconds.ok()) {
-      // The launch thread sees the fault before its next launch (and its
-      // plan fingerprint no longer matters).
-      Fault(seconds.status());
-      status = fault();
-    } else {
-      timing.device_seconds = *seconds;
-      const StagingView v = device_->Staging(f.set, f.shape);
-      const size_t out_row_bytes = static_cast<size_t>(heads) * kValueDim * sizeof(Bf16);
-      auto unpack = [&](int k) {
-        const VerifyShard& s = f.shards[k];
-        if (s.device_resident) return;  // the device copied its outputs
-        const int64_t row = f.first_row[k];
-        const Bf16* out = v.out() + row * heads * kValueDim;
-        const float* lse = v.lse() + row * heads;
-        if (s.out_token_stride == static_cast<int64_t>(heads) * kValueDim &&
-            s.lse_token_stride == heads) {
-          std::memcpy(s.out, out, s.draft_len * out_row_bytes);
-          std::memcpy(s.lse, lse, static_cast<size_t>(s.draft_len) * heads * sizeof(float));
-        } else {
-          for (int i = 0; i < s.draft_len; ++i) {
-            std::memcpy(s.out + i * s.out_token_stride,
-                        out + static_cast<int64_t>(i) * heads * kValueDim, out_row_bytes);
-            std::memcpy(s.lse + i * s.lse_token_stride, lse + static_cast<int64_t>(i) * heads,
-                        heads * sizeof(float));
-          }
-        }
-      };
-      const int shards = static_cast<int>(f.shards.size());
-      if (static_cast<size_t>(f.report.rows) * out_row_bytes >= kParallelCopyBytes) {
-        unpack_runner_.Run(shards, unpack);
-      } else {
-        for (int k = 0; k < shards; ++k) unpack(k);
-      }
-      f.report.device_seconds = *seconds;
-      f.report.unpack_seconds = absl::ToDoubleSeconds(absl::Now() - finished);
-      if (observer_ != nullptr) observer_->OnBatch(f.report);
-    }
-    {
-      // The outputs are out of staging: the set may take the next batch.
-      absl::MutexLock lock(&mu_);
-      free_sets_.push_back(f.set);
-    }
-    // Completions run the callers' callbacks (finishing RPCs): spread over
-    // the copy threads for large batches.
+    timing.device_seconds = seconds.ok() ? *seconds : 0;
+    // Completions run the callers' callbacks (copying staged outputs out and
+    // finishing RPCs): spread over the copy threads for large batches.
     const int n = static_cast<int>(f.shards.size());
     auto complete = [&](int k) { f.shards[k].owner->ShardDone(f.shards[k].index, status, timing); };
     if (n >= 8) {
-      unpack_runner_.Run(n, complete);
+      completion_runner_.Run(n, complete);
     } else {
       for (int k = 0; k < n; ++k) complete(k);
+    }
+    if (seconds.ok()) {
+      f.report.device_seconds = *seconds;
+      f.report.unpack_seconds = absl::ToDoubleSeconds(absl::Now() - finished);
+      if (observer_ != nullptr) observer_->OnBatch(f.report);
     }
   }
 }

@@ -1,24 +1,33 @@
-// One device's worker: the only code that touches its Device. Two threads,
-// both bound to the device:
-//   - the launch thread takes work in arrival order. Consecutive verify shards
-//     become one batch (up to the largest batch bucket; different sequences
-//     and layers mix), packed into a free staging set, padded to the smallest
-//     graph bucket that holds them, and launched as that bucket's graph (or
-//     eagerly where no graph applies). Pool operations (row writes, reads,
-//     compactions, barriers) run between batches, in order.
-//   - the completion thread waits for each launched batch, copies its outputs
-//     to the callers' buffers and completes its shards.
-// With several staging sets (EngineConfig::staging_sets), the next batch is
-// packed and launched while the previous one runs and an earlier one's
-// outputs are copied out.
+// One device's worker: the only code that launches work on its Device.
+//
+// Work arrives in a first-in, first-out queue (verify shards and pool
+// operations) and is launched in that order by whichever thread holds the
+// worker's launch lock:
+//   - on an asynchronous device (a GPU), the thread that submitted the work
+//     (Kick, called by the engine once its locks are released) when a slot is
+//     free, i.e. at once on an idle device; and the completion thread, which
+//     launches what queued meanwhile as soon as a launch finished, before it
+//     completes that launch's calls;
+//   - on a synchronous device (the CPU backend), and whenever a queue delay
+//     is configured, the worker's launch thread.
+// Consecutive verify shards become one batch (up to the largest batch
+// bucket; different sequences and layers mix), padded to the smallest graph
+// bucket that holds them and launched as that bucket's graph (or eagerly
+// where no graph applies). A launch's bytes are described by the copy lists
+// it writes into its slot (device.h); the device's page tables are kept up
+// to date by the table changes the shards and operations carry
+// (page_table_arena.h). At most `slots` launches are in flight.
+//
+// The completion thread waits for each launch in order, then completes its
+// shards or operation.
 //
 // The queue has no bound of its own: the engine admits work (with limits)
-// before it enqueues. A device error fails the work it touched and every later
-// piece of work with INTERNAL naming the device; the worker then stays faulted.
+// before it enqueues. A device error fails the work it touched and every
+// later piece of work with INTERNAL naming the device; the worker then stays
+// faulted.
 #ifndef MLAVERIFY_SERVER_ENGINE_DEVICE_WORKER_H_
 #define MLAVERIFY_SERVER_ENGINE_DEVICE_WORKER_H_
 
-#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -32,46 +41,47 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "absl/types/span.h"
 #include "common/bf16.h"
 #include "server/engine/batch_plan.h"
 #include "server/engine/device.h"
 #include "server/engine/engine_observer.h"
+#include "server/engine/page_table_arena.h"
 #include "server/engine/parallel_runner.h"
 
 namespace mlaverify::engine {
 
 class ShardOwner;
 
+// Where one tensor of a shard is, as this worker's device addresses it:
+// token i's rows (this device's heads) start at address + i * pitch.
+struct ShardTensor {
+  uint64_t address = 0;
+  uint32_t pitch = 0;
+};
+
 // One verify item as one device computes it. The pointers stay valid until
 // the owner's ShardDone for it has returned.
 struct VerifyShard {
   ShardOwner* owner = nullptr;
-  int index = 0;                         // the owner's number for this shard
-  uint64_t sequence = 0;                 // two shards of one sequence and layer never share a batch
-  absl::Span<const int32_t> page_table;  // covers positions 0..prefix_len+draft_len-1
+  int index = 0;          // the owner's number for this shard
+  uint64_t sequence = 0;  // two shards of one sequence and layer never share a batch
   int32_t prefix_len = 0;
   int32_t draft_len = 0;
   int32_t layer = 0;
   float scale = 0;
   const uint64_t* visibility = nullptr;  // [draft_len]
-  // This device's heads of token 0; token i is q + i * q_token_stride (elements).
-  const Bf16* q = nullptr;
-  int64_t q_token_stride = 0;
-  const Bf16* draft_kv = nullptr;  // [draft_len, 576]
-  // Where this device's heads of the outputs go, token i at + i * stride.
-  Bf16* out = nullptr;
-  int64_t out_token_stride = 0;
-  float* lse = nullptr;
-  int64_t lse_token_stride = 0;
-  // q, draft_kv, out and lse are in device memory this device can copy from
-  // and to (a client's CUDA shared memory), not host memory.
-  bool device_resident = false;
+  // How the sequence's page list changed since its previous device work
+  // (null: it did not). Applied whether or not the shard runs.
+  std::shared_ptr<const TableDelta> table;
+  ShardTensor q;         // this device's heads of [N, H, 576]
+  ShardTensor draft_kv;  // [N, 576]
+  ShardTensor out;       // this device's heads of [N, H, 512]
+  ShardTensor lse;       // this device's heads of [N, H]
 };
 
 // How a shard went, for the owner's timing split.
 struct ShardTiming {
-  absl::Time taken;           // the launch thread took it from the queue
+  absl::Time taken;           // a launcher took it from the queue
   double device_seconds = 0;  // device time of its batch
   int batch_requests = 0;     // real requests in its batch
 };
@@ -80,8 +90,8 @@ struct ShardTiming {
 class ShardOwner {
  public:
   virtual ~ShardOwner() = default;
-  // Asked once per shard, when the launch thread takes it: OK to run it, or
-  // the status to complete it with unrun (cancelled, deadline passed, its
+  // Asked once per shard, when a launcher takes it: OK to run it, or the
+  // status to complete it with unrun (cancelled, deadline passed, its
   // sequence released). The first shard of a call decides for all of them.
   virtual absl::Status AdmitShard(int index) = 0;
   // The shard ran (its outputs are written) or failed or was not admitted.
@@ -89,21 +99,26 @@ class ShardOwner {
   virtual void ShardDone(int index, const absl::Status& status, const ShardTiming& timing) = 0;
 };
 
-// A pool operation, run on the launch thread between batches.
+// A pool operation, launched between batches in queue order.
 struct DeviceOp {
   enum class Kind { kWriteRows, kReadRows, kCompact, kBarrier };
   Kind kind = Kind::kBarrier;
-  absl::Span<const int32_t> page_table;
+  uint64_t sequence = 0;
+  // How the sequence's page list changed since its previous device work
+  // (null: it did not); applied whether or not the op runs.
+  std::shared_ptr<const TableDelta> table;
+  // The sequence is gone (released or expired): its table is forgotten.
+  bool release_table = false;
   int64_t start = 0;                   // kWriteRows / kReadRows: first position
   int64_t count = 0;                   // tokens
-  const Bf16* rows_in = nullptr;       // kWriteRows: [num_layers, count, 576]
-  Bf16* rows_out = nullptr;            // kReadRows
+  uint64_t rows_in = 0;                // kWriteRows: [num_layers, count, 576] (device address)
+  Bf16* rows_out = nullptr;            // kReadRows: host memory
   int64_t prefix_len = 0;              // kCompact
   absl::Span<const int32_t> accepted;  // kCompact
   // Asked when the op is taken: OK to run it, else the status to complete it
   // with unrun. Empty: always run.
   absl::AnyInvocable<absl::Status()> admit;
-  // Called once, on the launch thread, with the op's outcome.
+  // Called once, on a worker thread, with the op's outcome.
   absl::AnyInvocable<void(const absl::Status&)> done;
 };
 
@@ -112,12 +127,9 @@ struct WorkerOptions {
   std::vector<int> draft_buckets;
   bool use_graphs = true;
   absl::Duration max_queue_delay = absl::ZeroDuration();
+  // Threads (the completion thread included) that complete a large batch's
+  // calls, copying their staged outputs out.
   int copy_threads = 1;
-  // Before the launch thread sleeps on an empty queue it polls it this long
-  // (a wake-up from sleep costs microseconds per call).
-  absl::Duration spin = absl::ZeroDuration();
-  // Copy a batch's inputs while the previous batch runs (LaunchOptions::overlap_input).
-  bool overlap_inputs = false;
 };
 
 class DeviceWorker {
@@ -132,9 +144,9 @@ class DeviceWorker {
   DeviceWorker(const DeviceWorker&) = delete;
   DeviceWorker& operator=(const DeviceWorker&) = delete;
 
-  // Initialises the device, records every bucket's graph on every staging set
-  // (logging the time and memory it took), then starts the threads. Work may
-  // be enqueued only after it returned OK.
+  // Initialises the device, records every bucket's graph (logging the time
+  // and memory it took), then starts the threads. Work may be enqueued only
+  // after it returned OK.
   absl::Status Start(const DeviceGeometry& geometry);
   // Runs what is queued, waits for what is in flight, joins the threads.
   // Idempotent.
@@ -142,27 +154,20 @@ class DeviceWorker {
 
   void Enqueue(VerifyShard shard);
   void Enqueue(DeviceOp op);
+  // Called after enqueueing, with no engine lock held: on an asynchronous
+  // device the calling thread launches what is queued if a slot is free;
+  // otherwise the launch thread is told.
+  void Kick();
 
   int index() const { return index_; }
   const std::string& name() const { return name_; }
+  // The device, for the engine's memory functions (thread-safe ones only).
+  Device& device() { return *device_; }
   DeviceDescription Describe() const { return device_->Describe(); }
-  // Device::PinHostMemory / UnpinHostMemory (any thread).
-  absl::Status PinHostMemory(void* data, size_t bytes) {
-    return device_->PinHostMemory(data, bytes);
-  }
-  void UnpinHostMemory(void* data) { device_->UnpinHostMemory(data); }
-  // Device::OpenIpcMemory / CloseIpcMemory / cuda_ordinal (any thread).
-  absl::StatusOr<void*> OpenIpcMemory(absl::string_view handle) {
-    return device_->OpenIpcMemory(handle);
-  }
-  void CloseIpcMemory(void* data) { device_->CloseIpcMemory(data); }
-  int cuda_ordinal() const { return device_->cuda_ordinal(); }
   // The Device's own name ("cuda:0"; workers over one device share it).
   std::string device_name() const { return device_->name(); }
   // The device's error once it faulted (then all work fails), else OK.
   absl::Status fault() const;
-  // Verify shards and ops queued and not yet taken.
-  int queued() const;
   // Whether verify batches replay captured graphs (set by Start).
   bool uses_graphs() const { return uses_graphs_; }
 
@@ -172,24 +177,44 @@ class DeviceWorker {
     VerifyShard shard;
     DeviceOp op;
   };
-  // A launched batch on its way to the completion thread.
+  // A launch on its way to the completion thread.
   struct InFlight {
-    int set = 0;
-    BatchShape shape;
-    std::vector<VerifyShard> shards;
-    std::vector<int> first_row;  // token row of each shard in staging
+    int slot = 0;
+    bool is_op = false;
+    std::vector<VerifyShard> shards;  // a batch
+    DeviceOp op;                      // an op
     absl::Time taken;
     BatchReport report;
   };
 
-  void LaunchLoop();
+  void LaunchThreadLoop();
   void CompletionLoop();
-  // Takes the next batch of verify shards from the head of the queue (the
-  // caller saw one there): up to the largest batch bucket, stopping at an op
-  // or at a second shard of a sequence and layer already in the batch.
+  // Launches while the lock is free and something can launch; re-checks after
+  // letting go, so work queued by a thread that found the lock held is not
+  // left behind.
+  void LaunchWhilePossible();
+  // With launch_mu_ held: launches queued work until the queue is empty or
+  // no slot is free.
+  void LaunchQueued() ABSL_EXCLUSIVE_LOCKS_REQUIRED(launch_mu_);
+  // Whether the head of the queue can be launched now.
+  bool Launchable() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes the next batch of verify shards from the head of the queue: up to
+  // the largest batch bucket, stopping at an op or at a second shard of a
+  // sequence and layer already in the batch.
   std::vector<VerifyShard> TakeBatch() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RunBatch(std::vector<VerifyShard> shards, absl::Time taken);
-  void RunOp(DeviceOp op);
+  void RunBatch(std::vector<VerifyShard> shards, absl::Time taken)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(launch_mu_);
+  void RunOp(DeviceOp op) ABSL_EXCLUSIVE_LOCKS_REQUIRED(launch_mu_);
+  // Applies a piece of work's page-table change; a failure faults the device.
+  void ApplyTable(uint64_t sequence, const std::shared_ptr<const TableDelta>& delta, bool release)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(launch_mu_);
+  // Starts slot `slot`'s gather list with the page-table writes queued in the
+  // arena (or uploads the whole arena when they do not fit).
+  absl::Status BeginSlot(int slot, class SlotWriter* writer)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(launch_mu_);
+  // Records a launch in flight on the next slot.
+  void PushInFlight(InFlight f);
+  int NextSlot() const;
   // Records the device's first error, tells the engine once.
   void Fault(const absl::Status& status);
   void FailShards(absl::Span<const VerifyShard> shards, const absl::Status& status,
@@ -202,22 +227,29 @@ class DeviceWorker {
   EngineObserver* const observer_;
   const std::function<void(int, const absl::Status&)> on_fault_;
   DeviceGeometry geometry_;
-  ParallelRunner pack_runner_, unpack_runner_;
-  PlanFingerprint plan_;  // launch thread only
+  ParallelRunner completion_runner_;
+  bool asynchronous_ = false;
+  bool uses_graphs_ = false;
+  bool launch_thread_launches_ = false;
+
+  // The launcher's state.
+  absl::Mutex launch_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  PlanFingerprint plan_ ABSL_GUARDED_BY(launch_mu_);
+  std::unique_ptr<PageTableArena> tables_ ABSL_GUARDED_BY(launch_mu_);
+  std::vector<TableWrite> writes_ ABSL_GUARDED_BY(launch_mu_);  // scratch
+  std::vector<int32_t> values_ ABSL_GUARDED_BY(launch_mu_);     // scratch
 
   mutable absl::Mutex mu_;
   std::deque<Entry> queue_ ABSL_GUARDED_BY(mu_);
-  // queue_.size(), readable without the lock (the launch thread's spin).
-  std::atomic<int> queue_size_{0};
   int queued_shards_ ABSL_GUARDED_BY(mu_) = 0;
   std::deque<InFlight> in_flight_ ABSL_GUARDED_BY(mu_);
-  int running_batches_ ABSL_GUARDED_BY(mu_) = 0;  // launched, Wait not yet returned
-  std::vector<int> free_sets_ ABSL_GUARDED_BY(mu_);
+  int launches_ ABSL_GUARDED_BY(mu_) =
+      0;  // slot-using launches ever: the next uses launches_ % slots
   absl::Status fault_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  bool launch_done_ ABSL_GUARDED_BY(mu_) = false;
+  bool launching_ ABSL_GUARDED_BY(mu_) = false;  // a launcher holds launch_mu_
+  bool launch_thread_done_ ABSL_GUARDED_BY(mu_) = false;
   bool started_ = false;
-  bool uses_graphs_ = false;
   std::thread launch_thread_, completion_thread_;
 };
 

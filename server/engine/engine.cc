@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/escaping.h"
@@ -73,6 +74,16 @@ struct Engine::Sequence {
   std::vector<bool> layer_verified ABSL_GUARDED_BY(mu);
   int layers_verified ABSL_GUARDED_BY(mu) = 0;
   int64_t step_pages ABSL_GUARDED_BY(mu) = 0;  // pages the open step added
+  // The devices' copy of `pages` (page_table_arena.h): the length they know
+  // of after the work queued so far, and the shortest `pages` has been since
+  // the last change was sent (entries below it are as they have them).
+  int64_t device_pages ABSL_GUARDED_BY(mu) = 0;
+  int64_t low_water ABSL_GUARDED_BY(mu) = 0;
+
+  // `pages` lost its entries from `size` on.
+  void Trimmed(size_t size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    low_water = std::min(low_water, static_cast<int64_t>(size));
+  }
 
   void Touch() { last_used_ns.store(NowNanos(), std::memory_order_relaxed); }
 };
@@ -134,10 +145,36 @@ class Engine::Call {
     return decided_ && decision_.ok();
   }
 
+  // The staging block's tensors copied out to their caller memory (after
+  // the call ran), then the block and the region leases let go.
+  void CopyOutAndRelease(bool copy_out) {
+    if (copy_out) {
+      for (const StagedOutput& o : staged_outputs) {
+        std::memcpy(o.to, staging.host + o.staging_offset, o.bytes);
+      }
+    }
+    if (engine_->staging_ != nullptr) engine_->staging_->Free(staging);
+    staging = {};
+    leases.Clear();
+  }
+
+  void SetBytes(int64_t bytes) { bytes_ = bytes; }
+
   Engine* const engine_;
   const CallContext context_;
-  const int64_t bytes_;
+  int64_t bytes_;  // admitted tensor bytes, set before the call is queued
   const absl::Time submitted_;
+
+ public:
+  // Filled while the call is submitted, then read only.
+  struct StagedOutput {
+    size_t staging_offset = 0;
+    uint8_t* to = nullptr;
+    size_t bytes = 0;
+  };
+  RegionLeases leases;
+  HostStaging::Block staging;
+  std::vector<StagedOutput> staged_outputs;
 
  private:
   absl::Mutex mu_;
@@ -146,6 +183,114 @@ class Engine::Call {
   bool decided_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status decision_ ABSL_GUARDED_BY(mu_);
   absl::Status status_ ABSL_GUARDED_BY(mu_);
+};
+
+// Where one tensor of a call is, once checked.
+struct Engine::Placed {
+  enum class Where {
+    kHost,    // caller memory the devices address as it is (host devices)
+    kStaged,  // caller memory copied through the call's staging block
+    kRegion,  // a region the devices address in place
+  };
+  Where where = Where::kHost;
+  uint8_t* host = nullptr;         // the bytes in this process (null: device memory)
+  const Region* region = nullptr;  // kRegion
+  uint64_t offset = 0;             // kRegion: from the region's start
+  size_t bytes = 0;
+  size_t staging_offset = 0;    // kStaged: in the call's block
+  std::string* grow = nullptr;  // an output string sized once the call passed its checks
+};
+
+// RegionMapper over the engine's workers: host memory is page-locked once
+// (for every device of the process) and addressed by each; exported device
+// memory is opened once per physical device.
+class Engine::Mapper final : public RegionMapper {
+ public:
+  explicit Mapper(Engine* engine) : engine_(engine) {}
+
+  absl::StatusOr<HostMapping> MapHost(void* data, size_t bytes) override {
+    auto& workers = engine_->workers_;
+    Device& first = workers[0]->device();
+    HostMapping mapping;
+    mapping.pinned = !first.addresses_host_memory();
+    if (mapping.pinned) RETURN_IF_ERROR(first.PinHost(data, bytes));
+    for (const auto& w : workers) {
+      absl::StatusOr<uint64_t> address = w->device().AddressOfHost(data);
+      if (!address.ok()) {
+        if (mapping.pinned) first.UnpinHost(data);
+        return address.status();
+      }
+      mapping.device.push_back(*address);
+    }
+    return mapping;
+  }
+
+  void UnmapHost(void* data) override { engine_->workers_[0]->device().UnpinHost(data); }
+
+  absl::StatusOr<std::vector<uint64_t>> OpenCuda(absl::string_view handle, int device_id) override {
+    RETURN_IF_ERROR(CheckCudaDevice(device_id));
+    auto& workers = engine_->workers_;
+    // Workers over the same device share one mapping (a handle opens once
+    // per device and process).
+    std::vector<uint64_t> out(workers.size(), 0);
+    std::vector<std::pair<std::string, uint64_t>> opened;
+    for (size_t k = 0; k < workers.size(); ++k) {
+      const std::string device = workers[k]->device_name();
+      for (const auto& [name, address] : opened) {
+        if (name == device) out[k] = address;
+      }
+      if (out[k] != 0) continue;
+      absl::StatusOr<uint64_t> address = workers[k]->device().OpenIpcMemory(handle);
+      if (!address.ok()) {
+        CloseCuda(out);
+        return address.status();
+      }
+      out[k] = *address;
+      opened.emplace_back(device, *address);
+    }
+    return out;
+  }
+
+  void CloseCuda(const std::vector<uint64_t>& addresses) override {
+    auto& workers = engine_->workers_;
+    std::vector<std::string> closed;
+    for (size_t k = 0; k < addresses.size() && k < workers.size(); ++k) {
+      const std::string device = workers[k]->device_name();
+      if (addresses[k] == 0 || std::find(closed.begin(), closed.end(), device) != closed.end()) {
+        continue;
+      }
+      workers[k]->device().CloseIpcMemory(addresses[k]);
+      closed.push_back(device);
+    }
+  }
+
+  absl::StatusOr<std::vector<uint64_t>> AddressLocalDevice(uint64_t address,
+                                                           int device_id) override {
+    RETURN_IF_ERROR(CheckCudaDevice(device_id));
+    std::vector<uint64_t> out;
+    for (const auto& w : engine_->workers_) {
+      ASSIGN_OR_RETURN(uint64_t a, w->device().AddressOfDeviceMemory(address, device_id));
+      out.push_back(a);
+    }
+    return out;
+  }
+
+ private:
+  absl::Status CheckCudaDevice(int device_id) const {
+    auto& workers = engine_->workers_;
+    if (workers[0]->device().cuda_ordinal() < 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "CUDA shared memory needs the CUDA backend; this server runs ", engine_->backend_name_));
+    }
+    for (const auto& w : workers) {
+      if (w->device().cuda_ordinal() == device_id) return absl::OkStatus();
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat("device_id ", device_id, " is none of this server's devices (",
+                     absl::StrJoin(engine_->device_names(), ", "), ")"));
+  }
+
+  Engine* const engine_;
 };
 
 // A call made of device ops (AppendKv, Commit, Release, ReadKv): one op per
@@ -160,19 +305,22 @@ class Engine::OpCall final : public Call {
         skip_(std::move(skip)),
         finish_(std::move(finish)) {}
 
-  // Queues `op` (admit and done filled in here) on each of `devices`.
-  void Enqueue(const std::vector<int>& devices, const DeviceOp& op) {
+  // Queues `op` (admit and done filled in here; `rows_in` from `rows` as
+  // each device addresses it) on each of `devices`.
+  void Enqueue(const std::vector<int>& devices, const DeviceOp& op, const Placed* rows = nullptr) {
     SetPieces(static_cast<int>(devices.size()));
     for (int d : devices) {
       DeviceOp copy;
       copy.kind = op.kind;
-      copy.page_table = op.page_table;
+      copy.sequence = op.sequence;
+      copy.table = op.table;
+      copy.release_table = op.release_table;
       copy.start = op.start;
       copy.count = op.count;
-      copy.rows_in = op.rows_in;
+      copy.rows_in = rows != nullptr ? engine_->AddressOf(*rows, d, staging) : 0;
       copy.rows_out = op.rows_out;
       copy.prefix_len = op.prefix_len;
-      copy.accepted = op.accepted;
+      copy.accepted = accepted;
       copy.admit = [this] { return Decide(); };
       copy.done = [this](const absl::Status& status) {
         if (PieceDone(status)) Finish();
@@ -182,7 +330,6 @@ class Engine::OpCall final : public Call {
   }
 
   // Storage the ops point into, owned by the call.
-  std::vector<int32_t> page_table;
   std::vector<int32_t> accepted;
 
  protected:
@@ -192,6 +339,7 @@ class Engine::OpCall final : public Call {
   void Finish() {
     const absl::Status s = status();
     const bool r = ran();
+    CopyOutAndRelease(false);
     engine_->Unadmit(bytes_);
     finish_(s, r);
     delete this;
@@ -207,12 +355,10 @@ class Engine::VerifyTask final : public Call, public ShardOwner {
   struct Item {
     std::shared_ptr<Sequence> seq;
     int n = 0;
-    int32_t prefix = 0;
-    std::vector<int32_t> pages;  // snapshot covering P + N positions
-    std::shared_ptr<const std::vector<uint64_t>> visibility;
     bool opened = false;  // this call opened the step
     uint64_t step = 0;
     uint64_t op = 0;  // its number among the sequence's calls
+    std::shared_ptr<const std::vector<uint64_t>> visibility;
   };
 
   VerifyTask(Engine* engine, CallContext context, int64_t bytes, int layer, VerifyTiming* timing,
@@ -223,6 +369,12 @@ class Engine::VerifyTask final : public Call, public ShardOwner {
         done_(std::move(done)) {}
 
   std::vector<Item> items;
+
+  // The call passed its checks and was admitted for `bytes`.
+  void Accept(int64_t bytes, absl::AnyInvocable<void(absl::Status)> done) {
+    SetBytes(bytes);
+    done_ = std::move(done);
+  }
 
   absl::Status AdmitShard(int) override { return Decide(); }
 
@@ -268,6 +420,7 @@ class Engine::VerifyTask final : public Call, public ShardOwner {
         }
         freed.assign(s.pages.end() - s.step_pages, s.pages.end());
         s.pages.resize(s.pages.size() - s.step_pages);
+        s.Trimmed(s.pages.size());
         s.step_pages = 0;
         s.pending = false;
         s.parents.clear();
@@ -306,6 +459,7 @@ class Engine::VerifyTask final : public Call, public ShardOwner {
       engine_->verify_items_.fetch_add(static_cast<int64_t>(items.size()));
       engine_->drafts_verified_.fetch_add(drafts);
     }
+    CopyOutAndRelease(s.ok());
     engine_->Unadmit(bytes_);
     VerifyTiming t;
     t.items = static_cast<int>(items.size());
@@ -351,16 +505,17 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   geometry.num_heads = e->heads_per_device_;
   geometry.max_batch = config.max_batch();
   geometry.max_draft_len = config.max_draft_len();
-  geometry.max_pages_per_sequence = config.max_pages_per_sequence();
-  geometry.staging_sets = config.staging_sets;
+  geometry.slots = config.batches_in_flight;
+  geometry.table_entries = PageTableArena::EntriesFor(config.num_pages(), config.max_live_sequences,
+                                                      config.max_pages_per_sequence());
+  geometry.slot = SlotLayout::For(config.max_batch(), config.max_draft_len(), config.page_size,
+                                  config.max_pages_per_sequence());
   WorkerOptions options;
   options.batch_buckets = config.batch_buckets;
   options.draft_buckets = config.draft_buckets;
   options.use_graphs = config.use_graphs;
   options.max_queue_delay = config.max_queue_delay;
   options.copy_threads = config.copy_threads;
-  options.spin = config.worker_spin;
-  options.overlap_inputs = config.overlap_inputs;
   Engine* raw = e.get();
   // Names unique in this engine: a device listed twice is "cuda:0" and "cuda:0#2".
   absl::flat_hash_map<std::string, int> seen;
@@ -373,6 +528,25 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
         [raw](int device, const absl::Status& status) { raw->OnDeviceFault(device, status); }));
   }
   for (auto& w : e->workers_) RETURN_IF_ERROR(w->Start(geometry));
+  Device& first_device = e->workers_[0]->device();
+  if (!first_device.addresses_host_memory()) {
+    const size_t bytes = static_cast<size_t>(config.pinned_staging_bytes);
+    ASSIGN_OR_RETURN(uint8_t * memory, first_device.AllocateHostStaging(bytes));
+    std::vector<uint64_t> addresses;
+    for (auto& w : e->workers_) {
+      absl::StatusOr<uint64_t> a = w->device().AddressOfHost(memory);
+      if (!a.ok()) {
+        first_device.FreeHostStaging(memory);
+        return a.status();
+      }
+      addresses.push_back(*a);
+    }
+    e->staging_ = std::make_unique<HostStaging>(
+        memory, bytes, std::move(addresses),
+        [&first_device](uint8_t* m) { first_device.FreeHostStaging(m); });
+  }
+  e->mapper_ = std::make_unique<Mapper>(raw);
+  e->regions_.SetMapper(e->mapper_.get());
   const int pools = tp ? 1 : num_devices;
   for (int p = 0; p < pools; ++p) {
     e->allocators_.push_back(std::make_unique<PageAllocator>(config.num_pages()));
@@ -385,21 +559,25 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   for (const auto& w : e->workers_) names.push_back(w->name());
   spdlog::info(
       "engine: {} on {} ({} mode), {} layers, {} heads ({} per device), page size {}, "
-      "{} pages per {} ({}), max draft {}, max batch {}",
+      "{} pages per {} ({}), max draft {}, max batch {}, {} launches in flight, {} host staging",
       e->backend_name_, absl::StrJoin(names, ","), ParallelModeName(config.parallel_mode),
       config.num_layers, config.num_heads, e->heads_per_device_, config.page_size,
       config.num_pages(), tp ? "replica" : "device", FormatBytes(config.pool_bytes),
-      config.max_draft_len(), config.max_batch());
+      config.max_draft_len(), config.max_batch(), config.batches_in_flight,
+      e->staging_ != nullptr ? FormatBytes(config.pinned_staging_bytes) : "no");
   return e;
 }
 
-Engine::Engine(const EngineConfig& config) : config_(config) {
+Engine::Engine(const EngineConfig& config) : config_(config), regions_(config.shared_memory) {
   absl::MutexLock lock(&table_mu_);
   instance_id_ = absl::StrFormat("%08x%08x", id_source_(), id_source_());
 }
 
 Engine::~Engine() {
   for (auto& w : workers_) w->Stop();
+  // Regions and staging go while the devices that mapped them are still here.
+  regions_.ReleaseAll();
+  staging_.reset();
 }
 
 std::vector<DeviceDescription> Engine::devices() const {
@@ -465,6 +643,10 @@ EngineStats Engine::Stats() const {
     s.queued_calls = queued_calls_;
     s.queued_bytes = queued_bytes_;
   }
+  if (staging_ != nullptr) {
+    s.staging_bytes = static_cast<int64_t>(staging_->capacity());
+    s.staging_bytes_in_use = static_cast<int64_t>(staging_->in_use());
+  }
   s.pending_steps = pending_steps_.load();
   s.tokens_appended_total = tokens_appended_.load();
   s.tokens_committed_total = tokens_committed_.load();
@@ -483,6 +665,10 @@ std::vector<int> Engine::DevicesOf(const Sequence& seq) const {
   std::vector<int> all(workers_.size());
   for (size_t d = 0; d < all.size(); ++d) all[d] = static_cast<int>(d);
   return all;
+}
+
+void Engine::KickAll(const std::vector<int>& devices) {
+  for (int d : devices) workers_[d]->Kick();
 }
 
 absl::Status Engine::Admit(int64_t bytes) {
@@ -571,6 +757,16 @@ absl::Status Engine::NotFound(uint64_t id) const {
                                           "restart: the instance id changes with every start)"));
 }
 
+std::shared_ptr<const TableDelta> Engine::TakeDelta(Sequence& s) {
+  const int64_t size = static_cast<int64_t>(s.pages.size());
+  if (s.low_water == s.device_pages && s.device_pages == size) return nullptr;
+  auto delta = std::make_shared<TableDelta>();
+  delta->keep = std::min(s.low_water, s.device_pages);
+  delta->values.assign(s.pages.begin() + delta->keep, s.pages.end());
+  s.device_pages = s.low_water = size;
+  return delta;
+}
+
 void Engine::FreeAfterBarrier(const std::shared_ptr<Sequence>& seq, std::vector<int32_t> pages,
                               absl::AnyInvocable<void()> then) {
   PageAllocator* allocator = &AllocatorOf(*seq);
@@ -588,85 +784,227 @@ void Engine::FreeAfterBarrier(const std::shared_ptr<Sequence>& seq, std::vector<
   }
   DeviceOp barrier;
   barrier.kind = DeviceOp::Kind::kBarrier;
-  call->Enqueue(DevicesOf(*seq), barrier);
+  barrier.sequence = seq->id;
+  barrier.release_table = true;  // the sequence is gone from every device
+  const std::vector<int> devices = DevicesOf(*seq);
+  call->Enqueue(devices, barrier);
+  KickAll(devices);
+}
+
+namespace {
+
+const char* DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kBf16:
+      return "DTYPE_BF16";
+    case DType::kFp32:
+      return "DTYPE_FP32";
+    default:
+      return "DTYPE_UNSPECIFIED";
+  }
+}
+
+size_t DTypeBytes(DType dtype) { return dtype == DType::kFp32 ? 4 : 2; }
+
+std::string ShapeText(absl::Span<const int64_t> shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+// Elements of a shape, or -1 when a dimension is negative or the product
+// exceeds 2^40 (no tensor of the contract is near that: the check keeps the
+// arithmetic from overflowing on hostile shapes).
+int64_t Elements(std::initializer_list<int64_t> shape) {
+  constexpr int64_t kMaxElements = int64_t{1} << 40;
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 0 || (d > 0 && n > kMaxElements / d)) return -1;
+    n *= d;
+  }
+  return n;
+}
+
+constexpr size_t kStagingAlign = 256;
+
+size_t Aligned(size_t bytes) { return (bytes + kStagingAlign - 1) / kStagingAlign * kStagingAlign; }
+
+}  // namespace
+
+absl::StatusOr<Engine::Placed> Engine::PlaceInput(const TensorRef& ref, DType dtype,
+                                                  std::initializer_list<int64_t> shape,
+                                                  RegionLeases& leases, const std::string& what) {
+  if (ref.dtype != dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": dtype ", ref.dtype == DType::kOther ? ref.dtype_name : DTypeName(ref.dtype),
+        ", expected ", DTypeName(dtype)));
+  }
+  const std::string expected = ShapeText(shape);
+  if (ref.has_shape &&
+      !std::equal(ref.shape.begin(), ref.shape.end(), shape.begin(), shape.end())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": shape ", ShapeText(ref.shape), ", expected ", expected));
+  }
+  const int64_t n = Elements(shape);
+  if (n < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": shape ", expected, " is negative or too large"));
+  }
+  Placed p;
+  p.bytes = static_cast<size_t>(n) * DTypeBytes(dtype);
+  if (ref.in_region) {
+    ASSIGN_OR_RETURN(ResolvedRange r, leases.Resolve(regions_, ref.range, p.bytes,
+                                                     DTypeBytes(dtype), /*is_output=*/false, what));
+    p.host = r.host();
+    if (!r.region->device().empty()) {
+      p.where = Placed::Where::kRegion;
+      p.region = r.region;
+      p.offset = r.offset;
+      return p;
+    }
+  } else {
+    if (ref.bytes.size() != p.bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": ", ref.bytes.size(), " bytes of data, shape ", expected, " needs ", p.bytes));
+    }
+    p.host = const_cast<uint8_t*>(ref.bytes.data());
+  }
+  p.where = staging_ != nullptr ? Placed::Where::kStaged : Placed::Where::kHost;
+  return p;
+}
+
+absl::StatusOr<Engine::Placed> Engine::PlaceOutput(const OutputRef& ref, DType dtype,
+                                                   std::initializer_list<int64_t> shape,
+                                                   RegionLeases& leases, const std::string& what) {
+  const int64_t n = Elements(shape);
+  if (n < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": shape ", ShapeText(shape), " is negative or too large"));
+  }
+  Placed p;
+  p.bytes = static_cast<size_t>(n) * DTypeBytes(dtype);
+  if (ref.in_region) {
+    ASSIGN_OR_RETURN(ResolvedRange r, leases.Resolve(regions_, ref.range, p.bytes,
+                                                     DTypeBytes(dtype), /*is_output=*/true, what));
+    p.host = r.host();
+    if (!r.region->device().empty()) {
+      p.where = Placed::Where::kRegion;
+      p.region = r.region;
+      p.offset = r.offset;
+      return p;
+    }
+  } else if (ref.grow != nullptr && ref.buffer.empty()) {
+    p.grow = ref.grow;  // sized (and its address known) once the call passed its checks
+  } else {
+    if (ref.buffer.size() != p.bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": a buffer of ", ref.buffer.size(),
+                                                     " bytes, shape ", ShapeText(shape), " needs ",
+                                                     p.bytes));
+    }
+    p.host = ref.buffer.data();
+  }
+  p.where = staging_ != nullptr ? Placed::Where::kStaged : Placed::Where::kHost;
+  return p;
+}
+
+uint64_t Engine::AddressOf(const Placed& p, int w, const HostStaging::Block& block) const {
+  switch (p.where) {
+    case Placed::Where::kRegion:
+      return p.region->device()[w] + p.offset;
+    case Placed::Where::kStaged:
+      return staging_->DeviceAddress(w, block.host + p.staging_offset);
+    default:
+      return reinterpret_cast<uint64_t>(p.host);
+  }
 }
 
 void Engine::SubmitVerify(VerifyCall call, absl::AnyInvocable<void(absl::Status)> done) {
   // A rejection is reported after every lock StartVerify took is released:
   // `done` may call the engine again.
   absl::Status rejected = StartVerify(call, done);
-  if (!rejected.ok()) done(std::move(rejected));
+  if (!rejected.ok()) {
+    done(std::move(rejected));
+    return;
+  }
+  // The calling thread launches where the devices are idle.
+  for (auto& w : workers_) w->Kick();
 }
 
 absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl::Status)>& done) {
   const int heads = config_.num_heads;
   const absl::Span<VerifyItem> items = call.items;
   const int layer = call.layer;
-  if (items.empty()) return (absl::InvalidArgumentError("verify request has no items"));
+  if (items.empty()) return absl::InvalidArgumentError("verify request has no items");
   if (static_cast<int>(items.size()) > config_.max_batch()) {
-    return (absl::InvalidArgumentError(absl::StrCat("verify request has ", items.size(),
-                                                    " items; max_batch is ", config_.max_batch())));
+    return absl::InvalidArgumentError(absl::StrCat("verify request has ", items.size(),
+                                                   " items; max_batch is ", config_.max_batch()));
   }
   if (layer < 0 || layer >= config_.num_layers) {
-    return (absl::InvalidArgumentError(
-        absl::StrCat("layer ", layer, " is outside 0..", config_.num_layers - 1)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " is outside 0..", config_.num_layers - 1));
   }
   if (std::isnan(call.softmax_scale) || std::isinf(call.softmax_scale)) {
-    return (absl::InvalidArgumentError("softmax_scale must be finite"));
+    return absl::InvalidArgumentError("softmax_scale must be finite");
   }
   const float scale =
       call.softmax_scale > 0.0f ? call.softmax_scale : config_.default_softmax_scale;
 
-  // Everything that needs no sequence state, checked before any lock.
+  // Everything that needs no sequence state, checked once, before any lock:
+  // draft counts, trees, every tensor (dtype, shape, size, region range).
+  auto task =
+      std::make_unique<VerifyTask>(this, std::move(call.context), 0, layer, call.timing, nullptr);
+  RegionLeases& leases = task->leases;
+  struct ItemPlaces {
+    Placed q, draft_kv, out, lse;
+  };
+  std::vector<ItemPlaces> places(items.size());
   std::vector<std::shared_ptr<const std::vector<uint64_t>>> visibility(items.size());
   int64_t bytes = 0;
+  size_t staging_bytes = 0;
   for (size_t k = 0; k < items.size(); ++k) {
     const VerifyItem& it = items[k];
     const int64_t n = static_cast<int64_t>(it.parents.size());
+    const std::string where = absl::StrCat("items[", k, "] (sequence ", it.sequence_id, ")");
     if (n < 1 || n > config_.max_draft_len()) {
-      return (absl::InvalidArgumentError(absl::StrCat("item ", k, " (sequence ", it.sequence_id,
-                                                      "): ", n, " drafts; need 1..",
-                                                      config_.max_draft_len())));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": ", n, " drafts (parents); need 1..", config_.max_draft_len()));
     }
     absl::StatusOr<std::vector<uint64_t>> words = BuildVisibility(it.parents);
     if (!words.ok()) {
-      return (absl::InvalidArgumentError(absl::StrCat("item ", k, " (sequence ", it.sequence_id,
-                                                      "): ", words.status().message())));
+      return absl::InvalidArgumentError(absl::StrCat(where, ": ", words.status().message()));
     }
     visibility[k] = std::make_shared<const std::vector<uint64_t>>(*std::move(words));
-    if (it.device != nullptr) {
-      const size_t w = workers_.size();
-      if (!it.q.empty() || !it.draft_kv.empty() || !it.out.empty() || !it.lse.empty() ||
-          it.device->q.size() != w || it.device->draft_kv.size() != w ||
-          it.device->out.size() != w || it.device->lse.size() != w) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("item ", k, " (sequence ", it.sequence_id,
-                         "): device tensors need one address per device and no host buffers"));
+    ItemPlaces& p = places[k];
+    ASSIGN_OR_RETURN(p.q, PlaceInput(it.q, DType::kBf16, {n, heads, kLatentDim}, leases,
+                                     absl::StrCat(where, " q")));
+    ASSIGN_OR_RETURN(p.draft_kv, PlaceInput(it.draft_kv, DType::kBf16, {n, kLatentDim}, leases,
+                                            absl::StrCat(where, " draft_kv")));
+    if (it.out.in_region != it.lse.in_region) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": out_shared_memory and lse_shared_memory go together (both or neither)"));
+    }
+    ASSIGN_OR_RETURN(p.out, PlaceOutput(it.out, DType::kBf16, {n, heads, kValueDim}, leases,
+                                        absl::StrCat(where, " out")));
+    ASSIGN_OR_RETURN(
+        p.lse, PlaceOutput(it.lse, DType::kFp32, {n, heads}, leases, absl::StrCat(where, " lse")));
+    for (Placed* t : {&p.q, &p.draft_kv, &p.out, &p.lse}) {
+      // Tensors in device memory hold no host memory: they count as nothing queued.
+      if (t->host != nullptr || t->grow != nullptr) bytes += static_cast<int64_t>(t->bytes);
+      if (t->where == Placed::Where::kStaged) {
+        t->staging_offset = staging_bytes;
+        staging_bytes += Aligned(t->bytes);
       }
-    } else if (static_cast<int64_t>(it.q.size()) != n * heads * kLatentDim ||
-               static_cast<int64_t>(it.draft_kv.size()) != n * kLatentDim ||
-               static_cast<int64_t>(it.out.size()) != n * heads * kValueDim ||
-               static_cast<int64_t>(it.lse.size()) != n * heads) {
-      return (absl::InvalidArgumentError(absl::StrCat(
-          "item ", k, " (sequence ", it.sequence_id, "): buffer sizes do not match N=", n,
-          ", H=", heads, " (q [N,H,576], draft_kv [N,576], out [N,H,512], lse [N,H])")));
     }
     for (size_t j = 0; j < k; ++j) {
       if (items[j].sequence_id == it.sequence_id) {
-        return (absl::InvalidArgumentError(absl::StrCat(
-            "sequence ", it.sequence_id, " appears twice (items ", j, " and ", k, ")")));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "sequence ", it.sequence_id, " appears twice (items ", j, " and ", k, ")"));
       }
     }
-    // Device tensors hold no host memory: they count as nothing queued.
-    bytes += static_cast<int64_t>(it.q.size() + it.draft_kv.size() + it.out.size()) * sizeof(Bf16) +
-             static_cast<int64_t>(it.lse.size()) * sizeof(float);
   }
+  if (!leases.empty()) RETURN_IF_ERROR(leases.CheckOutputsDoNotOverlap());
 
   std::vector<std::shared_ptr<Sequence>> seqs(items.size());
   for (size_t k = 0; k < items.size(); ++k) {
-    absl::StatusOr<std::shared_ptr<Sequence>> s = Find(items[k].sequence_id);
-    if (!s.ok()) return (s.status());
-    seqs[k] = *std::move(s);
+    ASSIGN_OR_RETURN(seqs[k], Find(items[k].sequence_id));
   }
   // Lock the sequences in id order (no deadlock with concurrent calls); the
   // locks are held until the shards are queued, so every device sees one
@@ -695,48 +1033,76 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
     Sequence& s = *seqs[k];
     s.mu.AssertHeld();
     const int64_t n = static_cast<int64_t>(items[k].parents.size());
-    if (s.released) return (NotFound(s.id));
-    if (!s.broken.ok()) return (s.broken);
+    if (s.released) return NotFound(s.id);
+    if (!s.broken.ok()) return s.broken;
     if (s.pending) {
       if (!std::equal(s.parents.begin(), s.parents.end(), items[k].parents.begin(),
                       items[k].parents.end())) {
-        return (absl::FailedPreconditionError(absl::StrCat(
+        return absl::FailedPreconditionError(absl::StrCat(
             "sequence ", s.id, " has a pending step with ", s.parents.size(),
             " drafts and another tree; every layer of a step must send the same parents "
-            "(Commit the step to start a new one)")));
+            "(Commit the step to start a new one)"));
       }
       continue;
     }
     if (s.length + n > config_.max_sequence_len) {
-      return (absl::ResourceExhaustedError(
+      return absl::ResourceExhaustedError(
           absl::StrCat("sequence ", s.id, " would reach ", s.length + n,
-                       " tokens; max_sequence_len is ", config_.max_sequence_len)));
+                       " tokens; max_sequence_len is ", config_.max_sequence_len));
     }
     extra[k] = std::max<int64_t>(
         0, CeilDiv(s.length + n, config_.page_size) - static_cast<int64_t>(s.pages.size()));
     pool_pages[s.pool] += extra[k];
   }
-  if (absl::Status admitted = Admit(bytes); !admitted.ok()) return (admitted);
+  RETURN_IF_ERROR(Admit(bytes));
   std::vector<std::vector<int32_t>> new_pages(allocators_.size());
   for (size_t p = 0; p < allocators_.size(); ++p) {
     absl::StatusOr<std::vector<int32_t>> got = allocators_[p]->Allocate(pool_pages[p]);
     if (!got.ok()) {
       for (size_t q = 0; q < p; ++q) allocators_[q]->Free(new_pages[q]);
       Unadmit(bytes);
-      return (got.status());
+      return got.status();
     }
     new_pages[p] = *std::move(got);
   }
-
-  auto* task =
-      new VerifyTask(this, std::move(call.context), bytes, layer, call.timing, std::move(done));
-  task->items.resize(items.size());
+  if (staging_bytes > 0) {
+    absl::StatusOr<HostStaging::Block> block =
+        staging_->Allocate(staging_bytes, "this call's host-resident tensors");
+    if (!block.ok()) {
+      for (size_t p = 0; p < allocators_.size(); ++p) allocators_[p]->Free(new_pages[p]);
+      Unadmit(bytes);
+      return block.status();
+    }
+    task->staging = *block;
+  }
+  // From here on the call is accepted: outputs are sized, inputs staged,
+  // the steps opened and the shards queued.
+  VerifyTask* t = task.release();
+  t->Accept(bytes, std::move(done));
+  for (ItemPlaces& p : places) {
+    for (Placed* out : {&p.out, &p.lse}) {
+      if (out->grow != nullptr) {
+        out->grow->resize(out->bytes);
+        out->host = reinterpret_cast<uint8_t*>(out->grow->data());
+      }
+      if (out->where == Placed::Where::kStaged) {
+        t->staged_outputs.push_back({out->staging_offset, out->host, out->bytes});
+      }
+    }
+    for (const Placed* in : {&p.q, &p.draft_kv}) {
+      if (in->where == Placed::Where::kStaged) {
+        std::memcpy(t->staging.host + in->staging_offset, in->host, in->bytes);
+      }
+    }
+  }
+  t->items.resize(items.size());
   std::vector<size_t> next_page(allocators_.size(), 0);
   int opened = 0;
+  std::vector<std::shared_ptr<const TableDelta>> deltas(items.size());
   for (size_t k = 0; k < items.size(); ++k) {
     Sequence& s = *seqs[k];
     s.mu.AssertHeld();
-    VerifyTask::Item& item = task->items[k];
+    VerifyTask::Item& item = t->items[k];
     item.seq = seqs[k];
     item.n = static_cast<int>(items[k].parents.size());
     if (!s.pending) {
@@ -754,52 +1120,49 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
       item.opened = true;
       ++opened;
     }
-    item.prefix = static_cast<int32_t>(s.length);
-    item.pages.assign(s.pages.begin(),
-                      s.pages.begin() + CeilDiv(s.length + item.n, config_.page_size));
     item.visibility = s.visibility;
     item.step = s.step;
     item.op = ++s.ops_submitted;
     items[k].prefix_len = s.length;
+    deltas[k] = TakeDelta(s);
     s.Touch();
   }
   pending_steps_.fetch_add(opened);
 
   // Shards: every item on every device of its sequence, each device its heads.
   int shards = 0;
-  for (const VerifyTask::Item& item : task->items) {
+  for (const VerifyTask::Item& item : t->items) {
     shards += static_cast<int>(DevicesOf(*item.seq).size());
   }
-  task->SetPieces(shards);
+  t->SetPieces(shards);
+  const uint32_t q_pitch = static_cast<uint32_t>(heads) * kLatentRowBytes;
+  const uint32_t out_pitch = static_cast<uint32_t>(heads) * kValueDim * sizeof(Bf16);
+  const uint32_t lse_pitch = static_cast<uint32_t>(heads) * sizeof(float);
   int index = 0;
   for (size_t k = 0; k < items.size(); ++k) {
-    const VerifyTask::Item& item = task->items[k];
+    const VerifyTask::Item& item = t->items[k];
+    const ItemPlaces& p = places[k];
     const std::vector<int> devices = DevicesOf(*item.seq);
     for (size_t r = 0; r < devices.size(); ++r) {
       // In TP mode device r computes heads [r * Hd, (r + 1) * Hd); in DP mode
       // the one device computes all.
-      const int64_t h0 = static_cast<int64_t>(r) * heads_per_device_;
+      const uint64_t h0 = static_cast<uint64_t>(r) * heads_per_device_;
+      const int w = devices[r];
       VerifyShard shard;
-      shard.owner = task;
+      shard.owner = t;
       shard.index = index++;
       shard.sequence = item.seq->id;
-      shard.page_table = item.pages;
-      shard.prefix_len = item.prefix;
+      shard.prefix_len = static_cast<int32_t>(items[k].prefix_len);
       shard.draft_len = item.n;
       shard.layer = layer;
       shard.scale = scale;
       shard.visibility = item.visibility->data();
-      const DeviceTensors* dev = items[k].device;
-      const int w = devices[r];
-      shard.q = (dev != nullptr ? dev->q[w] : items[k].q.data()) + h0 * kLatentDim;
-      shard.q_token_stride = static_cast<int64_t>(heads) * kLatentDim;
-      shard.draft_kv = dev != nullptr ? dev->draft_kv[w] : items[k].draft_kv.data();
-      shard.out = (dev != nullptr ? dev->out[w] : items[k].out.data()) + h0 * kValueDim;
-      shard.out_token_stride = static_cast<int64_t>(heads) * kValueDim;
-      shard.lse = (dev != nullptr ? dev->lse[w] : items[k].lse.data()) + h0;
-      shard.lse_token_stride = heads;
-      shard.device_resident = dev != nullptr;
-      workers_[devices[r]]->Enqueue(shard);
+      shard.table = deltas[k];
+      shard.q = {AddressOf(p.q, w, t->staging) + h0 * kLatentRowBytes, q_pitch};
+      shard.draft_kv = {AddressOf(p.draft_kv, w, t->staging), kLatentRowBytes};
+      shard.out = {AddressOf(p.out, w, t->staging) + h0 * kValueDim * sizeof(Bf16), out_pitch};
+      shard.lse = {AddressOf(p.lse, w, t->staging) + h0 * sizeof(float), lse_pitch};
+      workers_[w]->Enqueue(std::move(shard));
     }
   }
   return absl::OkStatus();
@@ -808,47 +1171,75 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
 void Engine::SubmitAppendKv(AppendCall call,
                             absl::AnyInvocable<void(absl::StatusOr<int64_t>)> done) {
   absl::Status rejected = StartAppendKv(call, done);  // after its locks are released
-  if (!rejected.ok()) done(std::move(rejected));
+  if (!rejected.ok()) {
+    done(std::move(rejected));
+    return;
+  }
+  for (auto& w : workers_) w->Kick();
 }
 
 absl::Status Engine::StartAppendKv(AppendCall& call,
                                    absl::AnyInvocable<void(absl::StatusOr<int64_t>)>& done) {
   const uint64_t id = call.sequence_id;
-  const int64_t tokens = call.tokens;
-  if (tokens < 1) {
-    return (absl::InvalidArgumentError(absl::StrCat("append of ", tokens, " tokens: need >= 1")));
+  const int64_t layers = config_.num_layers;
+  int64_t tokens = call.tokens;
+  if (call.kv.has_shape) {
+    // T comes from the tensor itself; everything else must match the geometry.
+    tokens = call.kv.shape.size() == 3 ? call.kv.shape[1] : -1;
+    if (tokens < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "kv: shape ", ShapeText(call.kv.shape), ", expected [", layers, ", T, 576] with T >= 1"));
+    }
   }
-  const int64_t expected = int64_t{config_.num_layers} * tokens * kLatentDim;
-  if (static_cast<int64_t>(call.kv.size()) != expected) {
-    return (absl::InvalidArgumentError(absl::StrCat("kv holds ", call.kv.size(), " values; [",
-                                                    config_.num_layers, ", ", tokens,
-                                                    ", 576] needs ", expected)));
+  if (tokens < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("append of ", tokens, " tokens: need >= 1"));
+  }
+  auto leases = std::make_unique<RegionLeases>();
+  ASSIGN_OR_RETURN(Placed rows,
+                   PlaceInput(call.kv, DType::kBf16, {layers, tokens, kLatentDim}, *leases, "kv"));
+  // The row-copy kernel reads 16-byte vectors: rows in a region at another
+  // alignment go through the staging (system regions) or are refused.
+  if (rows.where == Placed::Where::kRegion && staging_ != nullptr &&
+      (rows.region->device()[0] + rows.offset) % 16 != 0) {
+    if (rows.host == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "kv: a CUDA shared-memory prompt must start at a multiple of 16 bytes (offset ",
+          rows.offset, ")"));
+    }
+    rows.where = Placed::Where::kStaged;
+  }
+  if (rows.where == Placed::Where::kStaged && rows.bytes > staging_->capacity()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv: ", FormatBytes(static_cast<int64_t>(rows.bytes)),
+        " from host memory is more than the page-locked staging holds (--pinned-staging-bytes ",
+        FormatBytes(static_cast<int64_t>(staging_->capacity())),
+        "): append the prompt in smaller chunks"));
   }
   absl::StatusOr<std::shared_ptr<Sequence>> found = Find(id);
-  if (!found.ok()) return (found.status());
+  if (!found.ok()) return found.status();
   std::shared_ptr<Sequence> seq = *std::move(found);
   Sequence& s = *seq;
   absl::MutexLock lock(&s.mu);
-  if (s.released) return (NotFound(id));
-  if (!s.broken.ok()) return (s.broken);
+  if (s.released) return NotFound(id);
+  if (!s.broken.ok()) return s.broken;
   if (s.pending) {
-    return (absl::FailedPreconditionError(
+    return absl::FailedPreconditionError(
         absl::StrCat("sequence ", id, " has a pending verify step of ", s.parents.size(),
-                     " drafts: Commit it before appending")));
+                     " drafts: Commit it before appending"));
   }
   if (call.start_position != s.length) {
-    return (absl::FailedPreconditionError(absl::StrCat(
-        "sequence ", id, " has length ", s.length, "; the chunk starts at ", call.start_position)));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence ", id, " has length ", s.length, "; the chunk starts at ", call.start_position));
   }
   const int64_t old_length = s.length;
   const int64_t new_length = old_length + tokens;
   if (new_length > config_.max_sequence_len) {
-    return (absl::ResourceExhaustedError(absl::StrCat("sequence ", id, " would reach ", new_length,
-                                                      " tokens; max_sequence_len is ",
-                                                      config_.max_sequence_len)));
+    return absl::ResourceExhaustedError(absl::StrCat("sequence ", id, " would reach ", new_length,
+                                                     " tokens; max_sequence_len is ",
+                                                     config_.max_sequence_len));
   }
-  const int64_t bytes = static_cast<int64_t>(call.kv.size()) * sizeof(Bf16);
-  if (absl::Status admitted = Admit(bytes); !admitted.ok()) return (admitted);
+  const int64_t bytes = rows.host != nullptr ? static_cast<int64_t>(rows.bytes) : 0;
+  RETURN_IF_ERROR(Admit(bytes));
   const int64_t extra =
       CeilDiv(new_length, config_.page_size) - static_cast<int64_t>(s.pages.size());
   std::vector<int32_t> added;
@@ -856,9 +1247,21 @@ absl::Status Engine::StartAppendKv(AppendCall& call,
     absl::StatusOr<std::vector<int32_t>> got = AllocatorOf(s).Allocate(extra);
     if (!got.ok()) {
       Unadmit(bytes);
-      return (got.status());
+      return got.status();
     }
     added = *std::move(got);
+  }
+  HostStaging::Block block;
+  if (rows.where == Placed::Where::kStaged) {
+    absl::StatusOr<HostStaging::Block> got = staging_->Allocate(rows.bytes, "this AppendKv");
+    if (!got.ok()) {
+      AllocatorOf(s).Free(added);
+      Unadmit(bytes);
+      return got.status();
+    }
+    block = *got;
+    rows.staging_offset = 0;
+    std::memcpy(block.host, rows.host, rows.bytes);
   }
   s.pages.insert(s.pages.end(), added.begin(), added.end());
   s.length = new_length;
@@ -878,6 +1281,7 @@ absl::Status Engine::StartAppendKv(AppendCall& call,
       seq->length = old_length;
       freed.assign(seq->pages.end() - static_cast<int64_t>(added.size()), seq->pages.end());
       seq->pages.resize(seq->pages.size() - added.size());
+      seq->Trimmed(seq->pages.size());
     }
     // At once: the pages were taken by this call and nothing else writes them.
     AllocatorOf(*seq).Free(freed);
@@ -902,49 +1306,49 @@ absl::Status Engine::StartAppendKv(AppendCall& call,
     done(status);
   };
   auto* op_call = new OpCall(this, call.context, bytes, std::move(skip), std::move(finish));
-  op_call->page_table = s.pages;
+  op_call->leases = std::move(*leases);
+  op_call->staging = block;
   DeviceOp op;
   op.kind = DeviceOp::Kind::kWriteRows;
-  op.page_table = op_call->page_table;
+  op.sequence = id;
+  op.table = TakeDelta(s);
   op.start = old_length;
   op.count = tokens;
-  op.rows_in = call.kv.data();
-  op_call->Enqueue(DevicesOf(s), op);
+  op_call->Enqueue(DevicesOf(s), op, &rows);
   return absl::OkStatus();
 }
 
 void Engine::SubmitCommit(uint64_t sequence_id, absl::Span<const int32_t> accepted,
                           absl::AnyInvocable<void(absl::StatusOr<CommitResult>)> done) {
   absl::Status rejected = StartCommit(sequence_id, accepted, done);  // after its locks are released
-  if (!rejected.ok()) done(std::move(rejected));
+  if (!rejected.ok()) {
+    done(std::move(rejected));
+    return;
+  }
+  for (auto& w : workers_) w->Kick();
 }
 
 absl::Status Engine::StartCommit(uint64_t sequence_id, absl::Span<const int32_t> accepted,
                                  absl::AnyInvocable<void(absl::StatusOr<CommitResult>)>& done) {
-  absl::StatusOr<std::shared_ptr<Sequence>> found = Find(sequence_id);
-  if (!found.ok()) return (found.status());
-  std::shared_ptr<Sequence> seq = *std::move(found);
+  ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Find(sequence_id));
   Sequence& s = *seq;
   absl::MutexLock lock(&s.mu);
-  if (s.released) return (NotFound(sequence_id));
-  if (!s.broken.ok()) return (s.broken);
+  if (s.released) return NotFound(sequence_id);
+  if (!s.broken.ok()) return s.broken;
   if (!s.pending) {
-    return (absl::FailedPreconditionError(absl::StrCat(
-        "sequence ", sequence_id, " has no pending verify step: Verify before Commit")));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence ", sequence_id, " has no pending verify step: Verify before Commit"));
   }
-  if (absl::Status valid = ValidateAcceptedPath(s.parents, accepted); !valid.ok()) {
-    return (valid);
-  }
+  RETURN_IF_ERROR(ValidateAcceptedPath(s.parents, accepted));
   const int k = static_cast<int>(accepted.size());
   if (k > 0 && s.layers_verified < config_.num_layers) {
-    return (absl::FailedPreconditionError(absl::StrCat(
+    return absl::FailedPreconditionError(absl::StrCat(
         "sequence ", sequence_id, ": only ", s.layers_verified, " of ", config_.num_layers,
         " layers were verified in this step; accepting drafts needs their KV in every layer "
-        "(commit an empty path to drop the step)")));
+        "(commit an empty path to drop the step)"));
   }
-  if (absl::Status admitted = Admit(0); !admitted.ok()) return (admitted);
+  RETURN_IF_ERROR(Admit(0));
   const int64_t prefix = s.length;
-  std::vector<int32_t> table = s.pages;
   s.length += k;
   s.pending = false;
   s.parents.clear();
@@ -953,6 +1357,10 @@ absl::Status Engine::StartCommit(uint64_t sequence_id, absl::Span<const int32_t>
   s.layers_verified = 0;
   s.step_pages = 0;
   ++s.ops_submitted;
+  // The compaction reads the pages that held the drafts: the devices' table
+  // is trimmed by this op's change only after it ran (a compaction moves rows
+  // within P..P+N-1, so it needs the table before the trim).
+  const std::shared_ptr<const TableDelta> before = TakeDelta(s);
   // Pages past the new length held only rejected drafts: freed once every
   // device ran the compaction (or passed the barrier).
   const size_t keep = static_cast<size_t>(CeilDiv(s.length, config_.page_size));
@@ -960,6 +1368,7 @@ absl::Status Engine::StartCommit(uint64_t sequence_id, absl::Span<const int32_t>
   if (s.pages.size() > keep) {
     rejected.assign(s.pages.begin() + keep, s.pages.end());
     s.pages.resize(keep);
+    s.Trimmed(keep);
   }
   s.Touch();
   pending_steps_.fetch_sub(1);
@@ -985,13 +1394,12 @@ absl::Status Engine::StartCommit(uint64_t sequence_id, absl::Span<const int32_t>
     done(result);
   };
   auto* op_call = new OpCall(this, CallContext{}, 0, nullptr, std::move(finish));
-  op_call->page_table = std::move(table);
   op_call->accepted.assign(accepted.begin(), accepted.end());
   DeviceOp op;
   op.kind = k > 0 ? DeviceOp::Kind::kCompact : DeviceOp::Kind::kBarrier;
-  op.page_table = op_call->page_table;
+  op.sequence = sequence_id;
+  op.table = before;
   op.prefix_len = prefix;
-  op.accepted = op_call->accepted;
   op_call->Enqueue(DevicesOf(s), op);
   return absl::OkStatus();
 }
@@ -1077,10 +1485,11 @@ absl::Status Engine::ReadKv(uint64_t sequence_id, int64_t start, int64_t count, 
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Find(sequence_id));
   absl::Notification finished;
   absl::Status result;
+  std::vector<int> devices;
   {
     absl::MutexLock lock(&seq->mu);
     if (seq->released) return NotFound(sequence_id);
-    const std::vector<int> devices = DevicesOf(*seq);
+    devices = DevicesOf(*seq);
     if (replica < 0 || replica >= static_cast<int>(devices.size())) {
       return absl::InvalidArgumentError(absl::StrCat("replica ", replica, " of ", devices.size()));
     }
@@ -1097,15 +1506,27 @@ absl::Status Engine::ReadKv(uint64_t sequence_id, int64_t start, int64_t count, 
           result = status;
           finished.Notify();
         });
-    op_call->page_table = seq->pages;
+    // Every device of the sequence gets the table change (their copies must
+    // stay alike); only `replica` reads.
+    const std::shared_ptr<const TableDelta> delta = TakeDelta(*seq);
+    for (size_t r = 0; r < devices.size(); ++r) {
+      if (static_cast<int>(r) == replica || delta == nullptr) continue;
+      DeviceOp barrier;
+      barrier.kind = DeviceOp::Kind::kBarrier;
+      barrier.sequence = sequence_id;
+      barrier.table = delta;
+      workers_[devices[r]]->Enqueue(std::move(barrier));
+    }
     DeviceOp op;
     op.kind = DeviceOp::Kind::kReadRows;
-    op.page_table = op_call->page_table;
+    op.sequence = sequence_id;
+    op.table = delta;
     op.start = start;
     op.count = count;
     op.rows_out = kv.data();
     op_call->Enqueue({devices[replica]}, op);
   }
+  KickAll(devices);
   finished.WaitForNotification();
   return result;
 }
@@ -1128,14 +1549,14 @@ absl::Status Engine::Verify(int layer, float softmax_scale, absl::Span<VerifyIte
 }
 
 absl::StatusOr<int64_t> Engine::AppendKv(uint64_t sequence_id, int64_t start_position,
-                                         int64_t tokens, absl::Span<const Bf16> kv) {
+                                         int64_t tokens, TensorRef kv) {
   absl::Notification finished;
   absl::StatusOr<int64_t> result;
   AppendCall call;
   call.sequence_id = sequence_id;
   call.start_position = start_position;
   call.tokens = tokens;
-  call.kv = kv;
+  call.kv = std::move(kv);
   SubmitAppendKv(std::move(call), [&](absl::StatusOr<int64_t> r) {
     result = std::move(r);
     finished.Notify();
@@ -1165,57 +1586,6 @@ absl::StatusOr<int64_t> Engine::Release(uint64_t sequence_id) {
   });
   finished.WaitForNotification();
   return result;
-}
-
-absl::Status Engine::PinHostMemory(void* data, size_t bytes) {
-  return workers_[0]->PinHostMemory(data, bytes);
-}
-
-void Engine::UnpinHostMemory(void* data) { workers_[0]->UnpinHostMemory(data); }
-
-absl::StatusOr<std::vector<void*>> Engine::OpenIpcMemory(absl::string_view handle, int device_id) {
-  bool known = false;
-  for (const auto& w : workers_) known = known || w->cuda_ordinal() == device_id;
-  if (workers_[0]->cuda_ordinal() < 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "CUDA shared memory needs the CUDA backend; this server runs ", backend_name_));
-  }
-  if (!known) {
-    return absl::InvalidArgumentError(absl::StrCat("device_id ", device_id,
-                                                   " is none of this server's devices (",
-                                                   absl::StrJoin(device_names(), ", "), ")"));
-  }
-  // Workers over the same device share one mapping (a handle opens once
-  // per device and process).
-  std::vector<void*> out(workers_.size(), nullptr);
-  std::vector<std::pair<std::string, void*>> opened;
-  for (size_t k = 0; k < workers_.size(); ++k) {
-    const std::string device = workers_[k]->device_name();
-    for (const auto& [name, data] : opened) {
-      if (name == device) out[k] = data;
-    }
-    if (out[k] != nullptr) continue;
-    absl::StatusOr<void*> data = workers_[k]->OpenIpcMemory(handle);
-    if (!data.ok()) {
-      std::vector<void*> partial(out.begin(), out.begin() + k);
-      CloseIpcMemory(partial);
-      return data.status();
-    }
-    out[k] = *data;
-    opened.emplace_back(device, *data);
-  }
-  return out;
-}
-
-void Engine::CloseIpcMemory(const std::vector<void*>& data) {
-  std::vector<void*> closed;
-  for (size_t k = 0; k < data.size() && k < workers_.size(); ++k) {
-    if (data[k] == nullptr || std::find(closed.begin(), closed.end(), data[k]) != closed.end()) {
-      continue;
-    }
-    workers_[k]->CloseIpcMemory(data[k]);
-    closed.push_back(data[k]);
-  }
 }
 
 }  // namespace mlaverify::engine

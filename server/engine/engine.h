@@ -58,32 +58,25 @@
 #include "server/engine/device_worker.h"
 #include "server/engine/engine_config.h"
 #include "server/engine/engine_observer.h"
+#include "server/engine/host_staging.h"
 #include "server/engine/page_allocator.h"
+#include "server/engine/page_table_arena.h"
+#include "server/engine/regions.h"
+#include "server/engine/tensor_ref.h"
 
 namespace mlaverify::engine {
 
-// An item's tensors in device memory (a client's CUDA shared memory), as each
-// worker's device addresses it (indexed by worker; OpenIpcMemory's order).
-struct DeviceTensors {
-  std::vector<const Bf16*> q;         // [N, H, 576]
-  std::vector<const Bf16*> draft_kv;  // [N, 576]
-  std::vector<Bf16*> out;             // [N, H, 512]
-  std::vector<float*> lse;            // [N, H]
-};
-
-// One item of a Verify call. Inputs and outputs are caller-owned buffers (the
-// transport points them into the request and response messages); they must
-// stay valid until the call's `done` has run. With `device` set the tensors
-// are there instead and the spans stay empty.
+// One item of a Verify call. Its tensors are named by TensorRef / OutputRef
+// (caller memory or registered regions; tensor_ref.h); caller memory and the
+// strings an OutputRef grows must stay valid until the call's `done` ran.
 struct VerifyItem {
   uint64_t sequence_id = 0;
   absl::Span<const int32_t> parents;  // N
-  absl::Span<const Bf16> q;           // [N, H, 576]
-  absl::Span<const Bf16> draft_kv;    // [N, 576]
-  absl::Span<Bf16> out;               // [N, H, 512], written on success
-  absl::Span<float> lse;              // [N, H], written on success
+  TensorRef q;                        // bf16 [N, H, 576]
+  TensorRef draft_kv;                 // bf16 [N, 576]
+  OutputRef out;                      // bf16 [N, H, 512], written on success
+  OutputRef lse;                      // fp32 [N, H], written on success
   int64_t prefix_len = 0;             // set on success: P the drafts attended to
-  const DeviceTensors* device = nullptr;
 };
 
 // When a queued call stops being wanted.
@@ -105,7 +98,7 @@ struct AppendCall {
   uint64_t sequence_id = 0;
   int64_t start_position = 0;  // must equal the sequence's length
   int64_t tokens = 0;
-  absl::Span<const Bf16> kv;  // [num_layers, tokens, 576], valid until done
+  TensorRef kv;  // bf16 [num_layers, tokens, 576]; caller memory valid until done
   CallContext context;
 };
 
@@ -135,8 +128,10 @@ struct EngineStats {
   int64_t steps_committed_total = 0;
   int64_t sequences_created_total = 0;
   int64_t sequences_expired_total = 0;
-  int64_t queued_calls = 0;  // admitted and not finished
-  int64_t queued_bytes = 0;  // tensor bytes those calls hold
+  int64_t queued_calls = 0;   // admitted and not finished
+  int64_t queued_bytes = 0;   // tensor bytes those calls hold
+  int64_t staging_bytes = 0;  // page-locked host staging (0: none needed)
+  int64_t staging_bytes_in_use = 0;
   std::vector<PoolStats> pools;
 };
 
@@ -186,7 +181,7 @@ class Engine {
   // Synchronous forms.
   absl::Status Verify(int layer, float softmax_scale, absl::Span<VerifyItem> items);
   absl::StatusOr<int64_t> AppendKv(uint64_t sequence_id, int64_t start_position, int64_t tokens,
-                                   absl::Span<const Bf16> kv);
+                                   TensorRef kv);
   absl::StatusOr<CommitResult> Commit(uint64_t sequence_id, absl::Span<const int32_t> accepted);
   absl::StatusOr<int64_t> Release(uint64_t sequence_id);
 
@@ -195,18 +190,10 @@ class Engine {
   // Called periodically by the server's janitor thread.
   int ExpireIdle(absl::Time now);
 
-  // Page-locks host memory that calls will reference (a client's shared-
-  // memory region) through the first device; see Device::PinHostMemory.
-  // Any thread.
-  absl::Status PinHostMemory(void* data, size_t bytes);
-  void UnpinHostMemory(void* data);
-  // Maps a client's exported device memory (cudaIpcMemHandle bytes) on
-  // every worker's device, once per physical device; returns each worker's
-  // address of it. INVALID_ARGUMENT when `device_id` is none of the engine's
-  // CUDA devices or the handle does not open; FAILED_PRECONDITION on a
-  // backend without device memory. CloseIpcMemory takes the result back.
-  absl::StatusOr<std::vector<void*>> OpenIpcMemory(absl::string_view handle, int device_id);
-  void CloseIpcMemory(const std::vector<void*>& data);
+  // The shared-memory regions calls may reference (register, unregister,
+  // status); the engine maps them onto its devices.
+  RegionRegistry& regions() { return regions_; }
+  const RegionRegistry& regions() const { return regions_; }
 
   // Reads positions [start, start+count) of every layer of a sequence from
   // its `replica`-th device (tests: TP replicas must agree).
@@ -215,9 +202,11 @@ class Engine {
 
  private:
   struct Sequence;
+  struct Placed;
   class Call;
   class VerifyTask;
   class OpCall;
+  class Mapper;
 
   explicit Engine(const EngineConfig& config);
   // The bodies of the Submit* calls: OK once the call is queued (`done` moved
@@ -245,8 +234,28 @@ class Engine {
   void FreeAfterBarrier(const std::shared_ptr<Sequence>& seq, std::vector<int32_t> pages,
                         absl::AnyInvocable<void()> then);
   void OnDeviceFault(int device, const absl::Status& status);
+  // The page-list change a sequence's next device work carries (null: none)
+  // (its lock held).
+  std::shared_ptr<const TableDelta> TakeDelta(Sequence& seq) ABSL_NO_THREAD_SAFETY_ANALYSIS;
+  // Checks an input tensor (dtype, shape, bytes or region range) and says
+  // where it is; `what` names it in errors.
+  absl::StatusOr<Placed> PlaceInput(const TensorRef& ref, DType dtype,
+                                    std::initializer_list<int64_t> shape, RegionLeases& leases,
+                                    const std::string& what);
+  absl::StatusOr<Placed> PlaceOutput(const OutputRef& ref, DType dtype,
+                                     std::initializer_list<int64_t> shape, RegionLeases& leases,
+                                     const std::string& what);
+  // `p` as worker `w`'s device addresses it (staged tensors: in `block`).
+  uint64_t AddressOf(const Placed& p, int w, const HostStaging::Block& block) const;
+  // Kicks every worker (after a submission released its locks).
+  void KickAll(const std::vector<int>& devices);
 
   const EngineConfig config_;
+  RegionRegistry regions_;
+  std::unique_ptr<Mapper> mapper_;
+  // Host-resident tensors go through it where the devices cannot address
+  // them (null where they can: host devices).
+  std::unique_ptr<HostStaging> staging_;
   std::string instance_id_;
   std::string backend_name_;
   int heads_per_device_ = 0;

@@ -90,11 +90,13 @@ absl::Status EngineConfig::Validate(int num_devices) const {
   if (max_label_bytes < 0) {
     return absl::InvalidArgumentError("max_label_bytes must not be negative");
   }
-  if (worker_spin < absl::ZeroDuration() || worker_spin > absl::Seconds(1)) {
-    return absl::InvalidArgumentError("worker_spin must be within 0..1 s");
+  if (batches_in_flight < 1 || batches_in_flight > 8) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("batches_in_flight = ", batches_in_flight, ": need 1..8"));
   }
-  if (staging_sets < 1 || staging_sets > 8) {
-    return absl::InvalidArgumentError(absl::StrCat("staging_sets = ", staging_sets, ": need 1..8"));
+  if (pinned_staging_bytes < (int64_t{1} << 20)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pinned_staging_bytes = ", pinned_staging_bytes, ": need at least 1 MiB"));
   }
   if (copy_threads < 1 || copy_threads > 64) {
     return absl::InvalidArgumentError(

@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "server/engine/regions.h"
 
 namespace mlaverify::engine {
 
@@ -69,24 +70,21 @@ struct EngineConfig {
   int64_t max_live_sequences = 65536;
   // Longest label accepted by CreateSequence (bytes).
   int max_label_bytes = 256;
-  // Threads per device worker that copy tensor bytes between callers' buffers
-  // and pinned staging for large batches (1: the worker's own threads only).
+  // Threads per device worker (its completion thread included) that complete
+  // a large batch's calls, copying their staged outputs out.
   int copy_threads = 4;
-  // How long a device worker polls its empty queue before it sleeps: a call
-  // that arrives meanwhile starts without a thread wake-up (microseconds),
-  // at the price of a busy core while it polls. Zero: sleep at once.
-  absl::Duration worker_spin = absl::Microseconds(100);
-  // Copy a batch's inputs to the device (on a copy stream) while the
-  // previous batch still runs. Off by default: on the H200 it gave no
-  // measurable throughput at 64 threads (bench/results/engine-h200-2026-12-01-ab.json),
-  // and its outputs have not yet been checked on a GPU by gpu_engine_test.
-  bool overlap_inputs = false;
-  // Staging sets per device (pinned input/output regions, one batch each):
-  // the next batch is packed while another runs and an earlier one's outputs
-  // are copied out. Three measured +12 % items/s over two at 64 threads,
-  // L=1K, on the H200 (bench/NOTES.md, e3); two stays the default until the
-  // GPU engine test has run with three.
-  int staging_sets = 2;
+  // Launches (verify batches and pool operations) a device has in flight at
+  // most: one slot of page-locked host memory each. Two let the next batch
+  // be written and launched while one runs.
+  int batches_in_flight = 2;
+  // Page-locked host memory through which the CUDA backend moves the tensors
+  // whose own memory its devices cannot address (inline request bytes, a
+  // region that could not be page-locked). A call that finds too little free
+  // gets RESOURCE_EXHAUSTED; an AppendKv larger than all of it,
+  // INVALID_ARGUMENT (send it in chunks).
+  int64_t pinned_staging_bytes = int64_t{512} << 20;
+  // Client shared-memory regions (off unless enabled; limits).
+  RegionOptions shared_memory;
 
   int max_draft_len() const { return draft_buckets.empty() ? 0 : draft_buckets.back(); }
   int max_batch() const { return batch_buckets.empty() ? 0 : batch_buckets.back(); }

@@ -21,13 +21,13 @@ struct BatchReport {
   bool graph = false;         // replayed a captured graph (else eager launches)
   bool reused_plan = false;   // read the previous launch's plan
   double device_seconds = 0;  // device time of the batch
-  // Host time of the worker's steps: packing the inputs into staging (from
-  // taking the batch to the launch call), the launch calls, and copying the
-  // outputs to the callers (after the device finished).
+  // Host time of the worker's steps: writing the batch's slot (from taking
+  // the batch to the launch call), the launch call, and completing its calls
+  // after the device finished (staged outputs copied out, callbacks run).
   double pack_seconds = 0;
   double launch_seconds = 0;
   double unpack_seconds = 0;
-  bool overlapped_input = false;  // inputs copied while the previous batch ran
+  int copy_descriptors = 0;  // the batch's gather and output lists together
 };
 
 // One finished Verify call, its server-side time split: waiting in a device

@@ -1,13 +1,19 @@
-// HostDevice: the KV pool and the staging sets in host memory, verify batches
-// computed with the CPU reference (kernels/cpu_reference.h). As the CPU
-// backend it launches every batch eagerly; with FakeDeviceOptions it also
-// keeps the books a GPU's graphs would need (which shapes were captured, which
-// launch used which), sleeps to simulate a slow device and injects faults, so
-// that the worker's batching, bucket choice, padding and fault handling are
-// tested without a GPU.
+// HostDevice: the KV pool, the page-table arena, the batch buffers and the
+// slots in host memory; a launch runs its slot's copy lists with memcpy
+// (kernels::RunCopyListOnHost, the same lists a GPU runs) and computes the
+// attention with the CPU reference. As the CPU backend it runs every launch
+// when it is made; with FakeDeviceOptions it also keeps the books a GPU's
+// graphs would need (which shapes were captured, which launch used which),
+// sleeps to simulate a slow device, injects faults, and can defer the work
+// to Wait as a GPU would, so that the worker's batching, bucket choice,
+// padding, copy lists, page tables and fault handling are tested without a
+// GPU.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -16,6 +22,7 @@
 #include "absl/time/clock.h"
 #include "common/geometry.h"
 #include "common/status_macros.h"
+#include "kernels/copy_list.h"
 #include "kernels/cpu_reference.h"
 #include "kernels/parallel_for.h"
 #include "server/engine/device.h"
@@ -36,6 +43,7 @@ struct AlignedBuffer {
     data.reset(static_cast<uint8_t*>(std::aligned_alloc(256, bytes)));
     return data != nullptr;
   }
+  uint64_t address() const { return reinterpret_cast<uint64_t>(data.get()); }
 };
 
 class HostDevice final : public Device {
@@ -58,7 +66,7 @@ class HostDevice final : public Device {
   absl::Status Init(const DeviceGeometry& g) override {
     g_ = g;
     const size_t pool_bytes =
-        static_cast<size_t>(g.num_layers) * g.num_pages * g.page_size * kLatentDim * sizeof(Bf16);
+        static_cast<size_t>(g.num_layers) * g.num_pages * g.page_size * kLatentRowBytes;
     if (!pool_.Allocate(pool_bytes)) {
       return absl::ResourceExhaustedError(
           absl::StrCat("cannot allocate ", pool_bytes, " bytes of host memory for the KV pool"));
@@ -68,22 +76,60 @@ class HostDevice final : public Device {
     // resident size that stays flat), and all-ones bytes are bf16 NaN, so a
     // read of a row never written shows up as NaN in an answer.
     std::memset(pool_.data.get(), 0xFF, pool_.bytes);
-    const StagingLayout max =
-        StagingLayout::For({g.max_batch, g.max_draft_len}, g.num_heads, g.max_pages_per_sequence);
-    sets_.resize(g.staging_sets);
-    for (StagingSet& s : sets_) {
-      if (!s.input.Allocate(max.input_bytes) || !s.output.Allocate(max.output_bytes)) {
-        return absl::ResourceExhaustedError("cannot allocate host staging buffers");
-      }
-    }
+    const size_t rows = static_cast<size_t>(g.max_batch) * g.max_draft_len;
+    const bool ok = table_.Allocate(static_cast<size_t>(g.table_entries) * sizeof(int32_t)) &&
+                    q_.Allocate(rows * g.num_heads * kLatentRowBytes) &&
+                    out_.Allocate(rows * g.num_heads * kValueDim * sizeof(Bf16)) &&
+                    lse_.Allocate(rows * g.num_heads * sizeof(float)) &&
+                    requests_.Allocate(g.slot.requests.bytes) &&
+                    visibility_.Allocate(rows * sizeof(uint64_t)) &&
+                    outputs_.Allocate(kernels::CopyListBytes(g.slot.output_capacity)) &&
+                    slots_.Allocate(static_cast<size_t>(g.slots) * g.slot.bytes);
+    if (!ok) return absl::ResourceExhaustedError("cannot allocate the host device's buffers");
+    std::memset(table_.data.get(), 0, table_.bytes);
+    std::memset(slots_.data.get(), 0, slots_.bytes);
+    buffers_.pool = pool_.address();
+    buffers_.table = table_.address();
+    buffers_.q = q_.address();
+    buffers_.out = out_.address();
+    buffers_.lse = lse_.address();
+    buffers_.requests = requests_.address();
+    buffers_.visibility = visibility_.address();
+    buffers_.outputs = outputs_.address();
+    buffers_.slots = slots_.address();
+    results_.assign(g.slots, absl::OkStatus());
+    seconds_.assign(g.slots, 0.0);
     return absl::OkStatus();
   }
 
+  const DeviceBuffers& buffers() const override { return buffers_; }
+  uint8_t* slot(int k) override {
+    return slots_.data.get() + static_cast<size_t>(k) * g_.slot.bytes;
+  }
+  bool asynchronous() const override { return fake_ && fake_->asynchronous; }
+  bool addresses_host_memory() const override { return !fake_ || fake_->addresses_host_memory; }
+
+  absl::Status PinHost(void* data, size_t bytes) override {
+    AddAddressable(data, bytes);
+    return absl::OkStatus();
+  }
+  void UnpinHost(void* data) override { RemoveAddressable(data); }
+  absl::StatusOr<uint8_t*> AllocateHostStaging(size_t bytes) override {
+    if (addresses_host_memory()) return Device::AllocateHostStaging(bytes);
+    auto* data = static_cast<uint8_t*>(std::aligned_alloc(256, (bytes + 255) / 256 * 256));
+    if (data == nullptr) return absl::ResourceExhaustedError("host staging allocation");
+    AddAddressable(data, bytes);
+    return data;
+  }
+  void FreeHostStaging(uint8_t* data) override {
+    RemoveAddressable(data);
+    std::free(data);
+  }
   bool SupportsGraphs() const override { return fake_ && fake_->graphs; }
 
-  absl::StatusOr<int64_t> CaptureGraphs(int set, BatchShape shape) override {
+  absl::StatusOr<int64_t> CaptureGraphs(BatchShape shape) override {
     if (!SupportsGraphs()) return absl::FailedPreconditionError(name_ + " records no graphs");
-    sets_[set].captured.push_back(shape);
+    captured_.push_back(shape);
     if (record_ != nullptr) {
       absl::MutexLock lock(&record_->mu);
       record_->captured.push_back(shape);
@@ -91,80 +137,135 @@ class HostDevice final : public Device {
     return 0;
   }
 
-  StagingView Staging(int set, BatchShape shape) override {
-    StagingView v;
-    v.layout = StagingLayout::For(shape, g_.num_heads, g_.max_pages_per_sequence);
-    v.input = sets_[set].input.data.get();
-    v.output = sets_[set].output.data.get();
-    return v;
-  }
-
   absl::Status Launch(const LaunchOptions& o) override {
-    if (!o.inputs_from_device.empty() || !o.outputs_to_device.empty()) {
-      return absl::InternalError(absl::StrCat(name(), ": a batch with device-memory tensors"));
-    }
-    StagingSet& s = sets_[o.set];
-    s.status = Run(o);
-    return absl::OkStatus();
-  }
-
-  absl::StatusOr<double> Wait(int set) override {
-    StagingSet& s = sets_[set];
-    if (!s.status.ok()) return s.status;
-    return s.seconds;
-  }
-
-  absl::Status WriteRows(absl::Span<const int32_t> page_table, int64_t start, int64_t count,
-                         const Bf16* rows) override {
-    RETURN_IF_ERROR(Simulate());
     if (record_ != nullptr) {
       absl::MutexLock lock(&record_->mu);
-      ++record_->write_rows;
+      record_->launch_threads.push_back(std::this_thread::get_id());
     }
-    ForEachRow(
-        page_table, start, count,
-        [](Bf16* pool_row, const Bf16* row) { std::memcpy(pool_row, row, kLatentRowBytes); }, rows);
-    return absl::OkStatus();
+    return Issue(o.slot, [this, o] { return RunBatch(o); });
   }
 
-  absl::Status ReadRows(absl::Span<const int32_t> page_table, int64_t start, int64_t count,
-                        Bf16* rows) override {
+  absl::Status LaunchWriteRows(int slot, int, int64_t table_offset, int64_t start, int64_t count,
+                               uint64_t rows) override {
+    return Issue(slot, [this, slot, table_offset, start, count, rows]() -> absl::Status {
+      RETURN_IF_ERROR(Simulate());
+      RETURN_IF_ERROR(RunGather(slot));
+      if (!Addressable(rows, static_cast<uint64_t>(g_.num_layers) * count * kLatentRowBytes)) {
+        return absl::InternalError(
+            absl::StrCat(name_, ": rows to write are in host memory the device cannot address"));
+      }
+      if (record_ != nullptr) {
+        absl::MutexLock lock(&record_->mu);
+        ++record_->write_rows;
+      }
+      const auto* src = reinterpret_cast<const Bf16*>(rows);
+      ForEachRow(
+          table_offset, start, count,
+          [](Bf16* pool_row, const Bf16* row) { std::memcpy(pool_row, row, kLatentRowBytes); },
+          src);
+      return absl::OkStatus();
+    });
+  }
+
+  absl::Status LaunchCompact(int slot, int, int64_t table_offset) override {
+    return Issue(slot, [this, slot, table_offset]() -> absl::Status {
+      RETURN_IF_ERROR(Simulate());
+      RETURN_IF_ERROR(RunGather(slot));
+      if (record_ != nullptr) {
+        absl::MutexLock lock(&record_->mu);
+        ++record_->compacts;
+      }
+      const auto* params = reinterpret_cast<const int32_t*>(this->slot(slot) + g_.slot.op);
+      kernels::CompactArguments c;
+      c.batch = 1;
+      c.pool = View();
+      c.page_table = Table() + table_offset;
+      c.page_table_stride = g_.table_entries - table_offset;
+      c.prefix_len = params;
+      c.accepted_len = params + 1;
+      c.accepted = params + 2;
+      return kernels::CompactAcceptedKvCpu(c);
+    });
+  }
+
+  absl::Status LaunchGather(int slot, int) override {
+    return Issue(slot, [this, slot]() -> absl::Status {
+      RETURN_IF_ERROR(CheckFault());
+      return RunGather(slot);
+    });
+  }
+
+  absl::StatusOr<double> Wait(int slot) override {
+    if (asynchronous()) {
+      // Deferred work runs in launch order, up to this slot's.
+      absl::MutexLock lock(&exec_mu_);
+      while (!pending_.empty()) {
+        Pending p = std::move(pending_.front());
+        pending_.pop_front();
+        Complete(p.slot, p.work);
+        if (p.slot == slot) break;
+      }
+    }
+    // (A synchronous launch finished before the worker queued it for Wait.)
+    if (!results_[slot].ok()) return results_[slot];
+    return seconds_[slot];
+  }
+
+  absl::Status ReadRows(int64_t table_offset, int64_t start, int64_t count, Bf16* rows) override {
+    RunPending();
     RETURN_IF_ERROR(CheckFault());
     ForEachRow(
-        page_table, start, count,
+        table_offset, start, count,
         [](Bf16* pool_row, Bf16* row) { std::memcpy(row, pool_row, kLatentRowBytes); }, rows);
     return absl::OkStatus();
   }
 
-  absl::Status Compact(absl::Span<const int32_t> page_table, int64_t prefix_len,
-                       absl::Span<const int32_t> accepted) override {
-    RETURN_IF_ERROR(Simulate());
+  absl::Status UploadTable(absl::Span<const int32_t> entries) override {
+    RunPending();
+    RETURN_IF_ERROR(CheckFault());
+    if (entries.size() != static_cast<size_t>(g_.table_entries)) {
+      return absl::InternalError("page-table upload of the wrong size");
+    }
+    std::memcpy(table_.data.get(), entries.data(), entries.size() * sizeof(int32_t));
     if (record_ != nullptr) {
       absl::MutexLock lock(&record_->mu);
-      ++record_->compacts;
+      ++record_->table_uploads;
     }
-    std::vector<int32_t> path(kMaxDraftLen, 0);
-    std::copy(accepted.begin(), accepted.end(), path.begin());
-    const int32_t prefix = static_cast<int32_t>(prefix_len);
-    const int32_t count = static_cast<int32_t>(accepted.size());
-    kernels::CompactArguments c;
-    c.batch = 1;
-    c.pool = View();
-    c.page_table = page_table.data();
-    c.page_table_stride = static_cast<int64_t>(page_table.size());
-    c.prefix_len = &prefix;
-    c.accepted_len = &count;
-    c.accepted = path.data();
-    return kernels::CompactAcceptedKvCpu(c);
+    return absl::OkStatus();
   }
 
  private:
-  struct StagingSet {
-    AlignedBuffer input, output;
-    std::vector<BatchShape> captured;
-    absl::Status status;
-    double seconds = 0;
+  struct Pending {
+    int slot;
+    std::function<absl::Status()> work;
   };
+
+  // Runs `work` now, or (an asynchronous fake) at Wait, in launch order.
+  absl::Status Issue(int slot, std::function<absl::Status()> work) {
+    absl::MutexLock lock(&exec_mu_);
+    if (asynchronous()) {
+      pending_.push_back({slot, std::move(work)});
+      return absl::OkStatus();
+    }
+    Complete(slot, work);
+    return absl::OkStatus();
+  }
+
+  void Complete(int slot, const std::function<absl::Status()>& work) {
+    const absl::Time started = absl::Now();
+    results_[slot] = work();
+    seconds_[slot] = absl::ToDoubleSeconds(absl::Now() - started);
+  }
+
+  // Work launched before a synchronous call runs first (stream order).
+  void RunPending() {
+    absl::MutexLock lock(&exec_mu_);
+    while (!pending_.empty()) {
+      Pending p = std::move(pending_.front());
+      pending_.pop_front();
+      Complete(p.slot, p.work);
+    }
+  }
 
   // A fault, once injected, stays (a sticky device error).
   absl::Status CheckFault() const {
@@ -178,89 +279,165 @@ class HostDevice final : public Device {
     return absl::OkStatus();
   }
 
-  absl::Status Run(const LaunchOptions& o) {
-    const absl::Time started = absl::Now();
-    const StagingView v = Staging(o.set, o.shape);
+  const int32_t* Table() const { return reinterpret_cast<const int32_t*>(table_.data.get()); }
+
+  // Page-locked host memory is addressed by every device of the process
+  // (a portable mapping): the fakes share one book of it.
+  struct PinnedBook {
+    absl::Mutex mu;
+    std::map<uint64_t, size_t> ranges ABSL_GUARDED_BY(mu);  // start -> bytes
+  };
+  static PinnedBook& Pinned() {
+    static PinnedBook* book = new PinnedBook;
+    return *book;
+  }
+  static void AddAddressable(const void* data, size_t bytes) {
+    absl::MutexLock lock(&Pinned().mu);
+    Pinned().ranges[reinterpret_cast<uint64_t>(data)] = bytes;
+  }
+  static void RemoveAddressable(const void* data) {
+    absl::MutexLock lock(&Pinned().mu);
+    Pinned().ranges.erase(reinterpret_cast<uint64_t>(data));
+  }
+  // Whether [address, address + bytes) lies in memory this device
+  // addresses (always, unless it plays a GPU).
+  bool Addressable(uint64_t address, uint64_t bytes) {
+    if (addresses_host_memory()) return true;
+    for (const AlignedBuffer* b :
+         {&pool_, &table_, &q_, &out_, &lse_, &requests_, &visibility_, &outputs_, &slots_}) {
+      if (address >= b->address() && address + bytes <= b->address() + b->bytes) return true;
+    }
+    PinnedBook& pinned = Pinned();
+    absl::MutexLock lock(&pinned.mu);
+    auto it = pinned.ranges.upper_bound(address);
+    if (it == pinned.ranges.begin()) return false;
+    --it;
+    return address + bytes <= it->first + it->second;
+  }
+  // Every descriptor of `list` must stay in addressable memory.
+  absl::Status CheckList(const kernels::CopyListHeader* list) {
+    const kernels::CopyDescriptor* d = kernels::CopyListEntries(list);
+    for (int i = 0; i < list->count; ++i) {
+      if (d[i].rows == 0) continue;
+      const uint64_t last = d[i].rows - 1;
+      if (!Addressable(d[i].src, last * d[i].src_pitch + d[i].row_bytes) ||
+          !Addressable(d[i].dst, last * d[i].dst_pitch + d[i].row_bytes)) {
+        return absl::InternalError(absl::StrCat(name_, ": copy descriptor ", i,
+                                                " touches host memory the device cannot address"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Runs the gather list of `slot`.
+  absl::Status RunGather(int slot) {
+    const auto* list =
+        reinterpret_cast<const kernels::CopyListHeader*>(this->slot(slot) + g_.slot.list);
+    RETURN_IF_ERROR(CheckList(list));
+    if (record_ != nullptr) {
+      int64_t table_entries = 0;
+      const kernels::CopyDescriptor* d = kernels::CopyListEntries(list);
+      for (int i = 0; i < list->count; ++i) {
+        if (d[i].dst >= table_.address() && d[i].dst < table_.address() + table_.bytes) {
+          table_entries += d[i].row_bytes / sizeof(int32_t);
+        }
+      }
+      absl::MutexLock lock(&record_->mu);
+      record_->table_entries_written += table_entries;
+    }
+    kernels::RunCopyListOnHost(list);
+    return absl::OkStatus();
+  }
+
+  absl::Status RunBatch(const LaunchOptions& o) {
+    const RequestArraysLayout& r = g_.slot.requests;
     if (fake_) {
       ++launches_;
-      int requests = 0;
-      for (int b = 0; b < o.shape.batch; ++b) requests += v.draft_len()[b] > 0 ? 1 : 0;
-      if (record_ != nullptr) {
-        absl::MutexLock lock(&record_->mu);
-        record_->launches.push_back(o);
-        record_->launch_requests.push_back(requests);
-      }
       if (fake_->fail_launch > 0 && launches_ == fake_->fail_launch) faulted_ = true;
-      if (o.graph) {
-        const std::vector<BatchShape>& captured = sets_[o.set].captured;
-        if (std::find(captured.begin(), captured.end(), o.shape) == captured.end()) {
-          return absl::InternalError(absl::StrCat(
-              name_, ": graph launch of batch ", o.shape.batch, " x draft ", o.shape.draft_len,
-              " on staging set ", o.set, ", which was never captured"));
-        }
+      if (o.graph && std::find(captured_.begin(), captured_.end(), o.shape) == captured_.end()) {
+        return absl::InternalError(absl::StrCat(name_, ": graph launch of batch ", o.shape.batch,
+                                                " x draft ", o.shape.draft_len,
+                                                ", which was never captured"));
       }
     } else if (o.graph) {
       return absl::InternalError(absl::StrCat(name_, " has no graphs"));
     }
+    if (record_ != nullptr) {
+      // Recorded as the launch begins (before its latency), from the slot.
+      const uint8_t* staged = slot(o.slot);
+      const auto* slot_drafts =
+          reinterpret_cast<const int32_t*>(staged + g_.slot.request_block + r.draft_len);
+      int requests = 0;
+      for (int b = 0; b < o.shape.batch; ++b) requests += slot_drafts[b] > 0 ? 1 : 0;
+      const auto* list = reinterpret_cast<const kernels::CopyListHeader*>(staged + g_.slot.list);
+      absl::MutexLock lock(&record_->mu);
+      record_->launches.push_back(o);
+      record_->launch_requests.push_back(requests);
+      record_->gather_descriptors.push_back(list->count);
+    }
     RETURN_IF_ERROR(Simulate());
+    RETURN_IF_ERROR(RunGather(o.slot));
+    const auto* block = requests_.data.get();
+    const auto* prefix = reinterpret_cast<const int32_t*>(block + r.prefix_len);
+    const auto* drafts = reinterpret_cast<const int32_t*>(block + r.draft_len);
+    const auto* layers = reinterpret_cast<const int32_t*>(block + r.layer);
+    const auto* scales = reinterpret_cast<const float*>(block + r.scale);
+    const auto* offsets = reinterpret_cast<const int64_t*>(block + r.table_offset);
     const int heads = g_.num_heads;
+    const auto* q = reinterpret_cast<const Bf16*>(q_.data.get());
+    auto* out = reinterpret_cast<Bf16*>(out_.data.get());
+    auto* lse = reinterpret_cast<float*>(lse_.data.get());
+    const auto* visibility = reinterpret_cast<const uint64_t*>(visibility_.data.get());
     int64_t row = 0;
     for (int b = 0; b < o.shape.batch; ++b) {
-      const int32_t prefix = v.prefix_len()[b], draft = v.draft_len()[b], layer = v.layer()[b];
+      const int32_t draft = drafts[b];
       if (draft == 0) continue;  // padding
       if (draft > o.shape.draft_len || row + draft > o.shape.rows()) {
         return absl::InternalError(absl::StrCat(name_, ": request ", b, " has ", draft,
                                                 " drafts, more than its launch shape holds"));
       }
-      kernels::DraftKvWriteArguments w;
-      w.batch = 1;
-      w.total_draft_capacity = draft;
-      w.draft_kv = v.draft_kv() + row * kLatentDim;
-      w.draft_kv_stride = kLatentDim;
-      w.pool = View();
-      w.page_table = v.page_table(b);
-      w.page_table_stride = v.layout.page_table_stride;
-      w.prefix_len = &prefix;
-      w.draft_len = &draft;
-      w.layer = &layer;
-      RETURN_IF_ERROR(kernels::WriteDraftKvCpu(w));
-
+      if (offsets[b] < 0 || offsets[b] >= g_.table_entries) {
+        return absl::InternalError(absl::StrCat(name_, ": request ", b, "'s page table at ",
+                                                offsets[b], " is outside the arena"));
+      }
       kernels::VerifyArguments a;
       a.batch = 1;
       a.num_heads = heads;
       a.max_draft_len = draft;
       a.total_draft_capacity = draft;
-      a.q = v.q() + row * heads * kLatentDim;
+      a.q = q + row * heads * kLatentDim;
       a.q_token_stride = static_cast<int64_t>(heads) * kLatentDim;
       a.q_head_stride = kLatentDim;
       a.pool = View();
-      a.page_table = v.page_table(b);
-      a.page_table_stride = v.layout.page_table_stride;
-      a.prefix_len = &prefix;
-      a.draft_len = &draft;
-      a.layer = &layer;
-      a.default_softmax_scale = v.scale()[b];
-      a.visibility = v.visibility() + row;
-      a.out = v.out() + row * heads * kValueDim;
+      a.page_table = Table() + offsets[b];
+      a.page_table_stride = g_.table_entries - offsets[b];
+      a.prefix_len = prefix + b;
+      a.draft_len = drafts + b;
+      a.layer = layers + b;
+      a.default_softmax_scale = scales[b];
+      a.visibility = visibility + row;
+      a.out = out + row * heads * kValueDim;
       a.out_token_stride = static_cast<int64_t>(heads) * kValueDim;
       a.out_head_stride = kValueDim;
-      a.lse = v.lse() + row * heads;
+      a.lse = lse + row * heads;
       RETURN_IF_ERROR(kernels::VerifyAttentionCpu(a, threads_));
       row += draft;
     }
-    sets_[o.set].seconds = absl::ToDoubleSeconds(absl::Now() - started);
+    const auto* outputs = reinterpret_cast<const kernels::CopyListHeader*>(outputs_.data.get());
+    RETURN_IF_ERROR(CheckList(outputs));
+    kernels::RunCopyListOnHost(outputs);
     return absl::OkStatus();
   }
 
   // Calls fn(pool row, rows row) for positions start..start+count-1 of every
   // layer, `rows` being laid out [num_layers, count, 576].
   template <typename Row, typename Fn>
-  void ForEachRow(absl::Span<const int32_t> page_table, int64_t start, int64_t count, Fn fn,
-                  Row* rows) {
+  void ForEachRow(int64_t table_offset, int64_t start, int64_t count, Fn fn, Row* rows) {
     const kernels::KvPoolView view = View();
+    const int32_t* pages = Table() + table_offset;
     for (int layer = 0; layer < g_.num_layers; ++layer) {
       for (int64_t t = 0; t < count; ++t) {
-        fn(view.data + view.RowOffset(layer, page_table.data(), start + t),
+        fn(view.data + view.RowOffset(layer, pages, start + t),
            rows + (static_cast<int64_t>(layer) * count + t) * kLatentDim);
       }
     }
@@ -276,8 +453,14 @@ class HostDevice final : public Device {
   const std::optional<FakeDeviceOptions> fake_;
   FakeDeviceRecord* const record_;
   DeviceGeometry g_;
-  AlignedBuffer pool_;
-  std::vector<StagingSet> sets_;
+  DeviceBuffers buffers_;
+  AlignedBuffer pool_, table_, q_, out_, lse_, requests_, visibility_, outputs_, slots_;
+  std::vector<BatchShape> captured_;
+  // Launched work runs under it, one piece at a time, in launch order.
+  absl::Mutex exec_mu_;
+  std::deque<Pending> pending_ ABSL_GUARDED_BY(exec_mu_);
+  std::vector<absl::Status> results_;
+  std::vector<double> seconds_;
   int launches_ = 0;
   bool faulted_ = false;
 };

@@ -141,8 +141,10 @@ DrainCounts GrpcServer::Drain(absl::Duration grace, absl::Duration timeout) {
   counts.calls_finished = service_->calls_finished() - finished_before - counts.calls_cut;
   spdlog::info("gRPC server stopped: {} calls finished in the drain, {} cut at the timeout",
                counts.calls_finished, counts.calls_cut);
-  if (const int64_t regions = service_->ReleaseSharedMemory(); regions > 0) {
-    spdlog::info("released {} shared-memory regions", regions);
+  if (engine_ != nullptr) {
+    if (const int64_t regions = engine_->regions().ReleaseAll(); regions > 0) {
+      spdlog::info("released {} shared-memory regions", regions);
+    }
   }
   return counts;
 }

@@ -45,9 +45,10 @@ class GrpcServer {
   ServingState state() const { return state_.load(); }
 
   // The engine RPCs reach; before SetServing. It outlives the server.
-  void AttachEngine(engine::Engine* engine) { service_->AttachEngine(engine); }
-  // The client shared-memory regions (for metrics; thread-safe).
-  const SharedMemoryRegistry& shared_memory() const { return service_->shared_memory(); }
+  void AttachEngine(engine::Engine* engine) {
+    engine_ = engine;
+    service_->AttachEngine(engine);
+  }
   // Health SERVING; RPCs admitted.
   void SetServing();
   // A device faulted: health NOT_SERVING, device calls UNAVAILABLE (info and
@@ -57,7 +58,8 @@ class GrpcServer {
   // `grace` calls are still served (load balancers and readiness probes see
   // NOT_SERVING and move away); then new work is refused with UNAVAILABLE, the
   // listener closes, open VerifyStreams end (idle ones at once, UNAVAILABLE),
-  // and calls in flight get `timeout` to finish before gRPC cancels them.
+  // and calls in flight get `timeout` to finish before gRPC cancels them;
+  // then the engine's shared-memory regions are dropped.
   // Returns what happened; idempotent (a second call returns zeros).
   DrainCounts Drain(absl::Duration grace, absl::Duration timeout);
 
@@ -69,6 +71,7 @@ class GrpcServer {
   std::unique_ptr<VerifyServiceImpl> service_;
   std::unique_ptr<HealthService> health_;
   std::unique_ptr<grpc::Server> server_;
+  engine::Engine* engine_ = nullptr;
   int port_ = 0;
   bool shut_down_ = false;
 };

@@ -1,55 +1,31 @@
-// Checking and viewing the Tensor messages of the wire contract as engine
-// buffers, without copies: inputs are spans over the request's bytes or over
-// a registered shared-memory region, outputs are spans over response bytes
-// sized here or over the region the request placed them in.
+// The protobuf Tensor messages of the wire contract as engine tensor
+// references (server/engine/tensor_ref.h), without checks and without
+// copies: the engine checks dtype, shape, size and region ranges once. The
+// references point into the request (and, for outputs returned inline, into
+// the response), which outlive the engine's call.
 #ifndef MLAVERIFY_SERVER_TRANSPORT_TENSOR_CODEC_H_
 #define MLAVERIFY_SERVER_TRANSPORT_TENSOR_CODEC_H_
 
-#include <cstdint>
-#include <initializer_list>
 #include <string>
 
-#include "absl/status/statusor.h"
-#include "absl/strings/string_view.h"
-#include "absl/types/span.h"
-#include "common/bf16.h"
 #include "mlaverify/v1/verify.pb.h"
-#include "server/transport/shared_memory.h"
+#include "server/engine/tensor_ref.h"
 
 namespace mlaverify::transport {
 
-// Where a call's shared-memory references resolve: the server's registry and
-// the call's leases (held until its work completed). A default one (no
-// registry) answers every reference FAILED_PRECONDITION.
-struct SharedMemoryScope {
-  SharedMemoryRegistry* registry = nullptr;
-  RegionLeases* leases = nullptr;
-};
+// An input tensor: its dtype, shape, and its raw bytes or region range.
+engine::TensorRef ToTensorRef(const v1::Tensor& tensor);
 
-// A view of `tensor` as bf16 values of exactly `shape`, inline or in shared
-// memory. INVALID_ARGUMENT naming `what` for a wrong dtype, shape or byte
-// count; a shared-memory reference fails as RegionLeases::Resolve says.
-absl::StatusOr<absl::Span<const Bf16>> Bf16Input(const v1::Tensor& tensor,
-                                                 std::initializer_list<int64_t> shape,
-                                                 absl::string_view what,
-                                                 const SharedMemoryScope& shm = {});
+// An output: into `ref`'s region range when `ref` is set (`has_ref`), else
+// into `inline_tensor`'s raw bytes, which the engine sizes once the call
+// passed its checks.
+engine::OutputRef ToOutputRef(bool has_ref, const v1::SharedMemoryRef& ref,
+                              v1::Tensor* inline_tensor);
 
-// Shapes `tensor` as bf16/fp32 `shape` with zero-filled raw bytes and
-// returns a writable view of them.
-absl::Span<Bf16> Bf16Output(v1::Tensor* tensor, std::initializer_list<int64_t> shape);
-absl::Span<float> Fp32Output(v1::Tensor* tensor, std::initializer_list<int64_t> shape);
-
-// Shapes `tensor` as bf16/fp32 `shape` referencing `ref` (no bytes) and
-// returns a writable view of the referenced range; errors as for inputs.
-absl::StatusOr<absl::Span<Bf16>> Bf16SharedOutput(const v1::SharedMemoryRef& ref,
-                                                  std::initializer_list<int64_t> shape,
-                                                  absl::string_view what,
-                                                  const SharedMemoryScope& shm, v1::Tensor* tensor);
-absl::StatusOr<absl::Span<float>> Fp32SharedOutput(const v1::SharedMemoryRef& ref,
-                                                   std::initializer_list<int64_t> shape,
-                                                   absl::string_view what,
-                                                   const SharedMemoryScope& shm,
-                                                   v1::Tensor* tensor);
+// Labels an output tensor of the response (dtype, shape; the reference it
+// was written to, if any) once the call succeeded.
+void LabelOutput(v1::Tensor* tensor, v1::DType dtype, std::initializer_list<int64_t> shape,
+                 const v1::SharedMemoryRef* ref);
 
 // "[2, 8, 576]"
 std::string ShapeString(const v1::Tensor& tensor);

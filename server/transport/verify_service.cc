@@ -33,7 +33,6 @@ VerifyServiceImpl::VerifyServiceImpl(const ServiceOptions& options, RpcObserver*
                                      const std::atomic<ServingState>* state)
     : options_(options),
       observer_(observer),
-      shared_memory_(options.shared_memory),
       state_(state),
       slow_calls_(options.slow_call_seconds, std::chrono::seconds(1)),
       failed_calls_log_(std::chrono::milliseconds(100)) {}
@@ -41,18 +40,6 @@ VerifyServiceImpl::VerifyServiceImpl(const ServiceOptions& options, RpcObserver*
 VerifyServiceImpl::~VerifyServiceImpl() = default;
 
 void VerifyServiceImpl::AttachEngine(engine::Engine* engine) {
-  // Regions are page-locked for the engine's devices where that helps (a
-  // CUDA backend: AppendKv rows go to the device by DMA from the region).
-  if (engine->backend_name() == "cuda") {
-    shared_memory_.SetPinner(
-        {[engine](void* data, size_t bytes) { return engine->PinHostMemory(data, bytes); },
-         [engine](void* data) { engine->UnpinHostMemory(data); }});
-    shared_memory_.SetCudaOpener(
-        {[engine](const std::string& handle, int device_id) {
-           return engine->OpenIpcMemory(handle, device_id);
-         },
-         [engine](const std::vector<void*>& data) { engine->CloseIpcMemory(data); }});
-  }
   engine_.store(engine, std::memory_order_release);
 }
 
@@ -211,7 +198,7 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::GetServerInfo(grpc::CallbackServerC
                     r->set_max_queued_bytes(c.max_queued_bytes);
                     r->set_max_live_sequences(c.max_live_sequences);
                     r->set_instance_id(e.instance_id());
-                    r->set_client_shared_memory(shared_memory_.enabled());
+                    r->set_client_shared_memory(e.regions().enabled());
                     r->set_verify_calls_timed(verify_timed_.load());
                     r->set_verify_server_seconds_total(verify_server_ns_.load() * 1e-9);
                     r->set_verify_queue_seconds_total(verify_queue_ns_.load() * 1e-9);
@@ -234,123 +221,42 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::AppendKv(grpc::CallbackServerContex
                                                       const v1::AppendKvRequest* request,
                                                       v1::AppendKvResponse* response) {
   return RunUnary("AppendKv", ctx, *request, false, [this, ctx, request, response](auto finish) {
-    const v1::Tensor& kv = request->kv();
-    const int64_t layers = engine()->config().num_layers;
-    // T comes from the tensor itself; everything else must match the geometry.
-    const int64_t tokens = kv.shape_size() == 3 ? kv.shape(1) : -1;
-    if (tokens < 1) {
-      return finish(absl::InvalidArgumentError(absl::StrCat(
-          "kv: shape ", ShapeString(kv), ", expected [", layers, ", T, 576] with T >= 1")));
-    }
-    // Held until the engine is done with the bytes.
-    auto leases = std::make_unique<RegionLeases>();
-    absl::StatusOr<absl::Span<const Bf16>> data = Bf16Input(
-        kv, {layers, tokens, kLatentDim}, "kv", SharedMemoryScope{&shared_memory_, leases.get()});
-    if (!data.ok()) return finish(data.status());
     engine::AppendCall call;
     call.sequence_id = request->sequence_id();
     call.start_position = request->start_position();
-    call.tokens = tokens;
-    call.kv = *data;
+    call.kv = ToTensorRef(request->kv());  // T comes from its shape (the engine checks it)
     call.context = ContextOf(ctx);
-    engine()->SubmitAppendKv(std::move(call),
-                             [response, leases = std::move(leases),
-                              finish = std::move(finish)](absl::StatusOr<int64_t> length) mutable {
-                               leases.reset();
-                               if (length.ok()) response->set_length(*length);
-                               finish(length.status());
-                             });
+    engine()->SubmitAppendKv(std::move(call), [response, finish = std::move(finish)](
+                                                  absl::StatusOr<int64_t> length) mutable {
+      if (length.ok()) response->set_length(*length);
+      finish(length.status());
+    });
   });
 }
 
 void VerifyServiceImpl::StartVerify(grpc::CallbackServerContext* ctx,
                                     const v1::VerifyRequest& request, v1::VerifyResponse* response,
                                     std::vector<engine::VerifyItem>* items,
-                                    std::vector<engine::DeviceTensors>* device_items,
-                                    engine::VerifyTiming* timing, RegionLeases* leases,
-                                    Finisher done) {
-  const SharedMemoryScope shm{&shared_memory_, leases};
-  device_items->assign(request.items_size(), {});  // addresses stay put from here on
-  const int64_t heads = engine()->config().num_heads;
-  const int max_draft = engine()->config().max_draft_len();
+                                    engine::VerifyTiming* timing, Finisher done) {
   response->set_request_id(request.request_id());
   response->set_layer(request.layer());
+  // Each Tensor becomes a reference the engine checks (once, for every data
+  // plane); inline outputs go into the response's results, which the engine
+  // sizes only once the call passed its checks.
   items->resize(request.items_size());
-  for (int k = 0; k < request.items_size(); ++k) {
-    const v1::VerifyItem& in = request.items(k);
-    const int64_t n = in.parents_size();
-    const std::string where = absl::StrCat("items[", k, "] (sequence ", in.sequence_id(), ")");
-    // Draft count first, so that a huge N is named as such rather than as a
-    // tensor mismatch.
-    if (n < 1 || n > max_draft) {
-      return done(absl::InvalidArgumentError(
-          absl::StrCat(where, ": ", n, " drafts (parents); need 1..", max_draft)));
-    }
-    engine::VerifyItem& item = (*items)[k];
-    item.sequence_id = in.sequence_id();
-    item.parents = absl::MakeConstSpan(in.parents().data(), in.parents_size());
-    if (in.q().has_shared_memory() &&
-        RegionLeases::IsCuda(shared_memory_, in.q().shared_memory().region())) {
-      if (absl::Status s = ResolveDeviceItem(in, n, heads, where, leases, &(*device_items)[k]);
-          !s.ok()) {
-        return done(s);
-      }
-      item.device = &(*device_items)[k];
-      continue;
-    }
-    absl::StatusOr<absl::Span<const Bf16>> q =
-        Bf16Input(in.q(), {n, heads, kLatentDim}, absl::StrCat(where, " q"), shm);
-    if (!q.ok()) return done(q.status());
-    absl::StatusOr<absl::Span<const Bf16>> draft_kv =
-        Bf16Input(in.draft_kv(), {n, kLatentDim}, absl::StrCat(where, " draft_kv"), shm);
-    if (!draft_kv.ok()) return done(draft_kv.status());
-    item.q = *q;
-    item.draft_kv = *draft_kv;
-    if (in.has_out_shared_memory() != in.has_lse_shared_memory()) {
-      return done(absl::InvalidArgumentError(absl::StrCat(
-          where, ": out_shared_memory and lse_shared_memory go together (both or neither)")));
-    }
-  }
-  // Outputs are sized only once every input passed, so a rejected request
-  // allocates nothing large.
   response->mutable_results()->Reserve(request.items_size());
   for (int k = 0; k < request.items_size(); ++k) {
     const v1::VerifyItem& in = request.items(k);
-    const int64_t n = in.parents_size();
     v1::VerifyResult* result = response->add_results();
-    result->set_sequence_id((*items)[k].sequence_id);
-    if ((*items)[k].device != nullptr) {
-      // Written into the client's device memory; the answer says where.
-      for (auto [tensor, ref, dtype] :
-           {std::tuple{result->mutable_out(), &in.out_shared_memory(), v1::DTYPE_BF16},
-            std::tuple{result->mutable_lse(), &in.lse_shared_memory(), v1::DTYPE_FP32}}) {
-        tensor->set_dtype(dtype);
-        tensor->add_shape(n);
-        tensor->add_shape(heads);
-        if (dtype == v1::DTYPE_BF16) tensor->add_shape(kValueDim);
-        *tensor->mutable_shared_memory() = *ref;
-      }
-      continue;
-    }
-    if (!in.has_out_shared_memory()) {
-      (*items)[k].out = Bf16Output(result->mutable_out(), {n, heads, kValueDim});
-      (*items)[k].lse = Fp32Output(result->mutable_lse(), {n, heads});
-      continue;
-    }
-    const std::string where = absl::StrCat("items[", k, "] (sequence ", in.sequence_id(), ")");
-    absl::StatusOr<absl::Span<Bf16>> out =
-        Bf16SharedOutput(in.out_shared_memory(), {n, heads, kValueDim}, absl::StrCat(where, " out"),
-                         shm, result->mutable_out());
-    if (!out.ok()) return done(out.status());
-    absl::StatusOr<absl::Span<float>> lse =
-        Fp32SharedOutput(in.lse_shared_memory(), {n, heads}, absl::StrCat(where, " lse"), shm,
-                         result->mutable_lse());
-    if (!lse.ok()) return done(lse.status());
-    (*items)[k].out = *out;
-    (*items)[k].lse = *lse;
-  }
-  if (!leases->empty()) {
-    if (absl::Status s = leases->CheckOutputsDoNotOverlap(); !s.ok()) return done(s);
+    engine::VerifyItem& item = (*items)[k];
+    item.sequence_id = in.sequence_id();
+    item.parents = absl::MakeConstSpan(in.parents().data(), in.parents_size());
+    item.q = ToTensorRef(in.q());
+    item.draft_kv = ToTensorRef(in.draft_kv());
+    item.out =
+        ToOutputRef(in.has_out_shared_memory(), in.out_shared_memory(), result->mutable_out());
+    item.lse =
+        ToOutputRef(in.has_lse_shared_memory(), in.lse_shared_memory(), result->mutable_lse());
   }
   engine::VerifyCall call;
   call.layer = request.layer();
@@ -358,70 +264,24 @@ void VerifyServiceImpl::StartVerify(grpc::CallbackServerContext* ctx,
   call.items = absl::MakeSpan(*items);
   call.context = ContextOf(ctx);
   call.timing = timing;
-  engine()->SubmitVerify(
-      std::move(call), [response, items, done = std::move(done)](absl::Status status) mutable {
-        if (status.ok()) {
-          for (size_t k = 0; k < items->size(); ++k) {
-            response->mutable_results(static_cast<int>(k))->set_prefix_len((*items)[k].prefix_len);
-          }
-        }
-        done(std::move(status));
-      });
-}
-
-absl::Status VerifyServiceImpl::ResolveDeviceItem(const v1::VerifyItem& in, int64_t n,
-                                                  int64_t heads, const std::string& where,
-                                                  RegionLeases* leases,
-                                                  engine::DeviceTensors* device) {
-  if (!in.draft_kv().has_shared_memory() || !in.has_out_shared_memory() ||
-      !in.has_lse_shared_memory()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where,
-                     ": q is in CUDA shared memory, so draft_kv, out and lse must be too (all four "
-                     "or none)"));
-  }
-  if (in.q().dtype() != v1::DTYPE_BF16 || in.draft_kv().dtype() != v1::DTYPE_BF16) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": q and draft_kv must be DTYPE_BF16"));
-  }
-  const auto same_shape = [](const v1::Tensor& t, std::initializer_list<int64_t> shape) {
-    return std::equal(t.shape().begin(), t.shape().end(), shape.begin(), shape.end());
-  };
-  if (!same_shape(in.q(), {n, heads, kLatentDim})) {
-    return absl::InvalidArgumentError(absl::StrCat(where, " q: shape ", ShapeString(in.q()),
-                                                   ", expected [", n, ", ", heads, ", 576]"));
-  }
-  if (!same_shape(in.draft_kv(), {n, kLatentDim})) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, " draft_kv: shape ", ShapeString(in.draft_kv()), ", expected [", n, ", 576]"));
-  }
-  const struct {
-    const v1::SharedMemoryRef& ref;
-    uint64_t bytes, alignment;
-    bool output;
-    const char* name;
-  } parts[] = {
-      {in.q().shared_memory(), static_cast<uint64_t>(n * heads * kLatentDim * 2), 2, false, "q"},
-      {in.draft_kv().shared_memory(), static_cast<uint64_t>(n * kLatentDim * 2), 2, false,
-       "draft_kv"},
-      {in.out_shared_memory(), static_cast<uint64_t>(n * heads * kValueDim * 2), 2, true, "out"},
-      {in.lse_shared_memory(), static_cast<uint64_t>(n * heads * 4), 4, true, "lse"},
-  };
-  std::vector<uint8_t*> resolved[4];
-  for (int p = 0; p < 4; ++p) {
-    absl::StatusOr<std::vector<uint8_t*>> r =
-        leases->ResolveDevice(shared_memory_, parts[p].ref.region(), parts[p].ref.offset(),
-                              parts[p].ref.byte_size(), parts[p].bytes, parts[p].alignment,
-                              parts[p].output, absl::StrCat(where, " ", parts[p].name));
-    if (!r.ok()) return r.status();
-    resolved[p] = *std::move(r);
-  }
-  for (size_t w = 0; w < resolved[0].size(); ++w) {
-    device->q.push_back(reinterpret_cast<const Bf16*>(resolved[0][w]));
-    device->draft_kv.push_back(reinterpret_cast<const Bf16*>(resolved[1][w]));
-    device->out.push_back(reinterpret_cast<Bf16*>(resolved[2][w]));
-    device->lse.push_back(reinterpret_cast<float*>(resolved[3][w]));
-  }
-  return absl::OkStatus();
+  const int64_t heads = engine()->config().num_heads;
+  engine()->SubmitVerify(std::move(call), [&request, response, items, heads,
+                                           done = std::move(done)](absl::Status status) mutable {
+    if (status.ok()) {
+      for (size_t k = 0; k < items->size(); ++k) {
+        const v1::VerifyItem& in = request.items(static_cast<int>(k));
+        const int64_t n = in.parents_size();
+        v1::VerifyResult* result = response->mutable_results(static_cast<int>(k));
+        result->set_sequence_id(in.sequence_id());
+        result->set_prefix_len((*items)[k].prefix_len);
+        LabelOutput(result->mutable_out(), v1::DTYPE_BF16, {n, heads, kValueDim},
+                    in.has_out_shared_memory() ? &in.out_shared_memory() : nullptr);
+        LabelOutput(result->mutable_lse(), v1::DTYPE_FP32, {n, heads},
+                    in.has_lse_shared_memory() ? &in.lse_shared_memory() : nullptr);
+      }
+    }
+    done(std::move(status));
+  });
 }
 
 grpc::ServerUnaryReactor* VerifyServiceImpl::Verify(grpc::CallbackServerContext* ctx,
@@ -433,14 +293,11 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::Verify(grpc::CallbackServerContext*
         // The items and the time split live until the engine is done with them.
         struct State {
           std::vector<engine::VerifyItem> items;
-          std::vector<engine::DeviceTensors> device_items;
           engine::VerifyTiming timing;
-          RegionLeases leases;
         };
         auto* state = new State;
         StartVerify(
-            ctx, *request, response, &state->items, &state->device_items, &state->timing,
-            &state->leases,
+            ctx, *request, response, &state->items, &state->timing,
             [this, state, arrived, finish = std::move(finish)](absl::Status status) mutable {
               if (status.ok()) RecordVerifySplit(state->timing, arrived);
               const double queued = state->timing.queue_seconds;
@@ -484,8 +341,8 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::RegisterSystemSharedMemory(
     grpc::CallbackServerContext* ctx, const v1::RegisterSystemSharedMemoryRequest* request,
     v1::RegisterSystemSharedMemoryResponse* /*response*/) {
   return RunUnary("RegisterSystemSharedMemory", ctx, *request, false, [this, request](auto finish) {
-    finish(shared_memory_.Register(request->name(), request->key(), request->offset(),
-                                   request->byte_size()));
+    finish(engine()->regions().Register(request->name(), request->key(), request->offset(),
+                                        request->byte_size()));
   });
 }
 
@@ -493,22 +350,43 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::RegisterCudaSharedMemory(
     grpc::CallbackServerContext* ctx, const v1::RegisterCudaSharedMemoryRequest* request,
     v1::RegisterCudaSharedMemoryResponse* /*response*/) {
   return RunUnary("RegisterCudaSharedMemory", ctx, *request, false, [this, request](auto finish) {
-    finish(shared_memory_.RegisterCuda(request->name(), request->raw_handle(), request->device_id(),
-                                       request->byte_size()));
+    finish(engine()->regions().RegisterCuda(request->name(), request->raw_handle(),
+                                            request->device_id(), request->byte_size()));
   });
 }
+
+namespace {
+
+// Unregister of either RPC: the names removed, or the error.
+template <typename Response>
+absl::Status Unregistered(absl::StatusOr<std::vector<std::string>> names, Response* response) {
+  if (names.ok()) {
+    for (std::string& n : *names) response->add_unregistered(std::move(n));
+  }
+  return names.status();
+}
+
+}  // namespace
 
 grpc::ServerUnaryReactor* VerifyServiceImpl::UnregisterSystemSharedMemory(
     grpc::CallbackServerContext* ctx, const v1::UnregisterSystemSharedMemoryRequest* request,
     v1::UnregisterSystemSharedMemoryResponse* response) {
-  // Allowed while draining: a client cleaning up.
+  // Allowed while draining: a client cleaning up. (Regions of either kind,
+  // as before CUDA regions had their own RPC.)
   return RunUnary(
       "UnregisterSystemSharedMemory", ctx, *request, true, [this, request, response](auto finish) {
-        absl::StatusOr<std::vector<std::string>> names = shared_memory_.Unregister(request->name());
-        if (names.ok()) {
-          for (std::string& n : *names) response->add_unregistered(std::move(n));
-        }
-        finish(names.status());
+        finish(Unregistered(
+            engine()->regions().Unregister(request->name(), engine::RegionKind::kAny), response));
+      });
+}
+
+grpc::ServerUnaryReactor* VerifyServiceImpl::UnregisterCudaSharedMemory(
+    grpc::CallbackServerContext* ctx, const v1::UnregisterCudaSharedMemoryRequest* request,
+    v1::UnregisterCudaSharedMemoryResponse* response) {
+  return RunUnary(
+      "UnregisterCudaSharedMemory", ctx, *request, true, [this, request, response](auto finish) {
+        finish(Unregistered(
+            engine()->regions().Unregister(request->name(), engine::RegionKind::kCuda), response));
       });
 }
 
@@ -517,10 +395,10 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::SystemSharedMemoryStatus(
     v1::SystemSharedMemoryStatusResponse* response) {
   return RunUnary("SystemSharedMemoryStatus", ctx, *request, true,
                   [this, request, response](auto finish) {
-                    absl::StatusOr<std::vector<SharedMemoryRegionStatus>> regions =
-                        shared_memory_.Status(request->name());
+                    absl::StatusOr<std::vector<engine::RegionStatus>> regions =
+                        engine()->regions().Status(request->name(), engine::RegionKind::kAny);
                     if (regions.ok()) {
-                      for (const SharedMemoryRegionStatus& r : *regions) {
+                      for (const engine::RegionStatus& r : *regions) {
                         v1::SystemSharedMemoryRegion* out = response->add_regions();
                         out->set_name(r.name);
                         out->set_key(r.key);
@@ -531,6 +409,27 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::SystemSharedMemoryStatus(
                         out->set_pinned(r.pinned);
                         out->set_cuda(r.cuda);
                         out->set_device_id(r.device_id);
+                      }
+                    }
+                    finish(regions.status());
+                  });
+}
+
+grpc::ServerUnaryReactor* VerifyServiceImpl::CudaSharedMemoryStatus(
+    grpc::CallbackServerContext* ctx, const v1::CudaSharedMemoryStatusRequest* request,
+    v1::CudaSharedMemoryStatusResponse* response) {
+  return RunUnary("CudaSharedMemoryStatus", ctx, *request, true,
+                  [this, request, response](auto finish) {
+                    absl::StatusOr<std::vector<engine::RegionStatus>> regions =
+                        engine()->regions().Status(request->name(), engine::RegionKind::kCuda);
+                    if (regions.ok()) {
+                      for (const engine::RegionStatus& r : *regions) {
+                        v1::CudaSharedMemoryRegion* out = response->add_regions();
+                        out->set_name(r.name);
+                        out->set_device_id(r.device_id);
+                        out->set_byte_size(r.byte_size);
+                        out->set_calls_in_flight(r.calls_in_flight);
+                        out->set_calls_total(r.calls_total);
                       }
                     }
                     finish(regions.status());
@@ -649,9 +548,7 @@ class VerifyServiceImpl::StreamReactor final
     v1::VerifyRequest request;
     v1::VerifyResponse response;
     std::vector<engine::VerifyItem> items;
-    std::vector<engine::DeviceTensors> device_items;
     engine::VerifyTiming timing;
-    RegionLeases leases;  // dropped once the request's work completed
     Clock::time_point arrived;
     bool done = false;
   };
@@ -667,12 +564,11 @@ class VerifyServiceImpl::StreamReactor final
     absl::Status admitted = service_->Admit(ctx_, /*allowed_while_draining=*/false);
     if (admitted.ok()) admitted = service_->CheckRequestSize("VerifyStream", slot->request);
     if (!admitted.ok()) return complete(admitted);
-    service_->StartVerify(ctx_, slot->request, &slot->response, &slot->items, &slot->device_items,
-                          &slot->timing, &slot->leases, std::move(complete));
+    service_->StartVerify(ctx_, slot->request, &slot->response, &slot->items, &slot->timing,
+                          std::move(complete));
   }
 
   void Completed(Slot* slot, absl::Status status) {
-    slot->leases.Clear();  // the outputs are in place; the regions are free to go
     if (status.ok()) service_->RecordVerifySplit(slot->timing, slot->arrived);
     service_->LogFailedCall("VerifyStream", ctx_, status);
     if (!status.ok()) {

@@ -1,7 +1,8 @@
 // The gRPC face of the engine: mlaverify.v1.VerifyService on the callback
-// API. Thin on purpose: checks tensor dtypes/shapes/sizes against the
-// geometry, points the engine at the request and response bytes, submits to
-// the engine's asynchronous calls and finishes the RPC from their completion.
+// API. Thin on purpose: turns each message into the engine's types (tensor
+// references into the request and response; the engine checks them),
+// submits to the engine's asynchronous calls and finishes the RPC from their
+// completion.
 // It runs no compute and owns no threads: gRPC's callback threads only decode,
 // submit and encode.
 #ifndef MLAVERIFY_SERVER_TRANSPORT_VERIFY_SERVICE_H_
@@ -21,7 +22,6 @@
 #include "mlaverify/v1/verify.grpc.pb.h"
 #include "server/engine/engine.h"
 #include "server/transport/log_limiter.h"
-#include "server/transport/shared_memory.h"
 #include "server/transport/slow_call_log.h"
 
 namespace mlaverify::transport {
@@ -68,8 +68,6 @@ struct ServiceOptions {
   // Not empty: every VerifyService call must carry "authorization: Bearer
   // <token>" (UNAUTHENTICATED otherwise). Health and reflection stay open.
   std::string auth_token;
-  // Client shared-memory regions (off unless enabled; limits).
-  SharedMemoryOptions shared_memory;
 };
 
 class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
@@ -91,10 +89,6 @@ class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
   int64_t calls_in_flight() const { return in_flight_.load(); }
   // Unary calls and stream requests finished since the start.
   int64_t calls_finished() const { return finished_.load(); }
-  // The end of a drain (no call left running): every region is dropped.
-  // Returns how many there were.
-  int64_t ReleaseSharedMemory() { return shared_memory_.ReleaseAll(); }
-  const SharedMemoryRegistry& shared_memory() const { return shared_memory_; }
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
                                           const v1::GetServerInfoRequest* request,
@@ -128,6 +122,12 @@ class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
   grpc::ServerUnaryReactor* SystemSharedMemoryStatus(
       grpc::CallbackServerContext* ctx, const v1::SystemSharedMemoryStatusRequest* request,
       v1::SystemSharedMemoryStatusResponse* response) override;
+  grpc::ServerUnaryReactor* UnregisterCudaSharedMemory(
+      grpc::CallbackServerContext* ctx, const v1::UnregisterCudaSharedMemoryRequest* request,
+      v1::UnregisterCudaSharedMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* CudaSharedMemoryStatus(
+      grpc::CallbackServerContext* ctx, const v1::CudaSharedMemoryStatusRequest* request,
+      v1::CudaSharedMemoryStatusResponse* response) override;
 
  private:
   class StreamReactor;
@@ -148,20 +148,13 @@ class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
   // A failed call's warning, at most one per 100 ms (the rest counted).
   void LogFailedCall(absl::string_view rpc, grpc::CallbackServerContext* ctx,
                      const absl::Status& status);
-  // Decodes `request` into `items` (views of its bytes and of `response`'s,
-  // which it sizes, or of the shared-memory ranges it references, leased in
-  // `leases`) and submits it; `done` runs once with the outcome, after the
-  // results' prefix lengths are set. `timing` receives the engine's time
-  // split. `items`, `timing` and `leases` live until `done` ran.
+  // Turns `request` into engine items (references to its bytes, its regions
+  // and `response`'s results) and submits it; `done` runs once with the
+  // outcome, after the results are labelled. `timing` receives the engine's
+  // time split. `items` and `timing` live until `done` ran.
   void StartVerify(grpc::CallbackServerContext* ctx, const v1::VerifyRequest& request,
                    v1::VerifyResponse* response, std::vector<engine::VerifyItem>* items,
-                   std::vector<engine::DeviceTensors>* device_items, engine::VerifyTiming* timing,
-                   RegionLeases* leases, Finisher done);
-  // An item whose tensors are all in CUDA regions: resolves them into
-  // `device` (each engine worker's addresses).
-  absl::Status ResolveDeviceItem(const v1::VerifyItem& in, int64_t n, int64_t heads,
-                                 const std::string& where, RegionLeases* leases,
-                                 engine::DeviceTensors* device);
+                   engine::VerifyTiming* timing, Finisher done);
   // A Verify call or stream request that succeeded: its split, summed for
   // GetServerInfo.
   void RecordVerifySplit(const engine::VerifyTiming& timing, Clock::time_point arrived);
@@ -182,7 +175,6 @@ class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
   absl::flat_hash_set<StreamReactor*> streams_ ABSL_GUARDED_BY(streams_mu_);
   const ServiceOptions options_;
   RpcObserver* const observer_;
-  SharedMemoryRegistry shared_memory_;
   const std::atomic<ServingState>* const state_;
   SlowCallLog slow_calls_;
   // Failed calls are logged at most ten times a second.

@@ -111,6 +111,25 @@ class AsyncVerifyClient(_wire.ClientBase):
             self._regions.pop(n, None)
         return list(r.unregistered)
 
+    async def system_shared_memory_status(
+            self, name: str = "") -> List[verify_pb2.SystemSharedMemoryRegion]:
+        """As VerifyClient.system_shared_memory_status."""
+        r = await self._call("SystemSharedMemoryStatus", self._stub.SystemSharedMemoryStatus,
+                             verify_pb2.SystemSharedMemoryStatusRequest(name=name))
+        return list(r.regions)
+
+    async def unregister_cuda_shared_memory(self, name: str = "") -> List[str]:
+        """As VerifyClient.unregister_cuda_shared_memory."""
+        r = await self._call("UnregisterCudaSharedMemory", self._stub.UnregisterCudaSharedMemory,
+                             verify_pb2.UnregisterCudaSharedMemoryRequest(name=name))
+        return list(r.unregistered)
+
+    async def cuda_shared_memory_status(self, name: str = "") -> List[verify_pb2.CudaSharedMemoryRegion]:
+        """As VerifyClient.cuda_shared_memory_status."""
+        r = await self._call("CudaSharedMemoryStatus", self._stub.CudaSharedMemoryStatus,
+                             verify_pb2.CudaSharedMemoryStatusRequest(name=name))
+        return list(r.regions)
+
     async def verify_stream(self, max_in_flight: int = 16) -> "AsyncVerifyStream":
         return AsyncVerifyStream(self, await self.geometry(), max_in_flight)
 

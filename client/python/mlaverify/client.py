@@ -136,8 +136,20 @@ class VerifyClient(_wire.ClientBase):
         return names
 
     def system_shared_memory_status(self, name: str = "") -> List[verify_pb2.SystemSharedMemoryRegion]:
+        """`name` ("" : every region, either kind) with its use."""
         return list(self._call("SystemSharedMemoryStatus", self._stub.SystemSharedMemoryStatus,
                                verify_pb2.SystemSharedMemoryStatusRequest(name=name)).regions)
+
+    def unregister_cuda_shared_memory(self, name: str = "") -> List[str]:
+        """Removes the CUDA region `name` ("" : every CUDA region); returns the
+        names removed."""
+        return list(self._call("UnregisterCudaSharedMemory", self._stub.UnregisterCudaSharedMemory,
+                               verify_pb2.UnregisterCudaSharedMemoryRequest(name=name)).unregistered)
+
+    def cuda_shared_memory_status(self, name: str = "") -> List[verify_pb2.CudaSharedMemoryRegion]:
+        """The CUDA region `name` ("" : every CUDA region) with its use."""
+        return list(self._call("CudaSharedMemoryStatus", self._stub.CudaSharedMemoryStatus,
+                               verify_pb2.CudaSharedMemoryStatusRequest(name=name)).regions)
 
     def verify_stream(self, max_in_flight: int = 16) -> "VerifyStream":
         return VerifyStream(self, max_in_flight)

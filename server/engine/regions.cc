@@ -1,4 +1,4 @@
-#include "server/transport/shared_memory.h"
+#include "server/engine/regions.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -13,11 +13,12 @@
 #include "absl/strings/str_join.h"
 #include "spdlog/spdlog.h"
 
-namespace mlaverify::transport {
+namespace mlaverify::engine {
 namespace {
 
 constexpr size_t kMaxNameBytes = 128;
 constexpr size_t kMaxKeyBytes = 255;  // NAME_MAX of /dev/shm
+constexpr uint64_t kMaxRange = uint64_t{1} << 62;
 
 absl::Status CheckName(const std::string& name) {
   if (name.empty() || name.size() > kMaxNameBytes) {
@@ -79,15 +80,40 @@ absl::Status FromErrno(int err, absl::string_view what) {
   }
 }
 
-}  // namespace
-
-SharedMemoryRegion::~SharedMemoryRegion() {
-  if (unpin_) unpin_(data_);
-  if (mapping_ != nullptr) munmap(mapping_, mapping_bytes_);
-  if (close_ipc_) close_ipc_(std::vector<void*>(device_data_.begin(), device_data_.end()));
+absl::Status SharedMemoryOff() {
+  return absl::FailedPreconditionError(
+      "shared memory is off on this server (it runs without --allow-client-shm)");
 }
 
-// ---- RegionLeases -----------------------------------------------------------
+bool KindMatches(const Region& r, RegionKind kind) {
+  return kind == RegionKind::kAny || (kind == RegionKind::kCuda) == r.cuda();
+}
+
+const char* KindWord(RegionKind kind) {
+  switch (kind) {
+    case RegionKind::kSystem:
+      return "system shared-memory region";
+    case RegionKind::kCuda:
+      return "CUDA shared-memory region";
+    default:
+      return "shared-memory region";
+  }
+}
+
+}  // namespace
+
+Region::~Region() {
+  if (mapper_ != nullptr) {
+    if (cuda_) {
+      if (opened_ipc_) mapper_->CloseCuda(device_);
+    } else if (pinned_) {
+      mapper_->UnmapHost(host_);
+    }
+  }
+  if (mapping_ != nullptr) munmap(mapping_, mapping_bytes_);
+}
+
+// ---- RegionLeases -------------------------------------------------------
 
 RegionLeases::~RegionLeases() { Clear(); }
 
@@ -97,33 +123,27 @@ void RegionLeases::Clear() {
   ranges_.clear();
 }
 
-bool RegionLeases::IsCuda(const SharedMemoryRegistry& registry, absl::string_view region) {
-  absl::MutexLock lock(&registry.mu_);
-  const auto it = registry.regions_.find(region);
-  return it != registry.regions_.end() && it->second->cuda_;
-}
-
-absl::StatusOr<SharedMemoryRegion*> RegionLeases::Check(SharedMemoryRegistry& registry,
-                                                        absl::string_view region, uint64_t offset,
-                                                        uint64_t byte_size, uint64_t expected_bytes,
-                                                        uint64_t alignment, bool is_output,
-                                                        bool cuda, absl::string_view what) {
+absl::StatusOr<ResolvedRange> RegionLeases::Resolve(RegionRegistry& registry,
+                                                    const RegionRange& ref, uint64_t expected_bytes,
+                                                    uint64_t alignment, bool is_output,
+                                                    absl::string_view what) {
   if (!registry.enabled()) {
     return absl::FailedPreconditionError(
         absl::StrCat(what,
                      ": shared-memory tensors are off on this server (it runs without "
                      "--allow-client-shm); send the bytes inline"));
   }
-  if (byte_size != expected_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": shared-memory byte_size ", byte_size,
-                                                   ", the tensor's shape needs ", expected_bytes));
+  if (ref.byte_size != expected_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": shared-memory byte_size ",
+                                                   ref.byte_size, ", the tensor's shape needs ",
+                                                   expected_bytes));
   }
-  std::shared_ptr<SharedMemoryRegion> leased;
+  std::shared_ptr<Region> leased;
   for (const auto& held : leases_) {
-    if (held->name() == region) leased = held;
+    if (held->name() == ref.region) leased = held;
   }
   if (leased == nullptr) {
-    absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> fresh = registry.Lease(region);
+    absl::StatusOr<std::shared_ptr<Region>> fresh = registry.Lease(ref.region);
     if (!fresh.ok()) {
       return absl::Status(fresh.status().code(),
                           absl::StrCat(what, ": ", fresh.status().message()));
@@ -131,52 +151,22 @@ absl::StatusOr<SharedMemoryRegion*> RegionLeases::Check(SharedMemoryRegistry& re
     leased = *fresh;
     leases_.push_back(leased);
   }
-  if (leased->cuda_ != cuda) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ": region ", Quoted(region), " is ", leased->cuda_ ? "CUDA" : "system",
-        " shared memory; this tensor needs ", cuda ? "CUDA" : "system",
-        cuda ? " shared memory (an item's q, draft_kv, out and lse are all in CUDA memory or "
-               "none)"
-             : " shared memory or inline bytes"));
-  }
-  if (offset > leased->byte_size() || byte_size > leased->byte_size() - offset) {
+  if (ref.offset > leased->byte_size() || ref.byte_size > leased->byte_size() - ref.offset) {
     return absl::OutOfRangeError(absl::StrCat(
-        what, ": bytes [", offset, ", ", offset, " + ", byte_size, ") are past the end of region ",
-        Quoted(region), " (", leased->byte_size(), " bytes)"));
+        what, ": bytes [", ref.offset, ", ", ref.offset, " + ", ref.byte_size,
+        ") are past the end of region ", Quoted(ref.region), " (", leased->byte_size(), " bytes)"));
   }
   // A mapping starts on a page of the object (and a device allocation on a
   // 256-byte boundary), so a tensor's address is aligned as its place is.
-  const uint64_t begin = leased->offset_ + offset;
+  const uint64_t begin = leased->offset_ + ref.offset;
   if (alignment > 1 && begin % alignment != 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat(what, ": shared-memory offset ", offset, " puts it at byte ", begin,
-                     " of the object ", "(region ", Quoted(region), " starts at ", leased->offset_,
-                     "), not a multiple of ", alignment, " (the dtype's size)"));
+        absl::StrCat(what, ": shared-memory offset ", ref.offset, " puts it at byte ", begin,
+                     " of the object ", "(region ", Quoted(ref.region), " starts at ",
+                     leased->offset_, "), not a multiple of ", alignment, " (the dtype's size)"));
   }
-  ranges_.push_back({leased.get(), begin, begin + byte_size, is_output, std::string(what)});
-  return leased.get();
-}
-
-absl::StatusOr<uint8_t*> RegionLeases::Resolve(SharedMemoryRegistry& registry,
-                                               absl::string_view region, uint64_t offset,
-                                               uint64_t byte_size, uint64_t expected_bytes,
-                                               uint64_t alignment, bool is_output,
-                                               absl::string_view what) {
-  absl::StatusOr<SharedMemoryRegion*> r =
-      Check(registry, region, offset, byte_size, expected_bytes, alignment, is_output, false, what);
-  if (!r.ok()) return r.status();
-  return (*r)->data() + offset;
-}
-
-absl::StatusOr<std::vector<uint8_t*>> RegionLeases::ResolveDevice(
-    SharedMemoryRegistry& registry, absl::string_view region, uint64_t offset, uint64_t byte_size,
-    uint64_t expected_bytes, uint64_t alignment, bool is_output, absl::string_view what) {
-  absl::StatusOr<SharedMemoryRegion*> r =
-      Check(registry, region, offset, byte_size, expected_bytes, alignment, is_output, true, what);
-  if (!r.ok()) return r.status();
-  std::vector<uint8_t*> out;
-  for (uint8_t* base : (*r)->device_data()) out.push_back(base + offset);
-  return out;
+  ranges_.push_back({leased.get(), begin, begin + ref.byte_size, is_output, std::string(what)});
+  return ResolvedRange{leased.get(), ref.offset};
 }
 
 absl::Status RegionLeases::CheckOutputsDoNotOverlap() const {
@@ -186,8 +176,8 @@ absl::Status RegionLeases::CheckOutputsDoNotOverlap() const {
       if (i == j) continue;
       const Range& a = ranges_[i];
       const Range& b = ranges_[j];
-      const bool same_object =
-          a.region->device_ == b.region->device_ && a.region->inode_ == b.region->inode_;
+      const bool same_object = a.region->object_device_ == b.region->object_device_ &&
+                               a.region->object_inode_ == b.region->object_inode_;
       if (same_object && a.begin < b.end && b.begin < a.end && a.begin != a.end &&
           b.begin != b.end) {
         return absl::InvalidArgumentError(
@@ -200,36 +190,34 @@ absl::Status RegionLeases::CheckOutputsDoNotOverlap() const {
   return absl::OkStatus();
 }
 
-// ---- SharedMemoryRegistry ---------------------------------------------------
+// ---- RegionRegistry -----------------------------------------------------
 
-SharedMemoryRegistry::SharedMemoryRegistry(const SharedMemoryOptions& options)
-    : options_(options) {}
+RegionRegistry::RegionRegistry(const RegionOptions& options) : options_(options) {}
 
-SharedMemoryRegistry::~SharedMemoryRegistry() = default;
+RegionRegistry::~RegionRegistry() = default;
 
-void SharedMemoryRegistry::SetPinner(HostMemoryPinner pinner) {
+void RegionRegistry::SetMapper(RegionMapper* mapper) {
   absl::MutexLock lock(&mu_);
-  pinner_ = std::move(pinner);
+  mapper_ = mapper;
 }
 
-absl::Status SharedMemoryRegistry::Register(const std::string& name, const std::string& key,
-                                            uint64_t offset, uint64_t byte_size) {
-  if (!options_.enabled) {
-    return absl::FailedPreconditionError(
-        "shared memory is off on this server (it runs without --allow-client-shm)");
-  }
+absl::Status RegionRegistry::Register(const std::string& name, const std::string& key,
+                                      uint64_t offset, uint64_t byte_size) {
+  if (!options_.enabled) return SharedMemoryOff();
   if (absl::Status s = CheckName(name); !s.ok()) return s;
   if (absl::Status s = CheckKey(key); !s.ok()) return s;
   if (byte_size == 0) return absl::InvalidArgumentError("shared-memory byte_size is 0");
-  if (offset > (uint64_t{1} << 62) || byte_size > (uint64_t{1} << 62)) {
+  if (offset > kMaxRange || byte_size > kMaxRange) {
     return absl::InvalidArgumentError("shared-memory offset or byte_size beyond 2^62");
   }
+  RegionMapper* mapper;
   {
     absl::MutexLock lock(&mu_);
     if (absl::Status room = CheckRoom(name, byte_size); !room.ok()) return room;
+    mapper = mapper_;
   }
-  // Opening and mapping happen outside the lock (a slow file system must not
-  // hold up the calls resolving references).
+  // Opening, mapping and pinning happen outside the lock (a slow file
+  // system must not hold up the calls resolving references).
   const int fd = shm_open(key.c_str(), O_RDWR, 0);
   if (fd < 0) return FromErrno(errno, absl::StrCat("shm_open ", Quoted(key)));
   struct stat st {};
@@ -246,7 +234,7 @@ absl::Status SharedMemoryRegistry::Register(const std::string& name, const std::
   }
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   const uint64_t map_start = offset / page * page;
-  auto region = std::shared_ptr<SharedMemoryRegion>(new SharedMemoryRegion());
+  auto region = std::shared_ptr<Region>(new Region());
   region->mapping_bytes_ = static_cast<size_t>(offset + byte_size - map_start);
   region->mapping_ = mmap(nullptr, region->mapping_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
                           static_cast<off_t>(map_start));
@@ -258,35 +246,33 @@ absl::Status SharedMemoryRegistry::Register(const std::string& name, const std::
   }
   region->name_ = name;
   region->key_ = key;
-  region->device_ = static_cast<uint64_t>(st.st_dev);
-  region->inode_ = static_cast<uint64_t>(st.st_ino);
+  region->object_device_ = static_cast<uint64_t>(st.st_dev);
+  region->object_inode_ = static_cast<uint64_t>(st.st_ino);
   region->offset_ = offset;
   region->byte_size_ = byte_size;
-  region->data_ = static_cast<uint8_t*>(region->mapping_) + (offset - map_start);
-  HostMemoryPinner pinner;
-  {
-    absl::MutexLock lock(&mu_);
-    pinner = pinner_;
-  }
-  std::string pin_note = "not pinned (no device to pin it for)";
-  if (pinner.pin) {
-    // Page-locked, copies to the devices run as DMA straight from the
-    // region. A failure (e.g. RLIMIT_MEMLOCK) leaves it usable unpinned.
-    const absl::Status pinned = pinner.pin(region->data_, static_cast<size_t>(byte_size));
-    if (pinned.ok()) {
-      region->unpin_ = pinner.unpin;
-      pin_note = "pinned";
+  region->host_ = static_cast<uint8_t*>(region->mapping_) + (offset - map_start);
+  std::string how = "host copies only (no device to map it for)";
+  if (mapper != nullptr) {
+    // Mapped for the devices, they read inputs and write outputs in place.
+    // A failure (e.g. RLIMIT_MEMLOCK) leaves it usable through host copies.
+    absl::StatusOr<HostMapping> mapped =
+        mapper->MapHost(region->host_, static_cast<size_t>(byte_size));
+    if (mapped.ok()) {
+      region->device_ = std::move(mapped->device);
+      region->pinned_ = mapped->pinned;
+      region->mapper_ = mapper;
+      how = mapped->pinned ? "page-locked for the devices" : "addressed in place";
     } else {
-      pin_note = absl::StrCat("not pinned: ", pinned.message());
+      how = absl::StrCat("host copies only: ", mapped.status().message());
     }
   }
   if (absl::Status inserted = Insert(std::move(region)); !inserted.ok()) return inserted;
   spdlog::info("shared-memory region {} registered: {} bytes at offset {} of {}, {}", Quoted(name),
-               byte_size, offset, Quoted(key), pin_note);
+               byte_size, offset, Quoted(key), how);
   return absl::OkStatus();
 }
 
-absl::Status SharedMemoryRegistry::CheckRoom(const std::string& name, uint64_t byte_size) const {
+absl::Status RegionRegistry::CheckRoom(const std::string& name, uint64_t byte_size) const {
   if (regions_.count(name) > 0) {
     return absl::AlreadyExistsError(
         absl::StrCat("shared-memory region ", Quoted(name), " is already registered"));
@@ -305,7 +291,7 @@ absl::Status SharedMemoryRegistry::CheckRoom(const std::string& name, uint64_t b
   return absl::OkStatus();
 }
 
-absl::Status SharedMemoryRegistry::Insert(std::shared_ptr<SharedMemoryRegion> region) {
+absl::Status RegionRegistry::Insert(std::shared_ptr<Region> region) {
   absl::MutexLock lock(&mu_);
   // Checked again: another registration may have raced this one while the
   // region was mapped (outside the lock). On failure the region goes (and
@@ -317,29 +303,20 @@ absl::Status SharedMemoryRegistry::Insert(std::shared_ptr<SharedMemoryRegion> re
   return absl::OkStatus();
 }
 
-void SharedMemoryRegistry::SetCudaOpener(CudaIpcOpener opener) {
-  absl::MutexLock lock(&mu_);
-  cuda_opener_ = std::move(opener);
-}
-
-absl::Status SharedMemoryRegistry::RegisterCuda(const std::string& name, const std::string& handle,
-                                                int device_id, uint64_t byte_size) {
-  if (!options_.enabled) {
-    return absl::FailedPreconditionError(
-        "shared memory is off on this server (it runs without --allow-client-shm)");
-  }
+absl::Status RegionRegistry::RegisterCuda(const std::string& name, const std::string& handle,
+                                          int device_id, uint64_t byte_size) {
+  if (!options_.enabled) return SharedMemoryOff();
   if (absl::Status s = CheckName(name); !s.ok()) return s;
   if (byte_size == 0) return absl::InvalidArgumentError("shared-memory byte_size is 0");
-  if (byte_size > (uint64_t{1} << 62)) {
+  if (byte_size > kMaxRange)
     return absl::InvalidArgumentError("shared-memory byte_size beyond 2^62");
-  }
-  CudaIpcOpener opener;
+  RegionMapper* mapper;
   {
     absl::MutexLock lock(&mu_);
     if (absl::Status room = CheckRoom(name, byte_size); !room.ok()) return room;
-    opener = cuda_opener_;
+    mapper = mapper_;
   }
-  if (!opener.open) {
+  if (mapper == nullptr) {
     return absl::FailedPreconditionError(
         "CUDA shared memory needs the CUDA backend (this server has no device memory)");
   }
@@ -347,40 +324,77 @@ absl::Status SharedMemoryRegistry::RegisterCuda(const std::string& name, const s
   // large the allocation is. A byte_size beyond it makes a copy fail with a
   // sticky device error (the device faults): trusted clients only, as the
   // flag's help says.
-  absl::StatusOr<std::vector<void*>> opened = opener.open(handle, device_id);
+  return InsertDevice(name, device_id, byte_size, mapper->OpenCuda(handle, device_id),
+                      /*ipc=*/true, "CUDA shared-memory region");
+}
+
+absl::Status RegionRegistry::RegisterLocalDevice(const std::string& name, uint64_t address,
+                                                 int device_id, uint64_t byte_size) {
+  if (!options_.enabled) return SharedMemoryOff();
+  if (absl::Status s = CheckName(name); !s.ok()) return s;
+  if (byte_size == 0 || address == 0) {
+    return absl::InvalidArgumentError("device region of 0 bytes or at address 0");
+  }
+  RegionMapper* mapper;
+  {
+    absl::MutexLock lock(&mu_);
+    if (absl::Status room = CheckRoom(name, byte_size); !room.ok()) return room;
+    mapper = mapper_;
+  }
+  if (mapper == nullptr) {
+    return absl::FailedPreconditionError("device regions need the CUDA backend");
+  }
+  return InsertDevice(name, device_id, byte_size, mapper->AddressLocalDevice(address, device_id),
+                      /*ipc=*/false, "device region (in process)");
+}
+
+absl::Status RegionRegistry::InsertDevice(const std::string& name, int device_id,
+                                          uint64_t byte_size,
+                                          absl::StatusOr<std::vector<uint64_t>> opened, bool ipc,
+                                          absl::string_view how) {
   if (!opened.ok()) return opened.status();
-  auto region = std::shared_ptr<SharedMemoryRegion>(new SharedMemoryRegion());
+  auto region = std::shared_ptr<Region>(new Region());
   region->name_ = name;
   region->key_ = absl::StrCat("cuda:", device_id);
   region->byte_size_ = byte_size;
   region->cuda_ = true;
   region->device_id_ = device_id;
-  for (void* p : *opened) region->device_data_.push_back(static_cast<uint8_t*>(p));
-  region->close_ipc_ = opener.close;
+  region->device_ = *std::move(opened);
+  region->pinned_ = true;
+  region->opened_ipc_ = ipc;
+  {
+    absl::MutexLock lock(&mu_);
+    region->mapper_ = mapper_;
+  }
   // Its own object for the overlap check.
-  region->device_ = ~uint64_t{0};
-  region->inode_ = reinterpret_cast<uintptr_t>(region.get());
+  region->object_device_ = ~uint64_t{0};
+  region->object_inode_ = reinterpret_cast<uintptr_t>(region.get());
   if (absl::Status inserted = Insert(std::move(region)); !inserted.ok()) return inserted;
-  spdlog::info("CUDA shared-memory region {} registered: {} bytes on device {}", Quoted(name),
-               byte_size, device_id);
+  spdlog::info("{} {} registered: {} bytes on device {}", std::string(how), Quoted(name), byte_size,
+               device_id);
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<std::string>> SharedMemoryRegistry::Unregister(const std::string& name) {
-  std::vector<std::shared_ptr<SharedMemoryRegion>> removed;  // unmapped outside the lock
+absl::StatusOr<std::vector<std::string>> RegionRegistry::Unregister(const std::string& name,
+                                                                    RegionKind kind) {
+  std::vector<std::shared_ptr<Region>> removed;  // unmapped outside the lock
   std::vector<std::string> names;
   {
     absl::MutexLock lock(&mu_);
     if (!name.empty()) {
       const auto it = regions_.find(name);
-      if (it == regions_.end()) {
-        return absl::NotFoundError(
-            absl::StrCat("no shared-memory region ", Quoted(name), " is registered"));
+      if (it == regions_.end() || !KindMatches(*it->second, kind)) {
+        return absl::NotFoundError(absl::StrCat("no ", KindWord(kind), " ", Quoted(name),
+                                                " is registered",
+                                                it == regions_.end() ? ""
+                                                : it->second->cuda() ? " (it is a CUDA region)"
+                                                                     : " (it is a system region)"));
       }
     }
     std::vector<std::string> busy;
     for (const auto& [region_name, region] : regions_) {
       if (!name.empty() && region_name != name) continue;
+      if (!KindMatches(*region, kind)) continue;
       const int64_t held = region->in_flight_.load();
       if (held > 0) busy.push_back(absl::StrCat(Quoted(region_name), " (", held, " calls)"));
     }
@@ -390,7 +404,7 @@ absl::StatusOr<std::vector<std::string>> SharedMemoryRegistry::Unregister(const 
           " held by calls in flight; nothing was unregistered: retry once they finished"));
     }
     for (auto it = regions_.begin(); it != regions_.end();) {
-      if (!name.empty() && it->first != name) {
+      if ((!name.empty() && it->first != name) || !KindMatches(*it->second, kind)) {
         ++it;
         continue;
       }
@@ -405,24 +419,24 @@ absl::StatusOr<std::vector<std::string>> SharedMemoryRegistry::Unregister(const 
   return names;
 }
 
-absl::StatusOr<std::vector<SharedMemoryRegionStatus>> SharedMemoryRegistry::Status(
-    const std::string& name) const {
+absl::StatusOr<std::vector<RegionStatus>> RegionRegistry::Status(const std::string& name,
+                                                                 RegionKind kind) const {
   absl::MutexLock lock(&mu_);
-  std::vector<SharedMemoryRegionStatus> out;
+  std::vector<RegionStatus> out;
   for (const auto& [region_name, r] : regions_) {
-    if (!name.empty() && region_name != name) continue;
+    if ((!name.empty() && region_name != name) || !KindMatches(*r, kind)) continue;
     out.push_back({r->name_, r->key_, r->offset_, r->byte_size_, r->in_flight_.load(),
-                   r->calls_total_.load(), static_cast<bool>(r->unpin_), r->cuda_, r->device_id_});
+                   r->calls_total_.load(), r->pinned_, r->cuda_, r->device_id_});
   }
   if (!name.empty() && out.empty()) {
     return absl::NotFoundError(
-        absl::StrCat("no shared-memory region ", Quoted(name), " is registered"));
+        absl::StrCat("no ", KindWord(kind), " ", Quoted(name), " is registered"));
   }
   return out;
 }
 
-int64_t SharedMemoryRegistry::ReleaseAll() {
-  std::map<std::string, std::shared_ptr<SharedMemoryRegion>, std::less<>> dropped;
+int64_t RegionRegistry::ReleaseAll() {
+  std::map<std::string, std::shared_ptr<Region>, std::less<>> dropped;
   {
     absl::MutexLock lock(&mu_);
     dropped.swap(regions_);
@@ -431,18 +445,17 @@ int64_t SharedMemoryRegistry::ReleaseAll() {
   return static_cast<int64_t>(dropped.size());
 }
 
-int64_t SharedMemoryRegistry::regions() const {
+int64_t RegionRegistry::regions() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int64_t>(regions_.size());
 }
 
-int64_t SharedMemoryRegistry::registered_bytes() const {
+int64_t RegionRegistry::registered_bytes() const {
   absl::MutexLock lock(&mu_);
   return registered_bytes_;
 }
 
-absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> SharedMemoryRegistry::Lease(
-    absl::string_view name) {
+absl::StatusOr<std::shared_ptr<Region>> RegionRegistry::Lease(absl::string_view name) {
   absl::MutexLock lock(&mu_);
   const auto it = regions_.find(name);
   if (it == regions_.end()) {
@@ -454,4 +467,4 @@ absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> SharedMemoryRegistry::Lease(
   return it->second;
 }
 
-}  // namespace mlaverify::transport
+}  // namespace mlaverify::engine
