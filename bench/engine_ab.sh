@@ -14,9 +14,8 @@ run() {
     grep -E "^single|engine:"
 }
 echo "== default"; run --prefix-len 1024,16384 --threads 1,64
-echo "== direct-output off"; run --prefix-len 16384 --threads 1 --direct-output false
-run --prefix-len 1024 --threads 64 --direct-output false
-echo "== spin 0"; run --prefix-len 16384 --threads 1 --worker-spin-us 0
-echo "== overlap on"; run --prefix-len 1024 --threads 64 --overlap-inputs true
+echo "== device inputs"; run --prefix-len 1024,16384 --threads 1,64 --inputs device
+echo "== one launch in flight"; run --prefix-len 1024 --threads 64 --batches-in-flight 1
+echo "== three launches in flight"; run --prefix-len 1024 --threads 64 --batches-in-flight 3
 echo "== copy threads 8"; run --prefix-len 1024 --threads 64 --copy-threads 8
 echo "== graphs off"; run --prefix-len 16384 --threads 1 --cuda-graphs false

@@ -5,7 +5,7 @@
 #     build/tests/gpu_engine_test build/bench/mlaverify-bench build/bench/mlaverify-engine-bench \
 #     build/server/mlaverify-server build/client/mlaverify-client
 # and carried there (device tool: carry [".device"]):
-#   OUT=/tmp/out bench/gpu_run.sh [tests] [service] [planes] [cudashm] [latency] [fault] [engine] [soak] [anchor] [sweep] [triton] [stalls] [small] [pdl] [ncu] [shapes] [sass] [timeline]
+#   OUT=/tmp/out bench/gpu_run.sh [tests] [dataplane] [service] [planes] [cudashm] [latency] [fault] [engine] [soak] [anchor] [sweep] [triton] [stalls] [small] [pdl] [ncu] [shapes] [sass] [timeline]
 # Writes logs and JSON into $OUT/results.tgz (one file: the device tool brings
 # back at most 8); prints a short summary last.
 set -uo pipefail
@@ -58,10 +58,107 @@ stop_server() {
   curl -s "http://127.0.0.1:$aport/metrics" > "$out/metrics-$1.txt" || true
   kill -TERM "$spid"; wait "$spid"; summary+=("server $1 exit=$?")
 }
+if want dataplane && [ -x "$bundle/bin/mlaverify-server" ]; then
+  # The engine's data path (bench/NOTES.md, "The data path in the engine"):
+  # the engine in process (one item in flight at L=16K, 64 threads at L=1K,
+  # inputs in host and in device memory; TP 0,0 against one device at 16
+  # heads), the kernel for the same shapes, then the service: every plane's
+  # checked demo (unary and stream) in single, TP 0,0 and DP 0,0 modes, and
+  # the load rows of each plane with their bare-transport floors, summarised
+  # by bench/service_planes.py. DATAPLANE_QUICK=1: a few engine rows and one
+  # service row (a first look at a new build); DATAPLANE_ENGINE=0 or
+  # DATAPLANE_SERVICE=0 leaves that half out (to split it over two calls).
+  quick=${DATAPLANE_QUICK:-0}
+  with_engine=${DATAPLANE_ENGINE:-1}
+  with_service=${DATAPLANE_SERVICE:-1}
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+  secs=5; [ "$quick" = 1 ] && secs=2
+  eb() {  # eb JSON ARGS...: one engine-bench invocation appending rows to JSON
+    local json=$1
+    shift
+    timeout 150 "$bundle/bin/mlaverify-engine-bench" --duration-s "$secs" --warmup-s 1 \
+      --gpu-name "$gpu" --json "$out/$json" "$@" 2>&1 | tee -a "$out/engine.log" | grep -E "items/s|LEAK|rror"
+    summary+=("engine $json $* rc=${PIPESTATUS[0]}")
+  }
+  for inputs in device host; do
+    [ "$with_engine" = 1 ] || continue
+    eb engine.json --devices 0 --prefix-len 16384 --threads 1 --pool-bytes 8GiB --inputs $inputs
+    eb engine.json --devices 0 --prefix-len 1024 --threads 1,64 --pool-bytes 16GiB --inputs $inputs
+  done
+  if [ "$quick" != 1 ] && [ "$with_engine" = 1 ]; then
+    # TP at equal work: 16 heads on device 0 once, and split over 0 listed twice.
+    eb engine-tp.json --devices 0 --heads-per-device 16 --prefix-len 1024 --threads 64 \
+      --pool-bytes 16GiB --inputs device
+    eb engine-tp.json --devices 0,0 --mode tp --heads-per-device 8 --prefix-len 1024 --threads 64 \
+      --pool-bytes 8GiB --inputs device
+    eb engine-tp.json --devices 0,0 --mode dp --heads-per-device 8 --prefix-len 1024 --threads 64 \
+      --pool-bytes 8GiB --inputs device
+    timeout 120 "$bundle/bin/mlaverify-bench" --shape 1,16384,16,8,64,tree --shape 1,1024,16,8,64,tree \
+      --shape 32,1024,16,8,64,tree --shape 1,1024,16,16,64,tree --out "$out/planes-kernel.json" \
+      > "$out/planes-kernel.log" 2>&1
+    summary+=("kernel shapes rc=$?")
+    grep -E '^B=' "$out/planes-kernel.log"
+  fi
+  # dp_row ROW ARGS...: one service load with its floor (stream, N=16).
+  dp_row() {
+    local row=$1
+    shift
+    timeout 100 "${cl[@]}" load --drafts 16 --floor --progress false --stream "$@" \
+      --json "$out/planes-$row.json" > "$out/planes-$row.log" 2>&1
+    summary+=("load $row rc=$?")
+    echo "== $row"
+    grep -E "^(verify calls|latency|server split|floor: |errors|result)" "$out/planes-$row.log"
+  }
+  c1=(--concurrency 1 --duration-s 5 --warmup-s 1 --prompt-len 16384 --max-seq-len 16900)
+  c64=(--concurrency 64 --duration-s 6 --warmup-s 1.5 --prompt-len 1024)
+  items=(--concurrency 4 --items 32 --duration-s 6 --warmup-s 1.5 --prompt-len 1024)
+  for mode in single tp dp; do
+    [ "$with_service" = 1 ] || continue
+    case $mode in
+      single) flags=(--devices 0 --heads 8 --pool-bytes 40GiB) ;;
+      tp) flags=(--devices "0,0" --parallel-mode tp --heads 16 --pool-bytes 20GiB) ;;
+      dp) flags=(--devices "0,0" --parallel-mode dp --heads 8 --pool-bytes 20GiB) ;;
+    esac
+    [ "$quick" = 1 ] && [ "$mode" != single ] && continue
+    start_server "dp-$mode" 127.0.0.1:0 "${flags[@]}" --allow-client-shm true
+    if [ "$quick" != 1 ]; then
+      for plane in inline shm cuda-shm; do
+        for rpc in unary stream; do
+          extra=(); [ "$rpc" = stream ] && extra=(--stream)
+          timeout 90 "${cl[@]}" demo --sequences 3 --prompt-len 700 --steps 2 --drafts 16 \
+            --data-plane $plane "${extra[@]}" > "$out/demo-$mode-$plane-$rpc.log" 2>&1
+          summary+=("demo $mode $plane $rpc rc=$?")
+          echo "demo $mode $plane $rpc: $(tail -1 "$out/demo-$mode-$plane-$rpc.log")"
+        done
+      done
+    fi
+    if [ "$mode" = single ]; then
+      dp_row "cuda-shm-stream-c1-16k" "${c1[@]}" --data-plane cuda-shm
+      if [ "$quick" != 1 ]; then
+        dp_row "cuda-shm-stream-c4-1k-items32" "${items[@]}" --data-plane cuda-shm
+        dp_row "cuda-shm-stream-c64-1k" "${c64[@]}" --data-plane cuda-shm
+        dp_row "shm-stream-c1-16k" "${c1[@]}" --data-plane shm --shm-staging-mib 1200
+        dp_row "shm-stream-c64-1k" "${c64[@]}" --data-plane shm --shm-staging-mib 72
+        dp_row "inline-stream-c1-16k" "${c1[@]}"
+        dp_row "inline-stream-c64-1k" "${c64[@]}"
+      fi
+    fi
+    [ "$mode" = tp ] && dp_row "cuda-shm-stream-c64-1k-tp" "${c64[@]}" --data-plane cuda-shm
+    stop_server "dp-$mode"
+    grep -E "captured|engine:|fault|rror" "$out/server-dp-$mode.log" | head -4
+  done
+  if [ "$quick" != 1 ] && [ "$with_service" = 1 ]; then
+    # The TP row's single-device twin: 16 heads on one device.
+    start_server dp-single16 127.0.0.1:0 --devices 0 --heads 16 --pool-bytes 40GiB --allow-client-shm true
+    dp_row "cuda-shm-stream-c64-1k-single" "${c64[@]}" --data-plane cuda-shm
+    stop_server dp-single16
+  fi
+fi
 if want service && [ -x "$bundle/bin/mlaverify-server" ]; then
   # The service on the GPU in each mode: the client's checked demo, then
   # load; single-device also one call in flight at L=16K, unary and stream.
   for mode in single tp dp; do
+    [ "$with_service" = 1 ] || continue
     case $mode in
       single) flags=(--devices 0 --heads 8 --pool-bytes 24GiB) ;;
       tp) flags=(--devices "0,0" --parallel-mode tp --heads 16 --pool-bytes 12GiB) ;;
@@ -160,15 +257,6 @@ if want planes && [ -x "$bundle/bin/mlaverify-server" ]; then
     cl=("${cl_saved[@]}")
   fi
   stop_server planes
-  if [ "$quick" != 1 ]; then
-    # The launch thread polling its queue 500 us instead of 100 us before it
-    # sleeps (one call in flight leaves it idle ~200 us between calls).
-    start_server spin 127.0.0.1:0 --devices 0 --heads 8 --pool-bytes 40GiB \
-      --allow-client-shm true --worker-spin-us 500
-    load_row "shm-stream-c1-16k-spin500" "${c1[@]}" --stream --data-plane shm --shm-staging-mib 1200
-    load_row "inline-stream-c1-16k-spin500" "${c1[@]}" --stream
-    stop_server spin
-  fi
   timeout 120 "$bundle/bin/mlaverify-bench" --shape 1,16384,16,8,64,tree --shape 1,1024,16,8,64,tree \
     --shape 32,1024,16,8,64,tree --out "$out/planes-kernel.json" > "$out/planes-kernel.log" 2>&1
   summary+=("kernel shapes rc=$?")
@@ -204,13 +292,11 @@ if want cudashm && [ -x "$bundle/bin/mlaverify-server" ]; then
 fi
 if want latency && [ -x "$bundle/bin/mlaverify-server" ]; then
   # One call in flight over shm streams at L=16K (the planes' lowest-latency
-  # row) with the server's defaults, with the launch thread polling its queue
-  # 500 us instead of 100 us before it sleeps, and with eager launches instead
-  # of graph replays: what the engine's hand-offs cost at one call in flight.
-  for variant in defaults spin500 eager; do
+  # row) with the server's defaults and with eager launches instead of graph
+  # replays.
+  for variant in defaults eager; do
     case $variant in
       defaults) vflags=() ;;
-      spin500) vflags=(--worker-spin-us 500) ;;
       eager) vflags=(--cuda-graphs false) ;;
     esac
     start_server "latency-$variant" 127.0.0.1:0 --devices 0 --heads 8 --pool-bytes 8GiB \

@@ -6,7 +6,7 @@ c<concurrency>-<len>[-<variant>].json, each with its bare-transport floor) and
 the kernel timings of the same shapes (planes-kernel.json, mlaverify-bench),
 and writes
 
-  {"gpu": ..., "rows": [{"data_plane", "rpc", "concurrency", "items",
+  {"gpu": ..., "rows": [{"mode", "heads", "data_plane", "rpc", "concurrency", "items",
     "prefix_len", "draft_len", "calls_per_s", "items_per_s", "p50_us",
     "p99_us", "errors", "kernel_us", "floor_p50_us", "floor_calls_per_s",
     "server_split_us", "variant"}, ...],
@@ -25,12 +25,13 @@ NAME = re.compile(r"planes-(inline|shm|cuda-shm)-(unary|stream)-c(\d+)-(\w+?)(?:
 
 
 def kernel_times(path):
-    """(batch, prefix_len) -> kernel time in us (N=16, H=8, tree, page 64)."""
+    """(batch, prefix_len, heads) -> kernel time in us (N=16, tree, page 64)."""
     if not os.path.exists(path):
         return {}, None
     with open(path) as f:
         bench = json.load(f)
-    return {(r["batch"], r["prefix_len"]): r["time_us"] for r in bench["rows"]}, bench.get("gpu")
+    return ({(r["batch"], r["prefix_len"], r["heads"]): r["time_us"] for r in bench["rows"]},
+            bench.get("gpu"))
 
 
 def main():
@@ -47,13 +48,19 @@ def main():
         plane, rpc, _, _, variant = m.groups()
         if variant and variant.startswith("items"):
             variant = None  # the items count is a field of its own
+        # TP rows and their single-device twins say so in the name.
+        mode = variant if variant in ("single", "tp", "dp") else "single"
+        if variant in ("single", "tp", "dp"):
+            variant = None
         with open(path) as f:
             load = json.load(f)
         o = load["options"]
         floor = load.get("floor") or {}
         prefix = o["prompt_len"]
-        kernel = kernels.get((o.get("items", 1), prefix))
+        kernel = kernels.get((o.get("items", 1), prefix, load["geometry"]["num_heads"]))
         rows.append({
+            "mode": mode,
+            "heads": load["geometry"]["num_heads"],
             "data_plane": plane,
             "rpc": rpc,
             "concurrency": o["concurrency"],
@@ -93,7 +100,8 @@ def main():
         json.dump({"gpu": gpu, "rows": rows, "append": appends}, f, indent=1)
         f.write("\n")
     for r in rows:
-        print(f"{r['data_plane']:8} {r['rpc']:6} c{r['concurrency']:<3} items {r['items']:<3} "
+        print(f"{r['mode']:6} H={r['heads']:<3} {r['data_plane']:8} {r['rpc']:6} c{r['concurrency']:<3} "
+              f"items {r['items']:<3} "
               f"L={r['prefix_len']:<6} p50 {r['p50_us']:8.1f} us (floor {r['floor_p50_us']}) "
               f"{r['calls_per_s']:9.1f} calls/s (floor {r['floor_calls_per_s']}) "
               f"{r['items_per_s']:9.1f} items/s  kernel {r['kernel_us']}  [{r['variant']}]")

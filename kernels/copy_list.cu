@@ -1,8 +1,11 @@
-// The copy-list kernels (copy_list.h). A block runs one descriptor (grid.y)
-// and every row_blocks-th row of it (grid.x); its threads move a row in the
-// widest access the descriptor's addresses allow. Both kernels have a fixed
-// grid for a bucket and read the list's length from memory, so they sit in
-// captured graphs.
+// The copy-list kernels (copy_list.h). A list runs with a block per
+// descriptor (grid.y) and row (every row_blocks-th row, grid.x); its threads
+// move a row in the widest access the descriptor's addresses allow. The
+// grids are fixed for a bucket and the lists' lengths are read from memory,
+// so the kernels sit in captured graphs. The gather first fetches its list
+// from the host slot with one block: reading host memory from every block of
+// the copy grid cost ~1 us of device time per block on the H200
+// (bench/NOTES.md, "The data path in the engine").
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -16,13 +19,13 @@ namespace {
 constexpr int COPY_THREADS = 256;
 constexpr int UNROLL = 4;
 
-// Loads that bypass the caches: a slot and the staging it points at are
-// host memory the host rewrites between launches.
-__device__ __forceinline__ uint4 Load(const uint4* p) { return __ldcv(p); }
-__device__ __forceinline__ uint2 Load(const uint2* p) { return __ldcv(p); }
-__device__ __forceinline__ unsigned int Load(const unsigned int* p) { return __ldcv(p); }
-__device__ __forceinline__ unsigned short Load(const unsigned short* p) { return __ldcv(p); }
-__device__ __forceinline__ unsigned char Load(const unsigned char* p) { return __ldcv(p); }
+// Plain loads: a launch sees what the host wrote before it was launched.
+// (ld.global.cv, which refetches every access, cost ~1 us per load of host
+// memory, serialised, on the H200: bench/research/host_read_probe.cu.)
+template <typename V>
+__device__ __forceinline__ V Load(const V* p) {
+  return *p;
+}
 
 template <typename V>
 __device__ __forceinline__ void CopyRows(const CopyDescriptor& d, int first_row, int row_step) {
@@ -64,44 +67,25 @@ __device__ __forceinline__ void RunDescriptor(const CopyDescriptor& d, int first
   }
 }
 
-__global__ void __launch_bounds__(COPY_THREADS) GatherKernel(const GatherParams p) {
+// One block: the slot's list (capacity entries, whatever the count) into
+// device memory, then the cursor to the next slot.
+__global__ void __launch_bounds__(COPY_THREADS) FetchKernel(const GatherParams p) {
   __shared__ int32_t s_slot;
-  __shared__ int32_t s_count;
-  __shared__ uint4 s_desc[2];
-  if (threadIdx.x == 0) s_slot = *reinterpret_cast<volatile int32_t*>(p.cursor);
+  if (threadIdx.x == 0) s_slot = *p.cursor;
   __syncthreads();
-  const auto* list = reinterpret_cast<const CopyListHeader*>(
-      p.slots + static_cast<uint64_t>(s_slot) * p.slot_bytes);
-  // The count and this block's descriptor are read side by side (one
-  // round trip to host memory, not two).
-  if (threadIdx.x == 0) s_count = __ldcv(&list->count);
-  if (threadIdx.x == 32 || threadIdx.x == 33) {
-    const auto* entry = reinterpret_cast<const uint4*>(CopyListEntries(list) + blockIdx.y);
-    s_desc[threadIdx.x - 32] = __ldcv(entry + (threadIdx.x - 32));
-  }
+  const auto* src =
+      reinterpret_cast<const uint4*>(p.slots + static_cast<uint64_t>(s_slot) * p.slot_bytes);
+  auto* dst = reinterpret_cast<uint4*>(p.list);
+  const int vectors = static_cast<int>(CopyListBytes(p.capacity) / sizeof(uint4));
+  for (int i = threadIdx.x; i < vectors; i += COPY_THREADS) dst[i] = src[i];
   __syncthreads();
-  if (static_cast<int>(blockIdx.y) < s_count) {
-    const CopyDescriptor d = *reinterpret_cast<const CopyDescriptor*>(s_desc);
-    RunDescriptor(d, blockIdx.x, gridDim.x);
-  }
-  // The last block to finish moves the cursor to the next slot (every block
-  // has read it by then) and leaves the arrival count zero for the next launch.
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const unsigned int blocks = gridDim.x * gridDim.y;
-    if (atomicAdd(p.arrivals, 1u) == blocks - 1) {
-      *p.arrivals = 0;
-      *p.cursor = s_slot + 1 == p.num_slots ? 0 : s_slot + 1;
-      __threadfence();
-    }
-  }
+  if (threadIdx.x == 0) *p.cursor = s_slot + 1 == p.num_slots ? 0 : s_slot + 1;
 }
 
-__global__ void __launch_bounds__(COPY_THREADS) ScatterKernel(const ScatterParams p) {
-  const int count = p.list->count;
-  if (static_cast<int>(blockIdx.y) >= count) return;
-  const CopyDescriptor d = CopyListEntries(p.list)[blockIdx.y];
+// Runs a list in device memory: descriptor blockIdx.y, rows blockIdx.x + k * gridDim.x.
+__global__ void __launch_bounds__(COPY_THREADS) RunListKernel(const CopyListHeader* list) {
+  if (static_cast<int>(blockIdx.y) >= list->count) return;
+  const CopyDescriptor d = CopyListEntries(list)[blockIdx.y];
   RunDescriptor(d, blockIdx.x, gridDim.x);
 }
 
@@ -109,13 +93,14 @@ __global__ void __launch_bounds__(COPY_THREADS) ScatterKernel(const ScatterParam
 
 cudaError_t LaunchGatherKernel(const GatherParams& p, cudaStream_t stream) {
   if (p.capacity < 1 || p.row_blocks < 1) return cudaErrorInvalidValue;
-  GatherKernel<<<dim3(p.row_blocks, p.capacity), COPY_THREADS, 0, stream>>>(p);
+  FetchKernel<<<1, COPY_THREADS, 0, stream>>>(p);
+  RunListKernel<<<dim3(p.row_blocks, p.capacity), COPY_THREADS, 0, stream>>>(p.list);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchScatterKernel(const ScatterParams& p, cudaStream_t stream) {
   if (p.capacity < 1 || p.row_blocks < 1) return cudaErrorInvalidValue;
-  ScatterKernel<<<dim3(p.row_blocks, p.capacity), COPY_THREADS, 0, stream>>>(p);
+  RunListKernel<<<dim3(p.row_blocks, p.capacity), COPY_THREADS, 0, stream>>>(p.list);
   return cudaGetLastError();
 }
 

@@ -49,18 +49,20 @@ inline constexpr uint64_t CopyListBytes(int capacity) {
   return sizeof(CopyListHeader) + static_cast<uint64_t>(capacity) * sizeof(CopyDescriptor);
 }
 
-// The gather launch of a batch: runs the list at the start of slot `*cursor`
-// of a ring of `num_slots` slots (pinned host memory the device reads in
-// place), then advances the cursor, so that one captured graph serves every
-// slot: the host fills slot k for the k-th launch in stream order.
+// The gather launch of a batch: copies the list at the start of slot
+// `*cursor` of a ring of `num_slots` slots (pinned host memory) into `list`
+// in device memory, advances the cursor, then runs that list; so one captured
+// graph serves every slot (the host fills slot k for the k-th launch in
+// stream order). One block fetches the list (a few round trips to host
+// memory, not one per block of the copy grid).
 struct GatherParams {
-  const uint8_t* slots;  // [num_slots][slot_bytes], each slot starting with a CopyListHeader
+  const uint8_t* slots;  // [num_slots][slot_bytes], each slot starting with a list
   uint64_t slot_bytes;
   int32_t num_slots;
-  int32_t* cursor;     // device memory: the slot of the next gather launch
-  uint32_t* arrivals;  // device memory, zero between launches: blocks finished
-  int32_t capacity;    // descriptors the launch may run (grid.y)
-  int32_t row_blocks;  // blocks per descriptor (grid.x); each takes every row_blocks-th row
+  int32_t* cursor;       // device memory: the slot of the next gather launch
+  CopyListHeader* list;  // device memory for `capacity` descriptors
+  int32_t capacity;      // descriptors the launch may run (grid.y)
+  int32_t row_blocks;    // blocks per descriptor (grid.x); each takes every row_blocks-th row
 };
 
 // The scatter launch: runs a list in device memory (written there by the

@@ -195,7 +195,7 @@ absl::Status LaunchCopyRows(const KvPoolView& pool, const int32_t* page_table, i
 }
 
 absl::Status LaunchGatherCopies(const GatherParams& params, cudaStream_t stream) {
-  if (params.slots == nullptr || params.cursor == nullptr || params.arrivals == nullptr ||
+  if (params.slots == nullptr || params.cursor == nullptr || params.list == nullptr ||
       params.num_slots < 1 || params.capacity < 1 || params.capacity > 65535 ||
       params.row_blocks < 1 || params.row_blocks > 65535) {
     return absl::InvalidArgumentError("gather copies: a null pointer or a grid out of range");

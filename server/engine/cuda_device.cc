@@ -60,7 +60,7 @@ class CudaDevice final : public Device {
     cudaFreeHost(read_host_);
     cudaFreeHost(upload_host_);
     for (void* p : {pool_, table_, q_, out_, lse_, requests_, visibility_, outputs_, counters_,
-                    workspace_, read_dev_}) {
+                    list_, workspace_, read_dev_}) {
       cudaFree(p);
     }
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
@@ -96,6 +96,7 @@ class CudaDevice final : public Device {
     RETURN_IF_ERROR(
         Allocate(&outputs_, kernels::CopyListBytes(g.slot.output_capacity), "output list"));
     RETURN_IF_ERROR(Allocate(&counters_, 2 * sizeof(int32_t), "gather cursor"));
+    RETURN_IF_ERROR(Allocate(&list_, kernels::CopyListBytes(g.slot.list_capacity), "gather list"));
     // The slots: page-locked, mapped (the gather reads them in place),
     // portable (every device of the process may read them).
     const size_t slot_bytes = static_cast<size_t>(g.slots) * g.slot.bytes;
@@ -211,6 +212,8 @@ class CudaDevice final : public Device {
     RETURN_IF_ERROR(BeginOp(slot, gather_count));
     return Check(cudaEventRecord(stop_[slot], stream_), "cudaEventRecord");
   }
+
+  bool Finished(int slot) override { return cudaEventQuery(stop_[slot]) != cudaErrorNotReady; }
 
   absl::StatusOr<double> Wait(int slot) override {
     RETURN_IF_ERROR(Check(cudaEventSynchronize(stop_[slot]), "launch"));
@@ -384,7 +387,7 @@ class CudaDevice final : public Device {
     p.slot_bytes = g_.slot.bytes;
     p.num_slots = g_.slots;
     p.cursor = static_cast<int32_t*>(counters_);
-    p.arrivals = reinterpret_cast<uint32_t*>(static_cast<int32_t*>(counters_) + 1);
+    p.list = static_cast<kernels::CopyListHeader*>(list_);
     p.capacity = std::max(1, capacity);
     p.row_blocks = row_blocks;
     return p;
@@ -451,7 +454,8 @@ class CudaDevice final : public Device {
   void* requests_ = nullptr;
   void* visibility_ = nullptr;
   void* outputs_ = nullptr;
-  void* counters_ = nullptr;  // the gather's cursor and arrival count
+  void* counters_ = nullptr;  // the gather's cursor
+  void* list_ = nullptr;      // the gather's list, fetched from the slot
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   uint8_t* slots_ = nullptr;  // host view

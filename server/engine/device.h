@@ -184,6 +184,9 @@ class Device {
   // Blocks until the launch on `slot` finished. Returns its device time in
   // seconds (measured on the device where it can be).
   virtual absl::StatusOr<double> Wait(int slot) = 0;
+  // Whether Wait(slot) would return at once (true also on an error, which
+  // Wait then reports). Never blocks.
+  virtual bool Finished(int slot) { return true; }
 
   // Synchronous (tests and rare repairs): reads positions
   // start..start+count-1 of every layer into `rows` ([num_layers, count,

@@ -71,6 +71,10 @@ namespace {
 
 uint32_t U32(int64_t v) { return static_cast<uint32_t>(v); }
 
+// Below this many bytes copied out a batch completes on the device thread
+// alone.
+constexpr size_t kParallelCopyBytes = size_t{512} << 10;
+
 }  // namespace
 
 DeviceWorker::DeviceWorker(int index, std::unique_ptr<Device> device, std::string name,
@@ -147,28 +151,37 @@ void DeviceWorker::Stop() {
 }
 
 void DeviceWorker::Enqueue(VerifyShard shard) {
-  absl::MutexLock lock(&mu_);
   Entry e;
   e.shard = std::move(shard);
+  absl::MutexLock lock(&mu_);
   queue_.push_back(std::move(e));
   ++queued_shards_;
+  queue_size_.store(static_cast<int>(queue_.size()), std::memory_order_release);
 }
 
 void DeviceWorker::Enqueue(DeviceOp op) {
-  absl::MutexLock lock(&mu_);
   Entry e;
   e.is_op = true;
   e.op = std::move(op);
+  absl::MutexLock lock(&mu_);
   queue_.push_back(std::move(e));
+  queue_size_.store(static_cast<int>(queue_.size()), std::memory_order_release);
 }
 
 void DeviceWorker::Kick() {
   // The launch thread waits on a condition of mu_'s state: it re-evaluates
-  // on its own. Elsewhere the caller launches.
-  if (!launch_thread_launches_) LaunchWhilePossible();
+  // on its own. On a busy device the device thread, polling, launches. The
+  // fence orders this thread's enqueue before its look at the launches in
+  // flight, as the device thread orders the other way round (so one of the
+  // two always sees the other's work).
+  if (launch_thread_launches_) return;
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (in_flight_size_.load(std::memory_order_seq_cst) > 0) return;
+  LaunchWhilePossible();
 }
 
 absl::Status DeviceWorker::fault() const {
+  if (!faulted_.load(std::memory_order_acquire)) return absl::OkStatus();
   absl::MutexLock lock(&mu_);
   return fault_;
 }
@@ -179,6 +192,7 @@ void DeviceWorker::Fault(const absl::Status& status) {
     absl::MutexLock lock(&mu_);
     if (!fault_.ok()) return;
     fault_ = absl::InternalError(absl::StrCat("device ", name_, " faulted: ", status.message()));
+    faulted_.store(true, std::memory_order_release);
     recorded = fault_;
   }
   spdlog::error("{}; every call that needs this device fails from now on",
@@ -190,11 +204,6 @@ void DeviceWorker::Fault(const absl::Status& status) {
 void DeviceWorker::FailShards(absl::Span<const VerifyShard> shards, const absl::Status& status,
                               const ShardTiming& timing) {
   for (const VerifyShard& s : shards) s.owner->ShardDone(s.index, status, timing);
-}
-
-int DeviceWorker::NextSlot() const {
-  absl::MutexLock lock(&mu_);
-  return launches_ % geometry_.slots;
 }
 
 bool DeviceWorker::Launchable() const {
@@ -220,6 +229,7 @@ std::vector<VerifyShard> DeviceWorker::TakeBatch() {
     queue_.pop_front();
     --queued_shards_;
   }
+  queue_size_.store(static_cast<int>(queue_.size()), std::memory_order_release);
   return batch;
 }
 
@@ -229,6 +239,8 @@ void DeviceWorker::LaunchWhilePossible() {
     LaunchQueued();
     launch_mu_.Unlock();
     // Work enqueued while the lock was held, whose submitter found it held.
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (queue_size_.load(std::memory_order_seq_cst) == 0) return;
     absl::MutexLock lock(&mu_);
     if (!Launchable()) return;
   }
@@ -256,6 +268,7 @@ void DeviceWorker::LaunchQueued() {
       } else {
         batch = TakeBatch();
       }
+      queue_size_.store(static_cast<int>(queue_.size()), std::memory_order_release);
     }
     if (!failed.empty()) {
       // After a fault every piece of work fails with it (table changes no
@@ -313,9 +326,10 @@ absl::Status DeviceWorker::BeginSlot(int slot, SlotWriter* w) {
 }
 
 void DeviceWorker::PushInFlight(InFlight f) {
+  ++launch_count_;
   absl::MutexLock lock(&mu_);
   in_flight_.push_back(std::move(f));
-  ++launches_;
+  in_flight_size_.store(static_cast<int>(in_flight_.size()), std::memory_order_release);
 }
 
 void DeviceWorker::RunBatch(std::vector<VerifyShard> shards, absl::Time taken) {
@@ -524,10 +538,7 @@ void DeviceWorker::RunOp(DeviceOp op) {
         // Synchronous (tests): the table writes, then the rows.
         status = device_->LaunchGather(slot, w.gathers());
         if (status.ok()) {
-          {
-            absl::MutexLock lock(&mu_);
-            ++launches_;
-          }
+          ++launch_count_;
           status = device_->Wait(slot).status();
         }
         if (status.ok()) status = device_->ReadRows(offset, op.start, op.count, op.rows_out);
@@ -592,7 +603,11 @@ void DeviceWorker::LaunchThreadLoop() {
 
 void DeviceWorker::CompletionLoop() {
   if (absl::Status s = device_->BindThread(); !s.ok()) Fault(s);
+  // The device thread launches on a busy asynchronous device (Kick leaves it
+  // the work then), polling the oldest launch meanwhile.
+  const bool launches = !launch_thread_launches_;
   while (true) {
+    if (launches) LaunchWhilePossible();
     int slot = 0;
     {
       absl::MutexLock lock(&mu_);
@@ -601,6 +616,7 @@ void DeviceWorker::CompletionLoop() {
         static bool Eval(Work* k) ABSL_NO_THREAD_SAFETY_ANALYSIS {
           DeviceWorker* w = k->w;
           if (!w->in_flight_.empty()) return true;
+          // (Nothing in flight: queued work is launched by its submitter.)
           // Stopping: nothing queued and nothing being launched, and the
           // launch thread (where it launches) gone.
           return w->stopping_ && w->queue_.empty() && !w->launching_ &&
@@ -608,8 +624,21 @@ void DeviceWorker::CompletionLoop() {
         }
       } work{this};
       mu_.Await(absl::Condition(&Work::Eval, &work));
-      if (in_flight_.empty()) return;
+      if (in_flight_.empty()) return;  // stopping
       slot = in_flight_.front().slot;
+    }
+    // While the oldest launch runs, what queues behind it goes out as soon
+    // as a slot is free.
+    if (launches) {
+      while (!device_->Finished(slot)) {
+        if (queue_size_.load(std::memory_order_acquire) > 0 &&
+            in_flight_size_.load(std::memory_order_acquire) < geometry_.slots) {
+          LaunchWhilePossible();
+        }
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+      }
     }
     const absl::StatusOr<double> seconds = device_->Wait(slot);
     const absl::Time finished = absl::Now();
@@ -618,11 +647,13 @@ void DeviceWorker::CompletionLoop() {
       absl::MutexLock lock(&mu_);
       f = std::move(in_flight_.front());
       in_flight_.pop_front();
+      in_flight_size_.store(static_cast<int>(in_flight_.size()), std::memory_order_seq_cst);
     }
+    std::atomic_thread_fence(std::memory_order_seq_cst);  // see Kick
     if (!seconds.ok()) Fault(seconds.status());
     // The slot is free: launch what queued meanwhile before completing this
     // launch's calls, so the device does not wait for them.
-    if (!launch_thread_launches_) LaunchWhilePossible();
+    if (launches) LaunchWhilePossible();
     const absl::Status status = seconds.ok() ? absl::OkStatus() : fault();
     if (f.is_op) {
       if (f.op.done) f.op.done(status);
@@ -633,10 +664,13 @@ void DeviceWorker::CompletionLoop() {
     timing.batch_requests = f.report.requests;
     timing.device_seconds = seconds.ok() ? *seconds : 0;
     // Completions run the callers' callbacks (copying staged outputs out and
-    // finishing RPCs): spread over the copy threads for large batches.
+    // finishing RPCs): spread over the copy threads when they copy much
+    // (waking the helpers costs more than a few small completions).
     const int n = static_cast<int>(f.shards.size());
+    size_t copy_bytes = 0;
+    for (const VerifyShard& shard : f.shards) copy_bytes += shard.copy_out_bytes;
     auto complete = [&](int k) { f.shards[k].owner->ShardDone(f.shards[k].index, status, timing); };
-    if (n >= 8) {
+    if (n >= 8 && copy_bytes >= kParallelCopyBytes) {
       completion_runner_.Run(n, complete);
     } else {
       for (int k = 0; k < n; ++k) complete(k);

@@ -3,11 +3,11 @@
 // Work arrives in a first-in, first-out queue (verify shards and pool
 // operations) and is launched in that order by whichever thread holds the
 // worker's launch lock:
-//   - on an asynchronous device (a GPU), the thread that submitted the work
-//     (Kick, called by the engine once its locks are released) when a slot is
-//     free, i.e. at once on an idle device; and the completion thread, which
-//     launches what queued meanwhile as soon as a launch finished, before it
-//     completes that launch's calls;
+//   - on an asynchronous device (a GPU): on an idle device (nothing in
+//     flight), the thread that submitted the work (Kick, called by the engine
+//     once its locks are released): no hand-off; on a busy device, the
+//     device thread, which polls the oldest launch and launches what queued
+//     meanwhile as soon as a slot is free (the submitters only enqueue);
 //   - on a synchronous device (the CPU backend), and whenever a queue delay
 //     is configured, the worker's launch thread.
 // Consecutive verify shards become one batch (up to the largest batch
@@ -18,8 +18,9 @@
 // to date by the table changes the shards and operations carry
 // (page_table_arena.h). At most `slots` launches are in flight.
 //
-// The completion thread waits for each launch in order, then completes its
-// shards or operation.
+// The device thread (the completion thread) takes each launch in order once
+// it finished, then completes its shards or operation; while launches are in
+// flight it polls rather than sleeps.
 //
 // The queue has no bound of its own: the engine admits work (with limits)
 // before it enqueues. A device error fails the work it touched and every
@@ -28,6 +29,7 @@
 #ifndef MLAVERIFY_SERVER_ENGINE_DEVICE_WORKER_H_
 #define MLAVERIFY_SERVER_ENGINE_DEVICE_WORKER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -77,6 +79,9 @@ struct VerifyShard {
   ShardTensor draft_kv;  // [N, 576]
   ShardTensor out;       // this device's heads of [N, H, 512]
   ShardTensor lse;       // this device's heads of [N, H]
+  // Bytes its call copies out of the host staging when it completes (a
+  // hint: batches that copy much complete on several threads).
+  uint32_t copy_out_bytes = 0;
 };
 
 // How a shard went, for the owner's timing split.
@@ -154,9 +159,9 @@ class DeviceWorker {
 
   void Enqueue(VerifyShard shard);
   void Enqueue(DeviceOp op);
-  // Called after enqueueing, with no engine lock held: on an asynchronous
-  // device the calling thread launches what is queued if a slot is free;
-  // otherwise the launch thread is told.
+  // Called after enqueueing, with no engine lock held: on an idle
+  // asynchronous device the calling thread launches what is queued (a busy
+  // one's device thread does); the launch thread needs no telling.
   void Kick();
 
   int index() const { return index_; }
@@ -213,8 +218,10 @@ class DeviceWorker {
   absl::Status BeginSlot(int slot, class SlotWriter* writer)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(launch_mu_);
   // Records a launch in flight on the next slot.
-  void PushInFlight(InFlight f);
-  int NextSlot() const;
+  void PushInFlight(InFlight f) ABSL_EXCLUSIVE_LOCKS_REQUIRED(launch_mu_);
+  int NextSlot() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(launch_mu_) {
+    return static_cast<int>(launch_count_ % geometry_.slots);
+  }
   // Records the device's first error, tells the engine once.
   void Fault(const absl::Status& status);
   void FailShards(absl::Span<const VerifyShard> shards, const absl::Status& status,
@@ -235,6 +242,8 @@ class DeviceWorker {
   // The launcher's state.
   absl::Mutex launch_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   PlanFingerprint plan_ ABSL_GUARDED_BY(launch_mu_);
+  // Slot launches ever: the next takes slot launch_count_ % slots.
+  int64_t launch_count_ ABSL_GUARDED_BY(launch_mu_) = 0;
   std::unique_ptr<PageTableArena> tables_ ABSL_GUARDED_BY(launch_mu_);
   std::vector<TableWrite> writes_ ABSL_GUARDED_BY(launch_mu_);  // scratch
   std::vector<int32_t> values_ ABSL_GUARDED_BY(launch_mu_);     // scratch
@@ -243,9 +252,12 @@ class DeviceWorker {
   std::deque<Entry> queue_ ABSL_GUARDED_BY(mu_);
   int queued_shards_ ABSL_GUARDED_BY(mu_) = 0;
   std::deque<InFlight> in_flight_ ABSL_GUARDED_BY(mu_);
-  int launches_ ABSL_GUARDED_BY(mu_) =
-      0;  // slot-using launches ever: the next uses launches_ % slots
   absl::Status fault_ ABSL_GUARDED_BY(mu_);
+  // Readable without mu_ (the fast paths of Kick and the device thread's
+  // polling): queue entries, launches in flight, whether fault_ is set.
+  std::atomic<int> queue_size_{0};
+  std::atomic<int> in_flight_size_{0};
+  std::atomic<bool> faulted_{false};
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool launching_ ABSL_GUARDED_BY(mu_) = false;  // a launcher holds launch_mu_
   bool launch_thread_done_ ABSL_GUARDED_BY(mu_) = false;

@@ -201,6 +201,18 @@ struct Engine::Placed {
   std::string* grow = nullptr;  // an output string sized once the call passed its checks
 };
 
+// A tensor's name in errors ("items[1] (sequence 42) q"), built only when
+// needed: the calls that pass every check pay nothing for it.
+struct Engine::TensorName {
+  int item = -1;  // -1: a call's only tensor
+  uint64_t sequence = 0;
+  const char* tensor = "";
+  std::string str() const {
+    if (item < 0) return tensor;
+    return absl::StrCat("items[", item, "] (sequence ", sequence, ") ", tensor);
+  }
+};
+
 // RegionMapper over the engine's workers: host memory is page-locked once
 // (for every device of the process) and addressed by each; exported device
 // memory is opened once per physical device.
@@ -593,6 +605,7 @@ std::vector<std::string> Engine::device_names() const {
 }
 
 absl::Status Engine::fault() const {
+  if (!faulted_.load(std::memory_order_acquire)) return absl::OkStatus();
   absl::MutexLock lock(&fault_mu_);
   return fault_;
 }
@@ -608,6 +621,7 @@ void Engine::OnDeviceFault(int, const absl::Status& status) {
     absl::MutexLock lock(&fault_mu_);
     if (!fault_.ok()) return;
     fault_ = status;
+    faulted_.store(true, std::memory_order_release);
     listener = fault_listener_;
   }
   if (listener) listener(status);
@@ -638,11 +652,8 @@ EngineStats Engine::Stats() const {
     s.free_pages += pool.free_pages;
     s.pools.push_back(std::move(pool));
   }
-  {
-    absl::MutexLock lock(&admit_mu_);
-    s.queued_calls = queued_calls_;
-    s.queued_bytes = queued_bytes_;
-  }
+  s.queued_calls = queued_calls_.load();
+  s.queued_bytes = queued_bytes_.load();
   if (staging_ != nullptr) {
     s.staging_bytes = static_cast<int64_t>(staging_->capacity());
     s.staging_bytes_in_use = static_cast<int64_t>(staging_->in_use());
@@ -676,24 +687,24 @@ absl::Status Engine::Admit(int64_t bytes) {
     return absl::UnavailableError(
         absl::StrCat(f.message(), "; this server no longer serves device work"));
   }
-  absl::MutexLock lock(&admit_mu_);
-  if (queued_calls_ >= config_.max_queued_calls ||
-      queued_bytes_ + bytes > config_.max_queued_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "server queue full: ", queued_calls_, " calls holding ", FormatBytes(queued_bytes_),
-        " are queued or running, this one needs ", FormatBytes(bytes), "; limits ",
-        config_.max_queued_calls, " calls and ", FormatBytes(config_.max_queued_bytes),
-        " (--max-queued-calls, --max-queued-bytes): retry later"));
+  // Taken first, given back when over a limit: concurrent admissions never
+  // exceed the limits together.
+  const int64_t calls = queued_calls_.fetch_add(1) + 1;
+  const int64_t held = queued_bytes_.fetch_add(bytes) + bytes;
+  if (calls > config_.max_queued_calls || held > config_.max_queued_bytes) {
+    Unadmit(bytes);
+    return absl::ResourceExhaustedError(
+        absl::StrCat("server queue full: ", calls - 1, " calls holding ", FormatBytes(held - bytes),
+                     " are queued or running, this one needs ", FormatBytes(bytes), "; limits ",
+                     config_.max_queued_calls, " calls and ", FormatBytes(config_.max_queued_bytes),
+                     " (--max-queued-calls, --max-queued-bytes): retry later"));
   }
-  ++queued_calls_;
-  queued_bytes_ += bytes;
   return absl::OkStatus();
 }
 
 void Engine::Unadmit(int64_t bytes) {
-  absl::MutexLock lock(&admit_mu_);
-  --queued_calls_;
-  queued_bytes_ -= bytes;
+  queued_calls_.fetch_sub(1);
+  queued_bytes_.fetch_sub(bytes);
 }
 
 absl::StatusOr<uint64_t> Engine::CreateSequence(const std::string& label) {
@@ -738,7 +749,7 @@ absl::StatusOr<uint64_t> Engine::CreateSequence(const std::string& label) {
 
 absl::StatusOr<std::shared_ptr<Engine::Sequence>> Engine::Find(uint64_t id) const {
   {
-    absl::MutexLock lock(&table_mu_);
+    absl::ReaderMutexLock lock(&table_mu_);
     auto it = sequences_.find(id);
     if (it != sequences_.end()) return it->second;
   }
@@ -776,12 +787,9 @@ void Engine::FreeAfterBarrier(const std::shared_ptr<Sequence>& seq, std::vector<
                             allocator->Free(pages);
                             if (then) then();
                           });
-  {
-    // Not counted against the limits: it holds no tensor bytes, and a
-    // release must never be refused.
-    absl::MutexLock lock(&admit_mu_);
-    ++queued_calls_;
-  }
+  // Not counted against the limits: it holds no tensor bytes, and a
+  // release must never be refused.
+  queued_calls_.fetch_add(1);
   DeviceOp barrier;
   barrier.kind = DeviceOp::Kind::kBarrier;
   barrier.sequence = seq->id;
@@ -831,28 +839,29 @@ size_t Aligned(size_t bytes) { return (bytes + kStagingAlign - 1) / kStagingAlig
 
 absl::StatusOr<Engine::Placed> Engine::PlaceInput(const TensorRef& ref, DType dtype,
                                                   std::initializer_list<int64_t> shape,
-                                                  RegionLeases& leases, const std::string& what) {
+                                                  RegionLeases& leases, const TensorName& name) {
   if (ref.dtype != dtype) {
     return absl::InvalidArgumentError(absl::StrCat(
-        what, ": dtype ", ref.dtype == DType::kOther ? ref.dtype_name : DTypeName(ref.dtype),
+        name.str(), ": dtype ", ref.dtype == DType::kOther ? ref.dtype_name : DTypeName(ref.dtype),
         ", expected ", DTypeName(dtype)));
   }
   const std::string expected = ShapeText(shape);
   if (ref.has_shape &&
       !std::equal(ref.shape.begin(), ref.shape.end(), shape.begin(), shape.end())) {
     return absl::InvalidArgumentError(
-        absl::StrCat(what, ": shape ", ShapeText(ref.shape), ", expected ", expected));
+        absl::StrCat(name.str(), ": shape ", ShapeText(ref.shape), ", expected ", expected));
   }
   const int64_t n = Elements(shape);
   if (n < 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat(what, ": shape ", expected, " is negative or too large"));
+        absl::StrCat(name.str(), ": shape ", expected, " is negative or too large"));
   }
   Placed p;
   p.bytes = static_cast<size_t>(n) * DTypeBytes(dtype);
   if (ref.in_region) {
-    ASSIGN_OR_RETURN(ResolvedRange r, leases.Resolve(regions_, ref.range, p.bytes,
-                                                     DTypeBytes(dtype), /*is_output=*/false, what));
+    ASSIGN_OR_RETURN(ResolvedRange r,
+                     leases.Resolve(regions_, ref.range, p.bytes, DTypeBytes(dtype),
+                                    /*is_output=*/false, name.str()));
     p.host = r.host();
     if (!r.region->device().empty()) {
       p.where = Placed::Where::kRegion;
@@ -862,8 +871,9 @@ absl::StatusOr<Engine::Placed> Engine::PlaceInput(const TensorRef& ref, DType dt
     }
   } else {
     if (ref.bytes.size() != p.bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, ": ", ref.bytes.size(), " bytes of data, shape ", expected, " needs ", p.bytes));
+      return absl::InvalidArgumentError(absl::StrCat(name.str(), ": ", ref.bytes.size(),
+                                                     " bytes of data, shape ", expected, " needs ",
+                                                     p.bytes));
     }
     p.host = const_cast<uint8_t*>(ref.bytes.data());
   }
@@ -873,17 +883,18 @@ absl::StatusOr<Engine::Placed> Engine::PlaceInput(const TensorRef& ref, DType dt
 
 absl::StatusOr<Engine::Placed> Engine::PlaceOutput(const OutputRef& ref, DType dtype,
                                                    std::initializer_list<int64_t> shape,
-                                                   RegionLeases& leases, const std::string& what) {
+                                                   RegionLeases& leases, const TensorName& name) {
   const int64_t n = Elements(shape);
   if (n < 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat(what, ": shape ", ShapeText(shape), " is negative or too large"));
+        absl::StrCat(name.str(), ": shape ", ShapeText(shape), " is negative or too large"));
   }
   Placed p;
   p.bytes = static_cast<size_t>(n) * DTypeBytes(dtype);
   if (ref.in_region) {
-    ASSIGN_OR_RETURN(ResolvedRange r, leases.Resolve(regions_, ref.range, p.bytes,
-                                                     DTypeBytes(dtype), /*is_output=*/true, what));
+    ASSIGN_OR_RETURN(ResolvedRange r,
+                     leases.Resolve(regions_, ref.range, p.bytes, DTypeBytes(dtype),
+                                    /*is_output=*/true, name.str()));
     p.host = r.host();
     if (!r.region->device().empty()) {
       p.where = Placed::Where::kRegion;
@@ -895,9 +906,9 @@ absl::StatusOr<Engine::Placed> Engine::PlaceOutput(const OutputRef& ref, DType d
     p.grow = ref.grow;  // sized (and its address known) once the call passed its checks
   } else {
     if (ref.buffer.size() != p.bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": a buffer of ", ref.buffer.size(),
-                                                     " bytes, shape ", ShapeText(shape), " needs ",
-                                                     p.bytes));
+      return absl::InvalidArgumentError(absl::StrCat(name.str(), ": a buffer of ",
+                                                     ref.buffer.size(), " bytes, shape ",
+                                                     ShapeText(shape), " needs ", p.bytes));
     }
     p.host = ref.buffer.data();
   }
@@ -962,29 +973,32 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
   for (size_t k = 0; k < items.size(); ++k) {
     const VerifyItem& it = items[k];
     const int64_t n = static_cast<int64_t>(it.parents.size());
-    const std::string where = absl::StrCat("items[", k, "] (sequence ", it.sequence_id, ")");
+    const auto where = [&] {
+      return absl::StrCat("items[", k, "] (sequence ", it.sequence_id, ")");
+    };
     if (n < 1 || n > config_.max_draft_len()) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, ": ", n, " drafts (parents); need 1..", config_.max_draft_len()));
+          absl::StrCat(where(), ": ", n, " drafts (parents); need 1..", config_.max_draft_len()));
     }
     absl::StatusOr<std::vector<uint64_t>> words = BuildVisibility(it.parents);
     if (!words.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": ", words.status().message()));
+      return absl::InvalidArgumentError(absl::StrCat(where(), ": ", words.status().message()));
     }
     visibility[k] = std::make_shared<const std::vector<uint64_t>>(*std::move(words));
     ItemPlaces& p = places[k];
+    const int item = static_cast<int>(k);
     ASSIGN_OR_RETURN(p.q, PlaceInput(it.q, DType::kBf16, {n, heads, kLatentDim}, leases,
-                                     absl::StrCat(where, " q")));
+                                     {item, it.sequence_id, "q"}));
     ASSIGN_OR_RETURN(p.draft_kv, PlaceInput(it.draft_kv, DType::kBf16, {n, kLatentDim}, leases,
-                                            absl::StrCat(where, " draft_kv")));
+                                            {item, it.sequence_id, "draft_kv"}));
     if (it.out.in_region != it.lse.in_region) {
       return absl::InvalidArgumentError(absl::StrCat(
-          where, ": out_shared_memory and lse_shared_memory go together (both or neither)"));
+          where(), ": out_shared_memory and lse_shared_memory go together (both or neither)"));
     }
     ASSIGN_OR_RETURN(p.out, PlaceOutput(it.out, DType::kBf16, {n, heads, kValueDim}, leases,
-                                        absl::StrCat(where, " out")));
-    ASSIGN_OR_RETURN(
-        p.lse, PlaceOutput(it.lse, DType::kFp32, {n, heads}, leases, absl::StrCat(where, " lse")));
+                                        {item, it.sequence_id, "out"}));
+    ASSIGN_OR_RETURN(p.lse, PlaceOutput(it.lse, DType::kFp32, {n, heads}, leases,
+                                        {item, it.sequence_id, "lse"}));
     for (Placed* t : {&p.q, &p.draft_kv, &p.out, &p.lse}) {
       // Tensors in device memory hold no host memory: they count as nothing queued.
       if (t->host != nullptr || t->grow != nullptr) bytes += static_cast<int64_t>(t->bytes);
@@ -1162,6 +1176,9 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
       shard.draft_kv = {AddressOf(p.draft_kv, w, t->staging), kLatentRowBytes};
       shard.out = {AddressOf(p.out, w, t->staging) + h0 * kValueDim * sizeof(Bf16), out_pitch};
       shard.lse = {AddressOf(p.lse, w, t->staging) + h0 * sizeof(float), lse_pitch};
+      for (const Placed* out : {&p.out, &p.lse}) {
+        if (out->where == Placed::Where::kStaged) shard.copy_out_bytes += out->bytes;
+      }
       workers_[w]->Enqueue(std::move(shard));
     }
   }
@@ -1195,8 +1212,8 @@ absl::Status Engine::StartAppendKv(AppendCall& call,
     return absl::InvalidArgumentError(absl::StrCat("append of ", tokens, " tokens: need >= 1"));
   }
   auto leases = std::make_unique<RegionLeases>();
-  ASSIGN_OR_RETURN(Placed rows,
-                   PlaceInput(call.kv, DType::kBf16, {layers, tokens, kLatentDim}, *leases, "kv"));
+  ASSIGN_OR_RETURN(Placed rows, PlaceInput(call.kv, DType::kBf16, {layers, tokens, kLatentDim},
+                                           *leases, {-1, 0, "kv"}));
   // The row-copy kernel reads 16-byte vectors: rows in a region at another
   // alignment go through the staging (system regions) or are refused.
   if (rows.where == Placed::Where::kRegion && staging_ != nullptr &&

@@ -203,6 +203,7 @@ class Engine {
  private:
   struct Sequence;
   struct Placed;
+  struct TensorName;
   class Call;
   class VerifyTask;
   class OpCall;
@@ -241,10 +242,10 @@ class Engine {
   // where it is; `what` names it in errors.
   absl::StatusOr<Placed> PlaceInput(const TensorRef& ref, DType dtype,
                                     std::initializer_list<int64_t> shape, RegionLeases& leases,
-                                    const std::string& what);
+                                    const TensorName& what);
   absl::StatusOr<Placed> PlaceOutput(const OutputRef& ref, DType dtype,
                                      std::initializer_list<int64_t> shape, RegionLeases& leases,
-                                     const std::string& what);
+                                     const TensorName& what);
   // `p` as worker `w`'s device addresses it (staged tensors: in `block`).
   uint64_t AddressOf(const Placed& p, int w, const HostStaging::Block& block) const;
   // Kicks every worker (after a submission released its locks).
@@ -273,10 +274,11 @@ class Engine {
   std::deque<uint64_t> expired_order_ ABSL_GUARDED_BY(table_mu_);
   absl::flat_hash_set<uint64_t> expired_ ABSL_GUARDED_BY(table_mu_);
 
-  mutable absl::Mutex admit_mu_;
-  int64_t queued_calls_ ABSL_GUARDED_BY(admit_mu_) = 0;
-  int64_t queued_bytes_ ABSL_GUARDED_BY(admit_mu_) = 0;
+  // Admission counts: atomics, since every call passes them twice.
+  std::atomic<int64_t> queued_calls_{0};
+  std::atomic<int64_t> queued_bytes_{0};
 
+  std::atomic<bool> faulted_{false};  // fault_ is set (read without the lock)
   mutable absl::Mutex fault_mu_;
   absl::Status fault_ ABSL_GUARDED_BY(fault_mu_);
   std::function<void(const absl::Status&)> fault_listener_ ABSL_GUARDED_BY(fault_mu_);

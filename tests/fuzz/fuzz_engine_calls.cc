@@ -32,7 +32,6 @@ engine::Engine& TheEngine() {
     c.draft_buckets = {1, 2, 4, 8};
     c.batch_buckets = {1, 2, 4};
     c.max_live_sequences = 8;
-    c.worker_spin = absl::ZeroDuration();
     std::vector<std::unique_ptr<engine::Device>> devices;
     devices.push_back(engine::MakeCpuDevice(1));
     auto made = engine::Engine::Create(c, std::move(devices));
