@@ -71,6 +71,8 @@ if want dataplane && [ -x "$bundle/bin/mlaverify-server" ]; then
   quick=${DATAPLANE_QUICK:-0}
   with_engine=${DATAPLANE_ENGINE:-1}
   with_service=${DATAPLANE_SERVICE:-1}
+  with_demos=${DATAPLANE_DEMOS:-1}  # 0: the service's load rows without the demos
+  with_inline=${DATAPLANE_INLINE:-1}  # 0: no inline load rows
   gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
   secs=5; [ "$quick" = 1 ] && secs=2
   eb() {  # eb JSON ARGS...: one engine-bench invocation appending rows to JSON
@@ -114,6 +116,8 @@ if want dataplane && [ -x "$bundle/bin/mlaverify-server" ]; then
   items=(--concurrency 4 --items 32 --duration-s 6 --warmup-s 1.5 --prompt-len 1024)
   for mode in single tp dp; do
     [ "$with_service" = 1 ] || continue
+    # DP has demos only.
+    [ "$mode" = dp ] && [ "$with_demos" != 1 ] && continue
     case $mode in
       single) flags=(--devices 0 --heads 8 --pool-bytes 40GiB) ;;
       tp) flags=(--devices "0,0" --parallel-mode tp --heads 16 --pool-bytes 20GiB) ;;
@@ -121,7 +125,7 @@ if want dataplane && [ -x "$bundle/bin/mlaverify-server" ]; then
     esac
     [ "$quick" = 1 ] && [ "$mode" != single ] && continue
     start_server "dp-$mode" 127.0.0.1:0 "${flags[@]}" --allow-client-shm true
-    if [ "$quick" != 1 ]; then
+    if [ "$quick" != 1 ] && [ "$with_demos" = 1 ]; then
       for plane in inline shm cuda-shm; do
         for rpc in unary stream; do
           extra=(); [ "$rpc" = stream ] && extra=(--stream)
@@ -139,8 +143,10 @@ if want dataplane && [ -x "$bundle/bin/mlaverify-server" ]; then
         dp_row "cuda-shm-stream-c64-1k" "${c64[@]}" --data-plane cuda-shm
         dp_row "shm-stream-c1-16k" "${c1[@]}" --data-plane shm --shm-staging-mib 1200
         dp_row "shm-stream-c64-1k" "${c64[@]}" --data-plane shm --shm-staging-mib 72
-        dp_row "inline-stream-c1-16k" "${c1[@]}"
-        dp_row "inline-stream-c64-1k" "${c64[@]}"
+        if [ "$with_inline" = 1 ]; then
+          dp_row "inline-stream-c1-16k" "${c1[@]}"
+          dp_row "inline-stream-c64-1k" "${c64[@]}"
+        fi
       fi
     fi
     [ "$mode" = tp ] && dp_row "cuda-shm-stream-c64-1k-tp" "${c64[@]}" --data-plane cuda-shm
@@ -159,6 +165,8 @@ if want service && [ -x "$bundle/bin/mlaverify-server" ]; then
   # load; single-device also one call in flight at L=16K, unary and stream.
   for mode in single tp dp; do
     [ "$with_service" = 1 ] || continue
+    # DP has demos only.
+    [ "$mode" = dp ] && [ "$with_demos" != 1 ] && continue
     case $mode in
       single) flags=(--devices 0 --heads 8 --pool-bytes 24GiB) ;;
       tp) flags=(--devices "0,0" --parallel-mode tp --heads 16 --pool-bytes 12GiB) ;;

@@ -952,6 +952,23 @@ TEST_F(ServerTest, SharedMemoryBadReferencesGetTheirCodeAndChangeNothing) {
          v1::SystemSharedMemoryStatusResponse resp;
          return stub_->SystemSharedMemoryStatus(&ctx, r, &resp);
        }},
+      {"unregister a system region as a CUDA one", StatusCode::NOT_FOUND,
+       "no CUDA shared-memory region 'r' is registered (it is a system region)",
+       [&] {
+         grpc::ClientContext ctx;
+         v1::UnregisterCudaSharedMemoryRequest r;
+         r.set_name("r");
+         v1::UnregisterCudaSharedMemoryResponse resp;
+         return stub_->UnregisterCudaSharedMemory(&ctx, r, &resp);
+       }},
+      {"CUDA status of a system region", StatusCode::NOT_FOUND, "no CUDA shared-memory region",
+       [&] {
+         grpc::ClientContext ctx;
+         v1::CudaSharedMemoryStatusRequest r;
+         r.set_name("r");
+         v1::CudaSharedMemoryStatusResponse resp;
+         return stub_->CudaSharedMemoryStatus(&ctx, r, &resp);
+       }},
   };
   for (const BadCase& c : cases) {
     const int64_t free_before = FreePages();
@@ -965,6 +982,14 @@ TEST_F(ServerTest, SharedMemoryBadReferencesGetTheirCodeAndChangeNothing) {
     ASSERT_TRUE(regions.ok());
     EXPECT_EQ(regions->size(), 1u) << c.name << " changed the registry";
   }
+  // The CUDA-only views see no system region; unregistering every CUDA
+  // region removes none.
+  auto cuda_regions = client_->CudaSharedMemoryStatus();
+  ASSERT_TRUE(cuda_regions.ok()) << cuda_regions.status();
+  EXPECT_TRUE(cuda_regions->empty());
+  auto no_cuda = client_->UnregisterCudaSharedMemory("");
+  ASSERT_TRUE(no_cuda.ok()) << no_cuda.status();
+  EXPECT_TRUE(no_cuda->empty());
   // The region limit: two more fit (3 in all), the fourth does not.
   auto second = RegisterBuffer("r2", 4096);
   auto third = RegisterBuffer("r3", 4096);

@@ -126,7 +126,7 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                     .Name("mlaverify_verify_server_seconds")
                     .Help(
                         "Server time of a Verify call by part: queue (waiting for a device), "
-                        "device (its batch's device time), other (validation, host copies, "
+                        "device (its batch's device time), other (checks, staging copies, "
                         "completion).")
                     .Register(r);
   server_queue_seconds_ = &split.Add({{"part", "queue"}}, FineBuckets());
@@ -134,6 +134,11 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   server_other_seconds_ = &split.Add({{"part", "other"}}, FineBuckets());
   queued_calls_ = &AddGauge(r, "mlaverify_queued_calls", "Calls admitted and not finished.");
   queued_bytes_ = &AddGauge(r, "mlaverify_queued_bytes", "Tensor bytes held by those calls.");
+  staging_bytes_ = &AddGauge(r, "mlaverify_host_staging_bytes",
+                             "Page-locked host staging for inline tensors (--pinned-staging-bytes; "
+                             "0 on the CPU backend).");
+  staging_in_use_ =
+      &AddGauge(r, "mlaverify_host_staging_in_use_bytes", "Of it, bytes held by calls in flight.");
   // Both paths exist from the start so that dashboards and rate() see an
   // explicit zero rather than a missing series.
   verify_batches_eager_ = &verify_batches_family_->Add({{"path", "eager"}});
@@ -300,6 +305,8 @@ void Metrics::RefreshFromEngine() {
   verify_steps_pending_->Set(static_cast<double>(stats.pending_steps));
   queued_calls_->Set(static_cast<double>(stats.queued_calls));
   queued_bytes_->Set(static_cast<double>(stats.queued_bytes));
+  staging_bytes_->Set(static_cast<double>(stats.staging_bytes));
+  staging_in_use_->Set(static_cast<double>(stats.staging_bytes_in_use));
   for (const engine::PoolStats& pool : stats.pools) {
     pool_pages_family_->Add({{"pool", pool.devices}, {"state", "used"}})
         .Set(static_cast<double>(pool.total_pages - pool.free_pages));

@@ -141,6 +141,8 @@ class Metrics {
   prometheus::Histogram* server_other_seconds_;
   prometheus::Gauge* queued_calls_;
   prometheus::Gauge* queued_bytes_;
+  prometheus::Gauge* staging_bytes_;
+  prometheus::Gauge* staging_in_use_;
   prometheus::Gauge* ready_;
   prometheus::Gauge* kv_pages_total_;
   prometheus::Gauge* kv_pages_used_;

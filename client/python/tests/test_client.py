@@ -295,6 +295,11 @@ def test_shared_memory_plane_matches_the_reference(client):
                                          parents, shm=gone)])
         assert e.value.code == grpc.StatusCode.NOT_FOUND
         del client._regions["py-gone"]
+        # The CUDA-only RPCs see no system region (and the CPU server has no CUDA ones).
+        assert client.cuda_shared_memory_status() == []
+        with pytest.raises(VerifyError) as e:
+            client.unregister_cuda_shared_memory("py-plane")
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
         assert client.unregister_system_shared_memory("py-plane") == ["py-plane"]
         client.release_sequence(seq)
 
