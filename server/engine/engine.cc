@@ -859,24 +859,15 @@ absl::StatusOr<Engine::Placed> Engine::PlaceInput(const TensorRef& ref, DType dt
   Placed p;
   p.bytes = static_cast<size_t>(n) * DTypeBytes(dtype);
   if (ref.in_region) {
-    ASSIGN_OR_RETURN(ResolvedRange r,
-                     leases.Resolve(regions_, ref.range, p.bytes, DTypeBytes(dtype),
-                                    /*is_output=*/false, name.str()));
-    p.host = r.host();
-    if (!r.region->device().empty()) {
-      p.where = Placed::Where::kRegion;
-      p.region = r.region;
-      p.offset = r.offset;
-      return p;
-    }
-  } else {
-    if (ref.bytes.size() != p.bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(name.str(), ": ", ref.bytes.size(),
-                                                     " bytes of data, shape ", expected, " needs ",
-                                                     p.bytes));
-    }
-    p.host = const_cast<uint8_t*>(ref.bytes.data());
+    RETURN_IF_ERROR(PlaceInRegion(ref.range, dtype, /*is_output=*/false, leases, name, &p));
+    return p;
   }
+  if (ref.bytes.size() != p.bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(name.str(), ": ", ref.bytes.size(),
+                                                   " bytes of data, shape ", expected, " needs ",
+                                                   p.bytes));
+  }
+  p.host = const_cast<uint8_t*>(ref.bytes.data());
   p.where = staging_ != nullptr ? Placed::Where::kStaged : Placed::Where::kHost;
   return p;
 }
@@ -892,17 +883,10 @@ absl::StatusOr<Engine::Placed> Engine::PlaceOutput(const OutputRef& ref, DType d
   Placed p;
   p.bytes = static_cast<size_t>(n) * DTypeBytes(dtype);
   if (ref.in_region) {
-    ASSIGN_OR_RETURN(ResolvedRange r,
-                     leases.Resolve(regions_, ref.range, p.bytes, DTypeBytes(dtype),
-                                    /*is_output=*/true, name.str()));
-    p.host = r.host();
-    if (!r.region->device().empty()) {
-      p.where = Placed::Where::kRegion;
-      p.region = r.region;
-      p.offset = r.offset;
-      return p;
-    }
-  } else if (ref.grow != nullptr && ref.buffer.empty()) {
+    RETURN_IF_ERROR(PlaceInRegion(ref.range, dtype, /*is_output=*/true, leases, name, &p));
+    return p;
+  }
+  if (ref.grow != nullptr && ref.buffer.empty()) {
     p.grow = ref.grow;  // sized (and its address known) once the call passed its checks
   } else {
     if (ref.buffer.size() != p.bytes) {
@@ -914,6 +898,22 @@ absl::StatusOr<Engine::Placed> Engine::PlaceOutput(const OutputRef& ref, DType d
   }
   p.where = staging_ != nullptr ? Placed::Where::kStaged : Placed::Where::kHost;
   return p;
+}
+
+absl::Status Engine::PlaceInRegion(const RegionRange& range, DType dtype, bool is_output,
+                                   RegionLeases& leases, const TensorName& name, Placed* p) {
+  ASSIGN_OR_RETURN(ResolvedRange r, leases.Resolve(regions_, range, p->bytes, DTypeBytes(dtype),
+                                                   is_output, name.str()));
+  p->host = r.host();
+  if (r.region->device().empty()) {
+    // A region the devices cannot address (it could not be page-locked).
+    p->where = staging_ != nullptr ? Placed::Where::kStaged : Placed::Where::kHost;
+    return absl::OkStatus();
+  }
+  p->where = Placed::Where::kRegion;
+  p->region = r.region;
+  p->offset = r.offset;
+  return absl::OkStatus();
 }
 
 uint64_t Engine::AddressOf(const Placed& p, int w, const HostStaging::Block& block) const {

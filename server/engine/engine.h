@@ -246,6 +246,10 @@ class Engine {
   absl::StatusOr<Placed> PlaceOutput(const OutputRef& ref, DType dtype,
                                      std::initializer_list<int64_t> shape, RegionLeases& leases,
                                      const TensorName& what);
+  // A region reference resolved into `p` (its bytes set): in place where the
+  // devices address the region, else through the host staging.
+  absl::Status PlaceInRegion(const RegionRange& range, DType dtype, bool is_output,
+                             RegionLeases& leases, const TensorName& name, Placed* p);
   // `p` as worker `w`'s device addresses it (staged tensors: in `block`).
   uint64_t AddressOf(const Placed& p, int w, const HostStaging::Block& block) const;
   // Kicks every worker (after a submission released its locks).

@@ -1,9 +1,9 @@
 #include "server/engine/host_staging.h"
 
-#include <iterator>
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "server/engine/free_ranges.h"
 
 namespace mlaverify::engine {
 namespace {
@@ -50,24 +50,9 @@ absl::StatusOr<HostStaging::Block> HostStaging::Allocate(size_t bytes, const cha
 
 void HostStaging::Free(const Block& block) {
   if (block.host == nullptr) return;
-  size_t offset = static_cast<size_t>(block.host - memory_);
-  size_t bytes = block.bytes;
   absl::MutexLock lock(&mu_);
-  in_use_ -= bytes;
-  auto next = free_.lower_bound(offset);
-  if (next != free_.begin()) {
-    auto prev = std::prev(next);
-    if (prev->first + prev->second == offset) {
-      offset = prev->first;
-      bytes += prev->second;
-      free_.erase(prev);
-    }
-  }
-  if (next != free_.end() && offset + bytes == next->first) {
-    bytes += next->second;
-    free_.erase(next);
-  }
-  free_.emplace(offset, bytes);
+  in_use_ -= block.bytes;
+  InsertFreeRange(&free_, static_cast<size_t>(block.host - memory_), block.bytes);
 }
 
 size_t HostStaging::in_use() const {

@@ -1,9 +1,9 @@
 #include "server/engine/page_table_arena.h"
 
 #include <algorithm>
-#include <iterator>
 
 #include "absl/strings/str_cat.h"
+#include "server/engine/free_ranges.h"
 
 namespace mlaverify::engine {
 namespace {
@@ -128,20 +128,7 @@ void PageTableArena::FreeLater(int64_t offset, int64_t capacity) {
 }
 
 void PageTableArena::FreeNow(int64_t offset, int64_t capacity) {
-  auto next = free_.lower_bound(offset);
-  if (next != free_.begin()) {
-    auto prev = std::prev(next);
-    if (prev->first + prev->second == offset) {
-      offset = prev->first;
-      capacity += prev->second;
-      free_.erase(prev);
-    }
-  }
-  if (next != free_.end() && offset + capacity == next->first) {
-    capacity += next->second;
-    free_.erase(next);
-  }
-  free_.emplace(offset, capacity);
+  InsertFreeRange(&free_, offset, capacity);
 }
 
 bool PageTableArena::Compact() {
