@@ -58,6 +58,16 @@ stop_server() {
   curl -s "http://127.0.0.1:$aport/metrics" > "$out/metrics-$1.txt" || true
   kill -TERM "$spid"; wait "$spid"; summary+=("server $1 exit=$?")
 }
+# mode_flags MODE POOL_GIB: sets $flags, the server flags of one parallel mode
+# (single, tp, dp) with POOL_GIB of pool on the one device, halved per worker.
+mode_flags() {
+  local half=$(($2 / 2))
+  case $1 in
+    single) flags=(--devices 0 --heads 8 --pool-bytes "${2}GiB") ;;
+    tp) flags=(--devices "0,0" --parallel-mode tp --heads 16 --pool-bytes "${half}GiB") ;;
+    dp) flags=(--devices "0,0" --parallel-mode dp --heads 8 --pool-bytes "${half}GiB") ;;
+  esac
+}
 if want dataplane && [ -x "$bundle/bin/mlaverify-server" ]; then
   # The engine's data path (bench/NOTES.md, "The data path in the engine"):
   # the engine in process (one item in flight at L=16K, 64 threads at L=1K,
@@ -118,11 +128,7 @@ if want dataplane && [ -x "$bundle/bin/mlaverify-server" ]; then
     [ "$with_service" = 1 ] || continue
     # DP has demos only.
     [ "$mode" = dp ] && [ "$with_demos" != 1 ] && continue
-    case $mode in
-      single) flags=(--devices 0 --heads 8 --pool-bytes 40GiB) ;;
-      tp) flags=(--devices "0,0" --parallel-mode tp --heads 16 --pool-bytes 20GiB) ;;
-      dp) flags=(--devices "0,0" --parallel-mode dp --heads 8 --pool-bytes 20GiB) ;;
-    esac
+    mode_flags "$mode" 40
     [ "$quick" = 1 ] && [ "$mode" != single ] && continue
     start_server "dp-$mode" 127.0.0.1:0 "${flags[@]}" --allow-client-shm true
     if [ "$quick" != 1 ] && [ "$with_demos" = 1 ]; then
@@ -167,11 +173,7 @@ if want service && [ -x "$bundle/bin/mlaverify-server" ]; then
     [ "$with_service" = 1 ] || continue
     # DP has demos only.
     [ "$mode" = dp ] && [ "$with_demos" != 1 ] && continue
-    case $mode in
-      single) flags=(--devices 0 --heads 8 --pool-bytes 24GiB) ;;
-      tp) flags=(--devices "0,0" --parallel-mode tp --heads 16 --pool-bytes 12GiB) ;;
-      dp) flags=(--devices "0,0" --parallel-mode dp --heads 8 --pool-bytes 12GiB) ;;
-    esac
+    mode_flags "$mode" 24
     if [ "$mode" = single ]; then
       # Health from the moment the port listens: NOT_SERVING while the pools
       # are allocated and the graphs recorded, then SERVING.
