@@ -4,13 +4,12 @@
 #include <chrono>
 #include <climits>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 #include <utility>
 
 #include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "common/geometry.h"
+#include "common/small_file.h"
 #include "common/status_macros.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -18,16 +17,6 @@
 
 namespace mlaverify::client {
 namespace {
-
-absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view what) {
-  std::ifstream file(path, std::ios::binary);
-  if (!file) {
-    return absl::NotFoundError(absl::StrCat("cannot read ", what, " file '", path, "'"));
-  }
-  std::ostringstream contents;
-  contents << file.rdbuf();
-  return contents.str();
-}
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeCredentials(
     const ClientOptions& options) {
@@ -41,13 +30,15 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeCredentials(
   }
   grpc::SslCredentialsOptions ssl;
   if (!options.tls_root_ca_file.empty()) {
-    ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFile(options.tls_root_ca_file, "TLS root CA"));
+    ASSIGN_OR_RETURN(ssl.pem_root_certs,
+                     ReadSmallFile(options.tls_root_ca_file, kMaxPemFileBytes, "TLS root CA"));
   }
   if (!options.tls_cert_chain_file.empty()) {
-    ASSIGN_OR_RETURN(ssl.pem_cert_chain,
-                     ReadFile(options.tls_cert_chain_file, "TLS client certificate"));
-    ASSIGN_OR_RETURN(ssl.pem_private_key,
-                     ReadFile(options.tls_private_key_file, "TLS client private key"));
+    ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadSmallFile(options.tls_cert_chain_file,
+                                                       kMaxPemFileBytes, "TLS client certificate"));
+    ASSIGN_OR_RETURN(
+        ssl.pem_private_key,
+        ReadSmallFile(options.tls_private_key_file, kMaxPemFileBytes, "TLS client private key"));
   }
   return grpc::SslCredentials(ssl);
 }

@@ -1,18 +1,14 @@
 #include "common/auth_token.h"
 
-#include <fstream>
-#include <sstream>
-
 #include "absl/strings/str_cat.h"
+#include "common/small_file.h"
+#include "common/status_macros.h"
 
 namespace mlaverify {
 
 absl::StatusOr<std::string> ReadAuthToken(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  if (!file) return absl::InvalidArgumentError(absl::StrCat("cannot read token file '", path, "'"));
-  std::stringstream contents;
-  contents << file.rdbuf();
-  std::string token = contents.str();
+  // Room for a 4 KiB token and the whitespace an editor may leave after it.
+  ASSIGN_OR_RETURN(std::string token, ReadSmallFile(path, 8192, "token"));
   while (!token.empty() && (token.back() == '\n' || token.back() == '\r' || token.back() == ' ' ||
                             token.back() == '\t')) {
     token.pop_back();
@@ -25,9 +21,16 @@ absl::StatusOr<std::string> ReadAuthToken(const std::string& path) {
         absl::StrCat("token file '", path, "' holds more than 4 KiB"));
   }
   for (char c : token) {
-    if (static_cast<unsigned char>(c) <= ' ' || c == 0x7f) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte <= ' ' || byte == 0x7f) {
       return absl::InvalidArgumentError(
           absl::StrCat("the token in '", path, "' has whitespace or control characters inside"));
+    }
+    // gRPC sends metadata values as visible ASCII only: a token with other
+    // bytes would be accepted here and then be unsendable by every client.
+    if (byte > 0x7e) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the token in '", path, "' has bytes outside visible ASCII (0x21-0x7e)"));
     }
   }
   return token;

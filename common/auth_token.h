@@ -11,8 +11,9 @@
 namespace mlaverify {
 
 // The token in `path`, trailing whitespace (a final newline) removed.
-// INVALID_ARGUMENT when the file cannot be read, is empty, holds more than
-// 4 KiB, or the token has whitespace or control characters inside.
+// INVALID_ARGUMENT when the file cannot be read or is not a regular file, the
+// token is empty or longer than 4 KiB, or it holds anything but visible
+// ASCII (whitespace, control characters, bytes above 0x7e).
 absl::StatusOr<std::string> ReadAuthToken(const std::string& path);
 
 // a == b, in time that depends on the lengths only (not on where the first

@@ -22,11 +22,14 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/auth_token.h"
+#include "common/small_file.h"
+#include "common/status_macros.h"
 #include "server/admin/admin_http_server.h"
 #include "server/admin/metrics.h"
 #include "server/engine/device.h"
@@ -219,6 +222,29 @@ absl::StatusOr<std::vector<std::unique_ptr<engine::Device>>> MakeDevices(const F
   return devices;
 }
 
+// A flags file is a few hundred bytes; 1 MiB is far beyond any real one.
+constexpr size_t kMaxConfigFileBytes = size_t{1} << 20;
+
+// CLI11 reads the --config file with a plain stream, which waits forever on
+// a FIFO and grows without bound on /dev/zero: the file is checked here
+// first (a regular file of bounded size), in both spellings of the flag.
+absl::Status CheckConfigFile(int argc, char** argv) {
+  constexpr absl::string_view kFlag = "--config";
+  for (int i = 1; i < argc; ++i) {
+    const absl::string_view arg = argv[i];
+    std::string path;
+    if (arg == kFlag && i + 1 < argc) {
+      path = argv[i + 1];
+    } else if (absl::StartsWith(arg, absl::StrCat(kFlag, "="))) {
+      path = std::string(arg.substr(kFlag.size() + 1));
+    } else {
+      continue;
+    }
+    RETURN_IF_ERROR(ReadSmallFile(path, kMaxConfigFileBytes, "config").status());
+  }
+  return absl::OkStatus();
+}
+
 int Run(int argc, char** argv) {
   Flags f;
   CLI::App app{"mlaverify-server: MLA verify attention over a paged latent KV cache"};
@@ -350,6 +376,10 @@ int Run(int argc, char** argv) {
   // command line wins; an unknown name is an error, not ignored.
   app.set_config("--config", "", "read flags from this TOML file (name = value per line)");
   app.allow_config_extras(CLI::config_extras_mode::error);
+  if (absl::Status config = CheckConfigFile(argc, argv); !config.ok()) {
+    std::fprintf(stderr, "bad flags: --config: %s\n", std::string(config.message()).c_str());
+    return 2;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -39,7 +39,17 @@ printf 'layers = 2\nlayerz = 3\n' > "$work/typo.toml"
 expect_refused "a --config file with an unknown flag name" "layerz" --config "$work/typo.toml"
 printf 'page-size = 3\n' > "$work/bad.toml"
 expect_refused "a --config file with a bad value" "page" --config "$work/bad.toml"
-expect_refused "a --config file that does not exist" "not readable" --config /nonexistent/flags.toml
+expect_refused "a --config file that does not exist" "cannot read config" --config /nonexistent/flags.toml
+# A device or a FIFO would hang the flag parser (growing memory on /dev/zero).
+expect_refused "--config /dev/zero" "not a regular file" --config /dev/zero
+mkfifo "$work/flags.fifo"
+expect_refused "--config on a FIFO" "not a regular file" "--config=$work/flags.fifo"
+head -c 2000000 /dev/zero | tr '\0' '#' > "$work/huge.toml"
+expect_refused "a --config file of 2 MB" "more than 1048576" --config "$work/huge.toml"
+printf 'caf\xc3\xa9-token\n' > "$work/utf8.token"
+expect_refused "a token that is not visible ASCII" "outside visible ASCII" \
+  --auth-token-file "$work/utf8.token"
+expect_refused "a token file on a FIFO" "not a regular file" --auth-token-file "$work/flags.fifo"
 
 # A port in use by another server is refused.
 "$server" "${base[@]}" --listen 127.0.0.1:0 --port-file "$work/ports" > "$work/holder.log" 2>&1 &

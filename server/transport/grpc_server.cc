@@ -2,25 +2,14 @@
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 
-#include <fstream>
-#include <sstream>
-
 #include "absl/strings/str_cat.h"
+#include "common/small_file.h"
 #include "spdlog/spdlog.h"
 
 namespace mlaverify::transport {
 namespace {
 
 constexpr char kServiceName[] = "mlaverify.v1.VerifyService";
-
-absl::StatusOr<std::string> ReadFile(const std::string& path, const char* what) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f)
-    return absl::InvalidArgumentError(absl::StrCat("cannot read ", what, " file '", path, "'"));
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const GrpcServerOptions& o) {
   if (o.tls_cert_file.empty() && o.tls_key_file.empty()) {
@@ -33,13 +22,13 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const GrpcS
     return absl::InvalidArgumentError("TLS needs both --tls-cert and --tls-key");
   }
   grpc::SslServerCredentialsOptions ssl;
-  auto cert = ReadFile(o.tls_cert_file, "TLS certificate");
+  auto cert = ReadSmallFile(o.tls_cert_file, kMaxPemFileBytes, "TLS certificate");
   if (!cert.ok()) return cert.status();
-  auto key = ReadFile(o.tls_key_file, "TLS key");
+  auto key = ReadSmallFile(o.tls_key_file, kMaxPemFileBytes, "TLS key");
   if (!key.ok()) return key.status();
   ssl.pem_key_cert_pairs.push_back({*key, *cert});
   if (!o.tls_client_ca_file.empty()) {
-    auto ca = ReadFile(o.tls_client_ca_file, "client CA");
+    auto ca = ReadSmallFile(o.tls_client_ca_file, kMaxPemFileBytes, "client CA");
     if (!ca.ok()) return ca.status();
     ssl.pem_root_certs = *ca;
     ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
