@@ -11,9 +11,10 @@
 namespace mlaverify {
 
 // The token in `path`, trailing whitespace (a final newline) removed.
-// INVALID_ARGUMENT when the file cannot be read or is not a regular file, the
-// token is empty or longer than 4 KiB, or it holds anything but visible
-// ASCII (whitespace, control characters, bytes above 0x7e).
+// NOT_FOUND when the file cannot be opened; INVALID_ARGUMENT when it is not a
+// regular file of at most 8 KiB, the token is empty or longer than 4 KiB, or
+// it holds anything but visible ASCII (whitespace, control characters, bytes
+// above 0x7e).
 absl::StatusOr<std::string> ReadAuthToken(const std::string& path);
 
 // a == b, in time that depends on the lengths only (not on where the first

@@ -30,7 +30,7 @@ absl::StatusOr<std::string> ReadSmallFile(const std::string& path, size_t max_by
                                           absl::string_view what) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) {
-    return absl::InvalidArgumentError(
+    return absl::NotFoundError(
         absl::StrCat("cannot read ", what, " file '", path, "': ", std::strerror(errno)));
   }
   FileCloser closer(fd);

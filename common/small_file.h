@@ -17,10 +17,10 @@ namespace mlaverify {
 // long chains.
 inline constexpr size_t kMaxPemFileBytes = size_t{1} << 20;
 
-// The contents of `path`. INVALID_ARGUMENT, naming `what` and the path, when
-// it cannot be opened, is not a regular file (after symlinks), or holds more
-// than `max_bytes`. Opening never blocks (O_NONBLOCK), so a FIFO is refused
-// rather than waited on.
+// The contents of `path`. NOT_FOUND when it cannot be opened; INVALID_ARGUMENT
+// when it is not a regular file (after symlinks), holds more than `max_bytes`
+// or cannot be read; each message names `what` and the path. Opening never blocks (O_NONBLOCK), so
+// a FIFO is refused rather than waited on.
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path, size_t max_bytes,
                                           absl::string_view what);
 

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The server's flag tables (README.md and docs/operations.md) name exactly the
+# flags `mlaverify-server --help` lists: a flag added, renamed or retired
+# without its row fails here, so the tables cannot drift from the code.
+#   tests/flag_docs_test.sh BUILD_DIR SOURCE_DIR
+set -euo pipefail
+server=$1/server/mlaverify-server
+src=$2
+work=$(mktemp -d /tmp/mlaverify-flagdocs.XXXX)
+trap 'rm -rf "$work"' EXIT
+
+# Long options as CLI11 prints them ("  -h,--help", "  --listen TEXT ...").
+"$server" --help | grep -oE '^ +(-[a-zA-Z],)?--[a-z0-9-]+' | grep -oE -- '--[a-z0-9-]+' |
+  grep -vx -- '--help' | sort -u > "$work/help"
+[ -s "$work/help" ] || { echo "FAIL: no flags read from $server --help"; exit 1; }
+
+failures=0
+for doc in README.md docs/operations.md; do
+  # Flag rows start with a backquoted flag: "| `--pool-bytes` | ...".
+  grep -E '^\| `--' "$src/$doc" | cut -d'|' -f2 | grep -oE -- '--[a-z0-9-]+' | sort -u \
+    > "$work/doc"
+  if ! diff -u --label "--help" --label "$doc" "$work/help" "$work/doc" > "$work/diff"; then
+    echo "FAIL: $doc's flag table differs from the server's --help ('-' missing, '+' not a flag):"
+    grep -E '^[-+]--[a-z]' "$work/diff"
+    failures=$((failures + 1))
+  else
+    echo "ok: $doc lists the server's $(wc -l < "$work/help") flags"
+  fi
+done
+exit "$failures"
