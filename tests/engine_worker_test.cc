@@ -26,6 +26,7 @@ namespace mlaverify::engine {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr int kLayers = 3, kHeads = 4, kPage = 8;
 
@@ -321,6 +322,35 @@ TEST(EngineWorkerTest, FullQueueIsResourceExhaustedAndRecovers) {
   EXPECT_TRUE(engine->Verify(0, 0.0f, absl::MakeSpan(&w2.item, 1)).ok());
   EXPECT_EQ(engine->Stats().queued_calls, 0);
   EXPECT_EQ(engine->Stats().queued_bytes, 0);
+}
+
+// A call that holds more bytes than --max-queued-bytes admits at all is
+// INVALID_ARGUMENT (splitting it is the fix; retrying never is), changes
+// nothing, and leaves the queue counters at zero.
+TEST(EngineWorkerTest, CallLargerThanTheQueueBudgetIsInvalidNotRetryLater) {
+  std::vector<std::unique_ptr<FakeDeviceRecord>> records;
+  EngineConfig config = BaseConfig();
+  // A 4-token prompt's AppendKv holds 3 x 4 x 576 x 2 B = 13.5 KiB; an
+  // 8-draft item's q alone 8 x 4 heads x 576 x 2 B = 36 KiB.
+  config.max_queued_bytes = 16 << 10;
+  auto engine = MakeEngine(config, Fakes(1, FakeDeviceOptions(), &records));
+  ASSERT_NE(engine, nullptr);
+  std::mt19937_64 rng(29);
+  const uint64_t id = NewSequence(*engine, 4, rng);
+  const EngineStats before = engine->Stats();
+  Work big(id, 8, kHeads, rng);
+  const absl::Status status = engine->Verify(0, 0.0f, absl::MakeSpan(&big.item, 1));
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_THAT(std::string(status.message()),
+              HasSubstr("more than --max-queued-bytes (16384 bytes)"));
+  EXPECT_THAT(std::string(status.message()), Not(HasSubstr("retry later")));
+  const EngineStats after = engine->Stats();
+  EXPECT_EQ(after.pending_steps, before.pending_steps);
+  EXPECT_EQ(after.free_pages, before.free_pages);
+  EXPECT_EQ(after.queued_calls, 0);
+  EXPECT_EQ(after.queued_bytes, 0);
+  absl::MutexLock lock(&records[0]->mu);
+  EXPECT_TRUE(records[0]->launches.empty());
 }
 
 // A call whose deadline passes (or that is cancelled) while it waits behind

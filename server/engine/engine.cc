@@ -39,6 +39,7 @@ absl::Status UnwantedStatus(const CallContext& context) {
 }
 
 std::string FormatBytes(int64_t bytes) {
+  if (bytes < (1 << 20)) return absl::StrCat(bytes, " bytes");
   return absl::StrFormat("%.1f MiB", static_cast<double>(bytes) / (1 << 20));
 }
 
@@ -686,6 +687,13 @@ absl::Status Engine::Admit(int64_t bytes) {
   if (absl::Status f = fault(); !f.ok()) {
     return absl::UnavailableError(
         absl::StrCat(f.message(), "; this server no longer serves device work"));
+  }
+  // A call bigger than the whole budget could never be admitted: saying
+  // "retry later" would have a client retry forever.
+  if (bytes > config_.max_queued_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "this call holds ", FormatBytes(bytes), ", more than --max-queued-bytes (",
+        FormatBytes(config_.max_queued_bytes), ") admits at once; split it into smaller calls"));
   }
   // Taken first, given back when over a limit: concurrent admissions never
   // exceed the limits together.
