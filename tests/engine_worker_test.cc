@@ -353,6 +353,35 @@ TEST(EngineWorkerTest, CallLargerThanTheQueueBudgetIsInvalidNotRetryLater) {
   EXPECT_TRUE(records[0]->launches.empty());
 }
 
+// A sequence with a call in flight is not idle, however long the call runs:
+// idle expiry leaves it (and its pages) alone until the call has finished,
+// and counts from the call's end.
+TEST(EngineWorkerTest, IdleExpirySparesSequencesWithCallsInFlight) {
+  std::vector<std::unique_ptr<FakeDeviceRecord>> records;
+  FakeDeviceOptions slow;
+  slow.latency = absl::Milliseconds(200);
+  EngineConfig config = BaseConfig();
+  config.idle_timeout = absl::Seconds(30);
+  auto engine = MakeEngine(config, Fakes(1, slow, &records));
+  ASSERT_NE(engine, nullptr);
+  std::mt19937_64 rng(31);
+  const uint64_t busy = NewSequence(*engine, 8, rng);
+  Work w(busy, 3, kHeads, rng);
+  Pending p;
+  SubmitOne(*engine, 0, w, &p);
+  WaitForLaunches(*records[0], 1);
+  // Far enough ahead that the sequence's last submission is past the timeout.
+  EXPECT_EQ(engine->ExpireIdle(absl::Now() + absl::Seconds(31)), 0)
+      << "expired a sequence whose Verify is running";
+  p.done.WaitForNotification();
+  ASSERT_TRUE(p.status.ok()) << p.status;
+  auto committed = engine->Commit(busy, {});
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_EQ(engine->ExpireIdle(absl::Now()), 0) << "used just now";
+  EXPECT_EQ(engine->ExpireIdle(absl::Now() + absl::Seconds(31)), 1);
+  EXPECT_EQ(engine->Commit(busy, {}).status().code(), absl::StatusCode::kNotFound);
+}
+
 // A call whose deadline passes (or that is cancelled) while it waits behind
 // slow work completes unrun, and the step it opened is taken back.
 TEST(EngineWorkerTest, DeadlineAndCancellationAreHonouredWhileQueued) {

@@ -54,6 +54,9 @@ struct Engine::Sequence {
   const int pool;           // allocator (and, in DP mode, device) index
   // Read without the lock by ExpireIdle's scan; re-checked under it.
   std::atomic<int64_t> last_used_ns{NowNanos()};
+  // Calls submitted for this sequence and not finished: a sequence with work
+  // in flight is never idle, however long that work runs.
+  std::atomic<int> calls_in_flight{0};
   // Mirrors `released` for queued work that checks without the lock.
   std::atomic<bool> released_flag{false};
 
@@ -87,6 +90,20 @@ struct Engine::Sequence {
   }
 
   void Touch() { last_used_ns.store(NowNanos(), std::memory_order_relaxed); }
+  // A call on the sequence was submitted (under `mu`) / finished.
+  void CallStarted() {
+    Touch();
+    calls_in_flight.fetch_add(1, std::memory_order_relaxed);
+  }
+  void CallEnded() {
+    Touch();  // the end of a long call is use too; seen by whoever sees the count drop
+    calls_in_flight.fetch_sub(1, std::memory_order_release);
+  }
+  // Unused since `cutoff` (nanoseconds) with nothing in flight.
+  bool IdleSince(int64_t cutoff) const {
+    return calls_in_flight.load(std::memory_order_acquire) == 0 &&
+           last_used_ns.load(std::memory_order_relaxed) < cutoff;
+  }
 };
 
 // What every asynchronous call shares: admission bytes, the one decision
@@ -452,6 +469,7 @@ class Engine::VerifyTask final : public Call, public ShardOwner {
     if (!s.ok() && ran()) RollBackOpenedSteps();
     for (const Item& item : items) {
       Sequence& seq = *item.seq;
+      seq.CallEnded();
       absl::MutexLock lock(&seq.mu);
       if (seq.released || !seq.pending || seq.step != item.step) continue;
       if (s.ok()) {
@@ -1147,7 +1165,7 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
     item.op = ++s.ops_submitted;
     items[k].prefix_len = s.length;
     deltas[k] = TakeDelta(s);
-    s.Touch();
+    s.CallStarted();
   }
   pending_steps_.fetch_add(opened);
 
@@ -1291,7 +1309,7 @@ absl::Status Engine::StartAppendKv(AppendCall& call,
   s.pages.insert(s.pages.end(), added.begin(), added.end());
   s.length = new_length;
   const uint64_t op_number = ++s.ops_submitted;
-  s.Touch();
+  s.CallStarted();
 
   // Cancelled or past its deadline when taken: taken back, unless calls
   // submitted after it build on it (then it runs).
@@ -1314,6 +1332,7 @@ absl::Status Engine::StartAppendKv(AppendCall& call,
   };
   auto finish = [this, seq, tokens, new_length, done = std::move(done)](const absl::Status& status,
                                                                         bool ran) mutable {
+    seq->CallEnded();
     if (status.ok()) {
       tokens_appended_.fetch_add(tokens);
       spdlog::debug("seq {} appended {} tokens, length {}", seq->id, tokens, new_length);
@@ -1395,12 +1414,13 @@ absl::Status Engine::StartCommit(uint64_t sequence_id, absl::Span<const int32_t>
     s.pages.resize(keep);
     s.Trimmed(keep);
   }
-  s.Touch();
+  s.CallStarted();
   pending_steps_.fetch_sub(1);
   const CommitResult result{s.length, k};
   PageAllocator* allocator = &AllocatorOf(s);
   auto finish = [this, seq, allocator, rejected = std::move(rejected), result,
                  done = std::move(done)](const absl::Status& status, bool) mutable {
+    seq->CallEnded();
     allocator->Free(rejected);
     if (!status.ok()) {
       absl::MutexLock lock(&seq->mu);
@@ -1470,7 +1490,7 @@ int Engine::ExpireIdle(absl::Time now) {
   {
     absl::MutexLock lock(&table_mu_);
     for (const auto& [id, seq] : sequences_) {
-      if (seq->last_used_ns.load(std::memory_order_relaxed) < cutoff) candidates.push_back(seq);
+      if (seq->IdleSince(cutoff)) candidates.push_back(seq);
     }
   }
   int expired = 0;
@@ -1480,8 +1500,8 @@ int Engine::ExpireIdle(absl::Time now) {
     std::vector<int32_t> pages;
     {
       absl::MutexLock lock(&seq->mu);
-      // Used again since the scan, or released by its owner meanwhile.
-      if (seq->released || seq->last_used_ns.load(std::memory_order_relaxed) >= cutoff) continue;
+      // Used again since the scan (or in use), or released by its owner meanwhile.
+      if (seq->released || !seq->IdleSince(cutoff)) continue;
       pages = ReleaseLocked(*seq);
       absl::MutexLock table_lock(&table_mu_);
       sequences_.erase(seq->id);
