@@ -91,7 +91,7 @@ class ServerTest : public ::testing::Test {
     engine_ = *std::move(engine);
     transport::GrpcServerOptions options;
     options.listen_address = "127.0.0.1:0";
-    options.service.max_message_bytes = kMaxMessageBytes;
+    options.service.max_message_bytes = max_message_bytes_;
     auto server = transport::GrpcServer::Start(options, &oversize_);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
@@ -196,7 +196,8 @@ class ServerTest : public ::testing::Test {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::VerifyService::Stub> stub_;
   std::mt19937_64 rng_{2024};
-  engine::RegionOptions shm_options_;  // what Make gives the engine
+  engine::RegionOptions shm_options_;             // what Make gives the engine
+  int64_t max_message_bytes_ = kMaxMessageBytes;  // what Make gives the server
 };
 
 TEST_F(ServerTest, HealthFollowsTheServingState) {
@@ -472,6 +473,75 @@ TEST_F(ServerTest, OversizedRequestsAreCountedAndKeepTheStreamOpen) {
   const float scale = engine_->config().default_softmax_scale;
   EXPECT_TRUE(client::CompareWithReference(m, 0, item, scale, (*results)[0], 1)->ok(1e-2, 1e-3));
   EXPECT_TRUE(client_->Commit(id, {}).ok());
+}
+
+// A Verify whose inputs are in shared memory is small, yet its inline answer
+// (out and lse) can exceed max_message_bytes: it is refused before it runs,
+// with nothing changed, in band on a stream, which stays open. (Run, its
+// answer would be dropped by gRPC after the step had opened.)
+TEST_F(ServerTest, InlineAnswerOverTheMessageLimitIsRefusedBeforeItRuns) {
+  max_message_bytes_ = 64 << 10;  // kMaxBatch x kMaxDraft x kHeads x 1 KiB of out = 128 KiB
+  MakeWithSharedMemory(engine::MakeCpuDevice(2));
+  Serve();
+  const int n = kMaxDraft;
+  const uint64_t item_bytes = client::ShmVerifyItemBytes(n, kHeads);
+  auto shm = RegisterBuffer("answers", kMaxBatch * item_bytes);
+  std::vector<client::ShmItemPlacement> places;
+  std::vector<Step> steps;
+  std::vector<uint64_t> ids;
+  client::SequenceMirror unused(kLayers);
+  for (int k = 0; k < kMaxBatch; ++k) {
+    ids.push_back(NewSequence(8, &unused));
+    places.push_back(client::PlaceVerifyItem("answers", shm->data(), k * item_bytes, n, kHeads));
+    steps.push_back(RandomStep(n));
+  }
+  std::vector<client::VerifyItemInput> items;
+  for (int k = 0; k < kMaxBatch; ++k) {
+    items.push_back(steps[k].Item(ids[k], 0));
+    items.back().shm = &places[k];
+  }
+  absl::StatusOr<v1::VerifyRequest> built = client::BuildVerifyRequest(0, items, 0.0f, 0);
+  ASSERT_TRUE(built.ok()) << built.status();
+  v1::VerifyRequest inline_answer = *built;
+  for (v1::VerifyItem& item : *inline_answer.mutable_items()) {
+    item.clear_out_shared_memory();
+    item.clear_lse_shared_memory();
+  }
+  ASSERT_LT(inline_answer.ByteSizeLong(), 4096u) << "the request itself is small";
+  const int64_t free_before = FreePages();
+
+  {
+    grpc::ClientContext ctx;
+    v1::VerifyResponse response;
+    const grpc::Status st = stub_->Verify(&ctx, inline_answer, &response);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+    EXPECT_THAT(st.error_message(), HasSubstr("inline answer"));
+    EXPECT_THAT(st.error_message(), HasSubstr("shared memory"));
+  }
+  EXPECT_EQ(FreePages(), free_before);
+  EXPECT_EQ(engine_->Stats().pending_steps, 0) << "no step was opened";
+
+  grpc::ClientContext ctx;
+  auto stream = stub_->VerifyStream(&ctx);
+  inline_answer.set_request_id(11);
+  ASSERT_TRUE(stream->Write(inline_answer));
+  v1::VerifyResponse answer;
+  ASSERT_TRUE(stream->Read(&answer));
+  EXPECT_EQ(answer.request_id(), 11u);
+  EXPECT_EQ(answer.error_code(), static_cast<int32_t>(grpc::StatusCode::RESOURCE_EXHAUSTED));
+  EXPECT_THAT(answer.error_message(), HasSubstr("inline answer"));
+  EXPECT_EQ(engine_->Stats().pending_steps, 0);
+  // The same items with their outputs in shared memory run on that stream.
+  v1::VerifyRequest in_place = *built;
+  in_place.set_request_id(12);
+  ASSERT_TRUE(stream->Write(in_place));
+  ASSERT_TRUE(stream->Read(&answer));
+  EXPECT_EQ(answer.request_id(), 12u);
+  EXPECT_EQ(answer.error_code(), 0) << answer.error_message();
+  EXPECT_EQ(answer.results_size(), kMaxBatch);
+  stream->WritesDone();
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_EQ(engine_->Stats().pending_steps, kMaxBatch);
 }
 
 // ---- bad inputs -------------------------------------------------------------

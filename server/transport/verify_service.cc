@@ -11,6 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/auth_token.h"
+#include "common/bf16.h"
 #include "common/geometry.h"
 #include "common/status_macros.h"
 #include "server/transport/status_mapping.h"
@@ -234,10 +235,35 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::AppendKv(grpc::CallbackServerContex
   });
 }
 
+absl::Status VerifyServiceImpl::CheckAnswerSize(const v1::VerifyRequest& request,
+                                                int64_t heads) const {
+  // Protobuf framing around the tensor bytes, rounded up: per result its ids
+  // and two labelled tensors (dtype, shape, length prefixes), per answer its
+  // ids. An over-estimate refuses only answers within bytes of the limit.
+  constexpr int64_t kPerResult = 192, kPerAnswer = 64;
+  int64_t bytes = kPerAnswer;
+  for (const v1::VerifyItem& item : request.items()) {
+    const int64_t rows = static_cast<int64_t>(item.parents_size()) * heads;
+    bytes += kPerResult;
+    if (!item.has_out_shared_memory())
+      bytes += rows * kValueDim * static_cast<int64_t>(sizeof(Bf16));
+    if (!item.has_lse_shared_memory()) bytes += rows * static_cast<int64_t>(sizeof(float));
+  }
+  if (bytes <= options_.max_message_bytes) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "the inline answer (out and lse of ", request.items_size(), " items) would be about ", bytes,
+      " bytes, over the server's max_message_bytes ", options_.max_message_bytes,
+      " (GetServerInfo): put out and lse in shared memory or send fewer items per call"));
+}
+
 void VerifyServiceImpl::StartVerify(grpc::CallbackServerContext* ctx,
                                     const v1::VerifyRequest& request, v1::VerifyResponse* response,
                                     std::vector<engine::VerifyItem>* items,
                                     engine::VerifyTiming* timing, Finisher done) {
+  const int64_t heads = engine()->config().num_heads;
+  // Checked before the engine sees the call: an answer gRPC would refuse to
+  // send must not open steps or take pages first.
+  if (absl::Status fits = CheckAnswerSize(request, heads); !fits.ok()) return done(fits);
   response->set_request_id(request.request_id());
   response->set_layer(request.layer());
   // Each Tensor becomes a reference the engine checks (once, for every data
@@ -264,7 +290,6 @@ void VerifyServiceImpl::StartVerify(grpc::CallbackServerContext* ctx,
   call.items = absl::MakeSpan(*items);
   call.context = ContextOf(ctx);
   call.timing = timing;
-  const int64_t heads = engine()->config().num_heads;
   engine()->SubmitVerify(std::move(call), [&request, response, items, heads,
                                            done = std::move(done)](absl::Status status) mutable {
     if (status.ok()) {

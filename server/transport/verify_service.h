@@ -152,6 +152,9 @@ class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
   // and `response`'s results) and submits it; `done` runs once with the
   // outcome, after the results are labelled. `timing` receives the engine's
   // time split. `items` and `timing` live until `done` ran.
+  // RESOURCE_EXHAUSTED when the answer's inline tensors (out and lse of the
+  // items without shared-memory outputs) would exceed max_message_bytes.
+  absl::Status CheckAnswerSize(const v1::VerifyRequest& request, int64_t heads) const;
   void StartVerify(grpc::CallbackServerContext* ctx, const v1::VerifyRequest& request,
                    v1::VerifyResponse* response, std::vector<engine::VerifyItem>* items,
                    engine::VerifyTiming* timing, Finisher done);
