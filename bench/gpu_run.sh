@@ -58,6 +58,17 @@ stop_server() {
   curl -s "http://127.0.0.1:$aport/metrics" > "$out/metrics-$1.txt" || true
   kill -TERM "$spid"; wait "$spid"; summary+=("server $1 exit=$?")
 }
+# load_row ROW ARGS...: one load of the client against the server of
+# start_server (N=16, with its floor); JSON and log named by ROW.
+load_row() {
+  local row=$1
+  shift
+  timeout 100 "${cl[@]}" load --drafts 16 --floor --progress false "$@" \
+    --json "$out/planes-$row.json" > "$out/planes-$row.log" 2>&1
+  summary+=("load $row rc=$?")
+  echo "== $row"
+  grep -E "^(verify calls|latency|server split|floor: |append|errors|result)" "$out/planes-$row.log"
+}
 # mode_flags MODE POOL_GIB: sets $flags, the server flags of one parallel mode
 # (single, tp, dp) with POOL_GIB of pool on the one device, halved per worker.
 mode_flags() {
@@ -111,16 +122,6 @@ if want dataplane && [ -x "$bundle/bin/mlaverify-server" ]; then
     summary+=("kernel shapes rc=$?")
     grep -E '^B=' "$out/planes-kernel.log"
   fi
-  # dp_row ROW ARGS...: one service load with its floor (stream, N=16).
-  dp_row() {
-    local row=$1
-    shift
-    timeout 100 "${cl[@]}" load --drafts 16 --floor --progress false --stream "$@" \
-      --json "$out/planes-$row.json" > "$out/planes-$row.log" 2>&1
-    summary+=("load $row rc=$?")
-    echo "== $row"
-    grep -E "^(verify calls|latency|server split|floor: |errors|result)" "$out/planes-$row.log"
-  }
   c1=(--concurrency 1 --duration-s 5 --warmup-s 1 --prompt-len 16384 --max-seq-len 16900)
   c64=(--concurrency 64 --duration-s 6 --warmup-s 1.5 --prompt-len 1024)
   items=(--concurrency 4 --items 32 --duration-s 6 --warmup-s 1.5 --prompt-len 1024)
@@ -143,26 +144,26 @@ if want dataplane && [ -x "$bundle/bin/mlaverify-server" ]; then
       done
     fi
     if [ "$mode" = single ]; then
-      dp_row "cuda-shm-stream-c1-16k" "${c1[@]}" --data-plane cuda-shm
+      load_row "cuda-shm-stream-c1-16k" --stream "${c1[@]}" --data-plane cuda-shm
       if [ "$quick" != 1 ]; then
-        dp_row "cuda-shm-stream-c4-1k-items32" "${items[@]}" --data-plane cuda-shm
-        dp_row "cuda-shm-stream-c64-1k" "${c64[@]}" --data-plane cuda-shm
-        dp_row "shm-stream-c1-16k" "${c1[@]}" --data-plane shm --shm-staging-mib 1200
-        dp_row "shm-stream-c64-1k" "${c64[@]}" --data-plane shm --shm-staging-mib 72
+        load_row "cuda-shm-stream-c4-1k-items32" --stream "${items[@]}" --data-plane cuda-shm
+        load_row "cuda-shm-stream-c64-1k" --stream "${c64[@]}" --data-plane cuda-shm
+        load_row "shm-stream-c1-16k" --stream "${c1[@]}" --data-plane shm --shm-staging-mib 1200
+        load_row "shm-stream-c64-1k" --stream "${c64[@]}" --data-plane shm --shm-staging-mib 72
         if [ "$with_inline" = 1 ]; then
-          dp_row "inline-stream-c1-16k" "${c1[@]}"
-          dp_row "inline-stream-c64-1k" "${c64[@]}"
+          load_row "inline-stream-c1-16k" --stream "${c1[@]}"
+          load_row "inline-stream-c64-1k" --stream "${c64[@]}"
         fi
       fi
     fi
-    [ "$mode" = tp ] && dp_row "cuda-shm-stream-c64-1k-tp" "${c64[@]}" --data-plane cuda-shm
+    [ "$mode" = tp ] && load_row "cuda-shm-stream-c64-1k-tp" --stream "${c64[@]}" --data-plane cuda-shm
     stop_server "dp-$mode"
     grep -E "captured|engine:|fault|rror" "$out/server-dp-$mode.log" | head -4
   done
   if [ "$quick" != 1 ] && [ "$with_service" = 1 ]; then
     # The TP row's single-device twin: 16 heads on one device.
     start_server dp-single16 127.0.0.1:0 --devices 0 --heads 16 --pool-bytes 40GiB --allow-client-shm true
-    dp_row "cuda-shm-stream-c64-1k-single" "${c64[@]}" --data-plane cuda-shm
+    load_row "cuda-shm-stream-c64-1k-single" --stream "${c64[@]}" --data-plane cuda-shm
     stop_server dp-single16
   fi
 fi
@@ -234,16 +235,6 @@ if want planes && [ -x "$bundle/bin/mlaverify-server" ]; then
       tail -1 "$out/demo-$plane-$rpc.log"
     done
   done
-  # load ROW ARGS...: one load with the floor, its JSON and log named by ROW.
-  load_row() {
-    local row=$1
-    shift
-    timeout 100 "${cl[@]}" load --drafts 16 --floor --progress false "$@" \
-      --json "$out/planes-$row.json" > "$out/planes-$row.log" 2>&1
-    summary+=("load $row rc=$?")
-    echo "== $row"
-    grep -E "^(verify calls|latency|server split|floor: |append|errors|result)" "$out/planes-$row.log"
-  }
   # The shm rows make the whole prompt in the region (--shm-staging-mib
   # above its 1.15 GB at L=16K, 70 MB at L=1K): AppendKv of one reference,
   # copied to the device by DMA from the pinned region.

@@ -182,11 +182,8 @@ void VerifyClient::PrepareContext(grpc::ClientContext* context) const {
 }
 
 absl::StatusOr<v1::ServerInfo> VerifyClient::GetServerInfo() {
-  grpc::ClientContext context;
-  PrepareContext(&context);
-  v1::ServerInfo info;
-  RETURN_IF_ERROR(
-      FromGrpcStatus(stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &info)));
+  ASSIGN_OR_RETURN(v1::ServerInfo info,
+                   Unary(&v1::VerifyService::Stub::GetServerInfo, v1::GetServerInfoRequest()));
   absl::MutexLock lock(&mu_);
   server_message_limit_ = info.max_message_bytes();
   return info;
@@ -212,12 +209,9 @@ absl::StatusOr<ServingStatus> VerifyClient::Health(const std::string& service) {
 }
 
 absl::StatusOr<uint64_t> VerifyClient::CreateSequence(absl::string_view label) {
-  grpc::ClientContext context;
-  PrepareContext(&context);
   v1::CreateSequenceRequest request;
   request.set_label(std::string(label));
-  v1::CreateSequenceResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(stub_->CreateSequence(&context, request, &response)));
+  ASSIGN_OR_RETURN(auto response, Unary(&v1::VerifyService::Stub::CreateSequence, request));
   return response.sequence_id();
 }
 
@@ -276,11 +270,10 @@ absl::StatusOr<AppendKvResult> VerifyClient::SendAppendChunks(
   AppendKvResult result;
   for (const TokenRange& range : chunks) {
     const v1::AppendKvRequest request = build(range);
-    grpc::ClientContext context;
-    PrepareContext(&context);
-    v1::AppendKvResponse response;
-    absl::Status status = FromGrpcStatus(stub_->AppendKv(&context, request, &response));
-    if (!status.ok()) {
+    absl::StatusOr<v1::AppendKvResponse> answered =
+        Unary(&v1::VerifyService::Stub::AppendKv, request);
+    if (!answered.ok()) {
+      const absl::Status& status = answered.status();
       if (chunks.size() == 1) return status;
       // Keep the server's code; say how far the prompt got so the caller can
       // resume at the right position or release the sequence.
@@ -290,12 +283,13 @@ absl::StatusOr<AppendKvResult> VerifyClient::SendAppendChunks(
                        chunks.size(), " at position ", start_position + range.begin, "; ",
                        range.begin, " of ", tokens, " tokens were appended]"));
     }
-    if (response.length() != start_position + range.end) {
+    const int64_t length = answered->length();
+    if (length != start_position + range.end) {
       return absl::InternalError(absl::StrCat("AppendKv of tokens up to position ",
                                               start_position + range.end, " answered length ",
-                                              response.length()));
+                                              length));
     }
-    result.length = response.length();
+    result.length = length;
     ++result.chunks;
   }
   return result;
@@ -331,29 +325,23 @@ absl::StatusOr<AppendKvResult> VerifyClient::AppendKvThroughStaging(uint64_t seq
 absl::Status VerifyClient::RegisterSystemSharedMemory(const std::string& name,
                                                       const std::string& key, uint64_t offset,
                                                       uint64_t byte_size) {
-  grpc::ClientContext context;
-  PrepareContext(&context);
   v1::RegisterSystemSharedMemoryRequest request;
   request.set_name(name);
   request.set_key(key);
   request.set_offset(offset);
   request.set_byte_size(byte_size);
-  v1::RegisterSystemSharedMemoryResponse response;
-  return FromGrpcStatus(stub_->RegisterSystemSharedMemory(&context, request, &response));
+  return Unary(&v1::VerifyService::Stub::RegisterSystemSharedMemory, request).status();
 }
 
 absl::Status VerifyClient::RegisterCudaSharedMemory(const std::string& name,
                                                     const std::string& handle, int device_id,
                                                     uint64_t byte_size) {
-  grpc::ClientContext context;
-  PrepareContext(&context);
   v1::RegisterCudaSharedMemoryRequest request;
   request.set_name(name);
   request.set_raw_handle(handle);
   request.set_device_id(device_id);
   request.set_byte_size(byte_size);
-  v1::RegisterCudaSharedMemoryResponse response;
-  return FromGrpcStatus(stub_->RegisterCudaSharedMemory(&context, request, &response));
+  return Unary(&v1::VerifyService::Stub::RegisterCudaSharedMemory, request).status();
 }
 
 absl::StatusOr<std::vector<std::string>> VerifyClient::UnregisterSystemSharedMemory(
@@ -397,32 +385,23 @@ absl::StatusOr<std::vector<VerifyItemResult>> VerifyClient::Verify(
     int layer, absl::Span<const VerifyItemInput> items, float softmax_scale) {
   ASSIGN_OR_RETURN(v1::VerifyRequest request,
                    BuildVerifyRequest(layer, items, softmax_scale, /*request_id=*/0));
-  grpc::ClientContext context;
-  PrepareContext(&context);
-  v1::VerifyResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(stub_->Verify(&context, request, &response)));
+  ASSIGN_OR_RETURN(v1::VerifyResponse response, Unary(&v1::VerifyService::Stub::Verify, request));
   return ParseVerifyResponse(items, response);
 }
 
 absl::StatusOr<CommitResult> VerifyClient::Commit(uint64_t sequence_id,
                                                   absl::Span<const int32_t> accepted) {
-  grpc::ClientContext context;
-  PrepareContext(&context);
   v1::CommitRequest request;
   request.set_sequence_id(sequence_id);
   request.mutable_accepted()->Add(accepted.begin(), accepted.end());
-  v1::CommitResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(stub_->Commit(&context, request, &response)));
+  ASSIGN_OR_RETURN(auto response, Unary(&v1::VerifyService::Stub::Commit, request));
   return CommitResult{response.length(), response.accepted_count()};
 }
 
 absl::StatusOr<int64_t> VerifyClient::ReleaseSequence(uint64_t sequence_id) {
-  grpc::ClientContext context;
-  PrepareContext(&context);
   v1::ReleaseSequenceRequest request;
   request.set_sequence_id(sequence_id);
-  v1::ReleaseSequenceResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(stub_->ReleaseSequence(&context, request, &response)));
+  ASSIGN_OR_RETURN(auto response, Unary(&v1::VerifyService::Stub::ReleaseSequence, request));
   return response.freed_pages();
 }
 

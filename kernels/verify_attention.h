@@ -59,9 +59,10 @@ struct VerifyArguments {
   int64_t q_head_stride = 0;   // elements between heads; rows are contiguous
 
   KvPoolView pool;
-  // Request b's page ids start at page_table + PageRowStart(b): b *
-  // page_table_stride, or page_table_offset[b] when that is set (the
-  // per-sequence tables of a device's page-table arena).
+  // Request b's page ids start at PageRow(b) (below): page_table + b *
+  // page_table_stride, or + page_table_offset[b] when that is set (the
+  // per-sequence tables of a device's page-table arena). The pipelined
+  // kernel spells the same rule out (verify_pipelined_kernel.cuh).
   const int32_t* page_table = nullptr;
   int64_t page_table_stride = 0;               // elements between requests' rows
   const int64_t* page_table_offset = nullptr;  // [batch] or nullptr

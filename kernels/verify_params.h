@@ -64,9 +64,9 @@ struct VerifyParams {
   const uint16_t* pool;    // [num_layers, num_pages, page_size, 576] bf16
   int64_t num_pages;
   int page_size_log2;                // page_size = 1 << page_size_log2
-  const int32_t* page_table;         // request b's page ids start at page_table + row_start(b)
-  int64_t page_table_stride;         // row_start(b) = b * stride, unless page_table_offset is set
-  const int64_t* page_table_offset;  // [batch] row_start(b), or nullptr
+  const int32_t* page_table;         // request b's page ids: VerifyArguments::PageRow(b)
+  int64_t page_table_stride;         // b * stride from page_table, unless page_table_offset is set
+  const int64_t* page_table_offset;  // [batch] offsets from page_table, or nullptr
   const int32_t* prefix_len;         // [batch]
   const int32_t* draft_len;          // [batch]
   const int32_t* layer;              // [batch]

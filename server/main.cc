@@ -554,8 +554,8 @@ int Run(int argc, char** argv) {
       "{} live sequences, {} of {} pages free",
       drained.calls_finished, drained.calls_cut, drained.streams_ended, stats.live_sequences,
       stats.free_pages, stats.total_pages);
-  // The server (its shared-memory regions unpin through the engine) goes
-  // before the engine; the metrics stop reading it first.
+  // The server (its service calls into the engine) goes before the engine;
+  // the metrics stop reading it first.
   metrics.SetSharedMemorySource(nullptr);
   metrics.SetStatsSource(nullptr);
   (*engine)->SetFaultListener(nullptr);

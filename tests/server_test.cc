@@ -1162,7 +1162,7 @@ TEST(SharedMemoryRegistryTest, ReleaseAllDropsEveryRegionAndLeasesKeepTheirMappi
   ASSERT_TRUE(registry.Register("b", (*shm)->key(), 0, 4096).ok());
   EXPECT_EQ(registry.registered_bytes(), 8192);
   engine::RegionLeases leases;
-  auto range = leases.Resolve(registry, {"a", 8, 16}, 16, 4, false, "t");
+  auto range = leases.Resolve(registry, {"a", 8, 16}, 16, 4, false, {-1, 0, "t"});
   ASSERT_TRUE(range.ok()) << range.status();
   uint8_t* data = range->host();
   EXPECT_EQ(data[0], 7);

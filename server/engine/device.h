@@ -45,7 +45,6 @@
 #include "absl/types/span.h"
 #include "common/bf16.h"
 #include "kernels/copy_list.h"
-#include "server/engine/regions.h"
 
 namespace mlaverify::engine {
 
@@ -83,17 +82,20 @@ struct SlotLayout {
   size_t request_block = 0;  // the request arrays
   size_t visibility = 0;     // uint64 [max_batch * max_draft_len]
   size_t outputs = 0;        // CopyListHeader + [output_capacity]
-  size_t op = 0;             // int32 [2 + 64]: a compaction's prefix, path length, path
+  size_t op = 0;             // int32 [2 + kMaxDraftLen]: a compaction's prefix, path length, path
   size_t values = 0;         // int32 [value_capacity]
   size_t bytes = 0;
   static SlotLayout For(int max_batch, int max_draft_len, int page_size,
                         int64_t max_pages_per_sequence);
 };
 
+// Page-table writes one launch carries at most (two per request of the
+// largest batch); more changes than that go up as a whole-arena upload.
+inline int MaxTableWrites(int max_batch) { return 2 * max_batch; }
 // Descriptors the gather list of a launch of `shape` may hold: per request
 // its queries and its draft rows (one descriptor per run of rows within a
-// page), plus two page-table writes per request taken, the request arrays,
-// the visibility words and the output list.
+// page), plus MaxTableWrites page-table writes, the request arrays, the
+// visibility words and the output list.
 int GatherCapacity(BatchShape shape, int page_size, int max_batch);
 // Descriptors of the output list: out and lse per request.
 inline int ScatterCapacity(BatchShape shape) { return 2 * shape.batch; }

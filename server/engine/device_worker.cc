@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/geometry.h"
+#include "kernels/verify_attention.h"
 #include "spdlog/spdlog.h"
 
 namespace mlaverify::engine {
@@ -175,6 +176,9 @@ void DeviceWorker::Kick() {
   // flight, as the device thread orders the other way round (so one of the
   // two always sees the other's work).
   if (launch_thread_launches_) return;
+  // Nothing queued (this worker got none of the call's work, or a launcher
+  // already took it): nothing to launch, and no fence to pay.
+  if (queue_size_.load(std::memory_order_acquire) == 0) return;
   std::atomic_thread_fence(std::memory_order_seq_cst);
   if (in_flight_size_.load(std::memory_order_seq_cst) > 0) return;
   LaunchWhilePossible();
@@ -251,14 +255,15 @@ void DeviceWorker::LaunchQueued() {
     std::vector<VerifyShard> batch;
     DeviceOp op;
     bool is_op = false;
-    std::deque<Entry> failed;
+    // Only after a fault (an empty std::deque allocates: not per launch).
+    std::optional<std::deque<Entry>> failed;
     absl::Status fault;
     {
       absl::MutexLock lock(&mu_);
       if (!Launchable()) return;
       launching_ = true;
       if (!fault_.ok()) {
-        failed.swap(queue_);
+        failed.emplace().swap(queue_);
         queued_shards_ = 0;
         fault = fault_;
       } else if (queue_.front().is_op) {
@@ -270,12 +275,12 @@ void DeviceWorker::LaunchQueued() {
       }
       queue_size_.store(static_cast<int>(queue_.size()), std::memory_order_release);
     }
-    if (!failed.empty()) {
+    if (failed.has_value()) {
       // After a fault every piece of work fails with it (table changes no
       // longer matter: the device is not used again).
       ShardTiming timing;
       timing.taken = absl::Now();
-      for (Entry& e : failed) {
+      for (Entry& e : *failed) {
         if (e.is_op) {
           if (e.op.done) e.op.done(fault);
         } else {
@@ -305,7 +310,7 @@ absl::Status DeviceWorker::BeginSlot(int slot, SlotWriter* w) {
   tables_->TakeWrites(&writes_, &values_);
   const SlotLayout& l = geometry_.slot;
   bool fits = !full && static_cast<int64_t>(values_.size()) <= l.value_capacity &&
-              static_cast<int>(writes_.size()) <= 2 * geometry_.max_batch;
+              static_cast<int>(writes_.size()) <= MaxTableWrites(geometry_.max_batch);
   if (fits) {
     std::copy(values_.begin(), values_.end(), w->Host<int32_t>(l.values));
     const uint64_t table = device_->buffers().table;
@@ -389,6 +394,9 @@ void DeviceWorker::RunBatch(std::vector<VerifyShard> shards, absl::Time taken) {
   const size_t out_row = static_cast<size_t>(heads) * kValueDim * sizeof(Bf16);
   const size_t lse_row = static_cast<size_t>(heads) * sizeof(float);
   const int64_t page_size = geometry_.page_size;
+  // Addresses rows only (no data pointer): draft rows go straight into the pool.
+  const kernels::KvPoolView pool{nullptr, geometry_.num_layers, geometry_.num_pages,
+                                 geometry_.page_size};
   int row = 0;
   for (int b = 0; b < shape.batch && status.ok(); ++b) {
     if (b >= requests) {
@@ -398,8 +406,8 @@ void DeviceWorker::RunBatch(std::vector<VerifyShard> shards, absl::Time taken) {
       continue;
     }
     const VerifyShard& s = batch[b];
-    const int64_t offset = tables_->OffsetOf(s.sequence);
-    const std::vector<int32_t>* pages = tables_->Entries(s.sequence);
+    int64_t offset = -1;
+    const std::vector<int32_t>* pages = tables_->Entries(s.sequence, &offset);
     const int64_t needed =
         (static_cast<int64_t>(s.prefix_len) + s.draft_len + page_size - 1) / page_size;
     if (offset < 0 || pages == nullptr || static_cast<int64_t>(pages->size()) < needed) {
@@ -422,11 +430,9 @@ void DeviceWorker::RunBatch(std::vector<VerifyShard> shards, absl::Time taken) {
       const int64_t position = static_cast<int64_t>(s.prefix_len) + i;
       const int64_t in_page = position % page_size;
       const int run = static_cast<int>(std::min<int64_t>(page_size - in_page, s.draft_len - i));
-      const int64_t page = (*pages)[static_cast<size_t>(position / page_size)];
       const uint64_t dst =
           buf.pool +
-          ((static_cast<uint64_t>(s.layer) * geometry_.num_pages + page) * page_size + in_page) *
-              kLatentRowBytes;
+          static_cast<uint64_t>(pool.RowOffset(s.layer, pages->data(), position)) * sizeof(Bf16);
       fits = w.Gather(s.draft_kv.address + static_cast<uint64_t>(i) * s.draft_kv.pitch,
                       s.draft_kv.pitch, dst, U32(kLatentRowBytes), U32(kLatentRowBytes), U32(run));
       i += run;

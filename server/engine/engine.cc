@@ -219,18 +219,6 @@ struct Engine::Placed {
   std::string* grow = nullptr;  // an output string sized once the call passed its checks
 };
 
-// A tensor's name in errors ("items[1] (sequence 42) q"), built only when
-// needed: the calls that pass every check pay nothing for it.
-struct Engine::TensorName {
-  int item = -1;  // -1: a call's only tensor
-  uint64_t sequence = 0;
-  const char* tensor = "";
-  std::string str() const {
-    if (item < 0) return tensor;
-    return absl::StrCat("items[", item, "] (sequence ", sequence, ") ", tensor);
-  }
-};
-
 // RegionMapper over the engine's workers: host memory is page-locked once
 // (for every device of the process) and addressed by each; exported device
 // memory is opened once per physical device.
@@ -863,6 +851,18 @@ size_t Aligned(size_t bytes) { return (bytes + kStagingAlign - 1) / kStagingAlig
 
 }  // namespace
 
+absl::StatusOr<Engine::Placed> Engine::Sized(DType dtype, std::initializer_list<int64_t> shape,
+                                             const TensorName& name) {
+  const int64_t n = Elements(shape);
+  if (n < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name.str(), ": shape ", ShapeText(shape), " is negative or too large"));
+  }
+  Placed p;
+  p.bytes = static_cast<size_t>(n) * DTypeBytes(dtype);
+  return p;
+}
+
 absl::StatusOr<Engine::Placed> Engine::PlaceInput(const TensorRef& ref, DType dtype,
                                                   std::initializer_list<int64_t> shape,
                                                   RegionLeases& leases, const TensorName& name) {
@@ -871,27 +871,20 @@ absl::StatusOr<Engine::Placed> Engine::PlaceInput(const TensorRef& ref, DType dt
         name.str(), ": dtype ", ref.dtype == DType::kOther ? ref.dtype_name : DTypeName(ref.dtype),
         ", expected ", DTypeName(dtype)));
   }
-  const std::string expected = ShapeText(shape);
   if (ref.has_shape &&
       !std::equal(ref.shape.begin(), ref.shape.end(), shape.begin(), shape.end())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name.str(), ": shape ", ShapeText(ref.shape), ", expected ", expected));
+    return absl::InvalidArgumentError(absl::StrCat(name.str(), ": shape ", ShapeText(ref.shape),
+                                                   ", expected ", ShapeText(shape)));
   }
-  const int64_t n = Elements(shape);
-  if (n < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name.str(), ": shape ", expected, " is negative or too large"));
-  }
-  Placed p;
-  p.bytes = static_cast<size_t>(n) * DTypeBytes(dtype);
+  ASSIGN_OR_RETURN(Placed p, Sized(dtype, shape, name));
   if (ref.in_region) {
     RETURN_IF_ERROR(PlaceInRegion(ref.range, dtype, /*is_output=*/false, leases, name, &p));
     return p;
   }
   if (ref.bytes.size() != p.bytes) {
     return absl::InvalidArgumentError(absl::StrCat(name.str(), ": ", ref.bytes.size(),
-                                                   " bytes of data, shape ", expected, " needs ",
-                                                   p.bytes));
+                                                   " bytes of data, shape ", ShapeText(shape),
+                                                   " needs ", p.bytes));
   }
   p.host = const_cast<uint8_t*>(ref.bytes.data());
   p.where = staging_ != nullptr ? Placed::Where::kStaged : Placed::Where::kHost;
@@ -901,13 +894,7 @@ absl::StatusOr<Engine::Placed> Engine::PlaceInput(const TensorRef& ref, DType dt
 absl::StatusOr<Engine::Placed> Engine::PlaceOutput(const OutputRef& ref, DType dtype,
                                                    std::initializer_list<int64_t> shape,
                                                    RegionLeases& leases, const TensorName& name) {
-  const int64_t n = Elements(shape);
-  if (n < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name.str(), ": shape ", ShapeText(shape), " is negative or too large"));
-  }
-  Placed p;
-  p.bytes = static_cast<size_t>(n) * DTypeBytes(dtype);
+  ASSIGN_OR_RETURN(Placed p, Sized(dtype, shape, name));
   if (ref.in_region) {
     RETURN_IF_ERROR(PlaceInRegion(ref.range, dtype, /*is_output=*/true, leases, name, &p));
     return p;
@@ -928,8 +915,8 @@ absl::StatusOr<Engine::Placed> Engine::PlaceOutput(const OutputRef& ref, DType d
 
 absl::Status Engine::PlaceInRegion(const RegionRange& range, DType dtype, bool is_output,
                                    RegionLeases& leases, const TensorName& name, Placed* p) {
-  ASSIGN_OR_RETURN(ResolvedRange r, leases.Resolve(regions_, range, p->bytes, DTypeBytes(dtype),
-                                                   is_output, name.str()));
+  ASSIGN_OR_RETURN(ResolvedRange r,
+                   leases.Resolve(regions_, range, p->bytes, DTypeBytes(dtype), is_output, name));
   p->host = r.host();
   if (r.region->device().empty()) {
     // A region the devices cannot address (it could not be page-locked).
@@ -1237,9 +1224,9 @@ absl::Status Engine::StartAppendKv(AppendCall& call,
   if (tokens < 1) {
     return absl::InvalidArgumentError(absl::StrCat("append of ", tokens, " tokens: need >= 1"));
   }
-  auto leases = std::make_unique<RegionLeases>();
+  RegionLeases leases;
   ASSIGN_OR_RETURN(Placed rows, PlaceInput(call.kv, DType::kBf16, {layers, tokens, kLatentDim},
-                                           *leases, {-1, 0, "kv"}));
+                                           leases, {-1, 0, "kv"}));
   // The row-copy kernel reads 16-byte vectors: rows in a region at another
   // alignment go through the staging (system regions) or are refused.
   if (rows.where == Placed::Where::kRegion && staging_ != nullptr &&
@@ -1350,7 +1337,7 @@ absl::Status Engine::StartAppendKv(AppendCall& call,
     done(status);
   };
   auto* op_call = new OpCall(this, call.context, bytes, std::move(skip), std::move(finish));
-  op_call->leases = std::move(*leases);
+  op_call->leases = std::move(leases);
   op_call->staging = block;
   DeviceOp op;
   op.kind = DeviceOp::Kind::kWriteRows;

@@ -203,7 +203,6 @@ class Engine {
  private:
   struct Sequence;
   struct Placed;
-  struct TensorName;
   class Call;
   class VerifyTask;
   class OpCall;
@@ -246,6 +245,10 @@ class Engine {
   absl::StatusOr<Placed> PlaceOutput(const OutputRef& ref, DType dtype,
                                      std::initializer_list<int64_t> shape, RegionLeases& leases,
                                      const TensorName& what);
+  // A tensor of `shape` with its byte size set (INVALID_ARGUMENT when the
+  // shape is negative or too large), not yet placed.
+  static absl::StatusOr<Placed> Sized(DType dtype, std::initializer_list<int64_t> shape,
+                                      const TensorName& name);
   // A region reference resolved into `p` (its bytes set): in place where the
   // devices address the region, else through the host staging.
   absl::Status PlaceInRegion(const RegionRange& range, DType dtype, bool is_output,

@@ -86,9 +86,11 @@ int64_t PageTableArena::OffsetOf(uint64_t sequence) const {
   return it == sequences_.end() ? -1 : it->second.offset;
 }
 
-const std::vector<int32_t>* PageTableArena::Entries(uint64_t sequence) const {
+const std::vector<int32_t>* PageTableArena::Entries(uint64_t sequence, int64_t* offset) const {
   const auto it = sequences_.find(sequence);
-  return it == sequences_.end() ? nullptr : &it->second.list;
+  if (it == sequences_.end()) return nullptr;
+  if (offset != nullptr) *offset = it->second.offset;
+  return &it->second.list;
 }
 
 void PageTableArena::TakeWrites(std::vector<TableWrite>* writes, std::vector<int32_t>* values) {

@@ -64,8 +64,9 @@ class PageTableArena {
 
   // Where `sequence`'s entries start (-1: unknown sequence).
   int64_t OffsetOf(uint64_t sequence) const;
-  // The sequence's entries as the mirror has them (nullptr: unknown).
-  const std::vector<int32_t>* Entries(uint64_t sequence) const;
+  // The sequence's entries as the mirror has them (nullptr: unknown), and
+  // where they start in `offset` when given (one lookup for both).
+  const std::vector<int32_t>* Entries(uint64_t sequence, int64_t* offset = nullptr) const;
 
   // The writes queued since the last TakeWrites, and the values they name.
   // Taking them ends the launch they belong to: ranges given up before it

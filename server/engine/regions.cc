@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace mlaverify::engine {
@@ -126,15 +127,15 @@ void RegionLeases::Clear() {
 absl::StatusOr<ResolvedRange> RegionLeases::Resolve(RegionRegistry& registry,
                                                     const RegionRange& ref, uint64_t expected_bytes,
                                                     uint64_t alignment, bool is_output,
-                                                    absl::string_view what) {
+                                                    const TensorName& what) {
   if (!registry.enabled()) {
     return absl::FailedPreconditionError(
-        absl::StrCat(what,
+        absl::StrCat(what.str(),
                      ": shared-memory tensors are off on this server (it runs without "
                      "--allow-client-shm); send the bytes inline"));
   }
   if (ref.byte_size != expected_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": shared-memory byte_size ",
+    return absl::InvalidArgumentError(absl::StrCat(what.str(), ": shared-memory byte_size ",
                                                    ref.byte_size, ", the tensor's shape needs ",
                                                    expected_bytes));
   }
@@ -146,14 +147,14 @@ absl::StatusOr<ResolvedRange> RegionLeases::Resolve(RegionRegistry& registry,
     absl::StatusOr<std::shared_ptr<Region>> fresh = registry.Lease(ref.region);
     if (!fresh.ok()) {
       return absl::Status(fresh.status().code(),
-                          absl::StrCat(what, ": ", fresh.status().message()));
+                          absl::StrCat(what.str(), ": ", fresh.status().message()));
     }
     leased = *fresh;
     leases_.push_back(leased);
   }
   if (ref.offset > leased->byte_size() || ref.byte_size > leased->byte_size() - ref.offset) {
     return absl::OutOfRangeError(absl::StrCat(
-        what, ": bytes [", ref.offset, ", ", ref.offset, " + ", ref.byte_size,
+        what.str(), ": bytes [", ref.offset, ", ", ref.offset, " + ", ref.byte_size,
         ") are past the end of region ", Quoted(ref.region), " (", leased->byte_size(), " bytes)"));
   }
   // A mapping starts on a page of the object (and a device allocation on a
@@ -161,11 +162,11 @@ absl::StatusOr<ResolvedRange> RegionLeases::Resolve(RegionRegistry& registry,
   const uint64_t begin = leased->offset_ + ref.offset;
   if (alignment > 1 && begin % alignment != 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat(what, ": shared-memory offset ", ref.offset, " puts it at byte ", begin,
+        absl::StrCat(what.str(), ": shared-memory offset ", ref.offset, " puts it at byte ", begin,
                      " of the object ", "(region ", Quoted(ref.region), " starts at ",
                      leased->offset_, "), not a multiple of ", alignment, " (the dtype's size)"));
   }
-  ranges_.push_back({leased.get(), begin, begin + ref.byte_size, is_output, std::string(what)});
+  ranges_.push_back({leased.get(), begin, begin + ref.byte_size, is_output, what});
   return ResolvedRange{leased.get(), ref.offset};
 }
 
@@ -181,9 +182,9 @@ absl::Status RegionLeases::CheckOutputsDoNotOverlap() const {
       if (same_object && a.begin < b.end && b.begin < a.end && a.begin != a.end &&
           b.begin != b.end) {
         return absl::InvalidArgumentError(
-            absl::StrCat(a.what, ": its bytes [", a.begin, ", ", a.end, ") of region ",
-                         Quoted(a.region->name()), "'s object overlaps ", b.what, "'s [", b.begin,
-                         ", ", b.end, ") (region ", Quoted(b.region->name()), ")"));
+            absl::StrCat(a.what.str(), ": its bytes [", a.begin, ", ", a.end, ") of region ",
+                         Quoted(a.region->name()), "'s object overlaps ", b.what.str(), "'s [",
+                         b.begin, ", ", b.end, ") (region ", Quoted(b.region->name()), ")"));
       }
     }
   }
@@ -210,12 +211,7 @@ absl::Status RegionRegistry::Register(const std::string& name, const std::string
   if (offset > kMaxRange || byte_size > kMaxRange) {
     return absl::InvalidArgumentError("shared-memory offset or byte_size beyond 2^62");
   }
-  RegionMapper* mapper;
-  {
-    absl::MutexLock lock(&mu_);
-    if (absl::Status room = CheckRoom(name, byte_size); !room.ok()) return room;
-    mapper = mapper_;
-  }
+  ASSIGN_OR_RETURN(RegionMapper* const mapper, MapperIfRoom(name, byte_size));
   // Opening, mapping and pinning happen outside the lock (a slow file
   // system must not hold up the calls resolving references).
   const int fd = shm_open(key.c_str(), O_RDWR, 0);
@@ -291,6 +287,13 @@ absl::Status RegionRegistry::CheckRoom(const std::string& name, uint64_t byte_si
   return absl::OkStatus();
 }
 
+absl::StatusOr<RegionMapper*> RegionRegistry::MapperIfRoom(const std::string& name,
+                                                           uint64_t byte_size) const {
+  absl::MutexLock lock(&mu_);
+  if (absl::Status room = CheckRoom(name, byte_size); !room.ok()) return room;
+  return mapper_;
+}
+
 absl::Status RegionRegistry::Insert(std::shared_ptr<Region> region) {
   absl::MutexLock lock(&mu_);
   // Checked again: another registration may have raced this one while the
@@ -310,12 +313,7 @@ absl::Status RegionRegistry::RegisterCuda(const std::string& name, const std::st
   if (byte_size == 0) return absl::InvalidArgumentError("shared-memory byte_size is 0");
   if (byte_size > kMaxRange)
     return absl::InvalidArgumentError("shared-memory byte_size beyond 2^62");
-  RegionMapper* mapper;
-  {
-    absl::MutexLock lock(&mu_);
-    if (absl::Status room = CheckRoom(name, byte_size); !room.ok()) return room;
-    mapper = mapper_;
-  }
+  ASSIGN_OR_RETURN(RegionMapper* const mapper, MapperIfRoom(name, byte_size));
   if (mapper == nullptr) {
     return absl::FailedPreconditionError(
         "CUDA shared memory needs the CUDA backend (this server has no device memory)");
@@ -324,7 +322,7 @@ absl::Status RegionRegistry::RegisterCuda(const std::string& name, const std::st
   // large the allocation is. A byte_size beyond it makes a copy fail with a
   // sticky device error (the device faults): trusted clients only, as the
   // flag's help says.
-  return InsertDevice(name, device_id, byte_size, mapper->OpenCuda(handle, device_id),
+  return InsertDevice(name, device_id, byte_size, mapper, mapper->OpenCuda(handle, device_id),
                       /*ipc=*/true, "CUDA shared-memory region");
 }
 
@@ -335,21 +333,17 @@ absl::Status RegionRegistry::RegisterLocalDevice(const std::string& name, uint64
   if (byte_size == 0 || address == 0) {
     return absl::InvalidArgumentError("device region of 0 bytes or at address 0");
   }
-  RegionMapper* mapper;
-  {
-    absl::MutexLock lock(&mu_);
-    if (absl::Status room = CheckRoom(name, byte_size); !room.ok()) return room;
-    mapper = mapper_;
-  }
+  ASSIGN_OR_RETURN(RegionMapper* const mapper, MapperIfRoom(name, byte_size));
   if (mapper == nullptr) {
     return absl::FailedPreconditionError("device regions need the CUDA backend");
   }
-  return InsertDevice(name, device_id, byte_size, mapper->AddressLocalDevice(address, device_id),
-                      /*ipc=*/false, "device region (in process)");
+  return InsertDevice(name, device_id, byte_size, mapper,
+                      mapper->AddressLocalDevice(address, device_id), /*ipc=*/false,
+                      "device region (in process)");
 }
 
 absl::Status RegionRegistry::InsertDevice(const std::string& name, int device_id,
-                                          uint64_t byte_size,
+                                          uint64_t byte_size, RegionMapper* mapper,
                                           absl::StatusOr<std::vector<uint64_t>> opened, bool ipc,
                                           absl::string_view how) {
   if (!opened.ok()) return opened.status();
@@ -362,10 +356,7 @@ absl::Status RegionRegistry::InsertDevice(const std::string& name, int device_id
   region->device_ = *std::move(opened);
   region->pinned_ = true;
   region->opened_ipc_ = ipc;
-  {
-    absl::MutexLock lock(&mu_);
-    region->mapper_ = mapper_;
-  }
+  region->mapper_ = mapper;
   // Its own object for the overlap check.
   region->object_device_ = ~uint64_t{0};
   region->object_inode_ = reinterpret_cast<uintptr_t>(region.get());

@@ -165,10 +165,10 @@ class RegionLeases {
   // FAILED_PRECONDITION (shared memory off), NOT_FOUND (unknown region),
   // INVALID_ARGUMENT (byte_size is not `expected_bytes`; the tensor's place
   // in the object not a multiple of `alignment`), OUT_OF_RANGE (past the
-  // region's end); `what` names the tensor.
+  // region's end); `what` names the tensor (its text built only for errors).
   absl::StatusOr<ResolvedRange> Resolve(RegionRegistry& registry, const RegionRange& ref,
                                         uint64_t expected_bytes, uint64_t alignment, bool is_output,
-                                        absl::string_view what);
+                                        const TensorName& what);
   // INVALID_ARGUMENT naming both tensors when an output range overlaps any
   // other range resolved through this object, in the same object.
   absl::Status CheckOutputsDoNotOverlap() const;
@@ -180,7 +180,7 @@ class RegionLeases {
     const Region* region;
     uint64_t begin, end;  // byte offsets in the object (region offset included)
     bool is_output;
-    std::string what;
+    TensorName what;
   };
   std::vector<std::shared_ptr<Region>> leases_;  // each region once
   std::vector<Range> ranges_;
@@ -230,11 +230,14 @@ class RegionRegistry {
   absl::StatusOr<std::shared_ptr<Region>> Lease(absl::string_view name);
   absl::Status CheckRoom(const std::string& name, uint64_t byte_size) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The mapper to register with, when a region of `name` and `byte_size`
+  // has room (checked again by Insert: registrations map outside the lock).
+  absl::StatusOr<RegionMapper*> MapperIfRoom(const std::string& name, uint64_t byte_size) const;
   absl::Status Insert(std::shared_ptr<Region> region);
   // The common part of RegisterCuda and RegisterLocalDevice.
   absl::Status InsertDevice(const std::string& name, int device_id, uint64_t byte_size,
-                            absl::StatusOr<std::vector<uint64_t>> opened, bool ipc,
-                            absl::string_view how);
+                            RegionMapper* mapper, absl::StatusOr<std::vector<uint64_t>> opened,
+                            bool ipc, absl::string_view how);
 
   const RegionOptions options_;
   mutable absl::Mutex mu_;

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "common/bf16.h"
@@ -41,12 +42,24 @@ struct TensorRef {
   DType dtype = DType::kBf16;
   std::string dtype_name;  // for kOther, as the client named it
   // Checked against the tensor's expected shape when given (the transport
-  // always gives it).
+  // always gives it, viewing the request's own shape field).
   bool has_shape = false;
-  std::vector<int64_t> shape;
+  absl::Span<const int64_t> shape;
   bool in_region = false;
   absl::Span<const uint8_t> bytes;
   RegionRange range;
+};
+
+// A tensor's name in errors ("items[1] (sequence 42) q"), built only when
+// needed: the calls that pass every check pay nothing for it.
+struct TensorName {
+  int item = -1;  // -1: a call's only tensor
+  uint64_t sequence = 0;
+  const char* tensor = "";  // a literal
+  std::string str() const {
+    if (item < 0) return tensor;
+    return absl::StrCat("items[", item, "] (sequence ", sequence, ") ", tensor);
+  }
 };
 
 // Where an output goes: a caller buffer of the exact size, a string the

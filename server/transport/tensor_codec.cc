@@ -1,7 +1,6 @@
 #include "server/transport/tensor_codec.h"
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 
 namespace mlaverify::transport {
 namespace {
@@ -28,7 +27,7 @@ engine::TensorRef ToTensorRef(const v1::Tensor& tensor) {
                          : absl::StrCat("dtype ", static_cast<int>(tensor.dtype()));
   }
   t.has_shape = true;
-  t.shape.assign(tensor.shape().begin(), tensor.shape().end());
+  t.shape = absl::MakeConstSpan(tensor.shape().data(), tensor.shape().size());
   if (tensor.has_shared_memory()) {
     t.in_region = true;
     t.range = ToRange(tensor.shared_memory());
@@ -57,10 +56,6 @@ void LabelOutput(v1::Tensor* tensor, v1::DType dtype, std::initializer_list<int6
   tensor->clear_shape();
   for (int64_t d : shape) tensor->add_shape(d);
   if (ref != nullptr) *tensor->mutable_shared_memory() = *ref;
-}
-
-std::string ShapeString(const v1::Tensor& tensor) {
-  return absl::StrCat("[", absl::StrJoin(tensor.shape(), ", "), "]");
 }
 
 }  // namespace mlaverify::transport

@@ -27,9 +27,6 @@ engine::OutputRef ToOutputRef(bool has_ref, const v1::SharedMemoryRef& ref,
 void LabelOutput(v1::Tensor* tensor, v1::DType dtype, std::initializer_list<int64_t> shape,
                  const v1::SharedMemoryRef* ref);
 
-// "[2, 8, 576]"
-std::string ShapeString(const v1::Tensor& tensor);
-
 }  // namespace mlaverify::transport
 
 #endif  // MLAVERIFY_SERVER_TRANSPORT_TENSOR_CODEC_H_

@@ -57,7 +57,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using mlaverify::engine::Engine;
   mlaverify::v1::Tensor tensor;
   if (!tensor.ParseFromArray(data, static_cast<int>(size))) return 0;
-  (void)mlaverify::transport::ShapeString(tensor);
   Engine* engine = TheEngine();
   constexpr uint64_t kNoSuchSequence = 1;
 
