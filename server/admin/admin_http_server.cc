@@ -1,50 +1,141 @@
 #include "server/admin/admin_http_server.h"
 
+#include <microhttpd.h>
+#include <netdb.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <cerrno>
+#include <cstdarg>
+#include <cstdio>
 #include <cstring>
-#include <exception>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
-#include "absl/time/time.h"
-#include "httplib.h"
 #include "spdlog/spdlog.h"
 
 namespace mlaverify::admin {
 namespace {
 
-// Scrapes and probes are a few requests a second at most; four workers let a
-// slow scraper and a probe run side by side without httplib's default of one
-// thread per core.
-constexpr int kWorkerThreads = 4;
-
-// Bounds how long Stop() waits on an idle keep-alive client (httplib checks
-// for shutdown only between keep-alive waits). Probes and scrapes reconnect
-// cheaply, so little is lost by closing idle connections early.
-constexpr time_t kKeepAliveTimeoutSeconds = 1;
-
 constexpr char kPlainText[] = "text/plain; charset=utf-8";
 // The content type Prometheus expects for the text exposition format.
 constexpr char kPrometheusText[] = "text/plain; version=0.0.4; charset=utf-8";
 
-// httplib's default sets SO_REUSEPORT on Linux, which lets a second server
-// bind the same port and silently take half the scrapes and probes. Only
-// SO_REUSEADDR here: a restarted server can rebind while old connections sit
-// in TIME_WAIT, but a port held by a live listener stays an error.
-void SetSocketOptions(int sock) {
-  int yes = 1;
-  setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+// A listening TCP socket on host:port, or UNAVAILABLE with the reason. Made
+// here rather than by the daemon so that a failure says why (the errno of
+// the failing call) and so that only SO_REUSEADDR is set: a restarted server
+// rebinds while old connections sit in TIME_WAIT, but a port held by a live
+// listener stays an error (SO_REUSEPORT would let a second server silently
+// take half the scrapes and probes).
+absl::StatusOr<int> Listen(const std::string& host, int port) {
+  const std::string where = absl::StrCat(host, ":", port);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const std::string service = std::to_string(port);
+  if (const int err = getaddrinfo(host.c_str(), service.c_str(), &hints, &found); err != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("admin HTTP server cannot listen on ", where, ": ", gai_strerror(err)));
+  }
+  int last_errno = 0;
+  int fd = -1;
+  for (addrinfo* a = found; a != nullptr && fd < 0; a = a->ai_next) {
+    fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) {
+      last_errno = errno;
+      continue;
+    }
+    int yes = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    if (bind(fd, a->ai_addr, a->ai_addrlen) != 0 || listen(fd, 128) != 0) {
+      last_errno = errno;
+      close(fd);
+      fd = -1;
+    }
+  }
+  freeaddrinfo(found);
+  if (fd < 0) {
+    return absl::UnavailableError(absl::StrCat("admin HTTP server cannot listen on ", where, ": ",
+                                               std::strerror(last_errno)));
+  }
+  return fd;
+}
+
+int BoundPort(int fd) {
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  if (getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) return -1;
+  if (addr.ss_family == AF_INET) return ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  if (addr.ss_family == AF_INET6) return ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
+  return -1;
+}
+
+void LogDaemonError(void* /*unused*/, const char* format, va_list args) {
+  char line[512];
+  std::vsnprintf(line, sizeof(line), format, args);
+  std::string text(line);
+  while (!text.empty() && text.back() == '\n') text.pop_back();
+  spdlog::debug("admin HTTP: {}", text);
 }
 
 }  // namespace
+
+// The daemon's request callback. Called once the request head is in (the
+// admin endpoints take no body); answers at once.
+class AdminHttpHandler {
+ public:
+  static MHD_Result Handle(void* self, MHD_Connection* connection, const char* url,
+                           const char* method, const char* /*version*/,
+                           const char* /*upload_data*/, size_t* upload_data_size,
+                           void** /*request_state*/) {
+    // A request with a body is answered on the first call; its bytes are
+    // dropped unread.
+    *upload_data_size = 0;
+    const AdminHttpServer::Answer answer =
+        static_cast<const AdminHttpServer*>(self)->Respond(method, url);
+    MHD_Response* response = MHD_create_response_from_buffer(
+        answer.body.size(), const_cast<char*>(answer.body.data()), MHD_RESPMEM_MUST_COPY);
+    if (response == nullptr) return MHD_NO;  // out of memory: the connection is closed
+    MHD_add_response_header(response, MHD_HTTP_HEADER_CONTENT_TYPE, answer.content_type);
+    const MHD_Result queued =
+        MHD_queue_response(connection, static_cast<unsigned int>(answer.status), response);
+    MHD_destroy_response(response);
+    return queued;
+  }
+};
 
 AdminHttpServer::AdminHttpServer(Metrics* metrics, std::function<bool()> ready)
     : metrics_(metrics), ready_(std::move(ready)) {}
 
 AdminHttpServer::~AdminHttpServer() { Stop(); }
+
+AdminHttpServer::Answer AdminHttpServer::Respond(const std::string& method,
+                                                 const std::string& path) const {
+  Answer a;
+  a.content_type = kPlainText;
+  if (method != "GET" && method != "HEAD") {
+    a.status = 405;
+    a.body = "method not allowed\n";
+  } else if (path == "/metrics" && metrics_ != nullptr) {
+    a.body = metrics_->Serialize();
+    a.content_type = kPrometheusText;
+  } else if (path == "/healthz") {
+    a.body = "ok\n";
+  } else if (path == "/readyz") {
+    if (!ready_ || ready_()) {
+      a.body = "ready\n";
+    } else {
+      a.status = 503;
+      a.body = "not ready\n";
+    }
+  } else {
+    a.status = 404;
+    a.body = "not found\n";
+  }
+  return a;
+}
 
 absl::Status AdminHttpServer::Start(const std::string& host, int port) {
   if (host.empty()) return absl::InvalidArgumentError("admin HTTP host is empty");
@@ -53,87 +144,35 @@ absl::Status AdminHttpServer::Start(const std::string& host, int port) {
         absl::StrCat("admin HTTP port ", port, " is outside 0..65535 (0 picks a free port)"));
   }
   absl::MutexLock lock(&mu_);
-  if (server_ != nullptr) {
+  if (daemon_ != nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat("admin HTTP server already listening on port ", port_));
   }
-
-  auto server = std::make_unique<httplib::Server>();
-  server->new_task_queue = [] { return new httplib::ThreadPool(kWorkerThreads); };
-  server->set_socket_options(SetSocketOptions);
-  server->set_keep_alive_timeout(kKeepAliveTimeoutSeconds);
-
-  if (metrics_ != nullptr) {
-    server->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
-      res.set_content(metrics_->Serialize(), kPrometheusText);
-    });
+  absl::StatusOr<int> fd = Listen(host, port);
+  if (!fd.ok()) {
+    spdlog::warn("{}", std::string(fd.status().message()));
+    return fd.status();
   }
-  server->Get("/healthz", [](const httplib::Request&, httplib::Response& res) {
-    res.set_content("ok\n", kPlainText);
-  });
-  server->Get("/readyz", [this](const httplib::Request&, httplib::Response& res) {
-    if (!ready_ || ready_()) {
-      res.set_content("ready\n", kPlainText);
-    } else {
-      res.status = 503;
-      res.set_content("not ready\n", kPlainText);
-    }
-  });
-  // httplib calls this for every status >= 400, including our own 503: only
-  // fill in the body of its bare 404.
-  server->set_error_handler(
-      httplib::Server::HandlerWithResponse([](const httplib::Request&, httplib::Response& res) {
-        if (res.status != 404 || !res.body.empty()) {
-          return httplib::Server::HandlerResponse::Unhandled;
-        }
-        res.set_content("not found\n", kPlainText);
-        return httplib::Server::HandlerResponse::Handled;
-      }));
-  // Without a handler httplib copies the exception text into a response
-  // header; log it here and answer with a plain 500 instead.
-  server->set_exception_handler(
-      [](const httplib::Request& req, httplib::Response& res, std::exception_ptr ep) {
-        std::string what = "unknown exception";
-        try {
-          std::rethrow_exception(ep);
-        } catch (const std::exception& e) {
-          what = e.what();
-        } catch (...) {
-        }
-        spdlog::warn("admin HTTP {} {} failed: {}", req.method, req.path, what);
-        res.status = 500;
-        res.set_content("internal error\n", kPlainText);
-      });
-
-  // httplib reports a failed bind only as -1 / false; errno still holds the
-  // cause of the last failing socket call (bind, or getaddrinfo's lookups).
-  errno = 0;
-  int bound_port = -1;
-  if (port == 0) {
-    bound_port = server->bind_to_any_port(host);
-  } else if (server->bind_to_port(host, port)) {
-    bound_port = port;
-  }
-  if (bound_port < 0) {
-    const int err = errno;
-    std::string message = absl::StrCat("admin HTTP server cannot listen on ", host, ":", port);
-    if (err != 0) absl::StrAppend(&message, ": ", std::strerror(err));
+  const int bound_port = BoundPort(*fd);
+  // One thread polls every connection (epoll): slow clients hold slots, not
+  // threads. The daemon owns the socket from here and closes it on stop.
+  daemon_ = MHD_start_daemon(
+      MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_USE_ERROR_LOG, 0, nullptr, nullptr,
+      &AdminHttpHandler::Handle, this, MHD_OPTION_EXTERNAL_LOGGER, &LogDaemonError, nullptr,
+      MHD_OPTION_LISTEN_SOCKET, *fd, MHD_OPTION_CONNECTION_LIMIT,
+      static_cast<unsigned int>(kMaxConnections), MHD_OPTION_PER_IP_CONNECTION_LIMIT,
+      static_cast<unsigned int>(kMaxConnectionsPerPeer), MHD_OPTION_CONNECTION_TIMEOUT,
+      static_cast<unsigned int>(kIdleTimeoutSeconds), MHD_OPTION_CONNECTION_MEMORY_LIMIT,
+      static_cast<size_t>(kMaxRequestBytes), MHD_OPTION_END);
+  if (daemon_ == nullptr) {
+    close(*fd);
+    const std::string message =
+        absl::StrCat("admin HTTP server cannot serve on ", host, ":", port,
+                     ": libmicrohttpd did not start (threads or epoll unavailable)");
     spdlog::warn("{}", message);
     return absl::UnavailableError(message);
   }
-
-  server_ = std::move(server);
   port_ = bound_port;
-  listen_done_.store(false);
-  // The socket is already listening (bind_* calls listen()), so connections
-  // made before this thread reaches accept() wait in the backlog.
-  thread_ = std::thread([this, server = server_.get(), bound_port] {
-    if (!server->listen_after_bind()) {
-      spdlog::warn("admin HTTP server on port {} stopped accepting: {}", bound_port,
-                   std::strerror(errno));
-    }
-    listen_done_.store(true);
-  });
   spdlog::info("admin HTTP server listening on {}:{} (/metrics, /healthz, /readyz)", host,
                bound_port);
   return absl::OkStatus();
@@ -141,17 +180,9 @@ absl::Status AdminHttpServer::Start(const std::string& host, int port) {
 
 void AdminHttpServer::Stop() {
   absl::MutexLock lock(&mu_);
-  if (server_ == nullptr) return;
-  // httplib's stop() does nothing until the serving thread has entered its
-  // accept loop, so a single call right after Start could leave that thread
-  // in accept() for good. Repeat until the loop has returned; once it has
-  // run, further stop() calls are harmless no-ops.
-  while (!listen_done_.load()) {
-    server_->stop();
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  thread_.join();
-  server_.reset();
+  if (daemon_ == nullptr) return;
+  MHD_stop_daemon(daemon_);
+  daemon_ = nullptr;
   spdlog::info("admin HTTP server on port {} stopped", port_);
   port_ = 0;
 }

@@ -1,30 +1,31 @@
 // The operator's HTTP port: Prometheus metrics and Kubernetes-style liveness
-// and readiness probes, served by cpp-httplib on its own threads, apart from
-// the gRPC port so that a saturated or draining RPC server can still be probed
-// and scraped.
+// and readiness probes, served by GNU libmicrohttpd from one event-driven
+// thread, apart from the gRPC port so that a saturated or draining RPC server
+// can still be probed and scraped.
 //
 //   GET /metrics  200, Prometheus text format 0.0.4 (Metrics::Serialize()).
 //   GET /healthz  200 "ok\n" whenever this server answers (liveness).
 //   GET /readyz   200 "ready\n" while ready() is true, else 503 "not ready\n"
 //                 (readiness: false while starting and while draining).
-//   anything else 404.
+//   other paths   404; other methods 405.
+//
+// A slow or idle client costs a connection slot, never a thread: one that
+// sends its request a byte at a time cannot keep the probes from being
+// answered (a thread-per-connection server would hand it a worker). Limits:
+// kMaxConnections open at once (kMaxConnectionsPerPeer from one address),
+// kIdleTimeoutSeconds without progress, kMaxRequestBytes of request head.
 #ifndef MLAVERIFY_SERVER_ADMIN_ADMIN_HTTP_SERVER_H_
 #define MLAVERIFY_SERVER_ADMIN_ADMIN_HTTP_SERVER_H_
 
-#include <atomic>
 #include <functional>
-#include <memory>
 #include <string>
-#include <thread>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "server/admin/metrics.h"
 
-namespace httplib {
-class Server;
-}  // namespace httplib
+struct MHD_Daemon;
 
 namespace mlaverify::admin {
 
@@ -41,6 +42,11 @@ class AdminHttpServer {
   AdminHttpServer(const AdminHttpServer&) = delete;
   AdminHttpServer& operator=(const AdminHttpServer&) = delete;
 
+  static constexpr int kMaxConnections = 256;
+  static constexpr int kMaxConnectionsPerPeer = 64;
+  static constexpr int kIdleTimeoutSeconds = 10;
+  static constexpr int kMaxRequestBytes = 16 << 10;
+
   // Binds host:port (port 0: an ephemeral port, see port()) and serves from a
   // background thread; connections are accepted once this returns OK.
   // INVALID_ARGUMENT for a port outside 0..65535 or an empty host,
@@ -50,9 +56,8 @@ class AdminHttpServer {
   // share the port. After Stop, Start may be called again.
   absl::Status Start(const std::string& host, int port);
 
-  // Closes the listening socket, waits for in-flight requests (at most about
-  // the one-second keep-alive timeout for an idle client) and joins the
-  // serving thread. Idempotent; a no-op if never started.
+  // Closes the listening socket and every connection and joins the serving
+  // thread. Idempotent; a no-op if never started.
   void Stop();
 
   // The bound port while started, else 0.
@@ -62,12 +67,19 @@ class AdminHttpServer {
   Metrics* const metrics_;
   const std::function<bool()> ready_;
 
+  friend class AdminHttpHandler;  // the daemon's callback, in the .cc
+
+  // One request's answer, computed on the daemon's thread.
+  struct Answer {
+    int status = 200;
+    std::string body;
+    const char* content_type = nullptr;
+  };
+  Answer Respond(const std::string& method, const std::string& path) const;
+
   mutable absl::Mutex mu_;
-  std::unique_ptr<httplib::Server> server_ ABSL_GUARDED_BY(mu_);
-  std::thread thread_ ABSL_GUARDED_BY(mu_);
+  MHD_Daemon* daemon_ ABSL_GUARDED_BY(mu_) = nullptr;
   int port_ ABSL_GUARDED_BY(mu_) = 0;
-  // Set by the serving thread when httplib's listen loop has returned.
-  std::atomic<bool> listen_done_{true};
 };
 
 }  // namespace mlaverify::admin
