@@ -19,7 +19,7 @@ case ${1:-} in
   "")
     packages+=(clang libclang-rt-14-dev clang-format shellcheck
                python3-grpcio python3-protobuf python3-numpy python3-pytest
-               prometheus yamllint)
+               prometheus yamllint python3-h2)
     ;;
   *) echo "usage: $0 [--build]" >&2; exit 2 ;;
 esac

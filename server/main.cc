@@ -108,14 +108,18 @@ struct Flags {
   float softmax_scale = 1.0f / std::sqrt(192.0f);
   int cpu_threads = 0;
   int stream_max_in_flight = 8;
+  int max_streams = 256;
   bool allow_client_shm = false;
   int64_t max_shm_regions = 256;
   uint64_t max_shm_bytes = uint64_t{64} << 30;
+  std::string shm_key_prefix = "/mlaverify";
   // HTTP/2 settings for 100 KiB-8 MiB messages (0: gRPC's default): one
   // DATA frame per message instead of 16 KiB ones, and a stream window that
   // lets a whole Verify answer go out without waiting for window updates.
   int http2_max_frame_bytes = (1 << 24) - 1;
   int http2_lookahead_bytes = 8 << 20;
+  int http2_max_concurrent_streams = 256;
+  uint64_t grpc_memory_quota_bytes = 0;
   double drain_grace_s = 5;
   double drain_timeout_s = 10;
   double slow_call_ms = 100;
@@ -159,6 +163,11 @@ absl::Status ValidateFlags(const Flags& f) {
     return absl::InvalidArgumentError(
         absl::StrCat("--http2-lookahead-bytes ", f.http2_lookahead_bytes, ": need 0 or >= 65535"));
   }
+  if (f.http2_max_concurrent_streams < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--http2-max-concurrent-streams ",
+                                                   f.http2_max_concurrent_streams,
+                                                   ": need 0 (gRPC's default, no limit) or more"));
+  }
   if (f.max_shm_regions < 1 || f.max_shm_regions > 65536) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max-shm-regions ", f.max_shm_regions, ": need 1..65536"));
@@ -167,9 +176,19 @@ absl::Status ValidateFlags(const Flags& f) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max-shm-bytes ", f.max_shm_bytes, ": need 1..2^50"));
   }
+  if (f.shm_key_prefix.empty() || f.shm_key_prefix[0] != '/' ||
+      f.shm_key_prefix.find('/', 1) != std::string::npos || f.shm_key_prefix.size() > 200) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--shm-key-prefix '", f.shm_key_prefix.substr(0, 64),
+        "': need '/' followed by at most 199 characters and no other '/' ('/' admits every key)"));
+  }
   if (f.stream_max_in_flight < 1 || f.stream_max_in_flight > 1024) {
     return absl::InvalidArgumentError(
         absl::StrCat("--stream-max-in-flight ", f.stream_max_in_flight, ": need 1..1024"));
+  }
+  if (f.max_streams < 1 || f.max_streams > 65536) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-streams ", f.max_streams, ": need 1..65536"));
   }
   for (const auto& [name, value] :
        {std::pair<const char*, double>{"--drain-timeout-s", f.drain_timeout_s},
@@ -331,6 +350,9 @@ int Run(int argc, char** argv) {
   app.add_option("--stream-max-in-flight", f.stream_max_in_flight,
                  "requests of one VerifyStream worked on at once (answered in order)")
       ->capture_default_str();
+  app.add_option("--max-streams", f.max_streams,
+                 "VerifyStreams open at once over all connections (one more: RESOURCE_EXHAUSTED)")
+      ->capture_default_str();
   app.add_option("--allow-client-shm", f.allow_client_shm,
                  "accept client shared-memory regions (RegisterSystemSharedMemory) and tensors "
                  "in them; only for trusted schedulers on this host")
@@ -341,11 +363,22 @@ int Run(int argc, char** argv) {
                  "bytes of all registered shared-memory regions together, e.g. 64GiB")
       ->transform(CLI::AsSizeValue(false))
       ->capture_default_str();
+  app.add_option("--shm-key-prefix", f.shm_key_prefix,
+                 "shared-memory keys a client may register start with this ('/': any); the "
+                 "object must also be owned by the server's user")
+      ->capture_default_str();
   app.add_option("--http2-max-frame-bytes", f.http2_max_frame_bytes,
                  "HTTP/2 max frame size the server accepts (0: gRPC's default, 16384)")
       ->capture_default_str();
   app.add_option("--http2-lookahead-bytes", f.http2_lookahead_bytes,
                  "HTTP/2 stream window (lookahead) per call (0: gRPC's default)")
+      ->capture_default_str();
+  app.add_option("--http2-max-concurrent-streams", f.http2_max_concurrent_streams,
+                 "HTTP/2 streams (calls) one connection may have open at once; 0: no limit")
+      ->capture_default_str();
+  app.add_option("--grpc-memory-quota-bytes", f.grpc_memory_quota_bytes,
+                 "gRPC's memory quota for its connections' buffers, e.g. 4GiB; 0: none")
+      ->transform(CLI::AsSizeValue(false))
       ->capture_default_str();
   app.add_option("--slow-call-ms", f.slow_call_ms,
                  "log a warning for calls this long in the server, at most one a second (0: off)")
@@ -424,6 +457,7 @@ int Run(int argc, char** argv) {
   config.shared_memory.enabled = f.allow_client_shm;
   config.shared_memory.max_regions = f.max_shm_regions;
   config.shared_memory.max_total_bytes = static_cast<int64_t>(f.max_shm_bytes);
+  config.shared_memory.key_prefix = f.shm_key_prefix;
   // Flag errors first, before anything listens.
   if (absl::Status valid = config.Validate(static_cast<int>(f.devices.size())); !valid.ok()) {
     spdlog::error("bad flags: {}", std::string(valid.message()));
@@ -439,7 +473,10 @@ int Run(int argc, char** argv) {
   options.service.max_message_bytes = static_cast<int64_t>(f.max_message_bytes);
   options.service.slow_call_seconds = f.slow_call_ms / 1e3;
   options.service.stream_max_in_flight = f.stream_max_in_flight;
+  options.service.max_streams = f.max_streams;
   options.http2_max_frame_bytes = f.http2_max_frame_bytes;
+  options.http2_max_concurrent_streams = f.http2_max_concurrent_streams;
+  options.grpc_memory_quota_bytes = f.grpc_memory_quota_bytes;
   options.http2_lookahead_bytes = f.http2_lookahead_bytes;
   if (!f.auth_token_file.empty()) {
     absl::StatusOr<std::string> token = ReadAuthToken(f.auth_token_file);

@@ -3,6 +3,10 @@
 // code, changing nothing (page counts and the sequence's next step) and
 // leaving the server serving. Outputs are checked with the client's own
 // reference (client/reference_check.h) over a mirror of what was sent.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cstring>
 #include <map>
 #include <random>
@@ -11,6 +15,7 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/reference_check.h"
@@ -19,6 +24,7 @@
 #include "common/workload.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kernels/verify_attention.h"
@@ -313,6 +319,40 @@ TEST_F(ServerTest, BearerTokenIsRequiredExceptForHealth) {
 
 // A call whose deadline passes while it waits for the device is not run, and
 // the step it would have opened is taken back: the sequence is as before.
+// Bytes that do not parse are bad input: INVALID_ARGUMENT naming the RPC
+// (not gRPC's UNIMPLEMENTED with no message), nothing created.
+TEST_F(ServerTest, UndecodableRequestsAreInvalidArgument) {
+  Serve();
+  grpc::GenericStub generic(channel_);
+  const auto call = [&](const std::string& method, const std::string& bytes) {
+    grpc::Slice slice(bytes);
+    grpc::ByteBuffer request(&slice, 1), response;
+    grpc::ClientContext ctx;
+    absl::Notification done;
+    grpc::Status status;
+    generic.UnaryCall(&ctx, "/mlaverify.v1.VerifyService/" + method, grpc::StubOptions(), &request,
+                      &response, [&](grpc::Status s) {
+                        status = std::move(s);
+                        done.Notify();
+                      });
+    done.WaitForNotification();
+    return status;
+  };
+  for (const std::string& bytes :
+       {std::string("\xff\xff\xff\xff"), std::string("\x08\xff"),
+        std::string("\x0a\x02\xc3\x28")}) {  // garbage, truncated varint, invalid UTF-8
+    const grpc::Status status = call("CreateSequence", bytes);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(status.error_message(),
+                testing::HasSubstr("do not parse as mlaverify.v1.CreateSequenceRequest"));
+  }
+  EXPECT_EQ(call("Verify", "\x12\x05\x08").error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(engine_->Stats().live_sequences, 0);
+
+  // (A stream's undecodable message is answered in band and the stream goes
+  // on: tests/abuse_test.py sends one over raw HTTP/2.)
+}
+
 TEST_F(ServerTest, DeadlineThatPassesWhileQueuedChangesNothing) {
   Make(SlowDevice(absl::Milliseconds(300)));
   Serve();
@@ -975,6 +1015,8 @@ TEST_F(ServerTest, SharedMemoryBadReferencesGetTheirCodeAndChangeNothing) {
        reg("", shm->key(), 0, 4096)},
       {"register with a key without '/'", StatusCode::INVALID_ARGUMENT, "key",
        reg("k", "mlaverify", 0, 4096)},
+      {"register a key outside --shm-key-prefix", StatusCode::PERMISSION_DENIED,
+       "--shm-key-prefix", reg("k", "/psm_not_a_scheduler_object", 0, 4096)},
       {"register an object that does not exist", StatusCode::NOT_FOUND, "shm_open",
        reg("k", "/mlaverify-test-does-not-exist", 0, 4096)},
       {"register a name twice", StatusCode::ALREADY_EXISTS, "already registered",
@@ -1172,6 +1214,37 @@ TEST(SharedMemoryRegistryTest, ReleaseAllDropsEveryRegionAndLeasesKeepTheirMappi
   data[0] = 9;  // still mapped: the lease holds it
   EXPECT_EQ((*shm)->data()[4096 + 8], 9);
   leases.Clear();
+}
+
+// The server reads and writes what a registration names: only keys under
+// the prefix, and only objects of the server's own user.
+TEST(SharedMemoryRegistryTest, RegistersOnlyTheSchedulersOwnObjects) {
+  engine::RegionOptions options;
+  options.enabled = true;
+  options.key_prefix = "/mlaverify-owner-test";
+  engine::RegionRegistry registry(options);
+  const std::string key = absl::StrCat("/mlaverify-owner-test-", getpid());
+  const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0666);
+  ASSERT_GE(fd, 0) << std::strerror(errno);
+  ASSERT_EQ(ftruncate(fd, 4096), 0);
+  absl::Status outside = engine::RegionRegistry(engine::RegionOptions{true}).Register(
+      "p", key, 0, 4096);
+  EXPECT_EQ(outside.code(), absl::StatusCode::kPermissionDenied) << outside;
+  EXPECT_THAT(std::string(outside.message()), testing::HasSubstr("--shm-key-prefix '/mlaverify'"));
+  EXPECT_TRUE(registry.Register("mine", key, 0, 4096).ok());
+  // Another user's object, openable by this process (mode 0666): refused,
+  // nothing registered.
+  if (geteuid() == 0) {
+    ASSERT_EQ(fchown(fd, 65534, 65534), 0) << std::strerror(errno);
+    absl::Status foreign = registry.Register("theirs", key, 0, 4096);
+    EXPECT_EQ(foreign.code(), absl::StatusCode::kPermissionDenied) << foreign;
+    EXPECT_THAT(std::string(foreign.message()), testing::HasSubstr("owned by the server's user"));
+    EXPECT_EQ(registry.regions(), 1);
+  } else {
+    std::printf("not root: the foreign-owner case needs chown and is not run\n");
+  }
+  close(fd);
+  shm_unlink(key.c_str());
 }
 
 TEST_F(ServerTest, VerifyExhaustionChangesNothing) {

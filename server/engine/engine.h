@@ -129,7 +129,7 @@ struct EngineStats {
   int64_t sequences_created_total = 0;
   int64_t sequences_expired_total = 0;
   int64_t queued_calls = 0;   // admitted and not finished
-  int64_t queued_bytes = 0;   // tensor bytes those calls hold
+  int64_t queued_bytes = 0;   // tensor bytes those calls hold, and unread answers
   int64_t staging_bytes = 0;  // page-locked host staging (0: none needed)
   int64_t staging_bytes_in_use = 0;
   std::vector<PoolStats> pools;
@@ -161,6 +161,12 @@ class Engine {
   // Whether verify batches replay CUDA graphs (configured and supported).
   bool graphs_enabled() const { return workers_[0]->uses_graphs(); }
   EngineStats Stats() const;
+  // Bytes the caller keeps for calls the engine has finished (a stream's
+  // answers not yet read by its client): counted in queued_bytes like a
+  // call's own, so that admission refuses new work while they are held.
+  // Never refused; every Hold is paired with a Release of the same bytes.
+  void HoldAnswerBytes(int64_t bytes) { queued_bytes_.fetch_add(bytes); }
+  void ReleaseAnswerBytes(int64_t bytes) { queued_bytes_.fetch_sub(bytes); }
   // OK, or the first device fault (after which device calls are refused).
   absl::Status fault() const;
   // Called once, on a worker thread, when a device first faults.

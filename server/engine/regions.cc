@@ -9,6 +9,7 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
@@ -35,7 +36,7 @@ absl::Status CheckName(const std::string& name) {
   return absl::OkStatus();
 }
 
-absl::Status CheckKey(const std::string& key) {
+absl::Status CheckKey(const std::string& key, const std::string& prefix) {
   if (key.size() < 2 || key.size() > kMaxKeyBytes || key[0] != '/' ||
       key.find('/', 1) != std::string::npos) {
     return absl::InvalidArgumentError(
@@ -46,6 +47,10 @@ absl::Status CheckKey(const std::string& key) {
     if (c < 0x21 || c > 0x7e) {
       return absl::InvalidArgumentError("shared-memory key must be printable ASCII");
     }
+  }
+  if (!absl::StartsWith(key, prefix)) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "shared-memory key does not start with the server's --shm-key-prefix '", prefix, "'"));
   }
   return absl::OkStatus();
 }
@@ -206,7 +211,7 @@ absl::Status RegionRegistry::Register(const std::string& name, const std::string
                                       uint64_t offset, uint64_t byte_size) {
   if (!options_.enabled) return SharedMemoryOff();
   if (absl::Status s = CheckName(name); !s.ok()) return s;
-  if (absl::Status s = CheckKey(key); !s.ok()) return s;
+  if (absl::Status s = CheckKey(key, options_.key_prefix); !s.ok()) return s;
   if (byte_size == 0) return absl::InvalidArgumentError("shared-memory byte_size is 0");
   if (offset > kMaxRange || byte_size > kMaxRange) {
     return absl::InvalidArgumentError("shared-memory offset or byte_size beyond 2^62");
@@ -221,6 +226,15 @@ absl::Status RegionRegistry::Register(const std::string& name, const std::string
     const int err = errno;
     close(fd);
     return FromErrno(err, absl::StrCat("fstat ", Quoted(key)));
+  }
+  // Only the schedulers' own objects: not another user's that this process
+  // happens to be able to open (as root, or through group or other bits).
+  if (!S_ISREG(st.st_mode) || st.st_uid != geteuid()) {
+    close(fd);
+    return absl::PermissionDeniedError(absl::StrCat(
+        "shared-memory object ", Quoted(key), " is not a regular object owned by the server's user (uid ",
+        geteuid(), "; the object's owner is uid ", st.st_uid,
+        "): create it as the user the server runs as"));
   }
   if (static_cast<uint64_t>(st.st_size) < offset + byte_size) {
     close(fd);

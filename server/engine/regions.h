@@ -45,6 +45,11 @@ struct RegionOptions {
   bool enabled = false;  // --allow-client-shm
   int64_t max_regions = 256;
   int64_t max_total_bytes = int64_t{64} << 30;  // of all registered ranges together
+  // --shm-key-prefix: a key must start with it ("/" admits every key). The
+  // server reads and writes what a client names, so the objects it may open
+  // are narrowed to the schedulers' own: those under this prefix, owned by
+  // the server's effective user (see docs/operations.md, "Security model").
+  std::string key_prefix = "/mlaverify";
 };
 
 // Which regions an Unregister or a Status call means.

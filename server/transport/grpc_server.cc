@@ -1,5 +1,6 @@
 #include "server/transport/grpc_server.h"
 
+#include <google/protobuf/stubs/logging.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 
 #include "absl/strings/str_cat.h"
@@ -36,12 +37,25 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const GrpcS
   return grpc::SslServerCredentials(ssl);
 }
 
+// libprotobuf logs a line to stderr for every string field with invalid
+// UTF-8 it fails to parse: a client could write the server's log at will.
+// Its lines go to spdlog at debug level instead (a fatal one still aborts).
+void LogProtobufAtDebug(google::protobuf::LogLevel level, const char* filename, int line,
+                        const std::string& message) {
+  if (level >= google::protobuf::LOGLEVEL_FATAL) {
+    spdlog::critical("libprotobuf {}:{}: {}", filename, line, message);
+  } else {
+    spdlog::debug("libprotobuf {}:{}: {}", filename, line, message);
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOptions& options,
                                                               RpcObserver* observer) {
   auto creds = Credentials(options);
   if (!creds.ok()) return creds.status();
+  google::protobuf::SetLogHandler(&LogProtobufAtDebug);
   std::unique_ptr<GrpcServer> s(new GrpcServer());
   s->service_ = std::make_unique<VerifyServiceImpl>(options.service, observer, &s->state_);
 
@@ -57,6 +71,15 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
   if (options.http2_lookahead_bytes > 0) {
     builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES,
                                options.http2_lookahead_bytes);
+  }
+  if (options.http2_max_concurrent_streams > 0) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
+                               options.http2_max_concurrent_streams);
+  }
+  if (options.grpc_memory_quota_bytes > 0) {
+    grpc::ResourceQuota quota("mlaverify-server");
+    quota.Resize(static_cast<size_t>(options.grpc_memory_quota_bytes));
+    builder.SetResourceQuota(quota);
   }
   builder.AddListeningPort(options.listen_address, *creds, &s->port_);
   builder.RegisterService(s->service_.get());

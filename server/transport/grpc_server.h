@@ -30,6 +30,11 @@ struct GrpcServerOptions {
   // HTTP/2 max frame size and per-stream window (lookahead); 0: gRPC's default.
   int http2_max_frame_bytes = 0;
   int http2_lookahead_bytes = 0;
+  // Streams one connection may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS);
+  // 0: gRPC's default (no limit).
+  int http2_max_concurrent_streams = 0;
+  // gRPC's ResourceQuota over its connections' memory; 0: none.
+  uint64_t grpc_memory_quota_bytes = 0;
 };
 
 class GrpcServer {

@@ -7,6 +7,7 @@
 #include <tuple>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -20,6 +21,51 @@
 
 namespace mlaverify::transport {
 namespace {
+
+// Request bytes as `message`; INVALID_ARGUMENT naming the RPC and the type
+// when they do not parse (garbage, a truncated field, invalid UTF-8 in a
+// string field).
+absl::Status Decode(absl::string_view rpc, const grpc::ByteBuffer& bytes,
+                    google::protobuf::Message* message) {
+  if (!bytes.Valid()) {
+    // (A call whose client cancelled it is refused as CANCELLED before this.)
+    return absl::InvalidArgumentError(
+        absl::StrCat(rpc, ": the call ended without a request message"));
+  }
+  grpc::ByteBuffer consumed(bytes);  // shares the slices; decoding consumes them
+  const grpc::Status status =
+      grpc::SerializationTraits<google::protobuf::Message>::Deserialize(&consumed, message);
+  if (status.ok()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(rpc, ": the request's ", bytes.Length(),
+                                                 " bytes do not parse as ",
+                                                 message->GetDescriptor()->full_name()));
+}
+
+absl::Status Encode(const google::protobuf::Message& message, grpc::ByteBuffer* bytes) {
+  grpc::ByteBuffer encoded;
+  bool own_buffer = false;
+  const grpc::Status status = grpc::SerializationTraits<google::protobuf::Message>::Serialize(
+      message, &encoded, &own_buffer);
+  if (!status.ok()) {
+    return absl::InternalError(absl::StrCat("cannot encode the ",
+                                            message.GetDescriptor()->full_name(), " answer: ",
+                                            status.error_message()));
+  }
+  bytes->Swap(&encoded);
+  return absl::OkStatus();
+}
+
+// Memory is shared with processes on this host only: a registration comes
+// over loopback or a unix socket, or it is refused.
+absl::Status CheckLocalPeer(grpc::CallbackServerContext* ctx) {
+  const std::string peer = ctx->peer();
+  for (absl::string_view local : {"unix:", "ipv4:127.", "ipv6:[::1]:", "ipv6:[::ffff:127."}) {
+    if (absl::StartsWith(peer, local)) return absl::OkStatus();
+  }
+  return absl::PermissionDeniedError(absl::StrCat(
+      "shared-memory registration from ", peer,
+      ": only a client on the server's host (loopback or a unix socket) can share memory"));
+}
 
 engine::CallContext ContextOf(grpc::CallbackServerContext* ctx) {
   engine::CallContext c;
@@ -86,9 +132,7 @@ int TransportReceiveLimit(int64_t max_message_bytes) {
       std::min<int64_t>(2 * max_message_bytes, std::numeric_limits<int32_t>::max()));
 }
 
-absl::Status VerifyServiceImpl::CheckRequestSize(absl::string_view rpc,
-                                                 const google::protobuf::Message& request) const {
-  const size_t bytes = request.ByteSizeLong();
+absl::Status VerifyServiceImpl::CheckRequestSize(absl::string_view rpc, size_t bytes) const {
   if (bytes <= static_cast<size_t>(options_.max_message_bytes)) return absl::OkStatus();
   if (observer_ != nullptr) observer_->OnOversizedRequest(rpc);
   return absl::ResourceExhaustedError(absl::StrCat(
@@ -127,15 +171,25 @@ void VerifyServiceImpl::RecordVerifySplit(const engine::VerifyTiming& timing,
   verify_device_ns_.fetch_add(ns(timing.device_seconds), std::memory_order_relaxed);
 }
 
-template <typename Body>
+template <typename Request, typename Response, typename Body>
 grpc::ServerUnaryReactor* VerifyServiceImpl::RunUnary(absl::string_view rpc,
                                                       grpc::CallbackServerContext* ctx,
-                                                      const google::protobuf::Message& request,
+                                                      const grpc::ByteBuffer* request_bytes,
+                                                      grpc::ByteBuffer* response_bytes,
                                                       bool allowed_while_draining, Body body) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   const Clock::time_point arrived = Clock::now();
   in_flight_.fetch_add(1);
-  auto finish = [this, rpc, ctx, reactor, arrived](absl::Status status, double queued = 0) {
+  // The decoded messages live until the call is finished.
+  struct Messages {
+    Request request;
+    Response response;
+  };
+  auto* messages = new Messages;
+  auto finish = [this, rpc, ctx, reactor, arrived, messages, response_bytes](
+                    absl::Status status, double queued = 0) {
+    if (status.ok()) status = Encode(messages->response, response_bytes);
+    delete messages;
     in_flight_.fetch_sub(1);
     finished_.fetch_add(1);
     const grpc::Status reply = ToGrpcStatus(status);
@@ -144,20 +198,25 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::RunUnary(absl::string_view rpc,
     reactor->Finish(reply);
   };
   absl::Status admitted = Admit(ctx, allowed_while_draining);
-  if (admitted.ok()) admitted = CheckRequestSize(rpc, request);
+  if (admitted.ok()) admitted = CheckRequestSize(rpc, request_bytes->Length());
+  if (admitted.ok()) admitted = Decode(rpc, *request_bytes, &messages->request);
+  // A message missing or cut short because the client went away is a
+  // cancellation, not bad input.
+  if (!admitted.ok() && ctx->IsCancelled()) {
+    admitted = absl::CancelledError("the client cancelled the call");
+  }
   if (!admitted.ok()) {
     finish(std::move(admitted));
   } else {
-    body(std::move(finish));
+    body(messages->request, &messages->response, std::move(finish));
   }
   return reactor;
 }
 
 grpc::ServerUnaryReactor* VerifyServiceImpl::GetServerInfo(grpc::CallbackServerContext* ctx,
-                                                           const v1::GetServerInfoRequest* request,
-                                                           v1::ServerInfo* r) {
-  return RunUnary("GetServerInfo", ctx, *request, /*allowed_while_draining=*/true,
-                  [this, r](auto finish) {
+    const grpc::ByteBuffer* request_bytes, grpc::ByteBuffer* response_bytes) {
+  return RunUnary<v1::GetServerInfoRequest, v1::ServerInfo>("GetServerInfo", ctx, request_bytes, response_bytes, /*allowed_while_draining=*/true,
+                  [this](const auto& /*request*/, auto* r, auto finish) {
                     const engine::Engine& e = *engine();
                     const engine::EngineConfig& c = e.config();
                     const engine::EngineStats s = e.Stats();
@@ -208,24 +267,22 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::GetServerInfo(grpc::CallbackServerC
                   });
 }
 
-grpc::ServerUnaryReactor* VerifyServiceImpl::CreateSequence(
-    grpc::CallbackServerContext* ctx, const v1::CreateSequenceRequest* request,
-    v1::CreateSequenceResponse* response) {
-  return RunUnary("CreateSequence", ctx, *request, false, [this, request, response](auto finish) {
-    absl::StatusOr<uint64_t> id = engine()->CreateSequence(request->label());
+grpc::ServerUnaryReactor* VerifyServiceImpl::CreateSequence(grpc::CallbackServerContext* ctx,
+    const grpc::ByteBuffer* request_bytes, grpc::ByteBuffer* response_bytes) {
+  return RunUnary<v1::CreateSequenceRequest, v1::CreateSequenceResponse>("CreateSequence", ctx, request_bytes, response_bytes, false, [this](const auto& request, auto* response, auto finish) {
+    absl::StatusOr<uint64_t> id = engine()->CreateSequence(request.label());
     if (id.ok()) response->set_sequence_id(*id);
     finish(id.status());
   });
 }
 
 grpc::ServerUnaryReactor* VerifyServiceImpl::AppendKv(grpc::CallbackServerContext* ctx,
-                                                      const v1::AppendKvRequest* request,
-                                                      v1::AppendKvResponse* response) {
-  return RunUnary("AppendKv", ctx, *request, false, [this, ctx, request, response](auto finish) {
+    const grpc::ByteBuffer* request_bytes, grpc::ByteBuffer* response_bytes) {
+  return RunUnary<v1::AppendKvRequest, v1::AppendKvResponse>("AppendKv", ctx, request_bytes, response_bytes, false, [this, ctx](const auto& request, auto* response, auto finish) {
     engine::AppendCall call;
-    call.sequence_id = request->sequence_id();
-    call.start_position = request->start_position();
-    call.kv = ToTensorRef(request->kv());  // T comes from its shape (the engine checks it)
+    call.sequence_id = request.sequence_id();
+    call.start_position = request.start_position();
+    call.kv = ToTensorRef(request.kv());  // T comes from its shape (the engine checks it)
     call.context = ContextOf(ctx);
     engine()->SubmitAppendKv(std::move(call), [response, finish = std::move(finish)](
                                                   absl::StatusOr<int64_t> length) mutable {
@@ -310,11 +367,9 @@ void VerifyServiceImpl::StartVerify(grpc::CallbackServerContext* ctx,
 }
 
 grpc::ServerUnaryReactor* VerifyServiceImpl::Verify(grpc::CallbackServerContext* ctx,
-                                                    const v1::VerifyRequest* request,
-                                                    v1::VerifyResponse* response) {
+    const grpc::ByteBuffer* request_bytes, grpc::ByteBuffer* response_bytes) {
   const Clock::time_point arrived = Clock::now();
-  return RunUnary(
-      "Verify", ctx, *request, false, [this, ctx, request, response, arrived](auto finish) {
+  return RunUnary<v1::VerifyRequest, v1::VerifyResponse>("Verify", ctx, request_bytes, response_bytes, false, [this, ctx, arrived](const auto& request, auto* response, auto finish) {
         // The items and the time split live until the engine is done with them.
         struct State {
           std::vector<engine::VerifyItem> items;
@@ -322,7 +377,7 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::Verify(grpc::CallbackServerContext*
         };
         auto* state = new State;
         StartVerify(
-            ctx, *request, response, &state->items, &state->timing,
+            ctx, request, response, &state->items, &state->timing,
             [this, state, arrived, finish = std::move(finish)](absl::Status status) mutable {
               if (status.ok()) RecordVerifySplit(state->timing, arrived);
               const double queued = state->timing.queue_seconds;
@@ -333,12 +388,11 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::Verify(grpc::CallbackServerContext*
 }
 
 grpc::ServerUnaryReactor* VerifyServiceImpl::Commit(grpc::CallbackServerContext* ctx,
-                                                    const v1::CommitRequest* request,
-                                                    v1::CommitResponse* response) {
-  return RunUnary("Commit", ctx, *request, false, [this, request, response](auto finish) {
+    const grpc::ByteBuffer* request_bytes, grpc::ByteBuffer* response_bytes) {
+  return RunUnary<v1::CommitRequest, v1::CommitResponse>("Commit", ctx, request_bytes, response_bytes, false, [this](const auto& request, auto* response, auto finish) {
     engine()->SubmitCommit(
-        request->sequence_id(),
-        absl::MakeConstSpan(request->accepted().data(), request->accepted_size()),
+        request.sequence_id(),
+        absl::MakeConstSpan(request.accepted().data(), request.accepted_size()),
         [response, finish = std::move(finish)](absl::StatusOr<engine::CommitResult> r) mutable {
           if (r.ok()) {
             response->set_length(r->length);
@@ -349,12 +403,11 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::Commit(grpc::CallbackServerContext*
   });
 }
 
-grpc::ServerUnaryReactor* VerifyServiceImpl::ReleaseSequence(
-    grpc::CallbackServerContext* ctx, const v1::ReleaseSequenceRequest* request,
-    v1::ReleaseSequenceResponse* response) {
+grpc::ServerUnaryReactor* VerifyServiceImpl::ReleaseSequence(grpc::CallbackServerContext* ctx,
+    const grpc::ByteBuffer* request_bytes, grpc::ByteBuffer* response_bytes) {
   // Allowed while draining: a scheduler cleaning up frees pages sooner.
-  return RunUnary("ReleaseSequence", ctx, *request, true, [this, request, response](auto finish) {
-    engine()->SubmitRelease(request->sequence_id(), [response, finish = std::move(finish)](
+  return RunUnary<v1::ReleaseSequenceRequest, v1::ReleaseSequenceResponse>("ReleaseSequence", ctx, request_bytes, response_bytes, true, [this](const auto& request, auto* response, auto finish) {
+    engine()->SubmitRelease(request.sequence_id(), [response, finish = std::move(finish)](
                                                         absl::StatusOr<int64_t> freed) mutable {
       if (freed.ok()) response->set_freed_pages(*freed);
       finish(freed.status());
@@ -362,21 +415,21 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::ReleaseSequence(
   });
 }
 
-grpc::ServerUnaryReactor* VerifyServiceImpl::RegisterSystemSharedMemory(
-    grpc::CallbackServerContext* ctx, const v1::RegisterSystemSharedMemoryRequest* request,
-    v1::RegisterSystemSharedMemoryResponse* /*response*/) {
-  return RunUnary("RegisterSystemSharedMemory", ctx, *request, false, [this, request](auto finish) {
-    finish(engine()->regions().Register(request->name(), request->key(), request->offset(),
-                                        request->byte_size()));
+grpc::ServerUnaryReactor* VerifyServiceImpl::RegisterSystemSharedMemory(grpc::CallbackServerContext* ctx,
+    const grpc::ByteBuffer* request_bytes, grpc::ByteBuffer* response_bytes) {
+  return RunUnary<v1::RegisterSystemSharedMemoryRequest, v1::RegisterSystemSharedMemoryResponse>("RegisterSystemSharedMemory", ctx, request_bytes, response_bytes, false, [this, ctx](const auto& request, auto* /*response*/, auto finish) {
+    if (absl::Status local = CheckLocalPeer(ctx); !local.ok()) return finish(local);
+    finish(engine()->regions().Register(request.name(), request.key(), request.offset(),
+                                        request.byte_size()));
   });
 }
 
-grpc::ServerUnaryReactor* VerifyServiceImpl::RegisterCudaSharedMemory(
-    grpc::CallbackServerContext* ctx, const v1::RegisterCudaSharedMemoryRequest* request,
-    v1::RegisterCudaSharedMemoryResponse* /*response*/) {
-  return RunUnary("RegisterCudaSharedMemory", ctx, *request, false, [this, request](auto finish) {
-    finish(engine()->regions().RegisterCuda(request->name(), request->raw_handle(),
-                                            request->device_id(), request->byte_size()));
+grpc::ServerUnaryReactor* VerifyServiceImpl::RegisterCudaSharedMemory(grpc::CallbackServerContext* ctx,
+    const grpc::ByteBuffer* request_bytes, grpc::ByteBuffer* response_bytes) {
+  return RunUnary<v1::RegisterCudaSharedMemoryRequest, v1::RegisterCudaSharedMemoryResponse>("RegisterCudaSharedMemory", ctx, request_bytes, response_bytes, false, [this, ctx](const auto& request, auto* /*response*/, auto finish) {
+    if (absl::Status local = CheckLocalPeer(ctx); !local.ok()) return finish(local);
+    finish(engine()->regions().RegisterCuda(request.name(), request.raw_handle(),
+                                            request.device_id(), request.byte_size()));
   });
 }
 
@@ -393,35 +446,30 @@ absl::Status Unregistered(absl::StatusOr<std::vector<std::string>> names, Respon
 
 }  // namespace
 
-grpc::ServerUnaryReactor* VerifyServiceImpl::UnregisterSystemSharedMemory(
-    grpc::CallbackServerContext* ctx, const v1::UnregisterSystemSharedMemoryRequest* request,
-    v1::UnregisterSystemSharedMemoryResponse* response) {
+grpc::ServerUnaryReactor* VerifyServiceImpl::UnregisterSystemSharedMemory(grpc::CallbackServerContext* ctx,
+    const grpc::ByteBuffer* request_bytes, grpc::ByteBuffer* response_bytes) {
   // Allowed while draining: a client cleaning up. (Regions of either kind,
   // as before CUDA regions had their own RPC.)
-  return RunUnary(
-      "UnregisterSystemSharedMemory", ctx, *request, true, [this, request, response](auto finish) {
+  return RunUnary<v1::UnregisterSystemSharedMemoryRequest, v1::UnregisterSystemSharedMemoryResponse>("UnregisterSystemSharedMemory", ctx, request_bytes, response_bytes, true, [this](const auto& request, auto* response, auto finish) {
         finish(Unregistered(
-            engine()->regions().Unregister(request->name(), engine::RegionKind::kAny), response));
+            engine()->regions().Unregister(request.name(), engine::RegionKind::kAny), response));
       });
 }
 
-grpc::ServerUnaryReactor* VerifyServiceImpl::UnregisterCudaSharedMemory(
-    grpc::CallbackServerContext* ctx, const v1::UnregisterCudaSharedMemoryRequest* request,
-    v1::UnregisterCudaSharedMemoryResponse* response) {
-  return RunUnary(
-      "UnregisterCudaSharedMemory", ctx, *request, true, [this, request, response](auto finish) {
+grpc::ServerUnaryReactor* VerifyServiceImpl::UnregisterCudaSharedMemory(grpc::CallbackServerContext* ctx,
+    const grpc::ByteBuffer* request_bytes, grpc::ByteBuffer* response_bytes) {
+  return RunUnary<v1::UnregisterCudaSharedMemoryRequest, v1::UnregisterCudaSharedMemoryResponse>("UnregisterCudaSharedMemory", ctx, request_bytes, response_bytes, true, [this](const auto& request, auto* response, auto finish) {
         finish(Unregistered(
-            engine()->regions().Unregister(request->name(), engine::RegionKind::kCuda), response));
+            engine()->regions().Unregister(request.name(), engine::RegionKind::kCuda), response));
       });
 }
 
-grpc::ServerUnaryReactor* VerifyServiceImpl::SystemSharedMemoryStatus(
-    grpc::CallbackServerContext* ctx, const v1::SystemSharedMemoryStatusRequest* request,
-    v1::SystemSharedMemoryStatusResponse* response) {
-  return RunUnary("SystemSharedMemoryStatus", ctx, *request, true,
-                  [this, request, response](auto finish) {
+grpc::ServerUnaryReactor* VerifyServiceImpl::SystemSharedMemoryStatus(grpc::CallbackServerContext* ctx,
+    const grpc::ByteBuffer* request_bytes, grpc::ByteBuffer* response_bytes) {
+  return RunUnary<v1::SystemSharedMemoryStatusRequest, v1::SystemSharedMemoryStatusResponse>("SystemSharedMemoryStatus", ctx, request_bytes, response_bytes, true,
+                  [this](const auto& request, auto* response, auto finish) {
                     absl::StatusOr<std::vector<engine::RegionStatus>> regions =
-                        engine()->regions().Status(request->name(), engine::RegionKind::kAny);
+                        engine()->regions().Status(request.name(), engine::RegionKind::kAny);
                     if (regions.ok()) {
                       for (const engine::RegionStatus& r : *regions) {
                         v1::SystemSharedMemoryRegion* out = response->add_regions();
@@ -440,13 +488,12 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::SystemSharedMemoryStatus(
                   });
 }
 
-grpc::ServerUnaryReactor* VerifyServiceImpl::CudaSharedMemoryStatus(
-    grpc::CallbackServerContext* ctx, const v1::CudaSharedMemoryStatusRequest* request,
-    v1::CudaSharedMemoryStatusResponse* response) {
-  return RunUnary("CudaSharedMemoryStatus", ctx, *request, true,
-                  [this, request, response](auto finish) {
+grpc::ServerUnaryReactor* VerifyServiceImpl::CudaSharedMemoryStatus(grpc::CallbackServerContext* ctx,
+    const grpc::ByteBuffer* request_bytes, grpc::ByteBuffer* response_bytes) {
+  return RunUnary<v1::CudaSharedMemoryStatusRequest, v1::CudaSharedMemoryStatusResponse>("CudaSharedMemoryStatus", ctx, request_bytes, response_bytes, true,
+                  [this](const auto& request, auto* response, auto finish) {
                     absl::StatusOr<std::vector<engine::RegionStatus>> regions =
-                        engine()->regions().Status(request->name(), engine::RegionKind::kCuda);
+                        engine()->regions().Status(request.name(), engine::RegionKind::kCuda);
                     if (regions.ok()) {
                       for (const engine::RegionStatus& r : *regions) {
                         v1::CudaSharedMemoryRegion* out = response->add_regions();
@@ -463,27 +510,31 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::CudaSharedMemoryStatus(
 
 // Reads ahead up to stream_max_in_flight requests, submits each to the
 // engine as it arrives, and writes the answers in request order, one write at
-// a time. A failed request is answered with its status in the response; the
-// stream ends when the client half-closes (after the last answer) or breaks.
+// a time. A failed request (also one whose bytes do not parse) is answered
+// with its status in the response; the stream ends when the client
+// half-closes (after the last answer) or breaks.
+// An answer the client has not read yet is held encoded, its request and
+// items already freed, and its bytes count against the engine's
+// --max-queued-bytes until written: a client that never reads stops new work
+// from being admitted instead of growing the server's memory.
 // Start* and Finish are called without the reactor's lock held; the flags
 // set under it keep one read and one write outstanding at most.
 class VerifyServiceImpl::StreamReactor final
-    : public grpc::ServerBidiReactor<v1::VerifyRequest, v1::VerifyResponse> {
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
+  // Registered in the service's streams_ by the caller, before Begin().
   StreamReactor(VerifyServiceImpl* service, grpc::CallbackServerContext* ctx)
       : service_(service),
         ctx_(ctx),
-        max_in_flight_(std::max(1, service->options_.stream_max_in_flight)) {
-    {
-      absl::MutexLock lock(&service_->streams_mu_);
-      service_->streams_.insert(this);
-    }
+        max_in_flight_(std::max(1, service->options_.stream_max_in_flight)) {}
+
+  void Begin() {
     reading_ = std::make_unique<Slot>();
     {
       absl::MutexLock lock(&mu_);
       read_outstanding_ = true;
     }
-    StartRead(&reading_->request);
+    StartRead(&reading_->request_bytes);
   }
 
   void OnReadDone(bool ok) override {
@@ -516,22 +567,22 @@ class VerifyServiceImpl::StreamReactor final
       }
     }
     Start(slot);
-    if (read_more) StartRead(&reading_->request);
+    if (read_more) StartRead(&reading_->request_bytes);
   }
 
   void OnWriteDone(bool ok) override {
-    const v1::VerifyResponse* next = nullptr;
+    const grpc::ByteBuffer* next = nullptr;
     bool resume_read = false, finish = false;
     {
       absl::MutexLock lock(&mu_);
       writing_ = false;
-      slots_.pop_front();
+      PopAnswered();
       if (!ok) broken_ = true;
       if (broken_) {
-        while (!slots_.empty() && slots_.front()->done) slots_.pop_front();
+        while (!slots_.empty() && slots_.front()->done) PopAnswered();
       } else if (!slots_.empty() && slots_.front()->done) {
         writing_ = true;
-        next = &slots_.front()->response;
+        next = &slots_.front()->answer;
       }
       if (read_paused_ && !read_closed_ && !broken_ && !draining_ &&
           static_cast<int>(slots_.size()) < max_in_flight_) {
@@ -543,7 +594,7 @@ class VerifyServiceImpl::StreamReactor final
       finish = ReadyToFinish();
     }
     if (next != nullptr) StartWrite(next);
-    if (resume_read) StartRead(&reading_->request);
+    if (resume_read) StartRead(&reading_->request_bytes);
     if (finish) Finish(FinalStatus());
   }
 
@@ -551,6 +602,12 @@ class VerifyServiceImpl::StreamReactor final
     {
       absl::MutexLock lock(&service_->streams_mu_);
       service_->streams_.erase(this);
+    }
+    {
+      // Answers still owed when the stream ended (it broke with writes
+      // queued): their held bytes go back to the budget.
+      absl::MutexLock lock(&mu_);
+      while (!slots_.empty()) PopAnswered();
     }
     delete this;
   }
@@ -570,13 +627,27 @@ class VerifyServiceImpl::StreamReactor final
 
  private:
   struct Slot {
+    grpc::ByteBuffer request_bytes;
     v1::VerifyRequest request;
     v1::VerifyResponse response;
     std::vector<engine::VerifyItem> items;
     engine::VerifyTiming timing;
     Clock::time_point arrived;
+    // Set once done: the encoded answer, and the bytes of it counted in the
+    // engine's queued bytes until it is written or dropped.
+    grpc::ByteBuffer answer;
+    int64_t held_bytes = 0;
     bool done = false;
   };
+
+  // Drops the oldest slot, answered (written, or not to be written), and
+  // gives its held bytes back to the engine's budget.
+  void PopAnswered() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (slots_.front()->held_bytes > 0) {
+      service_->engine()->ReleaseAnswerBytes(slots_.front()->held_bytes);
+    }
+    slots_.pop_front();
+  }
 
   // Submits one request; its completion queues the answer.
   void Start(Slot* slot) {
@@ -587,7 +658,11 @@ class VerifyServiceImpl::StreamReactor final
       Completed(slot, std::move(status));
     };
     absl::Status admitted = service_->Admit(ctx_, /*allowed_while_draining=*/false);
-    if (admitted.ok()) admitted = service_->CheckRequestSize("VerifyStream", slot->request);
+    if (admitted.ok()) {
+      admitted = service_->CheckRequestSize("VerifyStream", slot->request_bytes.Length());
+    }
+    if (admitted.ok()) admitted = Decode("VerifyStream", slot->request_bytes, &slot->request);
+    slot->request_bytes.Clear();  // decoded (or refused): the bytes are not needed
     if (!admitted.ok()) return complete(admitted);
     service_->StartVerify(ctx_, slot->request, &slot->response, &slot->items, &slot->timing,
                           std::move(complete));
@@ -605,18 +680,30 @@ class VerifyServiceImpl::StreamReactor final
     }
     service_->Observe("VerifyStream", ToGrpcStatus(status).error_code(), slot->arrived,
                       slot->timing.queue_seconds);
-    const v1::VerifyResponse* write = nullptr;
+    if (absl::Status encoded = Encode(slot->response, &slot->answer); !encoded.ok()) {
+      spdlog::error("VerifyStream: {}", encoded.ToString());  // the client sees the stream break
+    }
+    // Only the encoded answer waits for the client.
+    v1::VerifyRequest().Swap(&slot->request);
+    v1::VerifyResponse().Swap(&slot->response);
+    std::vector<engine::VerifyItem>().swap(slot->items);
+    engine::Engine* engine = service_->engine();
+    if (engine != nullptr) {
+      slot->held_bytes = static_cast<int64_t>(slot->answer.Length());
+      engine->HoldAnswerBytes(slot->held_bytes);
+    }
+    const grpc::ByteBuffer* write = nullptr;
     bool finish = false;
     {
       absl::MutexLock lock(&mu_);
       slot->done = true;
       if (broken_ || finished_) {
         // No more writes: drop answers in order until the stream can end.
-        while (!slots_.empty() && slots_.front()->done) slots_.pop_front();
+        while (!slots_.empty() && slots_.front()->done) PopAnswered();
         finish = ReadyToFinish();
       } else if (!writing_ && slots_.front()->done) {
         writing_ = true;
-        write = &slots_.front()->response;
+        write = &slots_.front()->answer;
       }
     }
     if (write != nullptr) StartWrite(write);
@@ -669,9 +756,39 @@ int64_t VerifyServiceImpl::EndStreams() {
   return static_cast<int64_t>(streams_.size());
 }
 
-grpc::ServerBidiReactor<v1::VerifyRequest, v1::VerifyResponse>* VerifyServiceImpl::VerifyStream(
+namespace {
+
+// A VerifyStream refused before it started: ends at once with `status`.
+class RefusedStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  explicit RefusedStream(const grpc::Status& status) { Finish(status); }
+  void OnDone() override { delete this; }
+};
+
+}  // namespace
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* VerifyServiceImpl::VerifyStream(
     grpc::CallbackServerContext* ctx) {
-  return new StreamReactor(this, ctx);
+  StreamReactor* stream = nullptr;
+  int64_t open = 0;
+  {
+    absl::MutexLock lock(&streams_mu_);
+    open = static_cast<int64_t>(streams_.size());
+    if (open < options_.max_streams) {
+      stream = new StreamReactor(this, ctx);
+      streams_.insert(stream);
+    }
+  }
+  if (stream != nullptr) {
+    stream->Begin();
+    return stream;
+  }
+  const absl::Status refused = absl::ResourceExhaustedError(
+      absl::StrCat(open, " VerifyStreams are open, the server's limit (--max-streams ",
+                   options_.max_streams, "): close idle streams or use another replica"));
+  LogFailedCall("VerifyStream", ctx, refused);
+  Observe("VerifyStream", grpc::StatusCode::RESOURCE_EXHAUSTED, Clock::now(), 0);
+  return new RefusedStream(ToGrpcStatus(refused));
 }
 
 }  // namespace mlaverify::transport

@@ -5,6 +5,11 @@
 // completion.
 // It runs no compute and owns no threads: gRPC's callback threads only decode,
 // submit and encode.
+// Every method is registered raw (bytes in, bytes out) and decoded here, so
+// that bytes which do not parse are bad input like any other: INVALID_ARGUMENT
+// naming the RPC, counted and logged (in band on a VerifyStream, which goes
+// on). gRPC's typed handlers answer them UNIMPLEMENTED with no message and
+// end a stream with OK.
 #ifndef MLAVERIFY_SERVER_TRANSPORT_VERIFY_SERVICE_H_
 #define MLAVERIFY_SERVER_TRANSPORT_VERIFY_SERVICE_H_
 
@@ -65,12 +70,35 @@ struct ServiceOptions {
   // Requests of one VerifyStream the server works on at once (read ahead of
   // the answers, answered in order).
   int stream_max_in_flight = 8;
+  // VerifyStreams open at once, over all connections; one more is refused
+  // with RESOURCE_EXHAUSTED. Each holds up to stream_max_in_flight answers.
+  int max_streams = 256;
   // Not empty: every VerifyService call must carry "authorization: Bearer
   // <token>" (UNAUTHENTICATED otherwise). Health and reflection stay open.
   std::string auth_token;
 };
 
-class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
+// Every method of mlaverify.v1.VerifyService as a raw callback method.
+// clang-format off
+using GeneratedService = v1::VerifyService;
+using RawVerifyService =
+    GeneratedService::WithRawCallbackMethod_GetServerInfo<
+    GeneratedService::WithRawCallbackMethod_CreateSequence<
+    GeneratedService::WithRawCallbackMethod_AppendKv<
+    GeneratedService::WithRawCallbackMethod_Verify<
+    GeneratedService::WithRawCallbackMethod_VerifyStream<
+    GeneratedService::WithRawCallbackMethod_Commit<
+    GeneratedService::WithRawCallbackMethod_ReleaseSequence<
+    GeneratedService::WithRawCallbackMethod_RegisterSystemSharedMemory<
+    GeneratedService::WithRawCallbackMethod_RegisterCudaSharedMemory<
+    GeneratedService::WithRawCallbackMethod_UnregisterSystemSharedMemory<
+    GeneratedService::WithRawCallbackMethod_SystemSharedMemoryStatus<
+    GeneratedService::WithRawCallbackMethod_UnregisterCudaSharedMemory<
+    GeneratedService::WithRawCallbackMethod_CudaSharedMemoryStatus<
+        GeneratedService::Service>>>>>>>>>>>>>;
+// clang-format on
+
+class VerifyServiceImpl final : public RawVerifyService {
  public:
   // `observer` (may be null) and `state` outlive the service.
   VerifyServiceImpl(const ServiceOptions& options, RpcObserver* observer,
@@ -90,44 +118,33 @@ class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
   // Unary calls and stream requests finished since the start.
   int64_t calls_finished() const { return finished_.load(); }
 
-  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
-                                          const v1::GetServerInfoRequest* request,
-                                          v1::ServerInfo* response) override;
-  grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* ctx,
-                                           const v1::CreateSequenceRequest* request,
-                                           v1::CreateSequenceResponse* response) override;
-  grpc::ServerUnaryReactor* AppendKv(grpc::CallbackServerContext* ctx,
-                                     const v1::AppendKvRequest* request,
-                                     v1::AppendKvResponse* response) override;
-  grpc::ServerUnaryReactor* Verify(grpc::CallbackServerContext* ctx,
-                                   const v1::VerifyRequest* request,
-                                   v1::VerifyResponse* response) override;
-  grpc::ServerBidiReactor<v1::VerifyRequest, v1::VerifyResponse>* VerifyStream(
+  // The RPCs, as gRPC calls them: request bytes in, response bytes out.
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* AppendKv(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* Verify(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                                   grpc::ByteBuffer* response) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* VerifyStream(
       grpc::CallbackServerContext* ctx) override;
-  grpc::ServerUnaryReactor* Commit(grpc::CallbackServerContext* ctx,
-                                   const v1::CommitRequest* request,
-                                   v1::CommitResponse* response) override;
-  grpc::ServerUnaryReactor* ReleaseSequence(grpc::CallbackServerContext* ctx,
-                                            const v1::ReleaseSequenceRequest* request,
-                                            v1::ReleaseSequenceResponse* response) override;
-  grpc::ServerUnaryReactor* RegisterSystemSharedMemory(
-      grpc::CallbackServerContext* ctx, const v1::RegisterSystemSharedMemoryRequest* request,
-      v1::RegisterSystemSharedMemoryResponse* response) override;
-  grpc::ServerUnaryReactor* RegisterCudaSharedMemory(
-      grpc::CallbackServerContext* ctx, const v1::RegisterCudaSharedMemoryRequest* request,
-      v1::RegisterCudaSharedMemoryResponse* response) override;
-  grpc::ServerUnaryReactor* UnregisterSystemSharedMemory(
-      grpc::CallbackServerContext* ctx, const v1::UnregisterSystemSharedMemoryRequest* request,
-      v1::UnregisterSystemSharedMemoryResponse* response) override;
-  grpc::ServerUnaryReactor* SystemSharedMemoryStatus(
-      grpc::CallbackServerContext* ctx, const v1::SystemSharedMemoryStatusRequest* request,
-      v1::SystemSharedMemoryStatusResponse* response) override;
-  grpc::ServerUnaryReactor* UnregisterCudaSharedMemory(
-      grpc::CallbackServerContext* ctx, const v1::UnregisterCudaSharedMemoryRequest* request,
-      v1::UnregisterCudaSharedMemoryResponse* response) override;
-  grpc::ServerUnaryReactor* CudaSharedMemoryStatus(
-      grpc::CallbackServerContext* ctx, const v1::CudaSharedMemoryStatusRequest* request,
-      v1::CudaSharedMemoryStatusResponse* response) override;
+  grpc::ServerUnaryReactor* Commit(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                                   grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* ReleaseSequence(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                                            grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* RegisterSystemSharedMemory(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                                                       grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* RegisterCudaSharedMemory(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                                                     grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* UnregisterSystemSharedMemory(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                                                         grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* SystemSharedMemoryStatus(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                                                     grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* UnregisterCudaSharedMemory(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                                                       grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* CudaSharedMemoryStatus(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                                                   grpc::ByteBuffer* response) override;
 
  private:
   class StreamReactor;
@@ -135,16 +152,18 @@ class VerifyServiceImpl final : public v1::VerifyService::CallbackService {
   using Finisher = absl::AnyInvocable<void(absl::Status)>;
 
   // Checks the serving state, the token, cancellation, deadline and the
-  // request's size; on OK calls body(finish), where finish(status) ends the
-  // RPC (from any thread). A refused call is finished at once.
-  template <typename Body>
+  // request's size, and decodes it; on OK calls body(request, &response,
+  // finish), where finish(status) encodes the response and ends the RPC (from
+  // any thread). A refused call is finished at once.
+  template <typename Request, typename Response, typename Body>
   grpc::ServerUnaryReactor* RunUnary(absl::string_view rpc, grpc::CallbackServerContext* ctx,
-                                     const google::protobuf::Message& request,
+                                     const grpc::ByteBuffer* request_bytes,
+                                     grpc::ByteBuffer* response_bytes,
                                      bool allowed_while_draining, Body body);
   absl::Status Admit(grpc::CallbackServerContext* ctx, bool allowed_while_draining) const;
-  // RESOURCE_EXHAUSTED (counted) when `request` is over max_message_bytes.
-  absl::Status CheckRequestSize(absl::string_view rpc,
-                                const google::protobuf::Message& request) const;
+  // RESOURCE_EXHAUSTED (counted) when a request of `bytes` is over
+  // max_message_bytes.
+  absl::Status CheckRequestSize(absl::string_view rpc, size_t bytes) const;
   // A failed call's warning, at most one per 100 ms (the rest counted).
   void LogFailedCall(absl::string_view rpc, grpc::CallbackServerContext* ctx,
                      const absl::Status& status);

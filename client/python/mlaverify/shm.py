@@ -13,6 +13,9 @@ as references into a region both processes map, not as bytes through gRPC
 
 from __future__ import annotations
 
+import itertools
+import os
+import secrets
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
@@ -20,6 +23,9 @@ import numpy as np
 
 LATENT_DIM = 576
 VALUE_DIM = 512
+# Keys start with the server's default --shm-key-prefix.
+KEY_PREFIX = "mlaverify-py"
+_next_region = itertools.count()
 
 
 def _align(v: int) -> int:
@@ -28,12 +34,16 @@ def _align(v: int) -> int:
 
 class SharedMemoryRegion:
     """A new POSIX shared-memory object of `size` bytes, mapped here. `key` is
-    what RegisterSystemSharedMemory takes; `close()` unmaps and removes it."""
+    what RegisterSystemSharedMemory takes ("/mlaverify-py-<pid>-<n>-<random>",
+    under the server's default --shm-key-prefix; the object belongs to this
+    process's user, who must be the server's); `close()` unmaps and removes
+    it."""
 
     def __init__(self, size: int):
         if size <= 0:
             raise ValueError(f"a shared-memory region of {size} bytes")
-        self._shm = shared_memory.SharedMemory(create=True, size=size)
+        name = f"{KEY_PREFIX}-{os.getpid()}-{next(_next_region)}-{secrets.token_hex(4)}"
+        self._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
         self.key = "/" + self._shm.name
         self.size = size
 

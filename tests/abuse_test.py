@@ -1,0 +1,637 @@
+#!/usr/bin/env python3
+"""The server against clients that break the rules: it must stay up, keep
+its probes answering and, where the server can bound it, its memory under a
+stated bound.
+
+  abuse_test.py SERVER_BINARY PYTHON_PACKAGE_DIR [CASE ...]
+
+Cases (all by default), each against a fresh CPU server:
+  rapid_reset     one HTTP/2 connection opens streams and resets them at once,
+                  as fast as it can (the Rapid Reset pattern, CVE-2023-44487)
+  unread_calls    one connection sends complete unary calls and never reads
+  unread_streams  VerifyStreams that never read their answers: the answers
+                  they hold count against --max-queued-bytes, streams past
+                  --max-streams are refused, memory stays bounded
+  slow_admin      connections to the admin port that send a request a byte
+                  every 2 s (slowloris) while /healthz and /metrics are asked
+  undecodable     requests whose bytes do not parse: INVALID_ARGUMENT, counted;
+                  on a VerifyStream in band, and the stream goes on
+
+The first two are gRPC 1.51's own residual risk (docs/operations.md,
+"Security model"): their memory growth is printed, not asserted.
+Raw HTTP/2 frames (python3-h2's hyperframe and hpack) let a case do what a
+well-behaved gRPC client never does. Memory is the server's resident set
+(VmRSS) sampled while the abuse runs.
+Exit 77 (skipped) without hyperframe/hpack, grpc or the generated stubs.
+"""
+
+import os
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+try:
+    import hpack
+    from hyperframe.frame import (DataFrame, Frame, HeadersFrame, RstStreamFrame, SettingsFrame,
+                                  WindowUpdateFrame)
+except ImportError:
+    print("SKIPPED: python3 lacks hyperframe/hpack (Debian's python3-h2; scripts/install_deps.sh installs it)")
+    sys.exit(77)
+
+SERVER = sys.argv[1]
+sys.path.insert(0, sys.argv[2])
+try:
+    import grpc  # noqa: E402,F401
+    from mlaverify.v1 import verify_pb2  # noqa: E402
+except ImportError as e:
+    print(f"SKIPPED: no python3-grpcio or no generated Python stubs under {sys.argv[2]} ({e})")
+    sys.exit(77)
+
+import numpy as np  # noqa: E402
+
+SERVICE = "/mlaverify.v1.VerifyService/"
+HEADS = 16
+LATENT = 576
+VALUE = 512
+failures = []
+
+
+def check(condition, message):
+    print(("ok   " if condition else "FAIL ") + message, flush=True)
+    if not condition:
+        failures.append(message)
+
+
+class Server:
+    """A CPU server on loopback ports; `flags` are added to a small geometry."""
+
+    def __init__(self, *flags):
+        self.tmp = tempfile.mkdtemp(prefix="mlaverify-abuse-")
+        port_file = os.path.join(self.tmp, "ports")
+        self.log_path = os.path.join(self.tmp, "server.log")
+        self.proc = subprocess.Popen(
+            [SERVER, "--backend", "cpu", "--listen", "127.0.0.1:0", "--admin-host", "127.0.0.1",
+             "--admin-port", "0", "--port-file", port_file, "--layers", "2", "--heads",
+             str(HEADS), "--page-size", "16", "--pool-bytes", "64MiB", "--draft-buckets", "1",
+             "8", "64", "--batch-buckets", "1", "--cpu-threads", "1", "--drain-grace-s", "0",
+             "--drain-timeout-s", "2", "--log-level", "warn", *flags],
+            stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT)
+        deadline = time.time() + 60
+        while not (os.path.exists(port_file) and os.path.getsize(port_file) > 0):
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"server did not start: {open(self.log_path).read()}")
+            time.sleep(0.05)
+        ports = open(port_file).read().split()
+        self.port, self.admin_port = int(ports[0]), int(ports[1])
+        while not self.ready() and time.time() < deadline:
+            time.sleep(0.05)
+
+    def rss_mib(self):
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        raise RuntimeError("no VmRSS")
+
+    def http(self, path, timeout=2.0):
+        """(status, body) of GET path on the admin port; (None, reason) on failure."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}{path}",
+                                        timeout=timeout) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+        except Exception as e:  # timeouts, resets: the probe failed
+            return None, str(e)
+
+    def ready(self):
+        return self.http("/readyz")[0] == 200
+
+    def metric(self, sample):
+        """The value of one sample, e.g. 'mlaverify_queued_bytes' or
+        'name{code="X",rpc="Y"}' (labels as the server prints them, sorted)."""
+        status, body = self.http("/metrics")
+        if status != 200:
+            return None
+        for line in body.splitlines():
+            if line.rsplit(" ", 1)[0] == sample:
+                return float(line.rsplit(" ", 1)[1])
+        return None
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            return self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return None
+
+
+class RawH2:
+    """One HTTP/2 connection written frame by frame."""
+
+    def __init__(self, port):
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.encoder = hpack.Encoder()
+        self.decoder = hpack.Decoder()
+        self.next_stream = 1
+        self.pending = b""
+        self.sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + SettingsFrame(0).serialize())
+
+    def open(self, method, end_stream=False):
+        """HEADERS of a new gRPC call; returns (stream id, bytes)."""
+        sid = self.next_stream
+        self.next_stream += 2
+        frame = HeadersFrame(sid)
+        frame.data = self.encoder.encode([
+            (":method", "POST"), (":scheme", "http"), (":path", SERVICE + method),
+            (":authority", "abuse"), ("content-type", "application/grpc"), ("te", "trailers")])
+        frame.flags.add("END_HEADERS")
+        if end_stream:
+            frame.flags.add("END_STREAM")
+        return sid, frame.serialize()
+
+    @staticmethod
+    def message(sid, payload, end_stream=False, max_frame=16384):
+        """A gRPC length-prefixed message as DATA frames."""
+        body = struct.pack(">BI", 0, len(payload)) + payload
+        out = []
+        for i in range(0, len(body), max_frame):
+            frame = DataFrame(sid)
+            frame.data = body[i:i + max_frame]
+            if end_stream and i + max_frame >= len(body):
+                frame.flags.add("END_STREAM")
+            out.append(frame.serialize())
+        return b"".join(out)
+
+    @staticmethod
+    def reset(sid):
+        frame = RstStreamFrame(sid)
+        frame.error_code = 8  # CANCEL
+        return frame.serialize()
+
+    def read_frame(self, timeout):
+        self.sock.settimeout(timeout)
+        while len(self.pending) < 9:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                return None
+            self.pending += chunk
+        frame, length = Frame.parse_frame_header(memoryview(self.pending[:9]))
+        while len(self.pending) < 9 + length:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                return None
+            self.pending += chunk
+        frame.parse_body(memoryview(self.pending[9:9 + length]))
+        self.pending = self.pending[9 + length:]
+        if isinstance(frame, SettingsFrame) and "ACK" not in frame.flags:
+            self.sock.sendall(SettingsFrame(0, flags=["ACK"]).serialize())
+        if isinstance(frame, DataFrame) and length > 0:
+            for sid in (0, frame.stream_id):  # keep the server's windows open
+                update = WindowUpdateFrame(sid)
+                update.window_increment = length
+                self.sock.sendall(update.serialize())
+        return frame
+
+    def call_result(self, sid, timeout=10.0):
+        """Reads until `sid` ends: (grpc-status, grpc-message, [messages])."""
+        headers, data = {}, b""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            frame = self.read_frame(deadline - time.time())
+            if frame is None:
+                break
+            if getattr(frame, "stream_id", 0) != sid:
+                continue
+            if isinstance(frame, HeadersFrame):
+                headers.update({k.decode() if isinstance(k, bytes) else k:
+                                v.decode() if isinstance(v, bytes) else v
+                                for k, v in self.decoder.decode(frame.data)})
+            elif isinstance(frame, DataFrame):
+                data += frame.data
+            elif isinstance(frame, RstStreamFrame):
+                return None, f"RST_STREAM {frame.error_code}", []
+            if "END_STREAM" in frame.flags:
+                break
+        messages = []
+        while len(data) >= 5:
+            _, n = struct.unpack(">BI", data[:5])
+            messages.append(data[5:5 + n])
+            data = data[5 + n:]
+        status = headers.get("grpc-status")
+        return (int(status) if status is not None else None), headers.get("grpc-message", ""), messages
+
+    def close(self):
+        self.sock.close()
+
+
+class ZeroWindowH2(RawH2):
+    """A client that sends within the server's flow-control windows but opens
+    none of its own (SETTINGS_INITIAL_WINDOW_SIZE 0, no WINDOW_UPDATE): the
+    server can send it headers but never a byte of an answer, like a client
+    that stopped reading. A thread reads the server's frames for their
+    window updates."""
+
+    def __init__(self, port):
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.encoder, self.decoder = hpack.Encoder(), hpack.Decoder()
+        self.next_stream, self.pending = 1, b""
+        self.lock = threading.Condition()
+        self.conn_window, self.initial_window, self.windows = 65535, 65535, {}
+        self.closed = False
+        settings = SettingsFrame(0)
+        settings.settings[SettingsFrame.INITIAL_WINDOW_SIZE] = 0
+        self.sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + settings.serialize())
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        try:
+            while True:
+                frame, length = Frame.parse_frame_header(memoryview(self._exact(9)))
+                frame.parse_body(memoryview(self._exact(length)))
+                with self.lock:
+                    if isinstance(frame, SettingsFrame) and "ACK" not in frame.flags:
+                        new = frame.settings.get(SettingsFrame.INITIAL_WINDOW_SIZE)
+                        if new is not None:
+                            for sid in self.windows:
+                                self.windows[sid] += new - self.initial_window
+                            self.initial_window = new
+                        self.sock.sendall(SettingsFrame(0, flags=["ACK"]).serialize())
+                    elif isinstance(frame, WindowUpdateFrame):
+                        if frame.stream_id == 0:
+                            self.conn_window += frame.window_increment
+                        else:
+                            self.windows[frame.stream_id] = (
+                                self.windows.get(frame.stream_id, self.initial_window)
+                                + frame.window_increment)
+                    self.lock.notify_all()
+        except OSError:
+            pass
+        with self.lock:
+            self.closed = True
+            self.lock.notify_all()
+
+    def _exact(self, n):
+        data = b""
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            if not chunk:
+                raise OSError("closed")
+            data += chunk
+        return data
+
+    def close(self):
+        # shutdown, not just close: the reading thread is blocked in recv.
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+    def send_message(self, sid, payload, timeout=30.0):
+        """One gRPC message on `sid`, DATA frames sent as the windows allow;
+        False when the windows stayed shut for `timeout`."""
+        body = struct.pack(">BI", 0, len(payload)) + payload
+        deadline = time.time() + timeout
+        while body:
+            with self.lock:
+                while not self.closed and min(self.conn_window, self.windows.setdefault(
+                        sid, self.initial_window)) <= 0:
+                    if not self.lock.wait(deadline - time.time()):
+                        return False
+                if self.closed:
+                    return False
+                n = min(16384, len(body), self.conn_window, self.windows[sid])
+                self.conn_window -= n
+                self.windows[sid] -= n
+                frame = DataFrame(sid)
+                frame.data, body = body[:n], body[n:]
+                self.sock.sendall(frame.serialize())
+        return True
+
+
+class RssWatch:
+    """Samples the server's RSS every 50 ms in a thread; peak in MiB."""
+
+    def __init__(self, server):
+        self.server, self.peak, self.stop_flag = server, server.rss_mib(), False
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self):
+        while not self.stop_flag:
+            try:
+                self.peak = max(self.peak, self.server.rss_mib())
+            except Exception:
+                return
+            time.sleep(0.05)
+
+    def stop(self):
+        self.stop_flag = True
+        self.thread.join()
+        return self.peak
+
+
+def health_during(server, seconds, results):
+    """Asks /healthz every 0.25 s for `seconds`; appends the worst latency."""
+    worst, failed = 0.0, 0
+    end = time.time() + seconds
+    while time.time() < end:
+        t0 = time.time()
+        status, _ = server.http("/healthz", timeout=3.0)
+        if status != 200:
+            failed += 1
+        worst = max(worst, time.time() - t0)
+        time.sleep(0.25)
+    results.append((worst, failed))
+
+
+def verify_request(sequence_id, drafts, request_id, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0x3c00, 0x3c80, size=(drafts, HEADS, LATENT), dtype=np.uint16)
+    kv = rng.integers(0x3c00, 0x3c80, size=(drafts, LATENT), dtype=np.uint16)
+    req = verify_pb2.VerifyRequest(layer=0, request_id=request_id)
+    item = req.items.add()
+    item.sequence_id = sequence_id
+    item.parents.extend([-1] + list(range(drafts - 1)))
+    item.q.CopyFrom(verify_pb2.Tensor(dtype=verify_pb2.DTYPE_BF16, shape=list(q.shape),
+                                      raw=q.tobytes()))
+    item.draft_kv.CopyFrom(verify_pb2.Tensor(dtype=verify_pb2.DTYPE_BF16, shape=list(kv.shape),
+                                             raw=kv.tobytes()))
+    return req.SerializeToString()
+
+
+def unary(port, method, payload, timeout=10.0):
+    conn = RawH2(port)
+    sid, headers = conn.open(method)
+    conn.sock.sendall(headers + RawH2.message(sid, payload, end_stream=True))
+    result = conn.call_result(sid, timeout)
+    conn.close()
+    return result
+
+
+def create_sequence(port):
+    status, message, msgs = unary(port, "CreateSequence", b"")
+    assert status == 0 and msgs, (status, message)
+    return verify_pb2.CreateSequenceResponse.FromString(msgs[0]).sequence_id
+
+
+# ---- cases -----------------------------------------------------------------
+
+def rapid_reset():
+    """8 s of one connection opening and resetting streams. gRPC 1.51's server
+    has no bound on the memory this takes (each stream leaves a call that
+    waits for the handlers; the upstream fix came in 1.57): the growth is
+    printed as the residual risk docs/operations.md ("Security model")
+    states, not asserted. Asserted: /healthz answers throughout, a new
+    connection is served afterwards and the server exits cleanly."""
+    server = Server()
+    base = server.rss_mib()
+    watch = RssWatch(server)
+    health = []
+    prober = threading.Thread(target=health_during, args=(server, 8.0, health))
+    prober.start()
+    conn = RawH2(server.port)
+    sent, end = 0, time.time() + 8.0
+    try:
+        while time.time() < end and conn.next_stream < 2**31 - 400:
+            burst = []
+            for _ in range(100):
+                sid, headers = conn.open("GetServerInfo")
+                burst.append(headers + RawH2.reset(sid))
+            conn.sock.sendall(b"".join(burst))
+            sent += 100
+            conn.sock.setblocking(False)
+            try:
+                while conn.sock.recv(1 << 20):
+                    pass
+            except (BlockingIOError, InterruptedError):
+                pass
+            conn.sock.setblocking(True)
+    except OSError as e:
+        print(f"     the server closed the flooding connection after {sent} streams: {e}")
+    conn.close()
+    prober.join()
+    time.sleep(1.0)
+    peak = watch.stop()
+    print(f"     {sent} streams opened and reset; RSS {base:.0f} -> peak {peak:.0f} MiB "
+          f"(residual risk of gRPC 1.51, not asserted)")
+    check(health and health[0][1] == 0, f"rapid reset: /healthz answered throughout "
+          f"(failures {health[0][1] if health else '?'}, worst {health[0][0]:.2f} s)")
+    status, _, _ = unary(server.port, "GetServerInfo", b"")
+    check(status == 0, f"rapid reset: a new connection is served afterwards (status {status})")
+    check(server.stop() == 0, "rapid reset: clean exit")
+
+
+def unread_calls():
+    """One connection sends 65,000 complete calls and reads nothing, not even
+    the server's SETTINGS, so --http2-max-concurrent-streams never takes
+    effect on it (gRPC 1.51 enforces the acknowledged value): the growth is
+    printed as residual risk, not asserted. Asserted: /healthz answers and the
+    server exits cleanly."""
+    server = Server()
+    base = server.rss_mib()
+    watch = RssWatch(server)
+    conn = RawH2(server.port)
+    conn.sock.settimeout(5.0)
+    sent = 0
+    try:
+        for _ in range(650):
+            burst = []
+            for _ in range(100):
+                sid, headers = conn.open("GetServerInfo")
+                burst.append(headers + RawH2.message(sid, b"", end_stream=True))
+            conn.sock.sendall(b"".join(burst))
+            sent += 100
+    except OSError as e:
+        print(f"     sending stopped after {sent} calls: {e}")
+    time.sleep(2.0)
+    health = []
+    health_during(server, 1.0, health)
+    peak = watch.stop()
+    conn.close()
+    print(f"     {sent} calls sent, none read; RSS {base:.0f} -> peak {peak:.0f} MiB "
+          f"(residual risk of gRPC 1.51, not asserted)")
+    check(health[0][1] == 0, f"unread calls: /healthz answered (worst {health[0][0]:.2f} s)")
+    check(server.stop() == 0, "unread calls: clean exit")
+
+
+def unread_streams():
+    """32 streams on 4 connections that opened no window for answers (a
+    client that stopped reading) send 8 Verify requests each (16 drafts: 0.3
+    MiB in, 0.26 MiB out). The answers they hold count against
+    --max-queued-bytes (4 MiB here): once the work is done (no call queued),
+    the queued-bytes gauge still shows them and a new call is refused
+    RESOURCE_EXHAUSTED saying why (before: the gauge read 0 and the server
+    took more work while holding ~420 MiB for 32 such streams). A 33rd
+    stream over --max-streams 32 is refused; RSS grows by less than 256 MiB."""
+    import grpc
+    from mlaverify.v1 import verify_pb2_grpc
+
+    server = Server("--max-queued-bytes", "4MiB", "--max-streams", "32")
+    seq, probe_seq = create_sequence(server.port), create_sequence(server.port)
+    base = server.rss_mib()
+    watch = RssWatch(server)
+    conns = [ZeroWindowH2(server.port) for _ in range(4)]
+    payload = verify_request(seq, 16, 1)
+    sids = []
+    for k in range(32):
+        conn = conns[k % 4]
+        sid, headers = conn.open("VerifyStream")
+        conn.sock.sendall(headers)
+        sids.append((conn, sid))
+    senders = []
+    for conn, sid in sids:
+        t = threading.Thread(target=lambda c=conn, i=sid: [c.send_message(i, payload, 10.0)
+                                                           for _ in range(8)], daemon=True)
+        t.start()
+        senders.append(t)
+    deadline = time.time() + 20
+    time.sleep(2.0)
+    while time.time() < deadline and server.metric("mlaverify_queued_calls") != 0:
+        time.sleep(0.2)
+    time.sleep(0.5)
+    queued_calls = server.metric("mlaverify_queued_calls")
+    held = server.metric("mlaverify_queued_bytes")
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}",
+                                    options=[("grpc.max_receive_message_length", 64 << 20)])
+    stub = verify_pb2_grpc.VerifyServiceStub(channel)
+    probe = verify_pb2.VerifyRequest.FromString(verify_request(probe_seq, 16, 2))
+
+    def outcome(call):
+        try:
+            call()
+            return 0, ""
+        except grpc.RpcError as e:
+            return e.code().value[0], e.details()
+
+    status, message = outcome(lambda: stub.Verify(probe, timeout=10))
+    stream_status, stream_message = outcome(
+        lambda: next(stub.VerifyStream(iter([probe]), timeout=10)))
+    health = []
+    health_during(server, 1.0, health)
+    peak = watch.stop()
+    print(f"     RSS {base:.0f} -> peak {peak:.0f} MiB; queued calls {queued_calls}, bytes {held}; "
+          f"new Verify {status} {message!r}; 33rd stream {stream_status} {stream_message!r}")
+    check(peak - base < 256, f"unread streams: RSS grew {peak - base:.0f} MiB (< 256)")
+    check(queued_calls == 0 and held is not None and held >= 2 << 20,
+          f"unread streams: with no call queued, mlaverify_queued_bytes counts the unread "
+          f"answers ({held} bytes, {queued_calls} calls)")
+    check(status == 8 and "not yet read" in message,
+          f"unread streams: a new Verify is RESOURCE_EXHAUSTED naming the unread answers "
+          f"(got {status} {message!r})")
+    check(stream_status == 8 and "--max-streams" in stream_message,
+          f"unread streams: a stream past --max-streams is RESOURCE_EXHAUSTED naming the flag "
+          f"(got {stream_status} {stream_message!r})")
+    check(health[0][1] == 0, "unread streams: /healthz answered")
+    for conn in conns:
+        conn.close()
+    deadline = time.time() + 10
+    while time.time() < deadline and (server.metric("mlaverify_queued_bytes") or 0) > 0:
+        time.sleep(0.1)
+    check(server.metric("mlaverify_queued_bytes") == 0,
+          "unread streams: the held bytes are given back when the streams end")
+    status, message = outcome(lambda: stub.Verify(probe, timeout=10))
+    check(status == 0, f"unread streams: calls are admitted again (status {status} {message!r})")
+    channel.close()
+    check(server.stop() == 0, "unread streams: clean exit")
+
+
+def slow_admin():
+    """16 connections each send one byte of a request every 2 s; /healthz and
+    /metrics must keep answering within 1 s (before: 4 such connections held
+    every admin worker and the probes timed out)."""
+    server = Server()
+    stop = threading.Event()
+
+    def slowloris():
+        try:
+            s = socket.create_connection(("127.0.0.1", server.admin_port))
+            for byte in b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 1000:
+                if stop.is_set():
+                    break
+                s.send(bytes([byte]))
+                stop.wait(2.0)
+            s.close()
+        except OSError:
+            pass  # the server closed it: that is what should happen
+
+    threads = [threading.Thread(target=slowloris, daemon=True) for _ in range(16)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    worst, failed = 0.0, 0
+    for path in ["/healthz", "/metrics", "/readyz"] * 8:
+        t0 = time.time()
+        status, _ = server.http(path, timeout=5.0)
+        worst = max(worst, time.time() - t0)
+        failed += status != 200
+        time.sleep(0.5)
+    stop.set()
+    print(f"     24 probes under 16 slow connections: {failed} failed, worst {worst:.2f} s")
+    check(failed == 0 and worst < 1.0, f"slow admin: probes answered within 1 s "
+          f"({failed} failed, worst {worst:.2f} s)")
+    check(server.stop() == 0, "slow admin: clean exit")
+
+
+def undecodable():
+    """Bytes that do not parse get INVALID_ARGUMENT, counted in
+    mlaverify_request_errors_total; on a VerifyStream the answer is in band
+    and the stream goes on (before: UNIMPLEMENTED with no message; the
+    stream ended OK and dropped later requests)."""
+    server = Server()
+    cases = {
+        "garbage": b"\xff\xff\xff\xff",
+        "truncated varint": b"\x08\xff",
+        "invalid UTF-8 in a string field": b"\x0a\x02\xc3\x28",  # label, field 1
+    }
+    for what, payload in cases.items():
+        status, message, _ = unary(server.port, "CreateSequence", payload)
+        check(status == 3 and "CreateSequence" in message,
+              f"undecodable ({what}): INVALID_ARGUMENT naming the RPC (got {status} {message!r})")
+    errors = server.metric(
+        'mlaverify_request_errors_total{code="INVALID_ARGUMENT",rpc="CreateSequence"}')
+    check(errors == len(cases), f"undecodable: counted as CreateSequence INVALID_ARGUMENT ({errors})")
+
+    seq = create_sequence(server.port)
+    conn = RawH2(server.port)
+    sid, headers = conn.open("VerifyStream")
+    conn.sock.sendall(headers + RawH2.message(sid, b"\xff\xff\xff")
+                      + RawH2.message(sid, verify_request(seq, 1, 7), end_stream=True))
+    status, message, messages = conn.call_result(sid)
+    conn.close()
+    answers = [verify_pb2.VerifyResponse.FromString(m) for m in messages]
+    codes = [(a.request_id, a.error_code) for a in answers]
+    check(status == 0 and codes == [(0, 3), (7, 0)],
+          f"undecodable on a stream: answered INVALID_ARGUMENT in band, the next request "
+          f"served (status {status} {message!r}, answers {codes})")
+    check(server.stop() == 0, "undecodable: clean exit")
+
+
+CASES = {f.__name__: f for f in [rapid_reset, unread_calls, unread_streams, slow_admin,
+                                 undecodable]}
+
+
+def main():
+    names = sys.argv[3:] or list(CASES)
+    for name in names:
+        print(f"== {name}: {CASES[name].__doc__.split(chr(10))[0]}", flush=True)
+        try:
+            CASES[name]()
+        except Exception as e:  # a case that crashes fails, the others still run
+            check(False, f"{name}: {type(e).__name__}: {e}")
+    print(f"{len(failures)} failed" if failures else "all passed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
