@@ -1015,8 +1015,8 @@ TEST_F(ServerTest, SharedMemoryBadReferencesGetTheirCodeAndChangeNothing) {
        reg("", shm->key(), 0, 4096)},
       {"register with a key without '/'", StatusCode::INVALID_ARGUMENT, "key",
        reg("k", "mlaverify", 0, 4096)},
-      {"register a key outside --shm-key-prefix", StatusCode::PERMISSION_DENIED,
-       "--shm-key-prefix", reg("k", "/psm_not_a_scheduler_object", 0, 4096)},
+      {"register a key outside --shm-key-prefix", StatusCode::PERMISSION_DENIED, "--shm-key-prefix",
+       reg("k", "/psm_not_a_scheduler_object", 0, 4096)},
       {"register an object that does not exist", StatusCode::NOT_FOUND, "shm_open",
        reg("k", "/mlaverify-test-does-not-exist", 0, 4096)},
       {"register a name twice", StatusCode::ALREADY_EXISTS, "already registered",
@@ -1221,14 +1221,14 @@ TEST(SharedMemoryRegistryTest, ReleaseAllDropsEveryRegionAndLeasesKeepTheirMappi
 TEST(SharedMemoryRegistryTest, RegistersOnlyTheSchedulersOwnObjects) {
   engine::RegionOptions options;
   options.enabled = true;
-  options.key_prefix = "/mlaverify-owner-test";
+  options.key_prefix = "/owner-test";
   engine::RegionRegistry registry(options);
-  const std::string key = absl::StrCat("/mlaverify-owner-test-", getpid());
+  const std::string key = absl::StrCat("/owner-test-", getpid());
   const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0666);
   ASSERT_GE(fd, 0) << std::strerror(errno);
   ASSERT_EQ(ftruncate(fd, 4096), 0);
-  absl::Status outside = engine::RegionRegistry(engine::RegionOptions{true}).Register(
-      "p", key, 0, 4096);
+  absl::Status outside =
+      engine::RegionRegistry(engine::RegionOptions{true}).Register("p", key, 0, 4096);
   EXPECT_EQ(outside.code(), absl::StatusCode::kPermissionDenied) << outside;
   EXPECT_THAT(std::string(outside.message()), testing::HasSubstr("--shm-key-prefix '/mlaverify'"));
   EXPECT_TRUE(registry.Register("mine", key, 0, 4096).ok());

@@ -87,9 +87,8 @@ void LogDaemonError(void* /*unused*/, const char* format, va_list args) {
 class AdminHttpHandler {
  public:
   static MHD_Result Handle(void* self, MHD_Connection* connection, const char* url,
-                           const char* method, const char* /*version*/,
-                           const char* /*upload_data*/, size_t* upload_data_size,
-                           void** /*request_state*/) {
+                           const char* method, const char* /*version*/, const char* /*upload_data*/,
+                           size_t* upload_data_size, void** /*request_state*/) {
     // A request with a body is answered on the first call; its bytes are
     // dropped unread.
     *upload_data_size = 0;

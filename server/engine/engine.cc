@@ -707,12 +707,13 @@ absl::Status Engine::Admit(int64_t bytes) {
   const int64_t held = queued_bytes_.fetch_add(bytes) + bytes;
   if (calls > config_.max_queued_calls || held > config_.max_queued_bytes) {
     Unadmit(bytes);
-    return absl::ResourceExhaustedError(
-        absl::StrCat("server queue full: ", calls - 1, " calls queued or running and answers not yet "
-                     "read by their streams hold ", FormatBytes(held - bytes),
-                     ", this one needs ", FormatBytes(bytes), "; limits ",
-                     config_.max_queued_calls, " calls and ", FormatBytes(config_.max_queued_bytes),
-                     " (--max-queued-calls, --max-queued-bytes): retry later"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "server queue full: ", calls - 1,
+        " calls queued or running and answers not yet "
+        "read by their streams hold ",
+        FormatBytes(held - bytes), ", this one needs ", FormatBytes(bytes), "; limits ",
+        config_.max_queued_calls, " calls and ", FormatBytes(config_.max_queued_bytes),
+        " (--max-queued-calls, --max-queued-bytes): retry later"));
   }
   return absl::OkStatus();
 }

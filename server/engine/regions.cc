@@ -232,9 +232,9 @@ absl::Status RegionRegistry::Register(const std::string& name, const std::string
   if (!S_ISREG(st.st_mode) || st.st_uid != geteuid()) {
     close(fd);
     return absl::PermissionDeniedError(absl::StrCat(
-        "shared-memory object ", Quoted(key), " is not a regular object owned by the server's user (uid ",
-        geteuid(), "; the object's owner is uid ", st.st_uid,
-        "): create it as the user the server runs as"));
+        "shared-memory object ", Quoted(key),
+        " is not a regular object owned by the server's user (uid ", geteuid(),
+        "; the object's owner is uid ", st.st_uid, "): create it as the user the server runs as"));
   }
   if (static_cast<uint64_t>(st.st_size) < offset + byte_size) {
     close(fd);

@@ -48,8 +48,8 @@ absl::Status Encode(const google::protobuf::Message& message, grpc::ByteBuffer* 
       message, &encoded, &own_buffer);
   if (!status.ok()) {
     return absl::InternalError(absl::StrCat("cannot encode the ",
-                                            message.GetDescriptor()->full_name(), " answer: ",
-                                            status.error_message()));
+                                            message.GetDescriptor()->full_name(),
+                                            " answer: ", status.error_message()));
   }
   bytes->Swap(&encoded);
   return absl::OkStatus();
@@ -186,8 +186,8 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::RunUnary(absl::string_view rpc,
     Response response;
   };
   auto* messages = new Messages;
-  auto finish = [this, rpc, ctx, reactor, arrived, messages, response_bytes](
-                    absl::Status status, double queued = 0) {
+  auto finish = [this, rpc, ctx, reactor, arrived, messages, response_bytes](absl::Status status,
+                                                                             double queued = 0) {
     if (status.ok()) status = Encode(messages->response, response_bytes);
     delete messages;
     in_flight_.fetch_sub(1);
@@ -214,82 +214,90 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::RunUnary(absl::string_view rpc,
 }
 
 grpc::ServerUnaryReactor* VerifyServiceImpl::GetServerInfo(grpc::CallbackServerContext* ctx,
-    const grpc::ByteBuffer* request_bytes, grpc::ByteBuffer* response_bytes) {
-  return RunUnary<v1::GetServerInfoRequest, v1::ServerInfo>("GetServerInfo", ctx, request_bytes, response_bytes, /*allowed_while_draining=*/true,
-                  [this](const auto& /*request*/, auto* r, auto finish) {
-                    const engine::Engine& e = *engine();
-                    const engine::EngineConfig& c = e.config();
-                    const engine::EngineStats s = e.Stats();
-                    r->set_version(options_.version);
-                    r->set_backend(e.backend_name());
-                    for (const auto& d : e.devices()) {
-                      v1::DeviceInfo* info = r->add_devices();
-                      info->set_name(d.name);
-                      info->set_memory_bytes(d.memory_bytes);
-                    }
-                    r->set_num_layers(c.num_layers);
-                    r->set_num_heads(c.num_heads);
-                    r->set_latent_dim(kLatentDim);
-                    r->set_value_dim(kValueDim);
-                    r->set_rope_dim(kRopeDim);
-                    r->set_page_size(c.page_size);
-                    r->set_total_pages(s.total_pages);
-                    r->set_free_pages(s.free_pages);
-                    r->set_max_draft_len(c.max_draft_len());
-                    for (int b : c.draft_buckets) r->add_draft_buckets(b);
-                    for (int b : c.batch_buckets) r->add_batch_buckets(b);
-                    r->set_max_batch(c.max_batch());
-                    r->set_max_message_bytes(options_.max_message_bytes);
-                    r->set_default_softmax_scale(c.default_softmax_scale);
-                    r->set_idle_timeout_seconds(absl::ToInt64Seconds(c.idle_timeout));
-                    r->set_live_sequences(s.live_sequences);
-                    r->set_max_sequence_len(c.max_sequence_len);
-                    r->set_parallel_mode(engine::ParallelModeName(c.parallel_mode));
-                    r->set_heads_per_device(e.heads_per_device());
-                    for (const engine::PoolStats& p : s.pools) {
-                      v1::PoolInfo* pool = r->add_pools();
-                      pool->set_devices(p.devices);
-                      pool->set_total_pages(p.total_pages);
-                      pool->set_free_pages(p.free_pages);
-                      pool->set_live_sequences(p.live_sequences);
-                    }
-                    r->set_cuda_graphs(e.graphs_enabled());
-                    r->set_max_queued_calls(c.max_queued_calls);
-                    r->set_max_queued_bytes(c.max_queued_bytes);
-                    r->set_max_live_sequences(c.max_live_sequences);
-                    r->set_instance_id(e.instance_id());
-                    r->set_client_shared_memory(e.regions().enabled());
-                    r->set_verify_calls_timed(verify_timed_.load());
-                    r->set_verify_server_seconds_total(verify_server_ns_.load() * 1e-9);
-                    r->set_verify_queue_seconds_total(verify_queue_ns_.load() * 1e-9);
-                    r->set_verify_device_seconds_total(verify_device_ns_.load() * 1e-9);
-                    finish(absl::OkStatus());
-                  });
+                                                           const grpc::ByteBuffer* request_bytes,
+                                                           grpc::ByteBuffer* response_bytes) {
+  return RunUnary<v1::GetServerInfoRequest, v1::ServerInfo>(
+      "GetServerInfo", ctx, request_bytes, response_bytes, /*allowed_while_draining=*/true,
+      [this](const auto& /*request*/, auto* r, auto finish) {
+        const engine::Engine& e = *engine();
+        const engine::EngineConfig& c = e.config();
+        const engine::EngineStats s = e.Stats();
+        r->set_version(options_.version);
+        r->set_backend(e.backend_name());
+        for (const auto& d : e.devices()) {
+          v1::DeviceInfo* info = r->add_devices();
+          info->set_name(d.name);
+          info->set_memory_bytes(d.memory_bytes);
+        }
+        r->set_num_layers(c.num_layers);
+        r->set_num_heads(c.num_heads);
+        r->set_latent_dim(kLatentDim);
+        r->set_value_dim(kValueDim);
+        r->set_rope_dim(kRopeDim);
+        r->set_page_size(c.page_size);
+        r->set_total_pages(s.total_pages);
+        r->set_free_pages(s.free_pages);
+        r->set_max_draft_len(c.max_draft_len());
+        for (int b : c.draft_buckets) r->add_draft_buckets(b);
+        for (int b : c.batch_buckets) r->add_batch_buckets(b);
+        r->set_max_batch(c.max_batch());
+        r->set_max_message_bytes(options_.max_message_bytes);
+        r->set_default_softmax_scale(c.default_softmax_scale);
+        r->set_idle_timeout_seconds(absl::ToInt64Seconds(c.idle_timeout));
+        r->set_live_sequences(s.live_sequences);
+        r->set_max_sequence_len(c.max_sequence_len);
+        r->set_parallel_mode(engine::ParallelModeName(c.parallel_mode));
+        r->set_heads_per_device(e.heads_per_device());
+        for (const engine::PoolStats& p : s.pools) {
+          v1::PoolInfo* pool = r->add_pools();
+          pool->set_devices(p.devices);
+          pool->set_total_pages(p.total_pages);
+          pool->set_free_pages(p.free_pages);
+          pool->set_live_sequences(p.live_sequences);
+        }
+        r->set_cuda_graphs(e.graphs_enabled());
+        r->set_max_queued_calls(c.max_queued_calls);
+        r->set_max_queued_bytes(c.max_queued_bytes);
+        r->set_max_live_sequences(c.max_live_sequences);
+        r->set_instance_id(e.instance_id());
+        r->set_client_shared_memory(e.regions().enabled());
+        r->set_verify_calls_timed(verify_timed_.load());
+        r->set_verify_server_seconds_total(verify_server_ns_.load() * 1e-9);
+        r->set_verify_queue_seconds_total(verify_queue_ns_.load() * 1e-9);
+        r->set_verify_device_seconds_total(verify_device_ns_.load() * 1e-9);
+        finish(absl::OkStatus());
+      });
 }
 
 grpc::ServerUnaryReactor* VerifyServiceImpl::CreateSequence(grpc::CallbackServerContext* ctx,
-    const grpc::ByteBuffer* request_bytes, grpc::ByteBuffer* response_bytes) {
-  return RunUnary<v1::CreateSequenceRequest, v1::CreateSequenceResponse>("CreateSequence", ctx, request_bytes, response_bytes, false, [this](const auto& request, auto* response, auto finish) {
-    absl::StatusOr<uint64_t> id = engine()->CreateSequence(request.label());
-    if (id.ok()) response->set_sequence_id(*id);
-    finish(id.status());
-  });
+                                                            const grpc::ByteBuffer* request_bytes,
+                                                            grpc::ByteBuffer* response_bytes) {
+  return RunUnary<v1::CreateSequenceRequest, v1::CreateSequenceResponse>(
+      "CreateSequence", ctx, request_bytes, response_bytes, false,
+      [this](const auto& request, auto* response, auto finish) {
+        absl::StatusOr<uint64_t> id = engine()->CreateSequence(request.label());
+        if (id.ok()) response->set_sequence_id(*id);
+        finish(id.status());
+      });
 }
 
 grpc::ServerUnaryReactor* VerifyServiceImpl::AppendKv(grpc::CallbackServerContext* ctx,
-    const grpc::ByteBuffer* request_bytes, grpc::ByteBuffer* response_bytes) {
-  return RunUnary<v1::AppendKvRequest, v1::AppendKvResponse>("AppendKv", ctx, request_bytes, response_bytes, false, [this, ctx](const auto& request, auto* response, auto finish) {
-    engine::AppendCall call;
-    call.sequence_id = request.sequence_id();
-    call.start_position = request.start_position();
-    call.kv = ToTensorRef(request.kv());  // T comes from its shape (the engine checks it)
-    call.context = ContextOf(ctx);
-    engine()->SubmitAppendKv(std::move(call), [response, finish = std::move(finish)](
-                                                  absl::StatusOr<int64_t> length) mutable {
-      if (length.ok()) response->set_length(*length);
-      finish(length.status());
-    });
-  });
+                                                      const grpc::ByteBuffer* request_bytes,
+                                                      grpc::ByteBuffer* response_bytes) {
+  return RunUnary<v1::AppendKvRequest, v1::AppendKvResponse>(
+      "AppendKv", ctx, request_bytes, response_bytes, false,
+      [this, ctx](const auto& request, auto* response, auto finish) {
+        engine::AppendCall call;
+        call.sequence_id = request.sequence_id();
+        call.start_position = request.start_position();
+        call.kv = ToTensorRef(request.kv());  // T comes from its shape (the engine checks it)
+        call.context = ContextOf(ctx);
+        engine()->SubmitAppendKv(std::move(call), [response, finish = std::move(finish)](
+                                                      absl::StatusOr<int64_t> length) mutable {
+          if (length.ok()) response->set_length(*length);
+          finish(length.status());
+        });
+      });
 }
 
 absl::Status VerifyServiceImpl::CheckAnswerSize(const v1::VerifyRequest& request,
@@ -367,9 +375,12 @@ void VerifyServiceImpl::StartVerify(grpc::CallbackServerContext* ctx,
 }
 
 grpc::ServerUnaryReactor* VerifyServiceImpl::Verify(grpc::CallbackServerContext* ctx,
-    const grpc::ByteBuffer* request_bytes, grpc::ByteBuffer* response_bytes) {
+                                                    const grpc::ByteBuffer* request_bytes,
+                                                    grpc::ByteBuffer* response_bytes) {
   const Clock::time_point arrived = Clock::now();
-  return RunUnary<v1::VerifyRequest, v1::VerifyResponse>("Verify", ctx, request_bytes, response_bytes, false, [this, ctx, arrived](const auto& request, auto* response, auto finish) {
+  return RunUnary<v1::VerifyRequest, v1::VerifyResponse>(
+      "Verify", ctx, request_bytes, response_bytes, false,
+      [this, ctx, arrived](const auto& request, auto* response, auto finish) {
         // The items and the time split live until the engine is done with them.
         struct State {
           std::vector<engine::VerifyItem> items;
@@ -388,49 +399,61 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::Verify(grpc::CallbackServerContext*
 }
 
 grpc::ServerUnaryReactor* VerifyServiceImpl::Commit(grpc::CallbackServerContext* ctx,
-    const grpc::ByteBuffer* request_bytes, grpc::ByteBuffer* response_bytes) {
-  return RunUnary<v1::CommitRequest, v1::CommitResponse>("Commit", ctx, request_bytes, response_bytes, false, [this](const auto& request, auto* response, auto finish) {
-    engine()->SubmitCommit(
-        request.sequence_id(),
-        absl::MakeConstSpan(request.accepted().data(), request.accepted_size()),
-        [response, finish = std::move(finish)](absl::StatusOr<engine::CommitResult> r) mutable {
-          if (r.ok()) {
-            response->set_length(r->length);
-            response->set_accepted_count(r->accepted_count);
-          }
-          finish(r.status());
-        });
-  });
+                                                    const grpc::ByteBuffer* request_bytes,
+                                                    grpc::ByteBuffer* response_bytes) {
+  return RunUnary<v1::CommitRequest, v1::CommitResponse>(
+      "Commit", ctx, request_bytes, response_bytes, false,
+      [this](const auto& request, auto* response, auto finish) {
+        engine()->SubmitCommit(
+            request.sequence_id(),
+            absl::MakeConstSpan(request.accepted().data(), request.accepted_size()),
+            [response, finish = std::move(finish)](absl::StatusOr<engine::CommitResult> r) mutable {
+              if (r.ok()) {
+                response->set_length(r->length);
+                response->set_accepted_count(r->accepted_count);
+              }
+              finish(r.status());
+            });
+      });
 }
 
 grpc::ServerUnaryReactor* VerifyServiceImpl::ReleaseSequence(grpc::CallbackServerContext* ctx,
-    const grpc::ByteBuffer* request_bytes, grpc::ByteBuffer* response_bytes) {
+                                                             const grpc::ByteBuffer* request_bytes,
+                                                             grpc::ByteBuffer* response_bytes) {
   // Allowed while draining: a scheduler cleaning up frees pages sooner.
-  return RunUnary<v1::ReleaseSequenceRequest, v1::ReleaseSequenceResponse>("ReleaseSequence", ctx, request_bytes, response_bytes, true, [this](const auto& request, auto* response, auto finish) {
-    engine()->SubmitRelease(request.sequence_id(), [response, finish = std::move(finish)](
-                                                        absl::StatusOr<int64_t> freed) mutable {
-      if (freed.ok()) response->set_freed_pages(*freed);
-      finish(freed.status());
-    });
-  });
+  return RunUnary<v1::ReleaseSequenceRequest, v1::ReleaseSequenceResponse>(
+      "ReleaseSequence", ctx, request_bytes, response_bytes, true,
+      [this](const auto& request, auto* response, auto finish) {
+        engine()->SubmitRelease(request.sequence_id(), [response, finish = std::move(finish)](
+                                                           absl::StatusOr<int64_t> freed) mutable {
+          if (freed.ok()) response->set_freed_pages(*freed);
+          finish(freed.status());
+        });
+      });
 }
 
-grpc::ServerUnaryReactor* VerifyServiceImpl::RegisterSystemSharedMemory(grpc::CallbackServerContext* ctx,
-    const grpc::ByteBuffer* request_bytes, grpc::ByteBuffer* response_bytes) {
-  return RunUnary<v1::RegisterSystemSharedMemoryRequest, v1::RegisterSystemSharedMemoryResponse>("RegisterSystemSharedMemory", ctx, request_bytes, response_bytes, false, [this, ctx](const auto& request, auto* /*response*/, auto finish) {
-    if (absl::Status local = CheckLocalPeer(ctx); !local.ok()) return finish(local);
-    finish(engine()->regions().Register(request.name(), request.key(), request.offset(),
-                                        request.byte_size()));
-  });
+grpc::ServerUnaryReactor* VerifyServiceImpl::RegisterSystemSharedMemory(
+    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request_bytes,
+    grpc::ByteBuffer* response_bytes) {
+  return RunUnary<v1::RegisterSystemSharedMemoryRequest, v1::RegisterSystemSharedMemoryResponse>(
+      "RegisterSystemSharedMemory", ctx, request_bytes, response_bytes, false,
+      [this, ctx](const auto& request, auto* /*response*/, auto finish) {
+        if (absl::Status local = CheckLocalPeer(ctx); !local.ok()) return finish(local);
+        finish(engine()->regions().Register(request.name(), request.key(), request.offset(),
+                                            request.byte_size()));
+      });
 }
 
-grpc::ServerUnaryReactor* VerifyServiceImpl::RegisterCudaSharedMemory(grpc::CallbackServerContext* ctx,
-    const grpc::ByteBuffer* request_bytes, grpc::ByteBuffer* response_bytes) {
-  return RunUnary<v1::RegisterCudaSharedMemoryRequest, v1::RegisterCudaSharedMemoryResponse>("RegisterCudaSharedMemory", ctx, request_bytes, response_bytes, false, [this, ctx](const auto& request, auto* /*response*/, auto finish) {
-    if (absl::Status local = CheckLocalPeer(ctx); !local.ok()) return finish(local);
-    finish(engine()->regions().RegisterCuda(request.name(), request.raw_handle(),
-                                            request.device_id(), request.byte_size()));
-  });
+grpc::ServerUnaryReactor* VerifyServiceImpl::RegisterCudaSharedMemory(
+    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request_bytes,
+    grpc::ByteBuffer* response_bytes) {
+  return RunUnary<v1::RegisterCudaSharedMemoryRequest, v1::RegisterCudaSharedMemoryResponse>(
+      "RegisterCudaSharedMemory", ctx, request_bytes, response_bytes, false,
+      [this, ctx](const auto& request, auto* /*response*/, auto finish) {
+        if (absl::Status local = CheckLocalPeer(ctx); !local.ok()) return finish(local);
+        finish(engine()->regions().RegisterCuda(request.name(), request.raw_handle(),
+                                                request.device_id(), request.byte_size()));
+      });
 }
 
 namespace {
@@ -446,66 +469,77 @@ absl::Status Unregistered(absl::StatusOr<std::vector<std::string>> names, Respon
 
 }  // namespace
 
-grpc::ServerUnaryReactor* VerifyServiceImpl::UnregisterSystemSharedMemory(grpc::CallbackServerContext* ctx,
-    const grpc::ByteBuffer* request_bytes, grpc::ByteBuffer* response_bytes) {
+grpc::ServerUnaryReactor* VerifyServiceImpl::UnregisterSystemSharedMemory(
+    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request_bytes,
+    grpc::ByteBuffer* response_bytes) {
   // Allowed while draining: a client cleaning up. (Regions of either kind,
   // as before CUDA regions had their own RPC.)
-  return RunUnary<v1::UnregisterSystemSharedMemoryRequest, v1::UnregisterSystemSharedMemoryResponse>("UnregisterSystemSharedMemory", ctx, request_bytes, response_bytes, true, [this](const auto& request, auto* response, auto finish) {
+  return RunUnary<v1::UnregisterSystemSharedMemoryRequest,
+                  v1::UnregisterSystemSharedMemoryResponse>(
+      "UnregisterSystemSharedMemory", ctx, request_bytes, response_bytes, true,
+      [this](const auto& request, auto* response, auto finish) {
         finish(Unregistered(
             engine()->regions().Unregister(request.name(), engine::RegionKind::kAny), response));
       });
 }
 
-grpc::ServerUnaryReactor* VerifyServiceImpl::UnregisterCudaSharedMemory(grpc::CallbackServerContext* ctx,
-    const grpc::ByteBuffer* request_bytes, grpc::ByteBuffer* response_bytes) {
-  return RunUnary<v1::UnregisterCudaSharedMemoryRequest, v1::UnregisterCudaSharedMemoryResponse>("UnregisterCudaSharedMemory", ctx, request_bytes, response_bytes, true, [this](const auto& request, auto* response, auto finish) {
+grpc::ServerUnaryReactor* VerifyServiceImpl::UnregisterCudaSharedMemory(
+    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request_bytes,
+    grpc::ByteBuffer* response_bytes) {
+  return RunUnary<v1::UnregisterCudaSharedMemoryRequest, v1::UnregisterCudaSharedMemoryResponse>(
+      "UnregisterCudaSharedMemory", ctx, request_bytes, response_bytes, true,
+      [this](const auto& request, auto* response, auto finish) {
         finish(Unregistered(
             engine()->regions().Unregister(request.name(), engine::RegionKind::kCuda), response));
       });
 }
 
-grpc::ServerUnaryReactor* VerifyServiceImpl::SystemSharedMemoryStatus(grpc::CallbackServerContext* ctx,
-    const grpc::ByteBuffer* request_bytes, grpc::ByteBuffer* response_bytes) {
-  return RunUnary<v1::SystemSharedMemoryStatusRequest, v1::SystemSharedMemoryStatusResponse>("SystemSharedMemoryStatus", ctx, request_bytes, response_bytes, true,
-                  [this](const auto& request, auto* response, auto finish) {
-                    absl::StatusOr<std::vector<engine::RegionStatus>> regions =
-                        engine()->regions().Status(request.name(), engine::RegionKind::kAny);
-                    if (regions.ok()) {
-                      for (const engine::RegionStatus& r : *regions) {
-                        v1::SystemSharedMemoryRegion* out = response->add_regions();
-                        out->set_name(r.name);
-                        out->set_key(r.key);
-                        out->set_offset(r.offset);
-                        out->set_byte_size(r.byte_size);
-                        out->set_calls_in_flight(r.calls_in_flight);
-                        out->set_calls_total(r.calls_total);
-                        out->set_pinned(r.pinned);
-                        out->set_cuda(r.cuda);
-                        out->set_device_id(r.device_id);
-                      }
-                    }
-                    finish(regions.status());
-                  });
+grpc::ServerUnaryReactor* VerifyServiceImpl::SystemSharedMemoryStatus(
+    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request_bytes,
+    grpc::ByteBuffer* response_bytes) {
+  return RunUnary<v1::SystemSharedMemoryStatusRequest, v1::SystemSharedMemoryStatusResponse>(
+      "SystemSharedMemoryStatus", ctx, request_bytes, response_bytes, true,
+      [this](const auto& request, auto* response, auto finish) {
+        absl::StatusOr<std::vector<engine::RegionStatus>> regions =
+            engine()->regions().Status(request.name(), engine::RegionKind::kAny);
+        if (regions.ok()) {
+          for (const engine::RegionStatus& r : *regions) {
+            v1::SystemSharedMemoryRegion* out = response->add_regions();
+            out->set_name(r.name);
+            out->set_key(r.key);
+            out->set_offset(r.offset);
+            out->set_byte_size(r.byte_size);
+            out->set_calls_in_flight(r.calls_in_flight);
+            out->set_calls_total(r.calls_total);
+            out->set_pinned(r.pinned);
+            out->set_cuda(r.cuda);
+            out->set_device_id(r.device_id);
+          }
+        }
+        finish(regions.status());
+      });
 }
 
-grpc::ServerUnaryReactor* VerifyServiceImpl::CudaSharedMemoryStatus(grpc::CallbackServerContext* ctx,
-    const grpc::ByteBuffer* request_bytes, grpc::ByteBuffer* response_bytes) {
-  return RunUnary<v1::CudaSharedMemoryStatusRequest, v1::CudaSharedMemoryStatusResponse>("CudaSharedMemoryStatus", ctx, request_bytes, response_bytes, true,
-                  [this](const auto& request, auto* response, auto finish) {
-                    absl::StatusOr<std::vector<engine::RegionStatus>> regions =
-                        engine()->regions().Status(request.name(), engine::RegionKind::kCuda);
-                    if (regions.ok()) {
-                      for (const engine::RegionStatus& r : *regions) {
-                        v1::CudaSharedMemoryRegion* out = response->add_regions();
-                        out->set_name(r.name);
-                        out->set_device_id(r.device_id);
-                        out->set_byte_size(r.byte_size);
-                        out->set_calls_in_flight(r.calls_in_flight);
-                        out->set_calls_total(r.calls_total);
-                      }
-                    }
-                    finish(regions.status());
-                  });
+grpc::ServerUnaryReactor* VerifyServiceImpl::CudaSharedMemoryStatus(
+    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request_bytes,
+    grpc::ByteBuffer* response_bytes) {
+  return RunUnary<v1::CudaSharedMemoryStatusRequest, v1::CudaSharedMemoryStatusResponse>(
+      "CudaSharedMemoryStatus", ctx, request_bytes, response_bytes, true,
+      [this](const auto& request, auto* response, auto finish) {
+        absl::StatusOr<std::vector<engine::RegionStatus>> regions =
+            engine()->regions().Status(request.name(), engine::RegionKind::kCuda);
+        if (regions.ok()) {
+          for (const engine::RegionStatus& r : *regions) {
+            v1::CudaSharedMemoryRegion* out = response->add_regions();
+            out->set_name(r.name);
+            out->set_device_id(r.device_id);
+            out->set_byte_size(r.byte_size);
+            out->set_calls_in_flight(r.calls_in_flight);
+            out->set_calls_total(r.calls_total);
+          }
+        }
+        finish(regions.status());
+      });
 }
 
 // Reads ahead up to stream_max_in_flight requests, submits each to the
@@ -657,12 +691,12 @@ class VerifyServiceImpl::StreamReactor final
       service_->finished_.fetch_add(1);
       Completed(slot, std::move(status));
     };
-    absl::Status admitted = service_->Admit(ctx_, /*allowed_while_draining=*/false);
-    if (admitted.ok()) {
-      admitted = service_->CheckRequestSize("VerifyStream", slot->request_bytes.Length());
-    }
-    if (admitted.ok()) admitted = Decode("VerifyStream", slot->request_bytes, &slot->request);
-    slot->request_bytes.Clear();  // decoded (or refused): the bytes are not needed
+    // Decoded first: every answer, a refusal too, carries its request_id.
+    const size_t bytes = slot->request_bytes.Length();
+    absl::Status admitted = Decode("VerifyStream", slot->request_bytes, &slot->request);
+    slot->request_bytes.Clear();
+    if (admitted.ok()) admitted = service_->Admit(ctx_, /*allowed_while_draining=*/false);
+    if (admitted.ok()) admitted = service_->CheckRequestSize("VerifyStream", bytes);
     if (!admitted.ok()) return complete(admitted);
     service_->StartVerify(ctx_, slot->request, &slot->response, &slot->items, &slot->timing,
                           std::move(complete));

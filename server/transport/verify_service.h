@@ -119,31 +119,43 @@ class VerifyServiceImpl final : public RawVerifyService {
   int64_t calls_finished() const { return finished_.load(); }
 
   // The RPCs, as gRPC calls them: request bytes in, response bytes out.
-  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
+                                          const grpc::ByteBuffer* request,
                                           grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+  grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* ctx,
+                                           const grpc::ByteBuffer* request,
                                            grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* AppendKv(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+  grpc::ServerUnaryReactor* AppendKv(grpc::CallbackServerContext* ctx,
+                                     const grpc::ByteBuffer* request,
                                      grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* Verify(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+  grpc::ServerUnaryReactor* Verify(grpc::CallbackServerContext* ctx,
+                                   const grpc::ByteBuffer* request,
                                    grpc::ByteBuffer* response) override;
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* VerifyStream(
       grpc::CallbackServerContext* ctx) override;
-  grpc::ServerUnaryReactor* Commit(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+  grpc::ServerUnaryReactor* Commit(grpc::CallbackServerContext* ctx,
+                                   const grpc::ByteBuffer* request,
                                    grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* ReleaseSequence(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+  grpc::ServerUnaryReactor* ReleaseSequence(grpc::CallbackServerContext* ctx,
+                                            const grpc::ByteBuffer* request,
                                             grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* RegisterSystemSharedMemory(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+  grpc::ServerUnaryReactor* RegisterSystemSharedMemory(grpc::CallbackServerContext* ctx,
+                                                       const grpc::ByteBuffer* request,
                                                        grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* RegisterCudaSharedMemory(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+  grpc::ServerUnaryReactor* RegisterCudaSharedMemory(grpc::CallbackServerContext* ctx,
+                                                     const grpc::ByteBuffer* request,
                                                      grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* UnregisterSystemSharedMemory(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+  grpc::ServerUnaryReactor* UnregisterSystemSharedMemory(grpc::CallbackServerContext* ctx,
+                                                         const grpc::ByteBuffer* request,
                                                          grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* SystemSharedMemoryStatus(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+  grpc::ServerUnaryReactor* SystemSharedMemoryStatus(grpc::CallbackServerContext* ctx,
+                                                     const grpc::ByteBuffer* request,
                                                      grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* UnregisterCudaSharedMemory(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+  grpc::ServerUnaryReactor* UnregisterCudaSharedMemory(grpc::CallbackServerContext* ctx,
+                                                       const grpc::ByteBuffer* request,
                                                        grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* CudaSharedMemoryStatus(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+  grpc::ServerUnaryReactor* CudaSharedMemoryStatus(grpc::CallbackServerContext* ctx,
+                                                   const grpc::ByteBuffer* request,
                                                    grpc::ByteBuffer* response) override;
 
  private:
@@ -158,8 +170,8 @@ class VerifyServiceImpl final : public RawVerifyService {
   template <typename Request, typename Response, typename Body>
   grpc::ServerUnaryReactor* RunUnary(absl::string_view rpc, grpc::CallbackServerContext* ctx,
                                      const grpc::ByteBuffer* request_bytes,
-                                     grpc::ByteBuffer* response_bytes,
-                                     bool allowed_while_draining, Body body);
+                                     grpc::ByteBuffer* response_bytes, bool allowed_while_draining,
+                                     Body body);
   absl::Status Admit(grpc::CallbackServerContext* ctx, bool allowed_while_draining) const;
   // RESOURCE_EXHAUSTED (counted) when a request of `bytes` is over
   // max_message_bytes.
