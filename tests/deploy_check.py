@@ -6,7 +6,13 @@
   with a static target in place of kubernetes_sd_configs); a live CPU
   server's /metrics passes `promtool check metrics`;
 - every metric that the alerting rules and the Grafana dashboard name exists
-  in that output (so a renamed metric breaks this test);
+  in that output or, for families without series until an event, is
+  registered in server/admin/metrics.cc (so a renamed metric breaks this
+  test), and every metric
+  family (exported, or registered in server/admin/metrics.cc) is on the
+  dashboard or listed under "Not on the dashboard" in server/admin/README.md;
+- every dashboard query parses (`promtool check rules` on them as recording
+  rules, the dashboard's variables replaced by values);
 - every flag that the ConfigMap, the StatefulSet and the Dockerfile pass is a
   flag of `mlaverify-server --help`, and the ConfigMap's flags file starts a
   real server (with CPU overrides on the command line, which win);
@@ -197,12 +203,50 @@ def main():
         "deploy/prometheus/rules.yml": metric_names(open(os.path.join(DEPLOY, "prometheus", "rules.yml")).read()),
         "deploy/grafana/mlaverify.json": metric_names(open(os.path.join(DEPLOY, "grafana", "mlaverify.json")).read()),
     }
+    # Families with no series until an event (CUDA graph replays on a CPU
+    # server) are not in the scrape; server/admin/metrics.cc registers them.
+    source = open(os.path.join(ROOT, "server", "admin", "metrics.cc")).read()
+    families = exported | set(re.findall(r'"(mlaverify_[a-z0-9_]+)"', source))
     for where, names in referenced.items():
         if not names:
             fail(f"{where} names no metric")
-        for name in sorted(names - exported):
-            fail(f"{where} uses {name}, which the server does not export")
-    json.load(open(os.path.join(DEPLOY, "grafana", "mlaverify.json")))
+        for name in sorted(names - families):
+            fail(f"{where} uses {name}, which the server neither exports nor registers")
+    # Every dashboard query parses as PromQL: each becomes a recording rule
+    # (the dashboard's variables replaced by values) for promtool check rules.
+    board = json.load(open(os.path.join(DEPLOY, "grafana", "mlaverify.json")))
+    exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:query{i}",
+         "expr": e.replace("$namespace", ".*").replace("$pod", ".*")
+                  .replace("$kv_bytes_per_token", "70272")}
+        for i, e in enumerate(exprs)]}]}
+    with tempfile.NamedTemporaryFile("w", suffix=".yml", delete=False) as f:
+        json.dump(rules, f)
+    r = run("promtool", "check", "rules", f.name)
+    os.unlink(f.name)
+    if r.returncode != 0 or "$" in json.dumps(rules):
+        fail(f"dashboard queries (variables substituted) do not all parse: {r.stdout}{r.stderr}")
+
+    # Every metric family is on the dashboard or listed in
+    # server/admin/README.md as deliberately left off it.
+    admin_readme = open(os.path.join(ROOT, "server", "admin", "README.md")).read()
+    section = re.search(r"^### Not on the dashboard\n(.*?)(?=^#|\Z)", admin_readme, re.M | re.S)
+    if section is None:
+        fail("server/admin/README.md has no '### Not on the dashboard' section")
+        left_off = set()
+    else:
+        left_off = set(re.findall(r"^\| `(mlaverify_[a-z0-9_]+)` \|", section.group(1), re.M))
+    dashboard = referenced["deploy/grafana/mlaverify.json"]
+    for name in sorted(families - dashboard - left_off):
+        fail(f"{name} is neither on the dashboard nor listed under 'Not on the dashboard' "
+             "in server/admin/README.md")
+    for name in sorted(left_off & dashboard):
+        fail(f"{name} is on the dashboard and also listed as left off it in server/admin/README.md")
+    for name in sorted(left_off - families):
+        fail(f"server/admin/README.md lists {name} as left off the dashboard; no such family")
+    print(f"metric families: {len(families)}, on the dashboard {len(families & dashboard)}, "
+          f"left off with a reason {len(left_off & families)}")
 
     if shutil.which("kubectl"):
         r = run("kubectl", "kustomize", os.path.join(DEPLOY, "kubernetes"))
