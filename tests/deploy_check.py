@@ -8,14 +8,14 @@
 - every metric that the alerting rules and the Grafana dashboard name exists
   in that output or, for families without series until an event, is
   registered in server/admin/metrics.cc (so a renamed metric breaks this
-  test), and every metric
-  family (exported, or registered in server/admin/metrics.cc) is on the
-  dashboard or listed under "Not on the dashboard" in server/admin/README.md;
+  test); every metric family (exported or registered) is on the dashboard or
+  listed under "Not on the dashboard" in server/admin/README.md;
 - every dashboard query parses (`promtool check rules` on them as recording
   rules, the dashboard's variables replaced by values);
-- every flag that the ConfigMap, the StatefulSet and the Dockerfile pass is a
-  flag of `mlaverify-server --help`, and the ConfigMap's flags file starts a
-  real server (with CPU overrides on the command line, which win);
+- every flag that the ConfigMap, the StatefulSet, the scheduler-sidecar
+  example and the Dockerfile pass is a flag of `mlaverify-server --help`,
+  and the ConfigMap's flags file starts a real server (with CPU overrides on
+  the command line, which win);
 - ports and probes agree with the flags (--listen, --admin-port, /healthz,
   /readyz answer), the grace period covers preStop + drain;
 - `kubectl kustomize` renders the manifests, where kubectl is installed.
@@ -119,6 +119,12 @@ def main():
         if name not in flags:
             fail(f"StatefulSet passes {name}, which is not a server flag")
         args[name] = value
+    with open(os.path.join(DEPLOY, "scheduler-sidecar", "sidecar-patch.yaml")) as f:
+        for op in yaml.safe_load(f):
+            if op.get("path", "").endswith("/args/-"):
+                name = op["value"].partition("=")[0]
+                if name not in flags:
+                    fail(f"scheduler-sidecar passes {name}, which is not a server flag")
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     if args.get("--listen", "").rsplit(":", 1)[-1] != str(ports.get("grpc")):
         fail(f"--listen {args.get('--listen')} does not match containerPort grpc {ports.get('grpc')}")
