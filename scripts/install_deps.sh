@@ -20,6 +20,10 @@ case ${1:-} in
     packages+=(clang libclang-rt-14-dev clang-format shellcheck
                python3-grpcio python3-protobuf python3-numpy python3-pytest
                prometheus yamllint python3-h2)
+    # kubectl renders the manifests (`kubectl kustomize`) for
+    # tests/k8s_check.py; a kubectl already installed from elsewhere (it
+    # would conflict with Debian's) is used as it is.
+    command -v kubectl >/dev/null || packages+=(kubernetes-client)
     ;;
   *) echo "usage: $0 [--build]" >&2; exit 2 ;;
 esac
