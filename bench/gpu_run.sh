@@ -366,7 +366,7 @@ if want shapes; then
   summary+=("shapes rc=${PIPESTATUS[0]}")
 fi
 if want small; then
-  # Small batch, default kernel: the split knobs (lead 1 of bench/NOTES.md).
+  # Small batch, default kernel: the split knobs (bench/NOTES.md, "Ideas not yet tried").
   for flags in "" "--ctas-per-sm 2 --min-chunk-tiles 4" "--min-chunk-tiles 4" "--min-chunk-tiles 1" "--pdl"; do
     echo "== flags: ${flags:-default}"
     # shellcheck disable=SC2086  # $flags holds several words
@@ -440,7 +440,7 @@ if want sass && command -v cuobjdump >/dev/null; then
   cuobjdump -sass -arch sm_90 "$bundle/bin/mlaverify-bench" > "$out/sass_sm90.txt" 2>&1
   summary+=("sass rc=$? ($(wc -l < "$out/sass_sm90.txt") lines)")
   # Instructions and WARPSYNC per tile loop of every attention kernel: compare
-  # with the previous build's before reading an A/B (bench/NOTES.md v8.2).
+  # with the previous build's before reading an A/B (bench/NOTES.md, "Reading an A/B").
   python3 bench/research/sass_loops.py "$out/sass_sm90.txt" > "$out/sass_loops.txt" 2>&1
   cat "$out/sass_loops.txt"
 fi

@@ -7,7 +7,7 @@ Reads RUN_DIR/{anchor,sweep,triton_anchor,triton_sweep}.json (written by
 mlaverify-bench and bench/baselines/triton_extend.py in the same device call),
 writes bench/results/NAME.json (both implementations' rows plus the speed-up of
 each anchor row), bench/results/NAME.png (time against prefix length: this
-kernel, the Triton baseline and the floor), and prints the README's markdown
+kernel, the Triton baseline and the floor), and prints bench/RESULTS.md's markdown
 table. Nothing here measures anything: every number comes from the JSON.
 """
 import argparse

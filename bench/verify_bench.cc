@@ -5,7 +5,8 @@
 //   mlaverify-bench --suite anchor --out bench/results/h200.json
 //   mlaverify-bench --shape 1,4096,16,8,64,tree --shape 8,65536,16,16
 //
-// Method (KERNEL.md): the card's read bandwidth is measured in the same run;
+// Method (docs/kernel.md, "How figures are taken"): the card's read bandwidth is measured
+// in the same run;
 // each repetition is one graph replay timed with CUDA events, L2 flushed
 // before it (a 256 MB memset outside the timed region); median of --reps
 // repetitions after warm-up. Inputs are random (never zero), unused pool
@@ -46,7 +47,7 @@ using kernels::testing::HostVerifyProblem;
 using kernels::testing::MaskKind;
 using kernels::testing::VerifyProblemSpec;
 
-constexpr double kFlopRoof = 730e12;  // KERNEL.md's compute roof for the floor
+constexpr double kFlopRoof = 730e12;  // the compute roof of docs/kernel.md's floor
 
 struct Shape {
   int batch, prefix, draft, heads, page_size;
@@ -86,7 +87,7 @@ bool ParseShape(const std::string& text, Shape* s) {
 std::vector<Shape> Suite(const std::string& name) {
   std::vector<Shape> shapes;
   if (name == "anchor") {
-    // KERNEL.md's baseline table, with chain and tree masks, page sizes 1 and 64.
+    // docs/kernel.md's table, with chain and tree masks, page sizes 1 and 64.
     const int table[][4] = {{1, 4096, 16, 8},   {1, 65536, 16, 8}, {8, 16384, 16, 8},
                             {8, 65536, 4, 16},  {32, 65536, 4, 8}, {8, 65536, 16, 16},
                             {8, 16384, 16, 128}};
@@ -201,7 +202,7 @@ absl::StatusOr<nlohmann::json> RecordPhaseStamps(cudaGraphExec_t exec, cudaStrea
   // over that span (it includes the plan and the prologue: a long segment's
   // per-tile figure, a short one's upper bound).
   // Hence the label "+head": read as a tile cost, the B=1, L=64K figure once
-  // suggested a slower tile; it was the head (bench/NOTES.md, the time model).
+  // suggested a slower tile; it was the head (bench/NOTES.md, "The time model").
   const char* raw_labels[] = {"SM MHz", "cyc/tile+head", "tiles"};
   for (int k = kernels::kFirstRawSlot; k < kPhaseSlots; ++k) {
     std::vector<int64_t> v;

@@ -85,8 +85,8 @@ class RunControl {
   // of them ready and set the run's clock (Start). The prompts' uploads are
   // megabytes each and share the channel with the Verify calls: timed, the
   // first steps' Verify calls waited behind other workers' uploads (a 453 ms
-  // maximum against a 13 ms p99.9 on the H200; bench/NOTES.md, "The service
-  // on the eager CUDA backend").
+  // maximum against a 13 ms p99.9 on the H200; bench/NOTES.md, "Prompt uploads
+  // on the Verify channel").
   void WorkerReady() {
     absl::MutexLock lock(&mu_);
     ++ready_;

@@ -5,7 +5,7 @@
 // so the kernels sit in captured graphs. The gather first fetches its list
 // from the host slot with one block: reading host memory from every block of
 // the copy grid cost ~1 us of device time per block on the H200
-// (bench/NOTES.md, "The data path in the engine").
+// (bench/NOTES.md, "The gather reads its list with plain loads").
 #include <cuda_runtime.h>
 
 #include <cstdint>

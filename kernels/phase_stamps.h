@@ -1,7 +1,7 @@
 // Phase stamps: a diagnostic build of the verify kernels that records, per
 // CTA, the %globaltimer (ns) at which thread 0 of a role passes each phase of
 // the attention and combine kernels, to find where the time of a small-batch
-// launch goes (bench/NOTES.md v9). Compiled in only with the CMake option
+// launch goes (bench/NOTES.md, "Kernel figures"). Compiled in only with the CMake option
 // MLAVERIFY_PHASE_STAMPS=ON (a separate build directory): the default build
 // has no stamp code at all, so its SASS is untouched. The benchmark reads them
 // with `mlaverify-bench --phase-stamps FILE`.
@@ -42,8 +42,8 @@ enum PhaseSlot : int {
   kStampMergeShared = 23,  // the row's warps have met in shared memory (before the row is written)
   // Raw values, not times (kFirstRawSlot on): the SM clock the CTA ran at,
   // as clock64 cycles over %globaltimer ns between its entry and the PV
-  // warps' last tile, and the cycles per tile (bench/NOTES.md, the card:
-  // the SM clock under mma.sync).
+  // warps' last tile, and the cycles per tile (bench/NOTES.md, "The card and the
+  // floors": the SM clock under mma.sync).
   kStampClockEntry = 24,   // clock64 where kStampEntry is taken
   kStampClockPvDone = 25,  // clock64 where kStampPvDone is taken (the CTA's last segment)
   kStampTiles = 26,        // KV tiles the CTA's PV warps ran, summed over its segments

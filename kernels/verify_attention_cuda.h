@@ -24,21 +24,21 @@ struct VerifyLaunchConfig {
   int min_chunk_tiles = 2;  // smallest KV chunk of a split, in 32-token tiles
   // Programmatic dependent launch between plan, attention and combine (sm_90+).
   // Off by default: on the H200 it made every anchor shape slower but three
-  // H=128 rows (within 0.2 %; B=1, L=4K: 31.1 vs 27.3 us; bench/NOTES.md), for
+  // H=128 rows (within 0.2 %; B=1, L=4K: 31.1 vs 27.3 us; bench/NOTES.md, "PDL off"), for
   // reasons not yet understood.
   bool programmatic_launch = false;
   // Batches up to this size skip the plan kernel: each attention CTA computes
   // the (same) plan in its first warp and takes its own item, one launch
-  // fewer (0..32; 0 always launches the plan kernel; bench/NOTES.md v6).
+  // fewer (0..32; 0 always launches the plan kernel; bench/NOTES.md, "The plan in-warp").
   int plan_in_warp_max_batch = 32;
   // Let the plan cut the batch's KV into equal stream ranges when every
   // request has the same number of 32-row tiles and that beats whole chunks
-  // per request (verify_kernel.cuh, "Plan"; bench/NOTES.md v7). Off: always
+  // per request (verify_kernel.cuh, "Plan"; bench/NOTES.md, "The stream plan"). Off: always
   // the chunk plan.
   bool stream_plan = true;
   // Merge the split rows' partials inside the attention kernel instead of a
   // combine kernel for batches of up to this many requests (0: never;
-  // verify_kernel.cuh, "Fused combine"; bench/NOTES.md v8, v9.3):
+  // verify_kernel.cuh, "Fused combine"; bench/NOTES.md, "Fused combine"):
   // every CTA of a split row tile waits for the tile's partials, then merges
   // its share of the rows. Needs every CTA resident at once, so it is used
   // only without programmatic launch and when the grid fits `resident_ctas`; the kernel is then
@@ -66,7 +66,7 @@ struct VerifyLaunchConfig {
   // with no planning launch on the workspace before, the result is wrong
   // and the launch may read out of bounds (a stale stream plan did in the
   // GPU test's first version). Measured -1.6 to -1.8 us per launch up to
-  // B=8 (B=1, L=4K: 18.6 -> 16.8 us), +1 us at B=32 (bench/NOTES.md v28).
+  // B=8 (B=1, L=4K: 18.6 -> 16.8 us), +1 us at B=32 (bench/NOTES.md, "Plan once per verify step").
   bool reuse_plan = false;
 };
 

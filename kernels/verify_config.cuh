@@ -47,7 +47,7 @@ static_assert(BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0, "mma.m16n8k16 tiles");
 //   PV warps: O[32 rows, 512 / PV_WARPS columns] in registers;
 //     O = alpha O + P(t) V(t) while the score warps already work on tile t+1.
 //     They also issue the KV loads, which keeps address arithmetic off the
-//     score warps (ncu, bench/NOTES.md v4a/v4b).
+//     score warps (ncu, bench/NOTES.md, "Warp-specialised, not split-K").
 // They hand over through named barriers (double-buffered P and alpha), so
 // the tensor pipe stays busy during the softmax. KV tiles are 16 tokens so
 // that five stages fit 99 KB.
@@ -67,7 +67,7 @@ constexpr int PAGE_AHEAD = 4;
 constexpr int PAGE_RING = 8;
 // Page sizes below 2^RING_BELOW_PAGE_LOG2 tokens take the ring; from there up
 // a 16-token tile lies in one page and the PV warps read its id into a
-// register one step ahead (bench/NOTES.md v4g).
+// register one step ahead (bench/NOTES.md, "Page ids: ring or register").
 constexpr int RING_BELOW_PAGE_LOG2 = 4;
 static_assert((1 << RING_BELOW_PAGE_LOG2) >= BLOCK_N, "a register-path tile must lie in one page");
 // The softmax keeps a row's exponent reference while no new score exceeds it

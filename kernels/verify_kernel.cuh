@@ -98,7 +98,7 @@ __device__ __forceinline__ int SplitFirstTile(int split, int tiles, int splits) 
 // chunk plan's row tiles do. It fills G * RT CTAs with equal work where the
 // chunk plan rounds each request up to whole chunks: B=32, L=64K, N=4 is 128
 // items of 513 tiles under the chunk plan and 132 ranges of 497 under this
-// one (bench/NOTES.md v7). The plan takes it when its longest range is
+// one (bench/NOTES.md, "The stream plan"). The plan takes it when its longest range is
 // shorter than the chunk plan's longest chunk times its waves by at least
 // STREAM_MIN_GAIN_TILES.
 //
@@ -109,7 +109,7 @@ __device__ __forceinline__ int SplitFirstTile(int split, int tiles, int splits) 
 // Two implementations of the same arithmetic (the helpers below): PlanKernel,
 // one CTA of one thread per request, writes the whole plan; for batch
 // <= kPlanInWarpMaxBatch the attention kernel plans in its first warp
-// instead (PlanInWarp, no plan launch: bench/NOTES.md v6).
+// instead (PlanInWarp, no plan launch: bench/NOTES.md, "The plan in-warp").
 // kernels/testing/models/plan_model.py mirrors both and checks coverage.
 // ---------------------------------------------------------------------------
 static_assert(kPlanInWarpMaxBatch == 32, "PlanInWarp: one lane per request");
@@ -166,7 +166,7 @@ struct PlanTotals {
 // The stream plan must shorten the longest CTA by this many tiles: a range
 // that spans requests restarts the pipeline per segment and holds up to two
 // split segments for the combine (B=8·L=16K·N=16·H=8: 125 instead of 129
-// tiles measured 3 % slower; bench/NOTES.md v7).
+// tiles measured 3 % slower; bench/NOTES.md, "The stream plan").
 constexpr int STREAM_MIN_GAIN_TILES = 5;
 
 // Ranges of the stream plan, or 0 for the chunk plan. chunk_items and
@@ -513,7 +513,7 @@ struct NoSegmentHook {
 };
 // The Q rows are the last cold read before the first MMA at small batch:
 // the score warps issue them after the plan and wait ~2 us for them (phase
-// stamps, bench/NOTES.md v9.4). They depend on the lengths only, not on the
+// stamps, bench/NOTES.md, "L2 prefetches"). They depend on the lengths only, not on the
 // plan: one warp (the second, idle until the plan's barrier) reads the draft
 // counts itself, and the grid asks L2 for the batch's sum(N) x H rows of 576
 // bf16 (nine 128-byte lines each), CTA x taking lines x*32 + lane, then
@@ -544,7 +544,7 @@ __device__ __forceinline__ void PrefetchQueryRows(const VerifyParams& p) {
 // warp plan (PrefetchQueryRows). The non-fused instances only: in the fused
 // ones it measured B=1 0.6-1.3 us slower. Where it pays: the stream plan's
 // segment restarts read a cold Q (B=32, L=64K, page 1: 677 -> 663 us;
-// bench/NOTES.md v12.2).
+// bench/NOTES.md, "L2 prefetches").
 template <bool kPrefetchQueries, typename Attend, typename After = NoSegmentHook>
 __device__ __forceinline__ void ForEachSegment(const VerifyParams& p, SegmentSmem& sm,
                                                Attend&& attend, After&& after = After{}) {
@@ -644,11 +644,11 @@ __device__ __forceinline__ void StoreRowStats(const VerifyParams& p, int partial
 // the output (unsplit row tile, partial_slot < 0) or the partial slot.
 // Partials are bf16 (half the workspace of fp32): O / l is a convex
 // combination of V rows, so bf16 keeps its range, and the merge adds one more
-// bf16 rounding (2^-9 relative) before the output's own (bench/NOTES.md v9.1).
+// bf16 rounding (2^-9 relative) before the output's own (bench/NOTES.md, "bf16 partials").
 // 4-byte stores straight from the fragment layout cost ~2 us at B=1, L=4K
 // (64 store instructions per thread, each touching eight rows: 2,048 sector
 // requests per CTA whether the partial was fp32 or bf16; phase stamps,
-// bench/NOTES.md v9.2). So the warp first writes its slice to `staging`
+// bench/NOTES.md, "bf16 partials"). So the warp first writes its slice to `staging`
 // (shared memory no other warp uses: the caller's KV stages after the last
 // tile), then stores whole rows with 16-byte stores. A padded pitch (16
 // bytes) keeps both the fragment writes and the row reads free of bank
@@ -727,7 +727,7 @@ __device__ __forceinline__ void StoreOutputSliceStaged(const VerifyParams& p,
 // rescaled once per round of COMBINE_UNROLL splits (v17); a row's warps are
 // merged through shared memory. All of a warp's loads for
 // COMBINE_UNROLL splits go out together, so a CTA costs a few L2 round trips
-// whatever its rows and splits (bench/NOTES.md v6, v7). A combine CTA finds
+// whatever its rows and splits (bench/NOTES.md, "The stream plan"). A combine CTA finds
 // its split segments as the attention CTA of the same index did (the work
 // list, or the stream ranges).
 // ---------------------------------------------------------------------------
@@ -855,10 +855,10 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
       // rescale once, and each split adds w o with one FFMA per column. (An
       // online max per split, rescaling before every split, was 2.5x the
       // code, and the combine kernel's merge waits on its code streaming in:
-      // -1 to -1.5 us, bench/NOTES.md v10 and v17.)
+      // -1 to -1.5 us, bench/NOTES.md, "The merge".)
       // No branch on the LSEs (v17 had `continue` while all were -inf): a
       // reference of 0 then keeps every weight and scale 0 (v17.1: -0.1 to
-      // -0.3 us in the fused merge, bench/NOTES.md v17.1).
+      // -0.3 us in the fused merge, bench/NOTES.md, "The merge").
       float m_new = m;
 #pragma unroll
       for (int u = 0; u < COMBINE_UNROLL; ++u) m_new = fmaxf(m_new, lse_v[u]);
@@ -958,7 +958,7 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
 }
 
 // ---------------------------------------------------------------------------
-// Fused combine (VerifyLaunchConfig::fused_combine, bench/NOTES.md v8): the
+// Fused combine (VerifyLaunchConfig::fused_combine, bench/NOTES.md, "Fused combine"): the
 // attention CTAs merge the partials themselves, as the combine kernel's CTA
 // of the same index would. After each segment a CTA counts its split
 // segments in on the row tile's arrival counter; after its last segment it
@@ -1025,7 +1025,7 @@ __device__ __forceinline__ void MergeCtaSplits(const VerifyParams& p,
     // Checked here, after the segment loop, not at the arrivals: a trap (or a
     // printf call) in the loop around the attention body made ptxas put
     // WARPSYNC.ALL before the tile loops' warp-wide instructions and cost 4 %
-    // (bench/NOTES.md v8.2). An uninitialised workspace's arrivals counted
+    // (bench/NOTES.md, "Reading an A/B"). An uninitialised workspace's arrivals counted
     // into garbage; no CTA has waited on them yet.
     if (threadIdx.x == 0 && *p.fused_magic != kFusedWorkspaceMagic) {
       printf(
@@ -1040,13 +1040,13 @@ __device__ __forceinline__ void MergeCtaSplits(const VerifyParams& p,
     // count's old value is only looked at after the merge, so the atomic's
     // round trip to L2 overlaps the merge instead of holding the whole CTA
     // at the barrier below (0.6-0.7 us of the 2.9 us fused merge at B=1,
-    // L=4K; bench/NOTES.md v18). The last split's CTA resets both
+    // L=4K; bench/NOTES.md, "The merge"). The last split's CTA resets both
     // counters then: every split is past its wait by then, as before.
     [[maybe_unused]] unsigned int done_before = 0;
     [[maybe_unused]] int key = 0;
     // The request's rows (tokens x heads), read before the wait so that the
     // merge does not start with this load's round trip (fused, B=1, L=4K:
-    // ~0.5 us after the wait; bench/NOTES.md v18b).
+    // ~0.5 us after the wait; bench/NOTES.md, "The merge").
     const int rows = p.draft_len[item.request] * p.num_heads;
     if constexpr (kFused) {
       if (threadIdx.x == 0) {

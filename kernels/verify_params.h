@@ -90,7 +90,7 @@ struct VerifyParams {
   VerifyWorkItem* work;      // [max_work]
   // ---- workspace: partial results of split row tiles ----
   float* partial_lse;     // [2 * target_ctas, 32] natural log
-  uint16_t* partial_out;  // [2 * target_ctas, 32, 512] bf16, normalised (bench/NOTES.md v9.1)
+  uint16_t* partial_out;  // [2 * target_ctas, 32, 512] bf16, normalised (NOTES.md, "bf16 partials")
   int max_work;           // grid of the attention and combine kernels
   int target_ctas;        // CTAs the split aims to fill the device with
   int min_chunk_tiles;    // smallest KV chunk, in 32-token tiles

@@ -45,7 +45,7 @@ namespace mlaverify::kernels::verify {
 // this gained 1.2-2.8 % on the page-1 shapes. On the register page path the
 // pair's barrier paces the tile: the same change there was 3.9-5.1 % slower
 // compute-bound, the score warps then waiting for the PV warps
-// (bench/NOTES.md v26).
+// (bench/NOTES.md, "Per-half exponent references").
 namespace half_refs {
 // Float indices into the exchange area: [4 warps][16 rows] published
 // references, [2 row groups][16] key half 1's final references, then
@@ -60,7 +60,7 @@ constexpr int kDirtyAt = 256;
 }  // namespace half_refs
 
 // Where the PV warps arrive KV_FULL(t+2) in their iteration t (see
-// arrive_kv_full in the PV loop), per instance (bench/NOTES.md v23, rf1):
+// arrive_kv_full in the PV loop), per instance (bench/NOTES.md, "The hand-over"):
 // - register page path: after three quarters of their V pairs (v23d).
 //   Halfway took the compute-bound shape 6.9 % faster than after the MMAs
 //   (v23b); three quarters is as fast there and 0.9 % faster at B=32.
@@ -383,7 +383,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p,
   // segments are short (batch <= fused_combine_max_batch spread over the
   // whole grid, one page-table line or two), and with it B=1, L=64K measured
   // 5 % slower (code generation of that instance, not analysed;
-  // bench/NOTES.md v12). Its PTX is then unchanged.
+  // bench/NOTES.md, "L2 prefetches"). Its PTX is then unchanged.
   constexpr bool kPageLinePrefetch = !kFused;
   // PV(t)'s MMAs wait for S(t+1)'s to be issued (v15); register page path only.
   constexpr bool kPhaseOffset = !kPageRing;
@@ -438,7 +438,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p,
   // (two constant loads and five 64-bit multiply-adds for the page id's
   // address, a 64-bit add and two selects for the row's), and each
   // instruction on the PV warps' path costs ~2.6 cycles per tile
-  // (bench/NOTES.md v19).
+  // (bench/NOTES.md, "Per-tile instruction diet").
   const int32_t* pages =
       ptx::Opaque(p.page_table + (p.page_table_offset != nullptr ? p.page_table_offset[b]
                                                                  : b * p.page_table_stride));
@@ -491,7 +491,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p,
     // The page ids of every prologue tile are read first, all together: read
     // one by one before each tile's loads they were NUM_STAGES dependent L2
     // round trips (2.3-2.6 us after the plan at B=1, with L2 warm or cold;
-    // phase stamps, bench/NOTES.md v9.2).
+    // phase stamps, bench/NOTES.md, "bf16 partials").
     int first_pages[NUM_STAGES];
 #pragma unroll
     for (int t = 0; t < NUM_STAGES; ++t)
@@ -556,7 +556,8 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p,
   // Page ids of the rows to load. Below 16 tokens per page every row of a
   // tile has its own page-table entry, cold in L2 after a flush: reading the
   // id into a register one step ahead stalled the loads behind it (page size
-  // 1 ran 20 % behind page size 64; bench/NOTES.md v4d). There the ids come
+  // 1 ran 20 % behind page size 64; bench/NOTES.md, "Page ids: ring or register").
+  // There the ids come
   // through a shared ring instead, fetched with cp.async by each row's first
   // loader thread PAGE_AHEAD tiles ahead, in the commit group of the step that
   // issues them: by the time their tile is loaded, the wait_group of an
@@ -584,7 +585,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p,
     // The register path reads each tile's page id one tile ahead, and a
     // page-table line (32 ids) ends every 32 pages: read cold, that read is a
     // DRAM round trip on the PV warps' critical path, 8 times per CTA at
-    // B=32, L=64K (bench/NOTES.md v12). Ask L2 for every line of the segment's
+    // B=32, L=64K (bench/NOTES.md, "L2 prefetches"). Ask L2 for every line of the segment's
     // page ids now, one per loader thread (up to 128 lines: 4,096 pages).
     const int first_line = (kv_begin >> p.page_size_log2) >> 5;
     const int last_line = ((kv_end - 1) >> p.page_size_log2) >> 5;
@@ -745,7 +746,7 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p,
     if (t + 2 < num_tiles) ptx::NamedBarrierArrive(BAR_P_EMPTY + (t & 1), NUM_THREADS);
     // The loads go out after the MMAs: issued before them, their address
     // registers held the MMAs back until the MIO queue had taken all nine
-    // cp.async (bench/NOTES.md v4h); tile t+NUM_STAGES-1 is needed
+    // cp.async (bench/NOTES.md, "Per-tile instruction diet"); tile t+NUM_STAGES-1 is needed
     // NUM_STAGES-2 tiles later.
     if (t >= 1) {
       // Stage (t-1) % NUM_STAGES is free (see the header): load tile t+NUM_STAGES-1 into it.

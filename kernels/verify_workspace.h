@@ -18,7 +18,7 @@ namespace mlaverify::kernels {
 // workspace was sized for, and every later launch, of any smaller batch, must
 // find them where it wrote them. (They used to follow the batch-sized arrays:
 // the engine, which sizes for max_batch and launches the batch at hand, then
-// read the mark from the wrong place and trapped; bench/NOTES.md v9.3.1.)
+// read the mark from the wrong place and trapped; bench/NOTES.md, "Workspace layout".)
 struct VerifyWorkspaceLayout {
   size_t fused_magic;           // u64 kFusedWorkspaceMagic once initialised
   size_t split_arrivals;        // u32 [target_ctas]

@@ -194,8 +194,8 @@ TEST_F(GpuKernelTest, AttentionMatchesReferenceOverTheGrid) {
 // `pipelined` score warps and at different tiles, so O's rescale runs deep
 // into a segment. With the grid's ranges it moves after a row's first tiles
 // only in short tree problems (a row whose first visible keys scored low).
-// Both tests fail on a build whose PV warps skip that rescale (bench/NOTES.md
-// v26b).
+// Both tests fail on a build whose PV warps skip that rescale (bench/NOTES.md,
+// "Stale exponent reference").
 TEST_F(GpuKernelTest, RisingScoresMoveTheExponentReference) {
   std::vector<GridCase> cases = {
       {{70000}, {16}, 8, 64, MaskKind::kTree},

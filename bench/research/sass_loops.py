@@ -6,7 +6,7 @@ prints, per kernel with MMAs, for every innermost backward-branch loop that
 contains HMMA, its address range
 and how many instructions, HMMA, LDSM, BAR, LDGSTS and WARPSYNC it holds,
 plus the kernel's total WARPSYNC count. Used to compare the tile loops of
-two builds before reading an A/B (bench/NOTES.md v8.2: a trap near the
+two builds before reading an A/B (bench/NOTES.md, "Reading an A/B": a trap near the
 segment loop put WARPSYNC.ALL into the tile loops and cost 4 %).
 
   cuobjdump -sass [-fun MANGLED_NAME] mlaverify-bench > k.sass   (GPU machine;

@@ -21,13 +21,13 @@
         0.9 x the most executed one, gaps under 0x1000 bytes bridged) and
         prints for each what --loop prints, with --per set to its most
         executed instruction's count, plus its eight instructions with the
-        most samples (the stall profile of bench/NOTES.md v23e; CTest's
+        most samples (the stall profile of bench/NOTES.md, "The tile"; CTest's
         sass_profile_finds_loops runs it on that profile, testdata/).
     bench/research/sass_profile.py stalls_sass.csv --regions 0x800
         (any build) per 0x800-byte slice of the code that ran: executions,
         the most any one instruction ran (132 = one warp per CTA, 1,024 =
         eight warps of 128 CTAs, ...), samples and top stall reasons. How the
-        merge was found waiting on instruction fetch (bench/NOTES.md v10).
+        merge was found waiting on instruction fetch (bench/NOTES.md, "The merge").
 """
 import argparse
 import collections

@@ -1,6 +1,5 @@
 // mlaverify-tile-probe: what the `pipelined` kernel's 16-token tile costs in
-// its two resources when nothing else runs (bench/NOTES.md, the tile probe
-// under v15.3).
+// its two resources when nothing else runs (bench/NOTES.md, "The tile probe").
 //
 // The tile loop of the verify kernel (kernels/verify_pipelined_kernel.cuh;
 // the score warps split Q's dims here, as the kernel did before v22, except
@@ -18,7 +17,7 @@
 // built up towards the kernel: the score warp's pair exchange, its softmax and
 // P stores, the P hand-over to the PV warps (two or three buffers), the
 // kernel's phase offset, the PV warps' loads and KV_FULL, and the score warps
-// software-pipelined across tiles (bench/NOTES.md v16). The SM clock
+// software-pipelined across tiles (bench/NOTES.md, "Ideas closed by measurement"). The SM clock
 // each CTA ran at (clock64 over globaltimer) is printed beside the cycles.
 //
 //   mlaverify-tile-probe [--iters N] [--json FILE] [--rows SUBSTRING]
@@ -91,12 +90,12 @@ enum Role : int {
   kScorePipelined = 18,    // ScorePipelinedStream with two P buffers (its PV partner: kPvHandOver)
   // The pipelined score warps with the PV warps' loads and KV_FULL. (A ninth warp that
   // only loads is not an option: ptxas caps a CTA of 288 threads at 168 registers, as
-  // for 384, on sm_90 and sm_120; bench/NOTES.md v16.)
+  // for 384, on sm_90 and sm_120; bench/NOTES.md, "The tile probe".)
   kScorePipelinedKv = 19,  // kScorePipelined, one exchange buffer, KV_FULL(t + 1) before S(t + 1)
   kPvLoadsEarlyKv = 20,    // kPvHandOver + the loads; KV_FULL(t + 2) arrived right after P_FULL(t)
   kPvLoadsLateKv = 21,     // the same with KV_FULL(t + 2) after the MMAs (v15.3's place)
-  // What the kernel-protocol row lacks against the kernel (bench/NOTES.md, the probe's
-  // last gap, measured on v18b), beside kScoreKernelProtocol: each tile's address from a
+  // What the kernel-protocol row lacks against the kernel (bench/NOTES.md, "The tile probe",
+  // its later rows), beside kScoreKernelProtocol: each tile's address from a
   // page id read from global memory one tile ahead, as the kernel's register path does
   // (L2-resident ring), and the same with the tiles spread over a 2 GB ring (DRAM, as
   // the kernel's first reader of a tile).
@@ -105,8 +104,8 @@ enum Role : int {
   // The loads as one cp.async.bulk per KV row (1,152 bytes; lanes 0-3 of each PV warp,
   // four rows each) completing on a per-stage mbarrier that the score warps wait on
   // instead of KV_FULL: what the 128 loader threads' nine cp.async each per tile, their
-  // wait_group and the KV_FULL barrier cost the PV warps (bench/NOTES.md, bulk copies,
-  // measured on v17.1).
+  // wait_group and the KV_FULL barrier cost the PV warps (bench/NOTES.md, "The tile probe",
+  // bulk copies).
   // Timing only: the rows land unswizzled, the ldmatrix addresses stay the kernel's.
   kScoreKernelBulk = 24,
   kPvKernelBulk = 25,
@@ -120,7 +119,7 @@ enum Role : int {
   // a change of a row's exponent reference with one barrier reduction per tile
   // (bar.red.or), the rare change itself through shared memory. Kernel protocol otherwise.
   kScoreKeySplit = 28,
-  // The K-once two-way layout (bench/NOTES.md, measured on v28): warp = dims half x key
+  // The K-once two-way layout (bench/NOTES.md, "The tile probe"): warp = dims half x key
   // half, Q[32 rows x 288 dims] in 144 registers, 9 ldmatrix.x4 and 36 MMAs per tile (K read
   // once per tile by the four warps, half the key split's 18 ldmatrix), then the partner
   // with the other dims half swaps one float4 per lane (named barrier of the pair) so that
@@ -300,7 +299,7 @@ __device__ __forceinline__ float ScoreStream(int iters, uint32_t base, int lane,
   float total = 0.0f;
   // With the phase offset, P_EMPTY(it - kPBuffers) is waited at the top of the
   // tile wherever nothing else orders S(it)'s MMA_DONE arrival after PV(it-2)'s
-  // sync on it (the kernel's protocol, bench/NOTES.md v15.3: a score warp that
+  // sync on it (the kernel's protocol, bench/NOTES.md, "The hand-over": a score warp that
   // ran two tiles ahead would arrive twice in one barrier phase). Without the
   // offset, and from tile kStages on under KV_FULL, it is waited late, just
   // before P is written. Not with the bulk rows' mbarriers: they let the score

@@ -12,7 +12,7 @@ with the build's flags, once for all archs, and fails when any kernel
   - or when an expected kernel is missing from ptxas's report on an arch
     (a check that reads nothing would pass vacuously).
 
-It prints each kernel's registers per arch: the table bench/NOTES.md quotes.
+It prints each kernel's registers per arch: the table of bench/NOTES.md, "Build facts".
 
     ptxas_budget.py --nvcc /usr/local/cuda/bin/nvcc --root REPO --arch 90 --arch 120 \\
         [--flags "-DMLAVERIFY_..."] kernels/verify_attention.cu kernels/kv_cache.cu

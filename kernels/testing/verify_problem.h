@@ -91,7 +91,7 @@ struct Comparison {
 Comparison CompareWithReference(HostVerifyProblem& problem, const std::vector<Bf16>& out,
                                 const std::vector<float>& lse, int64_t max_rows, uint64_t seed = 7);
 
-// Useful work of a problem (the same counts KERNEL.md uses).
+// Useful work of a problem (the same counts docs/kernel.md uses).
 double ProblemBytes(const HostVerifyProblem& p);  // sum (P+N) * 1152
 double ProblemFlops(const HostVerifyProblem& p);  // sum N*H*(P+N) * 2176
 
