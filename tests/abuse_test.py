@@ -389,7 +389,7 @@ def create_sequence(port):
 def rapid_reset():
     """8 s of one connection opening and resetting streams. gRPC 1.51's server
     has no bound on the memory this takes (each stream leaves a call that
-    waits for the handlers; the upstream fix came in 1.57): the growth is
+    waits for the handlers; later gRPC releases bound them): the growth is
     printed as the residual risk docs/operations.md ("Security model")
     states, not asserted. Asserted: /healthz answers throughout, a new
     connection is served afterwards and the server exits cleanly."""
