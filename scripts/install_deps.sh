@@ -11,7 +11,7 @@ packages=(
   build-essential cmake ninja-build pkg-config ca-certificates curl
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev
-  libcli11-dev nlohmann-json3-dev libcpp-httplib-dev prometheus-cpp-dev
+  libcli11-dev nlohmann-json3-dev libcpp-httplib-dev prometheus-cpp-dev libtomlplusplus-dev
   python3
 )
 case ${1:-} in
