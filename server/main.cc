@@ -141,8 +141,9 @@ absl::Status ValidateFlags(const Flags& f) {
       !port.empty() && port.size() <= 5 &&
       std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; });
   if (colon == std::string::npos || colon == 0 || !digits || std::stoi(port) > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--listen ", f.listen, ": need host:port with a port in 0..65535 (0 picks a free one)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--listen ", ClipForMessage(f.listen),
+                     ": need host:port with a port in 0..65535 (0 picks a free one)"));
   }
   if (f.admin_port < -1 || f.admin_port > 65535) {
     return absl::InvalidArgumentError(

@@ -87,6 +87,9 @@ expect_config_refused "a value the flag refuses, the flag also on the command li
 } > "$work/long.toml"
 expect_config_refused "a 900 kB value and an unknown key" "long.toml:2: layerz: no such flag" \
   "$work/long.toml"
+head -n 1 "$work/long.toml" > "$work/longlisten.toml"
+expect_config_refused "a 900 kB --listen value" "--listen xxxxxxxxxx.*: need host:port" \
+  "$work/longlisten.toml"
 {
   printf 'layers = '
   head -c 900000 /dev/zero | tr '\0' 9
