@@ -1,6 +1,7 @@
 // mlaverify-client: talk to an mlaverify server from the command line.
 //
 //   mlaverify-client --target 127.0.0.1:50051 info [--json]
+//   mlaverify-client info --target 127.0.0.1:50051   (global flags go either side)
 //   mlaverify-client health
 //   mlaverify-client demo [--sequences 2 --prompt-len 200 --steps 4 --drafts 8 --stream]
 //   mlaverify-client load [--concurrency 8 --duration-s 10 --json results.json]
@@ -28,6 +29,8 @@
 #include "client/shared_memory.h"
 #include "client/soak.h"
 #include "common/auth_token.h"
+#include "common/build_info.h"
+#include "common/cli_switch.h"
 #include "nlohmann/json.hpp"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
@@ -211,12 +214,19 @@ int Main(int argc, char** argv) {
   spdlog::set_default_logger(spdlog::stderr_color_mt("mlaverify-client"));
   CLI::App app{"mlaverify-client: inspect, check and load an mlaverify verify-attention server"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", VersionLine("mlaverify-client"));
+  // The global flags may also follow the subcommand ("info --target h:p"):
+  // a subcommand hands the flags it does not know to the main command. No
+  // subcommand defines a flag of the same name as a global one, so either
+  // place means the same.
+  app.fallthrough();
   GlobalFlags flags;
   app.add_option("--target", flags.target,
                  "server address host:port; a comma-separated list for several replicas (load "
                  "spreads sequences over them; info, health and demo run on each in turn)")
       ->capture_default_str();
-  app.add_flag("--tls", flags.tls, "use TLS with the default roots (implied by the --tls-* files)");
+  AddSwitch(&app, "--tls", &flags.tls,
+            "use TLS with the default roots (implied by the --tls-* files)");
   app.add_option("--tls-ca", flags.tls_ca, "PEM root CA to verify the server with")
       ->check(CLI::ExistingFile);
   app.add_option("--tls-cert", flags.tls_cert, "PEM client certificate (mTLS; needs --tls-key)")
@@ -240,12 +250,12 @@ int Main(int argc, char** argv) {
                  "HTTP/2 per-call receive window (0: gRPC's default)")
       ->check(CLI::Range(0, 1 << 30))
       ->capture_default_str();
-  app.add_flag("--wait-for-ready", flags.wait_for_ready,
-               "wait for the server to come up instead of failing with UNAVAILABLE");
+  AddSwitch(&app, "--wait-for-ready", &flags.wait_for_ready,
+            "wait for the server to come up instead of failing with UNAVAILABLE");
 
   CLI::App* info_cmd = app.add_subcommand("info", "print the server's geometry, limits and pages");
   bool info_json = false;
-  info_cmd->add_flag("--json", info_json, "print JSON");
+  AddSwitch(info_cmd, "--json", &info_json, "print JSON");
 
   app.add_subcommand("health", "grpc.health.v1 Check; exit 0 only when SERVING");
 
@@ -260,7 +270,7 @@ int Main(int argc, char** argv) {
   demo_cmd->add_option("--drafts", demo.drafts, "drafts per step (capped by max_draft_len)")
       ->capture_default_str();
   demo_cmd->add_option("--seed", demo.seed, "random seed")->capture_default_str();
-  demo_cmd->add_flag("--stream", demo.stream, "per-layer calls over VerifyStream");
+  AddSwitch(demo_cmd, "--stream", &demo.stream, "per-layer calls over VerifyStream");
   AddDataPlaneOptions(demo_cmd, &demo.data_plane, &demo.cuda_device);
   demo_cmd
       ->add_option("--softmax-scale", demo.softmax_scale,
@@ -300,7 +310,7 @@ int Main(int argc, char** argv) {
                    "replace a sequence once it is this long (0: prompt-len + 512)")
       ->capture_default_str();
   load_cmd->add_option("--seed", load.seed, "random seed")->capture_default_str();
-  load_cmd->add_flag("--stream", load.stream, "one VerifyStream per worker");
+  AddSwitch(load_cmd, "--stream", &load.stream, "one VerifyStream per worker");
   AddDataPlaneOptions(load_cmd, &load.data_plane, &load.cuda_device);
   int64_t shm_staging_mib = 16;
   load_cmd
@@ -309,9 +319,9 @@ int Main(int argc, char** argv) {
                    "appended without a copy")
       ->check(CLI::Range(1, 1 << 16))
       ->capture_default_str();
-  load_cmd->add_flag("--floor", load.floor,
-                     "then measure the bare-transport floor: a gRPC echo of the same message "
-                     "sizes, RPC kind, concurrency and duration in this process");
+  AddSwitch(load_cmd, "--floor", &load.floor,
+            "then measure the bare-transport floor: a gRPC echo of the same message "
+            "sizes, RPC kind, concurrency and duration in this process");
   load_cmd
       ->add_option("--rate", load.rate,
                    "open loop: Verify calls per second in all, taken by free workers "
@@ -323,8 +333,7 @@ int Main(int argc, char** argv) {
                    "one run per value, comma-separated: the concurrency, or with --rate "
                    "the rate; then a table")
       ->delimiter(',');
-  load_cmd->add_option("--progress", load.progress, "a progress line a second on stderr")
-      ->capture_default_str();
+  AddSwitch(load_cmd, "--progress", &load.progress, "a progress line a second on stderr");
   load_cmd->add_option("--json", load_json, "write the results to this JSON file");
 
   CLI::App* soak_cmd = app.add_subcommand(

@@ -12,6 +12,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev
   libcli11-dev nlohmann-json3-dev libcpp-httplib-dev libmicrohttpd-dev prometheus-cpp-dev
+  libtomlplusplus-dev
   python3
 )
 case ${1:-} in

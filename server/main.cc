@@ -15,8 +15,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -28,6 +30,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/auth_token.h"
+#include "common/build_info.h"
+#include "common/cli_switch.h"
 #include "common/small_file.h"
 #include "common/status_macros.h"
 #include "server/admin/admin_http_server.h"
@@ -35,14 +39,14 @@
 #include "server/engine/device.h"
 #include "server/engine/engine.h"
 #include "server/engine/engine_observer.h"
+#include "server/flags_file.h"
+#include "server/log_format.h"
 #include "server/transport/grpc_server.h"
 #include "server/transport/status_mapping.h"
 #include "spdlog/spdlog.h"
 
 namespace mlaverify {
 namespace {
-
-constexpr char kVersion[] = "0.1.0";
 
 // Feeds RPC outcomes and engine events to the Prometheus registry.
 class MetricsObserver final : public transport::RpcObserver, public engine::EngineObserver {
@@ -127,6 +131,8 @@ struct Flags {
   std::string tls_cert, tls_key, tls_client_ca;
   std::string auth_token_file;
   std::string log_level = "info";
+  std::string log_format = "text";
+  std::string config_file;
 };
 
 // The checks CLI11 cannot express, before anything starts: every bad value is
@@ -139,8 +145,9 @@ absl::Status ValidateFlags(const Flags& f) {
       !port.empty() && port.size() <= 5 &&
       std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; });
   if (colon == std::string::npos || colon == 0 || !digits || std::stoi(port) > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--listen ", f.listen, ": need host:port with a port in 0..65535 (0 picks a free one)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--listen ", ClipForMessage(f.listen),
+                     ": need host:port with a port in 0..65535 (0 picks a free one)"));
   }
   if (f.admin_port < -1 || f.admin_port > 65535) {
     return absl::InvalidArgumentError(
@@ -244,24 +251,79 @@ absl::StatusOr<std::vector<std::unique_ptr<engine::Device>>> MakeDevices(const F
 // A flags file is a few hundred bytes; 1 MiB is far beyond any real one.
 constexpr size_t kMaxConfigFileBytes = size_t{1} << 20;
 
-// CLI11 reads the --config file with a plain stream, which waits forever on
-// a FIFO and grows without bound on /dev/zero: the file is checked here
-// first (a regular file of bounded size), in both spellings of the flag.
-absl::Status CheckConfigFile(int argc, char** argv) {
-  constexpr absl::string_view kFlag = "--config";
-  for (int i = 1; i < argc; ++i) {
-    const absl::string_view arg = argv[i];
-    std::string path;
-    if (arg == kFlag && i + 1 < argc) {
-      path = argv[i + 1];
-    } else if (absl::StartsWith(arg, absl::StrCat(kFlag, "="))) {
-      path = std::string(arg.substr(kFlag.size() + 1));
-    } else {
-      continue;
+// What a flag takes, for the --config file's type checks: read from the
+// flag's definition (a switch has an optional value, a list many; the value
+// type is CLI11's type name, with a size transform for "1GiB"-style values).
+// Flags a file cannot set (--config, --help, --version) are not configurable.
+std::optional<FlagKind> FlagKindOf(const CLI::App& app, const std::string& flag) {
+  const CLI::Option* option = app.get_option_no_throw(flag);
+  if (option == nullptr || !option->get_configurable()) return std::nullopt;
+  if (option->get_expected_min() == 0) return FlagKind::kSwitch;
+  if (option->get_items_expected_max() > 1) return FlagKind::kIntegerList;
+  const std::string type = option->get_type_name();
+  if (absl::StrContains(type, "SIZE")) return FlagKind::kSize;
+  if (absl::StartsWith(type, "INT") || absl::StartsWith(type, "UINT")) return FlagKind::kInteger;
+  if (absl::StartsWith(type, "FLOAT")) return FlagKind::kNumber;
+  return FlagKind::kText;
+}
+
+// CLI11 takes an argument list last-first.
+void ParseArguments(CLI::App& app, std::vector<std::string> args) {
+  std::reverse(args.begin(), args.end());
+  app.parse(args);
+}
+
+// After the command line parsed: the --config file's values, each checked by
+// the flag parser on its own (so a bad value is an error, with its line, even
+// where the command line sets that flag too), then the file's flags that the
+// command line does not set parsed together with the command line.
+absl::Status ApplyFlagsFile(CLI::App& app, const std::string& path, int argc, char** argv) {
+  ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(path, kMaxConfigFileBytes, "config"));
+  ASSIGN_OR_RETURN(const std::vector<FlagsFileEntry> entries,
+                   ParseFlagsFile(path, text, [&app](const std::string& flag) {
+                     return FlagKindOf(app, flag);
+                   }));
+  std::vector<std::string> args;
+  for (const FlagsFileEntry& entry : entries) {
+    if (app.get_option(entry.flag)->count() == 0) args.push_back(entry.argument);
+  }
+  for (const FlagsFileEntry& entry : entries) {
+    app.clear();
+    try {
+      ParseArguments(app, {entry.argument});
+    } catch (const CLI::ParseError& e) {
+      return absl::InvalidArgumentError(absl::StrCat(ClipForMessage(path, 200), ":", entry.line,
+                                                     ": ", ClipForMessage(e.what(), 160)));
     }
-    RETURN_IF_ERROR(ReadSmallFile(path, kMaxConfigFileBytes, "config").status());
+  }
+  args.insert(args.end(), argv + 1, argv + argc);
+  app.clear();
+  try {
+    ParseArguments(app, std::move(args));
+  } catch (const CLI::ParseError& e) {
+    return absl::InvalidArgumentError(ClipForMessage(e.what(), 160));
   }
   return absl::OkStatus();
+}
+
+// How the engine's errors name its settings: by the flags that set them.
+std::map<std::string, std::string> EngineSettingFlags() {
+  return {{"num_layers", "--layers"},
+          {"num_heads", "--heads"},
+          {"page_size", "--page-size"},
+          {"pool_bytes", "--pool-bytes"},
+          {"max_sequence_len", "--max-seq-len"},
+          {"draft_buckets", "--draft-buckets"},
+          {"batch_buckets", "--batch-buckets"},
+          {"default_softmax_scale", "--softmax-scale"},
+          {"idle_timeout", "--idle-timeout-s"},
+          {"max_queue_delay", "--max-queue-delay-us"},
+          {"max_queued_calls", "--max-queued-calls"},
+          {"max_queued_bytes", "--max-queued-bytes"},
+          {"max_live_sequences", "--max-live-sequences"},
+          {"copy_threads", "--copy-threads"},
+          {"batches_in_flight", "--batches-in-flight"},
+          {"pinned_staging_bytes", "--pinned-staging-bytes"}};
 }
 
 int Run(int argc, char** argv) {
@@ -298,9 +360,8 @@ int Run(int argc, char** argv) {
                  "tp: heads split over the devices, KV replicated; dp: each sequence on one device")
       ->check(CLI::IsMember({"tp", "dp"}))
       ->capture_default_str();
-  app.add_option("--cuda-graphs", f.cuda_graphs,
-                 "replay one CUDA graph per (batch, draft) bucket (false: eager launches)")
-      ->capture_default_str();
+  AddSwitch(&app, "--cuda-graphs", &f.cuda_graphs,
+            "replay one CUDA graph per (batch, draft) bucket (false: eager launches)");
   app.add_option("--draft-buckets", f.draft_buckets,
                  "draft-length buckets; the largest is the max N")
       ->delimiter(',')
@@ -353,10 +414,9 @@ int Run(int argc, char** argv) {
   app.add_option("--max-streams", f.max_streams,
                  "VerifyStreams open at once over all connections (one more: RESOURCE_EXHAUSTED)")
       ->capture_default_str();
-  app.add_option("--allow-client-shm", f.allow_client_shm,
-                 "accept client shared-memory regions (RegisterSystemSharedMemory) and tensors "
-                 "in them; only for trusted schedulers on this host")
-      ->capture_default_str();
+  AddSwitch(&app, "--allow-client-shm", &f.allow_client_shm,
+            "accept client shared-memory regions (RegisterSystemSharedMemory) and tensors "
+            "in them; only for trusted schedulers on this host");
   app.add_option("--max-shm-regions", f.max_shm_regions, "shared-memory regions registered at once")
       ->capture_default_str();
   app.add_option("--max-shm-bytes", f.max_shm_bytes,
@@ -404,20 +464,30 @@ int Run(int argc, char** argv) {
   app.add_option("--log-level", f.log_level, "trace | debug | info | warn | error | critical | off")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}))
       ->capture_default_str();
+  app.add_option("--log-format", f.log_format,
+                 "text: one readable line per record; json: one JSON object per line "
+                 "(time, level, thread, msg)")
+      ->check(CLI::IsMember({"text", "json"}))
+      ->capture_default_str();
   // A flags file for deployments (deploy/kubernetes/configmap.yaml): TOML
   // lines `flag-name = value`, the same names as the flags; a flag on the
   // command line wins; an unknown name is an error, not ignored.
-  app.set_config("--config", "", "read flags from this TOML file (name = value per line)");
-  app.allow_config_extras(CLI::config_extras_mode::error);
-  if (absl::Status config = CheckConfigFile(argc, argv); !config.ok()) {
-    std::fprintf(stderr, "bad flags: --config: %s\n", std::string(config.message()).c_str());
-    return 2;
-  }
+  app.add_option("--config", f.config_file,
+                 "read flags from this TOML file (`flag-name = value` per line; the command "
+                 "line wins)")
+      ->configurable(false);
+  app.set_version_flag("--version", VersionLine("mlaverify-server"));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     // --help and --version exit 0; every flag error exits 2, like the checks below.
     return app.exit(e) == 0 ? 0 : 2;
+  }
+  if (!f.config_file.empty()) {
+    if (absl::Status applied = ApplyFlagsFile(app, f.config_file, argc, argv); !applied.ok()) {
+      std::fprintf(stderr, "bad flags: --config: %s\n", std::string(applied.message()).c_str());
+      return 2;
+    }
   }
   if (absl::Status valid = ValidateFlags(f); !valid.ok()) {
     std::fprintf(stderr, "bad flags: %s\n", std::string(valid.message()).c_str());
@@ -425,7 +495,7 @@ int Run(int argc, char** argv) {
   }
 
   spdlog::set_level(spdlog::level::from_str(f.log_level));
-  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ [%t] %v");
+  spdlog::set_formatter(MakeLogFormatter(f.log_format));
 
   // Signals go to one thread (sigwait below), never to a worker mid-call.
   sigset_t signals;
@@ -458,6 +528,7 @@ int Run(int argc, char** argv) {
   config.shared_memory.max_regions = f.max_shm_regions;
   config.shared_memory.max_total_bytes = static_cast<int64_t>(f.max_shm_bytes);
   config.shared_memory.key_prefix = f.shm_key_prefix;
+  config.setting_names = EngineSettingFlags();
   // Flag errors first, before anything listens.
   if (absl::Status valid = config.Validate(static_cast<int>(f.devices.size())); !valid.ok()) {
     spdlog::error("bad flags: {}", std::string(valid.message()));

@@ -3,6 +3,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <ctime>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -11,6 +13,8 @@
 
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "httplib.h"
@@ -95,13 +99,13 @@ TEST(MetricsTest, RecordRpcCountsRequestsErrorsAndLatency) {
       SampleValue(text, R"(mlaverify_request_duration_seconds_bucket{rpc="Verify",le="5e-05"})"),
       Optional(1.0));
   EXPECT_THAT(
-      SampleValue(text, R"(mlaverify_request_duration_seconds_bucket{rpc="Verify",le="0.00025"})"),
+      SampleValue(text, R"(mlaverify_request_duration_seconds_bucket{rpc="Verify",le="0.0002"})"),
       Optional(2.0));
   EXPECT_THAT(
-      SampleValue(text, R"(mlaverify_request_duration_seconds_bucket{rpc="Verify",le="0.0025"})"),
+      SampleValue(text, R"(mlaverify_request_duration_seconds_bucket{rpc="Verify",le="0.002"})"),
       Optional(2.0));
   EXPECT_THAT(
-      SampleValue(text, R"(mlaverify_request_duration_seconds_bucket{rpc="Verify",le="0.005"})"),
+      SampleValue(text, R"(mlaverify_request_duration_seconds_bucket{rpc="Verify",le="0.003"})"),
       Optional(3.0));
   EXPECT_THAT(
       SampleValue(text, R"(mlaverify_request_duration_seconds_bucket{rpc="Verify",le="10"})"),
@@ -112,8 +116,73 @@ TEST(MetricsTest, RecordRpcCountsRequestsErrorsAndLatency) {
       SampleValue(text, R"(mlaverify_request_duration_seconds_bucket{rpc="Commit",le="0.1"})"),
       Optional(0.0));
   EXPECT_THAT(
-      SampleValue(text, R"(mlaverify_request_duration_seconds_bucket{rpc="Commit",le="0.25"})"),
+      SampleValue(text, R"(mlaverify_request_duration_seconds_bucket{rpc="Commit",le="0.2"})"),
       Optional(1.0));
+}
+
+// The request-duration buckets: 10 µs .. 10 s, four a decade, each bound
+// printed as its decimal (no 0.5600000000000001).
+TEST(MetricsTest, RequestDurationBucketsAreFourADecadeFrom10usTo10s) {
+  Metrics metrics;
+  metrics.RecordRpc("Verify", "OK", 1e-3);
+  const std::string text = metrics.Serialize();
+  const std::string prefix = R"(mlaverify_request_duration_seconds_bucket{rpc="Verify",le=")";
+  std::vector<std::string> bounds;
+  std::istringstream lines(text);
+  std::string line;
+  while (std::getline(lines, line)) {
+    if (line.compare(0, prefix.size(), prefix) == 0) {
+      bounds.push_back(line.substr(prefix.size(), line.find('"', prefix.size()) - prefix.size()));
+    }
+  }
+  const std::vector<std::string> want = {
+      "1e-05", "2e-05", "3e-05", "5e-05", "0.0001", "0.0002", "0.0003", "0.0005", "0.001",
+      "0.002", "0.003", "0.005", "0.01",  "0.02",   "0.03",   "0.05",   "0.1",    "0.2",
+      "0.3",   "0.5",   "1",     "2",     "3",      "5",      "10",     "+Inf"};
+  EXPECT_EQ(bounds, want);
+}
+
+// The process_* series are there and plausible: this process has memory, file
+// descriptors (stdin/stdout/stderr at least), a limit on them and a start
+// time within the last hour; CPU time grows with work.
+TEST(MetricsTest, ProcessMetricsArePresentAndPlausible) {
+  Metrics metrics;
+  const std::string before = metrics.Serialize();
+  const double now = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
+  const std::optional<double> rss = SampleValue(before, "process_resident_memory_bytes");
+  const std::optional<double> vsz = SampleValue(before, "process_virtual_memory_bytes");
+  const std::optional<double> fds = SampleValue(before, "process_open_fds");
+  const std::optional<double> max_fds = SampleValue(before, "process_max_fds");
+  const std::optional<double> start = SampleValue(before, "process_start_time_seconds");
+  const std::optional<double> cpu = SampleValue(before, "process_cpu_seconds_total");
+  ASSERT_TRUE(rss && vsz && fds && max_fds && start && cpu) << before;
+  EXPECT_GT(*rss, 1 << 20);
+  EXPECT_GE(*vsz, *rss);
+  EXPECT_GE(*fds, 3);
+  EXPECT_TRUE(*max_fds == -1 || *max_fds >= *fds) << *max_fds;
+  EXPECT_LE(*start, now + 1);
+  EXPECT_GT(*start, now - 3600);
+  EXPECT_THAT(before, HasSubstr("# TYPE process_cpu_seconds_total counter"));
+  EXPECT_THAT(before, HasSubstr("# TYPE process_resident_memory_bytes gauge"));
+
+  // Burn 0.3 s of CPU (std::clock, whatever the machine's load); the counter
+  // follows (it counts 10 ms clock ticks).
+  volatile double sink = 0;
+  const std::clock_t cpu_start = std::clock();
+  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  while (std::clock() - cpu_start < CLOCKS_PER_SEC * 3 / 10 && absl::Now() < give_up) {
+    for (int k = 0; k < 10000; ++k) sink = sink + k;
+  }
+  const std::optional<double> cpu_after =
+      SampleValue(metrics.Serialize(), "process_cpu_seconds_total");
+  ASSERT_TRUE(cpu_after.has_value());
+  EXPECT_GE(*cpu_after, *cpu + 0.2);
+
+  // A descriptor opened shows in the count.
+  FILE* file = std::fopen("/proc/self/stat", "r");
+  ASSERT_NE(file, nullptr);
+  EXPECT_THAT(SampleValue(metrics.Serialize(), "process_open_fds"), Optional(*fds + 1));
+  std::fclose(file);
 }
 
 TEST(MetricsTest, RecordRpcIsThreadSafe) {

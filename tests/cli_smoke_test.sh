@@ -23,15 +23,27 @@ done
 read -r grpc_port admin_port < "$work/ports"
 client=("$build/client/mlaverify-client" --target "127.0.0.1:$grpc_port")
 
-"${client[@]}" health
-test "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$admin_port/readyz")" = 200
-"${client[@]}" demo --sequences 2 --prompt-len 100 --steps 2 --drafts 6
-"${client[@]}" demo --sequences 1 --prompt-len 0 --steps 2 --drafts 1 --stream
-"${client[@]}" load --concurrency 4 --duration-s 3 --warmup-s 1 --json "$work/load.json"
 fail() {
   echo "cli smoke test FAILED: $*" >&2
   exit 1
 }
+"${client[@]}" health
+test "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$admin_port/readyz")" = 200
+# --version: name, version, git revision, build; exit 0.
+"$build/client/mlaverify-client" --version > "$work/version.out" || fail "client --version exited non-zero"
+grep -qE '^mlaverify-client [0-9]+\.[0-9]+\.[0-9]+ \(git ([0-9a-f]{12}|unknown); .+\)$' "$work/version.out" ||
+  fail "client --version printed: $(cat "$work/version.out")"
+# Global flags also after the subcommand; switches bare or with a value.
+"$build/client/mlaverify-client" health --target "127.0.0.1:$grpc_port" --timeout-ms 5000 ||
+  fail "health with --target after the subcommand"
+"${client[@]}" info --json=false > "$work/info.txt" || fail "info --json=false"
+grep -q "max draft length" "$work/info.txt" || fail "info --json=false did not print text: $(cat "$work/info.txt")"
+"${client[@]}" --wait-for-ready true info --json > "$work/info.json" || fail "info --json"
+python3 -c 'import json, sys; json.load(open(sys.argv[1]))' "$work/info.json" ||
+  fail "info --json did not print JSON: $(cat "$work/info.json")"
+"${client[@]}" demo --sequences 2 --prompt-len 100 --steps 2 --drafts 6
+"${client[@]}" demo --sequences 1 --prompt-len 0 --steps 2 --drafts 1 --stream
+"${client[@]}" load --concurrency 4 --duration-s 3 --warmup-s 1 --json "$work/load.json"
 grep -q '"page_leak": false' "$work/load.json" || fail "load reports a page leak: $(cat "$work/load.json")"
 # The slowest call the report names is the latency maximum it prints.
 python3 - "$work/load.json" <<'PY' || fail "load's slowest_call does not match its max: $(cat "$work/load.json")"

@@ -207,6 +207,23 @@ TEST(EngineConfig, RejectsBadSettings) {
   EXPECT_EQ(c.Validate(0).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// Errors name a setting by the name its user gave it (the server passes its
+// flags), and by the field where none was given.
+TEST(EngineConfig, ErrorsUseTheSettingNamesGiven) {
+  EngineConfig c;
+  c.num_heads = 7;
+  EXPECT_THAT(std::string(c.Validate(2).message()), HasSubstr("num_heads = 7 does not split"));
+  c.setting_names = {{"num_heads", "--heads"}, {"draft_buckets", "--draft-buckets"}};
+  EXPECT_THAT(std::string(c.Validate(2).message()), HasSubstr("--heads 7 does not split over 2"));
+  c.num_heads = 8;
+  c.draft_buckets = {4, 2};
+  EXPECT_THAT(std::string(c.Validate().message()),
+              HasSubstr("--draft-buckets [4,2]: need strictly increasing"));
+  c.draft_buckets = {1, 2};
+  c.copy_threads = 0;
+  EXPECT_THAT(std::string(c.Validate().message()), HasSubstr("copy_threads = 0: need 1..64"));
+}
+
 std::vector<std::unique_ptr<Device>> CpuDevices(int count, int threads) {
   std::vector<std::unique_ptr<Device>> devices;
   for (int d = 0; d < count; ++d) devices.push_back(MakeCpuDevice(threads));

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Bad flags and addresses: each is a clear message and exit status 2, never a
 # crash; a port another server holds is refused, never shared (no
-# SO_REUSEPORT).
+# SO_REUSEPORT). --version; boolean switches bare and with a value; the
+# --config file read as TOML (each misparse one short error line, a good file
+# applied under the command line); --log-format json lines.
 #   tests/server_flags_test.sh BUILD_DIR
 set -uo pipefail
 server=$1/server/mlaverify-server
+client=$1/client/mlaverify-client
 work=$(mktemp -d /tmp/mlaverify-flags.XXXX)
 holder=""
 trap '[ -n "$holder" ] && kill -9 "$holder" 2>/dev/null; rm -rf "$work"' EXIT
@@ -30,8 +33,14 @@ expect_refused "--listen port out of range" "need host:port" --listen 127.0.0.1:
 expect_refused "--listen on an address not on this host" "cannot listen" --listen 203.0.113.7:50051
 expect_refused "--max-message-bytes of 3 GiB" "max-message-bytes" --max-message-bytes 3GiB
 expect_refused "--log-level verbose" "log-level" --log-level verbose
-expect_refused "--copy-threads 0" "copy_threads" --copy-threads 0
-expect_refused "heads that do not split over the devices" "does not split" --heads 7 --devices 0,0
+# Engine settings are named by their flags, not by the engine's fields.
+expect_refused "--copy-threads 0" "--copy-threads 0: need 1..64" --copy-threads 0
+expect_refused "heads that do not split over the devices" "--heads 7 does not split" \
+  --heads 7 --devices 0,0
+expect_refused "--page-size 48" "--page-size 48: need a power of two" --page-size 48
+expect_refused "--draft-buckets 4,2" "--draft-buckets \[4,2\]: need strictly increasing" \
+  --draft-buckets 4,2
+expect_refused "a switch with a value that is no boolean" "cuda-graphs" --cuda-graphs maybe
 expect_refused "--stream-max-in-flight 0" "stream-max-in-flight" --stream-max-in-flight 0
 expect_refused "an unknown flag" "workers" --workers 8
 expect_refused "a token file that does not exist" "auth-token-file" --auth-token-file /nonexistent/token
@@ -39,6 +48,58 @@ printf 'layers = 2\nlayerz = 3\n' > "$work/typo.toml"
 expect_refused "a --config file with an unknown flag name" "layerz" --config "$work/typo.toml"
 printf 'page-size = 3\n' > "$work/bad.toml"
 expect_refused "a --config file with a bad value" "page" --config "$work/bad.toml"
+
+# expect_config_refused "what" "message part" FILE [FLAGS...]: exit 2 with
+# exactly one short line (under 300 bytes) on stdout and stderr together.
+expect_config_refused() {
+  local what=$1 want=$2 file=$3
+  shift 3
+  local rc=0
+  timeout 30 "$server" "${base[@]}" --config "$file" "$@" > "$work/out.log" 2>&1 || rc=$?
+  local lines bytes
+  lines=$(wc -l < "$work/out.log")
+  bytes=$(wc -c < "$work/out.log")
+  if [ "$rc" -ne 2 ] || [ "$lines" -ne 1 ] || [ "$bytes" -ge 300 ] ||
+    ! grep -q -- "$want" "$work/out.log"; then
+    echo "FAIL: $what: exit $rc (want 2), $lines lines, $bytes bytes: $(head -c 300 "$work/out.log")"
+    failures=$((failures + 1))
+  else
+    echo "ok: $what: $(cat "$work/out.log")"
+  fi
+}
+printf 'layers = 2\nheads = 8\nlayers = 3\n' > "$work/dup.toml"
+expect_config_refused "a duplicate key" "dup.toml:3:.*layers" "$work/dup.toml"
+printf 'layers = 2\ndraft-buckets = [1, 2\n' > "$work/open.toml"
+expect_config_refused "an unterminated array at the end" "open.toml:2:.*end-of-file" "$work/open.toml"
+printf 'max-live-sequences = 99999999999999999999\n' > "$work/big.toml"
+expect_config_refused "an integer beyond 64 bits" "big.toml:1:.*64 bits" "$work/big.toml"
+printf 'layers = "two"\n' > "$work/type.toml"
+# (${base[@]} sets --layers and --backend on the command line.)
+expect_config_refused "a string for an integer flag, the flag also on the command line" \
+  "type.toml:1: layers: need an integer, got a string" "$work/type.toml"
+printf 'backend = "gpu"\n' > "$work/member.toml"
+expect_config_refused "a value the flag refuses, the flag also on the command line" \
+  "member.toml:1: --backend: gpu not in" "$work/member.toml"
+{
+  printf 'listen = "'
+  head -c 900000 /dev/zero | tr '\0' x
+  printf '"\nlayerz = 1\n'
+} > "$work/long.toml"
+expect_config_refused "a 900 kB value and an unknown key" "long.toml:2: layerz: no such flag" \
+  "$work/long.toml"
+head -n 1 "$work/long.toml" > "$work/longlisten.toml"
+expect_config_refused "a 900 kB --listen value" "--listen xxxxxxxxxx.*: need host:port" \
+  "$work/longlisten.toml"
+{
+  printf 'layers = '
+  head -c 900000 /dev/zero | tr '\0' 9
+  printf '\n'
+} > "$work/digits.toml"
+expect_config_refused "a 900 kB integer" "digits.toml:1:" "$work/digits.toml"
+printf 'layers = 2\n[server]\nheads = 8\n' > "$work/table.toml"
+expect_config_refused "a [table]" "table.toml:2: server: a table" "$work/table.toml"
+printf 'version = true\n' > "$work/version.toml"
+expect_config_refused "a flag a file cannot set" "version: no such flag" "$work/version.toml"
 expect_refused "a --config file that does not exist" "cannot read config" --config /nonexistent/flags.toml
 # A device or a FIFO would hang the flag parser (growing memory on /dev/zero).
 expect_refused "--config /dev/zero" "not a regular file" --config /dev/zero
@@ -50,6 +111,81 @@ printf 'caf\xc3\xa9-token\n' > "$work/utf8.token"
 expect_refused "a token that is not visible ASCII" "outside visible ASCII" \
   --auth-token-file "$work/utf8.token"
 expect_refused "a token file on a FIFO" "not a regular file" --auth-token-file "$work/flags.fifo"
+
+# --version: name, version, git revision, build; exit 0.
+rc=0
+"$server" --version > "$work/version.out" 2>&1 || rc=$?
+if [ "$rc" -eq 0 ] && grep -qE '^mlaverify-server [0-9]+\.[0-9]+\.[0-9]+ \(git ([0-9a-f]{12}|unknown); .+\)$' \
+  "$work/version.out"; then
+  echo "ok: --version: $(cat "$work/version.out")"
+else
+  echo "FAIL: --version: exit $rc: $(cat "$work/version.out")"
+  failures=$((failures + 1))
+fi
+
+# serve NAME FLAGS...: starts a server, waits until it serves, writes
+# `mlaverify-client info --json` to $work/NAME.json, stops it (exit 0 expected);
+# its log is $work/NAME.log.
+serve() {
+  local name=$1
+  shift
+  "$server" "${base[@]}" --listen 127.0.0.1:0 --port-file "$work/$name.ports" --drain-grace-s 0 \
+    "$@" > "$work/$name.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 1 100); do [ -s "$work/$name.ports" ] && break; sleep 0.1; done
+  local port=""
+  [ -s "$work/$name.ports" ] && read -r port _ < "$work/$name.ports"
+  "$client" --target "127.0.0.1:${port:-1}" info --json > "$work/$name.json" 2> "$work/$name.err"
+  kill -TERM "$pid" 2>/dev/null
+  wait "$pid"
+}
+
+# check "what" NAME PYTHON-EXPRESSION over `info` (the parsed JSON).
+check() {
+  local what=$1 name=$2 expr=$3
+  if python3 -c "import json,sys; info = json.load(open(sys.argv[1])); sys.exit(0 if ($expr) else 1)" \
+    "$work/$name.json" 2>/dev/null; then
+    echo "ok: $what"
+  else
+    echo "FAIL: $what: $(head -c 400 "$work/$name.json") $(tail -3 "$work/$name.log")"
+    failures=$((failures + 1))
+  fi
+}
+
+# Switches: bare is true, a value given with = or as the next argument.
+serve bare --allow-client-shm --cuda-graphs
+check "--allow-client-shm alone turns it on" bare 'info["client_shared_memory"] is True'
+serve eq --allow-client-shm=true --cuda-graphs=false
+check "--allow-client-shm=true" eq 'info["client_shared_memory"] is True'
+serve space --allow-client-shm false --cuda-graphs true
+check "--allow-client-shm false" space 'info["client_shared_memory"] is False'
+serve eqfalse --allow-client-shm=false
+check "--allow-client-shm=false" eqfalse 'info["client_shared_memory"] is False'
+
+# A good --config file applies, the command line wins over it, and
+# --log-format json makes every log line a JSON object.
+printf '# flags for the test\nlayers = 3\nheads = 4\nallow-client-shm = true\ndraft-buckets = [1, 2, 4]\nlog-format = "json"\n' \
+  > "$work/good.toml"
+serve config --config "$work/good.toml"
+check "a good --config file, --layers 2 on the command line winning over its 3" config \
+  'info["num_layers"] == 2 and info["num_heads"] == 4 and info["client_shared_memory"] is True and info["max_draft_len"] == 4'
+if python3 - "$work/config.log" <<'PY'; then
+import json, sys
+lines = open(sys.argv[1], encoding="utf-8").read().splitlines()
+assert len(lines) >= 2, lines
+for line in lines:
+    record = json.loads(line)
+    assert set(record) == {"time", "level", "thread", "msg"}, record
+assert any("ready" in json.loads(l)["msg"] for l in lines), lines
+PY
+  echo "ok: --log-format json from the --config file: every line parses"
+else
+  echo "FAIL: --log-format json: $(head -5 "$work/config.log")"
+  failures=$((failures + 1))
+fi
+printf '\xef\xbb\xbfheads = 4\n' > "$work/bom.toml"
+serve bom --config "$work/bom.toml"
+check "a --config file with a UTF-8 byte order mark" bom 'info["num_heads"] == 4'
 
 # A port in use by another server is refused.
 "$server" "${base[@]}" --listen 127.0.0.1:0 --port-file "$work/ports" > "$work/holder.log" 2>&1 &

@@ -1,28 +1,53 @@
 #include "server/admin/metrics.h"
 
+#include <dirent.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <iterator>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "prometheus/client_metric.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
+#include "prometheus/metric_family.h"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
 
 namespace mlaverify::admin {
 namespace {
 
-// 50 µs .. 10 s, about three buckets a decade: a CPU-backend Verify of one
-// short sequence finishes in tens of microseconds, a large batch on a loaded
-// server or a Commit waiting behind it can take seconds.
+// 10 µs .. 10 s, four buckets a decade (1, 2, 3, 5; no neighbours more than
+// 2x apart): a CPU-backend Verify of one short sequence finishes in tens of
+// microseconds and a GPU Verify in a few hundred, where a coarser grid would
+// hide a doubling; a large batch on a loaded server or a Commit waiting behind
+// it can take seconds. (Round mantissas also print exactly: prometheus-cpp
+// writes 16 digits, which turns 0.56 into 0.5600000000000001.)
 const std::vector<double>& DurationBuckets() {
-  static const auto* const kBuckets =
-      new std::vector<double>{5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
-                              5e-2, 0.1,  0.25,   0.5,  1,    2.5,    5,    10};
+  static const auto* const kBuckets = [] {
+    auto* buckets = new std::vector<double>;
+    for (int exponent = -5; exponent <= 0; ++exponent) {
+      for (const char* mantissa : {"1", "2", "3", "5"}) {
+        // From the decimal text, so that the bound is the double nearest to
+        // it and prints as such ("3e-05"), not as a product's rounding.
+        buckets->push_back(std::strtod(absl::StrCat(mantissa, "e", exponent).c_str(), nullptr));
+      }
+    }
+    buckets->push_back(10);
+    return buckets;
+  }();
   return *kBuckets;
 }
 
@@ -49,6 +74,72 @@ prometheus::Gauge& AddGauge(prometheus::Registry& registry, const std::string& n
 prometheus::Counter& AddCounter(prometheus::Registry& registry, const std::string& name,
                                 const std::string& help) {
   return prometheus::BuildCounter().Name(name).Help(help).Register(registry).Add({});
+}
+
+prometheus::MetricFamily OneValue(const std::string& name, const std::string& help,
+                                  prometheus::MetricType type, double value) {
+  prometheus::MetricFamily family;
+  family.name = name;
+  family.help = help;
+  family.type = type;
+  prometheus::ClientMetric metric;
+  if (type == prometheus::MetricType::Counter) {
+    metric.counter.value = value;
+  } else {
+    metric.gauge.value = value;
+  }
+  family.metric.push_back(std::move(metric));
+  return family;
+}
+
+// The fields of /proc/self/stat after the command name (which may hold spaces
+// and parentheses, hence the last ')'); index 0 is field 3, the state.
+std::vector<std::string> ProcSelfStatFields() {
+  std::string text;
+  if (FILE* file = std::fopen("/proc/self/stat", "r")) {
+    char buf[1024];
+    const size_t n = std::fread(buf, 1, sizeof(buf), file);
+    std::fclose(file);
+    text.assign(buf, n);
+  }
+  const size_t paren = text.rfind(')');
+  if (paren == std::string::npos) return {};
+  return absl::StrSplit(text.substr(paren + 1), ' ', absl::SkipWhitespace());
+}
+
+// Field `number` of /proc/self/stat as proc(5) numbers them (1-based).
+double StatField(const std::vector<std::string>& fields, int number) {
+  const size_t index = static_cast<size_t>(number - 3);
+  return index < fields.size() ? std::strtod(fields[index].c_str(), nullptr) : 0;
+}
+
+// The machine's boot time (btime of /proc/stat), in seconds since the epoch.
+double BootTimeSeconds() {
+  double btime = 0;
+  if (FILE* file = std::fopen("/proc/stat", "r")) {
+    char line[256];
+    while (std::fgets(line, sizeof(line), file) != nullptr) {
+      if (std::strncmp(line, "btime ", 6) == 0) {
+        btime = std::strtod(line + 6, nullptr);
+        break;
+      }
+    }
+    std::fclose(file);
+  }
+  return btime;
+}
+
+// Open file descriptors: the entries of /proc/self/fd, less the one the
+// listing itself holds open.
+int OpenFds() {
+  DIR* dir = opendir("/proc/self/fd");
+  if (dir == nullptr) return 0;
+  int entries = 0;
+  while (const dirent* entry = readdir(dir)) {
+    if (entry->d_name[0] != '.') ++entries;
+  }
+  closedir(dir);
+  return std::max(0, entries - 1);
 }
 
 }  // namespace
@@ -324,9 +415,39 @@ void Metrics::RefreshFromEngine() {
   }
 }
 
+std::vector<prometheus::MetricFamily> ProcessMetrics() {
+  using prometheus::MetricType;
+  const std::vector<std::string> stat = ProcSelfStatFields();
+  static const double kTicksPerSecond = static_cast<double>(sysconf(_SC_CLK_TCK));
+  static const double kPageBytes = static_cast<double>(sysconf(_SC_PAGESIZE));
+  // Fixed for the life of the process: read once.
+  static const double kStartTime = BootTimeSeconds() + StatField(stat, 22) / kTicksPerSecond;
+  rlimit fds{};
+  getrlimit(RLIMIT_NOFILE, &fds);
+  std::vector<prometheus::MetricFamily> families;
+  families.push_back(
+      OneValue("process_cpu_seconds_total", "User and system CPU time of the process in seconds.",
+               MetricType::Counter, (StatField(stat, 14) + StatField(stat, 15)) / kTicksPerSecond));
+  families.push_back(OneValue("process_resident_memory_bytes", "Resident memory in bytes.",
+                              MetricType::Gauge, StatField(stat, 24) * kPageBytes));
+  families.push_back(OneValue("process_virtual_memory_bytes", "Virtual memory in bytes.",
+                              MetricType::Gauge, StatField(stat, 23)));
+  families.push_back(
+      OneValue("process_open_fds", "Open file descriptors.", MetricType::Gauge, OpenFds()));
+  families.push_back(OneValue(
+      "process_max_fds", "Limit on open file descriptors (RLIMIT_NOFILE, soft).", MetricType::Gauge,
+      fds.rlim_cur == RLIM_INFINITY ? -1 : static_cast<double>(fds.rlim_cur)));
+  families.push_back(OneValue("process_start_time_seconds",
+                              "Start time of the process since the Unix epoch in seconds.",
+                              MetricType::Gauge, kStartTime));
+  return families;
+}
+
 std::string Metrics::Serialize() {
   RefreshFromEngine();
-  return prometheus::TextSerializer().Serialize(registry_->Collect());
+  std::vector<prometheus::MetricFamily> families = registry_->Collect();
+  for (prometheus::MetricFamily& family : ProcessMetrics()) families.push_back(std::move(family));
+  return prometheus::TextSerializer().Serialize(families);
 }
 
 }  // namespace mlaverify::admin

@@ -30,9 +30,18 @@ class Histogram;
 class Registry;
 template <typename T>
 class Family;
+struct MetricFamily;
 }  // namespace prometheus
 
 namespace mlaverify::admin {
+
+// The standard process metrics of Prometheus clients (prometheus-cpp 1.0 has
+// no collector for them), read from /proc/self/stat, /proc/self/fd and
+// getrlimit at each call: process_cpu_seconds_total,
+// process_resident_memory_bytes, process_virtual_memory_bytes,
+// process_open_fds, process_max_fds (-1: unlimited) and
+// process_start_time_seconds. Linux only; a field /proc does not give is 0.
+std::vector<prometheus::MetricFamily> ProcessMetrics();
 
 class Metrics {
  public:
@@ -91,7 +100,8 @@ class Metrics {
   void SetReady(bool ready);
 
   // Refreshes the engine-derived series from the stats source and returns
-  // every metric in the Prometheus text exposition format 0.0.4.
+  // every metric in the Prometheus text exposition format 0.0.4, with the
+  // process_* metrics read from /proc at the call (see ProcessMetrics).
   std::string Serialize();
 
  private:

@@ -439,6 +439,14 @@ class CudaDevice final : public Device {
     return kernels::LaunchScatterCopies(s, stream_);
   }
 
+  // Threading (device.h): the members below the constants are the launcher's.
+  // Init, CaptureGraphs, Launch*, ReadRows and UploadTable run under the
+  // worker's launch lock (DeviceWorker::launch_mu_, one launcher at a time);
+  // Finished and Wait, on the completion thread, read only start_ and stop_,
+  // fixed once Init returned; the memory functions (PinHost ... FreeHostStaging)
+  // read only the constants. So this class holds no lock of its own, and
+  // clang's analysis has nothing to check here beyond what it checks in
+  // device_worker.cc.
   const int ordinal_;
   const std::string name_;
   const CudaDeviceOptions options_;

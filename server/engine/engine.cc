@@ -57,8 +57,6 @@ struct Engine::Sequence {
   // Calls submitted for this sequence and not finished: a sequence with work
   // in flight is never idle, however long that work runs.
   std::atomic<int> calls_in_flight{0};
-  // Mirrors `released` for queued work that checks without the lock.
-  std::atomic<bool> released_flag{false};
 
   absl::Mutex mu;
   bool released ABSL_GUARDED_BY(mu) = false;
@@ -410,7 +408,14 @@ class Engine::VerifyTask final : public Call, public ShardOwner {
     absl::Status skip = ContextStatus();
     if (skip.ok()) {
       for (const Item& item : items) {
-        if (item.seq->released_flag.load()) {
+        // Under the sequence's lock, as RollBackOpenedSteps below: Skip runs
+        // with no call or queue lock held (Decide).
+        bool released = false;
+        {
+          absl::MutexLock lock(&item.seq->mu);
+          released = item.seq->released;
+        }
+        if (released) {
           skip = absl::NotFoundError(
               absl::StrCat("sequence ", item.seq->id, " was released while this call was queued"));
           break;
@@ -1444,7 +1449,6 @@ std::vector<int32_t> Engine::ReleaseLocked(Sequence& s) {
   if (s.pending) pending_steps_.fetch_sub(1);
   s.pending = false;
   s.released = true;
-  s.released_flag.store(true);
   return pages;
 }
 

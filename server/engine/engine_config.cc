@@ -11,13 +11,33 @@
 namespace mlaverify::engine {
 namespace {
 
-absl::Status CheckBuckets(const std::vector<int>& buckets, const char* name, int max_value) {
-  if (buckets.empty()) return absl::InvalidArgumentError(absl::StrCat(name, " is empty"));
+// "num_heads = 7", or with a name from setting_names "--heads 7".
+class SettingNamer {
+ public:
+  explicit SettingNamer(const std::map<std::string, std::string>& names) : names_(names) {}
+  std::string Name(const std::string& field) const {
+    auto it = names_.find(field);
+    return it == names_.end() ? field : it->second;
+  }
+  template <typename T>
+  std::string Is(const std::string& field, const T& value) const {
+    auto it = names_.find(field);
+    return it == names_.end() ? absl::StrCat(field, " = ", value)
+                              : absl::StrCat(it->second, " ", value);
+  }
+
+ private:
+  const std::map<std::string, std::string>& names_;
+};
+
+absl::Status CheckBuckets(const std::vector<int>& buckets, const std::string& field, int max_value,
+                          const SettingNamer& n) {
+  if (buckets.empty()) return absl::InvalidArgumentError(absl::StrCat(n.Name(field), " is empty"));
   for (size_t k = 0; k < buckets.size(); ++k) {
     if (buckets[k] < 1 || buckets[k] > max_value || (k > 0 && buckets[k] <= buckets[k - 1])) {
-      return absl::InvalidArgumentError(absl::StrCat(name, " = [", absl::StrJoin(buckets, ","),
-                                                     "]: need strictly increasing values in 1..",
-                                                     max_value));
+      return absl::InvalidArgumentError(
+          absl::StrCat(n.Is(field, absl::StrCat("[", absl::StrJoin(buckets, ","), "]")),
+                       ": need strictly increasing values in 1..", max_value));
     }
   }
   return absl::OkStatus();
@@ -30,77 +50,83 @@ const char* ParallelModeName(ParallelMode mode) {
 }
 
 absl::Status EngineConfig::Validate(int num_devices) const {
+  const SettingNamer n(setting_names);
   if (num_devices < 1) {
     return absl::InvalidArgumentError("no devices: the engine needs at least one");
   }
   if (num_layers < 1 || num_layers > 1024) {
-    return absl::InvalidArgumentError(absl::StrCat("num_layers = ", num_layers, ": need 1..1024"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(n.Is("num_layers", num_layers), ": need 1..1024"));
   }
   if (num_heads < 1 || num_heads > mlaverify::kMaxHeads) {
     return absl::InvalidArgumentError(
-        absl::StrCat("num_heads = ", num_heads, ": need 1..", mlaverify::kMaxHeads));
+        absl::StrCat(n.Is("num_heads", num_heads), ": need 1..", mlaverify::kMaxHeads));
   }
   if (page_size < 1 || page_size > mlaverify::kMaxPageSize || (page_size & (page_size - 1)) != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "page_size = ", page_size, ": need a power of two in 1..", mlaverify::kMaxPageSize));
+        n.Is("page_size", page_size), ": need a power of two in 1..", mlaverify::kMaxPageSize));
   }
-  if (auto s = CheckBuckets(draft_buckets, "draft_buckets", mlaverify::kMaxDraftLen); !s.ok())
+  if (auto s = CheckBuckets(draft_buckets, "draft_buckets", mlaverify::kMaxDraftLen, n); !s.ok())
     return s;
-  if (auto s = CheckBuckets(batch_buckets, "batch_buckets", mlaverify::kMaxBatch); !s.ok())
+  if (auto s = CheckBuckets(batch_buckets, "batch_buckets", mlaverify::kMaxBatch, n); !s.ok())
     return s;
   if (!(default_softmax_scale > 0.0f) || !std::isfinite(default_softmax_scale)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "default_softmax_scale = ", default_softmax_scale, ": need a finite value > 0"));
+        n.Is("default_softmax_scale", default_softmax_scale), ": need a finite value > 0"));
   }
   if (max_sequence_len < max_draft_len() + 1 || max_sequence_len > (int64_t{1} << 30)) {
-    return absl::InvalidArgumentError(absl::StrCat("max_sequence_len = ", max_sequence_len,
+    return absl::InvalidArgumentError(absl::StrCat(n.Is("max_sequence_len", max_sequence_len),
                                                    ": need ", max_draft_len() + 1, "..2^30"));
   }
   if (idle_timeout < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("idle_timeout must not be negative");
+    return absl::InvalidArgumentError(
+        absl::StrCat(n.Name("idle_timeout"), " must not be negative"));
   }
   if (num_pages() < 1) {
     return absl::InvalidArgumentError(
-        absl::StrCat("pool_bytes = ", pool_bytes, " holds no page: one page of ", page_size,
+        absl::StrCat(n.Is("pool_bytes", pool_bytes), " holds no page: one page of ", page_size,
                      " tokens x ", num_layers, " layers takes ", bytes_per_page(), " bytes"));
   }
   if (num_pages() > std::numeric_limits<int32_t>::max()) {
-    return absl::InvalidArgumentError("pool_bytes gives more than 2^31 pages: raise page_size");
+    return absl::InvalidArgumentError(absl::StrCat(
+        n.Name("pool_bytes"), " gives more than 2^31 pages: raise ", n.Name("page_size")));
   }
   if (parallel_mode == ParallelMode::kTensorParallel && num_heads % num_devices != 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("num_heads = ", num_heads, " does not split over ", num_devices,
+        absl::StrCat(n.Is("num_heads", num_heads), " does not split over ", num_devices,
                      " tensor-parallel devices: need a multiple of the device count"));
   }
   if (max_queue_delay < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("max_queue_delay must not be negative");
+    return absl::InvalidArgumentError(
+        absl::StrCat(n.Name("max_queue_delay"), " must not be negative"));
   }
   if (max_queued_calls < 1) {
     return absl::InvalidArgumentError(
-        absl::StrCat("max_queued_calls = ", max_queued_calls, ": need >= 1"));
+        absl::StrCat(n.Is("max_queued_calls", max_queued_calls), ": need >= 1"));
   }
   if (max_queued_bytes < 1) {
     return absl::InvalidArgumentError(
-        absl::StrCat("max_queued_bytes = ", max_queued_bytes, ": need >= 1"));
+        absl::StrCat(n.Is("max_queued_bytes", max_queued_bytes), ": need >= 1"));
   }
   if (max_live_sequences < 1) {
     return absl::InvalidArgumentError(
-        absl::StrCat("max_live_sequences = ", max_live_sequences, ": need >= 1"));
+        absl::StrCat(n.Is("max_live_sequences", max_live_sequences), ": need >= 1"));
   }
   if (max_label_bytes < 0) {
-    return absl::InvalidArgumentError("max_label_bytes must not be negative");
+    return absl::InvalidArgumentError(
+        absl::StrCat(n.Name("max_label_bytes"), " must not be negative"));
   }
   if (batches_in_flight < 1 || batches_in_flight > 8) {
     return absl::InvalidArgumentError(
-        absl::StrCat("batches_in_flight = ", batches_in_flight, ": need 1..8"));
+        absl::StrCat(n.Is("batches_in_flight", batches_in_flight), ": need 1..8"));
   }
   if (pinned_staging_bytes < (int64_t{1} << 20)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("pinned_staging_bytes = ", pinned_staging_bytes, ": need at least 1 MiB"));
+        absl::StrCat(n.Is("pinned_staging_bytes", pinned_staging_bytes), ": need at least 1 MiB"));
   }
   if (copy_threads < 1 || copy_threads > 64) {
     return absl::InvalidArgumentError(
-        absl::StrCat("copy_threads = ", copy_threads, ": need 1..64"));
+        absl::StrCat(n.Is("copy_threads", copy_threads), ": need 1..64"));
   }
   return absl::OkStatus();
 }

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -86,13 +87,20 @@ struct EngineConfig {
   // Client shared-memory regions (off unless enabled; limits).
   RegionOptions shared_memory;
 
+  // How Validate()'s errors name a setting: field name ("num_heads") -> the
+  // name its user set it by ("--heads", filled by the server's main), so an
+  // operator reads the flag to fix. A field not in the map is named as the
+  // field ("num_heads = 7"); the engine itself knows no flags.
+  std::map<std::string, std::string> setting_names;
+
   int max_draft_len() const { return draft_buckets.empty() ? 0 : draft_buckets.back(); }
   int max_batch() const { return batch_buckets.empty() ? 0 : batch_buckets.back(); }
   int64_t bytes_per_page() const { return int64_t{num_layers} * page_size * 576 * 2; }
   int64_t num_pages() const { return pool_bytes / bytes_per_page(); }
   int64_t max_pages_per_sequence() const { return (max_sequence_len + page_size - 1) / page_size; }
 
-  // INVALID_ARGUMENT naming the first bad setting. `num_devices` is the length
+  // INVALID_ARGUMENT naming the first bad setting (by `setting_names` where it
+  // has one, then as "--heads 7: ..."). `num_devices` is the length
   // of the device list (tensor-parallel mode needs num_heads divisible by it).
   absl::Status Validate(int num_devices = 1) const;
 };

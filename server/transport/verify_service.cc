@@ -563,12 +563,14 @@ class VerifyServiceImpl::StreamReactor final
         max_in_flight_(std::max(1, service->options_.stream_max_in_flight)) {}
 
   void Begin() {
-    reading_ = std::make_unique<Slot>();
+    grpc::ByteBuffer* request = nullptr;
     {
       absl::MutexLock lock(&mu_);
+      reading_ = std::make_unique<Slot>();
+      request = &reading_->request_bytes;
       read_outstanding_ = true;
     }
-    StartRead(&reading_->request_bytes);
+    StartRead(request);
   }
 
   void OnReadDone(bool ok) override {
@@ -584,29 +586,34 @@ class VerifyServiceImpl::StreamReactor final
       if (finish) Finish(FinalStatus());
       return;
     }
-    Slot* slot = reading_.get();
-    slot->arrived = Clock::now();
-    bool read_more = false;
+    const Clock::time_point arrived = Clock::now();
+    Slot* slot = nullptr;
+    grpc::ByteBuffer* next_request = nullptr;  // the next read's target, if one starts
     {
       absl::MutexLock lock(&mu_);
       read_outstanding_ = false;
       if (finished_) return;  // the stream already ended (drain): the request is dropped
+      slot = reading_.get();
+      slot->arrived = arrived;
       slots_.push_back(std::move(reading_));
-      read_more = !broken_ && !draining_ && static_cast<int>(slots_.size()) < max_in_flight_;
+      const bool read_more =
+          !broken_ && !draining_ && static_cast<int>(slots_.size()) < max_in_flight_;
       read_outstanding_ = read_more;
       if (read_more) {
         reading_ = std::make_unique<Slot>();
+        next_request = &reading_->request_bytes;
       } else {
         read_paused_ = true;
       }
     }
     Start(slot);
-    if (read_more) StartRead(&reading_->request_bytes);
+    if (next_request != nullptr) StartRead(next_request);
   }
 
   void OnWriteDone(bool ok) override {
     const grpc::ByteBuffer* next = nullptr;
-    bool resume_read = false, finish = false;
+    grpc::ByteBuffer* resume_read = nullptr;  // the resumed read's target
+    bool finish = false;
     {
       absl::MutexLock lock(&mu_);
       writing_ = false;
@@ -623,12 +630,12 @@ class VerifyServiceImpl::StreamReactor final
         read_paused_ = false;
         read_outstanding_ = true;
         reading_ = std::make_unique<Slot>();
-        resume_read = true;
+        resume_read = &reading_->request_bytes;
       }
       finish = ReadyToFinish();
     }
     if (next != nullptr) StartWrite(next);
-    if (resume_read) StartRead(&reading_->request_bytes);
+    if (resume_read != nullptr) StartRead(resume_read);
     if (finish) Finish(FinalStatus());
   }
 
@@ -773,7 +780,11 @@ class VerifyServiceImpl::StreamReactor final
   grpc::CallbackServerContext* const ctx_;
   const int max_in_flight_;
   absl::Mutex mu_;
-  std::unique_ptr<Slot> reading_;  // the slot the outstanding read fills
+  // The slot the outstanding read fills. Replaced under mu_ only by whoever
+  // starts the next read (read_outstanding_ false before, true after), which
+  // takes the request's address under mu_ and calls StartRead after
+  // unlocking; while that read is outstanding nothing else replaces it.
+  std::unique_ptr<Slot> reading_ ABSL_GUARDED_BY(mu_);
   std::deque<std::unique_ptr<Slot>> slots_ ABSL_GUARDED_BY(mu_);  // answers owed, in order
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool read_outstanding_ ABSL_GUARDED_BY(mu_) = false;
