@@ -69,7 +69,7 @@ ENV DEBIAN_FRONTEND=noninteractive
 COPY --from=build /opt/mlaverify/runtime-packages /opt/mlaverify/runtime-packages
 RUN apt-get update -qq \
     && xargs apt-get install -y -qq --no-install-recommends < /opt/mlaverify/runtime-packages \
-    && rm -rf /var/lib/apt/lists/* \
+    && apt-get clean && rm -rf /var/lib/apt/lists/* \
     && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin mlaverify
 COPY --from=build /opt/mlaverify/bin /opt/mlaverify/bin
 ENV PATH=/opt/mlaverify/bin:$PATH

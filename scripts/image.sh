@@ -63,12 +63,14 @@ echo "== the runtime stage"
 # lists; /lib, /bin and /sbin are /usr's since the usr merge), none was copied
 # in, and no LD_LIBRARY_PATH points elsewhere. (The script runs in the
 # container: its variables are the container's.)
+# As root, so that find reads every directory.
+echo "user: $(podman image inspect --format '{{.Config.User}}' "$tag")"
 # shellcheck disable=SC2016
-"${pod[@]}" run --rm "${limits[@]}" --entrypoint /bin/bash "$tag" -c '
+"${pod[@]}" run --rm "${limits[@]}" --user 0 --entrypoint /bin/bash "$tag" -c '
   set -euo pipefail
-  id; ls -l /opt/mlaverify/bin
+  ls -l /opt/mlaverify/bin
   echo "runtime packages: $(tr "\n" " " < /opt/mlaverify/runtime-packages)"
-  echo "installed packages: $(dpkg-query -W | wc -l)"
+  echo "installed packages: $(dpkg-query -W | wc -l); $(du -sh /var/cache | cut -f1) in /var/cache"
   if [ -n "${LD_LIBRARY_PATH+set}" ]; then echo "LD_LIBRARY_PATH is set: $LD_LIBRARY_PATH"; exit 1; fi
   libs=$(find / -xdev \( -name "*.so" -o -name "*.so.[0-9]*" \) \( -type f -o -type l \) | sort)
   unowned=$(comm -23 <(echo "$libs") \
