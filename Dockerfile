@@ -4,8 +4,8 @@
 #     podman build -t mlaverify:cpu --build-arg REVISION=$(git rev-parse HEAD) .
 #   GPU image (a CUDA 13 devel image for the build, its base image to run;
 #   the build base must offer the packages of install_deps.sh --build, and
-#   the runtime base must be the same distribution release; not built on the
-#   machines without a GPU):
+#   the runtime base must be the same distribution release; this variant has
+#   not been built yet, for want of a build machine with the CUDA images):
 #     podman build -t mlaverify:gpu \
 #       --build-arg BUILD_IMAGE=nvidia/cuda:13.0.0-devel-ubuntu24.04 \
 #       --build-arg RUNTIME_IMAGE=nvidia/cuda:13.0.0-base-ubuntu24.04 .
@@ -13,9 +13,10 @@
 # The runtime stage holds the two binaries (stripped) and the distribution's
 # packages of the shared libraries they load, installed with apt: the build
 # stage asks dpkg which package owns each library `ldd` lists
-# (/opt/mlaverify/runtime-packages), so the names are right for Debian 12 and
-# Ubuntu 24.04 alike, distro scanners see every library, and a rebuild on an
-# updated base picks up the distribution's fixes. No library is copied and
+# (/opt/mlaverify/runtime-packages), so one Dockerfile names Debian 12's
+# packages or Ubuntu 24.04's (the CUDA bases) with no list to keep,
+# scanners see every library, and a rebuild on an updated base picks up the
+# distribution's fixes. No library is copied and
 # LD_LIBRARY_PATH is unset. Only the GPU driver's libraries (libcuda,
 # libnvidia-*) are left out: the container runtime mounts them from the host.
 # No curl: the health check speaks HTTP to /healthz with bash's /dev/tcp.
