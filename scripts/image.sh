@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds the CPU image from the Dockerfile with Debian's podman and tests it:
 # the server in a container passes the client's checked demo, its health
-# check (curl /healthz) passes, and it drains and exits 0 on SIGTERM.
+# check (GET /healthz) passes, and it drains and exits 0 on SIGTERM; and
+# that the image carries no shared library outside Debian's packages, no
+# LD_LIBRARY_PATH, and its OCI labels.
 #   scripts/image.sh [--tag mlaverify:cpu] [--keep]
 # No registry is reachable from the build machines, so the Debian 12 base
 # image is made here first (debootstrap from Debian's archive, imported as
@@ -46,14 +48,50 @@ if ! podman image exists "$base"; then
   rm -rf "$rootfs" "$rootfs.log"
 fi
 
-echo "== podman build -t $tag"
+version=$(sed -n 's/^project(mlaverify VERSION \([0-9.]*\).*/\1/p' CMakeLists.txt)
+revision=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+echo "== podman build -t $tag (version $version, revision $revision)"
 # Host networking: the build stage fetches Debian packages. Docker format:
 # the OCI format has no HEALTHCHECK.
-"${pod[@]}" build --format docker --network host "${limits[@]}" -t "$tag" .
+"${pod[@]}" build --format docker --network host "${limits[@]}" \
+  --build-arg VERSION="$version" --build-arg REVISION="$revision" -t "$tag" .
 podman image ls "$tag"
+echo "image size: $(podman image inspect --format '{{.Size}}' "$tag") bytes"
+
 echo "== the runtime stage"
-"${pod[@]}" run --rm "${limits[@]}" --entrypoint /bin/sh "$tag" -c \
-  'id; ls -l /opt/mlaverify/bin; ls /opt/mlaverify/lib | wc -l; du -sh /opt/mlaverify'
+# Every shared library in the image belongs to a Debian package (dpkg's file
+# lists; /lib, /bin and /sbin are /usr's since the usr merge), none was copied
+# in, and no LD_LIBRARY_PATH points elsewhere. (The script runs in the
+# container: its variables are the container's.)
+# As root, so that find reads every directory.
+echo "user: $(podman image inspect --format '{{.Config.User}}' "$tag")"
+# shellcheck disable=SC2016
+"${pod[@]}" run --rm "${limits[@]}" --user 0 --entrypoint /bin/bash "$tag" -c '
+  set -euo pipefail
+  ls -l /opt/mlaverify/bin
+  echo "runtime packages: $(tr "\n" " " < /opt/mlaverify/runtime-packages)"
+  echo "installed packages: $(dpkg-query -W | wc -l); $(du -sh /var/cache | cut -f1) in /var/cache"
+  if [ -n "${LD_LIBRARY_PATH+set}" ]; then echo "LD_LIBRARY_PATH is set: $LD_LIBRARY_PATH"; exit 1; fi
+  libs=$(find / -xdev \( -name "*.so" -o -name "*.so.[0-9]*" \) \( -type f -o -type l \) | sort)
+  unowned=$(comm -23 <(echo "$libs") \
+    <(cat /var/lib/dpkg/info/*.list | sed -E "s#^/(lib|bin|sbin)#/usr/\1#" | sort -u))
+  echo "shared libraries: $(echo "$libs" | wc -l), owned by no package: $(echo -n "$unowned" | grep -c . || true)"
+  [ -z "$unowned" ] || { echo "$unowned"; exit 1; }
+  ! command -v curl' || { echo "image.sh: the runtime stage carries more than its packages" >&2; exit 1; }
+env=$(podman image inspect --format '{{range .Config.Env}}{{println .}}{{end}}' "$tag")
+if grep -q '^LD_LIBRARY_PATH=' <<< "$env"; then
+  echo "image.sh: the image sets LD_LIBRARY_PATH" >&2; exit 1
+fi
+echo "== OCI labels"
+label() { podman image inspect --format "{{index .Labels \"org.opencontainers.image.$1\"}}" "$tag"; }
+for key in title description source version revision; do
+  value=$(label "$key")
+  echo "org.opencontainers.image.$key=$value"
+  case $value in ""|"<no value>") echo "image.sh: label $key missing" >&2; exit 1 ;; esac
+done
+if [ "$(label version)" != "$version" ] || [ "$(label revision)" != "$revision" ]; then
+  echo "image.sh: the version or revision label differs from the build's" >&2; exit 1
+fi
 
 name=mlaverify-image-test-$$
 # Host networking (nothing else is reachable here): a free gRPC port, and

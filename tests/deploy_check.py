@@ -18,6 +18,9 @@
   the command line, which win);
 - ports and probes agree with the flags (--listen, --admin-port, /healthz,
   /readyz answer), the grace period covers preStop + drain;
+- the Dockerfile sets no LD_LIBRARY_PATH; its HEALTHCHECK probes CMD's
+  --admin-port and, run against the live server, passes, and fails once the
+  server has exited;
 - `kubectl kustomize` renders the manifests, where kubectl is installed.
 
   deploy_check.py SERVER_BINARY CLIENT_BINARY
@@ -159,6 +162,21 @@ def main():
             fail(f"Dockerfile CMD passes {word}, which is not a server flag")
     if "/healthz" not in re.search(r"HEALTHCHECK.*", dockerfile.replace("\\\n", " ")).group(0):
         fail("the Dockerfile's HEALTHCHECK must probe /healthz")
+    if re.search(r"^ENV\b.*\bLD_LIBRARY_PATH=", dockerfile.replace("\\\n", " "), re.M):
+        fail("the Dockerfile sets LD_LIBRARY_PATH; the runtime stage's libraries come from packages")
+    # The health check (exec form) probes the admin port that CMD sets; it is
+    # run against the live server below, and once more after it has exited.
+    health = json.loads(re.search(r"^HEALTHCHECK\b.*?\bCMD (\[.*\])\s*$", dockerfile.replace("\\\n", " "),
+                                  re.M).group(1))
+    health_port = re.search(r"/dev/tcp/127\.0\.0\.1/(\d+)\b", health[-1]).group(1)
+    if health_port != cmd[cmd.index("--admin-port") + 1]:
+        fail(f"the Dockerfile's HEALTHCHECK probes port {health_port}, CMD sets --admin-port "
+             f"{cmd[cmd.index('--admin-port') + 1]}")
+
+    def health_check(admin_port):
+        command = health[:-1] + [health[-1].replace(f"/dev/tcp/127.0.0.1/{health_port}",
+                                                    f"/dev/tcp/127.0.0.1/{admin_port}")]
+        return subprocess.run(command, capture_output=True, text=True, timeout=5).returncode
 
     # ---- a live server started from the ConfigMap's flags file ------------
     tmp = tempfile.mkdtemp(prefix="mlaverify-deploy-check-")
@@ -197,9 +215,13 @@ def main():
             if code != 200:
                 fail(f"probe path {path} answered {code} on a serving server")
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/metrics", timeout=5).read().decode()
+        if health_check(admin_port) != 0:
+            fail("the Dockerfile's HEALTHCHECK fails against a serving server")
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+    if health_check(admin_port) == 0:
+        fail("the Dockerfile's HEALTHCHECK passes with no server on the admin port")
 
     r = run("promtool", "check", "metrics", input=metrics)
     if r.returncode != 0:
