@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# Two server builds side by side in one device call: each load row runs
-# against build A, then B, then A and B again (alternated, so drift in the
-# machine's clocks shows as A/A and B/B spread), one fresh server per run.
-# Over a bundle holding both servers and one client:
-#   scripts/bundle.sh .device/bundle build/server/mlaverify-server build/client/mlaverify-client
-#   cp OLD_SERVER .device/bundle/bin/mlaverify-server-a   (its libraries: bundle it too)
-#   OUT=/tmp/out bench/server_ab.sh [A_BINARY] [B_BINARY]   → $OUT/server-ab.txt
-# A defaults to $bundle/bin/mlaverify-server-a, B to $bundle/bin/mlaverify-server.
-# Rows: one call in flight at L=16K over CUDA shm, system shm and inline, and
-# 64 streams at L=1K over CUDA shm and inline (VerifyStream, 16 drafts, 8 heads).
+# Server builds side by side in one device call: each load row runs against
+# every build in turn, round after round (alternated, so drift in the
+# machine's clocks shows as spread within a build), one fresh server per run.
+# Over a bundle holding the servers and one client:
+#   scripts/bundle.sh .device/bundle build/server/mlaverify-server build/client/mlaverify-client OTHER...
+#   OUT=/tmp/out bench/server_ab.sh [BINARY...]   → $OUT/server-ab.txt
+# Builds are labelled A, B, C... in the order given; default: A =
+# $bundle/bin/mlaverify-server-a, B = $bundle/bin/mlaverify-server.
+# AB_ROUNDS (default 2) rounds; AB_ROWS (default all) a subset of: cuda-shm-c1
+# shm-c1 inline-c1 cuda-shm-c64 inline-c64 (one call in flight at L=16K, 64
+# streams at L=1K; VerifyStream, 16 drafts, 8 heads).
 set -uo pipefail
 bundle=${BUNDLE:-.device/bundle}
 export LD_LIBRARY_PATH=$bundle/lib:${LD_LIBRARY_PATH:-}
-a=${1:-$bundle/bin/mlaverify-server-a}
-b=${2:-$bundle/bin/mlaverify-server}
+if [ $# -gt 0 ]; then bins=("$@"); else bins=("$bundle/bin/mlaverify-server-a" "$bundle/bin/mlaverify-server"); fi
+rounds=${AB_ROUNDS:-2}
+read -r -a rows <<< "${AB_ROWS:-cuda-shm-c1 shm-c1 inline-c1 cuda-shm-c64 inline-c64}"
 out=${OUT:-/tmp/mlaverify-server-ab}
 mkdir -p "$out"
 client=$bundle/bin/mlaverify-client
@@ -45,17 +47,26 @@ row() {  # row BINARY TAG LOAD_ARGS...: one server, one load row, its summary li
     "$(grep -E '^verify calls' "$out/load-$tag.log" | grep -o '([0-9.]* calls/s')"
 }
 
+row_args() {  # row_args ROW: sets $args, the load flags of that row
+  case $1 in
+    cuda-shm-c1) args=("${c1[@]}" --data-plane cuda-shm) ;;
+    shm-c1) args=("${c1[@]}" --data-plane shm --shm-staging-mib 1200) ;;
+    inline-c1) args=("${c1[@]}") ;;
+    cuda-shm-c64) args=("${c64[@]}" --data-plane cuda-shm) ;;
+    inline-c64) args=("${c64[@]}") ;;
+    *) echo "server_ab.sh: unknown row $1" >&2; exit 2 ;;
+  esac
+}
+
+labels=(A B C D E F)
 {
-  for round in 1 2; do
-    row "$a" "A-cuda-shm-c1-16k-$round" "${c1[@]}" --data-plane cuda-shm
-    row "$b" "B-cuda-shm-c1-16k-$round" "${c1[@]}" --data-plane cuda-shm
-    row "$a" "A-shm-c1-16k-$round" "${c1[@]}" --data-plane shm --shm-staging-mib 1200
-    row "$b" "B-shm-c1-16k-$round" "${c1[@]}" --data-plane shm --shm-staging-mib 1200
-    row "$a" "A-inline-c1-16k-$round" "${c1[@]}"
-    row "$b" "B-inline-c1-16k-$round" "${c1[@]}"
-    row "$a" "A-cuda-shm-c64-1k-$round" "${c64[@]}" --data-plane cuda-shm
-    row "$b" "B-cuda-shm-c64-1k-$round" "${c64[@]}" --data-plane cuda-shm
-    row "$a" "A-inline-c64-1k-$round" "${c64[@]}"
-    row "$b" "B-inline-c64-1k-$round" "${c64[@]}"
+  for ((k = 0; k < ${#bins[@]}; ++k)); do echo "${labels[$k]} = ${bins[$k]}"; done
+  for round in $(seq 1 "$rounds"); do
+    for r in "${rows[@]}"; do
+      row_args "$r"
+      for ((k = 0; k < ${#bins[@]}; ++k)); do
+        row "${bins[$k]}" "${labels[$k]}-$r-$round" "${args[@]}"
+      done
+    done
   done
 } | tee "$out/server-ab.txt"
