@@ -59,6 +59,7 @@ HEADS = 16
 LATENT = 576
 VALUE = 512
 failures = []
+servers = []  # every server started, so that a case that fails midway leaves none running
 
 
 def check(condition, message):
@@ -81,6 +82,7 @@ class Server:
              "8", "64", "--batch-buckets", "1", "--cpu-threads", "1", "--drain-grace-s", "0",
              "--drain-timeout-s", "2", "--log-level", "warn", *flags],
             stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT)
+        servers.append(self.proc)
         deadline = time.time() + 60
         while not (os.path.exists(port_file) and os.path.getsize(port_file) > 0):
             if self.proc.poll() is not None or time.time() > deadline:
@@ -637,6 +639,12 @@ def main():
             CASES[name]()
         except Exception as e:  # a case that crashes fails, the others still run
             check(False, f"{name}: {type(e).__name__}: {e}")
+        finally:
+            for proc in servers:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            servers.clear()
     print(f"{len(failures)} failed" if failures else "all passed")
     return 1 if failures else 0
 
