@@ -12,6 +12,7 @@ import numpy as np
 import grpc
 
 from mlaverify import tensors
+from mlaverify._channels import IDEMPOTENT, RETRYABLE, ConnectionPool, retry_delays
 from mlaverify.errors import VerifyError, code_from_number
 from mlaverify.shm import ShmPlacement
 from mlaverify.v1 import verify_pb2, verify_pb2_grpc
@@ -57,6 +58,7 @@ class CommitResult:
 
 
 def prompt_tokens(kv: Any) -> int:
+    """T of a prompt's kv [num_layers, T, 576]; ValueError for another shape."""
     shape = tensors.shape_of(kv)
     if len(shape) != 3 or shape[1] < 1:
         raise ValueError(f"kv: expected shape [num_layers, T >= 1, 576], got {list(shape)}")
@@ -64,6 +66,8 @@ def prompt_tokens(kv: Any) -> int:
 
 
 def check_parents(parents: Sequence[int], max_draft_len: int, what: str) -> List[int]:
+    """`parents` as ints, checked to be a forest of 1..max_draft_len drafts
+    with every parent before its child; ValueError naming `what` if not."""
     p = [int(x) for x in parents]
     if not 1 <= len(p) <= max_draft_len:
         raise ValueError(f"{what}: {len(p)} drafts, the server takes 1..{max_draft_len}")
@@ -74,6 +78,8 @@ def check_parents(parents: Sequence[int], max_draft_len: int, what: str) -> List
 
 
 def check_path(accepted: Sequence[int], what: str) -> List[int]:
+    """`accepted` as ints, none negative (the server checks it is a root
+    path of the pending tree)."""
     a = [int(x) for x in accepted]
     if any(x < 0 for x in a):
         raise ValueError(f"{what}: accepted indices must be >= 0, got {a}")
@@ -83,7 +89,7 @@ def check_path(accepted: Sequence[int], what: str) -> List[int]:
 class Geometry:
     """The parts of ServerInfo the client checks requests against."""
 
-    def __init__(self, info: verify_pb2.ServerInfo, regions: dict):
+    def __init__(self, info: Any, regions: dict):
         self.info = info
         # Registered region name -> this process's SharedMemoryRegion.
         self.regions = regions
@@ -95,6 +101,7 @@ class Geometry:
         self.default_softmax_scale = info.default_softmax_scale
 
     def append_request(self, sequence_id: int, start_position: int, kv: Any) -> verify_pb2.AppendKvRequest:
+        """An AppendKvRequest of bf16 kv [num_layers, T >= 1, 576], checked."""
         tensor = tensors.to_proto(kv, tensors.BF16, [self.num_layers, -1, LATENT_DIM], "kv")
         if tensor.shape[1] < 1:
             raise ValueError("kv: needs at least one token")
@@ -114,6 +121,9 @@ class Geometry:
 
     def verify_request(self, layer: int, items: Sequence[VerifyItem], softmax_scale: float,
                        request_id: int) -> verify_pb2.VerifyRequest:
+        """A VerifyRequest of `items`, every dimension checked against the
+        server's geometry (ValueError/TypeError naming the item); items
+        placed in shared memory have their q and draft_kv written there."""
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer}: the server has layers 0..{self.num_layers - 1}")
         if not 1 <= len(items) <= self.max_batch:
@@ -121,6 +131,7 @@ class Geometry:
         if not np.isfinite(softmax_scale):
             raise ValueError(f"softmax_scale {softmax_scale} is not finite")
         seen = set()
+        placed = set()  # regions this request's inputs were written into
         request = verify_pb2.VerifyRequest(layer=layer, softmax_scale=softmax_scale,
                                            request_id=request_id)
         for k, item in enumerate(items):
@@ -145,18 +156,24 @@ class Geometry:
             for field, value, shape, offset in (("q", item.q, q_shape, p.q_offset),
                                                 ("draft_kv", item.draft_kv, kv_shape,
                                                  p.draft_kv_offset)):
-                values = tensors.as_bits(value, tensors.BF16, shape, f"{what} {field}")
-                region.array(offset, np.uint16, shape)[...] = values
+                nbytes = region.write(offset, value, shape, f"{what} {field}")
                 tensor = getattr(wire, field)
                 tensor.dtype = verify_pb2.DTYPE_BF16
                 tensor.shape.extend(shape)
                 tensor.shared_memory.CopyFrom(verify_pb2.SharedMemoryRef(
-                    region=p.region, offset=offset, byte_size=values.nbytes))
+                    region=p.region, offset=region.ref_offset(offset), byte_size=nbytes))
             wire.out_shared_memory.CopyFrom(verify_pb2.SharedMemoryRef(
-                region=p.region, offset=p.out_offset, byte_size=n * self.num_heads * VALUE_DIM * 2))
+                region=p.region, offset=region.ref_offset(p.out_offset),
+                byte_size=n * self.num_heads * VALUE_DIM * 2))
             wire.lse_shared_memory.CopyFrom(verify_pb2.SharedMemoryRef(
-                region=p.region, offset=p.lse_offset, byte_size=n * self.num_heads * 4))
+                region=p.region, offset=region.ref_offset(p.lse_offset),
+                byte_size=n * self.num_heads * 4))
+            placed.add(p.region)
             request.items.append(wire)
+        for name in placed:
+            # CUDA regions: the inputs were written on the device's current
+            # stream; the server reads them once the request arrives.
+            self.regions[name].prepare()
         return request
 
     def _region(self, name: str, what: str):
@@ -167,17 +184,19 @@ class Geometry:
         return region
 
     def _placed_output(self, wanted: verify_pb2.SharedMemoryRef, got: verify_pb2.Tensor,
-                       dtype, shape, what: str, as_torch: bool):
+                       dtype: str, shape, what: str, output: "tensors.Output"):
         if got.WhichOneof("data") != "shared_memory" or got.shared_memory != wanted:
             raise ValueError(f"{what}: the server answered it elsewhere than it was placed")
         if list(got.shape) != list(shape):
             raise ValueError(f"{what}: shape {list(got.shape)}, expected {list(shape)}")
         region = self._region(wanted.region, what)
-        values = region.array(wanted.offset, dtype, shape).copy()  # the region is reused
-        return tensors.maybe_torch(values, as_torch)
+        return region.read(wanted.offset, dtype, shape, output)
 
     def verify_results(self, request: verify_pb2.VerifyRequest, response: verify_pb2.VerifyResponse,
-                       as_torch: bool) -> List[VerifyResult]:
+                       output: "tensors.Output") -> List[VerifyResult]:
+        """The results of `request` decoded from `response` (raw bytes, or
+        the placed outputs read from their regions), checked against what
+        was asked; ValueError when the answer does not fit the request."""
         if len(response.results) != len(request.items):
             raise ValueError(f"the server answered {len(response.results)} results for "
                              f"{len(request.items)} items")
@@ -188,44 +207,68 @@ class Geometry:
                                  "was asked")
             n = len(item.parents)
             if item.HasField("out_shared_memory"):
-                out = self._placed_output(item.out_shared_memory, r.out, np.uint16,
-                                          [n, self.num_heads, VALUE_DIM], "out", as_torch)
-                lse = self._placed_output(item.lse_shared_memory, r.lse, np.float32,
-                                          [n, self.num_heads], "lse", as_torch)
+                out = self._placed_output(item.out_shared_memory, r.out, tensors.BF16,
+                                          [n, self.num_heads, VALUE_DIM], "out", output)
+                lse = self._placed_output(item.lse_shared_memory, r.lse, tensors.FP32,
+                                          [n, self.num_heads], "lse", output)
             else:
                 out = tensors.from_proto(r.out, tensors.BF16, [n, self.num_heads, VALUE_DIM],
-                                         "out", as_torch)
+                                         "out", output)
                 lse = tensors.from_proto(r.lse, tensors.FP32, [n, self.num_heads], "lse",
-                                         as_torch)
+                                         output)
             results.append(VerifyResult(sequence_id=r.sequence_id, out=out, lse=lse,
                                         prefix_len=r.prefix_len))
         return results
 
 
 class RegisteredView:
-    """A registered range of a SharedMemoryRegion: offsets count from its start."""
+    """A registered range of a SharedMemoryRegion (system shared memory):
+    offsets count from the range's start. Inputs are copied in; outputs are
+    copied out (the region is reused by the next call)."""
 
     def __init__(self, region, offset: int):
         self._region, self._offset = region, offset
 
-    def array(self, offset: int, dtype, shape) -> np.ndarray:
-        return self._region.array(self._offset + offset, dtype, shape)
+    def write(self, offset: int, value: Any, shape: Sequence[int], what: str) -> int:
+        """Copies bf16 `value` (checked against `shape`) in at `offset`;
+        returns its byte size."""
+        values = tensors.as_bits(value, tensors.BF16, shape, what)
+        self._region.array(self._offset + offset, np.uint16, shape)[...] = values
+        return values.nbytes
+
+    def ref_offset(self, offset: int) -> int:
+        """The offset a SharedMemoryRef carries for `offset`."""
+        return offset
+
+    def prepare(self) -> None:
+        """Nothing to wait for: the copies in were made by this thread."""
+
+    def read(self, ref_offset: int, dtype: str, shape: Sequence[int],
+             output: "tensors.Output") -> Any:
+        """A copy of the output a SharedMemoryRef places at `ref_offset`, as
+        `output` says."""
+        np_dtype = np.uint16 if dtype == tensors.BF16 else np.float32
+        values = self._region.array(self._offset + ref_offset, np_dtype, shape).copy()
+        return tensors.deliver(values, output)
 
 
 def register_request(name: str, region, offset: int,
                      byte_size: Optional[int]) -> verify_pb2.RegisterSystemSharedMemoryRequest:
+    """The RegisterSystemSharedMemoryRequest of [offset, offset + byte_size)
+    of `region` (byte_size None: to its end)."""
     byte_size = region.size - offset if byte_size is None else byte_size
     return verify_pb2.RegisterSystemSharedMemoryRequest(name=name, key=region.key, offset=offset,
                                                         byte_size=byte_size)
 
 
 def unknown_answer(response: verify_pb2.VerifyResponse) -> VerifyError:
+    """The failure of a stream that answered a request_id nobody asked."""
     return VerifyError(grpc.StatusCode.INTERNAL,
                        f"an answer for unknown request_id {response.request_id}", "VerifyStream")
 
 
 def settle_answer(future, geometry: "Geometry", request: verify_pb2.VerifyRequest,
-                  response: verify_pb2.VerifyResponse, as_torch: bool) -> None:
+                  response: verify_pb2.VerifyResponse, output: "tensors.Output") -> None:
     """Completes a stream request's future (concurrent or asyncio) with its
     results, its in-band error, or the reason its answer is malformed."""
     if response.error_code != 0:
@@ -233,7 +276,7 @@ def settle_answer(future, geometry: "Geometry", request: verify_pb2.VerifyReques
                                          response.error_message, "VerifyStream"))
         return
     try:
-        future.set_result(geometry.verify_results(request, response, as_torch))
+        future.set_result(geometry.verify_results(request, response, output))
     except ValueError as e:
         future.set_exception(VerifyError(grpc.StatusCode.INTERNAL, str(e), "VerifyStream"))
 
@@ -248,24 +291,56 @@ def stream_end_failure(failure, pending: bool):
 
 
 class ClientBase:
-    """What VerifyClient and AsyncVerifyClient share, over the channel each
-    made (plain or asyncio)."""
+    """What VerifyClient and AsyncVerifyClient share: the connection pool
+    (plain or asyncio channels), the stubs of each connection, the output
+    format and the registered regions."""
 
-    def __init__(self, channel, target: str, auth_token: Optional[str],
-                 timeout: Optional[float], as_torch: bool):
-        self._channel = channel
-        self._stub = verify_pb2_grpc.VerifyServiceStub(channel)
-        self._health = channel.unary_unary(HEALTH_CHECK)
+    def __init__(self, target: str, pool: ConnectionPool, auth_token: Optional[str],
+                 timeout: Optional[float], output: tensors.Output, retries: int,
+                 retry_backoff_s: float):
+        if retries < 0 or retry_backoff_s < 0:
+            raise ValueError(f"retries {retries} and retry_backoff_s {retry_backoff_s}: "
+                             "need both >= 0")
+        self._pool = pool
+        self._stubs = [verify_pb2_grpc.VerifyServiceStub(c) for c in pool.channels]
+        self._healths = [c.unary_unary(HEALTH_CHECK) for c in pool.channels]
+        self._channel = pool.channels[0]
+        self._stub = self._stubs[0]
         self._metadata = metadata(auth_token)
         self._timeout = timeout
-        self._as_torch = as_torch
+        self._output = output
+        self._retries = retries
+        self._retry_backoff_s = retry_backoff_s
+        self._wait_for_ready = pool.settings.wait_for_ready
         self._geometry: Optional[Geometry] = None
-        self._regions: dict = {}  # registered name -> SharedMemoryRegion (shared with geometry)
+        # Registered name -> its view (RegisteredView, or a CUDA region's);
+        # shared with the geometry.
+        self._regions: dict = {}
         self._request_ids = itertools.count(1)
         self.target = target
 
+    @property
+    def connections(self) -> int:
+        """How many HTTP/2 connections this client spreads its calls over."""
+        return len(self._pool)
+
+    def _connection(self, sequence_id: Optional[int]) -> int:
+        return self._pool.for_sequence(sequence_id) if sequence_id is not None else self._pool.next()
+
+    def _attempts(self, rpc: str) -> List[Optional[float]]:
+        """None (the first try), then the waits before each retry; retries
+        only for the RPCs that change nothing."""
+        if rpc not in IDEMPOTENT:
+            return [None]
+        return [None] + list(retry_delays(self._retries, self._retry_backoff_s))
+
+    @staticmethod
+    def _retryable(rpc: str, error: VerifyError) -> bool:
+        return rpc in IDEMPOTENT and error.code in RETRYABLE
+
 
 def metadata(auth_token: Optional[str]):
+    """The call metadata that carries `auth_token` (None: none)."""
     return (("authorization", f"Bearer {auth_token}"),) if auth_token else None
 
 
@@ -277,6 +352,7 @@ HEALTH_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNO
 
 
 def decode_health(response: bytes) -> str:
+    """A grpc.health.v1 HealthCheckResponse's status name ("SERVING"...)."""
     status, i = 0, 0
     while i < len(response):
         tag = response[i]

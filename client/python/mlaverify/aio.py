@@ -4,30 +4,42 @@ methods as VerifyClient as coroutines, and an AsyncVerifyStream."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import grpc
 import grpc.aio
 
-from mlaverify import _wire
-from mlaverify.client import channel_options
+from mlaverify import _wire, cuda_shm, tensors, types
+from mlaverify._channels import DEFAULT_MAX_MESSAGE_BYTES, ChannelSettings, ConnectionPool
+from mlaverify.client import cuda_shm_request
 from mlaverify.errors import VerifyError, from_rpc_error
 from mlaverify.v1 import verify_pb2
 
 
 class AsyncVerifyClient(_wire.ClientBase):
-    """As VerifyClient (same arguments), every RPC a coroutine."""
+    """As VerifyClient (the same arguments and methods), every RPC a
+    coroutine, on grpc.aio channels of the running event loop."""
 
     def __init__(self, target: str, *, credentials: Optional[grpc.ChannelCredentials] = None,
                  auth_token: Optional[str] = None, timeout: Optional[float] = 30.0,
-                 as_torch: bool = False, options=None):
-        opts = options if options is not None else channel_options()
-        channel = (grpc.aio.secure_channel(target, credentials, opts) if credentials
-                   else grpc.aio.insecure_channel(target, opts))
-        super().__init__(channel, target, auth_token, timeout, as_torch)
+                 as_torch: bool = False, device: Any = None, connections: int = 1,
+                 keepalive_time_s: Optional[float] = 30.0, keepalive_timeout_s: float = 10.0,
+                 keepalive_permit_without_calls: bool = False, wait_for_ready: bool = False,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, retries: int = 2,
+                 retry_backoff_s: float = 0.05, options: Sequence[Tuple[str, Any]] = ()):
+        settings = ChannelSettings(connections, keepalive_time_s, keepalive_timeout_s,
+                                   keepalive_permit_without_calls, max_message_bytes,
+                                   wait_for_ready, tuple(options))
+        pool = ConnectionPool(settings, lambda opts: (
+            grpc.aio.secure_channel(target, credentials, opts) if credentials
+            else grpc.aio.insecure_channel(target, opts)))
+        super().__init__(target, pool, auth_token, timeout, tensors.Output.of(as_torch, device),
+                         retries, retry_backoff_s)
 
     async def close(self) -> None:
-        await self._channel.close()
+        """Closes every connection (calls in flight are cancelled)."""
+        for channel in self._pool.channels:
+            await channel.close()
 
     async def __aenter__(self) -> "AsyncVerifyClient":
         return self
@@ -35,41 +47,66 @@ class AsyncVerifyClient(_wire.ClientBase):
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def _call(self, rpc: str, method, request, timeout=None):
-        try:
-            return await method(request, timeout=timeout if timeout is not None else self._timeout,
-                                metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e, rpc) from None
+    async def _call(self, rpc: str, method: str, request, timeout=None, sequence_id=None):
+        stub = self._stubs[self._connection(sequence_id)]
+        error = None
+        for delay in self._attempts(rpc):
+            if delay is not None:
+                await asyncio.sleep(delay)
+            try:
+                return await getattr(stub, method)(
+                    request, timeout=timeout if timeout is not None else self._timeout,
+                    metadata=self._metadata, wait_for_ready=self._wait_for_ready)
+            except grpc.RpcError as e:
+                error = from_rpc_error(e, rpc)
+                if not self._retryable(rpc, error):
+                    break
+        raise error
 
     async def health(self, timeout: Optional[float] = None) -> str:
-        try:
-            raw = await self._health(b"", timeout=timeout if timeout is not None else self._timeout)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e, "Health.Check") from None
-        return _wire.decode_health(raw)
+        """As VerifyClient.health."""
+        check = self._healths[self._connection(None)]
+        error = None
+        for delay in self._attempts("Health.Check"):
+            if delay is not None:
+                await asyncio.sleep(delay)
+            try:
+                raw = await check(b"", timeout=timeout if timeout is not None else self._timeout,
+                                  wait_for_ready=self._wait_for_ready)
+                return _wire.decode_health(raw)
+            except grpc.RpcError as e:
+                error = from_rpc_error(e, "Health.Check")
+                if not self._retryable("Health.Check", error):
+                    break
+        raise error
 
-    async def server_info(self) -> verify_pb2.ServerInfo:
-        info = await self._call("GetServerInfo", self._stub.GetServerInfo,
-                                verify_pb2.GetServerInfoRequest())
+    async def server_info(self) -> types.ServerInfo:
+        """As VerifyClient.server_info."""
+        info = types.server_info(await self._call("GetServerInfo", "GetServerInfo",
+                                                  verify_pb2.GetServerInfoRequest()))
         self._geometry = _wire.Geometry(info, self._regions)
         return info
 
     async def geometry(self) -> _wire.Geometry:
+        """The server's geometry (GetServerInfo on first use)."""
         if self._geometry is None:
             await self.server_info()
         return self._geometry
 
     async def create_sequence(self, label: str = "") -> int:
-        r = await self._call("CreateSequence", self._stub.CreateSequence,
+        """As VerifyClient.create_sequence."""
+        r = await self._call("CreateSequence", "CreateSequence",
                              verify_pb2.CreateSequenceRequest(label=label))
         return r.sequence_id
 
     async def append_kv(self, sequence_id: int, start_position: int, kv: Any) -> int:
+        """As VerifyClient.append_kv."""
         request = (await self.geometry()).append_request(sequence_id, start_position, kv)
-        return (await self._call("AppendKv", self._stub.AppendKv, request)).length
+        return (await self._call("AppendKv", "AppendKv", request,
+                                 sequence_id=sequence_id)).length
 
     async def append_prompt(self, sequence_id: int, kv: Any, start_position: int = 0) -> int:
+        """As VerifyClient.append_prompt."""
         tokens = _wire.prompt_tokens(kv)
         step = (await self.geometry()).prompt_chunk_tokens()
         length = start_position
@@ -80,57 +117,74 @@ class AsyncVerifyClient(_wire.ClientBase):
 
     async def verify(self, layer: int, items: Sequence[_wire.VerifyItem], softmax_scale: float = 0.0,
                      timeout: Optional[float] = None) -> List[_wire.VerifyResult]:
+        """As VerifyClient.verify."""
         g = await self.geometry()
         request = g.verify_request(layer, items, softmax_scale, next(self._request_ids))
-        response = await self._call("Verify", self._stub.Verify, request, timeout)
-        return g.verify_results(request, response, self._as_torch)
+        response = await self._call("Verify", "Verify", request, timeout,
+                                    sequence_id=items[0].sequence_id)
+        return g.verify_results(request, response, self._output)
 
     async def commit(self, sequence_id: int, accepted: Sequence[int]) -> _wire.CommitResult:
-        r = await self._call("Commit", self._stub.Commit,
+        """As VerifyClient.commit."""
+        r = await self._call("Commit", "Commit",
                              verify_pb2.CommitRequest(sequence_id=sequence_id,
-                                                      accepted=_wire.check_path(accepted, "accepted")))
+                                                      accepted=_wire.check_path(accepted, "accepted")),
+                             sequence_id=sequence_id)
         return _wire.CommitResult(length=r.length, accepted_count=r.accepted_count)
 
     async def release_sequence(self, sequence_id: int) -> int:
-        r = await self._call("ReleaseSequence", self._stub.ReleaseSequence,
-                             verify_pb2.ReleaseSequenceRequest(sequence_id=sequence_id))
+        """As VerifyClient.release_sequence."""
+        r = await self._call("ReleaseSequence", "ReleaseSequence",
+                             verify_pb2.ReleaseSequenceRequest(sequence_id=sequence_id),
+                             sequence_id=sequence_id)
         return r.freed_pages
 
     async def register_system_shared_memory(self, name: str, region, offset: int = 0,
                                             byte_size: Optional[int] = None) -> None:
         """As VerifyClient.register_system_shared_memory."""
         request = _wire.register_request(name, region, offset, byte_size)
-        await self._call("RegisterSystemSharedMemory", self._stub.RegisterSystemSharedMemory,
-                         request)
+        await self._call("RegisterSystemSharedMemory", "RegisterSystemSharedMemory", request)
         self._regions[name] = _wire.RegisteredView(region, offset)
 
+    async def register_cuda_shared_memory(self, name: str, region,
+                                          device_id: Optional[int] = None) -> None:
+        """As VerifyClient.register_cuda_shared_memory."""
+        request = cuda_shm_request(name, region, device_id)
+        await self._call("RegisterCudaSharedMemory", "RegisterCudaSharedMemory", request)
+        self._regions[name] = cuda_shm.CudaRegisteredView(region)
+
     async def unregister_system_shared_memory(self, name: str = "") -> List[str]:
-        r = await self._call("UnregisterSystemSharedMemory", self._stub.UnregisterSystemSharedMemory,
+        """As VerifyClient.unregister_system_shared_memory."""
+        r = await self._call("UnregisterSystemSharedMemory", "UnregisterSystemSharedMemory",
                              verify_pb2.UnregisterSystemSharedMemoryRequest(name=name))
         for n in r.unregistered:
             self._regions.pop(n, None)
         return list(r.unregistered)
 
     async def system_shared_memory_status(
-            self, name: str = "") -> List[verify_pb2.SystemSharedMemoryRegion]:
+            self, name: str = "") -> List[types.SystemSharedMemoryStatus]:
         """As VerifyClient.system_shared_memory_status."""
-        r = await self._call("SystemSharedMemoryStatus", self._stub.SystemSharedMemoryStatus,
+        r = await self._call("SystemSharedMemoryStatus", "SystemSharedMemoryStatus",
                              verify_pb2.SystemSharedMemoryStatusRequest(name=name))
-        return list(r.regions)
+        return [types.from_message(types.SystemSharedMemoryStatus, m) for m in r.regions]
 
     async def unregister_cuda_shared_memory(self, name: str = "") -> List[str]:
         """As VerifyClient.unregister_cuda_shared_memory."""
-        r = await self._call("UnregisterCudaSharedMemory", self._stub.UnregisterCudaSharedMemory,
+        r = await self._call("UnregisterCudaSharedMemory", "UnregisterCudaSharedMemory",
                              verify_pb2.UnregisterCudaSharedMemoryRequest(name=name))
+        for n in r.unregistered:
+            self._regions.pop(n, None)
         return list(r.unregistered)
 
-    async def cuda_shared_memory_status(self, name: str = "") -> List[verify_pb2.CudaSharedMemoryRegion]:
+    async def cuda_shared_memory_status(
+            self, name: str = "") -> List[types.CudaSharedMemoryStatus]:
         """As VerifyClient.cuda_shared_memory_status."""
-        r = await self._call("CudaSharedMemoryStatus", self._stub.CudaSharedMemoryStatus,
+        r = await self._call("CudaSharedMemoryStatus", "CudaSharedMemoryStatus",
                              verify_pb2.CudaSharedMemoryStatusRequest(name=name))
-        return list(r.regions)
+        return [types.from_message(types.CudaSharedMemoryStatus, m) for m in r.regions]
 
     async def verify_stream(self, max_in_flight: int = 16) -> "AsyncVerifyStream":
+        """As VerifyClient.verify_stream."""
         return AsyncVerifyStream(self, await self.geometry(), max_in_flight)
 
 
@@ -149,11 +203,15 @@ class AsyncVerifyStream:
         self._pending = {}
         self._failure: Optional[VerifyError] = None
         self._closed = False
-        self._call = client._stub.VerifyStream(metadata=client._metadata)
+        stub = client._stubs[client._connection(None)]
+        self._call = stub.VerifyStream(metadata=client._metadata,
+                                       wait_for_ready=client._wait_for_ready)
         self._reader = asyncio.ensure_future(self._read())
 
     async def submit(self, layer: int, items: Sequence[_wire.VerifyItem],
                      softmax_scale: float = 0.0) -> "asyncio.Future[List[_wire.VerifyResult]]":
+        """As VerifyStream.submit: sends one layer's Verify (waiting while
+        max_in_flight are unanswered); returns an asyncio Future."""
         request = self._geometry.verify_request(layer, items, softmax_scale,
                                                 next(self._client._request_ids))
         await self._slots.acquire()
@@ -173,6 +231,7 @@ class AsyncVerifyStream:
 
     async def verify(self, layer: int, items: Sequence[_wire.VerifyItem],
                      softmax_scale: float = 0.0) -> List[_wire.VerifyResult]:
+        """submit() and await the results."""
         return await (await self.submit(layer, items, softmax_scale))
 
     async def _read(self) -> None:
@@ -188,7 +247,8 @@ class AsyncVerifyStream:
                     break
                 self._slots.release()
                 request, future = entry
-                _wire.settle_answer(future, self._geometry, request, response, self._client._as_torch)
+                _wire.settle_answer(future, self._geometry, request, response,
+                                    self._client._output)
         except grpc.RpcError as e:
             failure = from_rpc_error(e, "VerifyStream")
         failure = _wire.stream_end_failure(failure, bool(self._pending))
@@ -199,6 +259,7 @@ class AsyncVerifyStream:
             future.set_exception(failure)
 
     async def close(self) -> None:
+        """Ends the stream and waits for the answers in flight."""
         if self._closed:
             return
         self._closed = True
@@ -207,6 +268,11 @@ class AsyncVerifyStream:
         except grpc.RpcError:
             pass  # the reader reports how the stream ended
         await self._reader
+
+    async def cancel(self) -> None:
+        """Cancels the stream; requests in flight fail with CANCELLED."""
+        self._call.cancel()
+        await self.close()
 
     async def __aenter__(self) -> "AsyncVerifyStream":
         return self

@@ -5,23 +5,18 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from concurrent.futures import Future
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 
-from mlaverify import _wire, shm
+from mlaverify import _wire, cuda_shm, shm, tensors, types
+from mlaverify._channels import DEFAULT_MAX_MESSAGE_BYTES, ChannelSettings, ConnectionPool
 from mlaverify.errors import VerifyError, from_rpc_error
 from mlaverify.v1 import verify_pb2
 
-# Up to the largest message the server takes (its --max-message-bytes is
-# 64 MiB at most in practice; GetServerInfo says what it is).
-DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
-
-
-def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
-    return [("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes)]
+_END = object()  # ends a VerifyStream's request iterator
 
 
 class VerifyClient(_wire.ClientBase):
@@ -30,20 +25,42 @@ class VerifyClient(_wire.ClientBase):
     target: "host:port". credentials: grpc.ssl_channel_credentials(...) for
     TLS/mTLS (None: plaintext). auth_token: the server's --auth-token-file
     contents, sent as a bearer token. timeout: seconds per call (None: no
-    deadline). as_torch: Verify results as torch tensors instead of NumPy.
+    deadline). Results: NumPy (uint16 bf16 bits, float32) by default;
+    as_torch=True gives torch CPU tensors, device="cuda:0" torch tensors on
+    that device (items placed in a CUDA region come back as views of it
+    either way).
+
+    connections, keepalive_time_s, keepalive_timeout_s,
+    keepalive_permit_without_calls, wait_for_ready, max_message_bytes: the
+    channels (mlaverify.ChannelSettings says what each does); a sequence's
+    calls stay on one connection. retries, retry_backoff_s: how often and
+    after how long an UNAVAILABLE is retried, for the calls that change
+    nothing (health, server_info, the status calls); no other call is
+    retried, since one that failed on the way back may have run. options:
+    more channel arguments, appended.
     """
 
     def __init__(self, target: str, *, credentials: Optional[grpc.ChannelCredentials] = None,
                  auth_token: Optional[str] = None, timeout: Optional[float] = 30.0,
-                 as_torch: bool = False, options=None):
-        opts = options if options is not None else channel_options()
-        channel = (grpc.secure_channel(target, credentials, opts) if credentials
-                   else grpc.insecure_channel(target, opts))
-        super().__init__(channel, target, auth_token, timeout, as_torch)
+                 as_torch: bool = False, device: Any = None, connections: int = 1,
+                 keepalive_time_s: Optional[float] = 30.0, keepalive_timeout_s: float = 10.0,
+                 keepalive_permit_without_calls: bool = False, wait_for_ready: bool = False,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, retries: int = 2,
+                 retry_backoff_s: float = 0.05, options: Sequence[Tuple[str, Any]] = ()):
+        settings = ChannelSettings(connections, keepalive_time_s, keepalive_timeout_s,
+                                   keepalive_permit_without_calls, max_message_bytes,
+                                   wait_for_ready, tuple(options))
+        pool = ConnectionPool(settings, lambda opts: (
+            grpc.secure_channel(target, credentials, opts) if credentials
+            else grpc.insecure_channel(target, opts)))
+        super().__init__(target, pool, auth_token, timeout, tensors.Output.of(as_torch, device),
+                         retries, retry_backoff_s)
 
     # -- lifetime -----------------------------------------------------------
     def close(self) -> None:
-        self._channel.close()
+        """Closes every connection (calls in flight are cancelled)."""
+        for channel in self._pool.channels:
+            channel.close()
 
     def __enter__(self) -> "VerifyClient":
         return self
@@ -51,45 +68,69 @@ class VerifyClient(_wire.ClientBase):
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _call(self, rpc: str, method, request, timeout=None):
-        try:
-            return method(request, timeout=timeout if timeout is not None else self._timeout,
-                          metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e, rpc) from None
+    def _call(self, rpc: str, method: str, request, timeout=None, sequence_id=None):
+        stub = self._stubs[self._connection(sequence_id)]
+        error = None
+        for delay in self._attempts(rpc):
+            if delay is not None:
+                time.sleep(delay)
+            try:
+                return getattr(stub, method)(
+                    request, timeout=timeout if timeout is not None else self._timeout,
+                    metadata=self._metadata, wait_for_ready=self._wait_for_ready)
+            except grpc.RpcError as e:
+                error = from_rpc_error(e, rpc)
+                if not self._retryable(rpc, error):
+                    break
+        raise error
 
     # -- RPCs ---------------------------------------------------------------
     def health(self, timeout: Optional[float] = None) -> str:
         """grpc.health.v1 Check of the whole server: "SERVING", "NOT_SERVING"..."""
-        try:
-            raw = self._health(b"", timeout=timeout if timeout is not None else self._timeout)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e, "Health.Check") from None
-        return _wire.decode_health(raw)
+        check = self._healths[self._connection(None)]
+        error = None
+        for delay in self._attempts("Health.Check"):
+            if delay is not None:
+                time.sleep(delay)
+            try:
+                raw = check(b"", timeout=timeout if timeout is not None else self._timeout,
+                            wait_for_ready=self._wait_for_ready)
+                return _wire.decode_health(raw)
+            except grpc.RpcError as e:
+                error = from_rpc_error(e, "Health.Check")
+                if not self._retryable("Health.Check", error):
+                    break
+        raise error
 
-    def server_info(self) -> verify_pb2.ServerInfo:
-        """GetServerInfo; also refreshes the geometry requests are checked against."""
-        info = self._call("GetServerInfo", self._stub.GetServerInfo, verify_pb2.GetServerInfoRequest())
+    def server_info(self) -> types.ServerInfo:
+        """GetServerInfo as a typed ServerInfo; also refreshes the geometry
+        requests are checked against."""
+        info = types.server_info(self._call("GetServerInfo", "GetServerInfo",
+                                            verify_pb2.GetServerInfoRequest()))
         self._geometry = _wire.Geometry(info, self._regions)
         return info
 
     @property
     def geometry(self) -> _wire.Geometry:
+        """The server's geometry (GetServerInfo on first use)."""
         if self._geometry is None:
             self.server_info()
         return self._geometry
 
     def create_sequence(self, label: str = "") -> int:
-        return self._call("CreateSequence", self._stub.CreateSequence,
+        """A new sequence (empty); returns its id. Not retried: a retry of
+        one that ran would leave a sequence nobody releases."""
+        return self._call("CreateSequence", "CreateSequence",
                           verify_pb2.CreateSequenceRequest(label=label)).sequence_id
 
     def append_kv(self, sequence_id: int, start_position: int, kv: Any) -> int:
         """One AppendKv: kv is bf16 [num_layers, T, 576]. Returns the new length."""
         request = self.geometry.append_request(sequence_id, start_position, kv)
-        return self._call("AppendKv", self._stub.AppendKv, request).length
+        return self._call("AppendKv", "AppendKv", request, sequence_id=sequence_id).length
 
     def append_prompt(self, sequence_id: int, kv: Any, start_position: int = 0) -> int:
-        """A whole prompt in chunks under the server's message limit."""
+        """A whole prompt in chunks under the server's message limit; returns
+        the new length."""
         tokens = _wire.prompt_tokens(kv)
         step = self.geometry.prompt_chunk_tokens()
         length = start_position
@@ -99,63 +140,96 @@ class VerifyClient(_wire.ClientBase):
 
     def verify(self, layer: int, items: Sequence[_wire.VerifyItem], softmax_scale: float = 0.0,
                timeout: Optional[float] = None) -> List[_wire.VerifyResult]:
-        """One layer's Verify for one or more sequences (distinct)."""
+        """One layer's Verify for one or more sequences (distinct); results
+        in the order of `items`. softmax_scale 0: the server's default."""
         request = self.geometry.verify_request(layer, items, softmax_scale, next(self._request_ids))
-        response = self._call("Verify", self._stub.Verify, request, timeout)
-        return self.geometry.verify_results(request, response, self._as_torch)
+        response = self._call("Verify", "Verify", request, timeout,
+                              sequence_id=items[0].sequence_id)
+        return self.geometry.verify_results(request, response, self._output)
 
     def commit(self, sequence_id: int, accepted: Sequence[int]) -> _wire.CommitResult:
         """Ends the pending step; `accepted` is a root-to-node path (may be empty)."""
-        r = self._call("Commit", self._stub.Commit,
+        r = self._call("Commit", "Commit",
                        verify_pb2.CommitRequest(sequence_id=sequence_id,
-                                                accepted=_wire.check_path(accepted, "accepted")))
+                                                accepted=_wire.check_path(accepted, "accepted")),
+                       sequence_id=sequence_id)
         return _wire.CommitResult(length=r.length, accepted_count=r.accepted_count)
 
     def release_sequence(self, sequence_id: int) -> int:
         """Frees the sequence's pages; returns how many."""
-        return self._call("ReleaseSequence", self._stub.ReleaseSequence,
-                          verify_pb2.ReleaseSequenceRequest(sequence_id=sequence_id)).freed_pages
+        return self._call("ReleaseSequence", "ReleaseSequence",
+                          verify_pb2.ReleaseSequenceRequest(sequence_id=sequence_id),
+                          sequence_id=sequence_id).freed_pages
 
-    # -- system shared memory ------------------------------------------------
+    # -- shared memory ------------------------------------------------------
     def register_system_shared_memory(self, name: str, region: "shm.SharedMemoryRegion",
                                       offset: int = 0, byte_size: Optional[int] = None) -> None:
         """Registers [offset, offset + byte_size) of `region` (a
         SharedMemoryRegion of this process) as `name`; items placed there
         (VerifyItem.shm) then travel as references."""
         request = _wire.register_request(name, region, offset, byte_size)
-        self._call("RegisterSystemSharedMemory", self._stub.RegisterSystemSharedMemory, request)
+        self._call("RegisterSystemSharedMemory", "RegisterSystemSharedMemory", request)
         self._regions[name] = _wire.RegisteredView(region, offset)
 
+    def register_cuda_shared_memory(self, name: str, region: "cuda_shm.CudaSharedMemoryRegion",
+                                    device_id: Optional[int] = None) -> None:
+        """Registers a CudaSharedMemoryRegion (device memory of this process)
+        as `name` by its CUDA IPC handle; items placed there keep q,
+        draft_kv, out and lse on the device. device_id: the server's number
+        of the region's device (None: this process's index of it)."""
+        request = cuda_shm_request(name, region, device_id)
+        self._call("RegisterCudaSharedMemory", "RegisterCudaSharedMemory", request)
+        self._regions[name] = cuda_shm.CudaRegisteredView(region)
+
     def unregister_system_shared_memory(self, name: str = "") -> List[str]:
-        """Removes `name` ("" : every region); returns the names removed."""
-        names = list(self._call("UnregisterSystemSharedMemory",
-                                self._stub.UnregisterSystemSharedMemory,
-                                verify_pb2.UnregisterSystemSharedMemoryRequest(name=name)).unregistered)
+        """Removes region `name` of either kind ("" : every region); returns
+        the names removed."""
+        names = list(self._call("UnregisterSystemSharedMemory", "UnregisterSystemSharedMemory",
+                                verify_pb2.UnregisterSystemSharedMemoryRequest(name=name)
+                                ).unregistered)
         for n in names:
             self._regions.pop(n, None)
         return names
 
-    def system_shared_memory_status(self, name: str = "") -> List[verify_pb2.SystemSharedMemoryRegion]:
+    def system_shared_memory_status(self, name: str = "") -> List[types.SystemSharedMemoryStatus]:
         """`name` ("" : every region, either kind) with its use."""
-        return list(self._call("SystemSharedMemoryStatus", self._stub.SystemSharedMemoryStatus,
-                               verify_pb2.SystemSharedMemoryStatusRequest(name=name)).regions)
+        r = self._call("SystemSharedMemoryStatus", "SystemSharedMemoryStatus",
+                       verify_pb2.SystemSharedMemoryStatusRequest(name=name))
+        return [types.from_message(types.SystemSharedMemoryStatus, m) for m in r.regions]
 
     def unregister_cuda_shared_memory(self, name: str = "") -> List[str]:
         """Removes the CUDA region `name` ("" : every CUDA region); returns the
         names removed."""
-        return list(self._call("UnregisterCudaSharedMemory", self._stub.UnregisterCudaSharedMemory,
-                               verify_pb2.UnregisterCudaSharedMemoryRequest(name=name)).unregistered)
+        names = list(self._call("UnregisterCudaSharedMemory", "UnregisterCudaSharedMemory",
+                                verify_pb2.UnregisterCudaSharedMemoryRequest(name=name)
+                                ).unregistered)
+        for n in names:
+            self._regions.pop(n, None)
+        return names
 
-    def cuda_shared_memory_status(self, name: str = "") -> List[verify_pb2.CudaSharedMemoryRegion]:
+    def cuda_shared_memory_status(self, name: str = "") -> List[types.CudaSharedMemoryStatus]:
         """The CUDA region `name` ("" : every CUDA region) with its use."""
-        return list(self._call("CudaSharedMemoryStatus", self._stub.CudaSharedMemoryStatus,
-                               verify_pb2.CudaSharedMemoryStatusRequest(name=name)).regions)
+        r = self._call("CudaSharedMemoryStatus", "CudaSharedMemoryStatus",
+                       verify_pb2.CudaSharedMemoryStatusRequest(name=name))
+        return [types.from_message(types.CudaSharedMemoryStatus, m) for m in r.regions]
 
     def verify_stream(self, max_in_flight: int = 16) -> "VerifyStream":
+        """A pipelined stream of Verify requests (VerifyStream) on the next
+        connection; use one per scheduler."""
         return VerifyStream(self, max_in_flight)
 
 
-_END = object()
+def cuda_shm_request(name: str, region: "cuda_shm.CudaSharedMemoryRegion",
+                     device_id: Optional[int]) -> verify_pb2.RegisterCudaSharedMemoryRequest:
+    """The RegisterCudaSharedMemoryRequest of `region`: its allocation's
+    handle, from the allocation's start to the region's end."""
+    if not isinstance(region, cuda_shm.CudaSharedMemoryRegion):
+        raise TypeError(f"register_cuda_shared_memory: expected a CudaSharedMemoryRegion, got "
+                        f"{type(region).__name__}")
+    return verify_pb2.RegisterCudaSharedMemoryRequest(
+        name=name, raw_handle=region.raw_handle,
+        device_id=region.device_index if device_id is None else device_id,
+        byte_size=region.base_offset + region.size)
 
 
 class VerifyStream:
@@ -177,7 +251,9 @@ class VerifyStream:
         self._lock = threading.Lock()
         self._failure: Optional[VerifyError] = None
         self._closed = False
-        self._call = client._stub.VerifyStream(self._request_iterator(), metadata=client._metadata)
+        stub = client._stubs[client._connection(None)]
+        self._call = stub.VerifyStream(self._request_iterator(), metadata=client._metadata,
+                                       wait_for_ready=client._wait_for_ready)
         self._reader = threading.Thread(target=self._read, name="mlaverify-verify-stream", daemon=True)
         self._reader.start()
 
@@ -190,6 +266,8 @@ class VerifyStream:
 
     def submit(self, layer: int, items: Sequence[_wire.VerifyItem],
                softmax_scale: float = 0.0) -> "Future[List[_wire.VerifyResult]]":
+        """Sends one layer's Verify; returns a Future of its results at once
+        (blocks while max_in_flight are unanswered)."""
         request = self._client.geometry.verify_request(layer, items, softmax_scale,
                                                        next(self._client._request_ids))
         future: Future = Future()
@@ -205,6 +283,7 @@ class VerifyStream:
 
     def verify(self, layer: int, items: Sequence[_wire.VerifyItem], softmax_scale: float = 0.0,
                timeout: Optional[float] = None) -> List[_wire.VerifyResult]:
+        """submit() and wait for the results."""
         return self.submit(layer, items, softmax_scale).result(timeout)
 
     def _read(self) -> None:
@@ -219,7 +298,7 @@ class VerifyStream:
                 self._slots.release()
                 request, future = entry
                 _wire.settle_answer(future, self._client.geometry, request, response,
-                                    self._client._as_torch)
+                                    self._client._output)
         except grpc.RpcError as e:
             failure = from_rpc_error(e, "VerifyStream")
         with self._lock:
@@ -240,6 +319,7 @@ class VerifyStream:
         self._reader.join()
 
     def cancel(self) -> None:
+        """Cancels the stream; requests in flight fail with CANCELLED."""
         self._call.cancel()
         self.close()
 

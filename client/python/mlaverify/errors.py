@@ -27,6 +27,7 @@ def code_from_number(number: int) -> grpc.StatusCode:
 
 
 def from_rpc_error(error: grpc.RpcError, rpc: str) -> VerifyError:
+    """The VerifyError of a failed call of `rpc`."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = error.details() if hasattr(error, "details") else str(error)
     return VerifyError(code, details or "", rpc)

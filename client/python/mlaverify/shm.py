@@ -29,6 +29,7 @@ _next_region = itertools.count()
 
 
 def _align(v: int) -> int:
+    """`v` rounded up to a multiple of 256."""
     return (v + 255) // 256 * 256
 
 
@@ -49,6 +50,7 @@ class SharedMemoryRegion:
 
     @property
     def buffer(self) -> memoryview:
+        """The region's bytes."""
         return self._shm.buf
 
     def array(self, offset: int, dtype, shape) -> np.ndarray:
@@ -57,6 +59,7 @@ class SharedMemoryRegion:
         return np.frombuffer(self._shm.buf, dtype=dtype, count=count, offset=offset).reshape(shape)
 
     def close(self) -> None:
+        """Unmaps the region and removes the object (unregister it first)."""
         self._shm.close()
         try:
             self._shm.unlink()
@@ -81,6 +84,9 @@ class ShmPlacement:
     out_offset: int
     lse_offset: int
     end_offset: int
+    # The item's N and H (place_item fills them; CudaSharedMemoryRegion.item_views uses them).
+    num_drafts: int = 0
+    num_heads: int = 0
 
 
 def item_bytes(num_drafts: int, num_heads: int) -> int:
@@ -98,4 +104,4 @@ def place_item(region: str, offset: int, num_drafts: int, num_heads: int) -> Shm
     kv = q + _align(n * h * LATENT_DIM * 2)
     out = kv + _align(n * LATENT_DIM * 2)
     lse = out + _align(n * h * VALUE_DIM * 2)
-    return ShmPlacement(region, q, kv, out, lse, lse + _align(n * h * 4))
+    return ShmPlacement(region, q, kv, out, lse, lse + _align(n * h * 4), n, h)

@@ -9,7 +9,8 @@ bf16 array is, and results can be returned as torch tensors.
 
 from __future__ import annotations
 
-from typing import Any, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -27,7 +28,30 @@ _PROTO_DTYPE = {BF16: verify_pb2.DTYPE_BF16, FP32: verify_pb2.DTYPE_FP32}
 
 
 def torch_available() -> bool:
+    """Whether torch is importable here."""
     return _torch is not None
+
+
+@dataclass(frozen=True)
+class Output:
+    """How results are handed back: NumPy (uint16 bf16 bits, float32) when
+    `torch` is False, else torch tensors (bfloat16, float32) on `device`
+    (None: the CPU). Results placed in a CUDA region are torch views of it
+    whatever this says."""
+
+    torch: bool = False
+    device: Optional[Any] = None
+
+    @staticmethod
+    def of(as_torch: bool, device: Any = None) -> "Output":
+        """The format for a client's as_torch/device arguments: a device
+        implies torch tensors."""
+        if (as_torch or device is not None) and _torch is None:
+            raise RuntimeError("torch results were asked for (as_torch/device) but torch is "
+                               "not importable")
+        if device is not None:
+            return Output(True, _torch.device(device))
+        return Output(bool(as_torch), None)
 
 
 def bf16_from_float32(x: Any) -> np.ndarray:
@@ -54,6 +78,7 @@ def float32_from_bf16(bits: Any) -> np.ndarray:
 
 
 def _is_torch(x: Any) -> bool:
+    """Whether `x` is a torch tensor."""
     return _torch is not None and isinstance(x, _torch.Tensor)
 
 
@@ -97,22 +122,31 @@ def to_proto(x: Any, dtype: str, shape: Sequence[int], what: str) -> verify_pb2.
     return verify_pb2.Tensor(dtype=_PROTO_DTYPE[dtype], shape=list(a.shape), raw=a.tobytes())
 
 
-def maybe_torch(a: np.ndarray, as_torch: bool) -> Any:
-    """A writable NumPy array (uint16 bf16 bits or float32) as it is, or as a
-    torch tensor (bfloat16 or float32) sharing its memory."""
-    if not as_torch:
-        return a
+def numpy_to_torch(a: np.ndarray) -> Any:
+    """A NumPy array (uint16 bf16 bits or float32) as a CPU torch tensor
+    (bfloat16 or float32) sharing its memory."""
     if _torch is None:
-        raise RuntimeError("as_torch=True but torch is not importable")
+        raise RuntimeError("torch is not importable")
     if a.dtype == np.uint16:
         return _torch.from_numpy(a.view(np.int16)).view(_torch.bfloat16)
     return _torch.from_numpy(a)
 
 
+def deliver(a: np.ndarray, output: Output) -> Any:
+    """A writable NumPy array (uint16 bf16 bits or float32) as `output`
+    says: as it is, or a torch tensor sharing its memory (CPU), or a copy on
+    output.device."""
+    if not output.torch:
+        return a
+    t = numpy_to_torch(a)
+    return t if output.device is None else t.to(output.device)
+
+
 def from_proto(t: verify_pb2.Tensor, dtype: str, shape: Sequence[int], what: str,
-               as_torch: bool = False) -> Any:
+               output: Output = Output()) -> Any:
     """A Tensor's raw bytes as a read-only NumPy array of `shape` (no copy),
-    or a torch tensor (one copy: torch needs writable memory)."""
+    or a torch tensor (one copy: torch needs writable memory; on
+    output.device when it names one)."""
     if t.WhichOneof("data") != "raw":
         raise ValueError(f"{what}: the server sent no raw bytes")
     if t.dtype != _PROTO_DTYPE[dtype]:
@@ -123,18 +157,18 @@ def from_proto(t: verify_pb2.Tensor, dtype: str, shape: Sequence[int], what: str
     if len(t.raw) != want:
         raise ValueError(f"{what}: {len(t.raw)} bytes, expected {want}")
     a = np.frombuffer(t.raw, dtype=np.uint16 if dtype == BF16 else np.float32).reshape(shape)
-    if not as_torch:
+    if isinstance(output, bool):
+        output = Output.of(output)
+    if not output.torch:
         return a
-    if _torch is None:
-        raise RuntimeError("as_torch=True but torch is not importable")
-    if dtype == BF16:
-        return _torch.from_numpy(a.view(np.int16).copy()).view(_torch.bfloat16)
-    return _torch.from_numpy(a.copy())
+    return deliver(a.copy(), output)
 
 
 def _shape_text(shape: Sequence[int]) -> str:
+    """[2, *, 576] for a shape with -1 for any."""
     return "[" + ", ".join("*" if s == -1 else str(s) for s in shape) + "]"
 
 
 def shape_of(x: Any) -> Tuple[int, ...]:
+    """The shape of an array, a tensor or a nested list."""
     return tuple(x.shape) if hasattr(x, "shape") else tuple(np.asarray(x).shape)

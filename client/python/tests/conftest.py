@@ -11,14 +11,14 @@ import pytest
 
 from mlaverify import VerifyClient
 
-SERVER_FLAGS = ["--backend", "cpu", "--layers", "3", "--heads", "4", "--page-size", "16",
+SERVER_FLAGS = ["--layers", "3", "--heads", "4", "--page-size", "16",
                 "--pool-bytes", "8MiB", "--draft-buckets", "1", "2", "4", "8",
                 "--batch-buckets", "1", "2", "4", "--max-message-bytes", "1MiB",
                 "--drain-grace-s", "0", "--drain-timeout-s", "2", "--log-level", "warn",
                 "--allow-client-shm", "true"]
 
 
-def start_server(extra=()):
+def start_server(extra=(), backend="cpu"):
     binary = os.environ.get("MLAVERIFY_SERVER")
     if not binary or not os.path.exists(binary):
         pytest.fail("MLAVERIFY_SERVER must name the built mlaverify-server (CTest sets it)")
@@ -26,7 +26,8 @@ def start_server(extra=()):
     port_file = os.path.join(tmp, "ports")
     log = open(os.path.join(tmp, "server.log"), "w")
     proc = subprocess.Popen([binary, "--listen", "127.0.0.1:0", "--admin-port", "-1",
-                             "--port-file", port_file, *SERVER_FLAGS, *extra],
+                             "--port-file", port_file, "--backend", backend, *SERVER_FLAGS,
+                             *extra],
                             stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 30
     while time.time() < deadline:

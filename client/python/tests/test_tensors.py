@@ -50,5 +50,5 @@ def test_torch_bf16_tensors_carry_the_same_bits():
     t = tensors.to_proto(x, tensors.BF16, [3, 576], "draft_kv")
     bits = np.frombuffer(t.raw, dtype=np.uint16).reshape(3, 576)
     assert np.array_equal(bits, tensors.bf16_from_float32(x.float().numpy()))
-    back = tensors.from_proto(t, tensors.BF16, [3, 576], "draft_kv", as_torch=True)
+    back = tensors.from_proto(t, tensors.BF16, [3, 576], "draft_kv", tensors.Output(torch=True))
     assert back.dtype == torch.bfloat16 and torch.equal(back, x)
