@@ -27,7 +27,8 @@ from mlaverify.aio import AsyncVerifyClient, AsyncVerifyStream  # noqa: E402
 from mlaverify.client import VerifyClient, VerifyStream  # noqa: E402
 from mlaverify.cuda_shm import CudaSharedMemoryRegion  # noqa: E402
 from mlaverify.errors import VerifyError  # noqa: E402
-from mlaverify.replicas import AsyncReplicaSet, PlacedSequence, ReplicaSet, ReplicaState  # noqa: E402
+from mlaverify.replicas import (AsyncReplicaSet, PlacedSequence, ReplicaSet,  # noqa: E402
+                                ReplicaState)
 from mlaverify.shm import SharedMemoryRegion, ShmPlacement, place_item  # noqa: E402
 from mlaverify.tensors import bf16_from_float32, float32_from_bf16  # noqa: E402
 from mlaverify.types import ServerInfo  # noqa: E402

@@ -325,7 +325,9 @@ class ClientBase:
         return len(self._pool)
 
     def _connection(self, sequence_id: Optional[int]) -> int:
-        return self._pool.for_sequence(sequence_id) if sequence_id is not None else self._pool.next()
+        if sequence_id is None:
+            return self._pool.next()
+        return self._pool.for_sequence(sequence_id)
 
     def _attempts(self, rpc: str) -> List[Optional[float]]:
         """None (the first try), then the waits before each retry; retries

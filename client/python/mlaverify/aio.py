@@ -29,7 +29,7 @@ class AsyncVerifyClient(_wire.ClientBase):
                  retry_backoff_s: float = 0.05, options: Sequence[Tuple[str, Any]] = ()):
         settings = ChannelSettings(connections, keepalive_time_s, keepalive_timeout_s,
                                    keepalive_permit_without_calls, max_message_bytes,
-                                   wait_for_ready, tuple(options))
+                                   wait_for_ready, tuple(options or ()))
         pool = ConnectionPool(settings, lambda opts: (
             grpc.aio.secure_channel(target, credentials, opts) if credentials
             else grpc.aio.insecure_channel(target, opts)))
@@ -115,7 +115,8 @@ class AsyncVerifyClient(_wire.ClientBase):
                                           kv[:, begin:begin + step])
         return length
 
-    async def verify(self, layer: int, items: Sequence[_wire.VerifyItem], softmax_scale: float = 0.0,
+    async def verify(self, layer: int, items: Sequence[_wire.VerifyItem],
+                     softmax_scale: float = 0.0,
                      timeout: Optional[float] = None) -> List[_wire.VerifyResult]:
         """As VerifyClient.verify."""
         g = await self.geometry()
@@ -126,10 +127,9 @@ class AsyncVerifyClient(_wire.ClientBase):
 
     async def commit(self, sequence_id: int, accepted: Sequence[int]) -> _wire.CommitResult:
         """As VerifyClient.commit."""
-        r = await self._call("Commit", "Commit",
-                             verify_pb2.CommitRequest(sequence_id=sequence_id,
-                                                      accepted=_wire.check_path(accepted, "accepted")),
-                             sequence_id=sequence_id)
+        request = verify_pb2.CommitRequest(sequence_id=sequence_id,
+                                           accepted=_wire.check_path(accepted, "accepted"))
+        r = await self._call("Commit", "Commit", request, sequence_id=sequence_id)
         return _wire.CommitResult(length=r.length, accepted_count=r.accepted_count)
 
     async def release_sequence(self, sequence_id: int) -> int:

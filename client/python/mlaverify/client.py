@@ -49,7 +49,7 @@ class VerifyClient(_wire.ClientBase):
                  retry_backoff_s: float = 0.05, options: Sequence[Tuple[str, Any]] = ()):
         settings = ChannelSettings(connections, keepalive_time_s, keepalive_timeout_s,
                                    keepalive_permit_without_calls, max_message_bytes,
-                                   wait_for_ready, tuple(options))
+                                   wait_for_ready, tuple(options or ()))
         pool = ConnectionPool(settings, lambda opts: (
             grpc.secure_channel(target, credentials, opts) if credentials
             else grpc.insecure_channel(target, opts)))
