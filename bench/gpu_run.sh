@@ -304,7 +304,7 @@ if want pyclient && [ -x "$bundle/bin/mlaverify-server" ]; then
     > "$out/pyclient-tests.log" 2>&1
   summary+=("python cuda-shm tests rc=$?"); tail -4 "$out/pyclient-tests.log"
   start_server pyclient 127.0.0.1:0 --devices 0 --heads 8 --pool-bytes 40GiB --allow-client-shm true
-  for plane in cuda-shm system-shm inline; do
+  for plane in cuda-shm shm inline; do
     timeout 60 "${cl[@]}" load --concurrency 1 --duration-s 5 --warmup-s 1 --prompt-len 16384 \
       --max-seq-len 16900 --drafts 16 --progress false --stream --data-plane "$plane" \
       --json "$out/pyclient-cpp-$plane.json" > "$out/pyclient-cpp-$plane.log" 2>&1

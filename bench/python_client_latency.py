@@ -10,7 +10,7 @@ from before the request is built to its decoded results.
         --target 127.0.0.1:50051 --plane cuda-shm --prompt-len 16384 --drafts 16 --stream \\
         --duration-s 5 --json py-cuda-shm.json
 
-Planes: inline (bytes in the messages), system-shm (a /dev/shm region;
+Planes (as `load --data-plane`): inline (bytes in the messages), shm (a /dev/shm region;
 servers with --allow-client-shm), cuda-shm (a torch CUDA region, q and
 draft_kv written in place once; results read in place).
 """
@@ -41,7 +41,7 @@ def root_path(parents, node):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--target", default="127.0.0.1:50051")
-    ap.add_argument("--plane", choices=["inline", "system-shm", "cuda-shm"], default="inline")
+    ap.add_argument("--plane", choices=["inline", "shm", "cuda-shm"], default="inline")
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--drafts", type=int, default=16)
     ap.add_argument("--stream", action="store_true", help="over one VerifyStream (else unary)")
@@ -64,7 +64,7 @@ def main() -> int:
         client.append_prompt(seq, bf16(layers, args.prompt_len, 576))
         q, draft_kv = bf16(n, heads, 576), bf16(n, 576)
         place, region = None, None
-        if args.plane == "system-shm":
+        if args.plane == "shm":
             region = SharedMemoryRegion(item_bytes(n, heads))
             client.register_system_shared_memory("py-latency", region)
             place = place_item("py-latency", 0, n, heads)
