@@ -13,6 +13,7 @@ from mlaverify import VerifyClient, VerifyError, VerifyItem, bf16_from_float32
 from mlaverify._channels import ChannelSettings
 from mlaverify.aio import AsyncVerifyClient
 
+from conftest import start_server, stop_server
 from tcp_proxy import TcpProxy
 
 
@@ -119,6 +120,39 @@ def test_keepalive_notices_a_dead_peer_on_an_idle_stream(proxy):
                 future.result(30)
             assert e.value.code == grpc.StatusCode.UNAVAILABLE
             assert time.time() - started < 15
+
+
+def server_has_flag(flag):
+    import os
+    import subprocess
+    out = subprocess.run([os.environ["MLAVERIFY_SERVER"], "--help"], capture_output=True,
+                         text=True, timeout=30).stdout
+    return flag in out
+
+
+def test_an_idle_stream_outlives_the_servers_ping_limit():
+    """Client pings closer than the server allows end the connection
+    (GOAWAY too_many_pings); with the server's minimum interval under the
+    client's keepalive time, an idle stream stays up across many pings."""
+    if not server_has_flag("--http2-min-ping-interval-ms"):
+        pytest.skip("this server has no --http2-min-ping-interval-ms (its ping limit is gRPC's "
+                    "default, 5 minutes without data)")
+    proc, target, log = start_server(["--http2-min-ping-interval-ms", "200"])
+    try:
+        rng = np.random.default_rng(4)
+        with VerifyClient(target, keepalive_time_s=0.5, keepalive_timeout_s=2) as client:
+            g = client.geometry
+            sid = client.create_sequence("idle")
+            client.append_kv(sid, 0, bf16(rng, g.num_layers, 3, 576))
+            item = VerifyItem(sid, bf16(rng, 1, g.num_heads, 576), bf16(rng, 1, 576), [-1])
+            with client.verify_stream() as stream:
+                stream.verify(0, [item], timeout=10)
+                time.sleep(4)  # eight client pings, idle
+                assert stream.verify(1, [item], timeout=10)[0].prefix_len == 3
+            client.commit(sid, [])
+            client.release_sequence(sid)
+    finally:
+        assert stop_server(proc) == 0, open(log).read()
 
 
 def test_keepalive_settings_reach_the_channel():
