@@ -188,7 +188,7 @@ class CudaSharedMemoryRegion:
         dtype's size)."""
         torch = _torch()
         count = int(np.prod(shape))
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = torch.tensor([], dtype=dtype).element_size()
         if offset < 0 or offset % itemsize or offset + count * itemsize > self.size:
             raise ValueError(f"a view of {count} x {dtype} at byte {offset} does not fit a region "
                              f"of {self.size} bytes (or is not aligned to {itemsize})")
@@ -240,12 +240,24 @@ class CudaRegisteredView:
 
     def __init__(self, region: CudaSharedMemoryRegion):
         self.region = region
+        # (offset, dtype, shape) -> view: a scheduler places the same items
+        # every layer, and each view costs a few torch calls to make.
+        self._views: dict = {}
+
+    def _view(self, offset: int, dtype: Any, shape: Sequence[int]) -> Any:
+        key = (offset, dtype, tuple(shape))
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = self.region.view(offset, dtype, shape)
+        return view
 
     def write(self, offset: int, value: Any, shape: Sequence[int], what: str) -> int:
         """Puts bf16 `value` (a torch.bfloat16 tensor, CPU or CUDA, or uint16
         bits) at `offset` on the current stream; returns its byte size."""
         torch = _torch()
-        dst = self.region.view(offset, torch.bfloat16, shape)
+        dst = self._view(offset, torch.bfloat16, shape)
+        if value is dst:
+            return dst.numel() * 2  # the placement's own view: already in place
         if isinstance(value, torch.Tensor):
             if value.dtype != torch.bfloat16:
                 raise TypeError(f"{what}: expected a torch.bfloat16 tensor, got {value.dtype}")
@@ -274,5 +286,5 @@ class CudaRegisteredView:
         """A view of the output a SharedMemoryRef places at `ref_offset`
         (torch, on the region's device)."""
         torch = _torch()
-        return self.region.view(ref_offset - self.region.base_offset,
-                                torch.bfloat16 if dtype == tensors.BF16 else torch.float32, shape)
+        return self._view(ref_offset - self.region.base_offset,
+                          torch.bfloat16 if dtype == tensors.BF16 else torch.float32, shape)
