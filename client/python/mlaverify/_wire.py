@@ -4,6 +4,7 @@ checks, request building and response decoding. No I/O here."""
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
 
@@ -99,6 +100,8 @@ class Geometry:
         self.max_batch = info.max_batch
         self.max_message_bytes = info.max_message_bytes
         self.default_softmax_scale = info.default_softmax_scale
+        # Placed items' messages by placement, sequence and tree (see verify_request).
+        self._placed_items: dict = {}
 
     def append_request(self, sequence_id: int, start_position: int, kv: Any) -> verify_pb2.AppendKvRequest:
         """An AppendKvRequest of bf16 kv [num_layers, T >= 1, 576], checked."""
@@ -128,7 +131,7 @@ class Geometry:
             raise ValueError(f"layer {layer}: the server has layers 0..{self.num_layers - 1}")
         if not 1 <= len(items) <= self.max_batch:
             raise ValueError(f"{len(items)} items, the server takes 1..{self.max_batch} per Verify")
-        if not np.isfinite(softmax_scale):
+        if not math.isfinite(softmax_scale):
             raise ValueError(f"softmax_scale {softmax_scale} is not finite")
         seen = set()
         placed = set()  # regions this request's inputs were written into
@@ -152,22 +155,19 @@ class Geometry:
                 continue
             p = item.shm
             region = self._region(p.region, what)
-            wire = verify_pb2.VerifyItem(sequence_id=item.sequence_id, parents=parents)
-            for field, value, shape, offset in (("q", item.q, q_shape, p.q_offset),
-                                                ("draft_kv", item.draft_kv, kv_shape,
-                                                 p.draft_kv_offset)):
-                nbytes = region.write(offset, value, shape, f"{what} {field}")
-                tensor = getattr(wire, field)
-                tensor.dtype = verify_pb2.DTYPE_BF16
-                tensor.shape.extend(shape)
-                tensor.shared_memory.CopyFrom(verify_pb2.SharedMemoryRef(
-                    region=p.region, offset=region.ref_offset(offset), byte_size=nbytes))
-            wire.out_shared_memory.CopyFrom(verify_pb2.SharedMemoryRef(
-                region=p.region, offset=region.ref_offset(p.out_offset),
-                byte_size=n * self.num_heads * VALUE_DIM * 2))
-            wire.lse_shared_memory.CopyFrom(verify_pb2.SharedMemoryRef(
-                region=p.region, offset=region.ref_offset(p.lse_offset),
-                byte_size=n * self.num_heads * 4))
+            region.write(p.q_offset, item.q, q_shape, f"{what} q")
+            region.write(p.draft_kv_offset, item.draft_kv, kv_shape, f"{what} draft_kv")
+            # Only references travel, and a step repeats them on every layer:
+            # the item's message is built once per (region, placement,
+            # sequence, tree).
+            key = (region.ref_offset(0), p.region, p.q_offset, p.draft_kv_offset, p.out_offset,
+                   p.lse_offset, item.sequence_id, tuple(parents))
+            wire = self._placed_items.get(key)
+            if wire is None:
+                if len(self._placed_items) >= 4096:
+                    self._placed_items.clear()
+                wire = self._placed_items[key] = self._placed_item(
+                    region, p, item.sequence_id, parents, q_shape, kv_shape)
             placed.add(p.region)
             request.items.append(wire)
         for name in placed:
@@ -175,6 +175,27 @@ class Geometry:
             # stream; the server reads them once the request arrives.
             self.regions[name].prepare()
         return request
+
+    def _placed_item(self, region, p: ShmPlacement, sequence_id: int, parents: List[int],
+                     q_shape: List[int], kv_shape: List[int]) -> verify_pb2.VerifyItem:
+        """The VerifyItem message of an item placed at `p` in `region`."""
+        n = len(parents)
+        wire = verify_pb2.VerifyItem(sequence_id=sequence_id, parents=parents)
+        for field, shape, offset in (("q", q_shape, p.q_offset),
+                                     ("draft_kv", kv_shape, p.draft_kv_offset)):
+            tensor = getattr(wire, field)
+            tensor.dtype = verify_pb2.DTYPE_BF16
+            tensor.shape.extend(shape)
+            tensor.shared_memory.CopyFrom(verify_pb2.SharedMemoryRef(
+                region=p.region, offset=region.ref_offset(offset),
+                byte_size=int(np.prod(shape)) * 2))
+        wire.out_shared_memory.CopyFrom(verify_pb2.SharedMemoryRef(
+            region=p.region, offset=region.ref_offset(p.out_offset),
+            byte_size=n * self.num_heads * VALUE_DIM * 2))
+        wire.lse_shared_memory.CopyFrom(verify_pb2.SharedMemoryRef(
+            region=p.region, offset=region.ref_offset(p.lse_offset),
+            byte_size=n * self.num_heads * 4))
+        return wire
 
     def _region(self, name: str, what: str):
         region = self.regions.get(name)
@@ -185,9 +206,11 @@ class Geometry:
 
     def _placed_output(self, wanted: verify_pb2.SharedMemoryRef, got: verify_pb2.Tensor,
                        dtype: str, shape, what: str, output: "tensors.Output"):
-        if got.WhichOneof("data") != "shared_memory" or got.shared_memory != wanted:
+        ref = got.shared_memory
+        if got.WhichOneof("data") != "shared_memory" or ref.offset != wanted.offset or \
+                ref.region != wanted.region or ref.byte_size != wanted.byte_size:
             raise ValueError(f"{what}: the server answered it elsewhere than it was placed")
-        if list(got.shape) != list(shape):
+        if got.shape != shape:
             raise ValueError(f"{what}: shape {list(got.shape)}, expected {list(shape)}")
         region = self._region(wanted.region, what)
         return region.read(wanted.offset, dtype, shape, output)

@@ -88,10 +88,10 @@ class ItemViews:
 
 
 def _torch():
+    """The torch module; RuntimeError when it is not importable."""
     if not tensors.torch_available():
         raise RuntimeError("CUDA shared memory needs torch")
-    import torch
-    return torch
+    return tensors.torch_module()
 
 
 class CudaSharedMemoryRegion:
@@ -171,6 +171,7 @@ class CudaSharedMemoryRegion:
         self.device_index = int(device_index)
         self.size = int(data.numel())
         self._release = release
+        self._views: dict = {}
 
     @property
     def device(self) -> Any:
@@ -185,7 +186,18 @@ class CudaSharedMemoryRegion:
     def view(self, offset: int, dtype: Any, shape: Sequence[int]) -> Any:
         """A torch view of the region: `dtype` (torch.bfloat16,
         torch.float32...) of `shape` from byte `offset` (a multiple of the
-        dtype's size)."""
+        dtype's size). The same view object for the same arguments: a
+        scheduler places the same items every layer, and the client tells
+        an input already in place by its identity."""
+        key = (offset, dtype, tuple(shape))
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= 4096:
+                self._views.clear()
+            view = self._views[key] = self._make_view(offset, dtype, shape)
+        return view
+
+    def _make_view(self, offset: int, dtype: Any, shape: Sequence[int]) -> Any:
         torch = _torch()
         count = int(np.prod(shape))
         itemsize = torch.tensor([], dtype=dtype).element_size()
@@ -214,6 +226,7 @@ class CudaSharedMemoryRegion:
             self._release()
             self._release = None
         self._data = None
+        self._views = {}
 
     def __enter__(self) -> "CudaSharedMemoryRegion":
         return self
@@ -240,16 +253,7 @@ class CudaRegisteredView:
 
     def __init__(self, region: CudaSharedMemoryRegion):
         self.region = region
-        # (offset, dtype, shape) -> view: a scheduler places the same items
-        # every layer, and each view costs a few torch calls to make.
-        self._views: dict = {}
-
-    def _view(self, offset: int, dtype: Any, shape: Sequence[int]) -> Any:
-        key = (offset, dtype, tuple(shape))
-        view = self._views.get(key)
-        if view is None:
-            view = self._views[key] = self.region.view(offset, dtype, shape)
-        return view
+        self._view = region.view
 
     def write(self, offset: int, value: Any, shape: Sequence[int], what: str) -> int:
         """Puts bf16 `value` (a torch.bfloat16 tensor, CPU or CUDA, or uint16

@@ -32,6 +32,11 @@ def torch_available() -> bool:
     return _torch is not None
 
 
+def torch_module() -> Any:
+    """The torch module (None when it is not importable)."""
+    return _torch
+
+
 @dataclass(frozen=True)
 class Output:
     """How results are handed back: NumPy (uint16 bf16 bits, float32) when
