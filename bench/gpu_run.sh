@@ -297,27 +297,29 @@ if want pyclient && [ -x "$bundle/bin/mlaverify-server" ]; then
   # The Python client on the GPU: its CUDA shared-memory tests against the
   # CUDA server (client/python/tests/test_cuda_shm.py, torch CUDA tensors),
   # then its per-layer Verify latency next to the C++ client's in the same
-  # call, on one server: L=16K, N=16, one call in flight over a VerifyStream,
-  # per plane, the two clients alternating.
+  # call, on one server: L=16K, N=16, one call in flight (over a VerifyStream,
+  # and unary for CUDA shm), per plane, the two clients alternating.
   pypath=${PYPKG:-$bundle/python}
   tests/python_cuda_shm_gpu.sh "$pypath" "$bundle/bin/mlaverify-server" client/python \
     > "$out/pyclient-tests.log" 2>&1
   summary+=("python cuda-shm tests rc=$?"); tail -4 "$out/pyclient-tests.log"
   start_server pyclient 127.0.0.1:0 --devices 0 --heads 8 --pool-bytes 40GiB --allow-client-shm true
-  for plane in cuda-shm shm inline; do
+  for row in cuda-shm:stream cuda-shm:unary shm:stream inline:stream; do
+    plane=${row%%:*} mode=${row#*:} stream=()
+    [ "$mode" = stream ] && stream=(--stream)
     timeout 60 "${cl[@]}" load --concurrency 1 --duration-s 5 --warmup-s 1 --prompt-len 16384 \
-      --max-seq-len 16900 --drafts 16 --progress false --stream --data-plane "$plane" \
-      --json "$out/pyclient-cpp-$plane.json" > "$out/pyclient-cpp-$plane.log" 2>&1
-    summary+=("load c++ $plane rc=$?")
+      --max-seq-len 16900 --drafts 16 --progress false "${stream[@]}" --data-plane "$plane" \
+      --json "$out/pyclient-cpp-$plane-$mode.json" > "$out/pyclient-cpp-$plane-$mode.log" 2>&1
+    summary+=("load c++ $row rc=$?")
     PYTHONPATH=$pypath timeout 90 python3 bench/python_client_latency.py --target "127.0.0.1:$gport" \
-      --plane "$plane" --prompt-len 16384 --drafts 16 --stream --duration-s 5 --warmup-s 1 \
-      --json "$out/pyclient-py-$plane.json" > "$out/pyclient-py-$plane.log" 2>&1
-    summary+=("latency python $plane rc=$?")
-    python3 - "$plane" "$out/pyclient-cpp-$plane.json" "$out/pyclient-py-$plane.json" <<'PY'
+      --plane "$plane" --prompt-len 16384 --drafts 16 "${stream[@]}" --duration-s 5 --warmup-s 1 \
+      --json "$out/pyclient-py-$plane-$mode.json" > "$out/pyclient-py-$plane-$mode.log" 2>&1
+    summary+=("latency python $row rc=$?")
+    python3 - "$row" "$out/pyclient-cpp-$plane-$mode.json" "$out/pyclient-py-$plane-$mode.json" <<'PY'
 import json, sys
-plane, cpp, py = sys.argv[1], json.load(open(sys.argv[2])), json.load(open(sys.argv[3]))
+row, cpp, py = sys.argv[1], json.load(open(sys.argv[2])), json.load(open(sys.argv[3]))
 c, p = cpp["latency_ms"]["p50"] * 1e3, py["latency_ms"]["p50"] * 1e3
-print(f"== pyclient {plane}: p50 us C++ {c:.1f}, Python {p:.1f}, Python - C++ {p - c:+.1f}")
+print(f"== pyclient {row}: p50 us C++ {c:.1f}, Python {p:.1f}, Python - C++ {p - c:+.1f}")
 PY
   done
   stop_server pyclient
