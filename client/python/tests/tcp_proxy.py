@@ -7,12 +7,12 @@ import threading
 
 
 class TcpProxy:
-    def __init__(self, target: str):
-        host, port = target.rsplit(":", 1)
-        self._upstream = (host, int(port))
+    def __init__(self, target: str, port: int = 0):
+        host, upstream_port = target.rsplit(":", 1)
+        self._upstream = (host, int(upstream_port))
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind(("127.0.0.1", 0))
+        self._listener.bind(("127.0.0.1", port))
         self._listener.listen(64)
         self.target = f"127.0.0.1:{self._listener.getsockname()[1]}"
         self.lock = threading.Lock()

@@ -167,6 +167,31 @@ def test_keepalive_settings_reach_the_channel():
             ChannelSettings(**bad)
 
 
+def test_wait_for_ready_queues_calls_until_the_server_listens(server):
+    import socket
+    import threading
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    later = f"127.0.0.1:{port}"
+    with VerifyClient(later, retries=0, timeout=5) as client:
+        with pytest.raises(VerifyError) as e:
+            client.server_info()  # nothing listens: at once
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    proxies = []
+    opener = threading.Timer(1.0, lambda: proxies.append(TcpProxy(server, port)))
+    with VerifyClient(later, retries=0, timeout=20, wait_for_ready=True) as client:
+        opener.start()
+        try:
+            started = time.time()
+            assert client.server_info().num_layers == 3  # queued until the port opened
+            assert time.time() - started >= 0.9
+        finally:
+            opener.join()
+            for p in proxies:
+                p.close()
+
+
 class FlakyStub:
     """Answers UNAVAILABLE `failures` times, then passes calls through."""
 
