@@ -206,3 +206,26 @@ def test_cuda_results_inline(cuda_server):
         check_against_reference(r, prompt[0], q, kv, [-1, 0], info.default_softmax_scale)
         client.commit(seq, [])
         client.release_sequence(seq)
+
+
+def test_results_on_the_device_the_caller_names(server):
+    """device= gives torch tensors there (the CPU here; cuda:0 on a GPU, in
+    test_cuda_results_inline); the default stays NumPy."""
+    rng = np.random.default_rng(5)
+    with VerifyClient(server, device="cpu") as client:
+        g = client.geometry
+        seq = client.create_sequence()
+        client.append_kv(seq, 0, bf16_torch(rng, g.num_layers, 6, 576))
+        q, kv = bf16_torch(rng, 2, g.num_heads, 576), bf16_torch(rng, 2, 576)
+        (r,) = client.verify(0, [VerifyItem(seq, q, kv, [-1, 0])])
+        assert isinstance(r.out, torch.Tensor) and r.out.dtype == torch.bfloat16
+        assert r.lse.dtype == torch.float32 and r.out.device.type == "cpu"
+        client.commit(seq, [])
+        client.release_sequence(seq)
+    with VerifyClient(server) as client:
+        seq = client.create_sequence()
+        client.append_kv(seq, 0, bf16_torch(rng, g.num_layers, 6, 576))
+        (r,) = client.verify(0, [VerifyItem(seq, q, kv, [-1, 0])])
+        assert isinstance(r.out, np.ndarray) and r.out.dtype == np.uint16
+        client.commit(seq, [])
+        client.release_sequence(seq)
