@@ -1,6 +1,7 @@
 """A real CPU server for the tests: MLAVERIFY_SERVER names the binary (CTest
 passes build/server/mlaverify-server). Small geometry: 3 layers, 4 heads,
-page 16, drafts up to 8 per item, 4 items per Verify."""
+page 16, drafts up to 8 per item, 4 items per Verify. start_server(backend="cuda")
+serves the same geometry from a server built with CUDA (the GPU tests)."""
 
 import os
 import subprocess
@@ -11,7 +12,7 @@ import pytest
 
 from mlaverify import VerifyClient
 
-SERVER_FLAGS = ["--layers", "3", "--heads", "4", "--page-size", "16",
+SERVER_FLAGS = ["--backend", "cpu", "--layers", "3", "--heads", "4", "--page-size", "16",
                 "--pool-bytes", "8MiB", "--draft-buckets", "1", "2", "4", "8",
                 "--batch-buckets", "1", "2", "4", "--max-message-bytes", "1MiB",
                 "--drain-grace-s", "0", "--drain-timeout-s", "2", "--log-level", "warn",
@@ -26,8 +27,8 @@ def start_server(extra=(), backend="cpu"):
     port_file = os.path.join(tmp, "ports")
     log = open(os.path.join(tmp, "server.log"), "w")
     proc = subprocess.Popen([binary, "--listen", "127.0.0.1:0", "--admin-port", "-1",
-                             "--port-file", port_file, "--backend", backend, *SERVER_FLAGS,
-                             *extra],
+                             "--port-file", port_file,
+                             *[backend if f == "cpu" else f for f in SERVER_FLAGS], *extra],
                             stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 30
     while time.time() < deadline:
