@@ -317,14 +317,20 @@ class DraftProposer:
         # the chain's node first, then the alternatives (children of the
         # chain's node one level up).
         tokens, parents, depth = [root], [-1], [0]
+
+        def add(token: int, parent: int, d: int) -> int:
+            tokens.append(token)
+            parents.append(parent)
+            depth.append(d)
+            return len(tokens) - 1
+
         chain_node = 0
-        for d in range(1, len(chain) + 1):
+        for d, pick in enumerate(chain, start=1):
             parent = chain_node
-            tokens.append(chain[d - 1]); parents.append(parent); depth.append(d)
-            chain_node = len(tokens) - 1
+            chain_node = add(pick, parent, d)
             for alt_depth, token in alternatives:  # distinct ranks: no duplicate siblings
                 if alt_depth == d:
-                    tokens.append(token); parents.append(parent); depth.append(d)
+                    add(token, parent, d)
         return DraftTree(tokens, parents, depth, len(chain))
 
 
@@ -524,6 +530,11 @@ def make_prompts(count: int, length: int, vocab: int, seed: int) -> List[List[in
 def run(args: argparse.Namespace) -> Tuple[int, dict]:
     """The whole comparison; returns (exit status, report)."""
     torch.set_num_threads(max(1, args.threads))
+    if args.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            return 2, dict(error=f"--device {args.device}: torch sees no CUDA device")
+        # float32 means float32: no TF32 in the model's products, here or in the reference.
+        torch.backends.cuda.matmul.allow_tf32 = False
     with VerifyClient(args.target, timeout=args.timeout, as_torch=True) as client:
         info = client.server_info()
         layers = args.layers or info.num_layers

@@ -8,7 +8,6 @@ geometry: 4 layers, 8 heads, trees up to 16 nodes, 4 items per Verify."""
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 
