@@ -62,7 +62,7 @@ status=$?
 summary=()
 if [ $status -eq 0 ]; then
   for plane in "${planes[@]}"; do
-    timeout 500 "$python" "$here/spec_decode.py" --target "$target" --plane "$plane" --device "$device" \
+    timeout 180 "$python" "$here/spec_decode.py" --target "$target" --plane "$plane" --device "$device" \
       "${spec_args[@]}" --json "$out/spec-decode-$plane.json" > "$out/spec-decode-$plane.log" 2>&1
     rc=$?
     summary+=("$plane rc=$rc: $(tail -1 "$out/spec-decode-$plane.log")")
