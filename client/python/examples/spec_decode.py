@@ -21,7 +21,7 @@ greedily is accepted and committed (Commit), the rest dropped; the model's
 pick after the last accepted node is the next token. The reference decodes
 the same prompts one token at a time with attention computed here in
 float32 over the same bf16-rounded latent rows and queries the server
-receives. The tokens must be identical; a difference is allowed only where
+receives, its output rounded to bf16 as the server's. The tokens must be identical; a difference is allowed only where
 the reference's two best logits are within bf16 rounding of each other
 (counted and reported).
 
@@ -55,9 +55,11 @@ LATENT = 512  # kv_lora_rank: the latent row, also the value width
 ROPE = 64     # qk_rope_head_dim: the shared rope key
 ROW = LATENT + ROPE  # 576, what the server stores per token and layer
 PLANES = ("inline", "system-shm", "cuda-shm")
-# bf16 keeps 8 significant bits: two logits closer than one bf16 step of the
-# larger one may be ordered either way by an attention computed in another
-# order, so a divergence there is a tie, not an error.
+# bf16 keeps 8 significant bits. An attention summed in another order (the
+# server's kernels against torch here) rounds an occasional output element to
+# the neighbouring bf16 value; through the layers that moves the logits a
+# little, so two logits closer than one bf16 step of the larger may come out
+# in either order: a divergence there is a tie, not an error.
 TIE_RTOL = 2.0 ** -8
 
 

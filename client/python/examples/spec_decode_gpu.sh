@@ -32,6 +32,8 @@ read -r -a spec_args <<< "${SPEC_DECODE_ARGS:---prompts 20 --tokens 64}"
 backend=${SERVER_BACKEND:-cuda} device=${MODEL_DEVICE:-cuda} python=${PYTHON:-python3}
 devices=(--devices 0); [ "$backend" = cuda ] || devices=()
 
+command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+"$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'
 "$bundle/bin/mlaverify-server" --backend "$backend" "${devices[@]}" --layers 4 --heads 8 --page-size 64 \
   --pool-bytes 2GiB --draft-buckets 1 2 4 8 16 --batch-buckets 1 2 4 --allow-client-shm true \
   --listen 127.0.0.1:0 --admin-port -1 --port-file "$out/ports" > "$out/server.log" 2>&1 &
