@@ -29,10 +29,13 @@ ENV DEBIAN_FRONTEND=noninteractive
 COPY scripts/install_deps.sh /src/scripts/install_deps.sh
 RUN /src/scripts/install_deps.sh --build && rm -rf /var/lib/apt/lists/*
 COPY . /src
+# The context carries no .git: the binaries' --version takes the commit from
+# here (scripts/image.sh passes it).
+ARG REVISION=unknown
 # Release build of the two binaries only (no tests or benchmarks); CUDA code
 # when the base image has nvcc, for the H200 (sm_90) and production (sm_120).
 RUN cmake -S /src -B /build -G Ninja -DCMAKE_BUILD_TYPE=Release \
-      -DCMAKE_CUDA_ARCHITECTURES="90-real;120" \
+      -DCMAKE_CUDA_ARCHITECTURES="90-real;120" -DMLAVERIFY_SOURCE_REVISION="${REVISION}" \
     && cmake --build /build --target mlaverify-server mlaverify-client
 # The binaries, stripped, and the packages that own the libraries they load.
 # A library no package owns (other than the driver's) stops the build: the
@@ -54,8 +57,8 @@ RUN mkdir -p /opt/mlaverify/bin \
 
 FROM ${RUNTIME_IMAGE} AS runtime
 # Set with --build-arg (scripts/image.sh passes the first two): the project
-# version (CMakeLists.txt), the git commit built (the binaries' own --version
-# says "git unknown": the build context carries no .git) and the repository's
+# version (CMakeLists.txt), the git commit built (also what the binaries'
+# --version reports, through the build stage's REVISION) and the repository's
 # URL (the project publishes none yet). No licence label: the repository
 # states none.
 ARG VERSION=unknown

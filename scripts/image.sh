@@ -92,6 +92,16 @@ done
 if [ "$(label version)" != "$version" ] || [ "$(label revision)" != "$revision" ]; then
   echo "image.sh: the version or revision label differs from the build's" >&2; exit 1
 fi
+# The binaries report the same commit (the first 12 characters) as the label.
+for bin in mlaverify-server mlaverify-client; do
+  line=$("${pod[@]}" run --rm "${limits[@]}" --entrypoint "$bin" "$tag" --version)
+  echo "$line"
+  case $line in
+    *"$version (git ${revision:0:12};"*) ;;
+    *) echo "image.sh: $bin --version does not name version $version and commit ${revision:0:12}" >&2
+       exit 1 ;;
+  esac
+done
 
 name=mlaverify-image-test-$$
 # Host networking (nothing else is reachable here): a free gRPC port, and

@@ -19,7 +19,7 @@ case ${1:-} in
   --build) ;;
   "")
     packages+=(clang libclang-rt-14-dev clang-format shellcheck
-               python3-grpcio python3-protobuf python3-numpy python3-pytest
+               python3-grpcio python3-protobuf python3-numpy python3-pytest python3-torch
                python3-venv python3-pip python3-setuptools python3-wheel
                prometheus yamllint python3-h2)
     # kubectl renders the manifests (`kubectl kustomize`) for

@@ -12,5 +12,5 @@ fi
 export PYTHONPATH=$package_dir:$source/tests PYTHONDONTWRITEBYTECODE=1 MLAVERIFY_SERVER=$server
 # Not from the source folder: its mlaverify/ has no generated stubs.
 cd "$package_dir"
-# tests/test_example.py runs examples/spec_decode.py as a user would.
+# tests/test_example.py runs examples/verify_layers.py as a user would.
 exec "$python" -m pytest -q -p no:cacheprovider -rs "$source/tests"

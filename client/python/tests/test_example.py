@@ -4,10 +4,10 @@ import os
 import subprocess
 import sys
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "spec_decode.py")
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "verify_layers.py")
 
 
-def test_spec_decode_example_passes(server):
+def test_verify_layers_example_passes(server):
     run = subprocess.run([sys.executable, EXAMPLE, "--target", server, "--prompt-len", "70",
                           "--steps", "2", "--drafts", "8"], capture_output=True, text=True,
                          timeout=120)
