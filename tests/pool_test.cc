@@ -22,6 +22,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "client/replica_set.h"
 #include "common/geometry.h"
 #include "common/workload.h"
 #include "gtest/gtest.h"
@@ -221,6 +222,8 @@ class PoolTest : public ::testing::Test {
     return c.Commit(id, accepted).status();
   }
 
+  void CutOneConnectionMidLoad(bool through_replica_set);
+
   std::mt19937_64 rng_{35};
   const std::vector<Bf16> prompt_ = RandomBf16(rng_, kLayers* kPrompt* kLatentDim, 1.0f);
   const std::vector<Bf16> q_ = RandomBf16(rng_, kDrafts* kHeads* kLatentDim, 1.0f);
@@ -294,14 +297,37 @@ TEST_F(PoolTest, OneConnectionCarriesEverythingWhenAskedFor) {
   EXPECT_EQ(proxy_->accepted(), 1);
 }
 
-TEST_F(PoolTest, ALostConnectionFailsOnlyItsCallsAndIsOpenedAgain) {
+// 16 threads step their sequences over 4 connections; one connection is cut
+// mid-load. Through the ReplicaSet (as `load` calls) the replica must also
+// stay up: one lost connection is not a lost server.
+void PoolTest::CutOneConnectionMidLoad(bool through_replica_set) {
   // A slow device keeps calls in flight on every connection at the cut.
   StartServer({}, absl::Milliseconds(50));
   client::ClientOptions options;
   options.connections = 4;
   options.call_timeout = absl::Seconds(10);
-  auto c = Connect(options);
-  ASSERT_NE(c, nullptr);
+  std::unique_ptr<client::VerifyClient> own;
+  std::unique_ptr<client::ReplicaSet> set;
+  const std::string target = "127.0.0.1:" + std::to_string(proxy_->port());
+  if (through_replica_set) {
+    auto made = client::ReplicaSet::Create({target}, options);
+    ASSERT_TRUE(made.ok()) << made.status();
+    set = *std::move(made);
+  } else {
+    own = Connect(options);
+    ASSERT_NE(own, nullptr);
+  }
+  client::VerifyClient* c = set != nullptr ? &set->replica(0) : own.get();
+  const auto step = [&](uint64_t id) -> absl::Status {
+    if (set == nullptr) return Step(*c, id);
+    const client::VerifyItemInput item{id, chain_, q_, draft_kv_};
+    for (int layer = 0; layer < kLayers; ++layer) {
+      auto results = set->Verify(0, layer, absl::MakeConstSpan(&item, 1));
+      if (!results.ok()) return results.status();
+    }
+    const std::vector<int32_t> accepted = {0};
+    return set->Commit(client::PlacedSequence{0, id}, accepted).status();
+  };
   constexpr int kThreads = 16;
   std::vector<uint64_t> ids;
   for (int s = 0; s < kThreads; ++s) ids.push_back(NewSequence(*c));
@@ -314,7 +340,7 @@ TEST_F(PoolTest, ALostConnectionFailsOnlyItsCallsAndIsOpenedAgain) {
     threads.emplace_back([&, t] {
       uint64_t id = ids[t];
       while (!stop.load()) {
-        if (Step(*c, id).ok()) {
+        if (step(id).ok()) {
           if (failed[t] > 0) ++recovered[t];
           continue;
         }
@@ -371,6 +397,15 @@ TEST_F(PoolTest, ALostConnectionFailsOnlyItsCallsAndIsOpenedAgain) {
   EXPECT_GT(stats[lost].failed, 0);
   // gRPC opened the lost connection again (through the proxy, a fifth one).
   EXPECT_EQ(proxy_->accepted(), 5);
+  if (set != nullptr) EXPECT_TRUE(set->CheckUp(0).ok()) << set->CheckUp(0);
+}
+
+TEST_F(PoolTest, ALostConnectionFailsOnlyItsCallsAndIsOpenedAgain) {
+  CutOneConnectionMidLoad(/*through_replica_set=*/false);
+}
+
+TEST_F(PoolTest, ALostConnectionLeavesTheReplicaUp) {
+  CutOneConnectionMidLoad(/*through_replica_set=*/true);
 }
 
 TEST_F(PoolTest, AnIdleStreamOutlivesShortKeepaliveSettings) {
