@@ -184,8 +184,12 @@ class RunControl {
     latency_ns_.fetch_add(static_cast<int64_t>(ms * 1e6), std::memory_order_relaxed);
   }
   // Prompt bytes appended, for the ramp-up's progress lines.
-  void CountAppend(int64_t bytes) { appended_.fetch_add(bytes, std::memory_order_relaxed); }
+  void CountAppend(int64_t bytes) {
+    appended_.fetch_add(bytes, std::memory_order_relaxed);
+    prompts_.fetch_add(1, std::memory_order_relaxed);
+  }
   int64_t appended_bytes() const { return appended_.load(std::memory_order_relaxed); }
+  int64_t prompts_appended() const { return prompts_.load(std::memory_order_relaxed); }
   // Sum of the measured calls' latencies so far, ms.
   double latency_ms_sum() const { return latency_ns_.load(std::memory_order_relaxed) / 1e6; }
   void CountError() { errors_.fetch_add(1, std::memory_order_relaxed); }
@@ -200,7 +204,7 @@ class RunControl {
   const LoadPlan& plan_;
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> issued_{0};
-  std::atomic<int64_t> calls_{0}, items_{0}, errors_{0}, latency_ns_{0}, appended_{0};
+  std::atomic<int64_t> calls_{0}, items_{0}, errors_{0}, latency_ns_{0}, appended_{0}, prompts_{0};
   std::atomic<int64_t> next_slot_{0}, late_{0};
   absl::Mutex mu_;
   int ready_ ABSL_GUARDED_BY(mu_) = 0;
@@ -785,11 +789,13 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
   for (int second = 1; !control.AwaitAllReadyFor(options.concurrency, absl::Seconds(1)); ++second) {
     if (!options.progress) continue;
     const int64_t bytes = control.appended_bytes();
+    // (A prompt counts once all of it is appended: a long one shows late.)
     std::fprintf(stderr,
-                 "[ramp-up %3d s] %d of %d workers ready; %.2f GB of prompts appended (%.2f "
-                 "GB/s)\n",
-                 second, control.ready(), options.concurrency, bytes / 1e9,
-                 (bytes - ramp_bytes_before) / 1e9);
+                 "[ramp-up %3d s] %lld of %d prompts appended (%.2f GB, %.2f GB in the last "
+                 "second); %d of %d workers ready\n",
+                 second, static_cast<long long>(control.prompts_appended()),
+                 options.concurrency * options.items, bytes / 1e9,
+                 (bytes - ramp_bytes_before) / 1e9, control.ready(), options.concurrency);
     ramp_bytes_before = bytes;
   }
   const Clock::time_point start = Clock::now();
