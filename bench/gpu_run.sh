@@ -218,9 +218,12 @@ if want connections && [ -x "$bundle/bin/mlaverify-server" ]; then
   # each followed in the same call by its bare-transport floor over the same
   # number of connections (load --floor), then the kernel for the shapes.
   # About 3 minutes. Summarised by bench/service_connections.py into
-  # bench/results/service-<gpu>-<date>-connections.json.
-  start_server conns 127.0.0.1:0 --devices 0 --heads 8 --pool-bytes 40GiB
-  for n in 1 4 16 64; do
+  # bench/results/service-<gpu>-<date>-connections.json. CONNECTIONS="1 16"
+  # picks the counts; CONNECTIONS_SERVER_FLAGS adds server flags (a server
+  # tuning to compare, e.g. "--http2-max-concurrent-streams 1024").
+  # shellcheck disable=SC2086  # the extra flags are several words
+  start_server conns 127.0.0.1:0 --devices 0 --heads 8 --pool-bytes 40GiB ${CONNECTIONS_SERVER_FLAGS:-}
+  for n in ${CONNECTIONS:-1 4 16 64}; do
     for row in "c64-1k:--concurrency 64 --duration-s 4 --warmup-s 1 --prompt-len 1024" \
                "c1-16k:--concurrency 1 --duration-s 3 --warmup-s 0.5 --prompt-len 16384 --max-seq-len 16900"; do
       name=${row%%:*}
