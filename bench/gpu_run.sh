@@ -5,7 +5,7 @@
 #     build/tests/gpu_engine_test build/bench/mlaverify-bench build/bench/mlaverify-engine-bench \
 #     build/server/mlaverify-server build/client/mlaverify-client
 # and carried there (device tool: carry [".device"]):
-#   OUT=/tmp/out bench/gpu_run.sh [tests] [dataplane] [service] [planes] [cudashm] [pyclient] [latency] [fault] [engine] [soak] [anchor] [sweep] [triton] [stalls] [small] [pdl] [ncu] [shapes] [sass] [timeline]
+#   OUT=/tmp/out bench/gpu_run.sh [tests] [dataplane] [service] [connections] [planes] [cudashm] [pyclient] [latency] [fault] [engine] [soak] [anchor] [sweep] [triton] [stalls] [small] [pdl] [ncu] [shapes] [sass] [timeline]
 # The pyclient part also needs the Python package with its stubs in the
 # bundle: cp -r build/client/python .device/bundle/python
 # Writes logs and JSON into $OUT/results.tgz (one file: the device tool brings
@@ -213,6 +213,35 @@ if want service && [ -x "$bundle/bin/mlaverify-server" ]; then
     stop_server "$mode"
     grep -E "captured|engine ready|stopped" "$out/server-$mode.log" | head -4
   done
+fi
+if want connections && [ -x "$bundle/bin/mlaverify-server" ]; then
+  # HTTP/2 connections per client (--connections 1, 4, 16, 64): 64 streams of
+  # inline Verify at L=1K and one stream at L=16K, 61 layers x 8 heads, N=16,
+  # each followed in the same call by its bare-transport floor over the same
+  # number of connections (load --floor), then the kernel for the shapes.
+  # About 3 minutes. Summarised by bench/service_connections.py into
+  # bench/results/service-<gpu>-<date>-connections.json. CONNECTIONS="1 16"
+  # picks the counts; CONNECTIONS_SERVER_FLAGS adds server flags (a server
+  # tuning to compare, e.g. "--http2-max-concurrent-streams 1024").
+  # shellcheck disable=SC2086  # the extra flags are several words
+  start_server conns 127.0.0.1:0 --devices 0 --heads 8 --pool-bytes 40GiB ${CONNECTIONS_SERVER_FLAGS:-}
+  for n in ${CONNECTIONS:-1 4 16 64}; do
+    for row in "c64-1k:--concurrency 64 --duration-s 4 --warmup-s 1 --prompt-len 1024" \
+               "c1-16k:--concurrency 1 --duration-s 3 --warmup-s 0.5 --prompt-len 16384 --max-seq-len 16900"; do
+      name=${row%%:*}
+      # shellcheck disable=SC2086  # the row's flags are several words
+      timeout 80 "${cl[@]}" --connections "$n" load --drafts 16 --floor --progress false --stream \
+        ${row#*:} --json "$out/conns-stream-$name-n$n.json" > "$out/conns-stream-$name-n$n.log" 2>&1
+      summary+=("load stream $name connections $n rc=$?")
+      echo "== stream $name connections $n"
+      grep -E "^(verify calls|latency|floor: |errors|result)" "$out/conns-stream-$name-n$n.log"
+    done
+  done
+  stop_server conns
+  timeout 60 "$bundle/bin/mlaverify-bench" --shape 1,16384,16,8,64,tree --shape 1,1024,16,8,64,tree \
+    --out "$out/conns-kernel.json" > "$out/conns-kernel.log" 2>&1
+  summary+=("kernel shapes rc=$?")
+  python3 bench/service_connections.py --dir "$out" --out "$out/service-connections.json"
 fi
 if want planes && [ -x "$bundle/bin/mlaverify-server" ]; then
   # The data planes (inline and system shared memory) on one GPU, 61 layers x

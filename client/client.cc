@@ -54,6 +54,13 @@ std::chrono::system_clock::time_point DeadlineAfter(absl::Duration timeout) {
 
 }  // namespace
 
+struct Connection {
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::VerifyService::Stub> stub;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health_stub;
+  std::atomic<int64_t> calls{0}, failed{0}, streams_opened{0};
+};
+
 absl::string_view ServingStatusName(ServingStatus status) {
   switch (status) {
     case ServingStatus::kServing:
@@ -76,6 +83,15 @@ VerifyStreamSession::~VerifyStreamSession() {
 }
 
 absl::StatusOr<std::vector<VerifyItemResult>> VerifyStreamSession::Verify(
+    int layer, absl::Span<const VerifyItemInput> items, float softmax_scale) {
+  absl::StatusOr<std::vector<VerifyItemResult>> results =
+      VerifyOnStream(layer, items, softmax_scale);
+  connection_->calls.fetch_add(1, std::memory_order_relaxed);
+  if (!results.ok()) connection_->failed.fetch_add(1, std::memory_order_relaxed);
+  return results;
+}
+
+absl::StatusOr<std::vector<VerifyItemResult>> VerifyStreamSession::VerifyOnStream(
     int layer, absl::Span<const VerifyItemInput> items, float softmax_scale) {
   if (final_status_.has_value()) {
     if (!final_status_->ok()) return *final_status_;
@@ -147,6 +163,17 @@ absl::Status VerifyStreamSession::Close() {
 absl::StatusOr<std::unique_ptr<VerifyClient>> VerifyClient::Create(std::string target,
                                                                    ClientOptions options) {
   if (target.empty()) return absl::InvalidArgumentError("target address is empty");
+  if (options.connections < 1 || options.connections > kMaxConnections) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("connections ", options.connections, ": need 1..", kMaxConnections));
+  }
+  const bool keepalive = options.keepalive_time != absl::InfiniteDuration();
+  if (keepalive && (options.keepalive_time < absl::Milliseconds(1) ||
+                    options.keepalive_timeout < absl::Milliseconds(1))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "keepalive time ", absl::FormatDuration(options.keepalive_time), " and timeout ",
+        absl::FormatDuration(options.keepalive_timeout), ": need both >= 1 ms"));
+  }
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials, MakeCredentials(options));
   grpc::ChannelArguments arguments;
   arguments.SetMaxSendMessageSize(ClampToInt(options.max_send_message_bytes));
@@ -157,19 +184,70 @@ absl::StatusOr<std::unique_ptr<VerifyClient>> VerifyClient::Create(std::string t
   if (options.http2_lookahead_bytes > 0) {
     arguments.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, options.http2_lookahead_bytes);
   }
-  std::shared_ptr<grpc::Channel> channel =
-      grpc::CreateCustomChannel(target, credentials, arguments);
+  if (keepalive) {
+    arguments.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS,
+                     ClampToInt(absl::ToInt64Milliseconds(options.keepalive_time)));
+    arguments.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                     ClampToInt(absl::ToInt64Milliseconds(options.keepalive_timeout)));
+    arguments.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS,
+                     options.keepalive_permit_without_calls ? 1 : 0);
+    // gRPC stops pinging after 2 pings with no data sent by default, which
+    // would leave an idle VerifyStream unguarded against an idle timeout.
+    arguments.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+    // ... and spaces pings without data at least 5 minutes apart, whatever
+    // the keepalive time says.
+    arguments.SetInt(GRPC_ARG_HTTP2_MIN_SENT_PING_INTERVAL_WITHOUT_DATA_MS,
+                     ClampToInt(absl::ToInt64Milliseconds(options.keepalive_time)));
+  }
+  // Channels with equal arguments share one global subchannel pool, hence
+  // one TCP connection; a pool of its own per channel makes each a real
+  // connection (and the index tells them apart in channelz).
+  arguments.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  std::vector<std::unique_ptr<Connection>> connections;
+  for (int i = 0; i < options.connections; ++i) {
+    grpc::ChannelArguments own = arguments;
+    own.SetInt("mlaverify.connection_index", i);
+    auto connection = std::make_unique<Connection>();
+    connection->channel = grpc::CreateCustomChannel(target, credentials, own);
+    connection->stub = v1::VerifyService::NewStub(connection->channel);
+    connection->health_stub = grpc::health::v1::Health::NewStub(connection->channel);
+    connections.push_back(std::move(connection));
+  }
   return std::unique_ptr<VerifyClient>(
-      new VerifyClient(std::move(target), std::move(options), std::move(channel)));
+      new VerifyClient(std::move(target), std::move(options), std::move(connections)));
 }
 
 VerifyClient::VerifyClient(std::string target, ClientOptions options,
-                           std::shared_ptr<grpc::Channel> channel)
+                           std::vector<std::unique_ptr<Connection>> connections)
     : target_(std::move(target)),
       options_(std::move(options)),
-      channel_(std::move(channel)),
-      stub_(v1::VerifyService::NewStub(channel_)),
-      health_stub_(grpc::health::v1::Health::NewStub(channel_)) {}
+      connections_(std::move(connections)) {}
+
+VerifyClient::~VerifyClient() = default;
+
+Connection& VerifyClient::NextConnection() {
+  return *connections_[next_connection_.fetch_add(1, std::memory_order_relaxed) %
+                       connections_.size()];
+}
+
+v1::VerifyService::Stub* VerifyClient::StubOf(Connection& connection) {
+  return connection.stub.get();
+}
+
+void VerifyClient::CountCall(Connection& connection, bool ok) {
+  connection.calls.fetch_add(1, std::memory_order_relaxed);
+  if (!ok) connection.failed.fetch_add(1, std::memory_order_relaxed);
+}
+
+std::vector<ConnectionStats> VerifyClient::GetConnectionStats() const {
+  std::vector<ConnectionStats> stats;
+  for (const std::unique_ptr<Connection>& c : connections_) {
+    stats.push_back({c->calls.load(std::memory_order_relaxed),
+                     c->failed.load(std::memory_order_relaxed),
+                     c->streams_opened.load(std::memory_order_relaxed)});
+  }
+  return stats;
+}
 
 void VerifyClient::PrepareContext(grpc::ClientContext* context) const {
   if (options_.call_timeout != absl::InfiniteDuration()) {
@@ -182,8 +260,9 @@ void VerifyClient::PrepareContext(grpc::ClientContext* context) const {
 }
 
 absl::StatusOr<v1::ServerInfo> VerifyClient::GetServerInfo() {
-  ASSIGN_OR_RETURN(v1::ServerInfo info,
-                   Unary(&v1::VerifyService::Stub::GetServerInfo, v1::GetServerInfoRequest()));
+  ASSIGN_OR_RETURN(
+      v1::ServerInfo info,
+      Unary(NextConnection(), &v1::VerifyService::Stub::GetServerInfo, v1::GetServerInfoRequest()));
   absl::MutexLock lock(&mu_);
   server_message_limit_ = info.max_message_bytes();
   return info;
@@ -195,7 +274,10 @@ absl::StatusOr<ServingStatus> VerifyClient::Health(const std::string& service) {
   grpc::health::v1::HealthCheckRequest request;
   request.set_service(service);
   grpc::health::v1::HealthCheckResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(health_stub_->Check(&context, request, &response)));
+  Connection& connection = NextConnection();
+  const grpc::Status checked = connection.health_stub->Check(&context, request, &response);
+  CountCall(connection, checked.ok());
+  RETURN_IF_ERROR(FromGrpcStatus(checked));
   switch (response.status()) {
     case grpc::health::v1::HealthCheckResponse::SERVING:
       return ServingStatus::kServing;
@@ -211,7 +293,8 @@ absl::StatusOr<ServingStatus> VerifyClient::Health(const std::string& service) {
 absl::StatusOr<uint64_t> VerifyClient::CreateSequence(absl::string_view label) {
   v1::CreateSequenceRequest request;
   request.set_label(std::string(label));
-  ASSIGN_OR_RETURN(auto response, Unary(&v1::VerifyService::Stub::CreateSequence, request));
+  ASSIGN_OR_RETURN(auto response,
+                   Unary(NextConnection(), &v1::VerifyService::Stub::CreateSequence, request));
   return response.sequence_id();
 }
 
@@ -270,8 +353,8 @@ absl::StatusOr<AppendKvResult> VerifyClient::SendAppendChunks(
   AppendKvResult result;
   for (const TokenRange& range : chunks) {
     const v1::AppendKvRequest request = build(range);
-    absl::StatusOr<v1::AppendKvResponse> answered =
-        Unary(&v1::VerifyService::Stub::AppendKv, request);
+    absl::StatusOr<v1::AppendKvResponse> answered = Unary(
+        SequenceConnection(request.sequence_id()), &v1::VerifyService::Stub::AppendKv, request);
     if (!answered.ok()) {
       const absl::Status& status = answered.status();
       if (chunks.size() == 1) return status;
@@ -330,7 +413,8 @@ absl::Status VerifyClient::RegisterSystemSharedMemory(const std::string& name,
   request.set_key(key);
   request.set_offset(offset);
   request.set_byte_size(byte_size);
-  return Unary(&v1::VerifyService::Stub::RegisterSystemSharedMemory, request).status();
+  return Unary(NextConnection(), &v1::VerifyService::Stub::RegisterSystemSharedMemory, request)
+      .status();
 }
 
 absl::Status VerifyClient::RegisterCudaSharedMemory(const std::string& name,
@@ -341,15 +425,17 @@ absl::Status VerifyClient::RegisterCudaSharedMemory(const std::string& name,
   request.set_raw_handle(handle);
   request.set_device_id(device_id);
   request.set_byte_size(byte_size);
-  return Unary(&v1::VerifyService::Stub::RegisterCudaSharedMemory, request).status();
+  return Unary(NextConnection(), &v1::VerifyService::Stub::RegisterCudaSharedMemory, request)
+      .status();
 }
 
 absl::StatusOr<std::vector<std::string>> VerifyClient::UnregisterSystemSharedMemory(
     const std::string& name) {
   v1::UnregisterSystemSharedMemoryRequest request;
   request.set_name(name);
-  ASSIGN_OR_RETURN(auto response,
-                   Unary(&v1::VerifyService::Stub::UnregisterSystemSharedMemory, request));
+  ASSIGN_OR_RETURN(
+      auto response,
+      Unary(NextConnection(), &v1::VerifyService::Stub::UnregisterSystemSharedMemory, request));
   return std::vector<std::string>(response.unregistered().begin(), response.unregistered().end());
 }
 
@@ -357,8 +443,9 @@ absl::StatusOr<std::vector<v1::SystemSharedMemoryRegion>> VerifyClient::SystemSh
     const std::string& name) {
   v1::SystemSharedMemoryStatusRequest request;
   request.set_name(name);
-  ASSIGN_OR_RETURN(auto response,
-                   Unary(&v1::VerifyService::Stub::SystemSharedMemoryStatus, request));
+  ASSIGN_OR_RETURN(
+      auto response,
+      Unary(NextConnection(), &v1::VerifyService::Stub::SystemSharedMemoryStatus, request));
   return std::vector<v1::SystemSharedMemoryRegion>(response.regions().begin(),
                                                    response.regions().end());
 }
@@ -367,8 +454,9 @@ absl::StatusOr<std::vector<std::string>> VerifyClient::UnregisterCudaSharedMemor
     const std::string& name) {
   v1::UnregisterCudaSharedMemoryRequest request;
   request.set_name(name);
-  ASSIGN_OR_RETURN(auto response,
-                   Unary(&v1::VerifyService::Stub::UnregisterCudaSharedMemory, request));
+  ASSIGN_OR_RETURN(
+      auto response,
+      Unary(NextConnection(), &v1::VerifyService::Stub::UnregisterCudaSharedMemory, request));
   return std::vector<std::string>(response.unregistered().begin(), response.unregistered().end());
 }
 
@@ -376,7 +464,8 @@ absl::StatusOr<std::vector<v1::CudaSharedMemoryRegion>> VerifyClient::CudaShared
     const std::string& name) {
   v1::CudaSharedMemoryStatusRequest request;
   request.set_name(name);
-  ASSIGN_OR_RETURN(auto response, Unary(&v1::VerifyService::Stub::CudaSharedMemoryStatus, request));
+  ASSIGN_OR_RETURN(auto response, Unary(NextConnection(),
+                                        &v1::VerifyService::Stub::CudaSharedMemoryStatus, request));
   return std::vector<v1::CudaSharedMemoryRegion>(response.regions().begin(),
                                                  response.regions().end());
 }
@@ -385,7 +474,9 @@ absl::StatusOr<std::vector<VerifyItemResult>> VerifyClient::Verify(
     int layer, absl::Span<const VerifyItemInput> items, float softmax_scale) {
   ASSIGN_OR_RETURN(v1::VerifyRequest request,
                    BuildVerifyRequest(layer, items, softmax_scale, /*request_id=*/0));
-  ASSIGN_OR_RETURN(v1::VerifyResponse response, Unary(&v1::VerifyService::Stub::Verify, request));
+  ASSIGN_OR_RETURN(v1::VerifyResponse response,
+                   Unary(SequenceConnection(items.empty() ? 0 : items[0].sequence_id),
+                         &v1::VerifyService::Stub::Verify, request));
   return ParseVerifyResponse(items, response);
 }
 
@@ -394,14 +485,16 @@ absl::StatusOr<CommitResult> VerifyClient::Commit(uint64_t sequence_id,
   v1::CommitRequest request;
   request.set_sequence_id(sequence_id);
   request.mutable_accepted()->Add(accepted.begin(), accepted.end());
-  ASSIGN_OR_RETURN(auto response, Unary(&v1::VerifyService::Stub::Commit, request));
+  ASSIGN_OR_RETURN(auto response, Unary(SequenceConnection(sequence_id),
+                                        &v1::VerifyService::Stub::Commit, request));
   return CommitResult{response.length(), response.accepted_count()};
 }
 
 absl::StatusOr<int64_t> VerifyClient::ReleaseSequence(uint64_t sequence_id) {
   v1::ReleaseSequenceRequest request;
   request.set_sequence_id(sequence_id);
-  ASSIGN_OR_RETURN(auto response, Unary(&v1::VerifyService::Stub::ReleaseSequence, request));
+  ASSIGN_OR_RETURN(auto response, Unary(SequenceConnection(sequence_id),
+                                        &v1::VerifyService::Stub::ReleaseSequence, request));
   return response.freed_pages();
 }
 
@@ -415,7 +508,12 @@ absl::StatusOr<std::unique_ptr<VerifyStreamSession>> VerifyClient::OpenVerifyStr
   if (!options_.auth_token.empty()) {
     session->context_.AddMetadata("authorization", "Bearer " + options_.auth_token);
   }
-  session->stream_ = stub_->VerifyStream(&session->context_);
+  const uint64_t turn = next_connection_.fetch_add(1, std::memory_order_relaxed);
+  Connection& connection = *connections_[turn % connections_.size()];
+  connection.streams_opened.fetch_add(1, std::memory_order_relaxed);
+  session->connection_ = &connection;
+  session->connection_index_ = static_cast<int>(turn % connections_.size());
+  session->stream_ = connection.stub->VerifyStream(&session->context_);
   if (session->stream_ == nullptr) {
     return absl::InternalError("gRPC returned no VerifyStream");
   }

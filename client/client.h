@@ -11,6 +11,7 @@
 #ifndef MLAVERIFY_CLIENT_CLIENT_H_
 #define MLAVERIFY_CLIENT_CLIENT_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -34,6 +35,10 @@
 #include "mlaverify/v1/verify.grpc.pb.h"
 
 namespace mlaverify::client {
+
+// One HTTP/2 connection of a VerifyClient: a channel and its stubs, with
+// counters (client.cc).
+struct Connection;
 
 struct ClientOptions {
   // TLS is used when `use_tls` is set or any of the files below is given;
@@ -61,6 +66,41 @@ struct ClientOptions {
   // Sent as "authorization: Bearer <token>" with every call when not empty
   // (servers started with --auth-token-file require it).
   std::string auth_token;
+  // HTTP/2 connections to the target, 1..kMaxConnections: one channel each,
+  // with its own subchannel pool, so each is a TCP connection of its own.
+  // A bare gRPC 1.51 echo of Verify-sized messages (147 KiB in, 128 KiB out,
+  // 64 streams) on the H200 host: 6.3k calls/s over one connection, 18.2k
+  // over 4, 24.8k over 16, 22.0k over 64; 16 is the measured peak, and
+  // channels connect on first use, so a client that makes few calls opens
+  // few connections (`load --floor` measures it for any count).
+  // The target must name one server: a name or balancer that spreads
+  // connections over several servers would split a sequence's calls between
+  // them (use 1 there, or list the replicas).
+  int connections = 16;
+  // Keepalive: a connection with a call open (an idle VerifyStream included)
+  // is pinged after `keepalive_time` without traffic and closed when the ack
+  // takes longer than `keepalive_timeout` (its calls fail UNAVAILABLE; the
+  // next call reconnects). 30 s keeps NAT and L4 balancer flows alive (their
+  // idle timeouts are minutes; AWS NLB 350 s) and stays above the server's
+  // --http2-min-ping-interval-ms (10 s), below which the server counts the
+  // pings as abuse and closes the connection. InfiniteDuration: no pings.
+  absl::Duration keepalive_time = absl::Seconds(30);
+  absl::Duration keepalive_timeout = absl::Seconds(10);
+  // Also ping connections with no call open (keeps idle pooled connections
+  // up through a NAT; the server must run with
+  // --keepalive-permit-without-calls, its default).
+  bool keepalive_permit_without_calls = false;
+};
+
+// The most connections one VerifyClient opens to its target.
+inline constexpr int kMaxConnections = 256;
+
+// Calls made over one connection of a VerifyClient (streams count once per
+// Verify on them); `failed` of those ended with an error.
+struct ConnectionStats {
+  int64_t calls = 0;
+  int64_t failed = 0;
+  int64_t streams_opened = 0;
 };
 
 enum class ServingStatus { kUnknown, kServing, kNotServing, kServiceUnknown };
@@ -94,6 +134,9 @@ class VerifyStreamSession {
                                                        absl::Span<const VerifyItemInput> items,
                                                        float softmax_scale = 0.0f);
 
+  // The client's connection this stream travels on.
+  int connection() const { return connection_index_; }
+
   // Half-closes the stream and returns the server's final status. Further
   // Verify calls fail with FAILED_PRECONDITION. Idempotent.
   absl::Status Close();
@@ -108,8 +151,13 @@ class VerifyStreamSession {
   // Cancels the stream from this side and remembers `why` as its status.
   absl::Status Abandon(absl::Status why);
 
+  absl::StatusOr<std::vector<VerifyItemResult>> VerifyOnStream(
+      int layer, absl::Span<const VerifyItemInput> items, float softmax_scale);
+
   grpc::ClientContext context_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::VerifyRequest, v1::VerifyResponse>> stream_;
+  Connection* connection_ = nullptr;  // the client's; outlives the session
+  int connection_index_ = 0;
   uint64_t next_request_id_ = 1;
   // Set once the stream has ended (closed or broken): its final status.
   std::optional<absl::Status> final_status_;
@@ -122,11 +170,26 @@ class VerifyClient {
   // Builds the channel; reads the TLS files. INVALID_ARGUMENT for an
   // inconsistent TLS setup, NOT_FOUND for a file that cannot be read. Does
   // not connect: the first call does.
+  // INVALID_ARGUMENT also for connections outside 1..kMaxConnections or a
+  // keepalive time or timeout under 1 ms.
   static absl::StatusOr<std::unique_ptr<VerifyClient>> Create(std::string target,
                                                               ClientOptions options);
+  ~VerifyClient();
 
   const std::string& target() const { return target_; }
   const ClientOptions& options() const { return options_; }
+
+  // Which connection carries the calls of a sequence: always the same one
+  // (sequence_id mod connections), so that one sequence's calls keep their
+  // order. A Verify with items of several sequences goes on its first
+  // item's. Calls of no sequence (info, health, CreateSequence, shared
+  // memory) and new VerifyStreams take the connections in turn.
+  int ConnectionOf(uint64_t sequence_id) const {
+    return static_cast<int>(sequence_id % connections_.size());
+  }
+  int connections() const { return static_cast<int>(connections_.size()); }
+  // Per connection, in index order; counts since Create.
+  std::vector<ConnectionStats> GetConnectionStats() const;
 
   // Geometry, limits and page accounting, fresh from the server (the copy
   // AppendKv's chunking uses is refreshed too).
@@ -182,30 +245,42 @@ class VerifyClient {
   absl::StatusOr<std::vector<v1::CudaSharedMemoryRegion>> CudaSharedMemoryStatus(
       const std::string& name = "");
 
-  // Opens a VerifyStream. `lifetime` bounds the whole stream (not each
-  // call): a stream that outlives it ends with DEADLINE_EXCEEDED.
+  // Opens a VerifyStream on the next connection in turn. `lifetime` bounds
+  // the whole stream (not each call): a stream that outlives it ends with
+  // DEADLINE_EXCEEDED. The session must not outlive this client.
   absl::StatusOr<std::unique_ptr<VerifyStreamSession>> OpenVerifyStream(
       absl::Duration lifetime = absl::InfiniteDuration());
 
  private:
-  VerifyClient(std::string target, ClientOptions options, std::shared_ptr<grpc::Channel> channel);
+  VerifyClient(std::string target, ClientOptions options,
+               std::vector<std::unique_ptr<Connection>> connections);
+
+  // The next connection in turn, for calls that belong to no sequence.
+  Connection& NextConnection();
+  Connection& SequenceConnection(uint64_t sequence_id) {
+    return *connections_[ConnectionOf(sequence_id)];
+  }
 
   // Applies the call deadline and wait-for-ready to a fresh context.
   void PrepareContext(grpc::ClientContext* context) const;
 
   // One unary call of the stub with a prepared context.
   template <typename Request, typename Response>
-  absl::StatusOr<Response> Unary(grpc::Status (v1::VerifyService::Stub::*rpc)(grpc::ClientContext*,
+  absl::StatusOr<Response> Unary(Connection& connection,
+                                 grpc::Status (v1::VerifyService::Stub::*rpc)(grpc::ClientContext*,
                                                                               const Request&,
                                                                               Response*),
                                  const Request& request) {
     grpc::ClientContext context;
     PrepareContext(&context);
     Response response;
-    const grpc::Status status = (stub_.get()->*rpc)(&context, request, &response);
+    const grpc::Status status = (StubOf(connection)->*rpc)(&context, request, &response);
+    CountCall(connection, status.ok());
     if (!status.ok()) return FromGrpcStatus(status);
     return response;
   }
+  static v1::VerifyService::Stub* StubOf(Connection& connection);
+  static void CountCall(Connection& connection, bool ok);
 
   absl::StatusOr<AppendKvResult> AppendKvThroughStaging(uint64_t sequence_id,
                                                         int64_t start_position, int num_layers,
@@ -224,9 +299,9 @@ class VerifyClient {
 
   const std::string target_;
   const ClientOptions options_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::VerifyService::Stub> stub_;
-  std::unique_ptr<grpc::health::v1::Health::Stub> health_stub_;
+  // Never empty; fixed after Create.
+  const std::vector<std::unique_ptr<Connection>> connections_;
+  std::atomic<uint64_t> next_connection_{0};
 
   absl::Mutex mu_;
   // max_message_bytes of the last ServerInfo seen; nullopt before the first.

@@ -16,17 +16,36 @@ double Percentile(absl::Span<const double> sorted, double p) {
   return sorted[std::clamp<int64_t>(rank, 1, n) - 1];
 }
 
-LatencySummary Summarize(std::vector<double> samples) {
+std::vector<HistogramBucket> Histogram(absl::Span<const double> sorted) {
+  std::vector<HistogramBucket> buckets;
+  for (double v : sorted) {
+    // The smallest k with 2^(k/4) >= v; exact powers of two stay in their
+    // own bucket despite rounding in log2.
+    int k = static_cast<int>(std::ceil(4.0 * std::log2(std::max(v, 1e-9))));
+    while (std::exp2((k - 1) / 4.0) >= v) --k;
+    while (std::exp2(k / 4.0) < v) ++k;
+    const double upper = std::exp2(k / 4.0);
+    if (buckets.empty() || buckets.back().upper != upper) buckets.push_back({upper, 0});
+    ++buckets.back().count;
+  }
+  return buckets;
+}
+
+LatencySummary Summarize(std::vector<double> samples, absl::Span<const double> percentiles) {
   LatencySummary summary;
+  for (double p : percentiles) summary.chosen.push_back({p, 0.0});
   if (samples.empty()) return summary;
   std::sort(samples.begin(), samples.end());
   summary.count = static_cast<int64_t>(samples.size());
   summary.mean = std::accumulate(samples.begin(), samples.end(), 0.0) / samples.size();
   summary.p50 = Percentile(samples, 50.0);
   summary.p90 = Percentile(samples, 90.0);
+  summary.p95 = Percentile(samples, 95.0);
   summary.p99 = Percentile(samples, 99.0);
   summary.p999 = Percentile(samples, 99.9);
   summary.max = samples.back();
+  for (auto& [p, value] : summary.chosen) value = Percentile(samples, p);
+  summary.histogram = Histogram(samples);
   return summary;
 }
 

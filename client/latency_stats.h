@@ -5,6 +5,7 @@
 #define MLAVERIFY_CLIENT_LATENCY_STATS_H_
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "absl/types/span.h"
@@ -16,18 +17,35 @@ namespace mlaverify::client {
 // 1-based, at least 1). p in [0, 100]; 0 for no samples.
 double Percentile(absl::Span<const double> sorted, double p);
 
+// A histogram bucket: samples in (previous bucket's upper, upper].
+struct HistogramBucket {
+  double upper = 0.0;
+  int64_t count = 0;
+};
+
 struct LatencySummary {
   int64_t count = 0;
   double mean = 0.0;
   double p50 = 0.0;
   double p90 = 0.0;
+  double p95 = 0.0;
   double p99 = 0.0;
   double p999 = 0.0;
   double max = 0.0;
+  // The percentiles asked for besides those above: (p, value).
+  std::vector<std::pair<double, double>> chosen;
+  // Buckets with samples only, ascending; bounds 2^(k/4) of the unit (four
+  // per doubling, each bound 19% above the last), so that any latency from
+  // microseconds to minutes lands within 19% of its bucket's bound.
+  std::vector<HistogramBucket> histogram;
 };
 
-// Sorts `samples` (any unit; the summary keeps it) and summarises them.
-LatencySummary Summarize(std::vector<double> samples);
+// Sorts `samples` (any unit; the summary keeps it) and summarises them,
+// with the nearest-rank value of each of `percentiles` (each in [0, 100]).
+LatencySummary Summarize(std::vector<double> samples, absl::Span<const double> percentiles = {});
+
+// The histogram of ascending `sorted` samples (see LatencySummary).
+std::vector<HistogramBucket> Histogram(absl::Span<const double> sorted);
 
 }  // namespace mlaverify::client
 

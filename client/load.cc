@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <random>
@@ -43,6 +44,18 @@ constexpr int kMaxConsecutiveFailures = 100;
 constexpr auto kFailureBackoff = std::chrono::milliseconds(20);
 // Error bucket for answers with NaN/Inf: not a gRPC code, still a failure.
 constexpr char kNonFiniteOutput[] = "NON_FINITE_OUTPUT";
+
+// Whether every value lies within `percent` of their mean (a zero mean
+// never does: a window without calls is no measurement).
+bool WithinPercent(absl::Span<const double> values, double percent) {
+  double mean = 0;
+  for (double v : values) mean += v / values.size();
+  if (!(mean > 0)) return false;
+  for (double v : values) {
+    if (std::abs(v - mean) > mean * percent / 100) return false;
+  }
+  return true;
+}
 
 // What every worker reads: the plan, and the bounds of the run.
 struct LoadPlan {
@@ -91,11 +104,16 @@ class RunControl {
     absl::MutexLock lock(&mu_);
     ++ready_;
   }
-  void AwaitAllReady(int workers) {
+  // Whether every worker was ready within `timeout`.
+  bool AwaitAllReadyFor(int workers, absl::Duration timeout) {
     absl::MutexLock lock(&mu_);
     const auto all_ready = [this, workers]()
                                ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ready_ >= workers; };
-    mu_.Await(absl::Condition(&all_ready));
+    return mu_.AwaitWithTimeout(absl::Condition(&all_ready), timeout);
+  }
+  int ready() {
+    absl::MutexLock lock(&mu_);
+    return ready_;
   }
   void AwaitStart() {
     absl::MutexLock lock(&mu_);
@@ -159,11 +177,21 @@ class RunControl {
     return stop_.load(std::memory_order_relaxed) ||
            g_stop_requested.load(std::memory_order_relaxed);
   }
-  // Totals for the progress line.
-  void CountCall(int items) {
+  // Totals for the progress line and the stability windows.
+  void CountCall(int items, double ms) {
     calls_.fetch_add(1, std::memory_order_relaxed);
     items_.fetch_add(items, std::memory_order_relaxed);
+    latency_ns_.fetch_add(static_cast<int64_t>(ms * 1e6), std::memory_order_relaxed);
   }
+  // Prompt bytes appended, for the ramp-up's progress lines.
+  void CountAppend(int64_t bytes) {
+    appended_.fetch_add(bytes, std::memory_order_relaxed);
+    prompts_.fetch_add(1, std::memory_order_relaxed);
+  }
+  int64_t appended_bytes() const { return appended_.load(std::memory_order_relaxed); }
+  int64_t prompts_appended() const { return prompts_.load(std::memory_order_relaxed); }
+  // Sum of the measured calls' latencies so far, ms.
+  double latency_ms_sum() const { return latency_ns_.load(std::memory_order_relaxed) / 1e6; }
   void CountError() { errors_.fetch_add(1, std::memory_order_relaxed); }
   int64_t calls() const { return calls_.load(std::memory_order_relaxed); }
   int64_t items() const { return items_.load(std::memory_order_relaxed); }
@@ -176,7 +204,7 @@ class RunControl {
   const LoadPlan& plan_;
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> issued_{0};
-  std::atomic<int64_t> calls_{0}, items_{0}, errors_{0};
+  std::atomic<int64_t> calls_{0}, items_{0}, errors_{0}, latency_ns_{0}, appended_{0}, prompts_{0};
   std::atomic<int64_t> next_slot_{0}, late_{0};
   absl::Mutex mu_;
   int ready_ ABSL_GUARDED_BY(mu_) = 0;
@@ -185,10 +213,11 @@ class RunControl {
 
 struct WorkerResult {
   std::vector<double> latencies_ms;
+  // When each of those calls started, seconds after the measured window
+  // opened (same order); and when each failure after the ramp-up happened.
+  std::vector<double> started_s;
+  std::vector<double> error_s;
   LoadReport::SlowestCall slowest;
-  int64_t verify_calls = 0;
-  int64_t verify_items = 0;
-  int64_t draft_tokens = 0;
   int64_t steps_committed = 0;
   int64_t sequences_created = 0;
   int64_t append_bytes = 0;
@@ -303,6 +332,11 @@ class LoadWorker {
     ++result_.errors[absl::StatusCodeToString(status.code())];
     ++result_.errors_by_rpc[rpc][absl::StatusCodeToString(status.code())];
     control_.CountError();
+    // (The clock is set only once the ramp-up is over.)
+    if (ramped_up_) {
+      result_.error_s.push_back(
+          std::chrono::duration<double>(Clock::now() - plan_.measure_start).count());
+    }
     ++consecutive_failures_;
     if (consecutive_failures_ == 1) {
       spdlog::warn("load worker {}: {}", index_, status.ToString());
@@ -341,6 +375,7 @@ class LoadWorker {
         return false;
       }
       result_.append_bytes += static_cast<int64_t>(prompt_view_.size() * sizeof(Bf16));
+      control_.CountAppend(static_cast<int64_t>(prompt_view_.size() * sizeof(Bf16)));
       lengths_.back() = appended->length;
     }
     return true;
@@ -425,10 +460,9 @@ class LoadWorker {
                              index_, layer, lengths_.front()};
         }
         result_.latencies_ms.push_back(ms);
-        control_.CountCall(items);
-        ++result_.verify_calls;
-        result_.verify_items += items;
-        result_.draft_tokens += int64_t{items} * plan_.num_drafts;
+        result_.started_s.push_back(
+            std::chrono::duration<double>(start - plan_.measure_start).count());
+        control_.CountCall(items, ms);
       }
     }
     bool full = false;
@@ -496,9 +530,24 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
     return absl::InvalidArgumentError(absl::StrCat(
         "--rate ", options.rate, ": need 0 (closed loop) or a rate up to 1e7 calls/s"));
   }
-  if (options.duration_s <= 0 && options.requests <= 0) {
+  const bool stability = options.stability_percent > 0;
+  if (!stability && options.duration_s <= 0 && options.requests <= 0) {
     return absl::InvalidArgumentError(
-        "the load needs an end: give --duration-s > 0, --requests > 0, or both");
+        "the load needs an end: give --duration-s > 0, --requests > 0, --stability-percent > 0, "
+        "or several");
+  }
+  if (stability && (!(options.stability_percent <= 100) || !(options.window_s > 0) ||
+                    options.max_windows < kStableWindows || options.max_windows > 1000)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--stability-percent %g, --window-s %g, --max-windows %d: need a percentage in (0, 100], "
+        "a window > 0 s and %d..1000 windows",
+        options.stability_percent, options.window_s, options.max_windows, kStableWindows));
+  }
+  for (double p : options.percentiles) {
+    if (!(p > 0 && p <= 100)) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("--percentile %g: need a percentile in (0, 100]", p));
+    }
   }
   if (options.drafts < 1 || options.prompt_len < 0 || options.warmup_s < 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -572,6 +621,55 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
   }
   plan.stream = options.stream;
   plan.seed = options.seed;
+
+  // Every worker's first sequences must fit before the ramp-up starts:
+  // without this check a pool too small for them showed only as workers
+  // retrying their prompt uploads until they gave up.
+  {
+    const int64_t sequences = int64_t{options.concurrency} * options.items;
+    const int64_t tokens = plan.prompt_len + plan.num_drafts;
+    int64_t free_pages = 0, total_pages = 0, live_room = 0;
+    bool live_limited = true;
+    for (const v1::ServerInfo& i : infos) {
+      free_pages += i.free_pages();
+      total_pages += i.total_pages();
+      if (i.max_live_sequences() > 0) {
+        live_room += std::max<int64_t>(0, i.max_live_sequences() - i.live_sequences());
+      } else {
+        live_limited = false;
+      }
+    }
+    if (info.page_size() > 0) {
+      const int64_t pages_each = (tokens + info.page_size() - 1) / info.page_size();
+      if (sequences * pages_each > free_pages) {
+        return absl::ResourceExhaustedError(absl::StrFormat(
+            "the pool cannot hold the run's first sequences: %d workers x %d items = %d "
+            "sequences of %d tokens (prompt %d + %d drafts) need %d pages of %d tokens (%d "
+            "each); the server%s %d free of %d. Lower --concurrency, --items or --prompt-len",
+            options.concurrency, options.items, sequences, tokens, plan.prompt_len, plan.num_drafts,
+            sequences * pages_each, info.page_size(), pages_each,
+            infos.size() > 1 ? "s have" : " has", free_pages, total_pages));
+      }
+      // Sequences grow to max_sequence_len before they are replaced; a pool
+      // that holds the first steps but not that is worth a warning only
+      // (releases and the server's own limits decide what happens then).
+      const int64_t pages_at_max =
+          (plan.max_sequence_len + info.page_size() - 1) / info.page_size();
+      if (sequences * pages_at_max > free_pages) {
+        absl::FPrintF(stderr,
+                      "load: warning: %d sequences at up to %d tokens may need %d pages; %d are "
+                      "free (calls will fail RESOURCE_EXHAUSTED if they do)\n",
+                      sequences, plan.max_sequence_len, sequences * pages_at_max, free_pages);
+      }
+    }
+    if (live_limited && sequences > live_room) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "%d workers x %d items = %d sequences, but the server%s room for %d more live "
+          "sequences (--max-live-sequences)",
+          options.concurrency, options.items, sequences, infos.size() > 1 ? "s have" : " has",
+          live_room));
+    }
+  }
 
   // The shared-memory data plane: one region for the whole run, registered
   // under the same name on every target; removed again however the run ends.
@@ -685,14 +783,28 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
     threads.emplace_back([&, w] { results[w] = LoadWorker(replicas, plan, control, w).Run(); });
   }
   const Clock::time_point ramp_up_start = Clock::now();
-  control.AwaitAllReady(options.concurrency);
+  // A line a second while the prompts go up (they take seconds at large
+  // concurrency and prompt lengths, and used to print nothing).
+  int64_t ramp_bytes_before = 0;
+  for (int second = 1; !control.AwaitAllReadyFor(options.concurrency, absl::Seconds(1)); ++second) {
+    if (!options.progress) continue;
+    const int64_t bytes = control.appended_bytes();
+    // (A prompt counts once all of it is appended: a long one shows late.)
+    std::fprintf(stderr,
+                 "[ramp-up %3d s] %lld of %d prompts appended (%.2f GB, %.2f GB in the last "
+                 "second); %d of %d workers ready\n",
+                 second, static_cast<long long>(control.prompts_appended()),
+                 options.concurrency * options.items, bytes / 1e9,
+                 (bytes - ramp_bytes_before) / 1e9, control.ready(), options.concurrency);
+    ramp_bytes_before = bytes;
+  }
   const Clock::time_point start = Clock::now();
   report.ramp_up_seconds = std::chrono::duration<double>(start - ramp_up_start).count();
   absl::PrintF("ramp-up:      %d sequences ready (prompts appended) in %.2f s, not timed\n",
                options.concurrency * options.items, report.ramp_up_seconds);
   plan.measure_start = start + std::chrono::duration_cast<Clock::duration>(
                                    std::chrono::duration<double>(options.warmup_s));
-  if (options.duration_s > 0) {
+  if (options.duration_s > 0 && !stability) {
     plan.deadline = plan.measure_start + std::chrono::duration_cast<Clock::duration>(
                                              std::chrono::duration<double>(options.duration_s));
   }
@@ -705,9 +817,10 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
   // its deadline.
   const absl::Duration call_timeout = replicas.replica(0).options().call_timeout;
   if (call_timeout != absl::InfiniteDuration()) {
-    const absl::Duration after_warmup = options.duration_s > 0
-                                            ? absl::Seconds(options.duration_s) + call_timeout
-                                            : call_timeout * (options.requests + 1);
+    const absl::Duration after_warmup =
+        stability ? absl::Seconds(options.window_s * options.max_windows) + call_timeout
+        : options.duration_s > 0 ? absl::Seconds(options.duration_s) + call_timeout
+                                 : call_timeout * (options.requests + 1);
     plan.stream_deadline = plan.measure_start + std::chrono::duration_cast<Clock::duration>(
                                                     absl::ToChronoMicroseconds(after_warmup));
   }
@@ -750,6 +863,43 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
       }
     });
   }
+  // Stability windows: the run ends once the last kStableWindows agree, or
+  // after max_windows; only the agreeing windows are reported.
+  Clock::time_point report_from = plan.measure_start;
+  std::optional<Clock::time_point> report_to;
+  if (stability) {
+    const auto window = std::chrono::duration_cast<Clock::duration>(
+        std::chrono::duration<double>(options.window_s));
+    report.stability.asked = true;
+    int64_t calls_before = control.calls();
+    double latency_before = control.latency_ms_sum();
+    for (int w = 1; w <= options.max_windows && !control.stopped(); ++w) {
+      const Clock::time_point window_end = plan.measure_start + window * w;
+      while (!control.stopped() && Clock::now() < window_end) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      if (control.stopped()) break;  // a signal or the request bound
+      const int64_t calls = control.calls();
+      const double latency = control.latency_ms_sum();
+      report.stability.calls_per_second.push_back((calls - calls_before) / options.window_s);
+      report.stability.mean_ms.push_back(
+          calls > calls_before ? (latency - latency_before) / (calls - calls_before) : 0.0);
+      calls_before = calls;
+      latency_before = latency;
+      if (w >= kStableWindows &&
+          WithinPercent(
+              absl::MakeConstSpan(report.stability.calls_per_second).subspan(w - kStableWindows),
+              options.stability_percent) &&
+          WithinPercent(absl::MakeConstSpan(report.stability.mean_ms).subspan(w - kStableWindows),
+                        options.stability_percent)) {
+        report.stability.reached = true;
+      }
+      report_to = window_end;
+      report_from = window_end - window * std::min(w, kStableWindows);
+      if (report.stability.reached) break;
+    }
+    control.Stop();
+  }
   for (std::thread& thread : threads) thread.join();
   workers_done.store(true);
   if (progress.joinable()) progress.join();
@@ -765,16 +915,39 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
     d.rest_us = d.server_us - d.queue_us - d.device_us;
   }
   report.measured_seconds =
-      std::max(0.0, std::chrono::duration<double>(end - plan.measure_start).count());
+      std::max(0.0, std::chrono::duration<double>(report_to.value_or(end) - report_from).count());
+  // The reported window, in seconds after the measured window opened.
+  const double from_s = std::chrono::duration<double>(report_from - plan.measure_start).count();
+  const double to_s = report_to.has_value()
+                          ? std::chrono::duration<double>(*report_to - plan.measure_start).count()
+                          : std::numeric_limits<double>::infinity();
 
   std::vector<double> latencies;
+  // Per second of the whole measured period: latencies and failures.
+  std::vector<std::vector<double>> second_latencies;
+  std::vector<int64_t> second_errors;
+  const auto second_of = [&](double t) -> std::optional<size_t> {
+    if (!(t >= 0)) return std::nullopt;
+    const size_t second = static_cast<size_t>(t);
+    if (second >= second_latencies.size()) {
+      second_latencies.resize(second + 1);
+      second_errors.resize(second + 1, 0);
+    }
+    return second;
+  };
   std::optional<Clock::time_point> ramp_first, ramp_last;
   for (WorkerResult& result : results) {
-    latencies.insert(latencies.end(), result.latencies_ms.begin(), result.latencies_ms.end());
+    for (size_t i = 0; i < result.latencies_ms.size(); ++i) {
+      const double t = result.started_s[i];
+      if (const std::optional<size_t> second = second_of(t)) {
+        second_latencies[*second].push_back(result.latencies_ms[i]);
+      }
+      if (t >= from_s && t < to_s) latencies.push_back(result.latencies_ms[i]);
+    }
+    for (double t : result.error_s) {
+      if (const std::optional<size_t> second = second_of(t)) ++second_errors[*second];
+    }
     if (result.slowest.ms > report.slowest.ms) report.slowest = result.slowest;
-    report.verify_calls += result.verify_calls;
-    report.verify_items += result.verify_items;
-    report.draft_tokens += result.draft_tokens;
     report.steps_committed += result.steps_committed;
     report.sequences_created += result.sequences_created;
     report.append_bytes += result.append_bytes;
@@ -807,7 +980,27 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
   for (int r = 0; r < replicas.size(); ++r) {
     report.replicas[r].sequences_created = states[r].sequences_created;
   }
-  report.latency_ms = Summarize(std::move(latencies));
+  // Calls of the reported window (all of the measured period, or with
+  // stability windows the agreeing ones); every call carries `items` items.
+  report.verify_calls = static_cast<int64_t>(latencies.size());
+  report.verify_items = report.verify_calls * plan.items;
+  report.draft_tokens = report.verify_items * plan.num_drafts;
+  report.latency_ms = Summarize(std::move(latencies), options.percentiles);
+  for (size_t second = 0; second < second_latencies.size(); ++second) {
+    LatencySummary l = Summarize(std::move(second_latencies[second]));
+    report.series.push_back(
+        {static_cast<int>(second), l.count, second_errors[second], l.p50, l.p99});
+  }
+  report.connections = replicas.replica(0).connections();
+  report.connection_calls.assign(report.connections, ConnectionStats{});
+  for (int r = 0; r < replicas.size(); ++r) {
+    const std::vector<ConnectionStats> stats = replicas.replica(r).GetConnectionStats();
+    for (size_t c = 0; c < stats.size() && c < report.connection_calls.size(); ++c) {
+      report.connection_calls[c].calls += stats[c].calls;
+      report.connection_calls[c].failed += stats[c].failed;
+      report.connection_calls[c].streams_opened += stats[c].streams_opened;
+    }
+  }
   if (report.append_call_seconds > 0) {
     report.append_gb_per_s_per_call = report.append_bytes / report.append_call_seconds / 1e9;
   }
@@ -901,18 +1094,21 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
     }
     FloorOptions f;
     f.concurrency = options.concurrency;
+    f.connections = report.connections;
     f.stream = options.stream;
     f.request_bytes = static_cast<int64_t>(request.ByteSizeLong());
     f.reply_bytes = static_cast<int64_t>(answer.ByteSizeLong());
-    f.duration_s = options.duration_s > 0 ? options.duration_s : 5.0;
+    f.duration_s = stability                ? options.window_s * kStableWindows
+                   : options.duration_s > 0 ? options.duration_s
+                                            : 5.0;
     f.warmup_s = std::min(options.warmup_s, 1.0);
     f.http2_max_frame_bytes = replicas.replica(0).options().http2_max_frame_bytes;
     f.http2_lookahead_bytes = replicas.replica(0).options().http2_lookahead_bytes;
     absl::PrintF(
         "floor:        bare gRPC echo of %d-byte requests and %d-byte answers, %s, %d "
-        "threads, %.1f s\n",
+        "threads over %d connections, %.1f s\n",
         f.request_bytes, f.reply_bytes, f.stream ? "streamed" : "unary", f.concurrency,
-        f.duration_s);
+        f.connections, f.duration_s);
     ASSIGN_OR_RETURN(FloorReport floor, MeasureTransportFloor(f));
     report.floor.measured = true;
     report.floor.request_bytes = f.request_bytes;
@@ -932,8 +1128,27 @@ void PrintLoadReport(const LoadReport& report) {
   absl::PrintF("verify calls: %d (%.1f calls/s, %.1f items/s, %.1f draft tokens/s)\n",
                report.verify_calls, report.calls_per_second, report.items_per_second,
                report.draft_tokens_per_second);
-  absl::PrintF("latency ms:   p50 %.3f  p90 %.3f  p99 %.3f  p99.9 %.3f  max %.3f  (mean %.3f)\n",
-               l.p50, l.p90, l.p99, l.p999, l.max, l.mean);
+  std::string chosen;
+  for (const auto& [p, value] : l.chosen) absl::StrAppendFormat(&chosen, "  p%g %.3f", p, value);
+  absl::PrintF(
+      "latency ms:   p50 %.3f  p90 %.3f  p95 %.3f  p99 %.3f  p99.9 %.3f  max %.3f  (mean "
+      "%.3f)%s\n",
+      l.p50, l.p90, l.p95, l.p99, l.p999, l.max, l.mean, chosen);
+  const LoadReport::Stability& st = report.stability;
+  if (st.asked) {
+    absl::PrintF("stability:    %s after %d windows of %g s (within %g%%); calls/s by window: %s\n",
+                 st.reached ? "stable" : "UNSTABLE", st.calls_per_second.size(),
+                 report.options.window_s, report.options.stability_percent,
+                 absl::StrJoin(st.calls_per_second, " ", [](std::string* out, double v) {
+                   absl::StrAppendFormat(out, "%.1f", v);
+                 }));
+  }
+  std::vector<std::string> per_connection;
+  for (const ConnectionStats& c : report.connection_calls) {
+    per_connection.push_back(absl::StrCat(c.calls));
+  }
+  absl::PrintF("connections:  %d per target; calls over the run on each: %s\n", report.connections,
+               absl::StrJoin(per_connection, " "));
   if (report.options.rate > 0) {
     absl::PrintF(
         "open loop:    %g calls/s asked, %.1f answered; %d calls started over 1 ms late (every "
@@ -965,9 +1180,9 @@ void PrintLoadReport(const LoadReport& report) {
   if (report.floor.measured) {
     const LoadReport::Floor& f = report.floor;
     absl::PrintF(
-        "floor:        %d calls (%.1f calls/s), ms p50 %.3f p99 %.3f%s; the run's p50 is %.3f "
-        "ms above it\n",
-        f.calls, f.calls_per_second, f.latency_ms.p50, f.latency_ms.p99,
+        "floor:        %d calls (%.1f calls/s over %d connections), ms p50 %.3f p99 %.3f%s; the "
+        "run's p50 is %.3f ms above it\n",
+        f.calls, f.calls_per_second, report.connections, f.latency_ms.p50, f.latency_ms.p99,
         f.errors > 0 ? absl::StrCat(", ", f.errors, " errors (", f.first_error, ")") : "",
         l.p50 - f.latency_ms.p50);
   }
@@ -1003,8 +1218,20 @@ void PrintLoadReport(const LoadReport& report) {
   }
   absl::PrintF("result:       %s\n", report.ok()                      ? "PASS"
                                      : report.survived_replica_loss() ? "PASS WITH REPLICA LOSS"
+                                     : report.unstable()              ? "FAIL (not stable)"
                                                                       : "FAIL");
 }
+
+namespace {
+
+// "p99.5" -> "p99_5": the JSON and CSV name of a chosen percentile.
+std::string PercentileKey(double p) {
+  std::string key = absl::StrFormat("p%g", p);
+  std::replace(key.begin(), key.end(), '.', '_');
+  return key;
+}
+
+}  // namespace
 
 nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
   const LoadOptions& o = report.options;
@@ -1021,6 +1248,29 @@ nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
                              {"first_error", r.first_error}});
   }
   const LatencySummary& l = report.latency_ms;
+  nlohmann::ordered_json latency = {{"count", l.count}, {"mean", l.mean}, {"p50", l.p50},
+                                    {"p90", l.p90},     {"p95", l.p95},   {"p99", l.p99},
+                                    {"p99_9", l.p999},  {"max", l.max}};
+  // The chosen percentiles by name, "p99.5" as "p99_5" like p99_9.
+  for (const auto& [p, value] : l.chosen) latency[PercentileKey(p)] = value;
+  // Non-empty buckets: samples in (the previous bucket's le, le] ms.
+  nlohmann::ordered_json histogram = nlohmann::ordered_json::array();
+  for (const HistogramBucket& b : l.histogram) {
+    histogram.push_back({{"le", b.upper}, {"count", b.count}});
+  }
+  nlohmann::ordered_json series = nlohmann::ordered_json::array();
+  for (const LoadReport::Second& sec : report.series) {
+    series.push_back({{"second", sec.second},
+                      {"calls", sec.calls},
+                      {"errors", sec.errors},
+                      {"p50_ms", sec.p50_ms},
+                      {"p99_ms", sec.p99_ms}});
+  }
+  nlohmann::ordered_json connection_calls = nlohmann::ordered_json::array();
+  for (const ConnectionStats& c : report.connection_calls) {
+    connection_calls.push_back(
+        {{"calls", c.calls}, {"failed", c.failed}, {"streams_opened", c.streams_opened}});
+  }
   return {
       {"target", report.target},
       {"pass", report.ok()},
@@ -1036,6 +1286,11 @@ nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
         {"data_plane", o.data_plane},
         {"floor", o.floor},
         {"rate", o.rate},
+        {"connections", report.connections},
+        {"percentiles", o.percentiles},
+        {"stability_percent", o.stability_percent},
+        {"window_s", o.window_s},
+        {"max_windows", o.max_windows},
         {"seed", o.seed}}},
       {"geometry",
        {{"num_layers", report.num_layers},
@@ -1058,14 +1313,20 @@ nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
         {"ramp_up_bytes", report.ramp_up_append_bytes},
         {"gb_per_s_ramp_up", report.append_gb_per_s_ramp_up}}},
       {"sequences_created", report.sequences_created},
-      {"latency_ms",
-       {{"count", l.count},
-        {"mean", l.mean},
-        {"p50", l.p50},
-        {"p90", l.p90},
-        {"p99", l.p99},
-        {"p99_9", l.p999},
-        {"max", l.max}}},
+      {"connections", report.connections},
+      {"connection_calls", connection_calls},
+      {"latency_ms", latency},
+      {"latency_histogram_ms", histogram},
+      {"series", series},
+      {"stability",
+       report.stability.asked
+           ? nlohmann::ordered_json{{"reached", report.stability.reached},
+                                    {"percent", o.stability_percent},
+                                    {"window_s", o.window_s},
+                                    {"windows", report.stability.calls_per_second.size()},
+                                    {"calls_per_second", report.stability.calls_per_second},
+                                    {"mean_ms", report.stability.mean_ms}}
+           : nlohmann::ordered_json(nullptr)},
       {"slowest_call",
        {{"ms", report.slowest.ms},
         {"started_s", report.slowest.started_s},
@@ -1083,6 +1344,7 @@ nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
                                              {"reply_bytes", report.floor.reply_bytes},
                                              {"calls", report.floor.calls},
                                              {"calls_per_second", report.floor.calls_per_second},
+                                             {"connections", report.connections},
                                              {"p50_ms", report.floor.latency_ms.p50},
                                              {"p99_ms", report.floor.latency_ms.p99},
                                              {"errors", report.floor.errors}}
@@ -1097,6 +1359,35 @@ nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
       {"survived_replica_loss", report.survived_replica_loss()},
       {"replicas", replicas_json},
   };
+}
+
+std::string LoadReportsToCsv(const std::vector<LoadReport>& reports) {
+  std::vector<double> chosen;
+  if (!reports.empty()) {
+    for (const auto& [p, value] : reports[0].latency_ms.chosen) chosen.push_back(p);
+  }
+  std::string csv =
+      "concurrency,connections,items,stream,data_plane,rate,calls_per_second,items_per_second,"
+      "p50_ms,p90_ms,p95_ms,p99_ms,p99_9_ms,max_ms,mean_ms";
+  for (double p : chosen) absl::StrAppend(&csv, ",", PercentileKey(p), "_ms");
+  absl::StrAppend(&csv, ",errors,floor_calls_per_second,floor_p50_ms,pass\n");
+  for (const LoadReport& r : reports) {
+    const LatencySummary& l = r.latency_ms;
+    absl::StrAppendFormat(&csv, "%d,%d,%d,%d,%s,%g,%.3f,%.3f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f",
+                          r.options.concurrency, r.connections, r.options.items,
+                          r.options.stream ? 1 : 0, r.options.data_plane, r.options.rate,
+                          r.calls_per_second, r.items_per_second, l.p50, l.p90, l.p95, l.p99,
+                          l.p999, l.max, l.mean);
+    for (const auto& [p, value] : l.chosen) absl::StrAppendFormat(&csv, ",%.4f", value);
+    if (r.floor.measured) {
+      absl::StrAppendFormat(&csv, ",%d,%.3f,%.4f", r.total_errors, r.floor.calls_per_second,
+                            r.floor.latency_ms.p50);
+    } else {
+      absl::StrAppendFormat(&csv, ",%d,,", r.total_errors);
+    }
+    absl::StrAppend(&csv, r.ok() ? ",1\n" : ",0\n");
+  }
+  return csv;
 }
 
 }  // namespace mlaverify::client

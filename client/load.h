@@ -1,10 +1,13 @@
-// `mlaverify-client load`: closed-loop load generator. `concurrency` worker
-// threads each drive `items` sequences through verify steps (per layer one
-// Verify carrying all of them, then a Commit each) as fast as the server
-// answers, for a bounded time or number of calls, and the run reports exact
-// latency percentiles, throughput, the server's own time split, errors by RPC
-// and gRPC code, prompt upload rates, whether every page came back, and on
-// request the bare-transport floor for the same messages.
+// `mlaverify-client load`: load generator. `concurrency` worker threads each
+// drive `items` sequences through verify steps (per layer one Verify carrying
+// all of them, then a Commit each), closed loop (as fast as the server
+// answers) or open loop (calls at a fixed rate), for a bounded time, a number
+// of calls, or until the rate and latency are stable over consecutive
+// windows. The run reports exact latency percentiles with a histogram and a
+// per-second series, throughput, the server's own time split, errors by RPC
+// and gRPC code, calls per connection, prompt upload rates, whether every
+// page came back, and on request the bare-transport floor for the same
+// messages over the same number of connections.
 #ifndef MLAVERIFY_CLIENT_LOAD_H_
 #define MLAVERIFY_CLIENT_LOAD_H_
 
@@ -61,9 +64,22 @@ struct LoadOptions {
   // (client/transport_floor.h): same request/answer sizes, RPC kind,
   // concurrency and duration, against an echo in this process.
   bool floor = false;
-  bool progress = true;  // a line a second on stderr while the workers run
+  bool progress = true;  // a line a second on stderr during ramp-up and run
   uint64_t seed = 1;
+  // Percentiles reported besides p50/p90/p95/p99/p99.9, each in (0, 100].
+  std::vector<double> percentiles;
+  // > 0: instead of a fixed duration, measure in windows of `window_s` until
+  // the last 3 windows' calls/s and mean latency are each within this many
+  // percent of their mean (perf_analyzer's stability rule), or until
+  // `max_windows` windows passed (then the run fails as unstable). The
+  // report covers the last 3 windows.
+  double stability_percent = 0;
+  double window_s = 5.0;
+  int max_windows = 10;
 };
+
+// Windows whose calls/s and mean latency must agree for a stable measurement.
+inline constexpr int kStableWindows = 3;
 
 struct LoadReport {
   std::string target;
@@ -94,6 +110,27 @@ struct LoadReport {
   // to the last end (prompt generation before them excluded).
   double append_gb_per_s_ramp_up = 0.0;
   LatencySummary latency_ms;  // of measured, successful Verify calls
+  // HTTP/2 connections per target (ClientOptions::connections), and the
+  // calls each carried over the whole run, summed over the targets by index.
+  int connections = 1;
+  std::vector<ConnectionStats> connection_calls;
+  // Per second of the measured window (by the call's start): successful
+  // calls, failed ones, and their latency.
+  struct Second {
+    int second = 0;
+    int64_t calls = 0;
+    int64_t errors = 0;
+    double p50_ms = 0, p99_ms = 0;
+  };
+  std::vector<Second> series;
+  // With options.stability_percent: the windows measured, each one's calls/s
+  // and mean latency, and whether the last kStableWindows agreed.
+  struct Stability {
+    bool asked = false;
+    bool reached = false;
+    std::vector<double> calls_per_second;
+    std::vector<double> mean_ms;
+  } stability;
   // The server's own split of the calls it answered in the measured window
   // (GetServerInfo's sums, read when the window opened and at the end,
   // summed over the targets): mean microseconds per call from arrival to
@@ -157,21 +194,28 @@ struct LoadReport {
     }
     return false;
   }
+  bool unstable() const { return stability.asked && !stability.reached; }
   bool ok() const {
-    return total_errors == 0 && !page_leak && pages_unchecked.empty() && !any_replica_lost();
+    return total_errors == 0 && !page_leak && pages_unchecked.empty() && !any_replica_lost() &&
+           !unstable();
   }
   // Finished on the replicas that stayed up, with no other error and every
   // page back on them, after losing at least one.
   bool survived_replica_loss() const {
-    return any_replica_lost() && total_errors == 0 && !page_leak && pages_unchecked.empty();
+    return any_replica_lost() && total_errors == 0 && !page_leak && pages_unchecked.empty() &&
+           !unstable();
   }
 };
 
 // Runs the load. INVALID_ARGUMENT for options that would never end or make
-// no sense; the server's errors during the run are counted in the report, not
-// returned. Over several replicas each worker's sequences are placed by the
-// ReplicaSet (most free pages) and every call goes to the owner; a replica
-// lost during the run is reported, and the workers carry on with the others.
+// no sense; RESOURCE_EXHAUSTED at once, before any sequence is made, when
+// concurrency x items sequences of prompt + drafts tokens cannot fit the
+// targets' free pages or live-sequence limits (the message gives the
+// numbers). The server's errors during the run are counted in the report,
+// not returned. Over several replicas each worker's sequences are placed by
+// the ReplicaSet (most free pages) and every call goes to the owner; a
+// replica lost during the run is reported, and the workers carry on with the
+// others.
 absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& options);
 
 // Asks the RunLoad in progress to end as if its time were up (the workers
@@ -183,6 +227,9 @@ bool LoadStopRequested();
 
 void PrintLoadReport(const LoadReport& report);
 nlohmann::ordered_json LoadReportToJson(const LoadReport& report);
+// One CSV header and one row per report (a run of a sweep): the options that
+// vary, rates, latency percentiles (the chosen ones too), errors, the floor.
+std::string LoadReportsToCsv(const std::vector<LoadReport>& reports);
 
 }  // namespace mlaverify::client
 

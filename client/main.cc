@@ -1,14 +1,16 @@
 // mlaverify-client: talk to an mlaverify server from the command line.
 //
-//   mlaverify-client --target 127.0.0.1:50051 info [--json]
+//   mlaverify-client --target 127.0.0.1:50051 info [--json FILE|-]
 //   mlaverify-client info --target 127.0.0.1:50051   (global flags go either side)
 //   mlaverify-client health
 //   mlaverify-client demo [--sequences 2 --prompt-len 200 --steps 4 --drafts 8 --stream]
-//   mlaverify-client load [--concurrency 8 --duration-s 10 --json results.json]
+//   mlaverify-client load [--concurrency 8 --duration-s 10 --connections 16 --json results.json]
 //   mlaverify-client soak [--workers 8 --duration-s 600 --cut-fraction 0.05 --json soak.json]
 //
 // Exit status: 0 on success (info printed; SERVING; demo PASS; load without
 // errors or leaked pages; soak PASS), 1 when the check fails, 2 for usage or setup errors.
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <csignal>
@@ -57,6 +59,54 @@ struct GlobalFlags {
   int http2_max_frame_bytes = ClientOptions{}.http2_max_frame_bytes;
   int http2_lookahead_bytes = ClientOptions{}.http2_lookahead_bytes;
   std::string auth_token_file;
+  int connections = ClientOptions{}.connections;
+  int64_t keepalive_time_ms = absl::ToInt64Milliseconds(ClientOptions{}.keepalive_time);
+  int64_t keepalive_timeout_ms = absl::ToInt64Milliseconds(ClientOptions{}.keepalive_timeout);
+  bool keepalive_permit_without_calls = ClientOptions{}.keepalive_permit_without_calls;
+};
+
+// Writes `text` to `path`, or to stdout for "-". False (logged) when it cannot.
+bool WriteOutput(const std::string& path, const std::string& text, FILE* stdout_copy) {
+  if (path == "-") {
+    std::fputs(text.c_str(), stdout_copy);
+    std::fflush(stdout_copy);
+    return true;
+  }
+  std::ofstream file(path);
+  file << text;
+  file.close();
+  if (!file) {
+    spdlog::error("cannot write {}", path);
+    return false;
+  }
+  std::fprintf(stderr, "wrote %s\n", path.c_str());
+  return true;
+}
+
+// While alive, what the command prints to stdout goes to stderr, so that
+// stdout carries only the JSON or CSV asked for with "-"; `out()` is the
+// real stdout.
+class StdoutToStderr {
+ public:
+  explicit StdoutToStderr(bool active) {
+    if (!active) return;
+    std::fflush(stdout);
+    saved_ = dup(STDOUT_FILENO);
+    if (saved_ >= 0) dup2(STDERR_FILENO, STDOUT_FILENO);
+    out_ = saved_ >= 0 ? fdopen(dup(saved_), "w") : nullptr;
+  }
+  ~StdoutToStderr() {
+    if (saved_ < 0) return;
+    std::fflush(stdout);
+    dup2(saved_, STDOUT_FILENO);
+    close(saved_);
+    if (out_ != nullptr) std::fclose(out_);
+  }
+  FILE* out() const { return out_ != nullptr ? out_ : stdout; }
+
+ private:
+  int saved_ = -1;
+  FILE* out_ = nullptr;
 };
 
 // SIGINT/SIGTERM: during `load` the first one ends the run in progress as if
@@ -89,14 +139,16 @@ void AddDataPlaneOptions(CLI::App* command, std::string* plane, int* cuda_device
       ->capture_default_str();
 }
 
-int RunInfo(VerifyClient& client, bool json) {
+int RunInfo(VerifyClient& client, const std::string& json_path) {
   absl::StatusOr<v1::ServerInfo> info = client.GetServerInfo();
   if (!info.ok()) {
     spdlog::error("GetServerInfo from {}: {}", client.target(), info.status().ToString());
     return kExitCheckFailed;
   }
-  if (json) {
-    std::printf("%s\n", ServerInfoToJson(*info).dump(2).c_str());
+  if (!json_path.empty()) {
+    if (!WriteOutput(json_path, ServerInfoToJson(*info).dump(2) + "\n", stdout)) {
+      return kExitSetupError;
+    }
   } else {
     std::printf("%s", FormatServerInfo(*info).c_str());
   }
@@ -117,7 +169,13 @@ int RunHealth(VerifyClient& client) {
 // the rate), then a table of all of them; the JSON is the report, or
 // {"sweep": ..., "runs": [reports]}.
 int RunLoadCommand(ReplicaSet& replicas, const LoadOptions& options,
-                   const std::vector<double>& sweep, const std::string& json_path) {
+                   const std::vector<double>& sweep, const std::string& json_path,
+                   const std::string& csv_path) {
+  if (json_path == "-" && csv_path == "-") {
+    spdlog::error("--json - and --csv - would share stdout; give one of them a file");
+    return kExitSetupError;
+  }
+  const StdoutToStderr redirect(json_path == "-" || csv_path == "-");
   const bool by_rate = options.rate > 0;
   std::vector<LoadOptions> runs;
   if (sweep.empty()) runs.push_back(options);
@@ -155,15 +213,15 @@ int RunLoadCommand(ReplicaSet& replicas, const LoadOptions& options,
     return kExitCheckFailed;
   }
   if (!sweep.empty()) {
-    std::printf("\nsweep over %s:\n%12s %12s %12s %10s %10s %8s %14s\n",
+    std::printf("\nsweep over %s:\n%12s %12s %12s %10s %10s %10s %8s %14s\n",
                 by_rate ? "the rate" : "concurrency", by_rate ? "rate" : "concurrency", "calls/s",
-                "items/s", "p50 ms", "p99 ms", "errors", "floor calls/s");
+                "items/s", "p50 ms", "p95 ms", "p99 ms", "errors", "floor calls/s");
     for (const LoadReport& r : reports) {
       const std::string value =
           by_rate ? absl::StrFormat("%g", r.options.rate) : absl::StrCat(r.options.concurrency);
       std::printf(
-          "%12s %12.1f %12.1f %10.3f %10.3f %8lld %14s\n", value.c_str(), r.calls_per_second,
-          r.items_per_second, r.latency_ms.p50, r.latency_ms.p99,
+          "%12s %12.1f %12.1f %10.3f %10.3f %10.3f %8lld %14s\n", value.c_str(), r.calls_per_second,
+          r.items_per_second, r.latency_ms.p50, r.latency_ms.p95, r.latency_ms.p99,
           static_cast<long long>(r.total_errors),
           r.floor.measured ? absl::StrFormat("%.1f", r.floor.calls_per_second).c_str() : "-");
     }
@@ -177,19 +235,17 @@ int RunLoadCommand(ReplicaSet& replicas, const LoadOptions& options,
       out["runs"] = nlohmann::ordered_json::array();
       for (const LoadReport& r : reports) out["runs"].push_back(LoadReportToJson(r));
     }
-    std::ofstream file(json_path);
-    file << out.dump(2) << "\n";
-    if (!file) {
-      spdlog::error("cannot write {}", json_path);
-      return kExitSetupError;
-    }
-    std::printf("wrote %s\n", json_path.c_str());
+    if (!WriteOutput(json_path, out.dump(2) + "\n", redirect.out())) return kExitSetupError;
+  }
+  if (!csv_path.empty() && !WriteOutput(csv_path, LoadReportsToCsv(reports), redirect.out())) {
+    return kExitSetupError;
   }
   return worst;
 }
 
 int RunSoakCommand(VerifyClient& client, const std::string& target, const ClientOptions& options,
                    const SoakOptions& soak, const std::string& json_path) {
+  const StdoutToStderr redirect(json_path == "-");
   absl::StatusOr<SoakReport> report = RunSoak(client, target, options, soak);
   if (!report.ok()) {
     spdlog::error("soak: {}", report.status().ToString());
@@ -198,13 +254,9 @@ int RunSoakCommand(VerifyClient& client, const std::string& target, const Client
   }
   PrintSoakReport(*report);
   if (!json_path.empty()) {
-    std::ofstream file(json_path);
-    file << SoakReportToJson(*report).dump(2) << "\n";
-    if (!file) {
-      spdlog::error("cannot write {}", json_path);
+    if (!WriteOutput(json_path, SoakReportToJson(*report).dump(2) + "\n", redirect.out())) {
       return kExitSetupError;
     }
-    std::printf("wrote %s\n", json_path.c_str());
   }
   return report->ok() ? kExitOk : kExitCheckFailed;
 }
@@ -252,10 +304,28 @@ int Main(int argc, char** argv) {
       ->capture_default_str();
   AddSwitch(&app, "--wait-for-ready", &flags.wait_for_ready,
             "wait for the server to come up instead of failing with UNAVAILABLE");
+  app.add_option("--connections", flags.connections,
+                 "HTTP/2 connections per target; a sequence's calls stay on one, streams and "
+                 "other calls take them in turn (1 behind a balancer that spreads connections "
+                 "over servers)")
+      ->check(CLI::Range(1, kMaxConnections))
+      ->capture_default_str();
+  app.add_option("--keepalive-time-ms", flags.keepalive_time_ms,
+                 "ping a connection with a call open (an idle stream too) after this long "
+                 "without traffic; keep it above the server's --http2-min-ping-interval-ms "
+                 "(0: no pings)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--keepalive-timeout-ms", flags.keepalive_timeout_ms,
+                 "close the connection when a ping is not acknowledged within this")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  AddSwitch(&app, "--keepalive-permit-without-calls", &flags.keepalive_permit_without_calls,
+            "also ping connections with no call open");
 
   CLI::App* info_cmd = app.add_subcommand("info", "print the server's geometry, limits and pages");
-  bool info_json = false;
-  AddSwitch(info_cmd, "--json", &info_json, "print JSON");
+  std::string info_json;
+  info_cmd->add_option("--json", info_json, "write the info as JSON to this file ('-': stdout)");
 
   app.add_subcommand("health", "grpc.health.v1 Check; exit 0 only when SERVING");
 
@@ -281,7 +351,11 @@ int Main(int argc, char** argv) {
   demo_cmd->add_option("--max-lse-err", demo.max_lse_err, "largest LSE error that passes")
       ->capture_default_str();
 
-  CLI::App* load_cmd = app.add_subcommand("load", "closed-loop load generator");
+  CLI::App* load_cmd = app.add_subcommand(
+      "load",
+      "load generator: closed loop, or open loop with --rate; a fixed duration or call count, "
+      "or until stable with --stability-percent; percentiles, histogram, per-second series, "
+      "the transport floor with --floor");
   LoadOptions load;
   std::string load_json;
   load_cmd
@@ -334,7 +408,30 @@ int Main(int argc, char** argv) {
                    "the rate; then a table")
       ->delimiter(',');
   AddSwitch(load_cmd, "--progress", &load.progress, "a progress line a second on stderr");
-  load_cmd->add_option("--json", load_json, "write the results to this JSON file");
+  load_cmd->add_option("--json", load_json,
+                       "write the results to this JSON file ('-': stdout, the text report then "
+                       "goes to stderr)");
+  std::string load_csv;
+  load_cmd->add_option("--csv", load_csv,
+                       "write one CSV row per run (a sweep's too) to this file ('-': stdout)");
+  load_cmd
+      ->add_option("--percentile", load.percentiles,
+                   "also report these percentiles, comma-separated (e.g. 99.5,99.99)")
+      ->delimiter(',')
+      ->check(CLI::Range(0.0, 100.0));
+  load_cmd
+      ->add_option("--stability-percent", load.stability_percent,
+                   "instead of --duration-s: measure in windows until the last 3 agree on "
+                   "calls/s and mean latency within this percentage (fails after "
+                   "--max-windows); 0: off")
+      ->check(CLI::Range(0.0, 100.0))
+      ->capture_default_str();
+  load_cmd->add_option("--window-s", load.window_s, "stability window length, seconds")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  load_cmd->add_option("--max-windows", load.max_windows, "stability windows at most")
+      ->check(CLI::Range(kStableWindows, 1000))
+      ->capture_default_str();
 
   CLI::App* soak_cmd = app.add_subcommand(
       "soak",
@@ -359,7 +456,7 @@ int Main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   soak_cmd->add_option("--seed", soak.seed, "random seed")->capture_default_str();
-  soak_cmd->add_option("--json", soak_json, "write the report to this JSON file");
+  soak_cmd->add_option("--json", soak_json, "write the report to this JSON file ('-': stdout)");
 
   try {
     app.parse(argc, argv);
@@ -379,6 +476,11 @@ int Main(int argc, char** argv) {
   options.wait_for_ready = flags.wait_for_ready;
   options.http2_max_frame_bytes = flags.http2_max_frame_bytes;
   options.http2_lookahead_bytes = flags.http2_lookahead_bytes;
+  options.connections = flags.connections;
+  options.keepalive_time = flags.keepalive_time_ms > 0 ? absl::Milliseconds(flags.keepalive_time_ms)
+                                                       : absl::InfiniteDuration();
+  options.keepalive_timeout = absl::Milliseconds(flags.keepalive_timeout_ms);
+  options.keepalive_permit_without_calls = flags.keepalive_permit_without_calls;
   if (!flags.auth_token_file.empty()) {
     absl::StatusOr<std::string> token = ReadAuthToken(flags.auth_token_file);
     if (!token.ok()) {
@@ -398,7 +500,7 @@ int Main(int argc, char** argv) {
   std::signal(SIGTERM, OnSignal);
   load.shm_staging_bytes = shm_staging_mib << 20;
   g_load_command.store(load_cmd->parsed());
-  if (load_cmd->parsed()) return RunLoadCommand(set, load, load_sweep, load_json);
+  if (load_cmd->parsed()) return RunLoadCommand(set, load, load_sweep, load_json, load_csv);
   if (soak_cmd->parsed()) {
     if (set.size() > 1) {
       spdlog::error("soak takes one target (got {})", set.size());
@@ -408,6 +510,11 @@ int Main(int argc, char** argv) {
     return RunSoakCommand(set.replica(0), targets[0], options, soak, soak_json);
   }
   // info, health and demo: each replica in turn; the worst exit status.
+  if (info_cmd->parsed() && set.size() > 1 && !info_json.empty() && info_json != "-") {
+    spdlog::error("info --json {}: one file takes one target; give --json - for every one",
+                  info_json);
+    return kExitSetupError;
+  }
   int worst = kExitOk;
   for (int r = 0; r < set.size(); ++r) {
     if (set.size() > 1) std::printf("== %s\n", set.Name(r).c_str());

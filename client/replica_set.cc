@@ -50,7 +50,18 @@ absl::Status ReplicaSet::CheckUp(int index) {
 
 absl::Status ReplicaSet::Observe(int index, absl::Status status) {
   if (status.ok()) return status;
-  if (status.code() == absl::StatusCode::kUnavailable) {
+  // With a pool, UNAVAILABLE may say only that the call's connection was
+  // lost (gRPC opens it again on the next call). The replica is down when
+  // health checks on two more connections (the next ones in turn: at most
+  // one of them is the lost one, still going down) do not say SERVING
+  // either; a faulted or draining server answers NOT_SERVING.
+  bool confirmed = status.code() == absl::StatusCode::kUnavailable;
+  for (int probe = 0; confirmed && probe < std::min(2, clients_[index]->connections() - 1);
+       ++probe) {
+    const absl::StatusOr<ServingStatus> health = clients_[index]->Health();
+    confirmed = !health.ok() || *health != ServingStatus::kServing;
+  }
+  if (confirmed) {
     absl::MutexLock lock(&mu_);
     ReplicaState& state = states_[index];
     if (state.up) {

@@ -5,7 +5,10 @@
 // replica with the most free pages. A replica whose call fails with
 // UNAVAILABLE is marked down: it gets no new sequences, and calls for its
 // sequences fail at once with UNAVAILABLE naming it, without a network round
-// trip. A down replica is probed again (GetServerInfo) at most once per
+// trip. With several connections per replica the UNAVAILABLE is confirmed
+// first by a health check (one lost connection fails only its own calls and
+// is opened again; the replica is down when it is not SERVING on another).
+// A down replica is probed again (GetServerInfo) at most once per
 // `retry_down_after`; if it answers, it takes new sequences again (after a
 // restart its old sequences are NOT_FOUND, which the server says).
 #ifndef MLAVERIFY_CLIENT_REPLICA_SET_H_
@@ -79,7 +82,8 @@ class ReplicaSet {
 
   // For calls made on replica(i) directly (e.g. a VerifyStream): UNAVAILABLE
   // when it is down, else OK; and the outcome of such a call (marks the
-  // replica down on UNAVAILABLE; returns `status` named).
+  // replica down on UNAVAILABLE, confirmed by a health check when the
+  // client has several connections; returns `status` named).
   absl::Status CheckUp(int index);
   absl::Status Observe(int index, absl::Status status);
 

@@ -71,6 +71,10 @@ struct ThreadResult {
 }  // namespace
 
 absl::StatusOr<FloorReport> MeasureTransportFloor(const FloorOptions& o) {
+  if (o.connections < 1 || o.connections > 256) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("transport floor: connections ", o.connections, ": need 1..256"));
+  }
   if (o.concurrency < 1 || o.duration_s <= 0 || o.warmup_s < 0 || o.request_bytes < 0 ||
       o.reply_bytes < 0 || o.request_bytes > kMaxPayloadBytes || o.reply_bytes > kMaxPayloadBytes) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -99,9 +103,16 @@ absl::StatusOr<FloorReport> MeasureTransportFloor(const FloorOptions& o) {
   if (server == nullptr || port == 0) {
     return absl::UnavailableError("transport floor: the echo server did not start");
   }
-  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
-      absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials(), channel_args);
-  std::unique_ptr<fv1::TransportFloor::Stub> stub = fv1::TransportFloor::NewStub(channel);
+  // A subchannel pool per channel: each channel is a TCP connection of its
+  // own (with the global pool, equal channels would share one).
+  channel_args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  std::vector<std::unique_ptr<fv1::TransportFloor::Stub>> stubs;
+  for (int c = 0; c < o.connections; ++c) {
+    grpc::ChannelArguments own = channel_args;
+    own.SetInt("mlaverify.connection_index", c);
+    stubs.push_back(fv1::TransportFloor::NewStub(grpc::CreateCustomChannel(
+        absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials(), own)));
+  }
 
   const Clock::time_point start = Clock::now();
   const Clock::time_point measure_from = start + std::chrono::duration_cast<Clock::duration>(
@@ -113,6 +124,7 @@ absl::StatusOr<FloorReport> MeasureTransportFloor(const FloorOptions& o) {
   for (int t = 0; t < o.concurrency; ++t) {
     threads.emplace_back([&, t] {
       ThreadResult& r = results[t];
+      fv1::TransportFloor::Stub* stub = stubs[t % stubs.size()].get();
       const std::string payload(static_cast<size_t>(o.request_bytes), '\x01');
       fv1::FloorMessage request, answer;
       request.set_reply_bytes(static_cast<uint64_t>(o.reply_bytes));

@@ -1,9 +1,11 @@
 // The bare-transport floor of a load: a gRPC echo (mlaverify.floor.v1,
 // proto/mlaverify/floor/v1/floor.proto) served in this process on loopback
 // and driven like the load drives the server: the same request and answer
-// sizes, RPC kind, concurrency (threads sharing one channel), HTTP/2 settings
-// and duration. No engine sits behind it, so its latency and rate are what
-// the transport alone costs for those messages on this host.
+// sizes, RPC kind, concurrency, connections (thread t on connection t mod
+// connections, each a channel with its own subchannel pool, as in
+// VerifyClient's pool), HTTP/2 settings and duration. No engine sits behind
+// it, so its latency and rate are what the transport alone costs for those
+// messages on this host.
 #ifndef MLAVERIFY_CLIENT_TRANSPORT_FLOOR_H_
 #define MLAVERIFY_CLIENT_TRANSPORT_FLOOR_H_
 
@@ -17,6 +19,7 @@ namespace mlaverify::client {
 
 struct FloorOptions {
   int concurrency = 1;
+  int connections = 1;        // HTTP/2 connections the threads share, 1..256
   bool stream = false;        // one ping-pong stream per thread; else unary calls
   int64_t request_bytes = 0;  // payload of each request
   int64_t reply_bytes = 0;    // payload of each answer

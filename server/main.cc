@@ -124,6 +124,12 @@ struct Flags {
   int http2_lookahead_bytes = 8 << 20;
   int http2_max_concurrent_streams = 256;
   uint64_t grpc_memory_quota_bytes = 0;
+  int keepalive_time_ms = transport::GrpcServerOptions{}.keepalive_time_ms;
+  int keepalive_timeout_ms = transport::GrpcServerOptions{}.keepalive_timeout_ms;
+  bool keepalive_permit_without_calls =
+      transport::GrpcServerOptions{}.keepalive_permit_without_calls;
+  int http2_min_ping_interval_ms = transport::GrpcServerOptions{}.http2_min_ping_interval_ms;
+  int http2_max_ping_strikes = transport::GrpcServerOptions{}.http2_max_ping_strikes;
   double drain_grace_s = 5;
   double drain_timeout_s = 10;
   double slow_call_ms = 100;
@@ -174,6 +180,17 @@ absl::Status ValidateFlags(const Flags& f) {
     return absl::InvalidArgumentError(absl::StrCat("--http2-max-concurrent-streams ",
                                                    f.http2_max_concurrent_streams,
                                                    ": need 0 (gRPC's default, no limit) or more"));
+  }
+  if (f.keepalive_time_ms < 1 || f.keepalive_timeout_ms < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--keepalive-time-ms ", f.keepalive_time_ms,
+                                                   ", --keepalive-timeout-ms ",
+                                                   f.keepalive_timeout_ms, ": need both >= 1"));
+  }
+  if (f.http2_min_ping_interval_ms < 0 || f.http2_max_ping_strikes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--http2-min-ping-interval-ms ", f.http2_min_ping_interval_ms,
+                     ", --http2-max-ping-strikes ", f.http2_max_ping_strikes,
+                     ": need both >= 0 (strikes 0: no limit)"));
   }
   if (f.max_shm_regions < 1 || f.max_shm_regions > 65536) {
     return absl::InvalidArgumentError(
@@ -440,6 +457,21 @@ int Run(int argc, char** argv) {
                  "gRPC's memory quota for its connections' buffers, e.g. 4GiB; 0: none")
       ->transform(CLI::AsSizeValue(false))
       ->capture_default_str();
+  app.add_option("--keepalive-time-ms", f.keepalive_time_ms,
+                 "ping a connection quiet for this long (keeps NAT/L4 flows alive)")
+      ->capture_default_str();
+  app.add_option("--keepalive-timeout-ms", f.keepalive_timeout_ms,
+                 "close a connection whose ping is not acknowledged within this")
+      ->capture_default_str();
+  AddSwitch(&app, "--keepalive-permit-without-calls", &f.keepalive_permit_without_calls,
+            "ping, and accept pings on, connections with no call open");
+  app.add_option("--http2-min-ping-interval-ms", f.http2_min_ping_interval_ms,
+                 "client pings closer than this with no data between are strikes (keep it "
+                 "below the clients' keepalive time)")
+      ->capture_default_str();
+  app.add_option("--http2-max-ping-strikes", f.http2_max_ping_strikes,
+                 "strikes before GOAWAY (ENHANCE_YOUR_CALM); 0: no limit")
+      ->capture_default_str();
   app.add_option("--slow-call-ms", f.slow_call_ms,
                  "log a warning for calls this long in the server, at most one a second (0: off)")
       ->capture_default_str();
@@ -549,6 +581,11 @@ int Run(int argc, char** argv) {
   options.http2_max_concurrent_streams = f.http2_max_concurrent_streams;
   options.grpc_memory_quota_bytes = f.grpc_memory_quota_bytes;
   options.http2_lookahead_bytes = f.http2_lookahead_bytes;
+  options.keepalive_time_ms = f.keepalive_time_ms;
+  options.keepalive_timeout_ms = f.keepalive_timeout_ms;
+  options.keepalive_permit_without_calls = f.keepalive_permit_without_calls;
+  options.http2_min_ping_interval_ms = f.http2_min_ping_interval_ms;
+  options.http2_max_ping_strikes = f.http2_max_ping_strikes;
   if (!f.auth_token_file.empty()) {
     absl::StatusOr<std::string> token = ReadAuthToken(f.auth_token_file);
     if (!token.ok()) {

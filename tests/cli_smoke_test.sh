@@ -36,11 +36,15 @@ grep -qE '^mlaverify-client [0-9]+\.[0-9]+\.[0-9]+ \(git ([0-9a-f]{12}|unknown);
 # Global flags also after the subcommand; switches bare or with a value.
 "$build/client/mlaverify-client" health --target "127.0.0.1:$grpc_port" --timeout-ms 5000 ||
   fail "health with --target after the subcommand"
-"${client[@]}" info --json=false > "$work/info.txt" || fail "info --json=false"
-grep -q "max draft length" "$work/info.txt" || fail "info --json=false did not print text: $(cat "$work/info.txt")"
-"${client[@]}" --wait-for-ready true info --json > "$work/info.json" || fail "info --json"
+"${client[@]}" info > "$work/info.txt" || fail "info"
+grep -q "max draft length" "$work/info.txt" || fail "info did not print text: $(cat "$work/info.txt")"
+"${client[@]}" --wait-for-ready true info --json - > "$work/info.json" || fail "info --json -"
 python3 -c 'import json, sys; json.load(open(sys.argv[1]))' "$work/info.json" ||
-  fail "info --json did not print JSON: $(cat "$work/info.json")"
+  fail "info --json - did not print JSON: $(cat "$work/info.json")"
+"${client[@]}" info --json "$work/info-file.json" > /dev/null || fail "info --json FILE"
+cmp -s <(python3 -c 'import json, sys; print(sorted(json.load(open(sys.argv[1]))))' "$work/info.json") \
+  <(python3 -c 'import json, sys; print(sorted(json.load(open(sys.argv[1]))))' "$work/info-file.json") ||
+  fail "info --json FILE and --json - differ"
 "${client[@]}" demo --sequences 2 --prompt-len 100 --steps 2 --drafts 6
 "${client[@]}" demo --sequences 1 --prompt-len 0 --steps 2 --drafts 1 --stream
 "${client[@]}" load --concurrency 4 --duration-s 3 --warmup-s 1 --json "$work/load.json"
@@ -69,6 +73,64 @@ assert s["sweep"] == "concurrency", s
 assert [x["options"]["concurrency"] for x in s["runs"]] == [1, 2], s
 assert all(x["pass"] and x["verify_calls"] > 0 for x in s["runs"]), s
 PY
+# The pool and the report's new parts: 4 connections, each carrying calls;
+# p95 and a chosen percentile; a histogram holding every call; a per-second
+# series; the CSV row (to stdout with '-', the text report going to stderr)
+# agreeing with the JSON.
+"${client[@]}" --connections 4 load --concurrency 8 --duration-s 2 --warmup-s 0.3 --progress false \
+  --percentile 99.5 --json "$work/pool.json" --csv - > "$work/pool.csv" 2> "$work/pool.log" ||
+  fail "load over 4 connections: $(cat "$work/pool.log")"
+python3 - "$work/pool.json" "$work/pool.csv" <<'PY' || fail "pool report: $(cat "$work/pool.json" "$work/pool.csv")"
+import csv, json, sys
+r = json.load(open(sys.argv[1]))
+assert r["pass"] and r["connections"] == 4, r["connections"]
+assert len(r["connection_calls"]) == 4 and all(c["calls"] > 0 and c["failed"] == 0 for c in r["connection_calls"]), r["connection_calls"]
+l = r["latency_ms"]
+assert l["p50"] <= l["p90"] <= l["p95"] <= l["p99"] <= l["p99_5"] <= l["max"], l
+h = r["latency_histogram_ms"]
+assert sum(b["count"] for b in h) == l["count"] == r["verify_calls"] > 0, (h, l)
+assert all(a["le"] < b["le"] for a, b in zip(h, h[1:])) and h[-1]["le"] >= l["max"] and h[-1]["le"] < 1.2 * l["max"], h
+s = r["series"]
+assert [x["second"] for x in s] == list(range(len(s))) and 2 <= len(s) <= 4, s
+assert sum(x["calls"] for x in s) == r["verify_calls"] and all(x["errors"] == 0 for x in s), s
+rows = list(csv.DictReader(open(sys.argv[2])))
+assert len(rows) == 1 and int(rows[0]["connections"]) == 4 and rows[0]["pass"] == "1", rows
+assert abs(float(rows[0]["p99_5_ms"]) - l["p99_5"]) < 1e-3 and abs(float(rows[0]["calls_per_second"]) - r["calls_per_second"]) < 1e-2, rows
+PY
+# Stability windows: a loose 50% is reached within the windows allowed and
+# ends the run (exit 0, at least 3 windows, the report covering the last 3);
+# an impossible 1e-4% fails as unstable after exactly --max-windows (exit 1).
+"${client[@]}" load --concurrency 4 --warmup-s 0.3 --stability-percent 50 --window-s 0.5 \
+  --max-windows 20 --progress false --json "$work/stable.json" > "$work/stable.log" ||
+  fail "stable load: $(cat "$work/stable.log")"
+unstable_rc=0
+"${client[@]}" load --concurrency 4 --warmup-s 0.3 --stability-percent 0.0001 --window-s 0.3 \
+  --max-windows 3 --progress false --json "$work/unstable.json" > "$work/unstable.log" || unstable_rc=$?
+[ "$unstable_rc" -eq 1 ] || fail "an unstable load exited $unstable_rc, not 1: $(cat "$work/unstable.log")"
+grep -q "FAIL (not stable)" "$work/unstable.log" || fail "no 'not stable' verdict: $(cat "$work/unstable.log")"
+python3 - "$work/stable.json" "$work/unstable.json" <<'PY' || fail "stability reports: $(cat "$work/stable.json" "$work/unstable.json")"
+import json, sys
+r = json.load(open(sys.argv[1]))
+st = r["stability"]
+assert r["pass"] and st["reached"] and 3 <= st["windows"] <= 20, st
+last = st["calls_per_second"][-3:]
+m = sum(last) / 3
+assert all(abs(x - m) <= 0.5 * m for x in last), st
+assert abs(r["measured_seconds"] - 1.5) < 1e-6, r["measured_seconds"]
+u = json.load(open(sys.argv[2]))
+assert not u["pass"] and not u["stability"]["reached"] and u["stability"]["windows"] == 3, u["stability"]
+PY
+# The capacity check: 64 sequences of 500 tokens cannot fit the 64 MiB pool;
+# the run fails at once, before any prompt goes up, naming the pages.
+cap_rc=0
+start_s=$(date +%s)
+"${client[@]}" load --concurrency 64 --prompt-len 500 --duration-s 5 --progress false \
+  > "$work/cap.log" 2>&1 || cap_rc=$?
+[ "$cap_rc" -eq 1 ] || fail "an oversized load exited $cap_rc, not 1: $(cat "$work/cap.log")"
+grep -q "the pool cannot hold the run's first sequences: 64 workers x 1 items = 64 sequences" "$work/cap.log" ||
+  fail "no capacity message: $(cat "$work/cap.log")"
+[ $(($(date +%s) - start_s)) -le 5 ] || fail "the capacity check took over 5 s"
+grep -q "ramp-up" "$work/cap.log" && fail "the oversized load started its ramp-up: $(cat "$work/cap.log")"
 # A short soak: whole sequence lifetimes, a third of the Verify calls cut
 # short by their deadline; every answer checked, no page or sequence left.
 "${client[@]}" soak --workers 4 --duration-s 4 --cut-fraction 0.3 --json "$work/soak.json"

@@ -312,6 +312,50 @@ TEST(LatencyStats, NearestRankPercentiles) {
   EXPECT_EQ(Summarize({}).count, 0);
 }
 
+TEST(LatencyStats, P95AndChosenPercentiles) {
+  std::vector<double> samples;
+  for (int i = 1; i <= 1000; ++i) samples.push_back(i);
+  const std::vector<double> chosen = {99.5, 12.5};
+  const LatencySummary s = Summarize(samples, chosen);
+  EXPECT_DOUBLE_EQ(s.p95, 950);
+  ASSERT_EQ(s.chosen.size(), 2u);
+  EXPECT_EQ(s.chosen[0].first, 99.5);
+  EXPECT_DOUBLE_EQ(s.chosen[0].second, 995);
+  EXPECT_DOUBLE_EQ(s.chosen[1].second, 125);
+  // With no samples the asked percentiles are still named (as 0).
+  EXPECT_EQ(Summarize({}, chosen).chosen.size(), 2u);
+}
+
+TEST(LatencyStats, HistogramHoldsEverySampleInItsBucket) {
+  std::mt19937_64 rng(7);
+  std::lognormal_distribution<double> latency(0.0, 1.5);  // ms, around 1 ms
+  std::vector<double> samples;
+  for (int i = 0; i < 5000; ++i) samples.push_back(latency(rng));
+  samples.push_back(1.0);  // an exact bound stays in its own bucket
+  samples.push_back(2.0);
+  const LatencySummary s = Summarize(samples);
+  std::sort(samples.begin(), samples.end());
+  int64_t total = 0;
+  double lower = 0;
+  for (const HistogramBucket& b : s.histogram) {
+    ASSERT_GT(b.count, 0);
+    ASSERT_GT(b.upper, lower);
+    // Bounds are 2^(k/4): four per doubling.
+    const double k = 4 * std::log2(b.upper);
+    EXPECT_NEAR(k, std::round(k), 1e-9);
+    // Exactly the samples in (lower, upper].
+    const auto from = std::upper_bound(samples.begin(), samples.end(), lower);
+    const auto to = std::upper_bound(samples.begin(), samples.end(), b.upper);
+    EXPECT_EQ(to - from, b.count) << "bucket up to " << b.upper;
+    total += b.count;
+    lower = b.upper;
+  }
+  EXPECT_EQ(total, static_cast<int64_t>(samples.size()));
+  EXPECT_GE(s.histogram.back().upper, s.max);
+  EXPECT_LT(s.histogram.back().upper, s.max * 1.19);
+  EXPECT_TRUE(Summarize({}).histogram.empty());
+}
+
 // ---- Workloads ----------------------------------------------------------------
 
 TEST(Workload, RandomTreesAreValidForests) {

@@ -124,7 +124,7 @@ else
 fi
 
 # serve NAME FLAGS...: starts a server, waits until it serves, writes
-# `mlaverify-client info --json` to $work/NAME.json, stops it (exit 0 expected);
+# `mlaverify-client info --json -` to $work/NAME.json, stops it (exit 0 expected);
 # its log is $work/NAME.log.
 serve() {
   local name=$1
@@ -135,7 +135,7 @@ serve() {
   for _ in $(seq 1 100); do [ -s "$work/$name.ports" ] && break; sleep 0.1; done
   local port=""
   [ -s "$work/$name.ports" ] && read -r port _ < "$work/$name.ports"
-  "$client" --target "127.0.0.1:${port:-1}" info --json > "$work/$name.json" 2> "$work/$name.err"
+  "$client" --target "127.0.0.1:${port:-1}" info --json - > "$work/$name.json" 2> "$work/$name.err"
   kill -TERM "$pid" 2>/dev/null
   wait "$pid"
 }

@@ -76,6 +76,19 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
     builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
                                options.http2_max_concurrent_streams);
   }
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, options.keepalive_time_ms);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, options.keepalive_timeout_ms);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS,
+                             options.keepalive_permit_without_calls ? 1 : 0);
+  // The server's own pings keep going on an idle stream (gRPC's default
+  // stops after 2 pings without data, which leaves an idle VerifyStream
+  // unguarded against a balancer's idle timeout).
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_SENT_PING_INTERVAL_WITHOUT_DATA_MS,
+                             options.keepalive_time_ms);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                             options.http2_min_ping_interval_ms);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, options.http2_max_ping_strikes);
   if (options.grpc_memory_quota_bytes > 0) {
     grpc::ResourceQuota quota("mlaverify-server");
     quota.Resize(static_cast<size_t>(options.grpc_memory_quota_bytes));

@@ -35,6 +35,20 @@ struct GrpcServerOptions {
   int http2_max_concurrent_streams = 0;
   // gRPC's ResourceQuota over its connections' memory; 0: none.
   uint64_t grpc_memory_quota_bytes = 0;
+  // Keepalive. The server pings a connection that has been quiet for
+  // `keepalive_time_ms` and closes it when the ack takes longer than
+  // `keepalive_timeout_ms`: a dead client (or a balancer that dropped the
+  // flow) is noticed and its streams end. The pings also count as traffic
+  // for a NAT or L4 balancer in between (AWS NLB drops flows idle 350 s).
+  int keepalive_time_ms = 60000;
+  int keepalive_timeout_ms = 20000;
+  // Whether the server pings, and accepts pings on, connections with no call.
+  bool keepalive_permit_without_calls = true;
+  // Client pings closer together than this (with no data between) are
+  // strikes; after `max_ping_strikes` the server sends GOAWAY
+  // (ENHANCE_YOUR_CALM). Must stay below the clients' keepalive time.
+  int http2_min_ping_interval_ms = 10000;
+  int http2_max_ping_strikes = 2;
 };
 
 class GrpcServer {
