@@ -76,9 +76,20 @@ absl::Status InitVerifyWorkspace(const VerifyArguments& args, const VerifyLaunch
       "verify workspace init");
 }
 
+namespace {
+// The CUDA kernels read and write bf16 rows only: an fp8 pool is refused
+// here rather than read as if it were bf16.
+absl::Status RequireBf16Pool(const KvPoolView& pool, const char* what) {
+  if (pool.dtype == KvDtype::kBf16) return absl::OkStatus();
+  return absl::UnimplementedError(absl::StrCat(what, ": the CUDA kernels do not read ",
+                                               KvDtypeName(pool.dtype), " pools yet (bf16 only)"));
+}
+}  // namespace
+
 absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchConfig& c,
                                    void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   RETURN_IF_ERROR(CanImplement(a, /*require_16b_alignment=*/true));
+  RETURN_IF_ERROR(RequireBf16Pool(a.pool, "verify attention"));
   if (c.num_sms < 1 || c.ctas_per_sm < 1 || c.min_chunk_tiles < 1) {
     return absl::InvalidArgumentError(
         "launch config needs num_sms, ctas_per_sm and "
@@ -161,6 +172,7 @@ absl::Status SetVerifyPhaseStamps(unsigned long long* device_stamps) {
 
 absl::Status LaunchWriteDraftKv(const DraftKvWriteArguments& a, cudaStream_t stream) {
   RETURN_IF_ERROR(CanImplementWrite(a, /*require_16b_alignment=*/true));
+  RETURN_IF_ERROR(RequireBf16Pool(a.pool, "draft KV write"));
   DraftKvWriteParams p{};
   p.draft_kv = reinterpret_cast<const uint16_t*>(a.draft_kv);
   p.draft_kv_stride = a.draft_kv_stride;
@@ -182,6 +194,7 @@ absl::Status LaunchCopyRows(const KvPoolView& pool, const int32_t* page_table, i
   if (pool.data == nullptr || page_table == nullptr || rows == nullptr || start < 0 || count < 0) {
     return absl::InvalidArgumentError("row copy needs a pool, a page table, rows and a range");
   }
+  RETURN_IF_ERROR(RequireBf16Pool(pool, "row copy"));
   RowCopyParams p{};
   p.pool = reinterpret_cast<uint16_t*>(pool.data);
   p.num_layers = pool.num_layers;
@@ -213,6 +226,7 @@ absl::Status LaunchScatterCopies(const ScatterParams& params, cudaStream_t strea
 
 absl::Status LaunchCompactAcceptedKv(const CompactArguments& a, cudaStream_t stream) {
   RETURN_IF_ERROR(CanImplementCompact(a, /*require_16b_alignment=*/true));
+  RETURN_IF_ERROR(RequireBf16Pool(a.pool, "compaction"));
   CompactParams p{};
   p.pool = reinterpret_cast<uint16_t*>(a.pool.data);
   p.num_layers = a.pool.num_layers;

@@ -568,6 +568,27 @@ TEST_F(GpuKernelTest, RejectsUnsupportedLaunchConfig) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// The kernels read bf16 rows only: every launch over an fp8 pool is refused
+// with UNIMPLEMENTED (never a bf16 read of fp8 bytes).
+TEST_F(GpuKernelTest, RefusesFp8Pools) {
+  VerifyProblemSpec spec;
+  spec.prefix_len = {10};
+  spec.draft_len = {2};
+  spec.kv_dtype = KvDtype::kFp8;
+  HostVerifyProblem problem = MakeProblem(spec);
+  DeviceVerifyProblem device;
+  ASSERT_TRUE(device.Init(CapacityFor(problem), config_).ok());
+  ASSERT_TRUE(device.Upload(problem).ok());
+  ASSERT_EQ(device.Args().pool.dtype, KvDtype::kFp8);
+  EXPECT_EQ(LaunchVerifyAttention(device.Args(), config_, device.workspace(),
+                                  device.workspace_bytes(), nullptr)
+                .code(),
+            absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(LaunchWriteDraftKv(device.WriteArgs(), nullptr).code(),
+            absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
 // The copy lists of a batch (copy_list.h): the gather runs the list in the
 // ring slot its cursor names (host memory read in place) and advances the
 // cursor, so launches of one grid take slots 0, 1, 2, 0, ...; the scatter
