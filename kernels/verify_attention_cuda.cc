@@ -77,8 +77,10 @@ absl::Status InitVerifyWorkspace(const VerifyArguments& args, const VerifyLaunch
 }
 
 namespace {
-// The CUDA kernels read and write bf16 rows only: an fp8 pool is refused
-// here rather than read as if it were bf16.
+// The attention kernel reads bf16 rows only: an fp8 pool is refused here
+// rather than read as if it were bf16. (The draft write, the row copy and the
+// compaction handle both: they quantize rows into an fp8 pool, or move
+// stored rows.)
 absl::Status RequireBf16Pool(const KvPoolView& pool, const char* what) {
   if (pool.dtype == KvDtype::kBf16) return absl::OkStatus();
   return absl::UnimplementedError(absl::StrCat(what, ": the CUDA kernels do not read ",
@@ -172,11 +174,11 @@ absl::Status SetVerifyPhaseStamps(unsigned long long* device_stamps) {
 
 absl::Status LaunchWriteDraftKv(const DraftKvWriteArguments& a, cudaStream_t stream) {
   RETURN_IF_ERROR(CanImplementWrite(a, /*require_16b_alignment=*/true));
-  RETURN_IF_ERROR(RequireBf16Pool(a.pool, "draft KV write"));
   DraftKvWriteParams p{};
   p.draft_kv = reinterpret_cast<const uint16_t*>(a.draft_kv);
   p.draft_kv_stride = a.draft_kv_stride;
   p.pool = reinterpret_cast<uint16_t*>(a.pool.data);
+  p.row_elements = static_cast<int>(a.pool.RowElements());
   p.num_pages = a.pool.num_pages;
   p.page_size_log2 = Log2(a.pool.page_size);
   p.page_table = a.page_table;
@@ -194,9 +196,9 @@ absl::Status LaunchCopyRows(const KvPoolView& pool, const int32_t* page_table, i
   if (pool.data == nullptr || page_table == nullptr || rows == nullptr || start < 0 || count < 0) {
     return absl::InvalidArgumentError("row copy needs a pool, a page table, rows and a range");
   }
-  RETURN_IF_ERROR(RequireBf16Pool(pool, "row copy"));
   RowCopyParams p{};
   p.pool = reinterpret_cast<uint16_t*>(pool.data);
+  p.row_elements = static_cast<int>(pool.RowElements());
   p.num_layers = pool.num_layers;
   p.num_pages = pool.num_pages;
   p.page_size_log2 = Log2(pool.page_size);
@@ -226,9 +228,9 @@ absl::Status LaunchScatterCopies(const ScatterParams& params, cudaStream_t strea
 
 absl::Status LaunchCompactAcceptedKv(const CompactArguments& a, cudaStream_t stream) {
   RETURN_IF_ERROR(CanImplementCompact(a, /*require_16b_alignment=*/true));
-  RETURN_IF_ERROR(RequireBf16Pool(a.pool, "compaction"));
   CompactParams p{};
   p.pool = reinterpret_cast<uint16_t*>(a.pool.data);
+  p.row_elements = static_cast<int>(a.pool.RowElements());
   p.num_layers = a.pool.num_layers;
   p.num_pages = a.pool.num_pages;
   p.page_size_log2 = Log2(a.pool.page_size);

@@ -157,9 +157,9 @@ HostVerifyProblem MakeProblem(const VerifyProblemSpec& spec) {
         for (int d = 0; d < kLatentDim; ++d) {
           row[d] = FloatToBf16(HashUniform(seed, j * kLatentDim + d, range));
         }
-        StoreLatentRow(spec.kv_dtype,
-                       row, reinterpret_cast<uint8_t*>(p.pool.data() +
-                                                       view.RowOffset(p.layer[b], pages, j)));
+        StoreLatentRow(
+            spec.kv_dtype, row,
+            reinterpret_cast<uint8_t*>(p.pool.data() + view.RowOffset(p.layer[b], pages, j)));
       }
     });
   }
