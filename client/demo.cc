@@ -216,9 +216,9 @@ class DemoRun {
       }
       for (size_t k = 0; k < sequences_.size(); ++k) {
         DemoSequence& seq = sequences_[k];
-        absl::StatusOr<ReferenceComparison> check = CompareWithReference(
-            seq.mirror, layer, items[k], scale_, (*results)[k], options_.reference_threads,
-            kv_dtype_);
+        absl::StatusOr<ReferenceComparison> check =
+            CompareWithReference(seq.mirror, layer, items[k], scale_, (*results)[k],
+                                 options_.reference_threads, kv_dtype_);
         ++summary_.items_checked;
         if (!check.ok()) {
           Fail(absl::StrFormat("step %d layer %d sequence %d: %s", step, layer, seq.id,

@@ -53,9 +53,9 @@ absl::StatusOr<ReferenceComparison> CompareWithReference(const SequenceMirror& m
   const int64_t total = static_cast<int64_t>(prefix) + n;
   const absl::Span<const Bf16> prefix_rows = mirror.layer_rows(layer);
   if (static_cast<int64_t>(item.draft_kv.size()) != int64_t{n} * kLatentDim) {
-    return absl::InvalidArgumentError(absl::StrCat("sequence ", item.sequence_id, ": draft_kv holds ",
-                                                   item.draft_kv.size(), " values for ", n,
-                                                   " drafts"));
+    return absl::InvalidArgumentError(absl::StrCat("sequence ", item.sequence_id,
+                                                   ": draft_kv holds ", item.draft_kv.size(),
+                                                   " values for ", n, " drafts"));
   }
   const int row_bytes = KvRowBytes(kv_dtype);
   std::vector<Bf16> rows(static_cast<size_t>(total) * row_bytes / sizeof(Bf16));

@@ -61,12 +61,9 @@ struct ReferenceComparison {
 // FAILED_PRECONDITION when the server's prefix_len is not the mirror's length
 // (the two disagree on what is committed); INVALID_ARGUMENT when the item
 // itself is malformed.
-absl::StatusOr<ReferenceComparison> CompareWithReference(const SequenceMirror& mirror, int layer,
-                                                         const VerifyItemInput& item,
-                                                         float softmax_scale,
-                                                         const VerifyItemResult& result,
-                                                         int num_threads = 0,
-                                                         KvDtype kv_dtype = KvDtype::kBf16);
+absl::StatusOr<ReferenceComparison> CompareWithReference(
+    const SequenceMirror& mirror, int layer, const VerifyItemInput& item, float softmax_scale,
+    const VerifyItemResult& result, int num_threads = 0, KvDtype kv_dtype = KvDtype::kBf16);
 
 }  // namespace mlaverify::client
 

@@ -132,8 +132,7 @@ MLAVERIFY_HOST_DEVICE inline float E4m3ToFloat(uint8_t code) {
 // The scale of a group whose largest magnitude is `amax` (finite, >= 0). 0
 // for a group of zeros, and for one so small (amax < 448 * 2^-149) that its
 // scale underflows: its values are stored as zeros.
-MLAVERIFY_HOST_DEVICE inline float Fp8GroupScale(float amax,
-                                                 Fp8ScaleRule rule = kFp8ScaleRule) {
+MLAVERIFY_HOST_DEVICE inline float Fp8GroupScale(float amax, Fp8ScaleRule rule = kFp8ScaleRule) {
   const float exact = amax / kFp8Max;
   if (rule == Fp8ScaleRule::kExact || exact == 0.0f) return exact;
   // The smallest power of two >= exact: the float with exact's exponent,

@@ -40,8 +40,8 @@ TEST(E4m3, EveryCodeRoundTrips) {
     }
   }
   EXPECT_EQ(E4m3ToFloat(0x7e), 448.0f);
-  EXPECT_EQ(E4m3ToFloat(0x08), 0.015625f);      // 2^-6, smallest normal
-  EXPECT_EQ(E4m3ToFloat(0x01), 0.001953125f);   // 2^-9, smallest subnormal
+  EXPECT_EQ(E4m3ToFloat(0x08), 0.015625f);     // 2^-6, smallest normal
+  EXPECT_EQ(E4m3ToFloat(0x01), 0.001953125f);  // 2^-9, smallest subnormal
   EXPECT_EQ(E4m3ToFloat(0x38), 1.0f);
   EXPECT_EQ(E4m3ToFloat(0xb8), -1.0f);
 }
@@ -84,8 +84,8 @@ TEST(E4m3, RoundsToNearestEvenLikeBruteForce) {
 }
 
 TEST(E4m3, SaturatesAtPlusMinus448) {
-  for (float x : {448.0f, 448.5f, 463.9f, 464.0f, 500.0f, 1e30f,
-                  std::numeric_limits<float>::infinity()}) {
+  for (float x :
+       {448.0f, 448.5f, 463.9f, 464.0f, 500.0f, 1e30f, std::numeric_limits<float>::infinity()}) {
     EXPECT_EQ(FloatToE4m3(x), 0x7e) << x;
     EXPECT_EQ(FloatToE4m3(-x), 0xfe) << x;
   }
@@ -119,8 +119,7 @@ TEST(Fp8Row, LayoutScalesAndRope) {
   for (int d = 0; d < kValueDim; ++d) {
     const float x = Bf16ToFloat(row[d]);
     const float s = ScaleOf(q, d / kFp8GroupSize);
-    EXPECT_LE(std::fabs(back[d] - x), std::max(std::fabs(x) / 16.0f, s / 1024.0f) * 1.0001f)
-        << d;
+    EXPECT_LE(std::fabs(back[d] - x), std::max(std::fabs(x) / 16.0f, s / 1024.0f) * 1.0001f) << d;
   }
 }
 
@@ -280,7 +279,8 @@ TEST(Fp8Scale, ExactScalesMeasureNoWorseThanPowersOfTwo) {
     }
     heavy.push_back(std::move(row));
   }
-  for (const auto& [name, rows] : {std::pair{"N(0,1)", &gaussian}, std::pair{"t3+channels", &heavy}}) {
+  for (const auto& [name, rows] :
+       {std::pair{"N(0,1)", &gaussian}, std::pair{"t3+channels", &heavy}}) {
     std::mt19937 a(5), b(5);  // the same q for both rules
     const ErrorStats exact = Measure(*rows, Fp8ScaleRule::kExact, a);
     const ErrorStats pow2 = Measure(*rows, Fp8ScaleRule::kPowerOfTwo, b);

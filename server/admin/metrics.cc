@@ -241,8 +241,9 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   kv_pages_free_ = &AddGauge(r, "mlaverify_kv_pages_free", "KV pages on the free list.");
   kv_row_bytes_family_ = &prometheus::BuildGauge()
                               .Name("mlaverify_kv_row_bytes")
-                              .Help("Bytes of one token's latent KV row of one layer in the pool, "
-                                    "by dtype (--kv-dtype: bf16 1152, fp8 656).")
+                              .Help(
+                                  "Bytes of one token's latent KV row of one layer in the pool, "
+                                  "by dtype (--kv-dtype: bf16 1152, fp8 656).")
                               .Register(r);
   shm_regions_ = &AddGauge(r, "mlaverify_shm_regions",
                            "Client shared-memory regions registered (--allow-client-shm).");

@@ -108,8 +108,8 @@ struct DeviceGeometry {
   int64_t num_pages = 0;
   int page_size = 0;
   KvDtype kv_dtype = KvDtype::kBf16;  // how the pool stores a row
-  int num_heads = 0;  // heads this device computes
-  int max_batch = 0;  // the largest batch bucket
+  int num_heads = 0;                  // heads this device computes
+  int max_batch = 0;                  // the largest batch bucket
   int max_draft_len = 0;
   int slots = 2;  // launches in flight at most
   int64_t table_entries = 0;

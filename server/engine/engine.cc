@@ -236,9 +236,9 @@ absl::Status CheckRowsFinite(KvDtype dtype, const uint8_t* host, size_t bytes,
   const int64_t count = static_cast<int64_t>(bytes / sizeof(Bf16));
   for (int64_t row = 0; row * kLatentDim < count; ++row) {
     if (!AllFinite(values + row * kLatentDim, kLatentDim)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, ": row ", row, " holds a NaN or an infinity, which an ", KvDtypeName(dtype),
-          " pool cannot store (its scales come from the values)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": row ", row, " holds a NaN or an infinity, which an ",
+                       KvDtypeName(dtype), " pool cannot store (its scales come from the values)"));
     }
   }
   return absl::OkStatus();
@@ -617,8 +617,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
       "{} launches in flight, {} host staging",
       e->backend_name_, absl::StrJoin(names, ","), ParallelModeName(config.parallel_mode),
       config.num_layers, config.num_heads, e->heads_per_device_, config.page_size,
-      KvDtypeName(config.kv_dtype), KvRowBytes(config.kv_dtype), config.num_pages(), tp ? "replica" : "device", FormatBytes(config.pool_bytes),
-      config.max_draft_len(), config.max_batch(), config.batches_in_flight,
+      KvDtypeName(config.kv_dtype), KvRowBytes(config.kv_dtype), config.num_pages(),
+      tp ? "replica" : "device", FormatBytes(config.pool_bytes), config.max_draft_len(),
+      config.max_batch(), config.batches_in_flight,
       e->staging_ != nullptr ? FormatBytes(config.pinned_staging_bytes) : "no");
   return e;
 }
@@ -1570,11 +1571,11 @@ absl::Status Engine::ReadKv(uint64_t sequence_id, int64_t start, int64_t count, 
     const int64_t capacity = static_cast<int64_t>(seq->pages.size()) * config_.page_size;
     if (start < 0 || count < 0 || start + count > capacity ||
         static_cast<int64_t>(kv.size()) != int64_t{config_.num_layers} * count *
-                                                KvRowBytes(config_.kv_dtype) /
-                                                static_cast<int64_t>(sizeof(Bf16))) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "read of [", start, ", ", start + count, ") outside the ", capacity,
-          " positions the sequence's pages hold, or into a buffer of the wrong size"));
+                                               KvRowBytes(config_.kv_dtype) /
+                                               static_cast<int64_t>(sizeof(Bf16))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("read of [", start, ", ", start + count, ") outside the ", capacity,
+                       " positions the sequence's pages hold, or into a buffer of the wrong size"));
     }
     RETURN_IF_ERROR(Admit(0));
     auto* op_call =

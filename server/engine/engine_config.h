@@ -102,9 +102,7 @@ struct EngineConfig {
 
   int max_draft_len() const { return draft_buckets.empty() ? 0 : draft_buckets.back(); }
   int max_batch() const { return batch_buckets.empty() ? 0 : batch_buckets.back(); }
-  int64_t bytes_per_page() const {
-    return int64_t{num_layers} * page_size * KvRowBytes(kv_dtype);
-  }
+  int64_t bytes_per_page() const { return int64_t{num_layers} * page_size * KvRowBytes(kv_dtype); }
   int64_t num_pages() const { return pool_bytes / bytes_per_page(); }
   int64_t max_pages_per_sequence() const { return (max_sequence_len + page_size - 1) / page_size; }
 

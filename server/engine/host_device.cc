@@ -310,9 +310,8 @@ class HostDevice final : public Device {
   // addresses (always, unless it plays a GPU).
   bool Addressable(uint64_t address, uint64_t bytes) {
     if (addresses_host_memory()) return true;
-    for (const AlignedBuffer* b :
-         {&pool_, &table_, &q_, &out_, &lse_, &requests_, &visibility_, &outputs_, &slots_,
-          &draft_kv_}) {
+    for (const AlignedBuffer* b : {&pool_, &table_, &q_, &out_, &lse_, &requests_, &visibility_,
+                                   &outputs_, &slots_, &draft_kv_}) {
       if (address >= b->address() && address + bytes <= b->address() + b->bytes) return true;
     }
     PinnedBook& pinned = Pinned();
