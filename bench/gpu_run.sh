@@ -5,7 +5,7 @@
 #     build/tests/gpu_engine_test build/bench/mlaverify-bench build/bench/mlaverify-engine-bench \
 #     build/server/mlaverify-server build/client/mlaverify-client
 # and carried there (device tool: carry [".device"]):
-#   OUT=/tmp/out bench/gpu_run.sh [tests] [dataplane] [service] [connections] [planes] [cudashm] [pyclient] [latency] [fault] [engine] [soak] [anchor] [sweep] [triton] [stalls] [small] [pdl] [ncu] [shapes] [sass] [timeline]
+#   OUT=/tmp/out bench/gpu_run.sh [tests] [fp8] [dataplane] [service] [connections] [planes] [cudashm] [pyclient] [latency] [fault] [engine] [soak] [anchor] [sweep] [triton] [stalls] [small] [pdl] [ncu] [shapes] [sass] [timeline]
 # The pyclient part also needs the Python package with its stubs in the
 # bundle: cp -r build/client/python .device/bundle/python
 # Writes logs and JSON into $OUT/results.tgz (one file: the device tool brings
@@ -414,6 +414,30 @@ if want anchor; then
   timeout 450 "$bundle/bin/mlaverify-bench" --suite anchor --out "$out/anchor.json" 2>&1 |
     tee "$out/anchor.log"
   summary+=("anchor rc=${PIPESTATUS[0]}")
+fi
+if want fp8; then
+  # fp8 latent KV: the GPU tests' fp8 cases (the quantizing draft write and row
+  # copy against the CPU's bytes, the compaction of 656-byte rows, the
+  # attention's and the CUDA engine's refusal of fp8 pools), AppendKv's row
+  # copy into a bf16 and an fp8 pool side by side, and a CUDA server started
+  # with --kv-dtype fp8, which must refuse to start.
+  timeout 300 "$bundle/bin/gpu_kernels_test" --gtest_filter='*Fp8*:*DraftWrite*:*Compaction*' \
+    > "$out/fp8_gpu_kernels_test.log" 2>&1
+  summary+=("fp8 gpu kernel tests rc=$?")
+  grep -E '^\[  (PASSED|FAILED|SKIPPED) |Failure' "$out/fp8_gpu_kernels_test.log" | head -20
+  timeout 200 "$bundle/bin/gpu_engine_test" --gtest_filter='*Fp8*' > "$out/fp8_gpu_engine_test.log" 2>&1
+  summary+=("fp8 gpu engine test rc=$?")
+  timeout 300 "$bundle/bin/mlaverify-bench" --append-rate --reps 50 --out "$out/fp8_append.json" 2>&1 |
+    tee "$out/fp8_append.log"
+  summary+=("fp8 append rc=${PIPESTATUS[0]}")
+  timeout 120 "$bundle/bin/mlaverify-server" --listen 127.0.0.1:0 --admin-port -1 --backend cuda \
+    --layers 61 --kv-dtype fp8 > "$out/fp8_server_refusal.log" 2>&1
+  rc=$?
+  if [ "$rc" -ne 0 ] && grep -q -- "--kv-dtype fp8" "$out/fp8_server_refusal.log"; then
+    summary+=("fp8 cuda server refused to start (rc=$rc): ok")
+  else
+    summary+=("fp8 cuda server rc=$rc: NOT REFUSED as expected")
+  fi
 fi
 if want sweep; then
   timeout 200 "$bundle/bin/mlaverify-bench" --suite sweep --out "$out/sweep.json" 2>&1 |

@@ -90,6 +90,13 @@ class DemoRun {
                            info_.latent_dim(), info_.value_dim(), kLatentDim, kValueDim));
       return false;
     }
+    // The reference stores rows as the server's pool does. A server that
+    // predates the field sends "": bf16, the only dtype it had.
+    if (!info_.kv_dtype().empty() && !ParseKvDtype(info_.kv_dtype().c_str(), &kv_dtype_)) {
+      Fail(absl::StrCat("the server stores KV as \"", info_.kv_dtype(),
+                        "\", which this client cannot check (bf16, fp8)"));
+      return false;
+    }
     num_layers_ = info_.num_layers();
     num_heads_ = info_.num_heads();
     num_drafts_ = std::min(options_.drafts, info_.max_draft_len());
@@ -209,8 +216,9 @@ class DemoRun {
       }
       for (size_t k = 0; k < sequences_.size(); ++k) {
         DemoSequence& seq = sequences_[k];
-        absl::StatusOr<ReferenceComparison> check = CompareWithReference(
-            seq.mirror, layer, items[k], scale_, (*results)[k], options_.reference_threads);
+        absl::StatusOr<ReferenceComparison> check =
+            CompareWithReference(seq.mirror, layer, items[k], scale_, (*results)[k],
+                                 options_.reference_threads, kv_dtype_);
         ++summary_.items_checked;
         if (!check.ok()) {
           Fail(absl::StrFormat("step %d layer %d sequence %d: %s", step, layer, seq.id,
@@ -366,6 +374,7 @@ class DemoRun {
   std::mt19937_64 rng_;
   DemoSummary summary_;
   v1::ServerInfo info_;
+  KvDtype kv_dtype_ = KvDtype::kBf16;
   int num_layers_ = 0;
   int num_heads_ = 0;
   int num_drafts_ = 0;

@@ -37,7 +37,7 @@ absl::StatusOr<ReferenceComparison> CompareWithReference(const SequenceMirror& m
                                                          const VerifyItemInput& item,
                                                          float softmax_scale,
                                                          const VerifyItemResult& result,
-                                                         int num_threads) {
+                                                         int num_threads, KvDtype kv_dtype) {
   if (result.prefix_len != mirror.length()) {
     return absl::FailedPreconditionError(
         absl::StrCat("sequence ", item.sequence_id, ": the server attended to ", result.prefix_len,
@@ -51,11 +51,20 @@ absl::StatusOr<ReferenceComparison> CompareWithReference(const SequenceMirror& m
   // A one-layer "pool" with one token per page and the identity page table:
   // the prefix rows, then the drafts at P..P+N-1, where the server writes them.
   const int64_t total = static_cast<int64_t>(prefix) + n;
-  std::vector<Bf16> rows;
-  rows.reserve(total * kLatentDim);
   const absl::Span<const Bf16> prefix_rows = mirror.layer_rows(layer);
-  rows.insert(rows.end(), prefix_rows.begin(), prefix_rows.end());
-  rows.insert(rows.end(), item.draft_kv.begin(), item.draft_kv.end());
+  if (static_cast<int64_t>(item.draft_kv.size()) != int64_t{n} * kLatentDim) {
+    return absl::InvalidArgumentError(absl::StrCat("sequence ", item.sequence_id,
+                                                   ": draft_kv holds ", item.draft_kv.size(),
+                                                   " values for ", n, " drafts"));
+  }
+  const int row_bytes = KvRowBytes(kv_dtype);
+  std::vector<Bf16> rows(static_cast<size_t>(total) * row_bytes / sizeof(Bf16));
+  auto* pool_bytes = reinterpret_cast<uint8_t*>(rows.data());
+  for (int64_t j = 0; j < total; ++j) {
+    const Bf16* row = j < prefix ? prefix_rows.data() + j * kLatentDim
+                                 : item.draft_kv.data() + (j - prefix) * kLatentDim;
+    StoreLatentRow(kv_dtype, row, pool_bytes + j * row_bytes);
+  }
   std::vector<int32_t> page_table(total);
   std::iota(page_table.begin(), page_table.end(), 0);
   const int32_t layer_in_pool = 0;
@@ -75,6 +84,7 @@ absl::StatusOr<ReferenceComparison> CompareWithReference(const SequenceMirror& m
   args.pool.num_layers = 1;
   args.pool.num_pages = total;
   args.pool.page_size = 1;
+  args.pool.dtype = kv_dtype;
   args.page_table = page_table.data();
   args.page_table_stride = total;
   args.prefix_len = &prefix;

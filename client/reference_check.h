@@ -13,6 +13,7 @@
 #include "absl/types/span.h"
 #include "client/wire.h"
 #include "common/bf16.h"
+#include "common/kv_dtype.h"
 
 namespace mlaverify::client {
 
@@ -54,15 +55,15 @@ struct ReferenceComparison {
 
 // Recomputes one Verify item of `layer` on the CPU (fp32, from
 // kernels::VerifyAttentionRowsCpu over the mirror's prefix followed by the
-// item's draft rows) and compares the server's `result` with it.
+// item's draft rows, each stored as a pool of `kv_dtype` stores it: an fp8
+// server's rows are quantized with the same common/kv_dtype.h code) and
+// compares the server's `result` with it.
 // FAILED_PRECONDITION when the server's prefix_len is not the mirror's length
 // (the two disagree on what is committed); INVALID_ARGUMENT when the item
 // itself is malformed.
-absl::StatusOr<ReferenceComparison> CompareWithReference(const SequenceMirror& mirror, int layer,
-                                                         const VerifyItemInput& item,
-                                                         float softmax_scale,
-                                                         const VerifyItemResult& result,
-                                                         int num_threads = 0);
+absl::StatusOr<ReferenceComparison> CompareWithReference(
+    const SequenceMirror& mirror, int layer, const VerifyItemInput& item, float softmax_scale,
+    const VerifyItemResult& result, int num_threads = 0, KvDtype kv_dtype = KvDtype::kBf16);
 
 }  // namespace mlaverify::client
 

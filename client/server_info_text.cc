@@ -26,6 +26,8 @@ std::string FormatServerInfo(const v1::ServerInfo& info) {
   absl::StrAppendFormat(&text, "latent dim:            %d (value %d + rope %d)\n",
                         info.latent_dim(), info.value_dim(), info.rope_dim());
   absl::StrAppendFormat(&text, "page size:             %d tokens\n", info.page_size());
+  absl::StrAppendFormat(&text, "kv dtype:              %s (%d bytes per token and layer)\n",
+                        info.kv_dtype(), info.kv_row_bytes());
   absl::StrAppendFormat(&text, "pages:                 %d free of %d\n", info.free_pages(),
                         info.total_pages());
   for (const v1::PoolInfo& pool : info.pools()) {
@@ -58,10 +60,10 @@ std::string ServerInfoSummaryLine(const v1::ServerInfo& info) {
     absl::StrAppend(&devices, devices.empty() ? " on " : ", ", device.name());
   }
   return absl::StrFormat(
-      "backend %s%s (%s mode, server %s), %d layers x %d heads, page %d tokens, %d/%d pages free, "
-      "max draft %d, max batch %d, softmax scale %.6g",
+      "backend %s%s (%s mode, server %s), %d layers x %d heads, page %d tokens, %s KV, "
+      "%d/%d pages free, max draft %d, max batch %d, softmax scale %.6g",
       info.backend(), devices, info.parallel_mode(), info.version(), info.num_layers(),
-      info.num_heads(), info.page_size(), info.free_pages(), info.total_pages(),
+      info.num_heads(), info.page_size(), info.kv_dtype(), info.free_pages(), info.total_pages(),
       info.max_draft_len(), info.max_batch(), info.default_softmax_scale());
 }
 
@@ -96,6 +98,8 @@ nlohmann::ordered_json ServerInfoToJson(const v1::ServerInfo& info) {
       {"value_dim", info.value_dim()},
       {"rope_dim", info.rope_dim()},
       {"page_size", info.page_size()},
+      {"kv_dtype", info.kv_dtype()},
+      {"kv_row_bytes", info.kv_row_bytes()},
       {"total_pages", info.total_pages()},
       {"free_pages", info.free_pages()},
       {"max_draft_len", info.max_draft_len()},

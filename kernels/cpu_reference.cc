@@ -6,6 +6,7 @@
 #include <limits>
 #include <vector>
 
+#include "common/kv_dtype.h"
 #include "common/status_macros.h"
 #include "kernels/parallel_for.h"
 
@@ -69,8 +70,7 @@ std::vector<float> GatherKeys(const VerifyArguments& a, int b, int64_t total, in
   const int layer = a.layer[b];
   ParallelFor(total, num_threads, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
-      ToFloat(a.pool.data + a.pool.RowOffset(layer, pages, j), kLatentDim,
-              keys.data() + j * kLatentDim);
+      LoadLatentRow(a.pool.dtype, a.pool.RowBytes(layer, pages, j), keys.data() + j * kLatentDim);
     }
   });
   return keys;
@@ -130,8 +130,8 @@ absl::Status WriteDraftKvCpu(const DraftKvWriteArguments& a) {
   for (int b = 0; b < a.batch; ++b) {
     const int32_t* pages = a.page_table + b * a.page_table_stride;
     for (int i = 0; i < a.draft_len[b]; ++i, ++row) {
-      std::memcpy(a.pool.data + a.pool.RowOffset(a.layer[b], pages, a.prefix_len[b] + i),
-                  a.draft_kv + row * a.draft_kv_stride, kLatentDim * sizeof(Bf16));
+      StoreLatentRow(a.pool.dtype, a.draft_kv + row * a.draft_kv_stride,
+                     a.pool.RowBytes(a.layer[b], pages, a.prefix_len[b] + i));
     }
   }
   return absl::OkStatus();
@@ -149,9 +149,9 @@ absl::Status CompactAcceptedKvCpu(const CompactArguments& a) {
       // later step still has to read.
       for (int t = 0; t < a.accepted_len[b]; ++t) {
         if (path[t] == t) continue;
-        std::memcpy(a.pool.data + a.pool.RowOffset(layer, pages, prefix + t),
-                    a.pool.data + a.pool.RowOffset(layer, pages, prefix + path[t]),
-                    kLatentDim * sizeof(Bf16));
+        // Stored rows move as they are (an fp8 row is not quantized again).
+        std::memcpy(a.pool.RowBytes(layer, pages, prefix + t),
+                    a.pool.RowBytes(layer, pages, prefix + path[t]), KvRowBytes(a.pool.dtype));
       }
     }
   }

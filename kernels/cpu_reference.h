@@ -13,7 +13,8 @@
 
 namespace mlaverify::kernels {
 
-// Verify attention with fp32 accumulation over the bf16 inputs and a
+// Verify attention with fp32 accumulation over the bf16 queries and the pool
+// rows as stored (an fp8 pool's rows dequantized, common/kv_dtype.h) and a
 // natural-log LSE. Validates the arguments first (CanImplement +
 // ValidateRequests); writes out/lse only on success. `num_threads` <= 0 uses
 // every hardware thread.
@@ -34,7 +35,8 @@ void VerifyAttentionRowsCpu(const VerifyArguments& args, int b, absl::Span<const
                             float* out, float* lse, int num_threads = 0);
 
 // Writes each request's draft rows into the pool at positions P..P+N-1 of its
-// layer. Validates first.
+// layer, quantized when the pool is fp8 (StoreLatentRow). Validates first; the
+// caller has checked the rows are finite.
 absl::Status WriteDraftKvCpu(const DraftKvWriteArguments& args);
 
 // Moves each request's accepted drafts to P..P+k-1 in every layer.

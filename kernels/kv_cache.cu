@@ -1,27 +1,65 @@
 // Pool maintenance kernels: write a verify step's draft rows, compact the
-// accepted path at commit. Both move 16-byte vectors (a latent row is 72 of
-// them) and are safe inside CUDA graphs (sizes from device memory, fixed grid).
+// accepted path at commit. Both move 16-byte vectors (a bf16 latent row is 72
+// of them, an fp8 row 41) and are safe inside CUDA graphs (sizes from device
+// memory, fixed grid). Rows entering an fp8 pool are quantized with the
+// common/kv_dtype.h code the CPU backend runs, so both store the same bytes.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "common/kv_dtype.h"
 #include "kernels/verify_params.h"
 
 namespace mlaverify::kernels {
 namespace {
 
-constexpr int ROW_VECTORS = 576 / 8;  // uint4 per latent row
+constexpr int ROW_VECTORS = 576 / 8;  // uint4 per bf16 latent row
 constexpr int MAX_DRAFTS = 64;
 constexpr int WRITE_THREADS = 128;
 constexpr int COMPACT_THREADS = 256;
 constexpr int COMPACT_VECTORS_PER_THREAD =
     (MAX_DRAFTS * ROW_VECTORS + COMPACT_THREADS - 1) / COMPACT_THREADS;
 
+constexpr int FP8_ROW_ELEMENTS = kFp8RowBytes / 2;  // 328: an fp8 row in 2-byte units
+static_assert(WRITE_THREADS == 32 * kFp8Groups, "one warp per 128-value group");
+static_assert(kFp8GroupSize == 32 * 4, "each lane quantizes four values of its group");
+
 __device__ __forceinline__ int64_t RowOffset(int layer, int64_t num_pages, int page_size_log2,
-                                             const int32_t* pages, int64_t position) {
+                                             const int32_t* pages, int64_t position,
+                                             int row_elements) {
   const int64_t page = pages[position >> page_size_log2];
   const int64_t in_page = position & ((int64_t{1} << page_size_log2) - 1);
-  return ((static_cast<int64_t>(layer) * num_pages + page) << page_size_log2 | in_page) * 576;
+  return ((static_cast<int64_t>(layer) * num_pages + page) << page_size_log2 | in_page) *
+         row_elements;
+}
+
+// A bf16 row (576 values, 16-byte aligned) into a 656-byte fp8 row, by the
+// WRITE_THREADS threads of a CTA: warp g quantizes group g (each lane four
+// values, the group's amax by a warp reduction), the first eight threads copy
+// the rope values.
+__device__ __forceinline__ void QuantizeRowCta(const uint16_t* src, uint16_t* dst_row) {
+  auto* dst = reinterpret_cast<uint8_t*>(dst_row);
+  const int g = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const uint2 packed = reinterpret_cast<const uint2*>(src + g * kFp8GroupSize)[lane];
+  float v[4] = {__uint_as_float(packed.x << 16), __uint_as_float(packed.x & 0xffff0000u),
+                __uint_as_float(packed.y << 16), __uint_as_float(packed.y & 0xffff0000u)};
+  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  }
+  const float scale = Fp8GroupScale(amax);
+  const uint32_t codes = static_cast<uint32_t>(QuantizeFp8Value(v[0], scale)) |
+                         static_cast<uint32_t>(QuantizeFp8Value(v[1], scale)) << 8 |
+                         static_cast<uint32_t>(QuantizeFp8Value(v[2], scale)) << 16 |
+                         static_cast<uint32_t>(QuantizeFp8Value(v[3], scale)) << 24;
+  reinterpret_cast<uint32_t*>(dst + g * kFp8GroupSize)[lane] = codes;
+  if (lane == 0) reinterpret_cast<float*>(dst + kFp8ScaleOffset)[g] = scale;
+  if (threadIdx.x < kRopeDim * 2 / 16) {
+    reinterpret_cast<uint4*>(dst + kFp8RopeOffset)[threadIdx.x] =
+        reinterpret_cast<const uint4*>(src + kValueDim)[threadIdx.x];
+  }
 }
 
 // One CTA per draft row of the capacity; rows past the live total exit.
@@ -35,12 +73,18 @@ __global__ void __launch_bounds__(WRITE_THREADS) DraftKvWriteKernel(const DraftK
   }
   __syncthreads();
   const int b = s_request;
-  if (b >= p.batch || threadIdx.x >= ROW_VECTORS) return;
+  if (b >= p.batch) return;
   const int32_t* pages = p.page_table + b * p.page_table_stride;
   const int64_t dst = RowOffset(p.layer[b], p.num_pages, p.page_size_log2, pages,
-                                static_cast<int64_t>(p.prefix_len[b]) + s_index);
-  const uint4* src = reinterpret_cast<const uint4*>(p.draft_kv + blockIdx.x * p.draft_kv_stride);
-  reinterpret_cast<uint4*>(p.pool + dst)[threadIdx.x] = src[threadIdx.x];
+                                static_cast<int64_t>(p.prefix_len[b]) + s_index, p.row_elements);
+  const uint16_t* src_row = p.draft_kv + blockIdx.x * p.draft_kv_stride;
+  if (p.row_elements == FP8_ROW_ELEMENTS) {
+    QuantizeRowCta(src_row, p.pool + dst);
+    return;
+  }
+  if (threadIdx.x >= ROW_VECTORS) return;
+  reinterpret_cast<uint4*>(p.pool + dst)[threadIdx.x] =
+      reinterpret_cast<const uint4*>(src_row)[threadIdx.x];
 }
 
 // One CTA per (layer, request): reads every accepted row into registers,
@@ -54,39 +98,49 @@ __global__ void __launch_bounds__(COMPACT_THREADS) CompactKernel(const CompactPa
   const int32_t* pages = p.page_table + b * p.page_table_stride;
   const int32_t* path = p.accepted + b * MAX_DRAFTS;
   const int64_t prefix = p.prefix_len[b];
+  // 72 vectors per bf16 row, 41 per fp8 row: the staging is sized for bf16.
+  const int row_vectors = p.row_elements / 8;
   uint4 staged[COMPACT_VECTORS_PER_THREAD];
 #pragma unroll
   for (int u = 0; u < COMPACT_VECTORS_PER_THREAD; ++u) {
     const int v = threadIdx.x + u * COMPACT_THREADS;
-    if (v < k * ROW_VECTORS) {
-      const int t = v / ROW_VECTORS;
-      const int64_t src = RowOffset(layer, p.num_pages, p.page_size_log2, pages, prefix + path[t]);
-      staged[u] = reinterpret_cast<const uint4*>(p.pool + src)[v % ROW_VECTORS];
+    if (v < k * row_vectors) {
+      const int t = v / row_vectors;
+      const int64_t src =
+          RowOffset(layer, p.num_pages, p.page_size_log2, pages, prefix + path[t], p.row_elements);
+      staged[u] = reinterpret_cast<const uint4*>(p.pool + src)[v % row_vectors];
     }
   }
   __syncthreads();
 #pragma unroll
   for (int u = 0; u < COMPACT_VECTORS_PER_THREAD; ++u) {
     const int v = threadIdx.x + u * COMPACT_THREADS;
-    if (v < k * ROW_VECTORS) {
-      const int t = v / ROW_VECTORS;
+    if (v < k * row_vectors) {
+      const int t = v / row_vectors;
       if (path[t] == t) continue;  // already in place
-      const int64_t dst = RowOffset(layer, p.num_pages, p.page_size_log2, pages, prefix + t);
-      reinterpret_cast<uint4*>(p.pool + dst)[v % ROW_VECTORS] = staged[u];
+      const int64_t dst =
+          RowOffset(layer, p.num_pages, p.page_size_log2, pages, prefix + t, p.row_elements);
+      reinterpret_cast<uint4*>(p.pool + dst)[v % row_vectors] = staged[u];
     }
   }
 }
 
-// One CTA per (row, layer); 72 threads move one latent row.
+// One CTA per (row, layer); 72 threads move one bf16 row (41 an fp8 row out
+// of the pool); all 128 quantize a bf16 row into an fp8 pool.
 __global__ void __launch_bounds__(WRITE_THREADS)
     RowCopyKernel(const RowCopyParams p, bool to_pool) {
   const int64_t t = blockIdx.x;
   const int layer = blockIdx.y;
-  if (threadIdx.x >= ROW_VECTORS) return;
   const int64_t pool_row =
-      RowOffset(layer, p.num_pages, p.page_size_log2, p.page_table, p.start + t);
+      RowOffset(layer, p.num_pages, p.page_size_log2, p.page_table, p.start + t, p.row_elements);
+  if (to_pool && p.row_elements == FP8_ROW_ELEMENTS) {
+    QuantizeRowCta(p.rows + (layer * p.count + t) * 576, p.pool + pool_row);
+    return;
+  }
+  if (threadIdx.x >= p.row_elements / 8) return;
   uint4* pool = reinterpret_cast<uint4*>(p.pool + pool_row);
-  uint4* rows = reinterpret_cast<uint4*>(p.rows + (layer * p.count + t) * 576);
+  uint4* rows = reinterpret_cast<uint4*>(
+      p.rows + (layer * p.count + t) * (to_pool ? int64_t{576} : int64_t{p.row_elements}));
   if (to_pool) {
     pool[threadIdx.x] = rows[threadIdx.x];
   } else {

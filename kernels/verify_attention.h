@@ -18,24 +18,33 @@
 #include "common/bf16.h"
 #include "common/draft_tree.h"
 #include "common/geometry.h"
+#include "common/kv_dtype.h"
 
 namespace mlaverify::kernels {
 
 // The paged latent KV pool of one device: layer-major
-// [num_layers][num_pages][page_size][576] bf16. A sequence's page table
-// (int32 page ids) is shared by all layers.
+// [num_layers][num_pages][page_size][row], a row being KvRowBytes(dtype)
+// bytes (common/kv_dtype.h: 576 bf16, or the 656-byte fp8 row). A sequence's
+// page table (int32 page ids) is shared by all layers.
 struct KvPoolView {
-  Bf16* data = nullptr;  // [num_layers, num_pages, page_size, 576]
+  // [num_layers, num_pages, page_size, RowElements()]: addressed in 2-byte
+  // units for both dtypes (656 = 2 * 328), so offsets stay element offsets.
+  Bf16* data = nullptr;
   int num_layers = 0;
   int64_t num_pages = 0;
   int page_size = 0;  // power of two, 1..kMaxPageSize
+  KvDtype dtype = KvDtype::kBf16;
 
+  int64_t RowElements() const { return KvRowBytes(dtype) / static_cast<int>(sizeof(Bf16)); }
   // Element offset of the row holding token `position` of a sequence whose
   // page table is `pages`.
   int64_t RowOffset(int layer, const int32_t* pages, int64_t position) const {
     const int64_t page = pages[position / page_size];
     return ((static_cast<int64_t>(layer) * num_pages + page) * page_size + position % page_size) *
-           kLatentDim;
+           RowElements();
+  }
+  uint8_t* RowBytes(int layer, const int32_t* pages, int64_t position) const {
+    return reinterpret_cast<uint8_t*>(data + RowOffset(layer, pages, position));
   }
 };
 

@@ -120,6 +120,8 @@ absl::Status LaunchWriteDraftKv(const DraftKvWriteArguments& args, cudaStream_t 
 
 // Copies rows [num_layers, count, 576] (device memory) into (to_pool) or out
 // of positions start..start+count-1 of one sequence, every layer of `pool`.
+// Into an fp8 pool the bf16 rows are quantized (common/kv_dtype.h); out of
+// one they come as stored ([num_layers, count, 656 bytes]).
 // `page_table` is the sequence's device-resident page list.
 absl::Status LaunchCopyRows(const KvPoolView& pool, const int32_t* page_table, int64_t start,
                             int64_t count, Bf16* rows, bool to_pool, cudaStream_t stream);

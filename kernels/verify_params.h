@@ -109,7 +109,8 @@ struct VerifyParams {
 struct DraftKvWriteParams {
   const uint16_t* draft_kv;  // [total_draft, 576]
   int64_t draft_kv_stride;
-  uint16_t* pool;  // [num_layers, num_pages, page_size, 576]
+  uint16_t* pool;    // [num_layers, num_pages, page_size, row_elements]
+  int row_elements;  // 576 (bf16 rows), 328 (fp8 rows: quantized as they are written)
   int64_t num_pages;
   int page_size_log2;
   const int32_t* page_table;  // [batch, page_table_stride]
@@ -122,7 +123,8 @@ struct DraftKvWriteParams {
 };
 
 struct CompactParams {
-  uint16_t* pool;  // [num_layers, num_pages, page_size, 576]
+  uint16_t* pool;    // [num_layers, num_pages, page_size, row_elements]
+  int row_elements;  // 576 or 328: rows move as stored
   int num_layers;
   int64_t num_pages;
   int page_size_log2;
@@ -137,7 +139,10 @@ struct CompactParams {
 // Copies rows [num_layers, count, 576] to or from positions
 // start..start+count-1 of one sequence in every layer (AppendKv, debugging).
 struct RowCopyParams {
-  uint16_t* pool;  // [num_layers, num_pages, page_size, 576]
+  uint16_t* pool;  // [num_layers, num_pages, page_size, row_elements]
+  // 576, or 328 for fp8 rows: bf16 rows are quantized into the pool; out of
+  // it, rows come as stored ([num_layers, count, 328]).
+  int row_elements;
   int num_layers;
   int64_t num_pages;
   int page_size_log2;

@@ -93,6 +93,7 @@ struct Flags {
   int heads = 8;
   int page_size = 64;
   uint64_t pool_bytes = uint64_t{1} << 30;
+  std::string kv_dtype = "bf16";
   int64_t max_sequence_len = int64_t{1} << 17;
   std::string backend = "auto";
   std::vector<int> devices = {0};
@@ -329,6 +330,7 @@ std::map<std::string, std::string> EngineSettingFlags() {
           {"num_heads", "--heads"},
           {"page_size", "--page-size"},
           {"pool_bytes", "--pool-bytes"},
+          {"kv_dtype", "--kv-dtype"},
           {"max_sequence_len", "--max-seq-len"},
           {"draft_buckets", "--draft-buckets"},
           {"batch_buckets", "--batch-buckets"},
@@ -362,6 +364,12 @@ int Run(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--pool-bytes", f.pool_bytes, "KV pool size per device, e.g. 1073741824 or 1GiB")
       ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  app.add_option("--kv-dtype", f.kv_dtype,
+                 "how the pool stores latent KV rows: bf16 (1152 bytes per token and layer) | fp8 "
+                 "(656: e4m3 with one fp32 scale per 128 values, rope in bf16; CPU backend only "
+                 "for now)")
+      ->check(CLI::IsMember({"bf16", "fp8"}))
       ->capture_default_str();
   app.add_option("--max-seq-len", f.max_sequence_len, "longest sequence in tokens")
       ->capture_default_str();
@@ -541,6 +549,7 @@ int Run(int argc, char** argv) {
   config.num_heads = f.heads;
   config.page_size = f.page_size;
   config.pool_bytes = static_cast<int64_t>(f.pool_bytes);
+  ParseKvDtype(f.kv_dtype.c_str(), &config.kv_dtype);  // CLI::IsMember checked the name
   config.max_sequence_len = f.max_sequence_len;
   config.draft_buckets = f.draft_buckets;
   config.batch_buckets = f.batch_buckets;

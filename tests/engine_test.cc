@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/draft_tree.h"
+#include "common/kv_dtype.h"
 #include "common/workload.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -238,13 +239,26 @@ struct Mirror {
 
 // Reference outputs of one layer's verify: the mirror's prefix plus the drafts,
 // in a page-size-1 pool with identity page table.
+// Rows stored as a pool of `dtype` stores them.
+std::vector<Bf16> StoredRows(const std::vector<Bf16>& rows, KvDtype dtype) {
+  const int64_t count = static_cast<int64_t>(rows.size()) / kLatentDim;
+  std::vector<Bf16> stored(static_cast<size_t>(count) * KvRowBytes(dtype) / sizeof(Bf16));
+  for (int64_t r = 0; r < count; ++r) {
+    StoreLatentRow(dtype, rows.data() + r * kLatentDim,
+                   reinterpret_cast<uint8_t*>(stored.data()) + r * KvRowBytes(dtype));
+  }
+  return stored;
+}
+
 void Reference(const Mirror& m, int layer, const std::vector<Bf16>& draft_kv,
                const std::vector<int32_t>& parents, const std::vector<Bf16>& q, int heads,
-               float scale, std::vector<Bf16>* out, std::vector<float>* lse) {
+               float scale, std::vector<Bf16>* out, std::vector<float>* lse,
+               KvDtype dtype = KvDtype::kBf16) {
   const int n = static_cast<int>(parents.size());
   const int32_t prefix = static_cast<int32_t>(m.length());
-  std::vector<Bf16> pool(m.layers[layer]);
-  pool.insert(pool.end(), draft_kv.begin(), draft_kv.end());
+  std::vector<Bf16> rows(m.layers[layer]);
+  rows.insert(rows.end(), draft_kv.begin(), draft_kv.end());
+  std::vector<Bf16> pool = StoredRows(rows, dtype);
   std::vector<int32_t> pages(prefix + n);
   for (int32_t k = 0; k < prefix + n; ++k) pages[k] = k;
   const auto vis = mlaverify::BuildVisibility(parents);
@@ -259,7 +273,7 @@ void Reference(const Mirror& m, int layer, const std::vector<Bf16>& draft_kv,
   a.q = q.data();
   a.q_token_stride = static_cast<int64_t>(heads) * kLatentDim;
   a.q_head_stride = kLatentDim;
-  a.pool = kernels::KvPoolView{pool.data(), 1, prefix + n, 1};
+  a.pool = kernels::KvPoolView{pool.data(), 1, prefix + n, 1, dtype};
   a.page_table = pages.data();
   a.page_table_stride = prefix + n;
   a.prefix_len = &prefix;
@@ -351,7 +365,7 @@ class EngineTest : public ::testing::Test {
     std::vector<Bf16> ref_out;
     std::vector<float> ref_lse;
     Reference(m, layer, s.draft_kv[layer], s.parents, s.q[layer], kHeads,
-              config_.default_softmax_scale, &ref_out, &ref_lse);
+              config_.default_softmax_scale, &ref_out, &ref_lse, config_.kv_dtype);
     // Same math, same order of operations: equal to the bit.
     EXPECT_EQ(std::memcmp(out.data(), ref_out.data(), out.size() * sizeof(Bf16)), 0);
     EXPECT_EQ(lse, ref_lse);
@@ -366,13 +380,15 @@ class EngineTest : public ::testing::Test {
     }
   }
 
+  // The pool holds the mirror's rows as its dtype stores them, to the byte.
   void ExpectKvEquals(uint64_t id, const Mirror& m, int replica = 0) {
     const int64_t len = m.length();
-    std::vector<Bf16> kv(static_cast<size_t>(kLayers) * len * kLatentDim);
+    const int64_t row = KvRowBytes(config_.kv_dtype) / static_cast<int64_t>(sizeof(Bf16));
+    std::vector<Bf16> kv(static_cast<size_t>(kLayers) * len * row);
     ASSERT_TRUE(engine_->ReadKv(id, 0, len, absl::MakeSpan(kv), replica).ok());
     for (int l = 0; l < kLayers; ++l) {
-      EXPECT_EQ(std::memcmp(kv.data() + l * len * kLatentDim, m.layers[l].data(),
-                            len * kLatentDim * sizeof(Bf16)),
+      const std::vector<Bf16> expected = StoredRows(m.layers[l], config_.kv_dtype);
+      EXPECT_EQ(std::memcmp(kv.data() + l * len * row, expected.data(), len * row * sizeof(Bf16)),
                 0)
           << "layer " << l;
     }
@@ -403,6 +419,97 @@ TEST_F(EngineTest, VerifyMatchesReferenceAndCommitCompactsEveryLayer) {
     ExpectKvEquals(id, m);
   }
   EXPECT_EQ(engine_->Stats().tokens_committed_total, m.length() - 21);
+}
+
+// An fp8 pool (--kv-dtype fp8): rows enter it quantized (AppendKv, the
+// drafts of a Verify), Commit moves them as stored, and Verify attends to the
+// rows as stored; the output is the reference over the quantized rows to the
+// bit, and within the quantization error of the bf16 reference.
+class EngineFp8Test : public EngineTest {
+ protected:
+  void SetUp() override {
+    config_.kv_dtype = KvDtype::kFp8;
+    Make(/*pool_pages=*/64);
+  }
+};
+
+TEST_F(EngineFp8Test, StoresQuantizedRowsVerifiesOverThemAndCommitsThemAsStored) {
+  Mirror m;
+  const uint64_t id = NewSequence(21, &m);
+  ExpectKvEquals(id, m);
+  for (int step = 0; step < 3; ++step) {
+    const Step s = RandomStep(step == 0 ? 1 : 7);
+    for (int l = 0; l < kLayers; ++l) {
+      VerifyLayerAndCheck(id, m, s, l);
+      // Against the unquantized rows: within fp8's error, far from garbage.
+      const int n = static_cast<int>(s.parents.size());
+      std::vector<Bf16> out(static_cast<size_t>(n) * kHeads * kValueDim);
+      std::vector<float> lse(static_cast<size_t>(n) * kHeads);
+      std::vector<Bf16> exact_out, fp8_out;
+      std::vector<float> exact_lse, fp8_lse;
+      Reference(m, l, s.draft_kv[l], s.parents, s.q[l], kHeads, config_.default_softmax_scale,
+                &exact_out, &exact_lse, KvDtype::kBf16);
+      Reference(m, l, s.draft_kv[l], s.parents, s.q[l], kHeads, config_.default_softmax_scale,
+                &fp8_out, &fp8_lse, KvDtype::kFp8);
+      double diff = 0, norm = 0;
+      for (size_t k = 0; k < exact_out.size(); ++k) {
+        const double e = Bf16ToFloat(exact_out[k]), f = Bf16ToFloat(fp8_out[k]);
+        diff += (e - f) * (e - f);
+        norm += e * e;
+      }
+      EXPECT_LT(std::sqrt(diff / norm), 0.08) << "layer " << l;
+      EXPECT_GT(std::sqrt(diff / norm), 0.0) << "the fp8 reference must differ from bf16";
+    }
+    std::vector<int32_t> path;
+    for (int a = static_cast<int>(s.parents.size()) - 1; a >= 0; a = s.parents[a])
+      path.push_back(a);
+    std::reverse(path.begin(), path.end());
+    auto result = engine_->Commit(id, path);
+    ASSERT_TRUE(result.ok()) << result.status();
+    ApplyCommit(&m, s, path);
+    ExpectKvEquals(id, m);
+  }
+}
+
+TEST_F(EngineFp8Test, HoldsMorePagesInTheSameBytes) {
+  EXPECT_EQ(config_.bytes_per_page(), int64_t{kLayers} * kPage * 656);
+  EngineConfig bf16 = config_;
+  bf16.kv_dtype = KvDtype::kBf16;
+  EngineConfig fp8 = config_;
+  bf16.pool_bytes = fp8.pool_bytes = int64_t{1} << 30;
+  EXPECT_GE(static_cast<double>(fp8.num_pages()), 1.75 * static_cast<double>(bf16.num_pages()));
+  EXPECT_EQ(engine_->Stats().total_pages, 64);
+  EXPECT_EQ(engine_->Stats().kv_row_bytes, 656);
+}
+
+TEST_F(EngineFp8Test, NonFiniteRowsAreRefusedAndNothingIsWritten) {
+  Mirror m;
+  const uint64_t id = NewSequence(9, &m);
+  const int64_t free_before = engine_->Stats().free_pages;
+  for (float bad : {NAN, INFINITY, -INFINITY}) {
+    // AppendKv: the sequence keeps its length and its pages.
+    std::vector<Bf16> kv = RandomBf16(rng_, kLayers * 3 * kLatentDim, 1.0f);
+    kv[2 * 3 * kLatentDim + kLatentDim + 100] = FloatToBf16(bad);  // layer 2, token 1
+    auto appended = engine_->AppendKv(id, 9, 3, kv);
+    EXPECT_EQ(appended.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(std::string(appended.status().message()), HasSubstr("NaN or an infinity"));
+    EXPECT_EQ(engine_->Stats().free_pages, free_before);
+    // Verify: no step opens, the pool is as before.
+    Step s = RandomStep(4);
+    s.draft_kv[1][2 * kLatentDim + 7] = FloatToBf16(bad);
+    std::vector<Bf16> out(4 * kHeads * kValueDim);
+    std::vector<float> lse(4 * kHeads);
+    VerifyItem item{id, s.parents, s.q[1], s.draft_kv[1], absl::MakeSpan(out), absl::MakeSpan(lse)};
+    const absl::Status verified = engine_->Verify(1, 0.0f, absl::MakeSpan(&item, 1));
+    EXPECT_EQ(verified.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(std::string(verified.message()), HasSubstr("draft_kv: row 2"));
+    EXPECT_EQ(engine_->Stats().pending_steps, 0);
+    EXPECT_EQ(engine_->Stats().free_pages, free_before);
+  }
+  ExpectKvEquals(id, m);
+  // The sequence goes on as if nothing happened.
+  const Step s = RandomStep(3);
+  for (int l = 0; l < kLayers; ++l) VerifyLayerAndCheck(id, m, s, l);
 }
 
 TEST_F(EngineTest, RejectedStepLeavesSequenceAsBefore) {

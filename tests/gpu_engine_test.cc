@@ -307,6 +307,28 @@ TEST_P(GpuEngineTest, MatchesTheCpuEngineStepByStep) {
   EXPECT_TRUE(gpu_->fault().ok()) << gpu_->fault();
 }
 
+// Until the kernels read fp8 rows, a CUDA engine with --kv-dtype fp8 does not
+// start: UNIMPLEMENTED naming the setting.
+TEST(GpuEngineFp8Test, RefusesToStartWithAnFp8Pool) {
+  static const std::string reason = kernels::testing::NoUsableGpuReason();
+  if (!reason.empty()) GTEST_SKIP() << "GPU test skipped: " << reason;
+  EngineConfig config;
+  config.num_layers = kLayers;
+  config.kv_dtype = KvDtype::kFp8;
+  config.pool_bytes = 64 * config.bytes_per_page();
+  config.draft_buckets = {1, 4};
+  config.batch_buckets = {1, 2};
+  std::vector<std::unique_ptr<Device>> devices;
+  auto cuda = MakeCudaDevice(0);
+  ASSERT_TRUE(cuda.ok()) << cuda.status();
+  devices.push_back(*std::move(cuda));
+  auto engine = Engine::Create(config, std::move(devices));
+  ASSERT_FALSE(engine.ok());
+  EXPECT_EQ(engine.status().code(), absl::StatusCode::kUnimplemented) << engine.status();
+  EXPECT_NE(engine.status().message().find("--kv-dtype fp8"), absl::string_view::npos)
+      << engine.status();
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Modes, GpuEngineTest,
     ::testing::Values(Mode{"single", {0}, ParallelMode::kTensorParallel, 8, true},

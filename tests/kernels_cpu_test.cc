@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common/draft_tree.h"
+#include "common/kv_dtype.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_reference.h"
@@ -72,12 +73,18 @@ void BruteForce(const HostVerifyProblem& p, std::vector<double>* out, std::vecto
     const int64_t prefix = p.prefix_len[b];
     const int n = p.draft_len[b];
     const int32_t* pages = p.page_table.data() + b * p.page_table_stride;
-    auto key = [&](int64_t j) -> const Bf16* {
+    // Row j as stored (an fp8 row dequantized by its one definition).
+    const int64_t row_elems = KvRowBytes(p.spec.kv_dtype) / 2;
+    std::vector<float> key_row(kLatentDim);
+    auto key = [&](int64_t j) -> const float* {
       const int64_t page = pages[j / p.spec.page_size];
-      return p.pool.data() +
-             (((static_cast<int64_t>(p.layer[b]) * p.num_pages + page) * p.spec.page_size) +
-              j % p.spec.page_size) *
-                 kLatentDim;
+      const Bf16* row =
+          p.pool.data() +
+          (((static_cast<int64_t>(p.layer[b]) * p.num_pages + page) * p.spec.page_size) +
+           j % p.spec.page_size) *
+              row_elems;
+      LoadLatentRow(p.spec.kv_dtype, reinterpret_cast<const uint8_t*>(row), key_row.data());
+      return key_row.data();
     };
     for (int i = 0; i < n; ++i, ++token_row) {
       // Ancestors of draft i, walked up the parent links.
@@ -90,8 +97,9 @@ void BruteForce(const HostVerifyProblem& p, std::vector<double>* out, std::vecto
         for (int64_t j = 0; j < prefix + n; ++j) {
           if (j >= prefix && !visible_draft[j - prefix]) continue;
           double dot = 0.0;
+          const float* k = key(j);
           for (int d = 0; d < kLatentDim; ++d) {
-            dot += static_cast<double>(Bf16ToFloat(q[d])) * Bf16ToFloat(key(j)[d]);
+            dot += static_cast<double>(Bf16ToFloat(q[d])) * k[d];
           }
           s.push_back(dot * p.softmax_scale);
           cols.push_back(j);
@@ -103,7 +111,8 @@ void BruteForce(const HostVerifyProblem& p, std::vector<double>* out, std::vecto
         double* o = out->data() + (token_row * heads + h) * kValueDim;
         for (size_t k = 0; k < s.size(); ++k) {
           const double w = std::exp(s[k] - mx) / sum;
-          for (int d = 0; d < kValueDim; ++d) o[d] += w * Bf16ToFloat(key(cols[k])[d]);
+          const float* v = key(cols[k]);
+          for (int d = 0; d < kValueDim; ++d) o[d] += w * v[d];
         }
         (*lse)[token_row * heads + h] = mx + std::log(sum);
       }
@@ -115,6 +124,7 @@ struct CpuCase {
   std::vector<int> prefix, draft;
   int heads, page_size;
   MaskKind mask;
+  KvDtype kv_dtype = KvDtype::kBf16;
 };
 
 class CpuReferenceTest : public ::testing::TestWithParam<CpuCase> {};
@@ -128,6 +138,7 @@ TEST_P(CpuReferenceTest, MatchesFloat64BruteForce) {
   spec.page_size = c.page_size;
   spec.mask = c.mask;
   spec.seed = 42 + c.page_size + c.heads;
+  spec.kv_dtype = c.kv_dtype;
   HostVerifyProblem p = MakeProblem(spec);
   ASSERT_TRUE(WriteDraftKvCpu(p.HostWriteArgs()).ok());
   const size_t rows = static_cast<size_t>(p.total_draft) * c.heads;
@@ -157,7 +168,14 @@ INSTANTIATE_TEST_SUITE_P(
                       CpuCase{{1}, {16}, 3, 1, MaskKind::kTree},                 // page size 1
                       CpuCase{{63, 64, 65}, {5, 2, 9}, 2, 64, MaskKind::kTree},  // page edges
                       CpuCase{{130, 0}, {64, 3}, 1, 16, MaskKind::kTree},        // N = 64
-                      CpuCase{{200, 17}, {4, 0}, 4, 8, MaskKind::kChain}));      // padding request
+                      CpuCase{{200, 17}, {4, 0}, 4, 8, MaskKind::kChain},        // padding request
+                      // fp8 pools: the same oracle over the rows as stored.
+                      CpuCase{{0}, {1}, 1, 1, MaskKind::kChain, KvDtype::kFp8},
+                      CpuCase{{1}, {16}, 3, 1, MaskKind::kTree, KvDtype::kFp8},
+                      CpuCase{{63, 64, 65}, {5, 2, 9}, 2, 64, MaskKind::kTree, KvDtype::kFp8},
+                      CpuCase{{130, 0}, {64, 3}, 1, 16, MaskKind::kTree, KvDtype::kFp8},
+                      CpuCase{{200, 17}, {4, 0}, 4, 8, MaskKind::kChain, KvDtype::kFp8},
+                      CpuCase{{300}, {8}, 2, 256, MaskKind::kTree, KvDtype::kFp8}));
 
 TEST(CpuReference, PerRequestScaleIsApplied) {
   VerifyProblemSpec spec;
@@ -262,6 +280,49 @@ TEST(CpuKvCache, CompactionMovesTheAcceptedPathInEveryLayer) {
       EXPECT_EQ(std::memcmp(pool.data() + off, before.data() + off, kLatentDim * 2), 0);
     }
   }
+}
+
+// An fp8 pool: the draft write quantizes each row (the bytes of
+// QuantizeLatentRow), and the compaction moves stored rows as they are.
+TEST(CpuKvCache, Fp8DraftWriteQuantizesAndCompactionMovesStoredRows) {
+  VerifyProblemSpec spec;
+  spec.prefix_len = {5};
+  spec.draft_len = {6};
+  spec.num_heads = 1;
+  spec.page_size = 4;
+  spec.mask = MaskKind::kChain;
+  spec.kv_dtype = KvDtype::kFp8;
+  HostVerifyProblem p = MakeProblem(spec);
+  const DraftKvWriteArguments w = p.HostWriteArgs();
+  ASSERT_TRUE(WriteDraftKvCpu(w).ok());
+  const int32_t* pages = p.page_table.data();
+  for (int i = 0; i < 6; ++i) {
+    uint8_t want[kFp8RowBytes];
+    QuantizeLatentRow(p.draft_kv.data() + i * kLatentDim, want);
+    EXPECT_EQ(std::memcmp(w.pool.RowBytes(p.layer[0], pages, 5 + i), want, kFp8RowBytes), 0) << i;
+  }
+  const std::vector<Bf16> before = p.pool;
+  const std::vector<int32_t> accepted_len = {2};
+  std::vector<int32_t> accepted(kMaxDraftLen, 0);
+  accepted[0] = 0;
+  accepted[1] = 4;
+  CompactArguments c;
+  c.batch = 1;
+  c.pool = w.pool;
+  c.page_table = pages;
+  c.page_table_stride = p.page_table_stride;
+  c.prefix_len = p.prefix_len.data();
+  c.accepted_len = accepted_len.data();
+  c.accepted = accepted.data();
+  ASSERT_TRUE(CompactAcceptedKvCpu(c).ok());
+  KvPoolView old = w.pool;
+  old.data = const_cast<Bf16*>(before.data());
+  EXPECT_EQ(std::memcmp(c.pool.RowBytes(p.layer[0], pages, 6), old.RowBytes(p.layer[0], pages, 9),
+                        kFp8RowBytes),
+            0);
+  EXPECT_EQ(std::memcmp(c.pool.RowBytes(p.layer[0], pages, 5), old.RowBytes(p.layer[0], pages, 5),
+                        kFp8RowBytes),
+            0);
 }
 
 }  // namespace

@@ -110,7 +110,8 @@ absl::Status DeviceVerifyProblem::Upload(const HostVerifyProblem& p) {
   a.q = q_.as<Bf16>();
   a.q_token_stride = p.q_token_stride;
   a.q_head_stride = kLatentDim;
-  a.pool = KvPoolView{pool_.as<Bf16>(), p.spec.num_layers, p.num_pages, p.spec.page_size};
+  a.pool = KvPoolView{pool_.as<Bf16>(), p.spec.num_layers, p.num_pages, p.spec.page_size,
+                      p.spec.kv_dtype};
   a.page_table = page_table_.as<int32_t>();
   a.page_table_stride = p.page_table_stride;
   a.prefix_len = prefix_len_.as<int32_t>();

@@ -71,7 +71,7 @@ VerifyArguments HostVerifyProblem::HostArgs(Bf16* out, float* lse) {
   a.q = q.data();
   a.q_token_stride = q_token_stride;
   a.q_head_stride = kLatentDim;
-  a.pool = KvPoolView{pool.data(), spec.num_layers, num_pages, spec.page_size};
+  a.pool = KvPoolView{pool.data(), spec.num_layers, num_pages, spec.page_size, spec.kv_dtype};
   a.page_table = page_table.data();
   a.page_table_stride = page_table_stride;
   a.prefix_len = prefix_len.data();
@@ -92,7 +92,7 @@ DraftKvWriteArguments HostVerifyProblem::HostWriteArgs() {
   w.total_draft_capacity = std::max(1, total_draft);
   w.draft_kv = draft_kv.data();
   w.draft_kv_stride = kLatentDim;
-  w.pool = KvPoolView{pool.data(), spec.num_layers, num_pages, spec.page_size};
+  w.pool = KvPoolView{pool.data(), spec.num_layers, num_pages, spec.page_size, spec.kv_dtype};
   w.page_table = page_table.data();
   w.page_table_stride = page_table_stride;
   w.prefix_len = prefix_len.data();
@@ -133,7 +133,9 @@ HostVerifyProblem MakeProblem(const VerifyProblemSpec& spec) {
   }
 
   // Pool: NaN everywhere, then random prefix rows in each request's layer.
-  const int64_t pool_elems = static_cast<int64_t>(spec.num_layers) * p.num_pages * ps * kLatentDim;
+  const KvPoolView view{nullptr, spec.num_layers, p.num_pages, ps, spec.kv_dtype};
+  const int64_t pool_elems =
+      static_cast<int64_t>(spec.num_layers) * p.num_pages * ps * view.RowElements();
   p.pool.resize(pool_elems);
   {
     Bf16* data = p.pool.data();
@@ -142,7 +144,6 @@ HostVerifyProblem MakeProblem(const VerifyProblemSpec& spec) {
     });
   }
   p.layer.resize(p.batch);
-  const KvPoolView view{p.pool.data(), spec.num_layers, p.num_pages, ps};
   for (int b = 0; b < p.batch; ++b) {
     p.layer[b] = static_cast<int32_t>(rng() % spec.num_layers);
     const int32_t* pages = p.page_table.data() + b * p.page_table_stride;
@@ -150,12 +151,15 @@ HostVerifyProblem MakeProblem(const VerifyProblemSpec& spec) {
     const double ramp_per_row = spec.kv_ramp / std::max(1, p.prefix_len[b]);
     ParallelFor(p.prefix_len[b], 0, [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j) {
-        Bf16* row = p.pool.data() + view.RowOffset(p.layer[b], pages, j);
         const float range =
             static_cast<float>(spec.kv_range * (1.0 + ramp_per_row * static_cast<double>(j)));
+        Bf16 row[kLatentDim];
         for (int d = 0; d < kLatentDim; ++d) {
           row[d] = FloatToBf16(HashUniform(seed, j * kLatentDim + d, range));
         }
+        StoreLatentRow(
+            spec.kv_dtype, row,
+            reinterpret_cast<uint8_t*>(p.pool.data() + view.RowOffset(p.layer[b], pages, j)));
       }
     });
   }
@@ -244,7 +248,7 @@ Comparison CompareWithReference(HostVerifyProblem& problem, const std::vector<Bf
 }
 
 double ProblemBytes(const HostVerifyProblem& p) {
-  return static_cast<double>(p.total_kv_tokens()) * kLatentDim * 2;
+  return static_cast<double>(p.total_kv_tokens()) * KvRowBytes(p.spec.kv_dtype);
 }
 
 double ProblemFlops(const HostVerifyProblem& p) {

@@ -25,6 +25,10 @@ struct VerifyProblemSpec {
   int num_heads = 8;
   int page_size = 64;
   int num_layers = 2;  // each request uses one; the others stay NaN
+  // How the pool stores rows: fp8 rows are the quantized random rows; the
+  // NaN poison of unused rows reads as NaN there too (its scale bytes form
+  // an fp32 NaN, its rope values are bf16 NaN).
+  KvDtype kv_dtype = KvDtype::kBf16;
   MaskKind mask = MaskKind::kTree;
   uint64_t seed = 1;
   int extra_pages = 3;  // never referenced, filled with NaN
@@ -53,7 +57,8 @@ struct HostVerifyProblem {
   int total_draft = 0;
   int64_t num_pages = 0;
   int64_t page_table_stride = 0;
-  std::vector<Bf16> pool;           // [num_layers, num_pages, page_size, 576]
+  // [num_layers, num_pages, page_size, row]: KvRowBytes(spec.kv_dtype) per row
+  std::vector<Bf16> pool;
   std::vector<int32_t> page_table;  // [batch, page_table_stride], -1 past the end
   std::vector<int32_t> prefix_len, draft_len, layer;
   std::vector<std::vector<int32_t>> parents;  // per request
@@ -92,7 +97,7 @@ Comparison CompareWithReference(HostVerifyProblem& problem, const std::vector<Bf
                                 const std::vector<float>& lse, int64_t max_rows, uint64_t seed = 7);
 
 // Useful work of a problem (the same counts docs/kernel.md uses).
-double ProblemBytes(const HostVerifyProblem& p);  // sum (P+N) * 1152
+double ProblemBytes(const HostVerifyProblem& p);  // sum (P+N) * KvRowBytes(kv_dtype)
 double ProblemFlops(const HostVerifyProblem& p);  // sum N*H*(P+N) * 2176
 
 }  // namespace mlaverify::kernels::testing

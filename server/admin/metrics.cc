@@ -239,6 +239,12 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   kv_pages_total_ = &AddGauge(r, "mlaverify_kv_pages_capacity", "KV pool capacity in pages.");
   kv_pages_used_ = &AddGauge(r, "mlaverify_kv_pages_used", "KV pages held by sequences.");
   kv_pages_free_ = &AddGauge(r, "mlaverify_kv_pages_free", "KV pages on the free list.");
+  kv_row_bytes_family_ = &prometheus::BuildGauge()
+                              .Name("mlaverify_kv_row_bytes")
+                              .Help(
+                                  "Bytes of one token's latent KV row of one layer in the pool, "
+                                  "by dtype (--kv-dtype: bf16 1152, fp8 656).")
+                              .Register(r);
   shm_regions_ = &AddGauge(r, "mlaverify_shm_regions",
                            "Client shared-memory regions registered (--allow-client-shm).");
   shm_bytes_ = &AddGauge(r, "mlaverify_shm_registered_bytes",
@@ -392,6 +398,10 @@ void Metrics::RefreshFromEngine() {
   kv_pages_total_->Set(static_cast<double>(stats.total_pages));
   kv_pages_used_->Set(static_cast<double>(stats.total_pages - stats.free_pages));
   kv_pages_free_->Set(static_cast<double>(stats.free_pages));
+  if (kv_row_bytes_ == nullptr) {
+    kv_row_bytes_ = &kv_row_bytes_family_->Add({{"dtype", KvDtypeName(stats.kv_dtype)}});
+  }
+  kv_row_bytes_->Set(static_cast<double>(stats.kv_row_bytes));
   sequences_live_->Set(static_cast<double>(stats.live_sequences));
   verify_steps_pending_->Set(static_cast<double>(stats.pending_steps));
   queued_calls_->Set(static_cast<double>(stats.queued_calls));

@@ -157,6 +157,8 @@ class Metrics {
   prometheus::Gauge* kv_pages_total_;
   prometheus::Gauge* kv_pages_used_;
   prometheus::Gauge* kv_pages_free_;
+  prometheus::Family<prometheus::Gauge>* kv_row_bytes_family_;
+  prometheus::Gauge* kv_row_bytes_ ABSL_GUARDED_BY(refresh_mu_) = nullptr;
   prometheus::Gauge* sequences_live_;
   prometheus::Gauge* verify_steps_pending_;
 

@@ -79,6 +79,13 @@ class CudaDevice final : public Device {
 
   absl::Status Init(const DeviceGeometry& g) override {
     g_ = g;
+    if (g.kv_dtype != KvDtype::kBf16) {
+      // Never silently wrong: the kernels read bf16 rows only.
+      return absl::UnimplementedError(
+          absl::StrCat(name(), ": --kv-dtype ", KvDtypeName(g.kv_dtype),
+                       " is not supported by the CUDA kernels yet (bf16 only; the CPU backend "
+                       "stores and attends fp8 rows)"));
+    }
     RETURN_IF_ERROR(BindThread());
     ASSIGN_OR_RETURN(config_, kernels::PrepareVerifyLaunch(ordinal_));
     RETURN_IF_ERROR(Check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"));

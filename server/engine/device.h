@@ -44,6 +44,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/bf16.h"
+#include "common/kv_dtype.h"
 #include "kernels/copy_list.h"
 
 namespace mlaverify::engine {
@@ -106,8 +107,9 @@ struct DeviceGeometry {
   int num_layers = 0;
   int64_t num_pages = 0;
   int page_size = 0;
-  int num_heads = 0;  // heads this device computes
-  int max_batch = 0;  // the largest batch bucket
+  KvDtype kv_dtype = KvDtype::kBf16;  // how the pool stores a row
+  int num_heads = 0;                  // heads this device computes
+  int max_batch = 0;                  // the largest batch bucket
   int max_draft_len = 0;
   int slots = 2;  // launches in flight at most
   int64_t table_entries = 0;
@@ -116,7 +118,7 @@ struct DeviceGeometry {
 
 // Device addresses of the buffers a launch uses, fixed from Init on.
 struct DeviceBuffers {
-  uint64_t pool = 0;        // bf16 [num_layers, num_pages, page_size, 576]
+  uint64_t pool = 0;        // [num_layers, num_pages, page_size, KvRowBytes(kv_dtype) bytes]
   uint64_t table = 0;       // int32 [table_entries]: the page-table arena
   uint64_t q = 0;           // bf16 [max rows, heads, 576]: the batch's queries
   uint64_t out = 0;         // bf16 [max rows, heads, 512]
@@ -125,6 +127,10 @@ struct DeviceBuffers {
   uint64_t visibility = 0;  // uint64 [max rows]
   uint64_t outputs = 0;     // the output list
   uint64_t slots = 0;       // slot 0; slot k at + k * SlotLayout::bytes
+  // bf16 [max rows, 576]: a batch's draft rows, packed like q, which the
+  // launch quantizes into an fp8 pool before the attention (0 for a bf16
+  // pool: its draft rows are copied straight into the pool).
+  uint64_t draft_kv = 0;
 };
 
 struct DeviceDescription {
@@ -174,8 +180,9 @@ class Device {
   virtual absl::Status Launch(const LaunchOptions& options) = 0;
   // Pool operations, each running the slot's gather (page-table writes)
   // first, ordered after every launch before them; complete at Wait(slot).
-  // `rows` is [num_layers, count, 576] at a device address; the sequence's
-  // page ids start at arena entry `table_offset`.
+  // `rows` is bf16 [num_layers, count, 576] at a device address, stored as
+  // the pool's dtype stores rows; the sequence's page ids start at arena
+  // entry `table_offset`.
   virtual absl::Status LaunchWriteRows(int slot, int gather_count, int64_t table_offset,
                                        int64_t start, int64_t count, uint64_t rows) = 0;
   // Moves the accepted drafts (the slot's op area: P, k, the path) from
@@ -191,8 +198,9 @@ class Device {
   virtual bool Finished(int slot) { return true; }
 
   // Synchronous (tests and rare repairs): reads positions
-  // start..start+count-1 of every layer into `rows` ([num_layers, count,
-  // 576], host memory); writes the whole page-table arena.
+  // start..start+count-1 of every layer into `rows` as stored ([num_layers,
+  // count, KvRowBytes(kv_dtype) bytes], host memory); writes the whole
+  // page-table arena.
   virtual absl::Status ReadRows(int64_t table_offset, int64_t start, int64_t count, Bf16* rows) = 0;
   virtual absl::Status UploadTable(absl::Span<const int32_t> entries) = 0;
 

@@ -394,9 +394,12 @@ void DeviceWorker::RunBatch(std::vector<VerifyShard> shards, absl::Time taken) {
   const size_t out_row = static_cast<size_t>(heads) * kValueDim * sizeof(Bf16);
   const size_t lse_row = static_cast<size_t>(heads) * sizeof(float);
   const int64_t page_size = geometry_.page_size;
-  // Addresses rows only (no data pointer): draft rows go straight into the pool.
+  // Addresses rows only (no data pointer): a bf16 pool's draft rows go
+  // straight into the pool; an fp8 pool's go to the draft buffer, packed like
+  // q, and the launch quantizes them into the pool.
   const kernels::KvPoolView pool{nullptr, geometry_.num_layers, geometry_.num_pages,
-                                 geometry_.page_size};
+                                 geometry_.page_size, geometry_.kv_dtype};
+  const bool quantize_drafts = geometry_.kv_dtype != KvDtype::kBf16;
   int row = 0;
   for (int b = 0; b < shape.batch && status.ok(); ++b) {
     if (b >= requests) {
@@ -425,8 +428,13 @@ void DeviceWorker::RunBatch(std::vector<VerifyShard> shards, absl::Time taken) {
                 static_cast<size_t>(s.draft_len) * sizeof(uint64_t));
     const uint32_t n = U32(s.draft_len);
     bool fits = w.Gather(s.q.address, s.q.pitch, buf.q + row * q_row, U32(q_row), U32(q_row), n);
+    if (quantize_drafts) {
+      fits = fits && w.Gather(s.draft_kv.address, s.draft_kv.pitch,
+                              buf.draft_kv + static_cast<uint64_t>(row) * kLatentRowBytes,
+                              U32(kLatentRowBytes), U32(kLatentRowBytes), n);
+    }
     // Draft rows straight into the pool, one descriptor per run inside a page.
-    for (int i = 0; i < s.draft_len && fits;) {
+    for (int i = 0; i < s.draft_len && fits && !quantize_drafts;) {
       const int64_t position = static_cast<int64_t>(s.prefix_len) + i;
       const int64_t in_page = position % page_size;
       const int run = static_cast<int>(std::min<int64_t>(page_size - in_page, s.draft_len - i));

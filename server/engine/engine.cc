@@ -13,6 +13,7 @@
 #include "absl/time/clock.h"
 #include "common/draft_tree.h"
 #include "common/geometry.h"
+#include "common/kv_dtype.h"
 #include "common/status_macros.h"
 #include "spdlog/spdlog.h"
 
@@ -216,6 +217,34 @@ struct Engine::Placed {
   size_t staging_offset = 0;    // kStaged: in the call's block
   std::string* grow = nullptr;  // an output string sized once the call passed its checks
 };
+
+namespace {
+
+// An fp8 pool derives each row's scales from its values: a NaN or an
+// infinity would poison a whole 128-value group, so rows that hold one are
+// refused before anything is written. The check reads the bytes in this
+// process; rows in device memory cannot be checked here.
+absl::Status CheckRowsFinite(KvDtype dtype, const uint8_t* host, size_t bytes,
+                             absl::string_view what) {
+  if (dtype == KvDtype::kBf16) return absl::OkStatus();
+  if (host == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": rows in device memory cannot be checked for NaN/Inf before an ",
+        KvDtypeName(dtype), " pool stores them; send them inline or in system shared memory"));
+  }
+  const auto* values = reinterpret_cast<const Bf16*>(host);
+  const int64_t count = static_cast<int64_t>(bytes / sizeof(Bf16));
+  for (int64_t row = 0; row * kLatentDim < count; ++row) {
+    if (!AllFinite(values + row * kLatentDim, kLatentDim)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": row ", row, " holds a NaN or an infinity, which an ",
+                       KvDtypeName(dtype), " pool cannot store (its scales come from the values)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 // RegionMapper over the engine's workers: host memory is page-locked once
 // (for every device of the process) and addressed by each; exported device
@@ -526,6 +555,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   geometry.num_layers = config.num_layers;
   geometry.num_pages = config.num_pages();
   geometry.page_size = config.page_size;
+  geometry.kv_dtype = config.kv_dtype;
   geometry.num_heads = e->heads_per_device_;
   geometry.max_batch = config.max_batch();
   geometry.max_draft_len = config.max_draft_len();
@@ -583,11 +613,13 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   for (const auto& w : e->workers_) names.push_back(w->name());
   spdlog::info(
       "engine: {} on {} ({} mode), {} layers, {} heads ({} per device), page size {}, "
-      "{} pages per {} ({}), max draft {}, max batch {}, {} launches in flight, {} host staging",
+      "{} KV ({} bytes per row), {} pages per {} ({}), max draft {}, max batch {}, "
+      "{} launches in flight, {} host staging",
       e->backend_name_, absl::StrJoin(names, ","), ParallelModeName(config.parallel_mode),
       config.num_layers, config.num_heads, e->heads_per_device_, config.page_size,
-      config.num_pages(), tp ? "replica" : "device", FormatBytes(config.pool_bytes),
-      config.max_draft_len(), config.max_batch(), config.batches_in_flight,
+      KvDtypeName(config.kv_dtype), KvRowBytes(config.kv_dtype), config.num_pages(),
+      tp ? "replica" : "device", FormatBytes(config.pool_bytes), config.max_draft_len(),
+      config.max_batch(), config.batches_in_flight,
       e->staging_ != nullptr ? FormatBytes(config.pinned_staging_bytes) : "no");
   return e;
 }
@@ -641,6 +673,8 @@ void Engine::OnDeviceFault(int, const absl::Status& status) {
 
 EngineStats Engine::Stats() const {
   EngineStats s;
+  s.kv_dtype = config_.kv_dtype;
+  s.kv_row_bytes = KvRowBytes(config_.kv_dtype);
   const bool tp = config_.parallel_mode == ParallelMode::kTensorParallel;
   std::vector<int64_t> live;
   {
@@ -1011,6 +1045,8 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
                                      {item, it.sequence_id, "q"}));
     ASSIGN_OR_RETURN(p.draft_kv, PlaceInput(it.draft_kv, DType::kBf16, {n, kLatentDim}, leases,
                                             {item, it.sequence_id, "draft_kv"}));
+    RETURN_IF_ERROR(CheckRowsFinite(config_.kv_dtype, p.draft_kv.host, p.draft_kv.bytes,
+                                    absl::StrCat(where(), ": draft_kv")));
     if (it.out.in_region != it.lse.in_region) {
       return absl::InvalidArgumentError(absl::StrCat(
           where(), ": out_shared_memory and lse_shared_memory go together (both or neither)"));
@@ -1234,6 +1270,7 @@ absl::Status Engine::StartAppendKv(AppendCall& call,
   RegionLeases leases;
   ASSIGN_OR_RETURN(Placed rows, PlaceInput(call.kv, DType::kBf16, {layers, tokens, kLatentDim},
                                            leases, {-1, 0, "kv"}));
+  RETURN_IF_ERROR(CheckRowsFinite(config_.kv_dtype, rows.host, rows.bytes, "kv"));
   // The row-copy kernel reads 16-byte vectors: rows in a region at another
   // alignment go through the staging (system regions) or are refused.
   if (rows.where == Placed::Where::kRegion && staging_ != nullptr &&
@@ -1533,10 +1570,12 @@ absl::Status Engine::ReadKv(uint64_t sequence_id, int64_t start, int64_t count, 
     }
     const int64_t capacity = static_cast<int64_t>(seq->pages.size()) * config_.page_size;
     if (start < 0 || count < 0 || start + count > capacity ||
-        static_cast<int64_t>(kv.size()) != int64_t{config_.num_layers} * count * kLatentDim) {
-      return absl::InvalidArgumentError(absl::StrCat("read of [", start, ", ", start + count,
-                                                     ") outside the ", capacity,
-                                                     " positions the sequence's pages hold"));
+        static_cast<int64_t>(kv.size()) != int64_t{config_.num_layers} * count *
+                                               KvRowBytes(config_.kv_dtype) /
+                                               static_cast<int64_t>(sizeof(Bf16))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("read of [", start, ", ", start + count, ") outside the ", capacity,
+                       " positions the sequence's pages hold, or into a buffer of the wrong size"));
     }
     RETURN_IF_ERROR(Admit(0));
     auto* op_call =

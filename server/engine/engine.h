@@ -117,6 +117,8 @@ struct PoolStats {
 };
 
 struct EngineStats {
+  KvDtype kv_dtype = KvDtype::kBf16;  // how the pools store a row
+  int64_t kv_row_bytes = 0;           // bytes of one token's row of one layer
   int64_t total_pages = 0;
   int64_t free_pages = 0;
   int64_t live_sequences = 0;
@@ -202,7 +204,9 @@ class Engine {
   const RegionRegistry& regions() const { return regions_; }
 
   // Reads positions [start, start+count) of every layer of a sequence from
-  // its `replica`-th device (tests: TP replicas must agree).
+  // its `replica`-th device (tests: TP replicas must agree), as the pool
+  // stores them: `kv` holds num_layers * count * KvRowBytes(kv_dtype) bytes
+  // (576 bf16 values per row, or the 656-byte fp8 row).
   absl::Status ReadKv(uint64_t sequence_id, int64_t start, int64_t count, absl::Span<Bf16> kv,
                       int replica = 0);
 

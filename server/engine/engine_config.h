@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "common/kv_dtype.h"
 #include "server/engine/regions.h"
 
 namespace mlaverify::engine {
@@ -38,7 +39,13 @@ struct EngineConfig {
   // mode each device computes num_heads / (number of devices) of them.
   int num_heads = 8;
   int page_size = 64;  // tokens per page, power of two 1..256
-  // Bytes of KV pool per device; pages = pool_bytes / (num_layers * page_size * 1152).
+  // How a latent row is stored (common/kv_dtype.h): bf16 (1,152 bytes) or
+  // fp8 (656 bytes: e4m3 with per-128 scales, rope in bf16). The wire stays
+  // bf16; an fp8 pool quantizes rows as they enter it (AppendKv, a Verify's
+  // draft rows).
+  KvDtype kv_dtype = KvDtype::kBf16;
+  // Bytes of KV pool per device; pages = pool_bytes / (num_layers * page_size
+  // * KvRowBytes(kv_dtype)).
   int64_t pool_bytes = int64_t{1} << 30;
   // Longest sequence (tokens) a page table holds.
   int64_t max_sequence_len = int64_t{1} << 17;
@@ -95,7 +102,7 @@ struct EngineConfig {
 
   int max_draft_len() const { return draft_buckets.empty() ? 0 : draft_buckets.back(); }
   int max_batch() const { return batch_buckets.empty() ? 0 : batch_buckets.back(); }
-  int64_t bytes_per_page() const { return int64_t{num_layers} * page_size * 576 * 2; }
+  int64_t bytes_per_page() const { return int64_t{num_layers} * page_size * KvRowBytes(kv_dtype); }
   int64_t num_pages() const { return pool_bytes / bytes_per_page(); }
   int64_t max_pages_per_sequence() const { return (max_sequence_len + page_size - 1) / page_size; }
 

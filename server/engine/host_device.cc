@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/geometry.h"
+#include "common/kv_dtype.h"
 #include "common/status_macros.h"
 #include "kernels/copy_list.h"
 #include "kernels/cpu_reference.h"
@@ -66,15 +67,16 @@ class HostDevice final : public Device {
   absl::Status Init(const DeviceGeometry& g) override {
     g_ = g;
     const size_t pool_bytes =
-        static_cast<size_t>(g.num_layers) * g.num_pages * g.page_size * kLatentRowBytes;
+        static_cast<size_t>(g.num_layers) * g.num_pages * g.page_size * KvRowBytes(g.kv_dtype);
     if (!pool_.Allocate(pool_bytes)) {
       return absl::ResourceExhaustedError(
           absl::StrCat("cannot allocate ", pool_bytes, " bytes of host memory for the KV pool"));
     }
     // Every pool byte is written once here, as a GPU's pool is allocated
     // whole: the memory is committed at start (no out-of-memory later, a
-    // resident size that stays flat), and all-ones bytes are bf16 NaN, so a
-    // read of a row never written shows up as NaN in an answer.
+    // resident size that stays flat), and all-ones bytes are bf16 NaN (and,
+    // in an fp8 row, NaN codes and NaN scales), so a read of a row never
+    // written shows up as NaN in an answer.
     std::memset(pool_.data.get(), 0xFF, pool_.bytes);
     const size_t rows = static_cast<size_t>(g.max_batch) * g.max_draft_len;
     const bool ok = table_.Allocate(static_cast<size_t>(g.table_entries) * sizeof(int32_t)) &&
@@ -84,7 +86,8 @@ class HostDevice final : public Device {
                     requests_.Allocate(g.slot.requests.bytes) &&
                     visibility_.Allocate(rows * sizeof(uint64_t)) &&
                     outputs_.Allocate(kernels::CopyListBytes(g.slot.output_capacity)) &&
-                    slots_.Allocate(static_cast<size_t>(g.slots) * g.slot.bytes);
+                    slots_.Allocate(static_cast<size_t>(g.slots) * g.slot.bytes) &&
+                    (g.kv_dtype == KvDtype::kBf16 || draft_kv_.Allocate(rows * kLatentRowBytes));
     if (!ok) return absl::ResourceExhaustedError("cannot allocate the host device's buffers");
     std::memset(table_.data.get(), 0, table_.bytes);
     std::memset(slots_.data.get(), 0, slots_.bytes);
@@ -97,6 +100,7 @@ class HostDevice final : public Device {
     buffers_.visibility = visibility_.address();
     buffers_.outputs = outputs_.address();
     buffers_.slots = slots_.address();
+    if (g.kv_dtype != KvDtype::kBf16) buffers_.draft_kv = draft_kv_.address();
     results_.assign(g.slots, absl::OkStatus());
     seconds_.assign(g.slots, 0.0);
     return absl::OkStatus();
@@ -159,10 +163,11 @@ class HostDevice final : public Device {
         ++record_->write_rows;
       }
       const auto* src = reinterpret_cast<const Bf16*>(rows);
+      const KvDtype dtype = g_.kv_dtype;
       ForEachRow(
           table_offset, start, count,
-          [](Bf16* pool_row, const Bf16* row) { std::memcpy(pool_row, row, kLatentRowBytes); },
-          src);
+          [dtype](uint8_t* pool_row, const Bf16* row) { StoreLatentRow(dtype, row, pool_row); },
+          src, kLatentDim);
       return absl::OkStatus();
     });
   }
@@ -214,9 +219,11 @@ class HostDevice final : public Device {
   absl::Status ReadRows(int64_t table_offset, int64_t start, int64_t count, Bf16* rows) override {
     RunPending();
     RETURN_IF_ERROR(CheckFault());
+    const int row_bytes = KvRowBytes(g_.kv_dtype);
     ForEachRow(
         table_offset, start, count,
-        [](Bf16* pool_row, Bf16* row) { std::memcpy(row, pool_row, kLatentRowBytes); }, rows);
+        [row_bytes](uint8_t* pool_row, Bf16* row) { std::memcpy(row, pool_row, row_bytes); }, rows,
+        row_bytes / static_cast<int>(sizeof(Bf16)));
     return absl::OkStatus();
   }
 
@@ -303,8 +310,8 @@ class HostDevice final : public Device {
   // addresses (always, unless it plays a GPU).
   bool Addressable(uint64_t address, uint64_t bytes) {
     if (addresses_host_memory()) return true;
-    for (const AlignedBuffer* b :
-         {&pool_, &table_, &q_, &out_, &lse_, &requests_, &visibility_, &outputs_, &slots_}) {
+    for (const AlignedBuffer* b : {&pool_, &table_, &q_, &out_, &lse_, &requests_, &visibility_,
+                                   &outputs_, &slots_, &draft_kv_}) {
       if (address >= b->address() && address + bytes <= b->address() + b->bytes) return true;
     }
     PinnedBook& pinned = Pinned();
@@ -388,6 +395,7 @@ class HostDevice final : public Device {
     auto* out = reinterpret_cast<Bf16*>(out_.data.get());
     auto* lse = reinterpret_cast<float*>(lse_.data.get());
     const auto* visibility = reinterpret_cast<const uint64_t*>(visibility_.data.get());
+    const auto* draft_kv = reinterpret_cast<const Bf16*>(draft_kv_.data.get());
     int64_t row = 0;
     for (int b = 0; b < o.shape.batch; ++b) {
       const int32_t draft = drafts[b];
@@ -399,6 +407,21 @@ class HostDevice final : public Device {
       if (offsets[b] < 0 || offsets[b] >= g_.table_entries) {
         return absl::InternalError(absl::StrCat(name_, ": request ", b, "'s page table at ",
                                                 offsets[b], " is outside the arena"));
+      }
+      if (g_.kv_dtype != KvDtype::kBf16) {
+        // The gather put the draft rows in the draft buffer: they enter the
+        // pool quantized, and the attention reads them as stored.
+        kernels::DraftKvWriteArguments w;
+        w.batch = 1;
+        w.total_draft_capacity = draft;
+        w.draft_kv = draft_kv + row * kLatentDim;
+        w.pool = View();
+        w.page_table = Table() + offsets[b];
+        w.page_table_stride = g_.table_entries - offsets[b];
+        w.prefix_len = prefix + b;
+        w.draft_len = drafts + b;
+        w.layer = layers + b;
+        RETURN_IF_ERROR(kernels::WriteDraftKvCpu(w));
       }
       kernels::VerifyArguments a;
       a.batch = 1;
@@ -430,22 +453,23 @@ class HostDevice final : public Device {
   }
 
   // Calls fn(pool row, rows row) for positions start..start+count-1 of every
-  // layer, `rows` being laid out [num_layers, count, 576].
+  // layer, `rows` being laid out [num_layers, count, row_elements].
   template <typename Row, typename Fn>
-  void ForEachRow(int64_t table_offset, int64_t start, int64_t count, Fn fn, Row* rows) {
+  void ForEachRow(int64_t table_offset, int64_t start, int64_t count, Fn fn, Row* rows,
+                  int64_t row_elements) {
     const kernels::KvPoolView view = View();
     const int32_t* pages = Table() + table_offset;
     for (int layer = 0; layer < g_.num_layers; ++layer) {
       for (int64_t t = 0; t < count; ++t) {
-        fn(view.data + view.RowOffset(layer, pages, start + t),
-           rows + (static_cast<int64_t>(layer) * count + t) * kLatentDim);
+        fn(view.RowBytes(layer, pages, start + t),
+           rows + (static_cast<int64_t>(layer) * count + t) * row_elements);
       }
     }
   }
 
   kernels::KvPoolView View() const {
     return kernels::KvPoolView{reinterpret_cast<Bf16*>(pool_.data.get()), g_.num_layers,
-                               g_.num_pages, g_.page_size};
+                               g_.num_pages, g_.page_size, g_.kv_dtype};
   }
 
   const std::string name_;
@@ -455,6 +479,7 @@ class HostDevice final : public Device {
   DeviceGeometry g_;
   DeviceBuffers buffers_;
   AlignedBuffer pool_, table_, q_, out_, lse_, requests_, visibility_, outputs_, slots_;
+  AlignedBuffer draft_kv_;  // fp8 pools only: the batch's draft rows before quantization
   std::vector<BatchShape> captured_;
   // Launched work runs under it, one piece at a time, in launch order.
   absl::Mutex exec_mu_;

@@ -260,6 +260,8 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::GetServerInfo(grpc::CallbackServerC
         r->set_max_queued_bytes(c.max_queued_bytes);
         r->set_max_live_sequences(c.max_live_sequences);
         r->set_instance_id(e.instance_id());
+        r->set_kv_dtype(KvDtypeName(c.kv_dtype));
+        r->set_kv_row_bytes(KvRowBytes(c.kv_dtype));
         r->set_client_shared_memory(e.regions().enabled());
         r->set_verify_calls_timed(verify_timed_.load());
         r->set_verify_server_seconds_total(verify_server_ns_.load() * 1e-9);

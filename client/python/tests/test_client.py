@@ -326,3 +326,43 @@ def test_asyncio_client_over_shared_memory(server):
                 await c.release_sequence(seq)
 
     asyncio.run(run())
+
+
+def test_fp8_server_matches_the_fp8_reference():
+    """A server with --kv-dtype fp8 attends to the rows as it stores them:
+    its answers match verify_reference(kv_dtype="fp8") and not the bf16
+    reference; rows holding NaN are refused with INVALID_ARGUMENT."""
+    proc, target, log = start_server(["--kv-dtype", "fp8"])
+    try:
+        with VerifyClient(target, timeout=30) as c:
+            info = c.server_info()
+            assert (info.kv_dtype, info.kv_row_bytes) == ("fp8", 656)
+            g = c.geometry
+            rng = np.random.default_rng(8)
+            sid = c.create_sequence("fp8")
+            prompt = random_bf16(rng, g.num_layers, 50, 576, scale=1.0)
+            assert c.append_prompt(sid, prompt) == 50
+            n = 6
+            tree = random_tree(rng, n)
+            for layer in range(g.num_layers):
+                item = VerifyItem(sid, random_bf16(rng, n, g.num_heads, 576, scale=2.0),
+                                  random_bf16(rng, n, 576, scale=1.0), tree)
+                (result,) = c.verify(layer, [item])
+                got = tensors.float32_from_bf16(np.asarray(result.out))
+                args = (prompt[layer], item.q, item.draft_kv, item.parents,
+                        g.default_softmax_scale)
+                fp8_out, fp8_lse = verify_reference(*args, kv_dtype="fp8")
+                bf16_out, _ = verify_reference(*args)
+                assert relative_error(got, fp8_out) <= 5e-3
+                assert np.abs(np.asarray(result.lse) - fp8_lse).max() <= 1e-3
+                # The two references differ by more than the check's bound, so
+                # the check above would catch a server that did not quantize.
+                assert relative_error(fp8_out, bf16_out) > 5e-3
+            bad = random_bf16(rng, g.num_layers, 2, 576)
+            bad[1, 1, 7] = 0x7fc0  # bf16 NaN
+            with pytest.raises(VerifyError) as e:
+                c.append_prompt(sid, bad)
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert c.commit(sid, []).length == 50
+    finally:
+        assert stop_server(proc) == 0, open(log).read()

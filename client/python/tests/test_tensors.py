@@ -52,3 +52,27 @@ def test_torch_bf16_tensors_carry_the_same_bits():
     assert np.array_equal(bits, tensors.bf16_from_float32(x.float().numpy()))
     back = tensors.from_proto(t, tensors.BF16, [3, 576], "draft_kv", tensors.Output(torch=True))
     assert back.dtype == torch.bfloat16 and torch.equal(back, x)
+
+
+def test_fp8_rounding_matches_the_e4m3_grid():
+    from mlaverify.reference import e4m3_round, fp8_stored
+    # Every finite e4m3 magnitude: subnormals k * 2^-9, normals (1 + m/8) 2^e.
+    grid = sorted({k * 2.0 ** -9 for k in range(8)} |
+                  {(1 + m / 8) * 2.0 ** e for e in range(-6, 9) for m in range(8)
+                   if (1 + m / 8) * 2.0 ** e <= 448})
+    g = np.array(grid, dtype=np.float32)
+    assert np.array_equal(e4m3_round(g), g) and np.array_equal(e4m3_round(-g), -g)
+    mids = ((g[:-1].astype(np.float64) + g[1:]) / 2).astype(np.float32)
+    codes = np.arange(len(g) - 1)
+    want = np.where(codes % 2 == 0, g[:-1], g[1:])     # ties to the even code
+    assert np.array_equal(e4m3_round(mids), want)
+    assert e4m3_round(np.array([1e9, 449.0, 447.0], dtype=np.float32)).tolist() == [448, 448, 448]
+    # A row: group amax maps to 448 * scale exactly; rope columns untouched.
+    rng = np.random.default_rng(3)
+    row = rng.standard_normal(576).astype(np.float32)
+    row[130] = 9.0
+    stored = fp8_stored(row)
+    assert stored[130] == np.float32(np.float32(9.0 / 448) * 448)
+    assert np.array_equal(stored[512:], row[512:])
+    assert np.abs(stored[:512] - row[:512]).max() <= np.abs(row[:512]).max() / 16
+    assert np.array_equal(fp8_stored(np.zeros(576, np.float32)), np.zeros(576, np.float32))
