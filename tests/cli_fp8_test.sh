@@ -42,7 +42,10 @@ bf16_pages = pool // (per_page * 1152)
 assert info["total_pages"] >= 1.75 * bf16_pages, (info["total_pages"], bf16_pages)
 print(f"ok: fp8 pool of {info['total_pages']} pages, bf16 would hold {bf16_pages}")
 PY
-curl -s "http://127.0.0.1:$admin_port/metrics" | grep -q '^mlaverify_kv_row_bytes{dtype="fp8"} 656' ||
+# Into a file first: grep -q stops reading at the match, and curl's broken
+# pipe would fail the pipeline under pipefail.
+curl -s "http://127.0.0.1:$admin_port/metrics" > "$work/metrics.txt" || fail "metrics: curl"
+grep -q '^mlaverify_kv_row_bytes{dtype="fp8"} 656' "$work/metrics.txt" ||
   fail "metrics: no mlaverify_kv_row_bytes{dtype=\"fp8\"} 656"
 
 "${client[@]}" demo --sequences 2 --prompt-len 100 --steps 2 --drafts 6 ||

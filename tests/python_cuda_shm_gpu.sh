@@ -9,6 +9,10 @@
 set -euo pipefail
 package_dir=$(realpath "$1") server=$(realpath "$2") source=$(realpath "$3")
 python=${PYTHON:-python3}
+if ! "$python" -c "import torch" 2>/dev/null; then
+  echo "SKIPPED: $python has no torch"
+  exit 77
+fi
 if ! "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "SKIPPED: torch sees no CUDA device"
   exit 77

@@ -19,14 +19,14 @@ SERVER_FLAGS = ["--backend", "cpu", "--layers", "3", "--heads", "4", "--page-siz
                 "--allow-client-shm", "true"]
 
 
-def start_server(extra=(), backend="cpu"):
+def start_server(extra=(), backend="cpu", listen="127.0.0.1:0"):
     binary = os.environ.get("MLAVERIFY_SERVER")
     if not binary or not os.path.exists(binary):
         pytest.fail("MLAVERIFY_SERVER must name the built mlaverify-server (CTest sets it)")
     tmp = tempfile.mkdtemp(prefix="mlaverify-pytest-")
     port_file = os.path.join(tmp, "ports")
     log = open(os.path.join(tmp, "server.log"), "w")
-    proc = subprocess.Popen([binary, "--listen", "127.0.0.1:0", "--admin-port", "-1",
+    proc = subprocess.Popen([binary, "--listen", listen, "--admin-port", "-1",
                              "--port-file", port_file,
                              *[backend if f == "cpu" else f for f in SERVER_FLAGS], *extra],
                             stdout=log, stderr=subprocess.STDOUT)

@@ -1,7 +1,7 @@
 """Replica routing against two CPU servers: new sequences spread over the
 replicas, a sequence's calls go to its owner, a replica that stops is
 marked down (its sequences fail at once with UNAVAILABLE naming it, new
-ones go elsewhere)."""
+ones go elsewhere) and takes sequences again once it answers."""
 
 import asyncio
 
@@ -66,6 +66,36 @@ def test_sequences_spread_and_follow_their_owner(two_servers):
             replicas.commit(seqs[0], [])  # no pending step
         assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert e.value.details.startswith("replica 0 (")
+
+
+def test_a_restarted_replica_takes_sequences_again(two_servers):
+    import time
+    targets = [t for _, t, _ in two_servers]
+    # gRPC waits out a reconnect backoff (1 s, growing) after a refused
+    # connection; shortened here so that the test sees the restart soon.
+    backoff = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+               ("grpc.max_reconnect_backoff_ms", 500)]
+    with ReplicaSet(targets, retry_down_after_s=0.5, timeout=10, retries=0,
+                    options=backoff) as replicas:
+        old = [replicas.create_sequence() for _ in range(2)]
+        on_1 = [s for s in old if s.replica == 1][0]
+        stop_server(two_servers[1][0])
+        with pytest.raises(VerifyError):
+            replicas.commit(on_1, [])
+        assert not replicas.states()[1].up
+        assert replicas.create_sequence().replica == 0
+        # The same address again, a new server process.
+        two_servers[1] = start_server(listen=targets[1])
+        placed = []
+        deadline = time.time() + 15
+        while 1 not in placed and time.time() < deadline:
+            time.sleep(0.3)  # creations probe it once per retry_down_after_s
+            placed.append(replicas.create_sequence().replica)
+        assert replicas.states()[1].up and 1 in placed, replicas.states()[1]
+        # Its old sequences went with the old process: the server says so.
+        with pytest.raises(VerifyError) as e:
+            replicas.commit(on_1, [])
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
 
 
 def test_no_replica_up_names_each(two_servers):
