@@ -11,7 +11,8 @@
 # Writes logs and JSON into $OUT/results.tgz (one file: the device tool brings
 # back at most 8); prints a short summary last.
 set -uo pipefail
-bundle=${BUNDLE:-.device/bundle}
+# Absolute: parts run scripts that change directory (tests/python_cuda_shm_gpu.sh).
+bundle=$(realpath "${BUNDLE:-.device/bundle}")
 final=${OUT:-/tmp/mlaverify-gpu-out}
 out=$(mktemp -d /tmp/mlaverify-run.XXXX)
 mkdir -p "$final"

@@ -62,6 +62,47 @@ __device__ __forceinline__ void QuantizeRowCta(const uint16_t* src, uint16_t* ds
   }
 }
 
+// The same quantization by one warp (lane l holds values 4l..4l+3 of every
+// group; the four amax reductions run side by side), so that a CTA
+// quantizes several rows: the row copy into an fp8 pool keeps more rows in
+// flight per SM than one CTA per row allows. Same arithmetic as
+// QuantizeRowCta (the amax is order-free), hence the same bytes.
+__device__ __forceinline__ void QuantizeRowWarp(const uint16_t* src, uint16_t* dst_row,
+                                                int lane) {
+  auto* dst = reinterpret_cast<uint8_t*>(dst_row);
+  float v[kFp8Groups][4];
+  float amax[kFp8Groups];
+#pragma unroll
+  for (int g = 0; g < kFp8Groups; ++g) {
+    const uint2 packed = reinterpret_cast<const uint2*>(src + g * kFp8GroupSize)[lane];
+    v[g][0] = __uint_as_float(packed.x << 16);
+    v[g][1] = __uint_as_float(packed.x & 0xffff0000u);
+    v[g][2] = __uint_as_float(packed.y << 16);
+    v[g][3] = __uint_as_float(packed.y & 0xffff0000u);
+    amax[g] = fmaxf(fmaxf(fabsf(v[g][0]), fabsf(v[g][1])), fmaxf(fabsf(v[g][2]), fabsf(v[g][3])));
+  }
+  uint4 rope{};
+  if (lane < kRopeDim * 2 / 16) rope = reinterpret_cast<const uint4*>(src + kValueDim)[lane];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+#pragma unroll
+    for (int g = 0; g < kFp8Groups; ++g) {
+      amax[g] = fmaxf(amax[g], __shfl_xor_sync(0xffffffffu, amax[g], offset));
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < kFp8Groups; ++g) {
+    const float scale = Fp8GroupScale(amax[g]);
+    const uint32_t codes = static_cast<uint32_t>(QuantizeFp8Value(v[g][0], scale)) |
+                           static_cast<uint32_t>(QuantizeFp8Value(v[g][1], scale)) << 8 |
+                           static_cast<uint32_t>(QuantizeFp8Value(v[g][2], scale)) << 16 |
+                           static_cast<uint32_t>(QuantizeFp8Value(v[g][3], scale)) << 24;
+    reinterpret_cast<uint32_t*>(dst + g * kFp8GroupSize)[lane] = codes;
+    if (lane == g) reinterpret_cast<float*>(dst + kFp8ScaleOffset)[g] = scale;
+  }
+  if (lane < kRopeDim * 2 / 16) reinterpret_cast<uint4*>(dst + kFp8RopeOffset)[lane] = rope;
+}
+
 // One CTA per draft row of the capacity; rows past the live total exit.
 __global__ void __launch_bounds__(WRITE_THREADS) DraftKvWriteKernel(const DraftKvWriteParams p) {
   __shared__ int s_request, s_index;
@@ -126,17 +167,13 @@ __global__ void __launch_bounds__(COMPACT_THREADS) CompactKernel(const CompactPa
 }
 
 // One CTA per (row, layer); 72 threads move one bf16 row (41 an fp8 row out
-// of the pool); all 128 quantize a bf16 row into an fp8 pool.
+// of the pool).
 __global__ void __launch_bounds__(WRITE_THREADS)
     RowCopyKernel(const RowCopyParams p, bool to_pool) {
   const int64_t t = blockIdx.x;
   const int layer = blockIdx.y;
   const int64_t pool_row =
       RowOffset(layer, p.num_pages, p.page_size_log2, p.page_table, p.start + t, p.row_elements);
-  if (to_pool && p.row_elements == FP8_ROW_ELEMENTS) {
-    QuantizeRowCta(p.rows + (layer * p.count + t) * 576, p.pool + pool_row);
-    return;
-  }
   if (threadIdx.x >= p.row_elements / 8) return;
   uint4* pool = reinterpret_cast<uint4*>(p.pool + pool_row);
   uint4* rows = reinterpret_cast<uint4*>(
@@ -148,10 +185,28 @@ __global__ void __launch_bounds__(WRITE_THREADS)
   }
 }
 
+// Into an fp8 pool: one warp per (row, layer), QUANTIZE_ROWS_PER_CTA rows of
+// one layer per CTA.
+constexpr int QUANTIZE_ROWS_PER_CTA = WRITE_THREADS / 32;
+__global__ void __launch_bounds__(WRITE_THREADS) QuantizingRowCopyKernel(const RowCopyParams p) {
+  const int64_t t = int64_t{blockIdx.x} * QUANTIZE_ROWS_PER_CTA + threadIdx.x / 32;
+  const int layer = blockIdx.y;
+  if (t >= p.count) return;  // whole warps exit: the shuffles see full warps
+  const int64_t pool_row =
+      RowOffset(layer, p.num_pages, p.page_size_log2, p.page_table, p.start + t, p.row_elements);
+  QuantizeRowWarp(p.rows + (layer * p.count + t) * 576, p.pool + pool_row, threadIdx.x % 32);
+}
+
 }  // namespace
 
 cudaError_t LaunchRowCopyKernel(const RowCopyParams& p, bool to_pool, cudaStream_t stream) {
   if (p.count <= 0) return cudaSuccess;
+  if (to_pool && p.row_elements == FP8_ROW_ELEMENTS) {
+    const auto ctas = static_cast<unsigned>((p.count + QUANTIZE_ROWS_PER_CTA - 1) /
+                                            QUANTIZE_ROWS_PER_CTA);
+    QuantizingRowCopyKernel<<<dim3(ctas, p.num_layers), WRITE_THREADS, 0, stream>>>(p);
+    return cudaGetLastError();
+  }
   RowCopyKernel<<<dim3(static_cast<unsigned>(p.count), p.num_layers), WRITE_THREADS, 0, stream>>>(
       p, to_pool);
   return cudaGetLastError();
