@@ -334,7 +334,9 @@ if want pyclient && [ -x "$bundle/bin/mlaverify-server" ]; then
     > "$out/pyclient-tests.log" 2>&1
   summary+=("python cuda-shm tests rc=$?"); tail -4 "$out/pyclient-tests.log"
   start_server pyclient 127.0.0.1:0 --devices 0 --heads 8 --pool-bytes 40GiB --allow-client-shm true
-  for row in cuda-shm:stream cuda-shm:unary shm:stream inline:stream; do
+  # PYCLIENT_ROWS picks rows (plane:mode), e.g. "cuda-shm:stream cuda-shm:unary".
+  read -r -a pyrows <<< "${PYCLIENT_ROWS:-cuda-shm:stream cuda-shm:unary shm:stream inline:stream}"
+  for row in "${pyrows[@]}"; do
     plane=${row%%:*} mode=${row#*:} stream=()
     [ "$mode" = stream ] && stream=(--stream)
     timeout 60 "${cl[@]}" load --concurrency 1 --duration-s 5 --warmup-s 1 --prompt-len 16384 \
