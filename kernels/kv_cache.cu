@@ -67,8 +67,7 @@ __device__ __forceinline__ void QuantizeRowCta(const uint16_t* src, uint16_t* ds
 // quantizes several rows: the row copy into an fp8 pool keeps more rows in
 // flight per SM than one CTA per row allows. Same arithmetic as
 // QuantizeRowCta (the amax is order-free), hence the same bytes.
-__device__ __forceinline__ void QuantizeRowWarp(const uint16_t* src, uint16_t* dst_row,
-                                                int lane) {
+__device__ __forceinline__ void QuantizeRowWarp(const uint16_t* src, uint16_t* dst_row, int lane) {
   auto* dst = reinterpret_cast<uint8_t*>(dst_row);
   float v[kFp8Groups][4];
   float amax[kFp8Groups];
@@ -202,8 +201,8 @@ __global__ void __launch_bounds__(WRITE_THREADS) QuantizingRowCopyKernel(const R
 cudaError_t LaunchRowCopyKernel(const RowCopyParams& p, bool to_pool, cudaStream_t stream) {
   if (p.count <= 0) return cudaSuccess;
   if (to_pool && p.row_elements == FP8_ROW_ELEMENTS) {
-    const auto ctas = static_cast<unsigned>((p.count + QUANTIZE_ROWS_PER_CTA - 1) /
-                                            QUANTIZE_ROWS_PER_CTA);
+    const auto ctas =
+        static_cast<unsigned>((p.count + QUANTIZE_ROWS_PER_CTA - 1) / QUANTIZE_ROWS_PER_CTA);
     QuantizingRowCopyKernel<<<dim3(ctas, p.num_layers), WRITE_THREADS, 0, stream>>>(p);
     return cudaGetLastError();
   }
