@@ -171,6 +171,7 @@ absl::Status LaunchWriteDraftKv(const DraftKvWriteArguments& a, cudaStream_t str
   p.page_size_log2 = Log2(a.pool.page_size);
   p.page_table = a.page_table;
   p.page_table_stride = a.page_table_stride;
+  p.page_table_offset = a.page_table_offset;
   p.prefix_len = a.prefix_len;
   p.draft_len = a.draft_len;
   p.layer = a.layer;

@@ -118,9 +118,10 @@ struct DraftKvWriteParams {
   int page_size_log2;
   const int32_t* page_table;  // [batch, page_table_stride]
   int64_t page_table_stride;
-  const int32_t* prefix_len;  // [batch]
-  const int32_t* draft_len;   // [batch]
-  const int32_t* layer;       // [batch]
+  const int64_t* page_table_offset;  // [batch] offsets from page_table, or nullptr
+  const int32_t* prefix_len;         // [batch]
+  const int32_t* draft_len;          // [batch]
+  const int32_t* layer;              // [batch]
   int batch;
   int total_draft_capacity;  // grid size
 };
