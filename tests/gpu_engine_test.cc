@@ -250,7 +250,13 @@ TEST_P(GpuEngineTest, MatchesTheCpuEngineStepByStep) {
         items_g[s].sequence_id = gpu_ids[s];
         items_g[s].parents = parents[s];
         items_g[s].q = Input(plane(0), q[s], used);
-        items_g[s].draft_kv = Input(plane(1), dkv[s], used);
+        // An fp8 pool refuses draft rows in device memory (the engine checks
+        // them for NaN/Inf on the host before quantizing): system memory
+        // instead.
+        const Plane kv_plane = GetParam().kv_dtype != KvDtype::kBf16 && plane(1) == Plane::kDevice
+                                   ? Plane::kSystem
+                                   : plane(1);
+        items_g[s].draft_kv = Input(kv_plane, dkv[s], used);
         items_g[s].out = Output(plane(2), out_g[s], used);
         items_g[s].lse = Output(plane(2), lse_g[s], used);
         items_c[s] = {cpu_ids[s],

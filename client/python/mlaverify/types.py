@@ -69,6 +69,8 @@ class ServerInfo:
     verify_queue_seconds_total: float = 0.0
     verify_device_seconds_total: float = 0.0
     client_shared_memory: bool = False
+    kv_dtype: str = ""
+    kv_row_bytes: int = 0
 
 
 @dataclass(frozen=True)
