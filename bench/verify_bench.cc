@@ -555,6 +555,9 @@ int Run(int argc, char** argv) {
   nlohmann::json rows = nlohmann::json::array();
   nlohmann::json stamp_rows = nlohmann::json::array();
   bool all_ok = true;
+  // The last bf16 row's time: an fp8 row right after it (--kv-dtype both)
+  // reports its time relative to it.
+  std::optional<double> bf16_row_us;
   int index = 0;
   for (size_t shape_index = 0; shape_index < shapes.size(); ++shape_index) {
     const Shape& s = shapes[shape_index];
@@ -562,7 +565,10 @@ int Run(int argc, char** argv) {
     // the fp8 pool holds the bf16 pool's rows quantized.
     const bool fp8_after_bf16 = s.kv_dtype == KvDtype::kFp8 && shape_index > 0 &&
                                 shapes[shape_index - 1].kv_dtype == KvDtype::kBf16;
-    if (!fp8_after_bf16) ++index;
+    if (!fp8_after_bf16) {
+      ++index;
+      bf16_row_us.reset();
+    }
     VerifyProblemSpec spec;
     spec.prefix_len.assign(s.batch, s.prefix);
     if (ramp) {
@@ -715,6 +721,12 @@ int Run(int argc, char** argv) {
                              {"lse_abs_err_p99", Percentile(quant->row_lse_abs_errs, 0.99)},
                              {"lse_abs_err_max", Percentile(quant->row_lse_abs_errs, 1.0)},
                              {"rows", quant->rows_checked}};
+    }
+    if (s.kv_dtype == KvDtype::kBf16) {
+      bf16_row_us = timing->median_us;
+    } else if (fp8_after_bf16 && bf16_row_us) {
+      row["time_vs_bf16"] = timing->median_us / *bf16_row_us;
+      std::printf("  fp8 / bf16 time: %.3f\n", timing->median_us / *bf16_row_us);
     }
     rows.push_back(std::move(row));
     if (reused_us) {

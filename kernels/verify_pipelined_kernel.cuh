@@ -87,14 +87,16 @@ __device__ __forceinline__ uint32_t Fp8SlotBase(int row, int lane) {
 }
 __device__ __forceinline__ void ConvertFp8Row(uint32_t stage, int row, int lane) {
   // pipelined::Fp8SlotsFollowTheBase: every slot at an immediate offset from a or b.
+  // The XOR acts on the row-relative offset (row bases are multiples of 32
+  // bytes), so it holds whatever the shared window's alignment.
   const uint32_t a = stage + Fp8SlotBase(row, lane);
-  const uint32_t b = a ^ 16u;  // stages and rows are 128-byte aligned
+  const uint32_t b = stage + (Fp8SlotBase(row, lane) ^ 16u);
   // The row's scales wait in lane 0's scale slot: the first __syncwarp shows
   // them (written by lane 0's cp.async, complete after its wait_group) to the
   // row's other lanes; the second keeps lane 0 from overwriting them (its
   // last store) before they have read them.
   __syncwarp();
-  const uint4 scale_bits = ptx::LdShared128(((stage + Fp8SlotBase(row, 0)) ^ 16u) + 768);
+  const uint4 scale_bits = ptx::LdShared128(stage + (Fp8SlotBase(row, 0) ^ 16u) + 768);
   __syncwarp();
   const float scales[4] = {__uint_as_float(scale_bits.x), __uint_as_float(scale_bits.y),
                            __uint_as_float(scale_bits.z), __uint_as_float(scale_bits.w)};
@@ -520,12 +522,14 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p,
       // chunks l + 8m, rope chunk l, and on lane 0 the scale chunk;
       // lane_base is 16 l in.
       const uint8_t* src = lane_base + static_cast<uint64_t>(token) * pipelined::FP8_ROW_BYTES;
-      const uint32_t a = kv_base + stage + Fp8SlotBase(row, lane);
+      const uint32_t slot = Fp8SlotBase(row, lane);
+      const uint32_t a = kv_base + stage + slot;
 #pragma unroll
       for (int m = 0; m < pipelined::FP8_CODE_CHUNKS_PER_LANE; ++m)
         ptx::CpAsync16(a + 256 * m, src + m * 128, valid);
       // The scales, once per row: lane 0's scale slot (src is the row's start there).
-      if (lane == 0) ptx::CpAsync16((a ^ 16u) + 768, src + kFp8ScaleOffset, valid);
+      if (lane == 0)
+        ptx::CpAsync16(kv_base + stage + (slot ^ 16u) + 768, src + kFp8ScaleOffset, valid);
       // Rope chunk l: bf16 chunk 64 + l, at its place (as for a bf16 pool).
       ptx::CpAsync16(kv_base + stage +
                          static_cast<uint32_t>(row * ROW_BYTES + ((lane ^ row) & 7) * 16 + 8 * 128),
