@@ -1,8 +1,8 @@
 // Thin wrappers over the PTX instructions the kernels use. Everything here
 // exists from sm_80 up (mma.sync, ldmatrix, cp.async), except the
 // programmatic-dependent-launch controls, which compile to nothing below
-// sm_90, and the e4m3 conversion (sm_89 up; the builds target sm_90 and sm_120). No wgmma, TMA or
-// tcgen05: the kernels must run on sm_120.
+// sm_90, and the e4m3 conversion (sm_89 up; the builds target sm_90 and
+// sm_120). No wgmma, TMA or tcgen05: the kernels must run on sm_120.
 #ifndef MLAVERIFY_KERNELS_PTX_CUH_
 #define MLAVERIFY_KERNELS_PTX_CUH_
 
@@ -133,13 +133,6 @@ __device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
   uint32_t r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
-}
-
-// threadIdx.x that the compiler cannot hoist (or keep) across loop iterations.
-__device__ __forceinline__ uint32_t ThreadIndexX() {
-  uint32_t v;
-  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(v));
-  return v;
 }
 
 // Two e4m3 codes (the low byte first) times `scale`, as bf16x2: each code
