@@ -426,7 +426,7 @@ if want fp8 && [ -x "$bundle/bin/mlaverify-server" ]; then
   # against the bf16 pool), AppendKv's row copy into both pools, and a CUDA
   # server with --kv-dtype fp8: its info (pages, bytes per row) and the
   # checked demo over every data plane, unary and stream.
-  timeout 120 "$bundle/bin/gpu_kernels_test" --gtest_filter='*Fp8*:*DraftWrite*:*Compaction*' \
+  timeout 150 "$bundle/bin/gpu_kernels_test" --gtest_filter='*Fp8*:*DraftWrite*:*Compaction*' \
     > "$out/fp8_gpu_kernels_test.log" 2>&1
   summary+=("fp8 gpu kernel tests rc=$?")
   grep -E '^\[  (PASSED|FAILED|SKIPPED) |Failure|rel_err' "$out/fp8_gpu_kernels_test.log" | head -20
