@@ -918,7 +918,7 @@ TEST_F(GpuKernelTest, CompactionMatchesCpuInEveryLayer) {
   }
 }
 
-// The graph replay over a pool of `dtype` (a helper: ASSERTs end it).
+// The graph replay over a pool of `dtype` (a void function, so that ASSERTs end it).
 void CapturedGraphReplays(const VerifyLaunchConfig& base, KvDtype dtype) {
   // One bucket: 4 requests, up to 16 drafts, 8 heads, page size 16, a pool
   // and page tables sized for prefixes up to 3000.
