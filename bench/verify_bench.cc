@@ -14,6 +14,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -56,6 +57,8 @@ constexpr double kFlopRoof = 730e12;  // the compute roof of docs/kernel.md's fl
 struct Shape {
   int batch, prefix, draft, heads, page_size;
   MaskKind mask;
+  KvDtype kv_dtype = KvDtype::kBf16;
+  kernels::testing::KvValues kv_values = kernels::testing::KvValues::kUniform;
 };
 
 // The fields that name a shape in every JSON row.
@@ -66,8 +69,8 @@ nlohmann::json ShapeJson(const Shape& s) {
           {"heads", s.heads},
           {"page_size", s.page_size},
           {"mask", kernels::testing::MaskName(s.mask)},
-          // The attention kernel reads bf16 pools only (fp8: UNIMPLEMENTED).
-          {"kv_dtype", "bf16"}};
+          {"kv_dtype", KvDtypeName(s.kv_dtype)},
+          {"kv_values", kernels::testing::KvValuesName(s.kv_values)}};
 }
 
 bool ParseShape(const std::string& text, Shape* s) {
@@ -107,6 +110,13 @@ std::vector<Shape> Suite(const std::string& name) {
         }
       }
     }
+  } else if (name == "anchor64") {
+    // The anchor table at page size 64, tree masks only (the fp8 part of
+    // bench/gpu_run.sh: bf16 and fp8 side by side within its time budget).
+    const int table[][4] = {{1, 4096, 16, 8},   {1, 65536, 16, 8}, {8, 16384, 16, 8},
+                            {8, 65536, 4, 16},  {32, 65536, 4, 8}, {8, 65536, 16, 16},
+                            {8, 16384, 16, 128}};
+    for (const auto& t : table) shapes.push_back({t[0], t[1], t[2], t[3], 64, MaskKind::kTree});
   } else if (name == "sweep") {
     // Time against prefix length for the plot: the verify regime.
     for (int l : {1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072}) {
@@ -366,6 +376,18 @@ absl::StatusOr<nlohmann::json> MeasureAppendRate(KvDtype dtype, int layers, int 
                         {"rows_mismatched", mismatched}};
 }
 
+// The q-quantile (0..1, nearest rank) of `values`; NaN for none, and NaN
+// when any value is NaN (a NaN must not hide in a percentile).
+double Percentile(std::vector<double> values, double q) {
+  if (values.empty()) return NAN;
+  for (double v : values)
+    if (std::isnan(v)) return NAN;
+  std::sort(values.begin(), values.end());
+  const size_t k = std::min(values.size() - 1,
+                            static_cast<size_t>(q * static_cast<double>(values.size() - 1) + 0.5));
+  return values[k];
+}
+
 int Run(int argc, char** argv) {
   CLI::App app{"mlaverify-bench: verify attention kernel benchmark"};
   std::string suite;
@@ -378,7 +400,17 @@ int Run(int argc, char** argv) {
   int min_chunk_tiles = 0;
   bool no_pdl = false;
   std::string stamps_path;
-  app.add_option("--suite", suite, "named suite: anchor, sweep, smoke");
+  app.add_option("--suite", suite, "named suite: anchor, anchor64, sweep, smoke");
+  std::string kv_dtype_text = "bf16";
+  app.add_option("--kv-dtype", kv_dtype_text,
+                 "pool dtype of every shape: bf16, fp8, or both (each shape's bf16 row, then its "
+                 "fp8 row; fp8 rows also report their error against the bf16 pool)")
+      ->check(CLI::IsMember({"bf16", "fp8", "both"}));
+  std::string kv_values_text = "uniform";
+  app.add_option("--kv-values", kv_values_text,
+                 "prefix rows' values: uniform, normal (N(0,1)) or heavy (Student-t nu=3, four "
+                 "20x channels)")
+      ->check(CLI::IsMember({"uniform", "normal", "heavy"}));
   app.add_option("--shape", shape_texts, "B,L,N,H[,page_size[,chain|tree]] (repeatable)");
   app.add_option("--reps", reps, "timed repetitions per row (median reported)")
       ->check(CLI::Range(1, 100000));
@@ -426,7 +458,7 @@ int Run(int argc, char** argv) {
 
   std::vector<Shape> shapes = Suite(suite);
   if (!suite.empty() && shapes.empty()) {
-    std::cerr << "unknown suite '" << suite << "' (anchor, sweep, smoke)\n";
+    std::cerr << "unknown suite '" << suite << "' (anchor, anchor64, sweep, smoke)\n";
     return 2;
   }
   for (const std::string& t : shape_texts) {
@@ -436,6 +468,22 @@ int Run(int argc, char** argv) {
       return 2;
     }
     shapes.push_back(s);
+  }
+  {
+    using kernels::testing::KvValues;
+    const KvValues values = kv_values_text == "normal"  ? KvValues::kNormal
+                            : kv_values_text == "heavy" ? KvValues::kHeavyTailed
+                                                        : KvValues::kUniform;
+    std::vector<Shape> expanded;
+    for (Shape s : shapes) {
+      s.kv_values = values;
+      if (kv_dtype_text != "fp8") expanded.push_back(s);
+      if (kv_dtype_text != "bf16") {
+        s.kv_dtype = KvDtype::kFp8;
+        expanded.push_back(s);
+      }
+    }
+    shapes = std::move(expanded);
   }
   if (shapes.empty() && !append_rate) {
     std::cerr << "nothing to run: give --suite, --shape or --append-rate\n";
@@ -507,8 +555,20 @@ int Run(int argc, char** argv) {
   nlohmann::json rows = nlohmann::json::array();
   nlohmann::json stamp_rows = nlohmann::json::array();
   bool all_ok = true;
+  // The last bf16 row's time: an fp8 row right after it (--kv-dtype both)
+  // reports its time relative to it.
+  std::optional<double> bf16_row_us;
   int index = 0;
-  for (const Shape& s : shapes) {
+  for (size_t shape_index = 0; shape_index < shapes.size(); ++shape_index) {
+    const Shape& s = shapes[shape_index];
+    // A shape's bf16 and fp8 rows (--kv-dtype both) draw the same values:
+    // the fp8 pool holds the bf16 pool's rows quantized.
+    const bool fp8_after_bf16 = s.kv_dtype == KvDtype::kFp8 && shape_index > 0 &&
+                                shapes[shape_index - 1].kv_dtype == KvDtype::kBf16;
+    if (!fp8_after_bf16) {
+      ++index;
+      bf16_row_us.reset();
+    }
     VerifyProblemSpec spec;
     spec.prefix_len.assign(s.batch, s.prefix);
     if (ramp) {
@@ -521,7 +581,9 @@ int Run(int argc, char** argv) {
     spec.page_size = s.page_size;
     spec.num_layers = 1;
     spec.mask = s.mask;
-    spec.seed = 9000 + index++;
+    spec.seed = 8999 + index;  // 9000 for the first shape
+    spec.kv_dtype = s.kv_dtype;
+    spec.kv_values = s.kv_values;
     HostVerifyProblem problem = kernels::testing::MakeProblem(spec);
     DeviceVerifyProblem device;
     absl::Status st = device.Init(kernels::testing::CapacityFor(problem), *config);
@@ -558,6 +620,19 @@ int Run(int argc, char** argv) {
     if (st.ok()) st = device.Download(problem, &out, &lse);
     if (st.ok()) st = kernels::WriteDraftKvCpu(problem.HostWriteArgs());
     if (st.ok()) check = kernels::testing::CompareWithReference(problem, out, lse, check_rows);
+    // FP8 rows: the output's error against the bf16 pool of the same values
+    // (the CPU reference over the unquantized rows, the drafts unquantized
+    // too), per checked row: what quantization costs, beside the check
+    // above against the rows as stored.
+    std::optional<Comparison> quant;
+    if (st.ok() && s.kv_dtype == KvDtype::kFp8) {
+      VerifyProblemSpec bf16_spec = spec;
+      bf16_spec.kv_dtype = KvDtype::kBf16;
+      HostVerifyProblem bf16_problem = kernels::testing::MakeProblem(bf16_spec);
+      st = kernels::WriteDraftKvCpu(bf16_problem.HostWriteArgs());
+      if (st.ok())
+        quant = kernels::testing::CompareWithReference(bf16_problem, out, lse, check_rows);
+    }
     absl::StatusOr<kernels::testing::GraphTiming> timing = absl::InternalError("not run");
     if (st.ok())
       timing = kernels::testing::TimeGraphReplays(captured.exec, stream, reps,
@@ -606,15 +681,22 @@ int Run(int argc, char** argv) {
     const bool ok = check.ok() && (!reused_us || reused_check.ok());
     all_ok = all_ok && ok;
     std::printf(
-        "B=%-3d L=%-6d N=%-2d H=%-3d page=%-3d %-5s %9.1f us  %5.2f TB/s  %6.1f TFLOP/s  "
-        "floor %7.1f us (x%.2f)  rel_err %.2e  plan %s%s%s\n",
+        "B=%-3d L=%-6d N=%-2d H=%-3d page=%-3d %-5s %-4s %-7s %9.1f us  %5.2f TB/s  %6.1f "
+        "TFLOP/s  floor %7.1f us (x%.2f)  rel_err %.2e  plan %s%s%s%s\n",
         s.batch, s.prefix, s.draft, s.heads, s.page_size, kernels::testing::MaskName(s.mask),
-        timing->median_us, bytes / t / 1e12, flops / t / 1e12, floor_s * 1e6, t / floor_s,
-        check.rel_err, plan_name.c_str(),
+        KvDtypeName(s.kv_dtype), kernels::testing::KvValuesName(s.kv_values), timing->median_us,
+        bytes / t / 1e12, flops / t / 1e12, floor_s * 1e6, t / floor_s, check.rel_err,
+        plan_name.c_str(),
         reused_us ? absl::StrFormat("  plan reused %.1f us (rel_err %.2e)", *reused_us,
                                     reused_check.rel_err)
                         .c_str()
                   : "",
+        quant ? absl::StrFormat("  vs bf16 pool: rel_err p50 %.2e p99 %.2e max %.2e, lse %.2e",
+                                Percentile(quant->row_rel_errs, 0.5),
+                                Percentile(quant->row_rel_errs, 0.99),
+                                Percentile(quant->row_rel_errs, 1.0), quant->lse_max_abs_err)
+                    .c_str()
+              : "",
         ok ? "" : "  FAILED CHECK");
     std::fflush(stdout);
     nlohmann::json row = ShapeJson(s);
@@ -631,6 +713,21 @@ int Run(int argc, char** argv) {
                               {"nan_outputs", check.nan_outputs},
                               {"prefix_ramp", ramp},
                               {"plan", plan_name}});
+    if (quant) {
+      row["vs_bf16_pool"] = {{"rel_err_p50", Percentile(quant->row_rel_errs, 0.5)},
+                             {"rel_err_p99", Percentile(quant->row_rel_errs, 0.99)},
+                             {"rel_err_max", Percentile(quant->row_rel_errs, 1.0)},
+                             {"lse_abs_err_p50", Percentile(quant->row_lse_abs_errs, 0.5)},
+                             {"lse_abs_err_p99", Percentile(quant->row_lse_abs_errs, 0.99)},
+                             {"lse_abs_err_max", Percentile(quant->row_lse_abs_errs, 1.0)},
+                             {"rows", quant->rows_checked}};
+    }
+    if (s.kv_dtype == KvDtype::kBf16) {
+      bf16_row_us = timing->median_us;
+    } else if (fp8_after_bf16 && bf16_row_us) {
+      row["time_vs_bf16"] = timing->median_us / *bf16_row_us;
+      std::printf("  fp8 / bf16 time: %.3f\n", timing->median_us / *bf16_row_us);
+    }
     rows.push_back(std::move(row));
     if (reused_us) {
       rows.back()["time_us_reused_plan"] = *reused_us;

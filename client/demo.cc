@@ -303,7 +303,9 @@ class DemoRun {
 
   // One device buffer on --cuda-device for every sequence's Verify tensors
   // (q and draft_kv written to it per call, out and lse read back to check
-  // them); prompts go inline.
+  // them); prompts go inline, and so do the draft rows for an fp8 server,
+  // which refuses rows in device memory (it checks them for NaN/Inf on the
+  // host before quantizing).
   bool SetupCudaSharedMemory() {
     const uint64_t item = (ShmVerifyItemBytes(num_drafts_, num_heads_) + 255) / 256 * 256;
     absl::StatusOr<std::unique_ptr<CudaSharedMemoryBuffer>> buffer =
@@ -325,6 +327,7 @@ class DemoRun {
     for (int k = 0; k < options_.sequences; ++k) {
       placements_.push_back(PlaceVerifyItem(shm_name_, nullptr, item * k, num_drafts_, num_heads_));
       placements_.back().cuda = cuda_.get();
+      placements_.back().draft_kv_inline = kv_dtype_ != KvDtype::kBf16;
     }
     absl::PrintF("CUDA shared memory: %d bytes on device %d registered as %s\n", cuda_->size(),
                  options_.cuda_device, shm_name_);

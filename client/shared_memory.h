@@ -67,6 +67,10 @@ struct ShmItemPlacement {
   // Read out and lse back into the result (false: they stay in the region,
   // the result's vectors empty: a scheduler that uses them on the device).
   bool read_back = true;
+  // draft_kv travels inline rather than in the region: an fp8 server checks
+  // draft rows for NaN/Inf on the host before it quantizes them, so it
+  // refuses them in device memory (CUDA shared memory).
+  bool draft_kv_inline = false;
   uint64_t q_offset = 0;         // bf16 [N, H, 576]
   uint64_t draft_kv_offset = 0;  // bf16 [N, 576]
   uint64_t out_offset = 0;       // bf16 [N, H, 512]

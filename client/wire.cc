@@ -161,11 +161,15 @@ absl::StatusOr<v1::VerifyRequest> BuildVerifyRequest(int layer,
     }
     const ShmItemPlacement& p = *item.shm;
     RETURN_IF_ERROR(PlaceBytes(p, p.q_offset, item.q));
-    RETURN_IF_ERROR(PlaceBytes(p, p.draft_kv_offset, item.draft_kv));
     SetShmTensor(v1::DTYPE_BF16, q_shape, p.region, p.q_offset, item.q.size() * sizeof(Bf16),
                  wire->mutable_q());
-    SetShmTensor(v1::DTYPE_BF16, kv_shape, p.region, p.draft_kv_offset,
-                 item.draft_kv.size() * sizeof(Bf16), wire->mutable_draft_kv());
+    if (p.draft_kv_inline) {
+      SetBf16Tensor(kv_shape, item.draft_kv, wire->mutable_draft_kv());
+    } else {
+      RETURN_IF_ERROR(PlaceBytes(p, p.draft_kv_offset, item.draft_kv));
+      SetShmTensor(v1::DTYPE_BF16, kv_shape, p.region, p.draft_kv_offset,
+                   item.draft_kv.size() * sizeof(Bf16), wire->mutable_draft_kv());
+    }
     v1::SharedMemoryRef* out = wire->mutable_out_shared_memory();
     out->set_region(p.region);
     out->set_offset(p.out_offset);

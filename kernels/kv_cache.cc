@@ -76,6 +76,10 @@ absl::Status CanImplementCompact(const CompactArguments& a, bool require_16b_ali
 }
 
 absl::Status ValidateWriteRequests(const DraftKvWriteArguments& a) {
+  if (a.page_table_offset != nullptr) {
+    return absl::InvalidArgumentError(
+        "page_table_offset is for device launches; host page tables are rows of page_table");
+  }
   int64_t total = 0;
   for (int b = 0; b < a.batch; ++b) {
     const int64_t p = a.prefix_len[b];

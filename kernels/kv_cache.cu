@@ -114,7 +114,8 @@ __global__ void __launch_bounds__(WRITE_THREADS) DraftKvWriteKernel(const DraftK
   __syncthreads();
   const int b = s_request;
   if (b >= p.batch) return;
-  const int32_t* pages = p.page_table + b * p.page_table_stride;
+  const int32_t* pages = p.page_table + (p.page_table_offset != nullptr ? p.page_table_offset[b]
+                                                                        : b * p.page_table_stride);
   const int64_t dst = RowOffset(p.layer[b], p.num_pages, p.page_size_log2, pages,
                                 static_cast<int64_t>(p.prefix_len[b]) + s_index, p.row_elements);
   const uint16_t* src_row = p.draft_kv + blockIdx.x * p.draft_kv_stride;

@@ -22,6 +22,11 @@ struct DraftKvWriteArguments {
   KvPoolView pool;
   const int32_t* page_table = nullptr;  // [batch, page_table_stride]
   int64_t page_table_stride = 0;
+  // [batch] or nullptr: request b's page ids start at page_table +
+  // page_table_offset[b] (a device's table arena, as in VerifyArguments)
+  // rather than at b * page_table_stride. The CUDA launcher only: the CPU
+  // version refuses it.
+  const int64_t* page_table_offset = nullptr;
   const int32_t* prefix_len = nullptr;  // [batch]
   const int32_t* draft_len = nullptr;   // [batch] 0..kMaxDraftLen
   const int32_t* layer = nullptr;       // [batch]

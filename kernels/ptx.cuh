@@ -1,7 +1,8 @@
 // Thin wrappers over the PTX instructions the kernels use. Everything here
 // exists from sm_80 up (mma.sync, ldmatrix, cp.async), except the
 // programmatic-dependent-launch controls, which compile to nothing below
-// sm_90. No wgmma, TMA or tcgen05: the kernels must run on sm_120.
+// sm_90, and the e4m3 conversion (sm_89 up; the builds target sm_90 and
+// sm_120). No wgmma, TMA or tcgen05: the kernels must run on sm_120.
 #ifndef MLAVERIFY_KERNELS_PTX_CUH_
 #define MLAVERIFY_KERNELS_PTX_CUH_
 
@@ -132,6 +133,43 @@ __device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
   uint32_t r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
+}
+
+// Two e4m3 codes (the low byte first) times `scale`, as bf16x2: each code
+// exactly to fp16 (cvt.rn.f16x2.e4m3x2, sm_89 and up; e4m3 is a subset of
+// fp16) and on to fp32, then code * scale in fp32 (not contracted: the same
+// product as E4m3ToFloat(code) * scale on the host, subnormals kept), rounded
+// to nearest-even bf16.
+__device__ __forceinline__ uint32_t E4m3x2ScaledToBf16x2(uint32_t codes, float scale) {
+  uint32_t halves;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(halves) : "h"(static_cast<unsigned short>(codes)));
+  float lo, hi;
+  asm("{\n .reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}\n"
+      : "=f"(lo), "=f"(hi)
+      : "r"(halves));
+  return PackBf16x2(__fmul_rn(lo, scale), __fmul_rn(hi, scale));
+}
+
+// Plain shared-memory accesses at a shared address; "memory" keeps them in
+// program order with the barriers around them (ConvertFp8Row overwrites bytes
+// other lanes have just read).
+__device__ __forceinline__ uint2 LdShared64(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint4 LdShared128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ void StShared128(uint32_t addr, uint4 v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
 }
 
 // Shared-memory words read and written by warps that do not synchronise

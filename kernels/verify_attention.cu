@@ -47,29 +47,39 @@ int VerifyAttentionSharedBytes() { return verify::pipelined::Shape::SMEM_BYTES; 
 namespace {
 
 // Page ids through the shared ring below 16 tokens per page.
-template <bool kFused>
-cudaError_t LaunchPipelined(const VerifyParams& p, bool programmatic_launch, cudaStream_t stream) {
+template <bool kFused, bool kFp8>
+cudaError_t LaunchPipelinedInstance(const VerifyParams& p, bool programmatic_launch,
+                                    cudaStream_t stream) {
   using Shape = verify::pipelined::Shape;
   return LaunchWithDependency(p.page_size_log2 < verify::pipelined::RING_BELOW_PAGE_LOG2
-                                  ? verify::PipelinedAttentionKernel<true, kFused>
-                                  : verify::PipelinedAttentionKernel<false, kFused>,
+                                  ? verify::PipelinedAttentionKernel<true, kFused, kFp8>
+                                  : verify::PipelinedAttentionKernel<false, kFused, kFp8>,
                               dim3(p.max_work), dim3(Shape::NUM_THREADS), Shape::SMEM_BYTES,
                               programmatic_launch, stream, p, /*cooperative=*/kFused);
+}
+
+template <bool kFused>
+cudaError_t LaunchPipelined(const VerifyParams& p, bool programmatic_launch, cudaStream_t stream) {
+  return p.fp8_pool ? LaunchPipelinedInstance<kFused, true>(p, programmatic_launch, stream)
+                    : LaunchPipelinedInstance<kFused, false>(p, programmatic_launch, stream);
 }
 
 }  // namespace
 
 // Raises the shared-memory limit of every attention instance (both page
-// paths, fused combine or not). The first reference to each instance in this
-// file sets the order of the kernels in the PTX, from which ptxas lays out
-// the constant bank of the fused instances' printf: fused first, as in the
-// build the kernels' figures come from, keeps their SASS identical to it.
+// paths, fused combine or not, bf16 or fp8 pool). The first reference to
+// each instance in this file sets the order of the kernels in the PTX, from
+// which ptxas lays out the constant bank of the fused instances' printf:
+// fused first, as in the build the kernels' figures come from, keeps their
+// SASS identical to it; the fp8 instances follow the bf16 ones.
 cudaError_t PrepareVerifyKernels() {
   using verify::PipelinedAttentionKernel;
   using Kernel = void (*)(VerifyParams);
   const Kernel kernels[] = {
-      PipelinedAttentionKernel<true, true>, PipelinedAttentionKernel<false, true>,
-      PipelinedAttentionKernel<true, false>, PipelinedAttentionKernel<false, false>};
+      PipelinedAttentionKernel<true, true, false>,  PipelinedAttentionKernel<false, true, false>,
+      PipelinedAttentionKernel<true, false, false>, PipelinedAttentionKernel<false, false, false>,
+      PipelinedAttentionKernel<true, true, true>,   PipelinedAttentionKernel<false, true, true>,
+      PipelinedAttentionKernel<true, false, true>,  PipelinedAttentionKernel<false, false, true>};
   const int bytes = VerifyAttentionSharedBytes();
   for (const Kernel kernel : kernels) {
     const cudaError_t err =
@@ -106,14 +116,21 @@ int FusedAttentionCtasPerSm() {
   int ctas = 0;
   const int bytes = VerifyAttentionSharedBytes();
   const int threads = verify::pipelined::Shape::NUM_THREADS;
-  int ring = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &ring, verify::PipelinedAttentionKernel<true, true>, threads, bytes) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &ctas, verify::PipelinedAttentionKernel<false, true>, threads, bytes) != cudaSuccess) {
-    return 0;
+  // The fewest over the fused instances (both page paths, both pool dtypes).
+  using Kernel = void (*)(VerifyParams);
+  const Kernel fused[] = {verify::PipelinedAttentionKernel<true, true, false>,
+                          verify::PipelinedAttentionKernel<false, true, false>,
+                          verify::PipelinedAttentionKernel<true, true, true>,
+                          verify::PipelinedAttentionKernel<false, true, true>};
+  bool first = true;
+  for (const Kernel kernel : fused) {
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, bytes) != cudaSuccess)
+      return 0;
+    if (first || n < ctas) ctas = n;
+    first = false;
   }
-  return ctas < ring ? ctas : ring;
+  return ctas;
 }
 
 cudaError_t LaunchVerifyKernels(const VerifyParams& p, bool programmatic_launch, bool launch_plan,

@@ -76,22 +76,9 @@ absl::Status InitVerifyWorkspace(const VerifyArguments& args, const VerifyLaunch
       "verify workspace init");
 }
 
-namespace {
-// The attention kernel reads bf16 rows only: an fp8 pool is refused here
-// rather than read as if it were bf16. (The draft write, the row copy and the
-// compaction handle both: they quantize rows into an fp8 pool, or move
-// stored rows.)
-absl::Status RequireBf16Pool(const KvPoolView& pool, const char* what) {
-  if (pool.dtype == KvDtype::kBf16) return absl::OkStatus();
-  return absl::UnimplementedError(absl::StrCat(what, ": the CUDA kernels do not read ",
-                                               KvDtypeName(pool.dtype), " pools yet (bf16 only)"));
-}
-}  // namespace
-
 absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchConfig& c,
                                    void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   RETURN_IF_ERROR(CanImplement(a, /*require_16b_alignment=*/true));
-  RETURN_IF_ERROR(RequireBf16Pool(a.pool, "verify attention"));
   if (c.num_sms < 1 || c.ctas_per_sm < 1 || c.min_chunk_tiles < 1) {
     return absl::InvalidArgumentError(
         "launch config needs num_sms, ctas_per_sm and "
@@ -110,6 +97,7 @@ absl::Status LaunchVerifyAttention(const VerifyArguments& a, const VerifyLaunchC
   p.q_token_stride = a.q_token_stride;
   p.q_head_stride = a.q_head_stride;
   p.pool = reinterpret_cast<const uint16_t*>(a.pool.data);
+  p.fp8_pool = a.pool.dtype == KvDtype::kFp8 ? 1 : 0;
   p.num_pages = a.pool.num_pages;
   p.page_size_log2 = Log2(a.pool.page_size);
   p.page_table = a.page_table;
@@ -183,6 +171,7 @@ absl::Status LaunchWriteDraftKv(const DraftKvWriteArguments& a, cudaStream_t str
   p.page_size_log2 = Log2(a.pool.page_size);
   p.page_table = a.page_table;
   p.page_table_stride = a.page_table_stride;
+  p.page_table_offset = a.page_table_offset;
   p.prefix_len = a.prefix_len;
   p.draft_len = a.draft_len;
   p.layer = a.layer;

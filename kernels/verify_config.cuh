@@ -4,6 +4,7 @@
 #ifndef MLAVERIFY_KERNELS_VERIFY_CONFIG_CUH_
 #define MLAVERIFY_KERNELS_VERIFY_CONFIG_CUH_
 
+#include "common/kv_dtype.h"
 #include "kernels/verify_params.h"
 
 namespace mlaverify::kernels::verify {
@@ -26,6 +27,10 @@ constexpr int M_TILES = BLOCK_M / 16;
 constexpr int ROW_CHUNKS = D_QK / 8;
 constexpr int ROW_BYTES = D_QK * 2;
 constexpr int Q_TILE_BYTES = BLOCK_M * ROW_BYTES;
+
+__host__ __device__ constexpr int SwizzledChunk(int row, int chunk) {
+  return (chunk & ~7) | ((chunk ^ row) & 7);
+}
 
 constexpr int SM120_MAX_SMEM_PER_BLOCK = 101376;  // 99 KB: the production target's limit
 // The attention kernel's static shared memory is ForEachSegment's
@@ -61,8 +66,49 @@ constexpr int LOADER_THREADS_PER_ROW = 8;
 constexpr int STAGE_BYTES = BLOCK_N * ROW_BYTES;
 constexpr int P_PITCH = BLOCK_N + 8;  // bf16; 48-byte rows: ldmatrix and stores conflict-free
 constexpr int P_BUFFER_BYTES = BLOCK_M * P_PITCH * 2;
-// Page ids of the KV rows the PV warps will load, fetched with cp.async
-// PAGE_AHEAD tiles before their tile is loaded: [PAGE_RING][BLOCK_N] int32.
+// FP8 pools (the 656-byte row of common/kv_dtype.h). Each loader thread
+// copies its share of a raw fp8 row by cp.async into the stage of the tile,
+// into the very 16-byte slots of the bf16 row that it will itself write, and
+// converts them there after its wait_group (ConvertFp8Row,
+// verify_pipelined_kernel.cuh): the MMA path, the stages and the hand-over
+// stay those of bf16, no shared memory is added, and no thread reads bytes
+// another thread wrote. Lane l (of the row's 8) takes code chunks q = l + 8m
+// (m < 4: 16 codes of group m, which become bf16 chunks 2q and 2q + 1), the
+// scale chunk (all four scales) and rope chunk l (already bf16: it lands in
+// its final place).
+constexpr int FP8_ROW_BYTES = kFp8RowBytes;                                        // 656
+constexpr int FP8_CODE_CHUNKS_PER_LANE = kValueDim / 16 / LOADER_THREADS_PER_ROW;  // 4
+// Where lane l's raw pieces wait, as chunk indices of the bf16 row (before the
+// swizzle): code chunk m at 2l + 16m, the first bf16 chunk that it becomes;
+// the scales at 2l + 49, the last chunk the lane writes (after reading them).
+__host__ __device__ constexpr int Fp8CodeSlot(int lane, int m) { return 2 * lane + 16 * m; }
+__host__ __device__ constexpr int Fp8ScaleSlot(int lane) {
+  return Fp8CodeSlot(lane, FP8_CODE_CHUNKS_PER_LANE - 1) + 1;
+}
+static_assert(FP8_ROW_BYTES == kValueDim + 16 + kRopeDim * 2 && kFp8ScaleOffset == kValueDim &&
+                  kFp8RopeOffset == kValueDim + 16 && kFp8Groups == FP8_CODE_CHUNKS_PER_LANE &&
+                  kFp8GroupSize == 16 * LOADER_THREADS_PER_ROW,
+              "a row is 32 code chunks (8 per 128-value group), one scale chunk, 8 rope chunks: "
+              "lane l's code chunk l + 8m is in group m");
+static_assert(kRopeDim * 2 == 16 * LOADER_THREADS_PER_ROW && ROW_CHUNKS == 64 + 8,
+              "one rope chunk per loader lane, bf16 chunk 64 + l");
+// The kernel addresses those slots from one byte offset per thread, A = the
+// swizzled place of chunk 2l: code slot m at A + 256 m, the chunk after
+// it (2l + 1 + 16 m) at (A ^ 16) + 256 m, the scales at (A ^ 16) + 768.
+constexpr bool Fp8SlotsFollowTheBase() {
+  for (int row = 0; row < 16; ++row)
+    for (int lane = 0; lane < LOADER_THREADS_PER_ROW; ++lane) {
+      const int a = SwizzledChunk(row, Fp8CodeSlot(lane, 0)) * 16;
+      for (int m = 0; m < FP8_CODE_CHUNKS_PER_LANE; ++m) {
+        if (SwizzledChunk(row, Fp8CodeSlot(lane, m)) * 16 != a + 256 * m) return false;
+        if (SwizzledChunk(row, Fp8CodeSlot(lane, m) + 1) * 16 != (a ^ 16) + 256 * m) return false;
+      }
+      if (SwizzledChunk(row, Fp8ScaleSlot(lane)) * 16 != (a ^ 16) + 768) return false;
+    }
+  return (ROW_BYTES % 32) == 0;  // row bases leave bit 4 to the chunk
+}
+// Page ids of the KV rows the PV warps will load// Page ids of the KV rows the PV warps will load,
+// fetched with cp.async PAGE_AHEAD tiles before their tile is loaded: [PAGE_RING][BLOCK_N] int32.
 constexpr int PAGE_AHEAD = 4;
 constexpr int PAGE_RING = 8;
 // Page sizes below 2^RING_BELOW_PAGE_LOG2 tokens take the ring; from there up
@@ -136,9 +182,7 @@ static_assert(BLOCK_N == 16 && Shape::KEY_HALVES * 8 == BLOCK_N,
 static_assert(Shape::NUM_THREADS <= 384, "one CTA per SM at > 168 registers per thread");
 }  // namespace pipelined
 
-__host__ __device__ constexpr int SwizzledChunk(int row, int chunk) {
-  return (chunk & ~7) | ((chunk ^ row) & 7);
-}
+static_assert(pipelined::Fp8SlotsFollowTheBase(), "the fp8 slots' offsets from the thread's base");
 
 }  // namespace mlaverify::kernels::verify
 

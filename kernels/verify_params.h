@@ -61,7 +61,10 @@ struct VerifyParams {
   const uint16_t* q;       // [total_draft, num_heads, 576] bf16
   int64_t q_token_stride;  // elements
   int64_t q_head_stride;   // elements
-  const uint16_t* pool;    // [num_layers, num_pages, page_size, 576] bf16
+  // [num_layers, num_pages, page_size, 576] bf16, or with fp8_pool
+  // [num_layers, num_pages, page_size, 328]: the 656-byte rows of common/kv_dtype.h
+  const uint16_t* pool;
+  int fp8_pool;  // 1: fp8 rows (the launcher picks the kernel instance that converts them)
   int64_t num_pages;
   int page_size_log2;                // page_size = 1 << page_size_log2
   const int32_t* page_table;         // request b's page ids: VerifyArguments::PageRow(b)
@@ -115,9 +118,10 @@ struct DraftKvWriteParams {
   int page_size_log2;
   const int32_t* page_table;  // [batch, page_table_stride]
   int64_t page_table_stride;
-  const int32_t* prefix_len;  // [batch]
-  const int32_t* draft_len;   // [batch]
-  const int32_t* layer;       // [batch]
+  const int64_t* page_table_offset;  // [batch] offsets from page_table, or nullptr
+  const int32_t* prefix_len;         // [batch]
+  const int32_t* draft_len;          // [batch]
+  const int32_t* layer;              // [batch]
   int batch;
   int total_draft_capacity;  // grid size
 };

@@ -69,6 +69,55 @@ constexpr int kDirtyAt = 256;
 // - fused page-ring instance: before the MMAs (rf1: 1.7-2.2 % faster on its
 //   page-1 shapes, B <= 4).
 
+// FP8 pools: converts this thread's share of row `row` of the tile in the
+// stage at shared address `stage`, which its own issue_tile placed there
+// (pipelined::Fp8CodeSlot, Fp8ScaleSlot), into the swizzled bf16 row a bf16
+// pool's cp.async would have written; call after the thread's wait_group for
+// the tile. Value d is E4m3ToFloat(code[d]) * scale[d / 128] in fp32, the
+// CPU reference's value of the stored row (common/kv_dtype.h,
+// DequantizeLatentRow), rounded to nearest-even bf16: the GPU attends to that
+// value within bf16 rounding (relative 2^-9), as it attends to q and P. Each
+// slot is read before the write that overwrites it; a thread writes only its
+// own slots and reads only those and the row's scales (lane 0's slot), so two
+// __syncwarp suffice until the tile's hand-over. The rope chunk arrived in its
+// place. All 32 lanes of the warp call it (whole warps load: four rows each).
+__device__ __forceinline__ uint32_t Fp8SlotBase(int row, int lane) {
+  return static_cast<uint32_t>(row * ROW_BYTES +
+                               SwizzledChunk(row, pipelined::Fp8CodeSlot(lane, 0)) * 16);
+}
+__device__ __forceinline__ void ConvertFp8Row(uint32_t stage, int row, int lane) {
+  // pipelined::Fp8SlotsFollowTheBase: every slot at an immediate offset from a or b.
+  // The XOR acts on the row-relative offset (row bases are multiples of 32
+  // bytes), so it holds whatever the shared window's alignment.
+  const uint32_t a = stage + Fp8SlotBase(row, lane);
+  const uint32_t b = stage + (Fp8SlotBase(row, lane) ^ 16u);
+  // The row's scales wait in lane 0's scale slot: the first __syncwarp shows
+  // them (written by lane 0's cp.async, complete after its wait_group) to the
+  // row's other lanes; the second keeps lane 0 from overwriting them (its
+  // last store) before they have read them.
+  __syncwarp();
+  const uint4 scale_bits = ptx::LdShared128(stage + (Fp8SlotBase(row, 0) ^ 16u) + 768);
+  __syncwarp();
+  const float scales[4] = {__uint_as_float(scale_bits.x), __uint_as_float(scale_bits.y),
+                           __uint_as_float(scale_bits.z), __uint_as_float(scale_bits.w)};
+#pragma unroll
+  for (int m = 0; m < pipelined::FP8_CODE_CHUNKS_PER_LANE; ++m) {
+    // 16 codes of group m: bf16 chunks 2l + 16m (at a + 256m) and the next (b + 256m).
+    const uint4 codes = ptx::LdShared128(a + 256 * m);
+    uint4 lo, hi;
+    lo.x = ptx::E4m3x2ScaledToBf16x2(codes.x & 0xffffu, scales[m]);
+    lo.y = ptx::E4m3x2ScaledToBf16x2(codes.x >> 16, scales[m]);
+    lo.z = ptx::E4m3x2ScaledToBf16x2(codes.y & 0xffffu, scales[m]);
+    lo.w = ptx::E4m3x2ScaledToBf16x2(codes.y >> 16, scales[m]);
+    hi.x = ptx::E4m3x2ScaledToBf16x2(codes.z & 0xffffu, scales[m]);
+    hi.y = ptx::E4m3x2ScaledToBf16x2(codes.z >> 16, scales[m]);
+    hi.z = ptx::E4m3x2ScaledToBf16x2(codes.w & 0xffffu, scales[m]);
+    hi.w = ptx::E4m3x2ScaledToBf16x2(codes.w >> 16, scales[m]);
+    ptx::StShared128(a + 256 * m, lo);
+    ptx::StShared128(b + 256 * m, hi);  // at m = 3 the scales' slot: read above
+  }
+}
+
 // The score warps' wait for tile t. PV(t-2) is done with P buffer (t & 1):
 // from tile NUM_STAGES on that is waited just before P(t) is written (in
 // ScoreTiles; v15.3): KV_FULL(t) already orders this tile after PV(t-2)'s
@@ -373,7 +422,8 @@ __device__ __forceinline__ void ScoreTiles(const VerifyParams& p, const VerifyWo
 // (see the kernel below), so that what the compiler hoists out of the segment
 // loop is one role's, not both roles' registers at once.
 // kFused: the fused-combine instance (see PipelinedAttentionKernel).
-template <bool kPageRing, bool kScoreRole, bool kFused>
+// kFp8: the pool holds fp8 rows (pipelined::FP8_ROW_BYTES; see ConvertFp8Row).
+template <bool kPageRing, bool kScoreRole, bool kFused, bool kFp8>
 __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p,
                                                        const VerifyWorkItem& item,
                                                        uint8_t* smem_raw) {
@@ -443,8 +493,10 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p,
       ptx::Opaque(p.page_table + (p.page_table_offset != nullptr ? p.page_table_offset[b]
                                                                  : b * p.page_table_stride));
   const int page_mask = (1 << p.page_size_log2) - 1;
-  const uint16_t* layer_base =
-      p.pool + static_cast<int64_t>(p.layer[b]) * p.num_pages * (int64_t{D_QK} << p.page_size_log2);
+  // A pool row in 2-byte units: 576 bf16 values, or the 656-byte fp8 row.
+  constexpr int POOL_ROW_ELEMENTS = kFp8 ? pipelined::FP8_ROW_BYTES / 2 : D_QK;
+  const uint16_t* layer_base = p.pool + static_cast<int64_t>(p.layer[b]) * p.num_pages *
+                                            (int64_t{POOL_ROW_ELEMENTS} << p.page_size_log2);
   // This thread's chunk of token 0 of the layer (every caller passes its
   // ld_lane as `lane`, see below).
   const uint8_t* lane_base =
@@ -455,7 +507,9 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p,
   };
   // `stage` is the byte offset of the tile's stage. The row's address is
   // the lane's base + 32-bit token index x 1152 bytes (one wide multiply-add;
-  // CanImplement keeps a layer below 2^31 tokens).
+  // CanImplement keeps a layer below 2^31 tokens). An fp8 row (656 bytes)
+  // lands raw in the slots of the bf16 row that ConvertFp8Row, run later by
+  // the same thread, turns into that row.
   auto issue_tile = [&](int tile, uint32_t stage, int page, int row, int lane) {
     const int j = kv_begin + tile * BLOCK_N + row;
     const bool valid = j < kv_end;
@@ -463,12 +517,31 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p,
     const uint32_t token = valid ? (static_cast<uint32_t>(page) << p.page_size_log2) |
                                        static_cast<uint32_t>(j & page_mask)
                                  : 0u;
-    const uint16_t* src =
-        reinterpret_cast<const uint16_t*>(lane_base + static_cast<uint64_t>(token) * ROW_BYTES);
-    const uint32_t dst =
-        kv_base + stage + static_cast<uint32_t>(row * ROW_BYTES + ((lane ^ row) & 7) * 16);
+    if constexpr (kFp8) {
+      // Lane l's pieces of the raw row (see pipelined::Fp8CodeSlot): code
+      // chunks l + 8m, rope chunk l, and on lane 0 the scale chunk;
+      // lane_base is 16 l in.
+      const uint8_t* src = lane_base + static_cast<uint64_t>(token) * pipelined::FP8_ROW_BYTES;
+      const uint32_t slot = Fp8SlotBase(row, lane);
+      const uint32_t a = kv_base + stage + slot;
 #pragma unroll
-    for (int k = 0; k < ROW_CHUNKS / 8; ++k) ptx::CpAsync16(dst + k * 128, src + k * 64, valid);
+      for (int m = 0; m < pipelined::FP8_CODE_CHUNKS_PER_LANE; ++m)
+        ptx::CpAsync16(a + 256 * m, src + m * 128, valid);
+      // The scales, once per row: lane 0's scale slot (src is the row's start there).
+      if (lane == 0)
+        ptx::CpAsync16(kv_base + stage + (slot ^ 16u) + 768, src + kFp8ScaleOffset, valid);
+      // Rope chunk l: bf16 chunk 64 + l, at its place (as for a bf16 pool).
+      ptx::CpAsync16(kv_base + stage +
+                         static_cast<uint32_t>(row * ROW_BYTES + ((lane ^ row) & 7) * 16 + 8 * 128),
+                     src + kFp8RopeOffset, valid);
+    } else {
+      const uint16_t* src =
+          reinterpret_cast<const uint16_t*>(lane_base + static_cast<uint64_t>(token) * ROW_BYTES);
+      const uint32_t dst =
+          kv_base + stage + static_cast<uint32_t>(row * ROW_BYTES + ((lane ^ row) & 7) * 16);
+#pragma unroll
+      for (int k = 0; k < ROW_CHUNKS / 8; ++k) ptx::CpAsync16(dst + k * 128, src + k * 64, valid);
+    }
   };
   // This thread's KV row and lane when it loads: the first 128 threads of each
   // role (SCORE_THREADS is a multiple of 128).
@@ -477,6 +550,8 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p,
                 "the masks below");
   const int ld_row = (tid & 127) >> 3;
   const int ld_lane = tid & 7;
+  static_assert(!kFp8 || (SCORE_THREADS == LOADER_THREADS && Shape::PV_THREADS == LOADER_THREADS),
+                "fp8: every thread of both roles loads, and converts what it loaded");
 
   if constexpr (kScoreRole) {
     // =================== score warps: S and the online softmax ===================
@@ -533,6 +608,17 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p,
       if (tile_loader && t < num_tiles)
         issue_tile(t, t * STAGE_BYTES, first_pages[t], ld_row, ld_lane);
       ptx::CpAsyncCommit();
+    }
+    if constexpr (kFp8) {
+      // FP8: every prologue tile (tile t in stage t) is converted here, each
+      // thread its own share, before the tile loop; ScoreWaitForTile's
+      // BAR_SCORE then shows them to the other score warps. Inside the tile
+      // loop the conversion's registers, beside Q's and the loop's, spilled
+      // on sm_90; the cost is that S(0) waits for tile NUM_STAGES-1's rows.
+      ptx::CpAsyncWait<0>();
+#pragma unroll
+      for (int t = 0; t < NUM_STAGES; ++t)
+        if (t < num_tiles) ConvertFp8Row(stage_addr(t), ld_row, ld_lane);
     }
 
     ScoreTiles<kPhaseOffset, kHalfRefs>(p, item, smem_raw, q_frag, row_group, key_half, num_tiles,
@@ -763,6 +849,18 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p,
         }
       }
       ptx::CpAsyncCommit();
+      if constexpr (kFp8) {
+        // FP8: this thread's share of tile t+3 (loaded at the end of
+        // iteration t-1) becomes bf16 now, before arrive_kv_full(t+1) shows
+        // the tile. Here, with P(t) done and only O live, the conversion
+        // costs no spill (in the MMA loop it did on sm_90). Only tile t+4's
+        // group, just committed, may still be pending.
+        const int convert_tile = t + 3;
+        if (convert_tile >= NUM_STAGES && convert_tile < num_tiles) {
+          ptx::CpAsyncWait<NUM_STAGES - 4>();
+          ConvertFp8Row(kv_base + (convert_tile % NUM_STAGES) * STAGE_BYTES, ld_row, ld_lane);
+        }
+      }
     }
   }
 
@@ -789,7 +887,8 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p,
 // A CTA runs its segments one after the other (one under the chunk plan).
 // kFused: the combine folded in (verify_kernel.cuh, "Fused combine"): the CTA
 // announces its split segments, then merges its share of their row tiles.
-template <bool kPageRing, bool kFused>
+// kFp8: over a pool of fp8 rows (see ConvertFp8Row).
+template <bool kPageRing, bool kFused, bool kFp8>
 __global__ void __launch_bounds__(pipelined::Shape::NUM_THREADS, 1)
     PipelinedAttentionKernel(const VerifyParams p) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
@@ -808,14 +907,14 @@ __global__ void __launch_bounds__(pipelined::Shape::NUM_THREADS, 1)
     ForEachSegment<!kFused>(
         p, segments,
         [&](const VerifyWorkItem& item) {
-          AttendSegmentPipelined<kPageRing, true, kFused>(p, item, smem_raw);
+          AttendSegmentPipelined<kPageRing, true, kFused, kFp8>(p, item, smem_raw);
         },
         after);
   } else {
     ForEachSegment<!kFused>(
         p, segments,
         [&](const VerifyWorkItem& item) {
-          AttendSegmentPipelined<kPageRing, false, kFused>(p, item, smem_raw);
+          AttendSegmentPipelined<kPageRing, false, kFused, kFp8>(p, item, smem_raw);
         },
         after);
   }

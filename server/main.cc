@@ -367,8 +367,7 @@ int Run(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--kv-dtype", f.kv_dtype,
                  "how the pool stores latent KV rows: bf16 (1152 bytes per token and layer) | fp8 "
-                 "(656: e4m3 with one fp32 scale per 128 values, rope in bf16; CPU backend only "
-                 "for now)")
+                 "(656: e4m3 with one fp32 scale per 128 values, rope in bf16)")
       ->check(CLI::IsMember({"bf16", "fp8"}))
       ->capture_default_str();
   app.add_option("--max-seq-len", f.max_sequence_len, "longest sequence in tokens")

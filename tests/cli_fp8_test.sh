@@ -30,7 +30,7 @@ done
 read -r grpc_port admin_port < "$work/ports"
 client=("$build/client/mlaverify-client" --target "127.0.0.1:$grpc_port")
 
-"${client[@]}" info --json "$work/info.json" || fail "info"
+"${client[@]}" info --json - > "$work/info.json" || fail "info"
 python3 - "$work/info.json" <<'PY' || fail "info: $(cat "$work/info.json")"
 import json, sys
 info = json.load(open(sys.argv[1]))

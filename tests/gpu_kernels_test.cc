@@ -570,23 +570,70 @@ TEST_F(GpuKernelTest, RejectsUnsupportedLaunchConfig) {
             absl::StatusCode::kInvalidArgument);
 }
 
-// The attention kernel reads bf16 rows only: a launch over an fp8 pool is
-// refused with UNIMPLEMENTED (never a bf16 read of fp8 bytes).
-TEST_F(GpuKernelTest, AttentionRefusesFp8Pools) {
+// FP8 pools (the 656-byte row of common/kv_dtype.h): the kernel grid again
+// (pages 1..256, P = 0.., N = 1..64, H = 1..128, trees and chains, mixed
+// batches up to 40 requests) plus a batch of 64, over pools that store the
+// quantized rows, unused pages NaN (an fp8 row of NaN bytes has NaN scales
+// and rope), the draft rows quantized into the pool by the draft write. The
+// reference is the CPU's over the rows as stored: each value e4m3 x scale in
+// fp32. The kernel attends to those values rounded to bf16 (ConvertFp8Row):
+// a relative change of at most 2^-9 per value, the size of the bf16 rounding
+// it already applies to q's products and to P, which the bf16 grid's bound
+// (1e-2; typically 2e-3) absorbs; the same bound holds here. A failure names
+// its case and its worst (token, head) row.
+TEST_F(GpuKernelTest, Fp8AttentionMatchesReferenceOverTheGrid) {
+  std::vector<GridCase> cases = GridCases();
+  GridCase wide{{}, {}, 8, 64, MaskKind::kChain};
+  for (int i = 0; i < 64; ++i) {
+    wide.prefix_len.push_back((i * 97) % 2000);
+    wide.draft_len.push_back(1 + i % 8);
+  }
+  cases.push_back(wide);
+  int index = 0;
+  for (const GridCase& c : cases) {
+    VerifyProblemSpec spec = c.Spec(5000 + index++);
+    spec.kv_dtype = KvDtype::kFp8;
+    HostVerifyProblem problem = MakeProblem(spec);
+    VerifyLaunchConfig config = config_;
+    config.programmatic_launch = index % 2 == 0;
+    config.plan_in_warp_max_batch = (index / 2) % 2 == 0 ? kPlanInWarpMaxBatch : 0;
+    config.fused_combine_max_batch = (index / 2) % 2 == 0 ? kAnyBatch : 0;
+    const Comparison result = RunAndCompare(problem, config);
+    EXPECT_TRUE(result.ok()) << "fp8 " << c.Name()
+                             << (config.plan_in_warp_max_batch ? " plan in warp" : " plan kernel")
+                             << ": " << result.ToString();
+    EXPECT_GT(result.rows_checked, 0) << c.Name();
+  }
+}
+
+// FP8 pools on both plans: the stream plan over requests of equal row tiles
+// (several segments per CTA) and the chunk plan; then scores that rise
+// along the prefix (the exponent reference moves inside fp8 tiles). Each as
+// close to the reference as bf16. (Graphs: Fp8CapturedGraphReplays...)
+TEST_F(GpuKernelTest, Fp8PoolsOnBothPlans) {
   VerifyProblemSpec spec;
-  spec.prefix_len = {10};
-  spec.draft_len = {2};
+  spec.prefix_len = {3000, 17, 900, 4100, 0, 2500};
+  spec.draft_len = {4, 4, 4, 4, 4, 4};
+  spec.num_heads = 8;
+  spec.page_size = 32;
   spec.kv_dtype = KvDtype::kFp8;
+  spec.seed = 77;
+  for (const bool stream : {true, false}) {
+    HostVerifyProblem problem = MakeProblem(spec);
+    VerifyLaunchConfig config = config_;
+    config.stream_plan = stream;
+    config.plan_in_warp_max_batch = 0;
+    const Comparison result = RunAndCompare(problem, config);
+    EXPECT_TRUE(result.ok()) << (stream ? "stream plan: " : "chunk plan: ") << result.ToString();
+  }
+  // Heavy-tailed rows with rising scores move the exponent reference inside
+  // the fp8 tiles too.
+  spec.kv_range = 4.0f;
+  spec.kv_ramp = 3.0f;
+  spec.seed = 78;
   HostVerifyProblem problem = MakeProblem(spec);
-  DeviceVerifyProblem device;
-  ASSERT_TRUE(device.Init(CapacityFor(problem), config_).ok());
-  ASSERT_TRUE(device.Upload(problem).ok());
-  ASSERT_EQ(device.Args().pool.dtype, KvDtype::kFp8);
-  EXPECT_EQ(LaunchVerifyAttention(device.Args(), config_, device.workspace(),
-                                  device.workspace_bytes(), nullptr)
-                .code(),
-            absl::StatusCode::kUnimplemented);
-  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const Comparison result = RunAndCompare(problem, config_);
+  EXPECT_TRUE(result.ok()) << "rising scores: " << result.ToString();
 }
 
 // The copy lists of a batch (copy_list.h): the gather runs the list in the
@@ -871,7 +918,8 @@ TEST_F(GpuKernelTest, CompactionMatchesCpuInEveryLayer) {
   }
 }
 
-TEST_F(GpuKernelTest, CapturedGraphReplaysWithNewLengthsAndTrees) {
+// The graph replay over a pool of `dtype` (a void function, so that ASSERTs end it).
+void CapturedGraphReplays(const VerifyLaunchConfig& base, KvDtype dtype) {
   // One bucket: 4 requests, up to 16 drafts, 8 heads, page size 16, a pool
   // and page tables sized for prefixes up to 3000.
   constexpr int kBatch = 4, kMaxDraft = 16, kHeads = 8, kPage = 16, kMaxPrefix = 3000;
@@ -891,6 +939,7 @@ TEST_F(GpuKernelTest, CapturedGraphReplaysWithNewLengthsAndTrees) {
     spec.num_layers = 2;
     spec.mask = round % 2 == 0 ? MaskKind::kTree : MaskKind::kChain;
     spec.seed = 500 + round;
+    spec.kv_dtype = dtype;
     spec.min_num_pages = pool_pages;
     spec.min_page_table_stride = table_stride;
     spec.extra_pages = 0;
@@ -901,14 +950,14 @@ TEST_F(GpuKernelTest, CapturedGraphReplaysWithNewLengthsAndTrees) {
   testing::DeviceCapacity capacity = CapacityFor(first);
   capacity.total_draft = kBatch * kMaxDraft;
   capacity.q_elems = static_cast<int64_t>(capacity.total_draft) * kHeads * kLatentDim;
-  ASSERT_TRUE(device.Init(capacity, config_).ok());
+  ASSERT_TRUE(device.Init(capacity, base).ok());
   ASSERT_TRUE(device.Upload(first).ok());
   const VerifyArguments captured_args = device.Args();
 
   // With and without the fused combine (its counters must come back to zero
   // after every replay).
   for (const bool fused : {false, true}) {
-    VerifyLaunchConfig config = config_;
+    VerifyLaunchConfig config = base;
     config.fused_combine_max_batch = fused ? kAnyBatch : 0;
     EXPECT_EQ(LaunchUsesFusedCombine(captured_args, config), fused);
     cudaStream_t stream;
@@ -937,7 +986,8 @@ TEST_F(GpuKernelTest, CapturedGraphReplaysWithNewLengthsAndTrees) {
       ASSERT_TRUE(device.Download(problem, &out, &lse).ok());
       ASSERT_TRUE(WriteDraftKvCpu(problem.HostWriteArgs()).ok());
       const Comparison result = testing::CompareWithReference(problem, out, lse, kMaxCheckedRows);
-      EXPECT_TRUE(result.ok()) << (fused ? "fused combine, " : "") << "replay " << round
+      EXPECT_TRUE(result.ok()) << KvDtypeName(dtype) << (fused ? " fused combine, " : " ")
+                               << "replay " << round
                                << " (P=" << absl::StrJoin(problem.prefix_len, "/")
                                << " N=" << absl::StrJoin(problem.draft_len, "/")
                                << "): " << result.ToString();
@@ -946,6 +996,16 @@ TEST_F(GpuKernelTest, CapturedGraphReplaysWithNewLengthsAndTrees) {
     cudaGraphDestroy(graph);
     cudaStreamDestroy(stream);
   }
+}
+
+TEST_F(GpuKernelTest, CapturedGraphReplaysWithNewLengthsAndTrees) {
+  CapturedGraphReplays(config_, KvDtype::kBf16);
+}
+
+// The same over an fp8 pool: the captured draft write quantizes each
+// replay's drafts, the attention reads the stored rows.
+TEST_F(GpuKernelTest, Fp8CapturedGraphReplaysWithNewLengthsAndTrees) {
+  CapturedGraphReplays(config_, KvDtype::kFp8);
 }
 
 }  // namespace

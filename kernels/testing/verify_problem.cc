@@ -28,6 +28,37 @@ float HashUniform(uint64_t seed, uint64_t index, float range) {
   return (2.0f * unit - 1.0f) * range;
 }
 
+// A standard normal from two hashed uniforms (Box-Muller).
+float HashNormal(uint64_t seed, uint64_t index) {
+  const double u1 = (HashUniform(seed, 2 * index, 1.0f) + 1.0) * 0.5 + 1e-12;  // (0, 1]
+  const double u2 = (HashUniform(seed, 2 * index + 1, 1.0f) + 1.0) * 0.5;
+  return static_cast<float>(std::sqrt(-2.0 * std::log(std::min(1.0, u1))) *
+                            std::cos(6.283185307179586 * u2));
+}
+
+// Value `index` of a prefix row (see KvValues).
+float HashKvValue(KvValues kind, uint64_t seed, uint64_t index, int dim, float range) {
+  switch (kind) {
+    case KvValues::kUniform:
+      return HashUniform(seed, index, range);
+    case KvValues::kNormal:
+      return HashNormal(seed, index) * range;
+    case KvValues::kHeavyTailed: {
+      // Student-t, nu = 3: Z / sqrt(chi2_3 / 3).
+      const float z = HashNormal(seed, 4 * index);
+      double chi2 = 0.0;
+      for (int k = 1; k <= 3; ++k) {
+        const double n = HashNormal(seed, 4 * index + k);
+        chi2 += n * n;
+      }
+      const bool large = dim == 7 || dim == 100 || dim == 300 || dim == 450;
+      return static_cast<float>(z / std::sqrt(std::max(chi2, 1e-6) / 3.0)) * range *
+             (large ? 20.0f : 1.0f);
+    }
+  }
+  return 0.0f;
+}
+
 void FillRandom(Bf16* data, int64_t n, uint64_t seed, float range) {
   ParallelFor(n, 0, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) data[k] = FloatToBf16(HashUniform(seed, k, range));
@@ -55,6 +86,10 @@ std::vector<int32_t> MakeParents(MaskKind mask, int n, std::mt19937_64& rng) {
 }  // namespace
 
 const char* MaskName(MaskKind m) { return m == MaskKind::kChain ? "chain" : "tree"; }
+
+const char* KvValuesName(KvValues v) {
+  return v == KvValues::kNormal ? "normal" : v == KvValues::kHeavyTailed ? "heavy" : "uniform";
+}
 
 int64_t HostVerifyProblem::total_kv_tokens() const {
   int64_t t = 0;
@@ -155,7 +190,7 @@ HostVerifyProblem MakeProblem(const VerifyProblemSpec& spec) {
             static_cast<float>(spec.kv_range * (1.0 + ramp_per_row * static_cast<double>(j)));
         Bf16 row[kLatentDim];
         for (int d = 0; d < kLatentDim; ++d) {
-          row[d] = FloatToBf16(HashUniform(seed, j * kLatentDim + d, range));
+          row[d] = FloatToBf16(HashKvValue(spec.kv_values, seed, j * kLatentDim + d, d, range));
         }
         StoreLatentRow(
             spec.kv_dtype, row,
@@ -187,8 +222,17 @@ HostVerifyProblem MakeProblem(const VerifyProblemSpec& spec) {
 }
 
 std::string Comparison::ToString() const {
-  return absl::StrFormat("rel_err=%.3e lse_max_abs_err=%.3e rows_checked=%d nan_outputs=%d",
-                         rel_err, lse_max_abs_err, rows_checked, nan_outputs);
+  std::string s =
+      absl::StrFormat("rel_err=%.3e lse_max_abs_err=%.3e rows_checked=%d nan_outputs=%d", rel_err,
+                      lse_max_abs_err, rows_checked, nan_outputs);
+  if (first_nan_token >= 0) {
+    absl::StrAppendFormat(&s, " first_nan=(token %d, head %d)", first_nan_token, first_nan_head);
+  }
+  if (worst_token >= 0) {
+    absl::StrAppendFormat(&s, " worst_row=(token %d, head %d) rel_err=%.3e", worst_token,
+                          worst_head, worst_row_rel_err);
+  }
+  return s;
 }
 
 Comparison CompareWithReference(HostVerifyProblem& problem, const std::vector<Bf16>& out,
@@ -197,12 +241,17 @@ Comparison CompareWithReference(HostVerifyProblem& problem, const std::vector<Bf
   const int heads = problem.spec.num_heads;
   const int64_t total_rows = static_cast<int64_t>(problem.total_draft) * heads;
   for (int64_t r = 0; r < total_rows; ++r) {
+    const int64_t before = c.nan_outputs;
     if (!std::isfinite(lse[r])) ++c.nan_outputs;
     for (int d = 0; d < kValueDim; ++d) {
       if (!std::isfinite(Bf16ToFloat(out[r * kValueDim + d]))) {
         ++c.nan_outputs;
         break;
       }
+    }
+    if (c.nan_outputs > before && c.first_nan_token < 0) {
+      c.first_nan_token = r / heads;
+      c.first_nan_head = r % heads;
     }
   }
   // Rows to check, grouped by request so each request's keys convert once.
@@ -231,13 +280,27 @@ Comparison CompareWithReference(HostVerifyProblem& problem, const std::vector<Bf
     VerifyAttentionRowsCpu(args, b, rows[b], ref.data(), ref_lse.data());
     for (size_t k = 0; k < rows[b].size(); ++k) {
       const int64_t r = rows[b][k].token_row * heads + rows[b][k].head;
+      double row_e = 0.0, row_n = 0.0;
       for (int d = 0; d < kValueDim; ++d) {
         const double want = ref[k * kValueDim + d];
         const double got = Bf16ToFloat(out[r * kValueDim + d]);
-        e += (got - want) * (got - want);
-        n += want * want;
+        row_e += (got - want) * (got - want);
+        row_n += want * want;
+      }
+      e += row_e;
+      n += row_n;
+      c.row_rel_errs.push_back(row_n > 0.0 ? std::sqrt(row_e / row_n)
+                                           : (row_e == 0.0 ? 0.0 : INFINITY));
+      const double row_rel =
+          row_n > 0.0 ? std::sqrt(row_e / row_n) : (row_e == 0.0 ? 0.0 : INFINITY);
+      // NaN counts as worst, and stays so.
+      if (!(row_rel <= c.worst_row_rel_err) && !std::isnan(c.worst_row_rel_err)) {
+        c.worst_row_rel_err = row_rel;
+        c.worst_token = rows[b][k].token_row;
+        c.worst_head = rows[b][k].head;
       }
       const double lse_err = std::fabs(static_cast<double>(lse[r]) - ref_lse[k]);
+      c.row_lse_abs_errs.push_back(lse_err);
       // NaN must not hide inside a max: propagate it explicitly.
       if (!(lse_err <= c.lse_max_abs_err)) c.lse_max_abs_err = lse_err;
     }

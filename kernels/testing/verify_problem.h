@@ -19,6 +19,13 @@ namespace mlaverify::kernels::testing {
 enum class MaskKind { kChain, kTree };
 const char* MaskName(MaskKind m);
 
+// How the prefix rows' values are drawn: U(-kv_range, kv_range); N(0, 1) x
+// kv_range; or heavy-tailed, Student-t (nu = 3) x kv_range with four channels
+// (7, 100, 300, 450) 20x larger (the rows common/kv_dtype.h's scale rule was
+// measured on). Draft rows stay uniform.
+enum class KvValues { kUniform, kNormal, kHeavyTailed };
+const char* KvValuesName(KvValues v);  // "uniform", "normal", "heavy"
+
 struct VerifyProblemSpec {
   std::vector<int> prefix_len;  // per request
   std::vector<int> draft_len;   // per request, 0..64 (0 = padding)
@@ -46,6 +53,7 @@ struct VerifyProblemSpec {
   // that keep rising along the prefix move the softmax's exponent reference
   // many times inside one split.
   float kv_ramp = 0.0f;
+  KvValues kv_values = KvValues::kUniform;
 };
 
 // A problem on the host. The pool holds the prefix rows of every request; the
@@ -82,6 +90,13 @@ struct Comparison {
   double lse_max_abs_err = 0.0;  // over the checked rows
   int64_t rows_checked = 0;
   int64_t nan_outputs = 0;  // NaN/Inf anywhere in out or lse (all rows)
+  // Where to look when it fails: the first (token, head) row holding NaN/Inf
+  // (-1: none), and the checked row with the largest relative error.
+  int64_t first_nan_token = -1, first_nan_head = -1;
+  int64_t worst_token = -1, worst_head = -1;
+  double worst_row_rel_err = 0.0;
+  // Per checked row, in check order: ||o - ref|| / ||ref|| and |lse - ref|.
+  std::vector<double> row_rel_errs, row_lse_abs_errs;
   bool ok(double tolerance = 1e-2) const {
     return nan_outputs == 0 && rel_err == rel_err && rel_err <= tolerance;
   }

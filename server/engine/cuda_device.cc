@@ -7,7 +7,9 @@
 // steps on the compute stream: the gather kernel runs the copy list of the
 // slot the device's cursor names (page-table writes, the request arrays, the
 // queries into the query buffer, the draft rows straight into the pool, the
-// output list into device memory) and advances the cursor; the attention
+// output list into device memory) and advances the cursor; with an fp8 pool
+// the draft rows go to a draft buffer instead and the draft-write kernel
+// quantizes them into the pool; the attention
 // (plan, attention, combine) reads only device memory; the scatter kernel
 // runs the output list (each output row to its caller's memory: a CUDA
 // region, a page-locked system region, or the engine's host staging).
@@ -60,7 +62,7 @@ class CudaDevice final : public Device {
     cudaFreeHost(read_host_);
     cudaFreeHost(upload_host_);
     for (void* p : {pool_, table_, q_, out_, lse_, requests_, visibility_, outputs_, counters_,
-                    list_, workspace_, read_dev_}) {
+                    list_, workspace_, read_dev_, draft_kv_}) {
       cudaFree(p);
     }
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
@@ -79,23 +81,20 @@ class CudaDevice final : public Device {
 
   absl::Status Init(const DeviceGeometry& g) override {
     g_ = g;
-    if (g.kv_dtype != KvDtype::kBf16) {
-      // Never silently wrong: the kernels read bf16 rows only.
-      return absl::UnimplementedError(
-          absl::StrCat(name(), ": --kv-dtype ", KvDtypeName(g.kv_dtype),
-                       " is not supported by the CUDA kernels yet (bf16 only; the CPU backend "
-                       "stores and attends fp8 rows)"));
-    }
     RETURN_IF_ERROR(BindThread());
     ASSIGN_OR_RETURN(config_, kernels::PrepareVerifyLaunch(ordinal_));
     RETURN_IF_ERROR(Check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"));
     const size_t rows = static_cast<size_t>(g.max_batch) * g.max_draft_len;
     const size_t pool_bytes =
-        static_cast<size_t>(g.num_layers) * g.num_pages * g.page_size * kLatentRowBytes;
+        static_cast<size_t>(g.num_layers) * g.num_pages * g.page_size * KvRowBytes(g.kv_dtype);
     RETURN_IF_ERROR(Check(cudaMalloc(&pool_, pool_bytes), "pool allocation"));
     RETURN_IF_ERROR(Allocate(&table_, static_cast<size_t>(g.table_entries) * sizeof(int32_t),
                              "page-table arena"));
     RETURN_IF_ERROR(Allocate(&q_, rows * g.num_heads * kLatentRowBytes, "query buffer"));
+    if (g.kv_dtype != KvDtype::kBf16) {
+      // The batch's draft rows before quantization (device_worker.cc gathers them here).
+      RETURN_IF_ERROR(Allocate(&draft_kv_, rows * kLatentRowBytes, "draft row buffer"));
+    }
     RETURN_IF_ERROR(Allocate(&out_, rows * g.num_heads * kValueDim * sizeof(Bf16), "out buffer"));
     RETURN_IF_ERROR(Allocate(&lse_, rows * g.num_heads * sizeof(float), "lse buffer"));
     RETURN_IF_ERROR(Allocate(&requests_, g.slot.requests.bytes, "request arrays"));
@@ -129,6 +128,7 @@ class CudaDevice final : public Device {
     RETURN_IF_ERROR(
         kernels::InitVerifyWorkspace(shape, config_, workspace_, workspace_bytes_, stream_));
     buffers_.pool = Address(pool_);
+    if (draft_kv_ != nullptr) buffers_.draft_kv = Address(draft_kv_);
     buffers_.table = Address(table_);
     buffers_.q = Address(q_);
     buffers_.out = Address(out_);
@@ -238,21 +238,24 @@ class CudaDevice final : public Device {
                             "row read buffer"));
     }
     const int64_t layers = g_.num_layers;
-    const int64_t chunk_max = std::max<int64_t>(1, kReadChunkBytes / (layers * kLatentRowBytes));
+    // Rows as stored (device.h): 576 bf16 values, or 656-byte fp8 rows.
+    const int64_t row_bytes = KvRowBytes(g_.kv_dtype);
+    const int64_t row_elements = row_bytes / static_cast<int64_t>(sizeof(Bf16));
+    const int64_t chunk_max = std::max<int64_t>(1, kReadChunkBytes / (layers * row_bytes));
     for (int64_t c0 = 0; c0 < count; c0 += chunk_max) {
       const int64_t chunk = std::min(chunk_max, count - c0);
       RETURN_IF_ERROR(kernels::LaunchCopyRows(View(), TableAt(table_offset), start + c0, chunk,
                                               static_cast<Bf16*>(read_dev_), /*to_pool=*/false,
                                               stream_));
-      const size_t bytes = static_cast<size_t>(layers * chunk) * kLatentRowBytes;
+      const size_t bytes = static_cast<size_t>(layers * chunk * row_bytes);
       RETURN_IF_ERROR(
           Check(cudaMemcpyAsync(read_host_, read_dev_, bytes, cudaMemcpyDeviceToHost, stream_),
                 "row download"));
       RETURN_IF_ERROR(Check(cudaStreamSynchronize(stream_), "row download"));
       const auto* host = static_cast<const Bf16*>(read_host_);
       for (int64_t layer = 0; layer < layers; ++layer) {
-        std::memcpy(rows + (layer * count + c0) * kLatentDim, host + layer * chunk * kLatentDim,
-                    static_cast<size_t>(chunk) * kLatentRowBytes);
+        std::memcpy(rows + (layer * count + c0) * row_elements, host + layer * chunk * row_elements,
+                    static_cast<size_t>(chunk * row_bytes));
       }
     }
     return absl::OkStatus();
@@ -380,8 +383,8 @@ class CudaDevice final : public Device {
   }
 
   kernels::KvPoolView View() const {
-    return kernels::KvPoolView{static_cast<Bf16*>(pool_), g_.num_layers, g_.num_pages,
-                               g_.page_size};
+    return kernels::KvPoolView{static_cast<Bf16*>(pool_), g_.num_layers, g_.num_pages, g_.page_size,
+                               g_.kv_dtype};
   }
 
   const int32_t* TableAt(int64_t offset) const {
@@ -413,6 +416,22 @@ class CudaDevice final : public Device {
     RETURN_IF_ERROR(kernels::LaunchGatherCopies(
         Gather(GatherCapacity(shape, g_.page_size, g_.max_batch), row_blocks), stream_));
     const RequestArraysLayout& r = g_.slot.requests;
+    if (draft_kv_ != nullptr) {
+      // fp8 pool: the gather left the draft rows in the draft buffer; they
+      // enter the pool quantized, and the attention reads them as stored.
+      kernels::DraftKvWriteArguments w;
+      w.batch = shape.batch;
+      w.total_draft_capacity = shape.rows();
+      w.draft_kv = static_cast<const Bf16*>(draft_kv_);
+      w.pool = View();
+      w.page_table = static_cast<const int32_t*>(table_);
+      w.page_table_stride = 1;  // unused: every request has its offset
+      w.page_table_offset = At<const int64_t>(buffers_.requests, r.table_offset);
+      w.prefix_len = At<const int32_t>(buffers_.requests, r.prefix_len);
+      w.draft_len = At<const int32_t>(buffers_.requests, r.draft_len);
+      w.layer = At<const int32_t>(buffers_.requests, r.layer);
+      RETURN_IF_ERROR(kernels::LaunchWriteDraftKv(w, stream_));
+    }
     kernels::VerifyArguments a;
     a.batch = shape.batch;
     a.num_heads = g_.num_heads;
@@ -464,6 +483,7 @@ class CudaDevice final : public Device {
   void* pool_ = nullptr;
   void* table_ = nullptr;
   void* q_ = nullptr;
+  void* draft_kv_ = nullptr;  // fp8 pools only: the batch's draft rows before quantization
   void* out_ = nullptr;
   void* lse_ = nullptr;
   void* requests_ = nullptr;

@@ -29,6 +29,18 @@ has taken the first arrival. Only the slow-warp schedules find it (half
 the runs keep one warp at 2 % of its share of the scheduler); CTest runs
 both plants and expects them to fail.
 
+`--fp8`: the fp8 instances. Their loads land raw fp8 rows, which the warp
+that loaded them converts in place (ConvertFp8Row) before the tile may be
+read: the score warps convert every prologue tile after a wait for all
+their groups, before the tile loop; the PV warps convert tile t+3 at the
+end of iteration t, after its commit and a wait that leaves one group
+pending. A conversion is a synchronous write of the warp's part of the
+stage: its tile must have landed, no read of the stage's earlier tile may
+be unordered with it, and every read of the tile must come after it.
+`--fp8 --plant fp8-convert-late` converts tile t+2 after arriving KV_FULL(t+2)
+instead: the score warps may then read it unconverted (CTest expects the
+fault).
+
 The epilogue (v9.2): after BAR_FINAL each PV warp writes its O slice into its
 own piece of the KV stages (StoreOutputSliceStaged), STAGING bytes per warp
 from the start of stage 0; modelled as synchronous writes of those stages,
@@ -38,6 +50,7 @@ which must come after every read of them and after every cp.async into them.
 import random, sys
 
 PLANT = sys.argv[sys.argv.index('--plant') + 1] if '--plant' in sys.argv else None
+FP8 = '--fp8' in sys.argv
 # The PV warps arrive KV_FULL(t+2) during their MMAs of tile t (v23: three
 # quarters through them on the register page path, halfway in the page-ring
 # instance, before them in the fused page-ring one; all order the same
@@ -106,7 +119,7 @@ def run(nt, ring, seed):
             if x != w and not hb(x, tr, w): errs.append(f"WAR Q stage {stage} by w{w} vs Q read w{x}")
         for rec in stage_writes[stage]:
             if rec['done'] is None and rec['part'] == part: errs.append(f"WAW stage {stage}: tile {tile} while tile {rec['tile']} in flight")
-        rec = {'tile': tile, 'issuer': w, 'done': None, 'part': part}
+        rec = {'tile': tile, 'issuer': w, 'done': None, 'part': part, 'converted': not FP8}
         stage_writes[stage] = [x for x in stage_writes[stage] if x['part'] != part] + [rec]
         openg[w].append(rec)
     def commit(w): groups[w].append(openg[w]); openg[w] = []
@@ -125,7 +138,21 @@ def run(nt, ring, seed):
           if rec['tile'] != tile: errs.append(f"{who} w{w} read stage {stage} want {tile} got {rec['tile']}")
           elif rec['done'] is None: errs.append(f"{who} w{w} read stage {stage} tile {tile} in flight")
           elif not hb(rec['done'][0], rec['done'][1], w): errs.append(f"{who} w{w} read tile {tile} not HB")
+          elif not rec['converted']: errs.append(f"{who} w{w} read tile {tile} before its fp8 conversion")
         reads.setdefault(('stage', stage), []).append((w, t))
+    # fp8: the loading warp converts its part of a landed tile in place
+    def convert(w, stage, tile, part):
+        t = tick(w)
+        for (x, tr) in reads.get(('stage', stage), []):
+            if x != w and not hb(x, tr, w): errs.append(f"convert WAR stage {stage} by w{w} vs read w{x}")
+        mine = [rec for rec in stage_writes[stage] if rec['part'] == part]
+        if len(mine) != 1 or mine[0]['tile'] != tile or mine[0]['issuer'] != w:
+            errs.append(f"w{w} converts stage {stage} tile {tile}: not its load"); return
+        rec = mine[0]
+        if rec['done'] is None or rec['done'][0] != w:
+            errs.append(f"w{w} converts tile {tile} before its cp.async completed"); return
+        rec['converted'] = True
+        rec['done'] = (w, t)  # readers must see the conversion, not just the landing
     # the epilogue's staging: a synchronous write of every stage its bytes touch
     def write_stage_sync(w, stage):
         t = tick(w)
@@ -183,6 +210,10 @@ def run(nt, ring, seed):
         for t in range(QS, NS):
             if loader and t < nt: issue(w, t, t, w)
             commit(w)
+        if FP8:  # every prologue tile, before the tile loop
+            wait(w, 0)
+            for t in range(NS):
+                if loader and t < nt: convert(w, t, t, w)
         for t in range(nt):
             half = half_refs_in(ring)
             # --plant published-early: the partner's published references read
@@ -247,6 +278,8 @@ def run(nt, ring, seed):
             if kv_full:  # v23: during the MMAs (after the phase-offset sync)
                 wait(w, NS - 4)
                 yield ('arrive', BAR_KV_FULL + (t & 1), ALL)
+                if FP8 and PLANT == 'fp8-convert-late' and loader:
+                    convert(w, (t + 2) % NS, t + 2, v)
             read_stage(w, t % NS, t, 'pv')
             yield None
             if t + 2 < nt: yield ('arrive', BAR_P_EMPTY + (t & 1), ALL)
@@ -257,6 +290,10 @@ def run(nt, ring, seed):
                     issue(w, (t - 1) % NS, lt, v)
                     if ring: write_res(w, ('ring', (lt + 4) % 8), lt + 4)
                 commit(w)
+                ct = t + 3  # fp8: the tile loaded at the end of iteration t - 1
+                if FP8 and PLANT != 'fp8-convert-late' and NS <= ct < nt:
+                    wait(w, NS - 4)
+                    if loader: convert(w, ct % NS, ct, v)
         # CpAsyncWait<0>: in the kernel for the page ring's last fetches (their
         # own region, synchronous in this model); every KV load into a stage
         # has been waited for before its tile was read.
