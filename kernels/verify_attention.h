@@ -2,9 +2,9 @@
 // every executor takes (the CUDA kernels and the CPU reference), and the
 // validation of them. No CUDA headers here: the CPU backend includes this.
 //
-// Math (DESIGN.md §2), for request b with prefix length P = prefix_len[b],
-// N = draft_len[b] drafts stored in the pool at positions P..P+N-1, query
-// token i in 0..N-1 and head h:
+// Math (docs/kernel.md, "What one launch computes"), for request b with
+// prefix length P = prefix_len[b], N = draft_len[b] drafts stored in the pool
+// at positions P..P+N-1, query token i in 0..N-1 and head h:
 //   s[j]   = scale_b * dot(q[i,h,:576], kv[j,:576])   for visible j
 //   o[i,h] = sum_j softmax(s)[j] * kv[j,:512]
 //   lse    = ln sum_j exp(s[j])

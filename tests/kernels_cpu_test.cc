@@ -61,7 +61,7 @@ TEST(DraftTree, AcceptedPathMustStartAtARootAndFollowChildren) {
   EXPECT_FALSE(ValidateAcceptedPath(parents, {0, 9}).ok());     // out of range
 }
 
-// Float64 brute force over the pool, written from DESIGN.md section 2 without
+// Float64 brute force over the pool, written from docs/kernel.md's math without
 // sharing code with the reference: scores, max-subtracted softmax, weighted
 // sum and natural-log LSE.
 void BruteForce(const HostVerifyProblem& p, std::vector<double>* out, std::vector<double>* lse) {

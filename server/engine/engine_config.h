@@ -18,7 +18,7 @@
 
 namespace mlaverify::engine {
 
-// How the engine uses several devices (DESIGN.md §4).
+// How the engine uses several devices (docs/architecture.md, "Multiple devices").
 enum class ParallelMode {
   // Tensor parallel: each of T devices computes num_heads / T query heads of
   // every item; the latent KV is replicated on every device (AppendKv, draft
