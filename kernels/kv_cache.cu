@@ -33,6 +33,30 @@ __device__ __forceinline__ int64_t RowOffset(int layer, int64_t num_pages, int p
          row_elements;
 }
 
+// The codes of QuantizeFp8Value(v[k], scale) for k = 0..3, low byte first.
+// From sm_89 on, two cvt.rn.satfinite.e4m3x2 (round to nearest even,
+// saturating at ±448) replace common/kv_dtype.h's integer rounding: the same
+// codes for every finite input, and only finite rows reach the pool (the
+// engine refuses rows holding NaN or Inf). The GPU tests compare the bytes
+// with the CPU's. A zero scale (an all-zero group) gives zero codes, as on
+// the host.
+__device__ __forceinline__ uint32_t QuantizeFour(const float (&v)[4], float scale) {
+#if __CUDA_ARCH__ >= 890
+  if (!(scale > 0.0f)) return 0;
+  uint16_t low, high;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(low) : "f"(v[1] / scale), "f"(v[0] / scale));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
+      : "=h"(high)
+      : "f"(v[3] / scale), "f"(v[2] / scale));
+  return static_cast<uint32_t>(low) | static_cast<uint32_t>(high) << 16;
+#else
+  return static_cast<uint32_t>(QuantizeFp8Value(v[0], scale)) |
+         static_cast<uint32_t>(QuantizeFp8Value(v[1], scale)) << 8 |
+         static_cast<uint32_t>(QuantizeFp8Value(v[2], scale)) << 16 |
+         static_cast<uint32_t>(QuantizeFp8Value(v[3], scale)) << 24;
+#endif
+}
+
 // A bf16 row (576 values, 16-byte aligned) into a 656-byte fp8 row, by the
 // WRITE_THREADS threads of a CTA: warp g quantizes group g (each lane four
 // values, the group's amax by a warp reduction), the first eight threads copy
@@ -50,10 +74,7 @@ __device__ __forceinline__ void QuantizeRowCta(const uint16_t* src, uint16_t* ds
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
   }
   const float scale = Fp8GroupScale(amax);
-  const uint32_t codes = static_cast<uint32_t>(QuantizeFp8Value(v[0], scale)) |
-                         static_cast<uint32_t>(QuantizeFp8Value(v[1], scale)) << 8 |
-                         static_cast<uint32_t>(QuantizeFp8Value(v[2], scale)) << 16 |
-                         static_cast<uint32_t>(QuantizeFp8Value(v[3], scale)) << 24;
+  const uint32_t codes = QuantizeFour(v, scale);
   reinterpret_cast<uint32_t*>(dst + g * kFp8GroupSize)[lane] = codes;
   if (lane == 0) reinterpret_cast<float*>(dst + kFp8ScaleOffset)[g] = scale;
   if (threadIdx.x < kRopeDim * 2 / 16) {
@@ -92,10 +113,7 @@ __device__ __forceinline__ void QuantizeRowWarp(const uint16_t* src, uint16_t* d
 #pragma unroll
   for (int g = 0; g < kFp8Groups; ++g) {
     const float scale = Fp8GroupScale(amax[g]);
-    const uint32_t codes = static_cast<uint32_t>(QuantizeFp8Value(v[g][0], scale)) |
-                           static_cast<uint32_t>(QuantizeFp8Value(v[g][1], scale)) << 8 |
-                           static_cast<uint32_t>(QuantizeFp8Value(v[g][2], scale)) << 16 |
-                           static_cast<uint32_t>(QuantizeFp8Value(v[g][3], scale)) << 24;
+    const uint32_t codes = QuantizeFour(v[g], scale);
     reinterpret_cast<uint32_t*>(dst + g * kFp8GroupSize)[lane] = codes;
     if (lane == g) reinterpret_cast<float*>(dst + kFp8ScaleOffset)[g] = scale;
   }
