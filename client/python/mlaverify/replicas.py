@@ -155,19 +155,19 @@ class _Book:
             return [replace(s) for s in self.states]
 
 
-class ReplicaSet:
-    """Replicas behind one synchronous client: one VerifyClient per target,
-    made with `client_options` (VerifyClient's keyword arguments)."""
+class _ReplicaSetBase:
+    """What ReplicaSet and AsyncReplicaSet share: the book, the clients and
+    the members that make no call."""
 
-    def __init__(self, targets: Sequence[str], retry_down_after_s: float = 1.0,
-                 **client_options: Any):
+    def __init__(self, targets: Sequence[str], retry_down_after_s: float,
+                 client_class: Callable[..., Any], client_options: Any):
         self._book = _Book(targets, retry_down_after_s)
-        self._clients = [VerifyClient(t, **client_options) for t in targets]
+        self._clients = [client_class(t, **client_options) for t in targets]
 
     def __len__(self) -> int:
         return len(self._clients)
 
-    def replica(self, index: int) -> VerifyClient:
+    def replica(self, index: int) -> Any:
         """The client of replica `index` (for calls made on it directly,
         e.g. a VerifyStream: pass their errors to observe())."""
         return self._clients[index]
@@ -188,6 +188,15 @@ class ReplicaSet:
         """The outcome of a call made on replica(index) directly: marks it
         down on UNAVAILABLE; returns the error named after the replica."""
         return self._book.observe(index, error)
+
+
+class ReplicaSet(_ReplicaSetBase):
+    """Replicas behind one synchronous client: one VerifyClient per target,
+    made with `client_options` (VerifyClient's keyword arguments)."""
+
+    def __init__(self, targets: Sequence[str], retry_down_after_s: float = 1.0,
+                 **client_options: Any):
+        super().__init__(targets, retry_down_after_s, VerifyClient, client_options)
 
     def _refresh(self, index: int) -> bool:
         if not self._book.may_probe(index):
@@ -270,36 +279,12 @@ class ReplicaSet:
         self.close()
 
 
-class AsyncReplicaSet:
+class AsyncReplicaSet(_ReplicaSetBase):
     """As ReplicaSet, over AsyncVerifyClients: the same methods, coroutines."""
 
     def __init__(self, targets: Sequence[str], retry_down_after_s: float = 1.0,
                  **client_options: Any):
-        self._book = _Book(targets, retry_down_after_s)
-        self._clients = [AsyncVerifyClient(t, **client_options) for t in targets]
-
-    def __len__(self) -> int:
-        return len(self._clients)
-
-    def replica(self, index: int) -> AsyncVerifyClient:
-        """As ReplicaSet.replica."""
-        return self._clients[index]
-
-    def name(self, index: int) -> str:
-        """As ReplicaSet.name."""
-        return self._book.name(index)
-
-    def states(self) -> List[ReplicaState]:
-        """As ReplicaSet.states."""
-        return self._book.snapshot()
-
-    def check_up(self, index: int) -> None:
-        """As ReplicaSet.check_up."""
-        self._book.check_up(index)
-
-    def observe(self, index: int, error: VerifyError) -> VerifyError:
-        """As ReplicaSet.observe."""
-        return self._book.observe(index, error)
+        super().__init__(targets, retry_down_after_s, AsyncVerifyClient, client_options)
 
     async def _refresh(self, index: int) -> bool:
         if not self._book.may_probe(index):
