@@ -24,17 +24,9 @@ import json
 import os
 import re
 
+from service_planes import kernel_times  # the same kernel file format
+
 NAME = re.compile(r"conns-(unary|stream)-c(\d+)-(\w+?)-n(\d+)\.json$")
-
-
-def kernel_times(path):
-    """(batch, prefix_len, heads) -> kernel time in us (N=16, tree, page 64)."""
-    if not os.path.exists(path):
-        return {}, None
-    with open(path) as f:
-        bench = json.load(f)
-    return ({(r["batch"], r["prefix_len"], r["heads"]): r["time_us"] for r in bench["rows"]},
-            bench.get("gpu"))
 
 
 def row_of(path, kernels):
