@@ -225,10 +225,11 @@ VerifyClient::VerifyClient(std::string target, ClientOptions options,
 
 VerifyClient::~VerifyClient() = default;
 
-Connection& VerifyClient::NextConnection() {
-  return *connections_[next_connection_.fetch_add(1, std::memory_order_relaxed) %
-                       connections_.size()];
+size_t VerifyClient::NextConnectionIndex() {
+  return next_connection_.fetch_add(1, std::memory_order_relaxed) % connections_.size();
 }
+
+Connection& VerifyClient::NextConnection() { return *connections_[NextConnectionIndex()]; }
 
 v1::VerifyService::Stub* VerifyClient::StubOf(Connection& connection) {
   return connection.stub.get();
@@ -508,11 +509,11 @@ absl::StatusOr<std::unique_ptr<VerifyStreamSession>> VerifyClient::OpenVerifyStr
   if (!options_.auth_token.empty()) {
     session->context_.AddMetadata("authorization", "Bearer " + options_.auth_token);
   }
-  const uint64_t turn = next_connection_.fetch_add(1, std::memory_order_relaxed);
-  Connection& connection = *connections_[turn % connections_.size()];
+  const size_t index = NextConnectionIndex();
+  Connection& connection = *connections_[index];
   connection.streams_opened.fetch_add(1, std::memory_order_relaxed);
   session->connection_ = &connection;
-  session->connection_index_ = static_cast<int>(turn % connections_.size());
+  session->connection_index_ = static_cast<int>(index);
   session->stream_ = connection.stub->VerifyStream(&session->context_);
   if (session->stream_ == nullptr) {
     return absl::InternalError("gRPC returned no VerifyStream");

@@ -255,7 +255,9 @@ class VerifyClient {
   VerifyClient(std::string target, ClientOptions options,
                std::vector<std::unique_ptr<Connection>> connections);
 
-  // The next connection in turn, for calls that belong to no sequence.
+  // The next connection in turn (its index, or itself), for calls that
+  // belong to no sequence and for streams.
+  size_t NextConnectionIndex();
   Connection& NextConnection();
   Connection& SequenceConnection(uint64_t sequence_id) {
     return *connections_[ConnectionOf(sequence_id)];
