@@ -21,7 +21,7 @@ constexpr int COMPACT_VECTORS_PER_THREAD =
     (MAX_DRAFTS * ROW_VECTORS + COMPACT_THREADS - 1) / COMPACT_THREADS;
 
 constexpr int FP8_ROW_ELEMENTS = kFp8RowBytes / 2;  // 328: an fp8 row in 2-byte units
-static_assert(WRITE_THREADS == 32 * kFp8Groups, "one warp per 128-value group");
+static_assert(WRITE_THREADS % 32 == 0, "rows are quantized by whole warps");
 static_assert(kFp8GroupSize == 32 * 4, "each lane quantizes four values of its group");
 
 __device__ __forceinline__ int64_t RowOffset(int layer, int64_t num_pages, int page_size_log2,
@@ -57,37 +57,10 @@ __device__ __forceinline__ uint32_t QuantizeFour(const float (&v)[4], float scal
 #endif
 }
 
-// A bf16 row (576 values, 16-byte aligned) into a 656-byte fp8 row, by the
-// WRITE_THREADS threads of a CTA: warp g quantizes group g (each lane four
-// values, the group's amax by a warp reduction), the first eight threads copy
-// the rope values.
-__device__ __forceinline__ void QuantizeRowCta(const uint16_t* src, uint16_t* dst_row) {
-  auto* dst = reinterpret_cast<uint8_t*>(dst_row);
-  const int g = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  const uint2 packed = reinterpret_cast<const uint2*>(src + g * kFp8GroupSize)[lane];
-  float v[4] = {__uint_as_float(packed.x << 16), __uint_as_float(packed.x & 0xffff0000u),
-                __uint_as_float(packed.y << 16), __uint_as_float(packed.y & 0xffff0000u)};
-  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  }
-  const float scale = Fp8GroupScale(amax);
-  const uint32_t codes = QuantizeFour(v, scale);
-  reinterpret_cast<uint32_t*>(dst + g * kFp8GroupSize)[lane] = codes;
-  if (lane == 0) reinterpret_cast<float*>(dst + kFp8ScaleOffset)[g] = scale;
-  if (threadIdx.x < kRopeDim * 2 / 16) {
-    reinterpret_cast<uint4*>(dst + kFp8RopeOffset)[threadIdx.x] =
-        reinterpret_cast<const uint4*>(src + kValueDim)[threadIdx.x];
-  }
-}
-
-// The same quantization by one warp (lane l holds values 4l..4l+3 of every
-// group; the four amax reductions run side by side), so that a CTA
-// quantizes several rows: the row copy into an fp8 pool keeps more rows in
-// flight per SM than one CTA per row allows. Same arithmetic as
-// QuantizeRowCta (the amax is order-free), hence the same bytes.
+// A bf16 row (576 values, 16-byte aligned) into a 656-byte fp8 row, by one
+// warp: lane l holds values 4l..4l+3 of every group, the four groups' amax
+// reductions run side by side, lanes 0-7 copy the rope values. One warp per
+// row lets the row copy put four rows in a CTA, more rows in flight per SM.
 __device__ __forceinline__ void QuantizeRowWarp(const uint16_t* src, uint16_t* dst_row, int lane) {
   auto* dst = reinterpret_cast<uint8_t*>(dst_row);
   float v[kFp8Groups][4];
@@ -138,7 +111,7 @@ __global__ void __launch_bounds__(WRITE_THREADS) DraftKvWriteKernel(const DraftK
                                 static_cast<int64_t>(p.prefix_len[b]) + s_index, p.row_elements);
   const uint16_t* src_row = p.draft_kv + blockIdx.x * p.draft_kv_stride;
   if (p.row_elements == FP8_ROW_ELEMENTS) {
-    QuantizeRowCta(src_row, p.pool + dst);
+    if (threadIdx.x < 32) QuantizeRowWarp(src_row, p.pool + dst, threadIdx.x);
     return;
   }
   if (threadIdx.x >= ROW_VECTORS) return;
