@@ -226,6 +226,7 @@ struct WorkerResult {
   std::optional<Clock::time_point> first_append_start, last_append_end;  // in the ramp-up
   std::map<std::string, int64_t> errors;
   std::map<std::string, std::map<std::string, int64_t>> errors_by_rpc;
+  std::string first_error;  // "RPC: status" of the first counted failure
   // Failed calls whose replica was down by then, per replica (several
   // targets only: the run goes on with the other replicas).
   std::map<int, int64_t> lost_replica_errors;
@@ -331,6 +332,7 @@ class LoadWorker {
     }
     ++result_.errors[absl::StatusCodeToString(status.code())];
     ++result_.errors_by_rpc[rpc][absl::StatusCodeToString(status.code())];
+    if (result_.first_error.empty()) result_.first_error = absl::StrCat(rpc, ": ", status.ToString());
     control_.CountError();
     // (The clock is set only once the ramp-up is over.)
     if (ramped_up_) {
@@ -452,7 +454,12 @@ class LoadWorker {
             std::all_of(r.out.begin(), r.out.end(),
                         [](Bf16 v) { return std::isfinite(Bf16ToFloat(v)); }) &&
             std::all_of(r.lse.begin(), r.lse.end(), [](float v) { return std::isfinite(v); });
-        if (!finite) ++result_.errors[kNonFiniteOutput];
+        if (!finite) {
+          ++result_.errors[kNonFiniteOutput];
+          if (result_.first_error.empty()) {
+            result_.first_error = absl::StrCat(kNonFiniteOutput, ": an answer with NaN or Inf");
+          }
+        }
       }
       if (measured) {
         if (ms > result_.slowest.ms) {
@@ -962,6 +969,7 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
     for (const auto& [rpc, codes] : result.errors_by_rpc) {
       for (const auto& [code, count] : codes) report.errors_by_rpc[rpc][code] += count;
     }
+    if (report.first_error.empty()) report.first_error = result.first_error;
     for (const auto& [r, count] : result.lost_replica_errors) {
       LoadReport::Replica& replica = report.replicas[r];
       if (replica.errors_while_down == 0) replica.first_error = result.first_lost_error[r];
@@ -973,6 +981,9 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
       if (!freed.ok()) {
         ++report.errors[absl::StatusCodeToString(freed.status().code())];
         ++report.errors_by_rpc["ReleaseSequence"][absl::StatusCodeToString(freed.status().code())];
+        if (report.first_error.empty()) {
+          report.first_error = absl::StrCat("ReleaseSequence: ", freed.status().ToString());
+        }
       }
     }
   }
@@ -1195,6 +1206,7 @@ void PrintLoadReport(const LoadReport& report) {
     if (code == kNonFiniteOutput) errors.push_back(absl::StrCat(code, " ", count));
   }
   absl::PrintF("errors:       %s\n", errors.empty() ? "none" : absl::StrJoin(errors, ", "));
+  if (!report.first_error.empty()) absl::PrintF("first error:  %s\n", report.first_error);
   if (report.replicas.size() > 1) {
     for (size_t r = 0; r < report.replicas.size(); ++r) {
       const LoadReport::Replica& replica = report.replicas[r];
@@ -1351,6 +1363,7 @@ nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
                     : nlohmann::ordered_json(nullptr)},
       {"errors", report.errors},
       {"errors_by_rpc", report.errors_by_rpc},
+      {"first_error", report.first_error},
       {"total_errors", report.total_errors},
       {"free_pages_before", report.free_pages_before},
       {"free_pages_after", report.free_pages_after},

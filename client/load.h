@@ -165,6 +165,9 @@ struct LoadReport {
   std::map<std::string, int64_t> errors;  // by gRPC code name, all phases
   // The same failures by RPC ("Verify", "AppendKv", ...) and code.
   std::map<std::string, std::map<std::string, int64_t>> errors_by_rpc;
+  // One of the counted failures in full ("AppendKv: UNAVAILABLE: ..."): the
+  // first a worker met, from the lowest-numbered worker that met one.
+  std::string first_error;
   int64_t total_errors = 0;
   int64_t free_pages_before = 0;
   int64_t free_pages_after = 0;

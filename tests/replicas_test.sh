@@ -3,7 +3,8 @@
 # spreads sequences over all three with zero errors and every page back on
 # each; then one replica is killed mid-run: the load finishes on the other
 # two, reports the lost replica (its calls failed with UNAVAILABLE naming
-# it) and exits 3.
+# it) and exits 3; last, a load against one server killed mid-run fails
+# and its report quotes a failed call in full (`first_error`).
 #   tests/replicas_test.sh BUILD_DIR
 set -uo pipefail
 build=$1
@@ -37,7 +38,7 @@ load=("$client" --target "$list" load --concurrency 32 --warmup-s 0.5 --prompt-l
 echo "== load over three replicas"
 "${load[@]}" --duration-s 4 --json "$work/spread.json" > "$work/spread.log" 2>&1
 rc=$?
-grep -E "^(replica|errors|pages|result)" "$work/spread.log"
+grep -E "^(replica|errors|first error|pages|result)" "$work/spread.log"
 check "load over three replicas exits 0" [ "$rc" -eq 0 ]
 check "every replica got sequences and gave every page back" python3 - "$work/spread.json" <<'PY'
 import json, sys
@@ -56,7 +57,7 @@ sleep 2.5
 kill -9 "${pids[1]}"
 wait "$load_pid"
 rc=$?
-grep -E "^(replica|errors|pages|result)" "$work/loss.log"
+grep -E "^(replica|errors|first error|pages|result)" "$work/loss.log"
 check "the load finishes and exits 3 (replica lost)" [ "$rc" -eq 3 ]
 check "replica 1 is reported lost with UNAVAILABLE naming it; the others lost nothing" \
   python3 - "$work/loss.json" "${targets[1]}" <<'PY'
@@ -68,6 +69,25 @@ ok = ok and "UNAVAILABLE" in lost["first_error"] and f"replica 1 ({sys.argv[2]})
 ok = ok and r["total_errors"] == 0 and r["survived_replica_loss"]
 for x in (r["replicas"][0], r["replicas"][2]):
     ok = ok and not x["lost"] and not x["page_leak"] and x["free_pages_after"] == x["free_pages_before"]
+sys.exit(0 if ok else 1)
+PY
+
+echo "== one target, killed 1.5 s into a 4-s load: the report quotes a failure in full"
+"$client" --target "${targets[2]}" load --concurrency 8 --warmup-s 0.3 --prompt-len 32 --drafts 4 \
+  --duration-s 4 --progress false --json "$work/single.json" > "$work/single.log" 2>&1 &
+load_pid=$!
+sleep 1.5
+kill -9 "${pids[2]}"
+wait "$load_pid"
+rc=$?
+grep -E "^(errors|first error)" "$work/single.log"
+check "the load fails" [ "$rc" -ne 0 ]
+check "first_error quotes an UNAVAILABLE call by its RPC" python3 - "$work/single.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+first = r["first_error"]
+rpcs = ("CreateSequence", "AppendKv", "Verify", "VerifyStream", "Commit", "ReleaseSequence")
+ok = r["total_errors"] > 0 and "UNAVAILABLE" in first and first.split(":")[0] in rpcs
 sys.exit(0 if ok else 1)
 PY
 
