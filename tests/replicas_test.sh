@@ -92,6 +92,7 @@ sys.exit(0 if ok else 1)
 PY
 
 if [ "$failures" -ne 0 ]; then
+  for r in 0 1 2; do echo "-- server $r log (last lines)"; tail -n 8 "$work/server$r.log"; done
   echo "replicas test FAILED ($failures)"
   exit 1
 fi
