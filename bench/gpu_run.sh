@@ -529,13 +529,15 @@ if want stalls && command -v ncu >/dev/null; then
   # Where the attention kernel's warps wait: warp-state statistics and
   # per-SASS-instruction stall samples (source page as CSV) at one shape.
   shape=${STALL_SHAPE:-8,16384,16,8}
+  # STALL_ARGS: more bench flags, e.g. "--kv-dtype fp8".
+  read -r -a stall_args <<< "${STALL_ARGS:-}"
   # STALL_SAMPLING=0 samples every 32 cycles (small launches need it).
   sampling=()
   [ -n "${STALL_SAMPLING:-}" ] && sampling=(--warp-sampling-interval "$STALL_SAMPLING")
   timeout 300 ncu --clock-control none --section WarpStateStats --section SourceCounters "${sampling[@]}" \
     --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats \
     --import-source no -k regex:Attention --launch-skip 2 --launch-count 1 -o "$out/stalls" \
-    "$bundle/bin/mlaverify-bench" --shape "$shape" --reps 3 \
+    "$bundle/bin/mlaverify-bench" --shape "$shape" --reps 3 "${stall_args[@]}" \
     > "$out/stalls_run.txt" 2>&1
   ncu -i "$out/stalls.ncu-rep" --print-details all > "$out/stalls_details.txt" 2>&1
   ncu -i "$out/stalls.ncu-rep" --page source --csv --print-source sass > "$out/stalls_sass.csv" 2>&1
