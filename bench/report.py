@@ -22,8 +22,9 @@ def load(path):
 
 
 def key(row):
+    # The Triton baseline's rows carry no kv_dtype: they read bf16 rows.
     return (row["batch"], row["prefix_len"], row["draft_len"], row["heads"], row["page_size"],
-            row["mask"])
+            row["mask"], row.get("kv_dtype", "bf16"))
 
 
 def main():
@@ -65,18 +66,23 @@ def main():
     # "plan reused": the same launch as a verify step's later layers run it
     # (VerifyLaunchConfig::reuse_plan), when the run measured it.
     reused = any("time_us_reused_plan" in r for r in rows)
-    print("| B | L | N | H | page | mask | µs |%s TB/s | TFLOP/s | × floor | Triton µs | speed-up | rel err |"
-          % (" plan reused µs |" if reused else ""))
-    print("|--:|--:|--:|--:|--:|---|--:|%s--:|--:|--:|--:|--:|--:|" % ("--:|" if reused else ""))
+    # A KV column when the run has fp8 rows (mlaverify-bench --kv-dtype fp8|both).
+    kv = any(r.get("kv_dtype", "bf16") != "bf16" for r in rows)
+    print("| B | L | N | H | page | mask |%s µs |%s TB/s | TFLOP/s | × floor | Triton µs | speed-up | rel err |"
+          % (" KV |" if kv else "", " plan reused µs |" if reused else ""))
+    print("|--:|--:|--:|--:|--:|---|%s--:|%s--:|--:|--:|--:|--:|--:|"
+          % ("---|" if kv else "", "--:|" if reused else ""))
     for r in rows:
         tri = "%.1f" % r["triton_time_us"] if r["triton_time_us"] else "–"
         spd = "%.1f×" % r["speedup_vs_triton"] if r["speedup_vs_triton"] else "–"
         rp = ""
         if reused:
             rp = " %s |" % ("%.1f" % r["time_us_reused_plan"] if "time_us_reused_plan" in r else "–")
-        print("| %d | %d | %d | %d | %d | %s | %.1f |%s %.2f | %.0f | %.2f | %s | %s | %.1e |" % (
+        kv_cell = " %s |" % r.get("kv_dtype", "bf16") if kv else ""
+        print("| %d | %d | %d | %d | %d | %s |%s %.1f |%s %.2f | %.0f | %.2f | %s | %s | %.1e |" % (
             r["batch"], r["prefix_len"], r["draft_len"], r["heads"], r["page_size"], r["mask"],
-            r["time_us"], rp, r["tbps"], r["tflops"], r["time_over_floor"], tri, spd, r["rel_err"]))
+            kv_cell, r["time_us"], rp, r["tbps"], r["tflops"], r["time_over_floor"], tri, spd,
+            r["rel_err"]))
 
     try:
         import matplotlib
@@ -85,7 +91,9 @@ def main():
     except ImportError:
         print("matplotlib missing: no plot", file=sys.stderr)
         return
-    sweep_rows = sorted(sweep["rows"], key=lambda r: r["prefix_len"])
+    # The plot compares bf16 rows with the (bf16) Triton baseline.
+    sweep_rows = sorted((r for r in sweep["rows"] if r.get("kv_dtype", "bf16") == "bf16"),
+                        key=lambda r: r["prefix_len"])
     xs = [r["prefix_len"] for r in sweep_rows]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot(xs, [r["time_us"] for r in sweep_rows], "o-", label="mlaverify kernel")
