@@ -40,6 +40,7 @@
 #include "server/engine/engine.h"
 #include "server/engine/engine_observer.h"
 #include "server/flags_file.h"
+#include "server/heap_tuning.h"
 #include "server/log_format.h"
 #include "server/transport/grpc_server.h"
 #include "server/transport/status_mapping.h"
@@ -346,6 +347,8 @@ std::map<std::string, std::string> EngineSettingFlags() {
 }
 
 int Run(int argc, char** argv) {
+  // Before any thread starts (heap_tuning.h: no page faults per call).
+  const bool heap_tuned = TuneHeapForLargeBuffers();
   Flags f;
   CLI::App app{"mlaverify-server: MLA verify attention over a paged latent KV cache"};
   app.add_option("--listen", f.listen, "gRPC address (host:port; port 0 picks one)")
@@ -678,6 +681,11 @@ int Run(int argc, char** argv) {
       "mlaverify-server {} ready: gRPC port {}, admin port {}, backend {} on {} device(s), {} mode",
       kVersion, grpc_server->port(), admin_http ? admin_http->port() : -1,
       (*engine)->backend_name(), (*engine)->num_devices(), f.parallel_mode);
+  if (!heap_tuned) {
+    spdlog::info(
+        "heap thresholds not set (MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ in the "
+        "environment, or mallopt refused)");
+  }
 
   int signal_number = 0;
   sigwait(&signals, &signal_number);
