@@ -349,6 +349,12 @@ std::map<std::string, std::string> EngineSettingFlags() {
 int Run(int argc, char** argv) {
   // Before any thread starts (heap_tuning.h: no page faults per call).
   const bool heap_tuned = TuneHeapForLargeBuffers();
+  // Debian's Abseil is built without NDEBUG, which turns on the Mutex
+  // deadlock detector: every lock and every Mutex destroyed then takes one
+  // process-wide spin lock, and a lock taken while another is held records
+  // a stack trace. The server takes several per call on every thread; the
+  // tests (which do not run this) keep the detector.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   Flags f;
   CLI::App app{"mlaverify-server: MLA verify attention over a paged latent KV cache"};
   app.add_option("--listen", f.listen, "gRPC address (host:port; port 0 picks one)")
