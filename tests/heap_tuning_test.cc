@@ -2,7 +2,7 @@
 // freed again and again comes back from the heap: no page faults, on the
 // main thread or another (glibc gives threads heaps of their own). Without
 // it (a child process that never tunes) the same rounds fault.
-#include "server/heap_tuning.h"
+#include "common/heap_tuning.h"
 
 #include <sys/resource.h>
 #include <sys/wait.h>

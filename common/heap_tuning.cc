@@ -1,4 +1,4 @@
-#include "server/heap_tuning.h"
+#include "common/heap_tuning.h"
 
 #include <malloc.h>
 
