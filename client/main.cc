@@ -33,6 +33,7 @@
 #include "common/auth_token.h"
 #include "common/build_info.h"
 #include "common/cli_switch.h"
+#include "common/heap_tuning.h"
 #include "nlohmann/json.hpp"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
@@ -262,6 +263,9 @@ int RunSoakCommand(VerifyClient& client, const std::string& target, const Client
 }
 
 int Main(int argc, char** argv) {
+  // Before any thread starts: a load run's requests and answers (hundreds
+  // of KiB per call) then come from the heap without page faults.
+  TuneHeapForLargeBuffers();
   // Results go to stdout (tables, JSON); diagnostics to stderr.
   spdlog::set_default_logger(spdlog::stderr_color_mt("mlaverify-client"));
   CLI::App app{"mlaverify-client: inspect, check and load an mlaverify verify-attention server"};

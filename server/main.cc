@@ -32,6 +32,7 @@
 #include "common/auth_token.h"
 #include "common/build_info.h"
 #include "common/cli_switch.h"
+#include "common/heap_tuning.h"
 #include "common/small_file.h"
 #include "common/status_macros.h"
 #include "server/admin/admin_http_server.h"
@@ -346,6 +347,14 @@ std::map<std::string, std::string> EngineSettingFlags() {
 }
 
 int Run(int argc, char** argv) {
+  // Before any thread starts (heap_tuning.h: no page faults per call).
+  const bool heap_tuned = TuneHeapForLargeBuffers();
+  // Debian's Abseil is built without NDEBUG, which turns on the Mutex
+  // deadlock detector: every lock and every Mutex destroyed then takes one
+  // process-wide spin lock, and a lock taken while another is held records
+  // a stack trace. The server takes several per call on every thread; the
+  // tests (which do not run this) keep the detector.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   Flags f;
   CLI::App app{"mlaverify-server: MLA verify attention over a paged latent KV cache"};
   app.add_option("--listen", f.listen, "gRPC address (host:port; port 0 picks one)")
@@ -678,6 +687,11 @@ int Run(int argc, char** argv) {
       "mlaverify-server {} ready: gRPC port {}, admin port {}, backend {} on {} device(s), {} mode",
       kVersion, grpc_server->port(), admin_http ? admin_http->port() : -1,
       (*engine)->backend_name(), (*engine)->num_devices(), f.parallel_mode);
+  if (!heap_tuned) {
+    spdlog::info(
+        "heap thresholds not set (MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ in the "
+        "environment, or mallopt refused)");
+  }
 
   int signal_number = 0;
   sigwait(&signals, &signal_number);

@@ -15,6 +15,7 @@
 #include "common/bf16.h"
 #include "common/geometry.h"
 #include "common/status_macros.h"
+#include "server/transport/message_encoding.h"
 #include "server/transport/status_mapping.h"
 #include "server/transport/tensor_codec.h"
 #include "spdlog/spdlog.h"
@@ -39,20 +40,6 @@ absl::Status Decode(absl::string_view rpc, const grpc::ByteBuffer& bytes,
   return absl::InvalidArgumentError(absl::StrCat(rpc, ": the request's ", bytes.Length(),
                                                  " bytes do not parse as ",
                                                  message->GetDescriptor()->full_name()));
-}
-
-absl::Status Encode(const google::protobuf::Message& message, grpc::ByteBuffer* bytes) {
-  grpc::ByteBuffer encoded;
-  bool own_buffer = false;
-  const grpc::Status status = grpc::SerializationTraits<google::protobuf::Message>::Serialize(
-      message, &encoded, &own_buffer);
-  if (!status.ok()) {
-    return absl::InternalError(absl::StrCat("cannot encode the ",
-                                            message.GetDescriptor()->full_name(),
-                                            " answer: ", status.error_message()));
-  }
-  bytes->Swap(&encoded);
-  return absl::OkStatus();
 }
 
 // Memory is shared with processes on this host only: a registration comes
@@ -180,15 +167,16 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::RunUnary(absl::string_view rpc,
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   const Clock::time_point arrived = Clock::now();
   in_flight_.fetch_add(1);
-  // The decoded messages live until the call is finished.
+  // The decoded request lives until the call is finished; the response
+  // until gRPC wrote it (its encoding references its large fields in place).
   struct Messages {
     Request request;
-    Response response;
+    std::shared_ptr<Response> response = std::make_shared<Response>();
   };
   auto* messages = new Messages;
   auto finish = [this, rpc, ctx, reactor, arrived, messages, response_bytes](absl::Status status,
                                                                              double queued = 0) {
-    if (status.ok()) status = Encode(messages->response, response_bytes);
+    if (status.ok()) status = EncodeInPlace(std::move(messages->response), response_bytes);
     delete messages;
     in_flight_.fetch_sub(1);
     finished_.fetch_add(1);
@@ -208,7 +196,7 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::RunUnary(absl::string_view rpc,
   if (!admitted.ok()) {
     finish(std::move(admitted));
   } else {
-    body(messages->request, &messages->response, std::move(finish));
+    body(messages->request, messages->response.get(), std::move(finish));
   }
   return reactor;
 }
@@ -672,7 +660,8 @@ class VerifyServiceImpl::StreamReactor final
   struct Slot {
     grpc::ByteBuffer request_bytes;
     v1::VerifyRequest request;
-    v1::VerifyResponse response;
+    // Handed to the encoded answer, which references its out tensors.
+    std::shared_ptr<v1::VerifyResponse> response = std::make_shared<v1::VerifyResponse>();
     std::vector<engine::VerifyItem> items;
     engine::VerifyTiming timing;
     Clock::time_point arrived;
@@ -707,7 +696,7 @@ class VerifyServiceImpl::StreamReactor final
     if (admitted.ok()) admitted = service_->Admit(ctx_, /*allowed_while_draining=*/false);
     if (admitted.ok()) admitted = service_->CheckRequestSize("VerifyStream", bytes);
     if (!admitted.ok()) return complete(admitted);
-    service_->StartVerify(ctx_, slot->request, &slot->response, &slot->items, &slot->timing,
+    service_->StartVerify(ctx_, slot->request, slot->response.get(), &slot->items, &slot->timing,
                           std::move(complete));
   }
 
@@ -715,20 +704,22 @@ class VerifyServiceImpl::StreamReactor final
     if (status.ok()) service_->RecordVerifySplit(slot->timing, slot->arrived);
     service_->LogFailedCall("VerifyStream", ctx_, status);
     if (!status.ok()) {
-      slot->response.Clear();
-      slot->response.set_request_id(slot->request.request_id());
-      slot->response.set_layer(slot->request.layer());
-      slot->response.set_error_code(static_cast<int32_t>(status.code()));
-      slot->response.set_error_message(std::string(status.message()));
+      v1::VerifyResponse& response = *slot->response;
+      response.Clear();
+      response.set_request_id(slot->request.request_id());
+      response.set_layer(slot->request.layer());
+      response.set_error_code(static_cast<int32_t>(status.code()));
+      response.set_error_message(std::string(status.message()));
     }
     service_->Observe("VerifyStream", ToGrpcStatus(status).error_code(), slot->arrived,
                       slot->timing.queue_seconds);
-    if (absl::Status encoded = Encode(slot->response, &slot->answer); !encoded.ok()) {
+    if (absl::Status encoded = EncodeInPlace(std::move(slot->response), &slot->answer);
+        !encoded.ok()) {
       spdlog::error("VerifyStream: {}", encoded.ToString());  // the client sees the stream break
     }
-    // Only the encoded answer waits for the client.
+    // Only the encoded answer (and the response it references) waits for
+    // the client.
     v1::VerifyRequest().Swap(&slot->request);
-    v1::VerifyResponse().Swap(&slot->response);
     std::vector<engine::VerifyItem>().swap(slot->items);
     engine::Engine* engine = service_->engine();
     if (engine != nullptr) {
