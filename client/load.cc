@@ -332,7 +332,8 @@ class LoadWorker {
     }
     ++result_.errors[absl::StatusCodeToString(status.code())];
     ++result_.errors_by_rpc[rpc][absl::StatusCodeToString(status.code())];
-    if (result_.first_error.empty()) result_.first_error = absl::StrCat(rpc, ": ", status.ToString());
+    if (result_.first_error.empty())
+      result_.first_error = absl::StrCat(rpc, ": ", status.ToString());
     control_.CountError();
     // (The clock is set only once the ramp-up is over.)
     if (ramped_up_) {
