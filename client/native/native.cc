@@ -86,11 +86,14 @@ using mlaverify::client::NativeClient;
 using mlaverify::client::NativeItem;
 using mlaverify::client::NativeStream;
 
+// The library is built with hidden visibility: only these are its interface.
+#define MLAVERIFY_NATIVE_EXPORT __attribute__((visibility("default")))
+
 extern "C" {
 
 // A client of `target` over one connection. timeout_s <= 0: no deadline per
 // call; keepalive_time_s <= 0: no pings; auth_token "" : none.
-__attribute__((visibility("default"))) int mlaverify_native_client_create(
+MLAVERIFY_NATIVE_EXPORT int mlaverify_native_client_create(
     const char* target, double timeout_s, const char* auth_token, int wait_for_ready,
     double keepalive_time_s, double keepalive_timeout_s, int keepalive_permit_without_calls,
     int64_t max_message_bytes, NativeClient** out, char* message, size_t cap) {
@@ -113,13 +116,12 @@ __attribute__((visibility("default"))) int mlaverify_native_client_create(
   return 0;
 }
 
-__attribute__((visibility("default"))) void mlaverify_native_client_destroy(NativeClient* client) {
+MLAVERIFY_NATIVE_EXPORT void mlaverify_native_client_destroy(NativeClient* client) {
   delete client;
 }
 
-__attribute__((visibility("default"))) int mlaverify_native_stream_open(NativeClient* client,
-                                                                        NativeStream** out,
-                                                                        char* message, size_t cap) {
+MLAVERIFY_NATIVE_EXPORT int mlaverify_native_stream_open(NativeClient* client, NativeStream** out,
+                                                         char* message, size_t cap) {
   auto session = client->client->OpenVerifyStream();
   if (!session.ok()) return Fail(session.status(), message, cap);
   auto* stream = new NativeStream();
@@ -132,25 +134,24 @@ __attribute__((visibility("default"))) int mlaverify_native_stream_open(NativeCl
 }
 
 // Half-closes the stream and returns the server's final status.
-__attribute__((visibility("default"))) int mlaverify_native_stream_close(NativeStream* stream,
-                                                                         char* message,
-                                                                         size_t cap) {
+MLAVERIFY_NATIVE_EXPORT int mlaverify_native_stream_close(NativeStream* stream, char* message,
+                                                          size_t cap) {
   absl::MutexLock lock(&stream->mu);
   const absl::Status status = stream->session->Close();
   return status.ok() ? 0 : Fail(status, message, cap);
 }
 
 // Cancels the stream if it is still open.
-__attribute__((visibility("default"))) void mlaverify_native_stream_destroy(NativeStream* stream) {
+MLAVERIFY_NATIVE_EXPORT void mlaverify_native_stream_destroy(NativeStream* stream) {
   delete stream;
 }
 
 // An item of `num_drafts` drafts (parents[num_drafts]) and `num_heads` heads
-// placed in registered region `region`; null when a count is below 1.
-__attribute__((visibility("default"))) NativeItem* mlaverify_native_item_create(
-    uint64_t sequence_id, const int32_t* parents, int num_drafts, int num_heads,
-    const char* region, uint64_t q_offset, uint64_t draft_kv_offset, uint64_t out_offset,
-    uint64_t lse_offset) {
+// placed in registered region `region`; null when a count is below 1 or a
+// pointer is null.
+MLAVERIFY_NATIVE_EXPORT NativeItem* mlaverify_native_item_create(
+    uint64_t sequence_id, const int32_t* parents, int num_drafts, int num_heads, const char* region,
+    uint64_t q_offset, uint64_t draft_kv_offset, uint64_t out_offset, uint64_t lse_offset) {
   if (num_drafts < 1 || num_heads < 1 || parents == nullptr || region == nullptr) return nullptr;
   auto* item = new NativeItem();
   item->sequence_id = sequence_id;
@@ -166,18 +167,20 @@ __attribute__((visibility("default"))) NativeItem* mlaverify_native_item_create(
   return item;
 }
 
-__attribute__((visibility("default"))) void mlaverify_native_item_destroy(NativeItem* item) {
-  delete item;
-}
+MLAVERIFY_NATIVE_EXPORT void mlaverify_native_item_destroy(NativeItem* item) { delete item; }
 
 // One layer's Verify of items[count]: over `stream` when not null, else a
 // unary call of `client`. On success prefix_lens[k] is item k's committed
 // length the drafts attended to (the answer was checked against the items).
-__attribute__((visibility("default"))) int mlaverify_native_verify(
-    NativeClient* client, NativeStream* stream, int layer, const NativeItem* const* items,
-    int count, float softmax_scale, int64_t* prefix_lens, char* message, size_t cap) {
+MLAVERIFY_NATIVE_EXPORT int mlaverify_native_verify(NativeClient* client, NativeStream* stream,
+                                                    int layer, const NativeItem* const* items,
+                                                    int count, float softmax_scale,
+                                                    int64_t* prefix_lens, char* message,
+                                                    size_t cap) {
   using namespace mlaverify::client;
-  if (count < 1) return Fail(absl::InvalidArgumentError("Verify needs at least one item"), message, cap);
+  if (count < 1) {
+    return Fail(absl::InvalidArgumentError("Verify needs at least one item"), message, cap);
+  }
   std::vector<VerifyItemInput> inputs;
   inputs.reserve(static_cast<size_t>(count));
   for (int k = 0; k < count; ++k) inputs.push_back(items[k]->Input());
