@@ -5,8 +5,8 @@
 # alternating per row (plane:mode), one call in flight, as the pyclient part
 # of bench/gpu_run.sh does on the GPU: the C++ client (mlaverify-client
 # load), the pure-Python path and, for the shm plane, the native path
-# (--native) when build/client/python/mlaverify/libmlaverify_native.so is
-# there.
+# (--native) when build/client/python/mlaverify/lib/libmlaverify_native.so is
+# there; then bench/python_client_parts.py: each part of one call alone.
 #   bench/python_client_cpu.sh [BUILD_DIR] [OUT_DIR]
 # Env: ROWS ("shm:stream shm:unary inline:stream inline:unary"), PROMPT_LEN
 # (64), DRAFTS (1: the CPU backend takes ~11 ms for N=16 here), LAYERS (8), DURATION_S (5).
@@ -46,4 +46,7 @@ for row in "${rows[@]}"; do
   /usr/bin/python3 bench/pyclient_rows.py "$row" "$out/cpp-$plane-$mode.json" \
     "$out/py-$plane-$mode.json" "$out/native-$plane-$mode.json"
 done
+# Then each part of one call alone (bench/python_client_parts.py).
+PYTHONPATH=$build/client/python /usr/bin/python3 bench/python_client_parts.py --target "$target" \
+  --drafts "$drafts" | tee "$out/parts.txt"
 echo "logs and JSON: $out"

@@ -147,12 +147,13 @@ class _Call:
     """The prepared arguments of one list of placed items: their handles in
     a C array, the regions to prepare, and where the outputs are read."""
 
-    __slots__ = ("items", "array", "prefix_lens", "regions", "outputs")
+    __slots__ = ("items", "array", "prefix_lens_type", "regions", "outputs")
 
     def __init__(self, items: List[_Item], regions: list, outputs: list):
         self.items = items  # keeps the handles alive
         self.array = (ctypes.c_void_p * len(items))(*[i.handle for i in items])
-        self.prefix_lens = (ctypes.c_int64 * len(items))()
+        # Each call gets its own (threads may make the same call at once).
+        self.prefix_lens_type = ctypes.c_int64 * len(items)
         self.regions = regions
         self.outputs = outputs
 
@@ -266,8 +267,9 @@ class NativeClient:
             # CUDA regions: the inputs were written on the device's current
             # stream; the server reads them once the request arrives.
             region.prepare()
+        prefix_lens = call.prefix_lens_type()
         code = self._lib.mlaverify_native_verify(self.handle, stream, layer, call.array,
-                                                 len(call.items), softmax_scale, call.prefix_lens,
+                                                 len(call.items), softmax_scale, prefix_lens,
                                                  message, _MESSAGE_BYTES)
         if code != 0:
             _raise(code, message, rpc)
@@ -275,7 +277,7 @@ class NativeClient:
         return [_wire.VerifyResult(sequence_id=seq,
                                    out=region.read(out_at, tensors.BF16, out_shape, output),
                                    lse=region.read(lse_at, tensors.FP32, lse_shape, output),
-                                   prefix_len=call.prefix_lens[k])
+                                   prefix_len=prefix_lens[k])
                 for k, (seq, region, out_at, out_shape, lse_at, lse_shape)
                 in enumerate(call.outputs)]
 
@@ -283,7 +285,7 @@ class NativeClient:
 class NativeVerifyStream:
     """A VerifyStream of the C++ client: verify() sends one layer's Verify and
     returns its results (one call in flight; calls from several threads take
-    turns). An in-band error raises VerifyError and the stream goes on; a
+    turns; like the C++ session, a call has no deadline of its own). An in-band error raises VerifyError and the stream goes on; a
     broken stream raises its final status from then on. Use as a context
     manager, or call close()."""
 
