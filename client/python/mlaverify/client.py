@@ -58,6 +58,7 @@ class VerifyClient(_wire.ClientBase):
         self._credentials = credentials
         self._native: Optional[native.NativeClient] = None
         self._native_lock = threading.Lock()
+        self._closed = False
 
     # -- lifetime -----------------------------------------------------------
     def close(self) -> None:
@@ -66,6 +67,7 @@ class VerifyClient(_wire.ClientBase):
             if self._native is not None:
                 self._native.close()
                 self._native = None
+            self._closed = True
         for channel in self._pool.channels:
             channel.close()
 
@@ -223,6 +225,8 @@ class VerifyClient(_wire.ClientBase):
     # -- the native path (mlaverify.native) ----------------------------------
     def _native_client(self) -> "native.NativeClient":
         with self._native_lock:
+            if self._closed:
+                raise ValueError("the client is closed")
             if self._native is None:
                 self._native = native.NativeClient(self)
             return self._native

@@ -173,6 +173,9 @@ class NativeClient:
         self._calls: dict = {}
         self._streams: "weakref.WeakSet[NativeVerifyStream]" = weakref.WeakSet()
         self._local = threading.local()  # each thread's error message buffer (unary calls)
+        # Unary calls in flight: the C++ client must not go while one runs.
+        self._guard = threading.Lock()
+        self._in_flight = 0
         handle = ctypes.c_void_p()
         message = ctypes.create_string_buffer(_MESSAGE_BYTES)
         token = ""
@@ -189,10 +192,17 @@ class NativeClient:
         self.handle = handle.value
 
     def close(self) -> None:
-        """Cancels its open streams and closes the connection."""
-        if self.handle:
+        """Cancels its open streams and closes the connection. RuntimeError
+        while a native call is in flight (the C++ client would be freed under
+        it): let the calls return first."""
+        with self._guard:
+            if not self.handle:
+                return
+            if self._in_flight:
+                raise RuntimeError(f"{self._in_flight} native call(s) in flight: let them return "
+                                   "before closing the client")
             for stream in list(self._streams):
-                stream._destroy()
+                stream._destroy(blocking=False)
             self._calls.clear()
             self._lib.mlaverify_native_client_destroy(self.handle)
             self.handle = None
@@ -226,8 +236,9 @@ class NativeClient:
                 [len(parents), _wire.LATENT_DIM]
             region.write(p.q_offset, item.q, q_shape, f"{what} q")
             region.write(p.draft_kv_offset, item.draft_kv, kv_shape, f"{what} draft_kv")
-            keys.append((id(region), region.ref_offset(0), p.region, p.q_offset, p.draft_kv_offset, p.out_offset,
-                         p.lse_offset, item.sequence_id, tuple(parents)))
+            keys.append((id(region), region.ref_offset(0), p.region, p.q_offset,
+                         p.draft_kv_offset, p.out_offset, p.lse_offset, item.sequence_id,
+                         tuple(parents)))
             written.append((region, p, item.sequence_id, parents))
         key = tuple(keys)
         call = self._calls.get(key)
@@ -255,9 +266,8 @@ class NativeClient:
                stream: Optional[int] = None, message: Optional[ctypes.Array] = None,
                rpc: str = "Verify") -> List[_wire.VerifyResult]:
         """One layer's Verify of placed items, unary or over `stream` (a
-        stream handle, with its message buffer)."""
-        if not self.handle:
-            raise VerifyError(grpc.StatusCode.FAILED_PRECONDITION, "the client is closed", rpc)
+        stream handle, with its message buffer; the stream keeps its client
+        open while it is)."""
         if message is None:
             message = getattr(self._local, "message", None)
             if message is None:
@@ -268,9 +278,18 @@ class NativeClient:
             # stream; the server reads them once the request arrives.
             region.prepare()
         prefix_lens = call.prefix_lens_type()
-        code = self._lib.mlaverify_native_verify(self.handle, stream, layer, call.array,
-                                                 len(call.items), softmax_scale, prefix_lens,
-                                                 message, _MESSAGE_BYTES)
+        with self._guard:
+            handle = self.handle
+            if not handle:
+                raise VerifyError(grpc.StatusCode.FAILED_PRECONDITION, "the client is closed", rpc)
+            self._in_flight += 1
+        try:
+            code = self._lib.mlaverify_native_verify(handle, stream, layer, call.array,
+                                                     len(call.items), softmax_scale, prefix_lens,
+                                                     message, _MESSAGE_BYTES)
+        finally:
+            with self._guard:
+                self._in_flight -= 1
         if code != 0:
             _raise(code, message, rpc)
         output = self._client._output
@@ -285,9 +304,10 @@ class NativeClient:
 class NativeVerifyStream:
     """A VerifyStream of the C++ client: verify() sends one layer's Verify and
     returns its results (one call in flight; calls from several threads take
-    turns; like the C++ session, a call has no deadline of its own). An in-band error raises VerifyError and the stream goes on; a
-    broken stream raises its final status from then on. Use as a context
-    manager, or call close()."""
+    turns; like the C++ session, a call has no deadline of its own). An
+    in-band error raises VerifyError and the stream goes on; a broken stream
+    raises its final status from then on. Use as a context manager, or call
+    close()."""
 
     def __init__(self, native: NativeClient):
         self._native = native
@@ -300,26 +320,31 @@ class NativeVerifyStream:
             _raise(code, message, "VerifyStream")
         self._handle = handle.value
         self._message = message
+        # Held for each call and by close: the C++ session takes one call at
+        # a time, and must not be freed under one.
+        self._lock = threading.Lock()
         native._streams.add(self)
 
     def verify(self, layer: int, items: Sequence[_wire.VerifyItem],
                softmax_scale: float = 0.0) -> List[_wire.VerifyResult]:
         """One layer's Verify of placed items; results in the order of `items`."""
-        if self._handle is None:
-            raise VerifyError(grpc.StatusCode.FAILED_PRECONDITION, "the stream is closed",
-                              "VerifyStream")
-        return self._native.verify(layer, items, softmax_scale, self._handle, self._message,
-                                   "VerifyStream")
+        with self._lock:
+            if self._handle is None:
+                raise VerifyError(grpc.StatusCode.FAILED_PRECONDITION, "the stream is closed",
+                                  "VerifyStream")
+            return self._native.verify(layer, items, softmax_scale, self._handle, self._message,
+                                       "VerifyStream")
 
     def close(self) -> None:
         """Half-closes the stream; raises VerifyError when the server ended it
         with an error."""
-        if self._handle is None:
-            return
-        message = ctypes.create_string_buffer(_MESSAGE_BYTES)
-        code = self._lib.mlaverify_native_stream_close(self._handle, message, _MESSAGE_BYTES)
-        self._lib.mlaverify_native_stream_destroy(self._handle)
-        self._handle = None
+        with self._lock:
+            if self._handle is None:
+                return
+            message = ctypes.create_string_buffer(_MESSAGE_BYTES)
+            code = self._lib.mlaverify_native_stream_close(self._handle, message, _MESSAGE_BYTES)
+            self._lib.mlaverify_native_stream_destroy(self._handle)
+            self._handle = None
         if code != 0:
             _raise(code, message, "VerifyStream")
 
@@ -329,11 +354,21 @@ class NativeVerifyStream:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _destroy(self) -> None:
-        """Cancels the stream if it is open (before its client goes)."""
-        if getattr(self, "_handle", None):
-            self._lib.mlaverify_native_stream_destroy(self._handle)
-            self._handle = None
+    def _destroy(self, blocking: bool = True) -> None:
+        """Cancels the stream if it is open (before its client goes);
+        RuntimeError when not blocking and a call holds it."""
+        lock = getattr(self, "_lock", None)
+        if lock is None:
+            return  # __init__ failed before the stream existed
+        if not lock.acquire(blocking):
+            raise RuntimeError("a call on a native stream is in flight: let it return before "
+                               "closing the client")
+        try:
+            if self._handle:
+                self._lib.mlaverify_native_stream_destroy(self._handle)
+                self._handle = None
+        finally:
+            lock.release()
 
     def __del__(self):
         self._destroy()

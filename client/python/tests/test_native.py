@@ -119,6 +119,19 @@ def test_native_checks_and_in_band_errors(client):
         client.unregister_system_shared_memory("py-native-err")
 
 
+@needs_native
+def test_closing_the_client_ends_its_native_streams(server):
+    from mlaverify import VerifyClient
+    with VerifyClient(server) as c:
+        stream = c.native_stream()
+    with pytest.raises(VerifyError) as e:
+        stream.verify(0, [])
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    stream.close()  # nothing left to close
+    with pytest.raises(ValueError, match="closed"):
+        c.native_stream()
+
+
 def test_absent_library_says_so():
     """Where the library is not there, the native calls raise
     NativeUnavailableError naming the path and the pure-Python way."""
