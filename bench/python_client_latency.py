@@ -154,8 +154,8 @@ def main() -> int:
             "server": (closed.verify_server_seconds_total -
                        opened.verify_server_seconds_total) / calls * 1e6}
     l = report["latency_ms"]
-    print(f"{report['client']} {args.plane}{' stream' if args.stream else ''}: {len(lat)} calls, latency ms "
-          f"p50 {l['p50']:.3f} p90 {l['p90']:.3f} p99 {l['p99']:.3f} (mean {l['mean']:.3f})")
+    print(f"{report['client']} {args.plane}{' stream' if args.stream else ''}: {len(lat)} calls, "
+          f"latency ms p50 {l['p50']:.3f} p90 {l['p90']:.3f} p99 {l['p99']:.3f} (mean {l['mean']:.3f})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
