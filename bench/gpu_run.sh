@@ -329,7 +329,8 @@ if want pyclient && [ -x "$bundle/bin/mlaverify-server" ]; then
   # CUDA server (client/python/tests/test_cuda_shm.py, torch CUDA tensors),
   # then its per-layer Verify latency next to the C++ client's in the same
   # call, on one server: L=16K, N=16, one call in flight (over a VerifyStream,
-  # and unary for CUDA shm), per plane, the two clients alternating.
+  # and unary for CUDA shm), per plane: the C++ client, the pure-Python path
+  # and (shared-memory planes) the native path, alternating.
   pypath=${PYPKG:-$bundle/python}
   tests/python_cuda_shm_gpu.sh "$pypath" "$bundle/bin/mlaverify-server" client/python \
     > "$out/pyclient-tests.log" 2>&1
@@ -348,12 +349,18 @@ if want pyclient && [ -x "$bundle/bin/mlaverify-server" ]; then
       --plane "$plane" --prompt-len 16384 --drafts 16 "${stream[@]}" --duration-s 5 --warmup-s 1 \
       --json "$out/pyclient-py-$plane-$mode.json" > "$out/pyclient-py-$plane-$mode.log" 2>&1
     summary+=("latency python $row rc=$?")
-    python3 - "$row" "$out/pyclient-cpp-$plane-$mode.json" "$out/pyclient-py-$plane-$mode.json" <<'PY'
-import json, sys
-row, cpp, py = sys.argv[1], json.load(open(sys.argv[2])), json.load(open(sys.argv[3]))
-c, p = cpp["latency_ms"]["p50"] * 1e3, py["latency_ms"]["p50"] * 1e3
-print(f"== pyclient {row}: p50 us C++ {c:.1f}, Python {p:.1f}, Python - C++ {p - c:+.1f}")
-PY
+    if [ "$plane" != inline ]; then
+      # The native path (mlaverify.native: the C++ client by ctypes; its
+      # library, mlaverify/lib/libmlaverify_native.so in the package folder,
+      # loads its gRPC, protobuf and Abseil from the bundle's lib/).
+      PYTHONPATH=$pypath timeout 90 python3 bench/python_client_latency.py --native \
+        --target "127.0.0.1:$gport" --plane "$plane" --prompt-len 16384 --drafts 16 \
+        "${stream[@]}" --duration-s 5 --warmup-s 1 --json "$out/pyclient-native-$plane-$mode.json" \
+        > "$out/pyclient-native-$plane-$mode.log" 2>&1
+      summary+=("latency native python $row rc=$?")
+    fi
+    python3 bench/pyclient_rows.py "$row" "$out/pyclient-cpp-$plane-$mode.json" \
+      "$out/pyclient-py-$plane-$mode.json" "$out/pyclient-native-$plane-$mode.json"
   done
   stop_server pyclient
 fi

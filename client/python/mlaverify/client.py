@@ -11,7 +11,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 
-from mlaverify import _wire, cuda_shm, shm, tensors, types
+from mlaverify import _wire, cuda_shm, native, shm, tensors, types
 from mlaverify._channels import DEFAULT_MAX_MESSAGE_BYTES, ChannelSettings, ConnectionPool
 from mlaverify.errors import VerifyError, from_rpc_error
 from mlaverify.v1 import verify_pb2
@@ -55,10 +55,19 @@ class VerifyClient(_wire.ClientBase):
             else grpc.insecure_channel(target, opts)))
         super().__init__(target, pool, auth_token, timeout, tensors.Output.of(as_torch, device),
                          retries, retry_backoff_s)
+        self._credentials = credentials
+        self._native: Optional[native.NativeClient] = None
+        self._native_lock = threading.Lock()
+        self._closed = False
 
     # -- lifetime -----------------------------------------------------------
     def close(self) -> None:
         """Closes every connection (calls in flight are cancelled)."""
+        with self._native_lock:
+            if self._native is not None:
+                self._native.close()
+                self._native = None
+            self._closed = True
         for channel in self._pool.channels:
             channel.close()
 
@@ -212,6 +221,28 @@ class VerifyClient(_wire.ClientBase):
         r = self._call("CudaSharedMemoryStatus", "CudaSharedMemoryStatus",
                        verify_pb2.CudaSharedMemoryStatusRequest(name=name))
         return [types.from_message(types.CudaSharedMemoryStatus, m) for m in r.regions]
+
+    # -- the native path (mlaverify.native) ----------------------------------
+    def _native_client(self) -> "native.NativeClient":
+        with self._native_lock:
+            if self._closed:
+                raise ValueError("the client is closed")
+            if self._native is None:
+                self._native = native.NativeClient(self)
+            return self._native
+
+    def native_verify(self, layer: int, items: Sequence[_wire.VerifyItem],
+                      softmax_scale: float = 0.0) -> List[_wire.VerifyResult]:
+        """verify() of items placed in shared memory, sent by the C++ client
+        (mlaverify.native): the same checks and results. NativeUnavailableError
+        when its library is not there."""
+        return self._native_client().verify(layer, items, softmax_scale)
+
+    def native_stream(self) -> "native.NativeVerifyStream":
+        """A VerifyStream of the C++ client for items placed in shared memory
+        (mlaverify.native): verify() returns the results, one call in flight.
+        NativeUnavailableError when its library is not there."""
+        return native.NativeVerifyStream(self._native_client())
 
     def verify_stream(self, max_in_flight: int = 16) -> "VerifyStream":
         """A pipelined stream of Verify requests (VerifyStream) on the next

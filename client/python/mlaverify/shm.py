@@ -14,6 +14,7 @@ as references into a region both processes map, not as bytes through gRPC
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import secrets
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ class SharedMemoryRegion:
 
     def array(self, offset: int, dtype, shape) -> np.ndarray:
         """A NumPy view of the region's bytes at `offset`."""
-        count = int(np.prod(shape))
+        count = math.prod(shape)  # not np.prod: per call, a NumPy reduction costs more
         return np.frombuffer(self._shm.buf, dtype=dtype, count=count, offset=offset).reshape(shape)
 
     def close(self) -> None:

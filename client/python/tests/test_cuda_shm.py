@@ -4,7 +4,8 @@ the allocation's offsets with the inputs written there, results are views
 of the region, and a CPU server refuses the registration with
 FAILED_PRECONDITION. With a GPU and a server built with CUDA
 (MLAVERIFY_CUDA_TESTS=1, tests/python_cuda_shm_gpu.sh): decode steps
-through CUDA regions match the reference, results land in place."""
+through CUDA regions match the reference, results land in place, also
+through the native path."""
 
 import os
 
@@ -188,6 +189,46 @@ def test_decode_steps_through_cuda_regions(cuda_server):
         region.close()
         theirs.close()
         client.release_sequence(seq)
+
+
+@gpu
+def test_native_path_through_a_cuda_region(cuda_server):
+    """The native path (mlaverify.native) with a CUDA region: inputs used in
+    place, results views of the region, answers matching the reference, over
+    native unary calls and a native stream alternately."""
+    from mlaverify import native
+    if not native.available():
+        pytest.skip("no native library (mlaverify/lib/libmlaverify_native.so)")
+    torch.manual_seed(1)
+    dev = torch.device("cuda", 0)
+    with VerifyClient(cuda_server, timeout=60) as client:
+        info = client.server_info()
+        L, H, n = info.num_layers, info.num_heads, 3
+        parents = [-1, 0, 0]
+        region = CudaSharedMemoryRegion(item_bytes(n, H), device=dev)
+        client.register_cuda_shared_memory("py-gpu-native", region)
+        place = place_item("py-gpu-native", 0, n, H)
+        views = region.item_views(place)
+        seq = client.create_sequence("cuda-shm-native")
+        prompt = torch.randn(L, 33, 576, device=dev).to(torch.bfloat16)
+        client.append_prompt(seq, prompt)
+        drafts = [torch.randn(n, 576, device=dev).to(torch.bfloat16) for _ in range(L)]
+        with client.native_stream() as stream:
+            for layer in range(L):
+                q = torch.randn(n, H, 576, device=dev).to(torch.bfloat16)
+                views.q.copy_(q)
+                call = client.native_verify if layer % 2 == 0 else stream.verify
+                (r,) = call(layer, [VerifyItem(seq, views.q, drafts[layer], parents, shm=place)])
+                assert r.out.data_ptr() == views.out.data_ptr() and r.prefix_len == 33
+                assert r.lse.data_ptr() == views.lse.data_ptr()
+                check_against_reference(r, prompt[layer], q, drafts[layer], parents,
+                                        info.default_softmax_scale)
+        (status,) = client.cuda_shared_memory_status("py-gpu-native")
+        assert status.calls_total == L
+        client.commit(seq, [])
+        client.release_sequence(seq)
+        assert client.unregister_cuda_shared_memory("py-gpu-native") == ["py-gpu-native"]
+        region.close()
 
 
 @gpu

@@ -85,10 +85,13 @@ def test_asyncio_classes_have_the_same_methods():
     from mlaverify.replicas import AsyncReplicaSet, ReplicaSet
     for sync, aio in ((VerifyClient, AsyncVerifyClient), (VerifyStream, AsyncVerifyStream),
                       (ReplicaSet, AsyncReplicaSet)):
-        assert public_methods(sync) == public_methods(aio), (sync.__name__, aio.__name__)
+        # The native path (mlaverify.native) blocks in C++ for its calls: the
+        # synchronous client's only.
+        native = {"native_verify", "native_stream"} if sync is VerifyClient else set()
+        assert public_methods(sync) - native == public_methods(aio), (sync.__name__, aio.__name__)
         assert len(public_methods(sync)) >= 4
     # The same parameters, in the same order, for every method and the constructor.
-    for name in public_methods(VerifyClient) | {"__init__"}:
+    for name in public_methods(AsyncVerifyClient) | {"__init__"}:
         s, a = getattr(VerifyClient, name), getattr(AsyncVerifyClient, name)
         if isinstance(s, property) or isinstance(a, property):
             continue

@@ -1,0 +1,374 @@
+"""The native path: Verify of items placed in shared memory (system or CUDA)
+sent by the C++ client library instead of grpcio.
+
+A Python Verify spends most of its client-side time in grpcio (a call over a
+sync VerifyStream hops from the caller to grpcio's request-iterator thread
+and back from the reader thread). Placed items travel as region names and
+offsets, so nothing but references needs to cross from Python: this module
+checks the request as VerifyClient does, puts the inputs in place, then hands
+the references to libmlaverify_native.so (client/native: the C++ client's
+Verify behind a C ABI, loaded with ctypes, the GIL released during the call)
+and reads the outputs from the region as the pure-Python path does.
+
+    with client.native_stream() as stream:           # NativeVerifyStream
+        (result,) = stream.verify(layer, [VerifyItem(seq, q, draft_kv, parents, shm=place)])
+    (result,) = client.native_verify(layer, items)   # one unary call
+
+The library is looked for in lib/ next to this file (the CMake build writes
+it into build/client/python/mlaverify/lib/) or at $MLAVERIFY_NATIVE_LIB; a
+pip-installed package has none, and then these calls raise NativeUnavailableError saying
+so (`available()` tells beforehand). The native client is its own HTTP/2
+connection, plaintext (credentials objects are grpcio's and cannot be handed
+over), with the VerifyClient's timeout, auth token, keepalive and message
+limit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import threading
+import weakref
+from typing import Any, List, Optional, Sequence
+
+import grpc
+
+from mlaverify import _wire, tensors
+from mlaverify.errors import VerifyError, code_from_number
+
+LIBRARY = "libmlaverify_native.so"
+_MESSAGE_BYTES = 4096
+
+
+class NativeUnavailableError(RuntimeError):
+    """The native library could not be loaded (the message says why and how
+    to get it)."""
+
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_load_error: Optional[str] = None
+
+
+def library_path() -> str:
+    """Where the library is looked for: $MLAVERIFY_NATIVE_LIB, else lib/
+    next to this file."""
+    return os.environ.get("MLAVERIFY_NATIVE_LIB") or os.path.join(os.path.dirname(__file__),
+                                                                   "lib", LIBRARY)
+
+
+def load() -> ctypes.CDLL:
+    """The native library, loaded once; NativeUnavailableError saying why
+    not (and how to get it)."""
+    global _lib, _load_error
+    with _lock:
+        if _lib is not None:
+            return _lib
+        if _load_error is None:
+            path = library_path()
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError as e:
+                _load_error = (f"the native path needs {LIBRARY}, which could not be loaded from "
+                               f"{path}: {e}. It is built by CMake into "
+                               "build/client/python/mlaverify/lib/ (put build/client/python on "
+                               "PYTHONPATH, or set MLAVERIFY_NATIVE_LIB); a pip-installed "
+                               "package has only the pure-Python path (VerifyClient.verify, "
+                               "verify_stream)")
+            else:
+                _declare(lib)
+                _lib = lib
+                return lib
+        raise NativeUnavailableError(_load_error)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    c = ctypes
+    msg = [c.c_char_p, c.c_size_t]
+    lib.mlaverify_native_client_create.argtypes = [
+        c.c_char_p, c.c_double, c.c_char_p, c.c_int, c.c_double, c.c_double, c.c_int, c.c_int64,
+        c.POINTER(c.c_void_p)] + msg
+    lib.mlaverify_native_client_create.restype = c.c_int
+    lib.mlaverify_native_client_destroy.argtypes = [c.c_void_p]
+    lib.mlaverify_native_client_destroy.restype = None
+    lib.mlaverify_native_stream_open.argtypes = [c.c_void_p, c.POINTER(c.c_void_p)] + msg
+    lib.mlaverify_native_stream_open.restype = c.c_int
+    lib.mlaverify_native_stream_close.argtypes = [c.c_void_p] + msg
+    lib.mlaverify_native_stream_close.restype = c.c_int
+    lib.mlaverify_native_stream_destroy.argtypes = [c.c_void_p]
+    lib.mlaverify_native_stream_destroy.restype = None
+    lib.mlaverify_native_item_create.argtypes = [
+        c.c_uint64, c.POINTER(c.c_int32), c.c_int, c.c_int, c.c_char_p, c.c_uint64, c.c_uint64,
+        c.c_uint64, c.c_uint64]
+    lib.mlaverify_native_item_create.restype = c.c_void_p
+    lib.mlaverify_native_item_destroy.argtypes = [c.c_void_p]
+    lib.mlaverify_native_item_destroy.restype = None
+    lib.mlaverify_native_verify.argtypes = [
+        c.c_void_p, c.c_void_p, c.c_int, c.POINTER(c.c_void_p), c.c_int, c.c_float,
+        c.POINTER(c.c_int64)] + msg
+    lib.mlaverify_native_verify.restype = c.c_int
+
+
+def available() -> bool:
+    """Whether the native library loads here."""
+    try:
+        load()
+        return True
+    except NativeUnavailableError:
+        return False
+
+
+def _raise(code: int, message: ctypes.Array, rpc: str) -> None:
+    raise VerifyError(code_from_number(code), message.value.decode("utf-8", "replace"), rpc)
+
+
+class _Item:
+    """One placed item's native handle (freed with the object)."""
+
+    __slots__ = ("handle", "_lib")
+
+    def __init__(self, lib: ctypes.CDLL, sequence_id: int, parents: List[int], num_heads: int,
+                 region: str, offsets: Sequence[int]):
+        self._lib = lib
+        array = (ctypes.c_int32 * len(parents))(*parents)
+        self.handle = lib.mlaverify_native_item_create(sequence_id, array, len(parents), num_heads,
+                                                       region.encode(), *offsets)
+        if not self.handle:
+            raise ValueError("the native library refused the item")
+
+    def __del__(self):
+        if getattr(self, "handle", None):
+            self._lib.mlaverify_native_item_destroy(self.handle)
+            self.handle = None
+
+
+class _Call:
+    """The prepared arguments of one list of placed items: their handles in
+    a C array, the regions to prepare, and where the outputs are read."""
+
+    __slots__ = ("items", "array", "prefix_lens_type", "regions", "outputs")
+
+    def __init__(self, items: List[_Item], regions: list, outputs: list):
+        self.items = items  # keeps the handles alive
+        self.array = (ctypes.c_void_p * len(items))(*[i.handle for i in items])
+        # Each call gets its own (threads may make the same call at once).
+        self.prefix_lens_type = ctypes.c_int64 * len(items)
+        self.regions = regions
+        self.outputs = outputs
+
+
+class NativeClient:
+    """The C++ client behind a VerifyClient's native calls: one connection,
+    made on first use (VerifyClient.native_verify / native_stream)."""
+
+    def __init__(self, client: Any):
+        lib = load()
+        if client._credentials is not None:
+            raise ValueError("the native path speaks plaintext only: TLS credentials are grpcio "
+                             "objects the C++ client cannot take (use verify / verify_stream)")
+        settings = client._pool.settings
+        self._lib = lib
+        self._client = client
+        self._calls: dict = {}
+        self._streams: "weakref.WeakSet[NativeVerifyStream]" = weakref.WeakSet()
+        self._local = threading.local()  # each thread's error message buffer (unary calls)
+        # Unary calls in flight: the C++ client must not go while one runs.
+        self._guard = threading.Lock()
+        self._in_flight = 0
+        handle = ctypes.c_void_p()
+        message = ctypes.create_string_buffer(_MESSAGE_BYTES)
+        token = ""
+        for key, value in client._metadata or ():
+            if key == "authorization":
+                token = value[len("Bearer "):]
+        code = lib.mlaverify_native_client_create(
+            client.target.encode(), client._timeout or 0.0, token.encode(),
+            int(settings.wait_for_ready), settings.keepalive_time_s or 0.0,
+            settings.keepalive_timeout_s, int(settings.keepalive_permit_without_calls),
+            settings.max_message_bytes, ctypes.byref(handle), message, _MESSAGE_BYTES)
+        if code != 0:
+            _raise(code, message, "native client")
+        self.handle = handle.value
+
+    def close(self) -> None:
+        """Cancels its open streams and closes the connection. RuntimeError
+        while a native call is in flight (the C++ client would be freed under
+        it): let the calls return first."""
+        with self._guard:
+            if not self.handle:
+                return
+            if self._in_flight:
+                raise RuntimeError(f"{self._in_flight} native call(s) in flight: let them return "
+                                   "before closing the client")
+            for stream in list(self._streams):
+                stream._destroy(blocking=False)
+            self._calls.clear()
+            self._lib.mlaverify_native_client_destroy(self.handle)
+            self.handle = None
+
+    def _prepare(self, layer: int, items: Sequence[_wire.VerifyItem],
+                 softmax_scale: float) -> _Call:
+        """The checks of VerifyClient.verify, the inputs written into their
+        placements, and the call's prepared arguments (built once per list of
+        items: a scheduler repeats them on every layer of a step)."""
+        g = self._client.geometry
+        if not 0 <= layer < g.num_layers:
+            raise ValueError(f"layer {layer}: the server has layers 0..{g.num_layers - 1}")
+        if not 1 <= len(items) <= g.max_batch:
+            raise ValueError(f"{len(items)} items, the server takes 1..{g.max_batch} per Verify")
+        if not math.isfinite(softmax_scale):
+            raise ValueError(f"softmax_scale {softmax_scale} is not finite")
+        keys, written, seen = [], [], set()
+        for k, item in enumerate(items):
+            what = f"items[{k}] (sequence {item.sequence_id})"
+            if item.sequence_id in seen:
+                raise ValueError(f"{what}: sequence twice in one Verify")
+            seen.add(item.sequence_id)
+            if item.shm is None:
+                raise ValueError(f"{what}: the native path takes items placed in shared memory "
+                                 "only (VerifyItem.shm); use verify / verify_stream for inline "
+                                 "tensors")
+            parents = _wire.check_parents(item.parents, g.max_draft_len, what)
+            p = item.shm
+            region = g._region(p.region, what)
+            q_shape, kv_shape = [len(parents), g.num_heads, _wire.LATENT_DIM], \
+                [len(parents), _wire.LATENT_DIM]
+            region.write(p.q_offset, item.q, q_shape, f"{what} q")
+            region.write(p.draft_kv_offset, item.draft_kv, kv_shape, f"{what} draft_kv")
+            keys.append((id(region), region.ref_offset(0), p.region, p.q_offset,
+                         p.draft_kv_offset, p.out_offset, p.lse_offset, item.sequence_id,
+                         tuple(parents)))
+            written.append((region, p, item.sequence_id, parents))
+        key = tuple(keys)
+        call = self._calls.get(key)
+        if call is None:
+            if len(self._calls) >= 4096:
+                self._calls.clear()
+            call = self._calls[key] = self._new_call(written)
+        return call
+
+    def _new_call(self, written: list) -> _Call:
+        g = self._client.geometry
+        items, regions, outputs = [], [], []
+        for region, p, sequence_id, parents in written:
+            offsets = [region.ref_offset(o) for o in (p.q_offset, p.draft_kv_offset, p.out_offset,
+                                                       p.lse_offset)]
+            items.append(_Item(self._lib, sequence_id, parents, g.num_heads, p.region, offsets))
+            if region not in regions:
+                regions.append(region)
+            n = len(parents)
+            outputs.append((sequence_id, region, offsets[2], [n, g.num_heads, _wire.VALUE_DIM],
+                            offsets[3], [n, g.num_heads]))
+        return _Call(items, regions, outputs)
+
+    def verify(self, layer: int, items: Sequence[_wire.VerifyItem], softmax_scale: float = 0.0,
+               stream: Optional[int] = None, message: Optional[ctypes.Array] = None,
+               rpc: str = "Verify") -> List[_wire.VerifyResult]:
+        """One layer's Verify of placed items, unary or over `stream` (a
+        stream handle, with its message buffer; the stream keeps its client
+        open while it is)."""
+        if message is None:
+            message = getattr(self._local, "message", None)
+            if message is None:
+                message = self._local.message = ctypes.create_string_buffer(_MESSAGE_BYTES)
+        call = self._prepare(layer, items, softmax_scale)
+        for region in call.regions:
+            # CUDA regions: the inputs were written on the device's current
+            # stream; the server reads them once the request arrives.
+            region.prepare()
+        prefix_lens = call.prefix_lens_type()
+        with self._guard:
+            handle = self.handle
+            if not handle:
+                raise VerifyError(grpc.StatusCode.FAILED_PRECONDITION, "the client is closed", rpc)
+            self._in_flight += 1
+        try:
+            code = self._lib.mlaverify_native_verify(handle, stream, layer, call.array,
+                                                     len(call.items), softmax_scale, prefix_lens,
+                                                     message, _MESSAGE_BYTES)
+        finally:
+            with self._guard:
+                self._in_flight -= 1
+        if code != 0:
+            _raise(code, message, rpc)
+        output = self._client._output
+        return [_wire.VerifyResult(sequence_id=seq,
+                                   out=region.read(out_at, tensors.BF16, out_shape, output),
+                                   lse=region.read(lse_at, tensors.FP32, lse_shape, output),
+                                   prefix_len=prefix_lens[k])
+                for k, (seq, region, out_at, out_shape, lse_at, lse_shape)
+                in enumerate(call.outputs)]
+
+
+class NativeVerifyStream:
+    """A VerifyStream of the C++ client: verify() sends one layer's Verify and
+    returns its results (one call in flight; calls from several threads take
+    turns; like the C++ session, a call has no deadline of its own). An
+    in-band error raises VerifyError and the stream goes on; a broken stream
+    raises its final status from then on. Use as a context manager, or call
+    close()."""
+
+    def __init__(self, native: NativeClient):
+        self._native = native
+        self._lib = native._lib
+        handle = ctypes.c_void_p()
+        message = ctypes.create_string_buffer(_MESSAGE_BYTES)
+        code = self._lib.mlaverify_native_stream_open(native.handle, ctypes.byref(handle), message,
+                                                      _MESSAGE_BYTES)
+        if code != 0:
+            _raise(code, message, "VerifyStream")
+        self._handle = handle.value
+        self._message = message
+        # Held for each call and by close: the C++ session takes one call at
+        # a time, and must not be freed under one.
+        self._lock = threading.Lock()
+        native._streams.add(self)
+
+    def verify(self, layer: int, items: Sequence[_wire.VerifyItem],
+               softmax_scale: float = 0.0) -> List[_wire.VerifyResult]:
+        """One layer's Verify of placed items; results in the order of `items`."""
+        with self._lock:
+            if self._handle is None:
+                raise VerifyError(grpc.StatusCode.FAILED_PRECONDITION, "the stream is closed",
+                                  "VerifyStream")
+            return self._native.verify(layer, items, softmax_scale, self._handle, self._message,
+                                       "VerifyStream")
+
+    def close(self) -> None:
+        """Half-closes the stream; raises VerifyError when the server ended it
+        with an error."""
+        with self._lock:
+            if self._handle is None:
+                return
+            message = ctypes.create_string_buffer(_MESSAGE_BYTES)
+            code = self._lib.mlaverify_native_stream_close(self._handle, message, _MESSAGE_BYTES)
+            self._lib.mlaverify_native_stream_destroy(self._handle)
+            self._handle = None
+        if code != 0:
+            _raise(code, message, "VerifyStream")
+
+    def __enter__(self) -> "NativeVerifyStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _destroy(self, blocking: bool = True) -> None:
+        """Cancels the stream if it is open (before its client goes);
+        RuntimeError when not blocking and a call holds it."""
+        lock = getattr(self, "_lock", None)
+        if lock is None:
+            return  # __init__ failed before the stream existed
+        if not lock.acquire(blocking):
+            raise RuntimeError("a call on a native stream is in flight: let it return before "
+                               "closing the client")
+        try:
+            if self._handle:
+                self._lib.mlaverify_native_stream_destroy(self._handle)
+                self._handle = None
+        finally:
+            lock.release()
+
+    def __del__(self):
+        self._destroy()

@@ -1,0 +1,157 @@
+"""The native path (mlaverify.native: the C++ client's Verify through
+libmlaverify_native.so) against a live CPU server over system shared memory:
+the same results as the pure-Python path, the same client-side checks, the
+server's in-band errors; and a clear error where the library is absent.
+
+CTest sets MLAVERIFY_NATIVE_LIB to the library it built: then it must load.
+Without it (the pip-installed package) the tests that need it are skipped."""
+
+import os
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+
+from mlaverify import SharedMemoryRegion, VerifyError, VerifyItem, native, place_item
+from mlaverify.shm import item_bytes
+
+from test_client import Mirror, check, random_bf16, random_tree, root_path
+
+needs_native = pytest.mark.skipif(
+    not os.environ.get("MLAVERIFY_NATIVE_LIB") and not native.available(),
+    reason="no native library (the build writes libmlaverify_native.so; pip installs none)")
+
+
+def test_the_built_library_loads():
+    if os.environ.get("MLAVERIFY_NATIVE_LIB"):
+        native.load()  # raises, saying why, when the build's library does not load
+    else:
+        pytest.skip("MLAVERIFY_NATIVE_LIB is not set (not a CTest run)")
+
+
+@needs_native
+def test_native_results_equal_the_pure_python_paths(client):
+    """Steps over every layer, each layer verified four ways (pure-Python
+    unary and stream, native unary and stream) with the same inputs: equal
+    results, which match the reference."""
+    rng = np.random.default_rng(11)
+    info = client.server_info()
+    n, heads = 4, info.num_heads
+    with SharedMemoryRegion(2 * item_bytes(n, heads)) as region:
+        client.register_system_shared_memory("py-native", region)
+        places = [place_item("py-native", 0, n, heads),
+                  place_item("py-native", item_bytes(n, heads), n, heads)]
+        seq = client.create_sequence("native")
+        mirror = Mirror(info.num_layers)
+        prompt = random_bf16(rng, info.num_layers, 19, 576)
+        client.append_prompt(seq, prompt)
+        mirror.append_prompt(prompt)
+        with client.verify_stream() as stream, client.native_stream() as fast:
+            for step in range(3):
+                parents = random_tree(rng, n)
+                drafts = [random_bf16(rng, n, 576) for _ in range(info.num_layers)]
+                for layer in range(info.num_layers):
+                    q = random_bf16(rng, n, heads, 576)
+                    results = []
+                    for call in (client.verify, stream.verify, client.native_verify, fast.verify):
+                        # Alternate placements: the inputs are written per call.
+                        place = places[len(results) % 2]
+                        item = VerifyItem(seq, q, drafts[layer], parents, shm=place)
+                        (r,) = call(layer, [item])
+                        results.append((np.array(r.out), np.array(r.lse), r.prefix_len, item))
+                    ref_out, ref_lse, ref_len, item = results[0]
+                    for out, lse, prefix_len, _ in results[1:]:
+                        assert np.array_equal(out, ref_out) and np.array_equal(lse, ref_lse)
+                        assert prefix_len == ref_len
+                    (r,) = client.native_verify(layer, [item])
+                    check(r, mirror, layer, item, info.default_softmax_scale)
+                accepted = root_path(parents, int(rng.integers(0, n)))
+                assert client.commit(seq, accepted).length == mirror.layers[0].shape[0] + \
+                    len(accepted)
+                mirror.commit(drafts, accepted)
+        client.release_sequence(seq)
+        assert client.unregister_system_shared_memory("py-native") == ["py-native"]
+
+
+@needs_native
+def test_native_checks_and_in_band_errors(client):
+    """The client-side checks raise before anything is sent; a server error
+    on the native stream raises VerifyError with its code and the stream
+    goes on."""
+    rng = np.random.default_rng(12)
+    info = client.server_info()
+    n, heads = 2, info.num_heads
+    with SharedMemoryRegion(item_bytes(n, heads)) as region:
+        client.register_system_shared_memory("py-native-err", region)
+        place = place_item("py-native-err", 0, n, heads)
+        seq = client.create_sequence("native-err")
+        client.append_prompt(seq, random_bf16(rng, info.num_layers, 5, 576))
+        q, kv = random_bf16(rng, n, heads, 576), random_bf16(rng, n, 576)
+        item = VerifyItem(seq, q, kv, [-1, 0], shm=place)
+        with client.native_stream() as fast:
+            with pytest.raises(ValueError, match="placed in shared memory only"):
+                fast.verify(0, [VerifyItem(seq, q, kv, [-1, 0])])
+            with pytest.raises(ValueError, match="layer 99"):
+                fast.verify(99, [item])
+            with pytest.raises(ValueError, match="parents"):
+                fast.verify(0, [VerifyItem(seq, q, kv, [-1, 5], shm=place)])
+            with pytest.raises(ValueError, match="q"):
+                fast.verify(0, [VerifyItem(seq, q[:, :1], kv, [-1, 0], shm=place)])
+            # A sequence the server does not know: NOT_FOUND in band.
+            with pytest.raises(VerifyError) as e:
+                fast.verify(0, [VerifyItem(seq + 1000, q, kv, [-1, 0], shm=place)])
+            assert e.value.code == grpc.StatusCode.NOT_FOUND
+            # A region the server does not know (registered only here): NOT_FOUND.
+            client._regions["py-native-gone"] = client._regions["py-native-err"]
+            gone = place_item("py-native-gone", 0, n, heads)
+            with pytest.raises(VerifyError) as e:
+                client.native_verify(0, [VerifyItem(seq, q, kv, [-1, 0], shm=gone)])
+            assert e.value.code == grpc.StatusCode.NOT_FOUND
+            del client._regions["py-native-gone"]
+            (r,) = fast.verify(0, [item])  # the stream goes on
+            assert r.prefix_len == 5
+        with pytest.raises(VerifyError) as e:
+            fast.verify(0, [item])
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        client.release_sequence(seq)
+        client.unregister_system_shared_memory("py-native-err")
+
+
+@needs_native
+def test_closing_the_client_ends_its_native_streams(server):
+    from mlaverify import VerifyClient
+    with VerifyClient(server) as c:
+        stream = c.native_stream()
+    with pytest.raises(VerifyError) as e:
+        stream.verify(0, [])
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    stream.close()  # nothing left to close
+    with pytest.raises(ValueError, match="closed"):
+        c.native_stream()
+
+
+def test_absent_library_says_so():
+    """Where the library is not there, the native calls raise
+    NativeUnavailableError naming the path and the pure-Python way."""
+    code = (
+        "from mlaverify import VerifyClient, native\n"
+        "assert not native.available()\n"
+        "c = VerifyClient('127.0.0.1:1')\n"
+        "for call in (c.native_stream, lambda: c.native_verify(0, [])):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except native.NativeUnavailableError as e:\n"
+        "        print(e)\n"
+        "    else:\n"
+        "        raise SystemExit('no error')\n")
+    env = dict(os.environ, MLAVERIFY_NATIVE_LIB="/nonexistent/libmlaverify_native.so")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        assert "/nonexistent/libmlaverify_native.so" in line
+        assert "pure-Python path" in line and "build/client/python" in line
