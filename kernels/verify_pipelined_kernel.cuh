@@ -100,19 +100,25 @@ __device__ __forceinline__ void ConvertFp8Row(uint32_t stage, int row, int lane)
   __syncwarp();
   const float scales[4] = {__uint_as_float(scale_bits.x), __uint_as_float(scale_bits.y),
                            __uint_as_float(scale_bits.z), __uint_as_float(scale_bits.w)};
+  // Every code chunk is read before the first store: the stores' "memory"
+  // clobber would otherwise keep the next chunk's load, and its shared-memory
+  // latency, behind them.
+  uint4 codes[pipelined::FP8_CODE_CHUNKS_PER_LANE];
+#pragma unroll
+  for (int m = 0; m < pipelined::FP8_CODE_CHUNKS_PER_LANE; ++m)
+    codes[m] = ptx::LdShared128(a + 256 * m);
 #pragma unroll
   for (int m = 0; m < pipelined::FP8_CODE_CHUNKS_PER_LANE; ++m) {
     // 16 codes of group m: bf16 chunks 2l + 16m (at a + 256m) and the next (b + 256m).
-    const uint4 codes = ptx::LdShared128(a + 256 * m);
     uint4 lo, hi;
-    lo.x = ptx::E4m3x2ScaledToBf16x2(codes.x & 0xffffu, scales[m]);
-    lo.y = ptx::E4m3x2ScaledToBf16x2(codes.x >> 16, scales[m]);
-    lo.z = ptx::E4m3x2ScaledToBf16x2(codes.y & 0xffffu, scales[m]);
-    lo.w = ptx::E4m3x2ScaledToBf16x2(codes.y >> 16, scales[m]);
-    hi.x = ptx::E4m3x2ScaledToBf16x2(codes.z & 0xffffu, scales[m]);
-    hi.y = ptx::E4m3x2ScaledToBf16x2(codes.z >> 16, scales[m]);
-    hi.z = ptx::E4m3x2ScaledToBf16x2(codes.w & 0xffffu, scales[m]);
-    hi.w = ptx::E4m3x2ScaledToBf16x2(codes.w >> 16, scales[m]);
+    lo.x = ptx::E4m3x2ScaledToBf16x2(codes[m].x & 0xffffu, scales[m]);
+    lo.y = ptx::E4m3x2ScaledToBf16x2(codes[m].x >> 16, scales[m]);
+    lo.z = ptx::E4m3x2ScaledToBf16x2(codes[m].y & 0xffffu, scales[m]);
+    lo.w = ptx::E4m3x2ScaledToBf16x2(codes[m].y >> 16, scales[m]);
+    hi.x = ptx::E4m3x2ScaledToBf16x2(codes[m].z & 0xffffu, scales[m]);
+    hi.y = ptx::E4m3x2ScaledToBf16x2(codes[m].z >> 16, scales[m]);
+    hi.z = ptx::E4m3x2ScaledToBf16x2(codes[m].w & 0xffffu, scales[m]);
+    hi.w = ptx::E4m3x2ScaledToBf16x2(codes[m].w >> 16, scales[m]);
     ptx::StShared128(a + 256 * m, lo);
     ptx::StShared128(b + 256 * m, hi);  // at m = 3 the scales' slot: read above
   }
