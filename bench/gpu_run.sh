@@ -362,6 +362,10 @@ if want pyclient && [ -x "$bundle/bin/mlaverify-server" ]; then
     python3 bench/pyclient_rows.py "$row" "$out/pyclient-cpp-$plane-$mode.json" \
       "$out/pyclient-py-$plane-$mode.json" "$out/pyclient-native-$plane-$mode.json"
   done
+  # Each part of one Python call alone, over a CUDA region (bench/python_client_parts.py).
+  PYTHONPATH=$pypath timeout 60 python3 bench/python_client_parts.py --target "127.0.0.1:$gport" \
+    --plane cuda-shm --drafts 16 --calls 1000 > "$out/pyclient-parts-cuda-shm.log" 2>&1
+  summary+=("python parts cuda-shm rc=$?"); cat "$out/pyclient-parts-cuda-shm.log"
   stop_server pyclient
 fi
 if want latency && [ -x "$bundle/bin/mlaverify-server" ]; then

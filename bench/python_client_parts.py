@@ -2,14 +2,16 @@
 """Where a Python Verify's client-side time goes: each part of one call of
 the pure-Python and the native path timed alone, in a loop, against a
 running server (one sequence, layer 0's pending tree verified again and
-again, one item placed in system shared memory: the server needs
---allow-client-shm). p50 and mean microseconds per call of each part, the
+again, one item placed in system shared memory, or with --plane cuda-shm in
+a CUDA region as torch views: the server needs --allow-client-shm). p50 and mean microseconds per call of each part, the
 parts called in turn:
 
   request build / answer decode  the package's own code (Geometry.verify_request,
                                  verify_results)
   grpcio unary (stub)            grpcio's unary call of a built request, alone
   verify / stream.verify         the whole pure-Python call, unary / VerifyStream
+  native prepare (checks)        the native path's Python side before the C call
+  region prepare (sync)          the region's wait for the current torch stream (cuda-shm)
   native C call (stream)         libmlaverify_native.so's Verify on a stream, alone
   native stream.verify / native_verify  the whole native call, stream / unary
 
@@ -31,6 +33,9 @@ def main() -> int:
     ap.add_argument("--target", default="127.0.0.1:50051")
     ap.add_argument("--drafts", type=int, default=1)
     ap.add_argument("--calls", type=int, default=2000, help="per part")
+    ap.add_argument("--plane", choices=["shm", "cuda-shm"], default="shm",
+                    help="cuda-shm: the item's tensors are torch views of a CUDA region on "
+                         "cuda:0 (in place: no copy per call)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
 
@@ -42,10 +47,21 @@ def main() -> int:
         n, heads = min(args.drafts, info.max_draft_len), info.num_heads
         seq = client.create_sequence("python_client_parts")
         client.append_prompt(seq, bf16(info.num_layers, 64, 576))
-        region = SharedMemoryRegion(item_bytes(n, heads))
-        client.register_system_shared_memory("py-parts", region)
-        item = VerifyItem(seq, bf16(n, heads, 576), bf16(n, 576), [-1] + list(range(n - 1)),
-                          shm=place_item("py-parts", 0, n, heads))
+        place = place_item("py-parts", 0, n, heads)
+        q, draft_kv = bf16(n, heads, 576), bf16(n, 576)
+        if args.plane == "cuda-shm":
+            import torch
+            from mlaverify import CudaSharedMemoryRegion
+            region = CudaSharedMemoryRegion(item_bytes(n, heads), device="cuda:0")
+            client.register_cuda_shared_memory("py-parts", region)
+            views = region.item_views(place)
+            views.q.copy_(torch.from_numpy(q.view(np.int16)).view(torch.bfloat16))
+            views.draft_kv.copy_(torch.from_numpy(draft_kv.view(np.int16)).view(torch.bfloat16))
+            q, draft_kv = views.q, views.draft_kv
+        else:
+            region = SharedMemoryRegion(item_bytes(n, heads))
+            client.register_system_shared_memory("py-parts", region)
+        item = VerifyItem(seq, q, draft_kv, [-1] + list(range(n - 1)), shm=place)
         g = client.geometry
         request = g.verify_request(0, [item], 0.0, 1)
         response = client._stub.Verify(request)
@@ -64,7 +80,10 @@ def main() -> int:
             nc = client._native
             call = nc._prepare(0, [item], 0.0)
             lens, msg = call.prefix_lens_type(), fast._message
-            parts += [("native C call (stream)", lambda: nc._lib.mlaverify_native_verify(
+            view = g._region("py-parts", "parts")
+            parts += [("native prepare (checks)", lambda: nc._prepare(0, [item], 0.0)),
+                      ("region prepare (sync)", view.prepare),
+                      ("native C call (stream)", lambda: nc._lib.mlaverify_native_verify(
                           nc.handle, fast._handle, 0, call.array, 1, 0.0, lens, msg, len(msg))),
                       ("native stream.verify", lambda: fast.verify(0, [item])),
                       ("native_verify", lambda: client.native_verify(0, [item]))]
@@ -79,7 +98,8 @@ def main() -> int:
                 fn()
                 if k >= 100:
                     t.append(time.perf_counter() - t0)
-        print(f"N={n}, H={heads}, {args.calls} calls of each part in turn; us per call:")
+        print(f"{args.plane}, N={n}, H={heads}, {args.calls} calls of each part in turn; "
+              "us per call:")
         for (name, _), t in zip(parts, times):
             t = np.array(t) * 1e6
             print(f"  {name:26s} p50 {np.percentile(t, 50):8.1f}  mean {t.mean():8.1f}")

@@ -259,6 +259,10 @@ class RegisteredView:
         self._region.array(self._offset + offset, np.uint16, shape)[...] = values
         return values.nbytes
 
+    def in_place(self, offset: int, value: Any, shape: Sequence[int]) -> bool:
+        """Never: a write copies `value` in (the caller may have changed it)."""
+        return False
+
     def ref_offset(self, offset: int) -> int:
         """The offset a SharedMemoryRef carries for `offset`."""
         return offset

@@ -276,6 +276,11 @@ class CudaRegisteredView:
             dst.copy_(tensors.numpy_to_torch(np.ascontiguousarray(bits)))
         return dst.numel() * 2
 
+    def in_place(self, offset: int, value: Any, shape: Sequence[int]) -> bool:
+        """Whether `value` is the placement's own view at `offset` (so a
+        write of it copies nothing)."""
+        return value is self._view(offset, _torch().bfloat16, shape)
+
     def ref_offset(self, offset: int) -> int:
         """The offset a SharedMemoryRef carries: from the allocation's start."""
         return self.region.base_offset + offset

@@ -158,6 +158,42 @@ class _Call:
         self.outputs = outputs
 
 
+class _Memo:
+    """A thread's last prepared call: the items it was made from and what
+    each held then. A scheduler sends the same items on every layer of a
+    step; when nothing it holds changed, the checks and the key are not made
+    again, only the writes of inputs that are not already in place."""
+
+    __slots__ = ("items", "fields", "regions", "copies", "call")
+
+    def __init__(self, items: Sequence[_wire.VerifyItem], regions: list, copies: list,
+                 call: _Call):
+        self.items = tuple(items)
+        self.fields = [self._fields(item) for item in items]
+        self.regions = regions  # (name, view): still registered under that name
+        self.copies = copies  # (region, offset, value, shape, what): inputs to copy per call
+        self.call = call
+
+    @staticmethod
+    def _fields(item: _wire.VerifyItem) -> tuple:
+        p = item.shm
+        return (item.sequence_id, item.q, item.draft_kv, tuple(item.parents), p, p.region,
+                p.q_offset, p.draft_kv_offset, p.out_offset, p.lse_offset)
+
+    def matches(self, items: Sequence[_wire.VerifyItem], regions: dict) -> bool:
+        if len(items) != len(self.items):
+            return False
+        for item, was, fields in zip(items, self.items, self.fields):
+            if item is not was or item.shm is None:
+                return False
+            now = self._fields(item)
+            # The tensors and the placement by identity, the rest by value.
+            if now[1] is not fields[1] or now[2] is not fields[2] or now[4] is not fields[4] or \
+                    now[0] != fields[0] or now[3] != fields[3] or now[5:] != fields[5:]:
+                return False
+        return all(regions.get(name) is view for name, view in self.regions)
+
+
 class NativeClient:
     """The C++ client behind a VerifyClient's native calls: one connection,
     made on first use (VerifyClient.native_verify / native_stream)."""
@@ -219,7 +255,12 @@ class NativeClient:
             raise ValueError(f"{len(items)} items, the server takes 1..{g.max_batch} per Verify")
         if not math.isfinite(softmax_scale):
             raise ValueError(f"softmax_scale {softmax_scale} is not finite")
-        keys, written, seen = [], [], set()
+        memo = getattr(self._local, "memo", None)
+        if memo is not None and memo.matches(items, g.regions):
+            for region, offset, value, shape, what in memo.copies:
+                region.write(offset, value, shape, what)
+            return memo.call
+        keys, written, seen, copies, used = [], [], set(), [], []
         for k, item in enumerate(items):
             what = f"items[{k}] (sequence {item.sequence_id})"
             if item.sequence_id in seen:
@@ -234,8 +275,14 @@ class NativeClient:
             region = g._region(p.region, what)
             q_shape, kv_shape = [len(parents), g.num_heads, _wire.LATENT_DIM], \
                 [len(parents), _wire.LATENT_DIM]
-            region.write(p.q_offset, item.q, q_shape, f"{what} q")
-            region.write(p.draft_kv_offset, item.draft_kv, kv_shape, f"{what} draft_kv")
+            for offset, value, shape, name in ((p.q_offset, item.q, q_shape, f"{what} q"),
+                                               (p.draft_kv_offset, item.draft_kv, kv_shape,
+                                                f"{what} draft_kv")):
+                region.write(offset, value, shape, name)
+                if not region.in_place(offset, value, shape):
+                    copies.append((region, offset, value, shape, name))
+            if (p.region, region) not in used:
+                used.append((p.region, region))
             keys.append((id(region), region.ref_offset(0), p.region, p.q_offset,
                          p.draft_kv_offset, p.out_offset, p.lse_offset, item.sequence_id,
                          tuple(parents)))
@@ -246,6 +293,7 @@ class NativeClient:
             if len(self._calls) >= 4096:
                 self._calls.clear()
             call = self._calls[key] = self._new_call(written)
+        self._local.memo = _Memo(items, used, copies, call)
         return call
 
     def _new_call(self, written: list) -> _Call:

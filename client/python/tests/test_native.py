@@ -76,6 +76,50 @@ def test_native_results_equal_the_pure_python_paths(client):
 
 
 @needs_native
+def test_native_repeated_items_follow_every_change(client):
+    """The native path remembers a thread's last call (the same item objects
+    on every layer): a change of the item's parents, a new q, a q changed in
+    place and a region unregistered in between are each seen, as the
+    pure-Python path sees them."""
+    rng = np.random.default_rng(12)
+    info = client.server_info()
+    n, heads = 4, info.num_heads
+    with SharedMemoryRegion(item_bytes(n, heads)) as region:
+        client.register_system_shared_memory("py-native-memo", region)
+        seq = client.create_sequence("native-memo")
+        client.append_prompt(seq, random_bf16(rng, info.num_layers, 7, 576))
+        item = VerifyItem(seq, random_bf16(rng, n, heads, 576), random_bf16(rng, n, 576),
+                          [-1, 0, 1, 2], shm=place_item("py-native-memo", 0, n, heads))
+
+        def same_as_pure_python(layer):
+            (fast,) = client.native_verify(layer, [item])
+            fast_out, fast_lse = np.array(fast.out), np.array(fast.lse)
+            (ref,) = client.verify(layer, [item])
+            assert np.array_equal(fast_out, ref.out) and np.array_equal(fast_lse, ref.lse)
+            return fast_out
+
+        first = same_as_pure_python(0)
+        assert np.array_equal(same_as_pure_python(0), first)  # the remembered call
+        item.q = random_bf16(rng, n, heads, 576)
+        second = same_as_pure_python(0)
+        assert not np.array_equal(second, first)
+        item.q[...] = random_bf16(rng, n, heads, 576)  # the same object, new values
+        assert not np.array_equal(same_as_pure_python(0), second)
+        item.draft_kv[...] = random_bf16(rng, n, 576)
+        same_as_pure_python(0)
+        client.release_sequence(seq)
+        seq = client.create_sequence("native-memo-2")
+        client.append_prompt(seq, random_bf16(rng, info.num_layers, 7, 576))
+        item.sequence_id = seq
+        item.parents[1:] = [-1, -1, -1]  # changed in place: a different tree
+        same_as_pure_python(0)
+        client.unregister_system_shared_memory("py-native-memo")
+        with pytest.raises(ValueError, match="not registered"):
+            client.native_verify(0, [item])
+        client.release_sequence(seq)
+
+
+@needs_native
 def test_native_checks_and_in_band_errors(client):
     """The client-side checks raise before anything is sent; a server error
     on the native stream raises VerifyError with its code and the stream
