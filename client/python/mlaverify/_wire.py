@@ -249,6 +249,8 @@ class RegisteredView:
     offsets count from the range's start. Inputs are copied in; outputs are
     copied out (the region is reused by the next call)."""
 
+    outputs_are_views = False  # read() copies
+
     def __init__(self, region, offset: int):
         self._region, self._offset = region, offset
 

@@ -251,9 +251,12 @@ class CudaRegisteredView:
     copied to the device unless they already are the placement's memory;
     outputs are views."""
 
+    outputs_are_views = True  # read() returns the same view for the same place
+
     def __init__(self, region: CudaSharedMemoryRegion):
         self.region = region
         self._view = region.view
+        self._stream: Optional[tuple] = None  # (raw handle, torch Stream) of the last prepare
 
     def write(self, offset: int, value: Any, shape: Sequence[int], what: str) -> int:
         """Puts bf16 `value` (a torch.bfloat16 tensor, CPU or CUDA, or uint16
@@ -288,8 +291,22 @@ class CudaRegisteredView:
     def prepare(self) -> None:
         """Waits for the device's current stream (the copies in, and any
         reader of the last outputs)."""
-        if self.region.device.type == "cuda":
-            _torch().cuda.current_stream(self.region.device).synchronize()
+        if not self.region.tensor.is_cuda:
+            return
+        torch = _torch()
+        index = self.region.device_index
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is None:
+            torch.cuda.current_stream(index).synchronize()
+            return
+        # current_stream() builds a Stream object per call (~3 us, several
+        # times that between gRPC calls): the last one is kept while the
+        # current stream's handle stays the same.
+        handle = raw(index)
+        last = self._stream
+        if last is None or last[0] != handle:
+            last = self._stream = (handle, torch.cuda.current_stream(index))
+        last[1].synchronize()
 
     def read(self, ref_offset: int, dtype: str, shape: Sequence[int], output: Any) -> Any:
         """A view of the output a SharedMemoryRef places at `ref_offset`

@@ -306,8 +306,13 @@ class NativeClient:
             if region not in regions:
                 regions.append(region)
             n = len(parents)
-            outputs.append((sequence_id, region, offsets[2], [n, g.num_heads, _wire.VALUE_DIM],
-                            offsets[3], [n, g.num_heads]))
+            out_shape, lse_shape = [n, g.num_heads, _wire.VALUE_DIM], [n, g.num_heads]
+            # Views of a CUDA region are made once (the same objects every call).
+            views = (region.read(offsets[2], tensors.BF16, out_shape, self._client._output),
+                     region.read(offsets[3], tensors.FP32, lse_shape, self._client._output)) \
+                if getattr(region, "outputs_are_views", False) else None
+            outputs.append((sequence_id, region, offsets[2], out_shape, offsets[3], lse_shape,
+                            views))
         return _Call(items, regions, outputs)
 
     def verify(self, layer: int, items: Sequence[_wire.VerifyItem], softmax_scale: float = 0.0,
@@ -341,12 +346,15 @@ class NativeClient:
         if code != 0:
             _raise(code, message, rpc)
         output = self._client._output
-        return [_wire.VerifyResult(sequence_id=seq,
-                                   out=region.read(out_at, tensors.BF16, out_shape, output),
-                                   lse=region.read(lse_at, tensors.FP32, lse_shape, output),
-                                   prefix_len=prefix_lens[k])
-                for k, (seq, region, out_at, out_shape, lse_at, lse_shape)
-                in enumerate(call.outputs)]
+        results = []
+        for k, (seq, region, out_at, out_shape, lse_at, lse_shape, views) in \
+                enumerate(call.outputs):
+            out, lse = views if views is not None else (
+                region.read(out_at, tensors.BF16, out_shape, output),
+                region.read(lse_at, tensors.FP32, lse_shape, output))
+            results.append(_wire.VerifyResult(sequence_id=seq, out=out, lse=lse,
+                                              prefix_len=prefix_lens[k]))
+        return results
 
 
 class NativeVerifyStream:
