@@ -183,15 +183,19 @@ class _Memo:
     def matches(self, items: Sequence[_wire.VerifyItem], regions: dict) -> bool:
         if len(items) != len(self.items):
             return False
-        for item, was, fields in zip(items, self.items, self.fields):
-            if item is not was or item.shm is None:
-                return False
-            now = self._fields(item)
+        for item, was, f in zip(items, self.items, self.fields):
             # The tensors and the placement by identity, the rest by value.
-            if now[1] is not fields[1] or now[2] is not fields[2] or now[4] is not fields[4] or \
-                    now[0] != fields[0] or now[3] != fields[3] or now[5:] != fields[5:]:
+            p = item.shm
+            if item is not was or p is not f[4] or item.q is not f[1] or \
+                    item.draft_kv is not f[2] or item.sequence_id != f[0] or \
+                    p.region != f[5] or p.q_offset != f[6] or p.draft_kv_offset != f[7] or \
+                    p.out_offset != f[8] or p.lse_offset != f[9] or \
+                    tuple(item.parents) != f[3]:
                 return False
-        return all(regions.get(name) is view for name, view in self.regions)
+        for name, view in self.regions:
+            if regions.get(name) is not view:
+                return False
+        return True
 
 
 class NativeClient:
