@@ -20,9 +20,10 @@ def bf16(rng, *shape):
 
 @pytest.fixture
 def two_servers():
-    a, b = start_server(), start_server()
-    yield [a, b]
-    for proc, _, _ in (a, b):
+    servers = [start_server(), start_server()]
+    yield servers
+    # The list as the test left it: a test may replace a server (a restart).
+    for proc, _, _ in servers:
         if proc.poll() is None:
             stop_server(proc)
 
