@@ -104,8 +104,9 @@ struct VerifyArguments {
 absl::Status CanImplement(const VerifyArguments& args, bool require_16b_alignment);
 
 // Checks the per-request values against the pool and the limits. Only for
-// host-resident arrays (the CPU reference, and the engine before it copies
-// them to the device).
+// host-resident arrays: the CPU reference and the client's reference check
+// call it. The engine does not: it builds P, N and the page tables from its
+// own sequence state, bounded by its submission checks.
 absl::Status ValidateRequests(const VerifyArguments& args);
 
 }  // namespace mlaverify::kernels

@@ -1481,6 +1481,7 @@ absl::Status Engine::StartCommit(uint64_t sequence_id, absl::Span<const int32_t>
 }
 
 std::vector<int32_t> Engine::ReleaseLocked(Sequence& s) {
+  s.mu.AssertHeld();  // (beyond the static analysis: callers lock through a shared_ptr)
   std::vector<int32_t> pages = std::move(s.pages);
   s.pages.clear();
   if (s.pending) pending_steps_.fetch_sub(1);
