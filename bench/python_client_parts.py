@@ -33,6 +33,9 @@ def main() -> int:
     ap.add_argument("--target", default="127.0.0.1:50051")
     ap.add_argument("--drafts", type=int, default=1)
     ap.add_argument("--calls", type=int, default=2000, help="per part")
+    ap.add_argument("--parts", default="",
+                    help="comma-separated part names to run (default: all); one part alone "
+                         "runs back to back, with no other part's work between its calls")
     ap.add_argument("--plane", choices=["shm", "cuda-shm"], default="shm",
                     help="cuda-shm: the item's tensors are torch views of a CUDA region on "
                          "cuda:0 (in place: no copy per call)")
@@ -89,6 +92,12 @@ def main() -> int:
                       ("native_verify", lambda: client.native_verify(0, [item]))]
         else:
             print("native path: no library (mlaverify/lib/libmlaverify_native.so)")
+        if args.parts:
+            wanted = [w.strip() for w in args.parts.split(",")]
+            unknown = [w for w in wanted if w not in {name for name, _ in parts}]
+            if unknown:
+                ap.error(f"unknown part(s) {unknown}; parts: {[name for name, _ in parts]}")
+            parts = [(name, fn) for name, fn in parts if name in wanted]
         # Round robin, one call of each part in turn, so that a change of the
         # host's load or the server's pace weighs on every part alike.
         times = [[] for _ in parts]
