@@ -462,6 +462,14 @@ int Main(int argc, char** argv) {
   soak_cmd->add_option("--seed", soak.seed, "random seed")->capture_default_str();
   soak_cmd->add_option("--json", soak_json, "write the report to this JSON file ('-': stdout)");
 
+  // A subcommand's --help lists its own options only: say where the
+  // connection's are (the tool's, accepted before or after the subcommand).
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) {
+    sub->footer(
+        "Connection options (--target, --connections, --timeout-ms, --tls..., keepalive, ...) "
+        "are the tool's, before or after the subcommand: mlaverify-client --help lists them.");
+  }
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -33,6 +33,11 @@ test "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$admin_port/rea
 "$build/client/mlaverify-client" --version > "$work/version.out" || fail "client --version exited non-zero"
 grep -qE '^mlaverify-client [0-9]+\.[0-9]+\.[0-9]+ \(git ([0-9a-f]{12}|unknown); .+\)$' "$work/version.out" ||
   fail "client --version printed: $(cat "$work/version.out")"
+# A subcommand's help says where the connection's options are listed.
+for sub in info health demo load soak; do
+  "$build/client/mlaverify-client" "$sub" --help | grep -q "mlaverify-client --help lists them" ||
+    fail "$sub --help does not point to the global options"
+done
 # Global flags also after the subcommand; switches bare or with a value.
 "$build/client/mlaverify-client" health --target "127.0.0.1:$grpc_port" --timeout-ms 5000 ||
   fail "health with --target after the subcommand"
