@@ -217,7 +217,11 @@ struct WorkerResult {
   // opened (same order); and when each failure after the ramp-up happened.
   std::vector<double> started_s;
   std::vector<double> error_s;
-  LoadReport::SlowestCall slowest;
+  // Each measured call's layer and its first sequence's length (same order):
+  // the report names the slowest call of the reported window, which with
+  // stability windows is not the whole measured period.
+  std::vector<int32_t> layers;
+  std::vector<int64_t> sequence_lens;
   int64_t steps_committed = 0;
   int64_t sequences_created = 0;
   int64_t append_bytes = 0;
@@ -463,13 +467,11 @@ class LoadWorker {
         }
       }
       if (measured) {
-        if (ms > result_.slowest.ms) {
-          result_.slowest = {ms, std::chrono::duration<double>(start - plan_.measure_start).count(),
-                             index_, layer, lengths_.front()};
-        }
         result_.latencies_ms.push_back(ms);
         result_.started_s.push_back(
             std::chrono::duration<double>(start - plan_.measure_start).count());
+        result_.layers.push_back(layer);
+        result_.sequence_lens.push_back(lengths_.front());
         control_.CountCall(items, ms);
       }
     }
@@ -944,18 +946,24 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
     return second;
   };
   std::optional<Clock::time_point> ramp_first, ramp_last;
-  for (WorkerResult& result : results) {
+  for (size_t w = 0; w < results.size(); ++w) {
+    WorkerResult& result = results[w];
     for (size_t i = 0; i < result.latencies_ms.size(); ++i) {
       const double t = result.started_s[i];
+      const double ms = result.latencies_ms[i];
       if (const std::optional<size_t> second = second_of(t)) {
-        second_latencies[*second].push_back(result.latencies_ms[i]);
+        second_latencies[*second].push_back(ms);
       }
-      if (t >= from_s && t < to_s) latencies.push_back(result.latencies_ms[i]);
+      if (t >= from_s && t < to_s) {
+        latencies.push_back(ms);
+        if (ms > report.slowest.ms) {
+          report.slowest = {ms, t, static_cast<int>(w), result.layers[i], result.sequence_lens[i]};
+        }
+      }
     }
     for (double t : result.error_s) {
       if (const std::optional<size_t> second = second_of(t)) ++second_errors[*second];
     }
-    if (result.slowest.ms > report.slowest.ms) report.slowest = result.slowest;
     report.steps_committed += result.steps_committed;
     report.sequences_created += result.sequences_created;
     report.append_bytes += result.append_bytes;

@@ -122,6 +122,10 @@ last = st["calls_per_second"][-3:]
 m = sum(last) / 3
 assert all(abs(x - m) <= 0.5 * m for x in last), st
 assert abs(r["measured_seconds"] - 1.5) < 1e-6, r["measured_seconds"]
+# The slowest call named is the reported window's: its maximum, started inside it.
+s, l = r["slowest_call"], r["latency_ms"]
+first = (st["windows"] - 3) * r["options"]["window_s"]
+assert s["ms"] == l["max"] and first <= s["started_s"] < first + 1.5, (s, l, first)
 u = json.load(open(sys.argv[2]))
 assert not u["pass"] and not u["stability"]["reached"] and u["stability"]["windows"] == 3, u["stability"]
 PY
