@@ -5,7 +5,7 @@
 #     build/tests/gpu_engine_test build/bench/mlaverify-bench build/bench/mlaverify-engine-bench \
 #     build/server/mlaverify-server build/client/mlaverify-client
 # and carried there (device tool: carry [".device"]):
-#   OUT=/tmp/out bench/gpu_run.sh [tests] [fp8] [dataplane] [service] [connections] [planes] [cudashm] [pyclient] [latency] [fault] [engine] [soak] [anchor] [sweep] [triton] [stalls] [small] [pdl] [ncu] [shapes] [sass] [timeline]
+#   OUT=/tmp/out bench/gpu_run.sh [tests] [fp8] [dataplane] [service] [connections] [planes] [cudashm] [pyclient] [pynative] [latency] [fault] [engine] [soak] [anchor] [sweep] [triton] [stalls] [small] [pdl] [ncu] [shapes] [sass] [timeline]
 # The pyclient part also needs the Python package with its stubs in the
 # bundle: cp -r build/client/python .device/bundle/python
 # Writes logs and JSON into $OUT/results.tgz (one file: the device tool brings
@@ -367,6 +367,34 @@ if want pyclient && [ -x "$bundle/bin/mlaverify-server" ]; then
     --plane cuda-shm --drafts 16 --calls 1000 > "$out/pyclient-parts-cuda-shm.log" 2>&1
   summary+=("python parts cuda-shm rc=$?"); cat "$out/pyclient-parts-cuda-shm.log"
   stop_server pyclient
+fi
+if want pynative && [ -x "$bundle/bin/mlaverify-server" ]; then
+  # The native Python path against the C++ client, paired in rounds: per row
+  # (plane:mode), PYNATIVE_ROUNDS (5) rounds of the C++ client then the native
+  # path, 3 s each, L=16K, N=16, one call in flight; bench/pyclient_rounds.py
+  # prints each round's difference and their median (the rows of pyclient
+  # compare one run of each, minutes apart).
+  pypath=${PYPKG:-$bundle/python}
+  start_server pynative 127.0.0.1:0 --devices 0 --heads 8 --pool-bytes 40GiB --allow-client-shm true
+  read -r -a pnrows <<< "${PYNATIVE_ROWS:-cuda-shm:stream cuda-shm:unary}"
+  for row in "${pnrows[@]}"; do
+    plane=${row%%:*} mode=${row#*:} stream=() pairs=()
+    [ "$mode" = stream ] && stream=(--stream)
+    for r in $(seq 1 "${PYNATIVE_ROUNDS:-5}"); do
+      base="$out/pynative-$plane-$mode-r$r"
+      timeout 60 "${cl[@]}" load --concurrency 1 --duration-s 3 --warmup-s 1 --prompt-len 16384 \
+        --max-seq-len 16900 --drafts 16 --progress false "${stream[@]}" --data-plane "$plane" \
+        --json "$base-cpp.json" > "$base-cpp.log" 2>&1
+      PYTHONPATH=$pypath timeout 90 python3 bench/python_client_latency.py --native \
+        --target "127.0.0.1:$gport" --plane "$plane" --prompt-len 16384 --drafts 16 \
+        "${stream[@]}" --duration-s 3 --warmup-s 1 --json "$base-native.json" \
+        > "$base-native.log" 2>&1
+      pairs+=("$base-cpp.json" "$base-native.json")
+    done
+    python3 bench/pyclient_rounds.py "$row" "${pairs[@]}" | tee "$out/pynative-$plane-$mode.txt"
+    summary+=("pynative $row: $(grep -c 'round' "$out/pynative-$plane-$mode.txt") rounds")
+  done
+  stop_server pynative
 fi
 if want latency && [ -x "$bundle/bin/mlaverify-server" ]; then
   # One call in flight over shm streams at L=16K (the planes' lowest-latency
