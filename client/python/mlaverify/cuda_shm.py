@@ -263,7 +263,7 @@ class CudaRegisteredView:
         bits) at `offset` on the current stream; returns its byte size."""
         torch = _torch()
         dst = self._view(offset, torch.bfloat16, shape)
-        if value is dst:
+        if self.in_place(offset, value, shape):
             return dst.numel() * 2  # the placement's own view: already in place
         if isinstance(value, torch.Tensor):
             if value.dtype != torch.bfloat16:

@@ -164,11 +164,10 @@ class _Memo:
     step; when nothing it holds changed, the checks and the key are not made
     again, only the writes of inputs that are not already in place."""
 
-    __slots__ = ("items", "fields", "regions", "copies", "call")
+    __slots__ = ("fields", "regions", "copies", "call")
 
     def __init__(self, items: Sequence[_wire.VerifyItem], regions: list, copies: list,
                  call: _Call):
-        self.items = tuple(items)
         self.fields = [self._fields(item) for item in items]
         self.regions = regions  # (name, view): still registered under that name
         self.copies = copies  # (region, offset, value, shape, what): inputs to copy per call
@@ -176,26 +175,23 @@ class _Memo:
 
     @staticmethod
     def _fields(item: _wire.VerifyItem) -> tuple:
+        """What the call was built from: the objects compared by identity,
+        then the values compared by value."""
         p = item.shm
-        return (item.sequence_id, item.q, item.draft_kv, tuple(item.parents), p, p.region,
-                p.q_offset, p.draft_kv_offset, p.out_offset, p.lse_offset)
+        return ((item, item.q, item.draft_kv, p),
+                (item.sequence_id, tuple(item.parents), p.region, p.q_offset, p.draft_kv_offset,
+                 p.out_offset, p.lse_offset))
 
     def matches(self, items: Sequence[_wire.VerifyItem], regions: dict) -> bool:
-        if len(items) != len(self.items):
+        if len(items) != len(self.fields):
             return False
-        for item, was, f in zip(items, self.items, self.fields):
-            # The tensors and the placement by identity, the rest by value.
-            p = item.shm
-            if item is not was or p is not f[4] or item.q is not f[1] or \
-                    item.draft_kv is not f[2] or item.sequence_id != f[0] or \
-                    p.region != f[5] or p.q_offset != f[6] or p.draft_kv_offset != f[7] or \
-                    p.out_offset != f[8] or p.lse_offset != f[9] or \
-                    tuple(item.parents) != f[3]:
+        for item, (objects, values) in zip(items, self.fields):
+            if item is not objects[0] or item.shm is None:
                 return False
-        for name, view in self.regions:
-            if regions.get(name) is not view:
+            now_objects, now_values = self._fields(item)
+            if any(a is not b for a, b in zip(now_objects, objects)) or now_values != values:
                 return False
-        return True
+        return all(regions.get(name) is view for name, view in self.regions)
 
 
 class NativeClient:
@@ -314,7 +310,7 @@ class NativeClient:
             # Views of a CUDA region are made once (the same objects every call).
             views = (region.read(offsets[2], tensors.BF16, out_shape, self._client._output),
                      region.read(offsets[3], tensors.FP32, lse_shape, self._client._output)) \
-                if getattr(region, "outputs_are_views", False) else None
+                if region.outputs_are_views else None
             outputs.append((sequence_id, region, offsets[2], out_shape, offsets[3], lse_shape,
                             views))
         return _Call(items, regions, outputs)
