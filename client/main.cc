@@ -23,7 +23,6 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "absl/synchronization/mutex.h"
 #include "client/client.h"
 #include "client/demo.h"
 #include "client/load.h"
@@ -35,6 +34,7 @@
 #include "common/build_info.h"
 #include "common/cli_switch.h"
 #include "common/heap_tuning.h"
+#include "common/mutex_tuning.h"
 #include "nlohmann/json.hpp"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
@@ -267,11 +267,7 @@ int Main(int argc, char** argv) {
   // Before any thread starts: a load run's requests and answers (hundreds
   // of KiB per call) then come from the heap without page faults.
   TuneHeapForLargeBuffers();
-  // Debian's Abseil is built without NDEBUG, which turns on the Mutex
-  // deadlock detector: every lock then takes one process-wide spin lock,
-  // shared by all of a load run's workers (as in the server's main; the
-  // tests, which do not run this, keep it).
-  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  TurnOffMutexDeadlockDetection();  // (mutex_tuning.h: why)
   // Results go to stdout (tables, JSON); diagnostics to stderr.
   spdlog::set_default_logger(spdlog::stderr_color_mt("mlaverify-client"));
   CLI::App app{"mlaverify-client: inspect, check and load an mlaverify verify-attention server"};

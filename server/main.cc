@@ -33,6 +33,7 @@
 #include "common/build_info.h"
 #include "common/cli_switch.h"
 #include "common/heap_tuning.h"
+#include "common/mutex_tuning.h"
 #include "common/small_file.h"
 #include "common/status_macros.h"
 #include "server/admin/admin_http_server.h"
@@ -349,12 +350,7 @@ std::map<std::string, std::string> EngineSettingFlags() {
 int Run(int argc, char** argv) {
   // Before any thread starts (heap_tuning.h: no page faults per call).
   const bool heap_tuned = TuneHeapForLargeBuffers();
-  // Debian's Abseil is built without NDEBUG, which turns on the Mutex
-  // deadlock detector: every lock and every Mutex destroyed then takes one
-  // process-wide spin lock, and a lock taken while another is held records
-  // a stack trace. The server takes several per call on every thread; the
-  // tests (which do not run this) keep the detector.
-  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  TurnOffMutexDeadlockDetection();  // (mutex_tuning.h: why)
   Flags f;
   CLI::App app{"mlaverify-server: MLA verify attention over a paged latent KV cache"};
   app.add_option("--listen", f.listen, "gRPC address (host:port; port 0 picks one)")

@@ -31,6 +31,7 @@
 #include "client/shared_memory.h"
 #include "client/wire.h"
 #include "common/bf16.h"
+#include "common/mutex_tuning.h"
 
 namespace mlaverify::client {
 namespace {
@@ -98,11 +99,7 @@ MLAVERIFY_NATIVE_EXPORT int mlaverify_native_client_create(
     double keepalive_time_s, double keepalive_timeout_s, int keepalive_permit_without_calls,
     int64_t max_message_bytes, NativeClient** out, char* message, size_t cap) {
   using namespace mlaverify::client;
-  // As mlaverify-client's main does: Debian's Abseil (built without NDEBUG)
-  // runs the Mutex deadlock detector on every lock, behind one process-wide
-  // spin lock. The setting is process-wide: every user of that Abseil in
-  // the process sheds the detector too (Debian's grpcio links it as well).
-  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  mlaverify::TurnOffMutexDeadlockDetection();  // (mutex_tuning.h: why; process-wide)
   ClientOptions options;
   options.connections = 1;
   options.call_timeout = timeout_s > 0 ? absl::Seconds(timeout_s) : absl::InfiniteDuration();
