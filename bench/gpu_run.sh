@@ -324,6 +324,25 @@ if want cudashm && [ -x "$bundle/bin/mlaverify-server" ]; then
   grep -E "CUDA shared|error|warn" "$out/server-cudashm.log" | head -5
   stop_server cudashm
 fi
+# The per-layer Verify latency rows of pyclient and pynative: one call in
+# flight, L=16K, N=16, on the server of start_server, into BASE.json/.log.
+#   latency_cpp BASE PLANE MODE SECONDS: the C++ client (mlaverify-client load)
+#   latency_py BASE PLANE MODE SECONDS [--native]: the Python client ($pypath)
+latency_cpp() {
+  local base=$1 plane=$2 mode=$3 seconds=$4 stream=()
+  [ "$mode" = stream ] && stream=(--stream)
+  timeout 60 "${cl[@]}" load --concurrency 1 --duration-s "$seconds" --warmup-s 1 \
+    --prompt-len 16384 --max-seq-len 16900 --drafts 16 --progress false "${stream[@]}" \
+    --data-plane "$plane" --json "$base.json" > "$base.log" 2>&1
+}
+latency_py() {
+  local base=$1 plane=$2 mode=$3 seconds=$4 stream=()
+  shift 4
+  [ "$mode" = stream ] && stream=(--stream)
+  PYTHONPATH=$pypath timeout 90 python3 bench/python_client_latency.py "$@" \
+    --target "127.0.0.1:$gport" --plane "$plane" --prompt-len 16384 --drafts 16 "${stream[@]}" \
+    --duration-s "$seconds" --warmup-s 1 --json "$base.json" > "$base.log" 2>&1
+}
 if want pyclient && [ -x "$bundle/bin/mlaverify-server" ]; then
   # The Python client on the GPU: its CUDA shared-memory tests against the
   # CUDA server (client/python/tests/test_cuda_shm.py, torch CUDA tensors),
@@ -339,24 +358,16 @@ if want pyclient && [ -x "$bundle/bin/mlaverify-server" ]; then
   # PYCLIENT_ROWS picks rows (plane:mode), e.g. "cuda-shm:stream cuda-shm:unary".
   read -r -a pyrows <<< "${PYCLIENT_ROWS:-cuda-shm:stream cuda-shm:unary shm:stream inline:stream}"
   for row in "${pyrows[@]}"; do
-    plane=${row%%:*} mode=${row#*:} stream=()
-    [ "$mode" = stream ] && stream=(--stream)
-    timeout 60 "${cl[@]}" load --concurrency 1 --duration-s 5 --warmup-s 1 --prompt-len 16384 \
-      --max-seq-len 16900 --drafts 16 --progress false "${stream[@]}" --data-plane "$plane" \
-      --json "$out/pyclient-cpp-$plane-$mode.json" > "$out/pyclient-cpp-$plane-$mode.log" 2>&1
+    plane=${row%%:*} mode=${row#*:}
+    latency_cpp "$out/pyclient-cpp-$plane-$mode" "$plane" "$mode" 5
     summary+=("load c++ $row rc=$?")
-    PYTHONPATH=$pypath timeout 90 python3 bench/python_client_latency.py --target "127.0.0.1:$gport" \
-      --plane "$plane" --prompt-len 16384 --drafts 16 "${stream[@]}" --duration-s 5 --warmup-s 1 \
-      --json "$out/pyclient-py-$plane-$mode.json" > "$out/pyclient-py-$plane-$mode.log" 2>&1
+    latency_py "$out/pyclient-py-$plane-$mode" "$plane" "$mode" 5
     summary+=("latency python $row rc=$?")
     if [ "$plane" != inline ]; then
       # The native path (mlaverify.native: the C++ client by ctypes; its
       # library, mlaverify/lib/libmlaverify_native.so in the package folder,
       # loads its gRPC, protobuf and Abseil from the bundle's lib/).
-      PYTHONPATH=$pypath timeout 90 python3 bench/python_client_latency.py --native \
-        --target "127.0.0.1:$gport" --plane "$plane" --prompt-len 16384 --drafts 16 \
-        "${stream[@]}" --duration-s 5 --warmup-s 1 --json "$out/pyclient-native-$plane-$mode.json" \
-        > "$out/pyclient-native-$plane-$mode.log" 2>&1
+      latency_py "$out/pyclient-native-$plane-$mode" "$plane" "$mode" 5 --native
       summary+=("latency native python $row rc=$?")
     fi
     python3 bench/pyclient_rows.py "$row" "$out/pyclient-cpp-$plane-$mode.json" \
@@ -378,17 +389,11 @@ if want pynative && [ -x "$bundle/bin/mlaverify-server" ]; then
   start_server pynative 127.0.0.1:0 --devices 0 --heads 8 --pool-bytes 40GiB --allow-client-shm true
   read -r -a pnrows <<< "${PYNATIVE_ROWS:-cuda-shm:stream cuda-shm:unary}"
   for row in "${pnrows[@]}"; do
-    plane=${row%%:*} mode=${row#*:} stream=() pairs=()
-    [ "$mode" = stream ] && stream=(--stream)
+    plane=${row%%:*} mode=${row#*:} pairs=()
     for r in $(seq 1 "${PYNATIVE_ROUNDS:-5}"); do
       base="$out/pynative-$plane-$mode-r$r"
-      timeout 60 "${cl[@]}" load --concurrency 1 --duration-s 3 --warmup-s 1 --prompt-len 16384 \
-        --max-seq-len 16900 --drafts 16 --progress false "${stream[@]}" --data-plane "$plane" \
-        --json "$base-cpp.json" > "$base-cpp.log" 2>&1
-      PYTHONPATH=$pypath timeout 90 python3 bench/python_client_latency.py --native \
-        --target "127.0.0.1:$gport" --plane "$plane" --prompt-len 16384 --drafts 16 \
-        "${stream[@]}" --duration-s 3 --warmup-s 1 --json "$base-native.json" \
-        > "$base-native.log" 2>&1
+      latency_cpp "$base-cpp" "$plane" "$mode" 3
+      latency_py "$base-native" "$plane" "$mode" 3 --native
       pairs+=("$base-cpp.json" "$base-native.json")
     done
     python3 bench/pyclient_rounds.py "$row" "${pairs[@]}" | tee "$out/pynative-$plane-$mode.txt"
