@@ -96,6 +96,8 @@ def main() -> int:
             wanted = [w.strip() for w in args.parts.split(",")]
             unknown = [w for w in wanted if w not in {name for name, _ in parts}]
             if unknown:
+                # The region goes first: a later run may register the same name.
+                client.unregister_system_shared_memory("py-parts")
                 ap.error(f"unknown part(s) {unknown}; parts: {[name for name, _ in parts]}")
             parts = [(name, fn) for name, fn in parts if name in wanted]
         # Round robin, one call of each part in turn, so that a change of the
