@@ -238,6 +238,12 @@ class VerifyClient(_wire.ClientBase):
         when its library is not there."""
         return self._native_client().verify(layer, items, softmax_scale)
 
+    def native_bind(self, items: Sequence[_wire.VerifyItem], softmax_scale: float = 0.0,
+                    wait_for_stream: bool = True) -> "native.BoundVerify":
+        """Placed items bound for the layers of a step, sent by unary native
+        calls: bind once, then `verify(layer)` per layer (mlaverify.native.BoundVerify)."""
+        return self._native_client().bind(items, softmax_scale, wait_for_stream)
+
     def native_stream(self) -> "native.NativeVerifyStream":
         """A VerifyStream of the C++ client for items placed in shared memory
         (mlaverify.native): verify() returns the results, one call in flight.

@@ -14,6 +14,11 @@ and reads the outputs from the region as the pure-Python path does.
         (result,) = stream.verify(layer, [VerifyItem(seq, q, draft_kv, parents, shm=place)])
     (result,) = client.native_verify(layer, items)   # one unary call
 
+    with client.native_stream() as stream:           # a step's items bound once
+        bound = stream.bind(items)                    # BoundVerify: checks made here
+        for layer in range(num_layers):
+            results = bound.verify(layer)
+
 The library is looked for in lib/ next to this file (the CMake build writes
 it into build/client/python/mlaverify/lib/) or at $MLAVERIFY_NATIVE_LIB; a
 pip-installed package has none, and then these calls raise NativeUnavailableError saying
@@ -243,23 +248,37 @@ class NativeClient:
             self._lib.mlaverify_native_client_destroy(self.handle)
             self.handle = None
 
+    def _check_layer(self, layer: int) -> None:
+        g = self._client.geometry
+        if not 0 <= layer < g.num_layers:
+            raise ValueError(f"layer {layer}: the server has layers 0..{g.num_layers - 1}")
+
     def _prepare(self, layer: int, items: Sequence[_wire.VerifyItem],
                  softmax_scale: float) -> _Call:
         """The checks of VerifyClient.verify, the inputs written into their
         placements, and the call's prepared arguments (built once per list of
         items: a scheduler repeats them on every layer of a step)."""
+        self._check_layer(layer)
+        memo = getattr(self._local, "memo", None)
+        if memo is not None and memo.matches(items, self._client.geometry.regions):
+            if not math.isfinite(softmax_scale):
+                raise ValueError(f"softmax_scale {softmax_scale} is not finite")
+            for region, offset, value, shape, what in memo.copies:
+                region.write(offset, value, shape, what)
+            return memo.call
+        call, used, copies = self._build(items, softmax_scale)
+        self._local.memo = _Memo(items, used, copies, call)
+        return call
+
+    def _build(self, items: Sequence[_wire.VerifyItem], softmax_scale: float) -> tuple:
+        """Checks `items` (all but the layer), writes their inputs, and
+        returns the prepared call, the regions it uses as (name, view) and
+        the inputs to copy again per call (those not already in place)."""
         g = self._client.geometry
-        if not 0 <= layer < g.num_layers:
-            raise ValueError(f"layer {layer}: the server has layers 0..{g.num_layers - 1}")
         if not 1 <= len(items) <= g.max_batch:
             raise ValueError(f"{len(items)} items, the server takes 1..{g.max_batch} per Verify")
         if not math.isfinite(softmax_scale):
             raise ValueError(f"softmax_scale {softmax_scale} is not finite")
-        memo = getattr(self._local, "memo", None)
-        if memo is not None and memo.matches(items, g.regions):
-            for region, offset, value, shape, what in memo.copies:
-                region.write(offset, value, shape, what)
-            return memo.call
         keys, written, seen, copies, used = [], [], set(), [], []
         for k, item in enumerate(items):
             what = f"items[{k}] (sequence {item.sequence_id})"
@@ -293,8 +312,7 @@ class NativeClient:
             if len(self._calls) >= 4096:
                 self._calls.clear()
             call = self._calls[key] = self._new_call(written)
-        self._local.memo = _Memo(items, used, copies, call)
-        return call
+        return call, used, copies
 
     def _new_call(self, written: list) -> _Call:
         g = self._client.geometry
@@ -321,15 +339,31 @@ class NativeClient:
         """One layer's Verify of placed items, unary or over `stream` (a
         stream handle, with its message buffer; the stream keeps its client
         open while it is)."""
+        call = self._prepare(layer, items, softmax_scale)
+        return self._send(call, layer, softmax_scale, True, stream, message, rpc)
+
+    def bind(self, items: Sequence[_wire.VerifyItem], softmax_scale: float = 0.0,
+             wait_for_stream: bool = True, stream: Optional["NativeVerifyStream"] = None
+             ) -> "BoundVerify":
+        """`items` checked once for the layers of a step (BoundVerify), sent
+        unary or over `stream`."""
+        call, used, copies = self._build(items, softmax_scale)
+        return BoundVerify(self, stream, call, used, copies, softmax_scale, wait_for_stream)
+
+    def _send(self, call: _Call, layer: int, softmax_scale: float, wait_for_stream: bool,
+              stream: Optional[int], message: Optional[ctypes.Array],
+              rpc: str) -> List[_wire.VerifyResult]:
+        """Sends a prepared call (its inputs already written) and reads its
+        results."""
         if message is None:
             message = getattr(self._local, "message", None)
             if message is None:
                 message = self._local.message = ctypes.create_string_buffer(_MESSAGE_BYTES)
-        call = self._prepare(layer, items, softmax_scale)
-        for region in call.regions:
-            # CUDA regions: the inputs were written on the device's current
-            # stream; the server reads them once the request arrives.
-            region.prepare()
+        if wait_for_stream:
+            for region in call.regions:
+                # CUDA regions: the inputs were written on the device's current
+                # stream; the server reads them once the request arrives.
+                region.prepare()
         prefix_lens = call.prefix_lens_type()
         with self._guard:
             handle = self.handle
@@ -355,6 +389,66 @@ class NativeClient:
             results.append(_wire.VerifyResult(sequence_id=seq, out=out, lse=lse,
                                               prefix_len=prefix_lens[k]))
         return results
+
+
+class BoundVerify:
+    """Placed items bound for the layers of one step: the checks, the
+    placement lookups and the prepared C arguments are made once by bind();
+    each verify(layer) then only checks the layer, copies in the inputs that
+    are not the placements' own views (from the same tensor objects, so
+    their new contents go), waits for a CUDA region's current stream (unless
+    bound with wait_for_stream=False) and makes the call. Made by
+    NativeVerifyStream.bind (over that stream) or VerifyClient.native_bind
+    (unary calls).
+
+    The bound items must not change (sequence, parents, placement, which
+    tensor objects): bind again for the next step. A region unregistered or
+    registered again under its name since bind() makes verify raise
+    ValueError without sending anything.
+
+    wait_for_stream=False: the caller orders the inputs' writes (and any
+    reader of the last outputs) before each call itself, e.g. it wrote them
+    with synchronous copies or synchronized the stream that wrote them; the
+    call then skips the wait for the current CUDA stream (4-12 us). Getting
+    this wrong lets the server read inputs still being written.
+    """
+
+    __slots__ = ("_native", "_stream", "_call", "_regions", "_copies", "_softmax_scale",
+                 "_wait", "_geometry")
+
+    def __init__(self, native: NativeClient, stream: Optional["NativeVerifyStream"], call: _Call,
+                 regions: list, copies: list, softmax_scale: float, wait_for_stream: bool):
+        self._native = native
+        self._stream = stream
+        self._call = call
+        self._regions = regions
+        self._copies = copies
+        self._softmax_scale = float(softmax_scale)
+        self._wait = bool(wait_for_stream)
+        self._geometry = native._client.geometry
+
+    def verify(self, layer: int) -> List[_wire.VerifyResult]:
+        """Layer `layer`'s Verify of the bound items; results in their order."""
+        g = self._geometry
+        if not 0 <= layer < g.num_layers:
+            raise ValueError(f"layer {layer}: the server has layers 0..{g.num_layers - 1}")
+        registered = g.regions
+        for name, view in self._regions:
+            if registered.get(name) is not view:
+                raise ValueError(f"region {name!r} is no longer registered as it was when the "
+                                 "items were bound: bind them again")
+        for region, offset, value, shape, what in self._copies:
+            region.write(offset, value, shape, what)
+        stream = self._stream
+        if stream is None:
+            return self._native._send(self._call, layer, self._softmax_scale, self._wait, None,
+                                      None, "Verify")
+        with stream._lock:
+            if stream._handle is None:
+                raise VerifyError(grpc.StatusCode.FAILED_PRECONDITION, "the stream is closed",
+                                  "VerifyStream")
+            return self._native._send(self._call, layer, self._softmax_scale, self._wait,
+                                      stream._handle, stream._message, "VerifyStream")
 
 
 class NativeVerifyStream:
@@ -390,6 +484,17 @@ class NativeVerifyStream:
                                   "VerifyStream")
             return self._native.verify(layer, items, softmax_scale, self._handle, self._message,
                                        "VerifyStream")
+
+    def bind(self, items: Sequence[_wire.VerifyItem], softmax_scale: float = 0.0,
+             wait_for_stream: bool = True) -> BoundVerify:
+        """`items` checked once for the layers of a step: the BoundVerify's
+        verify(layer) sends them over this stream with less Python work per
+        call than verify(layer, items). ValueError as verify's checks."""
+        with self._lock:
+            if self._handle is None:
+                raise VerifyError(grpc.StatusCode.FAILED_PRECONDITION, "the stream is closed",
+                                  "VerifyStream")
+        return self._native.bind(items, softmax_scale, wait_for_stream, self)
 
     def close(self) -> None:
         """Half-closes the stream; raises VerifyError when the server ended it

@@ -120,6 +120,66 @@ def test_native_repeated_items_follow_every_change(client):
 
 
 @needs_native
+def test_bound_items_give_the_results_of_verify(client):
+    """A step's items bound once (stream and unary): every layer's results
+    equal the pure-Python path's, new contents of the bound q are sent, and
+    the bind-time checks, the layer check, a region unregistered or
+    registered again and a closed stream each raise before anything is sent."""
+    rng = np.random.default_rng(13)
+    info = client.server_info()
+    n, heads = 3, info.num_heads
+    with SharedMemoryRegion(2 * item_bytes(n, heads)) as region:
+        client.register_system_shared_memory("py-native-bind", region)
+        places = [place_item("py-native-bind", 0, n, heads),
+                  place_item("py-native-bind", item_bytes(n, heads), n, heads)]
+        seqs = [client.create_sequence(f"native-bind-{k}") for k in range(2)]
+        for seq in seqs:
+            client.append_prompt(seq, random_bf16(rng, info.num_layers, 9, 576))
+        items = [VerifyItem(seq, random_bf16(rng, n, heads, 576), random_bf16(rng, n, 576),
+                            random_tree(rng, n), shm=place) for seq, place in zip(seqs, places)]
+        with client.native_stream() as fast:
+            for bound in (fast.bind(items), client.native_bind(items)):
+                for layer in range(info.num_layers):
+                    for item in items:
+                        item.q[...] = random_bf16(rng, n, heads, 576)  # same object, new values
+                    got = [(np.array(r.out), np.array(r.lse), r.prefix_len, r.sequence_id)
+                           for r in bound.verify(layer)]
+                    want = client.verify(layer, items)
+                    for (out, lse, prefix_len, seq), r in zip(got, want):
+                        assert np.array_equal(out, r.out) and np.array_equal(lse, r.lse)
+                        assert (prefix_len, seq) == (r.prefix_len, r.sequence_id) == \
+                            (9, r.sequence_id)
+            with pytest.raises(ValueError, match="placed in shared memory only"):
+                fast.bind([VerifyItem(seqs[0], items[0].q, items[0].draft_kv, items[0].parents)])
+            with pytest.raises(ValueError, match="twice"):
+                fast.bind([items[0], items[0]])
+            with pytest.raises(ValueError, match="not finite"):
+                fast.bind(items, softmax_scale=float("nan"))
+            bound = fast.bind(items)
+            with pytest.raises(ValueError, match="layer 99"):
+                bound.verify(99)
+            saved = client._regions["py-native-bind"]
+            client.unregister_system_shared_memory("py-native-bind")
+            with pytest.raises(ValueError, match="no longer registered"):
+                bound.verify(0)
+            client.register_system_shared_memory("py-native-bind", region)
+            assert client._regions["py-native-bind"] is not saved
+            with pytest.raises(ValueError, match="bind them again"):
+                bound.verify(0)
+            bound = fast.bind(items)
+            assert len(bound.verify(0)) == 2
+        with pytest.raises(VerifyError) as e:
+            bound.verify(0)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(VerifyError) as e:
+            fast.bind(items)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        for seq in seqs:
+            client.release_sequence(seq)
+        client.unregister_system_shared_memory("py-native-bind")
+
+
+@needs_native
 def test_native_checks_and_in_band_errors(client):
     """The client-side checks raise before anything is sent; a server error
     on the native stream raises VerifyError with its code and the stream
