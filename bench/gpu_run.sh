@@ -27,6 +27,10 @@ if command -v cuobjdump >/dev/null; then
   cuobjdump --dump-resource-usage "$bundle/bin/mlaverify-bench" > "$out/resource_usage.txt" 2>&1
 fi
 summary=()
+# results.tgz is packed at the end only; the reports are written into the
+# run folder as each run ends. Under a time limit, pack that folder whatever
+# happens: timeout 300 bench/gpu_run.sh ...; tar czf "$OUT/runs.tgz" /tmp/mlaverify-run.*
+echo "gpu_run.sh: reports in $out" >&2
 if want tests; then
   # (the fp8 grid, Fp8AttentionMatchesReferenceOverTheGrid, about doubles the grid's time)
   timeout 420 "$bundle/bin/gpu_kernels_test" --gtest_output=json:"$out/gpu_tests.json" \
@@ -381,23 +385,43 @@ if want pyclient && [ -x "$bundle/bin/mlaverify-server" ]; then
 fi
 if want pynative && [ -x "$bundle/bin/mlaverify-server" ]; then
   # The native Python path against the C++ client, paired in rounds: per row
-  # (plane:mode), PYNATIVE_ROUNDS (5) rounds of the C++ client then the native
-  # path, 3 s each, L=16K, N=16, one call in flight; bench/pyclient_rounds.py
-  # prints each round's difference and their median (the rows of pyclient
-  # compare one run of each, minutes apart).
+  # (plane:mode), PYNATIVE_ROUNDS (5) rounds of the C++ client then each
+  # native variant, 3 s each, L=16K, N=16, one call in flight;
+  # bench/pyclient_rounds.py prints, per variant, each round's difference
+  # from the C++ client and their median (the rows of pyclient compare one
+  # run of each, minutes apart). Variants (PYNATIVE_VARIANTS): call
+  # (stream.verify(layer, items)), bind (a step's item bound once,
+  # BoundVerify.verify(layer)), bind-nowait (bound with
+  # wait_for_stream=False: no wait for the current CUDA stream per call, as
+  # the C++ client's load makes none). A run takes ~20 s with its ramp-up
+  # (a 16K prompt over 61 layers): rounds x (1 + variants) x 20 s in all.
   pypath=${PYPKG:-$bundle/python}
   start_server pynative 127.0.0.1:0 --devices 0 --heads 8 --pool-bytes 40GiB --allow-client-shm true
   read -r -a pnrows <<< "${PYNATIVE_ROWS:-cuda-shm:stream cuda-shm:unary}"
+  read -r -a pnvariants <<< "${PYNATIVE_VARIANTS:-call bind bind-nowait}"
   for row in "${pnrows[@]}"; do
-    plane=${row%%:*} mode=${row#*:} pairs=()
+    plane=${row%%:*} mode=${row#*:}
     for r in $(seq 1 "${PYNATIVE_ROUNDS:-5}"); do
       base="$out/pynative-$plane-$mode-r$r"
       latency_cpp "$base-cpp" "$plane" "$mode" 3
-      latency_py "$base-native" "$plane" "$mode" 3 --native
-      pairs+=("$base-cpp.json" "$base-native.json")
+      for v in "${pnvariants[@]}"; do
+        case $v in
+          call) vflags=(--native) ;;
+          bind) vflags=(--native --bind) ;;
+          bind-nowait) vflags=(--native --bind --no-stream-wait) ;;
+          *) echo "PYNATIVE_VARIANTS: unknown variant $v (call, bind, bind-nowait)" >&2; exit 2 ;;
+        esac
+        latency_py "$base-native-$v" "$plane" "$mode" 3 "${vflags[@]}"
+      done
     done
-    python3 bench/pyclient_rounds.py "$row" "${pairs[@]}" | tee "$out/pynative-$plane-$mode.txt"
-    summary+=("pynative $row: $(grep -c 'round' "$out/pynative-$plane-$mode.txt") rounds")
+    for v in "${pnvariants[@]}"; do
+      pairs=()
+      for r in $(seq 1 "${PYNATIVE_ROUNDS:-5}"); do
+        pairs+=("$out/pynative-$plane-$mode-r$r-cpp.json" "$out/pynative-$plane-$mode-r$r-native-$v.json")
+      done
+      python3 bench/pyclient_rounds.py "$row $v" "${pairs[@]}" | tee "$out/pynative-$plane-$mode-$v.txt"
+      summary+=("pynative $row $v: $(grep -c 'round' "$out/pynative-$plane-$mode-$v.txt") rounds")
+    done
   done
   stop_server pynative
 fi
