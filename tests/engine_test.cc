@@ -353,14 +353,29 @@ class EngineTest : public ::testing::Test {
   }
 
   // Verifies one layer of one sequence and checks the output against the
-  // reference over the mirror.
-  void VerifyLayerAndCheck(uint64_t id, const Mirror& m, const Step& s, int layer) {
+  // reference over the mirror. into_strings: the outputs go into strings the
+  // engine fills (as the transport's inline answers), not caller buffers.
+  void VerifyLayerAndCheck(uint64_t id, const Mirror& m, const Step& s, int layer,
+                           bool into_strings = false) {
     const int n = static_cast<int>(s.parents.size());
     std::vector<Bf16> out(static_cast<size_t>(n) * kHeads * kValueDim, Bf16QuietNaN());
     std::vector<float> lse(static_cast<size_t>(n) * kHeads, NAN);
     VerifyItem item{
         id, s.parents, s.q[layer], s.draft_kv[layer], absl::MakeSpan(out), absl::MakeSpan(lse)};
+    std::string out_bytes, lse_bytes;
+    if (into_strings) {
+      item.out = OutputRef();
+      item.out.grow = &out_bytes;
+      item.lse = OutputRef();
+      item.lse.grow = &lse_bytes;
+    }
     ASSERT_TRUE(engine_->Verify(layer, 0.0f, absl::MakeSpan(&item, 1)).ok());
+    if (into_strings) {
+      ASSERT_EQ(out_bytes.size(), out.size() * sizeof(Bf16));
+      ASSERT_EQ(lse_bytes.size(), lse.size() * sizeof(float));
+      std::memcpy(out.data(), out_bytes.data(), out_bytes.size());
+      std::memcpy(lse.data(), lse_bytes.data(), lse_bytes.size());
+    }
     EXPECT_EQ(item.prefix_len, m.length());
     std::vector<Bf16> ref_out;
     std::vector<float> ref_lse;
@@ -746,7 +761,9 @@ TEST_P(PageTableTest, TablesFollowGrowthMovesTrimsAndReuse) {
     for (size_t k = 0; k < ids.size(); ++k) {
       Step s = RandomStep(7);
       if ((step + k) % 2 == 0) s.parents = {-1, 0, 1, 2, 3, 4, 5};  // a chain: 7 accepted
-      for (int l = 0; l < kLayers; ++l) VerifyLayerAndCheck(ids[k], mirrors[k], s, l);
+      for (int l = 0; l < kLayers; ++l) {
+        VerifyLayerAndCheck(ids[k], mirrors[k], s, l, /*into_strings=*/(l + step) % 2 == 1);
+      }
       std::vector<int32_t> path;
       if ((step + k) % 4 != 1) {
         for (int a = 6; a >= 0; a = s.parents[a]) path.insert(path.begin(), a);

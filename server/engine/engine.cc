@@ -167,7 +167,13 @@ class Engine::Call {
   void CopyOutAndRelease(bool copy_out) {
     if (copy_out) {
       for (const StagedOutput& o : staged_outputs) {
-        std::memcpy(o.to, staging.host + o.staging_offset, o.bytes);
+        const uint8_t* from = staging.host + o.staging_offset;
+        if (o.grow != nullptr) {
+          // One pass: allocated and filled here, never zero-filled first.
+          o.grow->assign(reinterpret_cast<const char*>(from), o.bytes);
+        } else {
+          std::memcpy(o.to, from, o.bytes);
+        }
       }
     }
     if (engine_->staging_ != nullptr) engine_->staging_->Free(staging);
@@ -186,7 +192,8 @@ class Engine::Call {
   // Filled while the call is submitted, then read only.
   struct StagedOutput {
     size_t staging_offset = 0;
-    uint8_t* to = nullptr;
+    uint8_t* to = nullptr;        // caller memory, or
+    std::string* grow = nullptr;  // an output string given its bytes at the copy out
     size_t bytes = 0;
   };
   RegionLeases leases;
@@ -1151,12 +1158,16 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
   t->Accept(bytes, std::move(done));
   for (ItemPlaces& p : places) {
     for (Placed* out : {&p.out, &p.lse}) {
+      if (out->where == Placed::Where::kStaged) {
+        // A staged output string is filled from the staging block after the
+        // call ran (CopyOutAndRelease): sizing it here would zero-fill it on
+        // the submitting thread, before the launch, only to be overwritten.
+        t->staged_outputs.push_back({out->staging_offset, out->host, out->grow, out->bytes});
+        continue;
+      }
       if (out->grow != nullptr) {
         out->grow->resize(out->bytes);
         out->host = reinterpret_cast<uint8_t*>(out->grow->data());
-      }
-      if (out->where == Placed::Where::kStaged) {
-        t->staged_outputs.push_back({out->staging_offset, out->host, out->bytes});
       }
     }
     for (const Placed* in : {&p.q, &p.draft_kv}) {

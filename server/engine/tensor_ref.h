@@ -63,8 +63,10 @@ struct TensorName {
 };
 
 // Where an output goes: a caller buffer of the exact size, a string the
-// engine sizes once the call passed its checks (the transport's response
-// bytes: a rejected call allocates nothing large), or a region range.
+// engine fills (the transport's response bytes: a rejected call allocates
+// nothing large; sized once the call passed its checks where the devices
+// write host memory, else given its bytes from the staging block after the
+// call ran, never zero-filled first), or a region range.
 struct OutputRef {
   OutputRef() = default;
   OutputRef(absl::Span<Bf16> values)  // NOLINT: implicit, as a span

@@ -17,8 +17,8 @@ namespace mlaverify::transport {
 engine::TensorRef ToTensorRef(const v1::Tensor& tensor);
 
 // An output: into `ref`'s region range when `ref` is set (`has_ref`), else
-// into `inline_tensor`'s raw bytes, which the engine sizes once the call
-// passed its checks.
+// into `inline_tensor`'s raw bytes, which the engine fills once the call
+// passed its checks (OutputRef::grow).
 engine::OutputRef ToOutputRef(bool has_ref, const v1::SharedMemoryRef& ref,
                               v1::Tensor* inline_tensor);
 
