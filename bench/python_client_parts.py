@@ -14,6 +14,7 @@ parts called in turn:
   region prepare (sync)          the region's wait for the current torch stream (cuda-shm)
   native C call (stream)         libmlaverify_native.so's Verify on a stream, alone
   native stream.verify / native_verify  the whole native call, stream / unary
+  native bound.verify            the whole native call of items bound once (stream.bind)
 
     PYTHONPATH=build/client/python python3 bench/python_client_parts.py --target 127.0.0.1:50051
 """
@@ -83,12 +84,14 @@ def main() -> int:
             nc = client._native
             call = nc._prepare(0, [item], 0.0)
             lens, msg = call.prefix_lens_type(), fast._message
+            bound = fast.bind([item])
             view = g._region("py-parts", "parts")
             parts += [("native prepare (checks)", lambda: nc._prepare(0, [item], 0.0)),
                       ("region prepare (sync)", view.prepare),
                       ("native C call (stream)", lambda: nc._lib.mlaverify_native_verify(
                           nc.handle, fast._handle, 0, call.array, 1, 0.0, lens, msg, len(msg))),
                       ("native stream.verify", lambda: fast.verify(0, [item])),
+                      ("native bound.verify", lambda: bound.verify(0)),
                       ("native_verify", lambda: client.native_verify(0, [item]))]
         else:
             print("native path: no library (mlaverify/lib/libmlaverify_native.so)")
