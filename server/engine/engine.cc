@@ -222,7 +222,7 @@ struct Engine::Placed {
   uint64_t offset = 0;             // kRegion: from the region's start
   size_t bytes = 0;
   size_t staging_offset = 0;    // kStaged: in the call's block
-  std::string* grow = nullptr;  // an output string sized once the call passed its checks
+  std::string* grow = nullptr;  // an output string filled once the call passed its checks
 };
 
 namespace {
@@ -948,7 +948,7 @@ absl::StatusOr<Engine::Placed> Engine::PlaceOutput(const OutputRef& ref, DType d
     return p;
   }
   if (ref.grow != nullptr && ref.buffer.empty()) {
-    p.grow = ref.grow;  // sized (and its address known) once the call passed its checks
+    p.grow = ref.grow;  // filled once the call passed its checks (see StartVerify)
   } else {
     if (ref.buffer.size() != p.bytes) {
       return absl::InvalidArgumentError(absl::StrCat(name.str(), ": a buffer of ",
@@ -1152,8 +1152,8 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
     }
     task->staging = *block;
   }
-  // From here on the call is accepted: outputs are sized, inputs staged,
-  // the steps opened and the shards queued.
+  // From here on the call is accepted: outputs sized (or, staged, filled at
+  // the copy out), inputs staged, the steps opened and the shards queued.
   VerifyTask* t = task.release();
   t->Accept(bytes, std::move(done));
   for (ItemPlaces& p : places) {

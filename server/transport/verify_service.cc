@@ -323,7 +323,7 @@ void VerifyServiceImpl::StartVerify(grpc::CallbackServerContext* ctx,
   response->set_layer(request.layer());
   // Each Tensor becomes a reference the engine checks (once, for every data
   // plane); inline outputs go into the response's results, which the engine
-  // sizes only once the call passed its checks.
+  // fills only once the call passed its checks.
   items->resize(request.items_size());
   response->mutable_results()->Reserve(request.items_size());
   for (int k = 0; k < request.items_size(); ++k) {

@@ -250,6 +250,7 @@ class RegisteredView:
     copied out (the region is reused by the next call)."""
 
     outputs_are_views = False  # read() copies
+    writes_are_queued = False  # a write is a host copy, done when it returns
 
     def __init__(self, region, offset: int):
         self._region, self._offset = region, offset

@@ -252,6 +252,7 @@ class CudaRegisteredView:
     outputs are views."""
 
     outputs_are_views = True  # read() returns the same view for the same place
+    writes_are_queued = True  # a write is queued on the current stream
 
     def __init__(self, region: CudaSharedMemoryRegion):
         self.region = region

@@ -201,7 +201,8 @@ class _Memo:
 
 class NativeClient:
     """The C++ client behind a VerifyClient's native calls: one connection,
-    made on first use (VerifyClient.native_verify / native_stream)."""
+    made on first use (VerifyClient.native_verify / native_bind /
+    native_stream)."""
 
     def __init__(self, client: Any):
         lib = load()
@@ -406,15 +407,17 @@ class BoundVerify:
     registered again under its name since bind() makes verify raise
     ValueError without sending anything.
 
-    wait_for_stream=False: the caller orders the inputs' writes (and any
-    reader of the last outputs) before each call itself, e.g. it wrote them
-    with synchronous copies or synchronized the stream that wrote them; the
-    call then skips the wait for the current CUDA stream (4-12 us). Getting
-    this wrong lets the server read inputs still being written.
+    wait_for_stream=False: the caller orders its writes of the inputs (and
+    any reader of the last outputs) before each call itself, e.g. it wrote
+    them with synchronous copies or synchronized the stream that wrote them;
+    the call then skips the wait for the current CUDA stream (10-25 us per
+    call from Python on the H200, bench/NOTES.md). Inputs that are not the
+    placements' own views are copied in by the call itself and still waited
+    for. Getting this wrong lets the server read inputs still being written.
     """
 
     __slots__ = ("_native", "_stream", "_call", "_regions", "_copies", "_softmax_scale",
-                 "_wait", "_geometry")
+                 "_wait", "_geometry", "_waits_for_copies")
 
     def __init__(self, native: NativeClient, stream: Optional["NativeVerifyStream"], call: _Call,
                  regions: list, copies: list, softmax_scale: float, wait_for_stream: bool):
@@ -426,6 +429,12 @@ class BoundVerify:
         self._softmax_scale = float(softmax_scale)
         self._wait = bool(wait_for_stream)
         self._geometry = native._client.geometry
+        # Regions whose writes are queued on a stream (CUDA) that this call
+        # itself copies inputs into.
+        self._waits_for_copies = []
+        for region, *_ in copies:
+            if region.writes_are_queued and region not in self._waits_for_copies:
+                self._waits_for_copies.append(region)
 
     def verify(self, layer: int) -> List[_wire.VerifyResult]:
         """Layer `layer`'s Verify of the bound items; results in their order."""
@@ -437,18 +446,26 @@ class BoundVerify:
             if registered.get(name) is not view:
                 raise ValueError(f"region {name!r} is no longer registered as it was when the "
                                  "items were bound: bind them again")
-        for region, offset, value, shape, what in self._copies:
-            region.write(offset, value, shape, what)
         stream = self._stream
         if stream is None:
-            return self._native._send(self._call, layer, self._softmax_scale, self._wait, None,
-                                      None, "Verify")
-        with stream._lock:
+            return self._write_and_send(layer, None, None, "Verify")
+        with stream._lock:  # the inputs written too: threads sharing the stream take turns
             if stream._handle is None:
                 raise VerifyError(grpc.StatusCode.FAILED_PRECONDITION, "the stream is closed",
                                   "VerifyStream")
-            return self._native._send(self._call, layer, self._softmax_scale, self._wait,
-                                      stream._handle, stream._message, "VerifyStream")
+            return self._write_and_send(layer, stream._handle, stream._message, "VerifyStream")
+
+    def _write_and_send(self, layer: int, handle: Optional[int], message: Optional[ctypes.Array],
+                        rpc: str) -> List[_wire.VerifyResult]:
+        for region, offset, value, shape, what in self._copies:
+            region.write(offset, value, shape, what)
+        if not self._wait:
+            # Copies this call queued itself are waited for whatever the
+            # caller ordered: only it knows they were made.
+            for region in self._waits_for_copies:
+                region.prepare()
+        return self._native._send(self._call, layer, self._softmax_scale, self._wait, handle,
+                                  message, rpc)
 
 
 class NativeVerifyStream:

@@ -180,6 +180,50 @@ def test_bound_items_give_the_results_of_verify(client):
 
 
 @needs_native
+def test_bound_copies_are_waited_for_and_written_in_turn(client, monkeypatch):
+    """wait_for_stream=False skips the wait only for what the caller wrote:
+    a region whose writes are queued (as a CUDA region's) is still waited
+    for when the call copies inputs into it itself, and not when every input
+    is the placement's own view; a stream-bound call writes its inputs while
+    it holds the stream (threads sharing it take turns)."""
+    from mlaverify import _wire
+    rng = np.random.default_rng(14)
+    info = client.server_info()
+    n, heads = 2, info.num_heads
+    waits, writes = [], []
+    monkeypatch.setattr(_wire.RegisteredView, "writes_are_queued", True)
+    monkeypatch.setattr(_wire.RegisteredView, "prepare", lambda view: waits.append(view))
+    original_write = _wire.RegisteredView.write
+    with SharedMemoryRegion(item_bytes(n, heads)) as region:
+        client.register_system_shared_memory("py-native-wait", region)
+        seq = client.create_sequence("native-wait")
+        client.append_prompt(seq, random_bf16(rng, info.num_layers, 4, 576))
+        item = VerifyItem(seq, random_bf16(rng, n, heads, 576), random_bf16(rng, n, 576),
+                          [-1, 0], shm=place_item("py-native-wait", 0, n, heads))
+        with client.native_stream() as fast:
+            def write(view, *args):
+                writes.append(fast._lock.locked())
+                return original_write(view, *args)
+            monkeypatch.setattr(_wire.RegisteredView, "write", write)
+            for wait in (False, True):
+                bound = fast.bind([item], wait_for_stream=wait)
+                waits.clear()
+                writes.clear()
+                bound.verify(0)
+                assert len(waits) == 1, wait  # the region, once: the copies, or the caller's stream
+                assert writes == [True, True]  # q and draft_kv, under the stream's lock
+            # Every input the placement's own view: nothing to wait for.
+            monkeypatch.setattr(_wire.RegisteredView, "in_place", lambda view, *args: True)
+            bound = fast.bind([item], wait_for_stream=False)
+            waits.clear()
+            bound.verify(0)
+            assert waits == []
+            assert len(fast.bind([item]).verify(0)) == 1 and len(waits) == 1
+        client.release_sequence(seq)
+        client.unregister_system_shared_memory("py-native-wait")
+
+
+@needs_native
 def test_native_checks_and_in_band_errors(client):
     """The client-side checks raise before anything is sent; a server error
     on the native stream raises VerifyError with its code and the stream
