@@ -232,6 +232,49 @@ def test_native_path_through_a_cuda_region(cuda_server):
 
 
 @gpu
+def test_bound_native_calls_through_a_cuda_region(cuda_server):
+    """Items bound once (NativeVerifyStream.bind, wait_for_stream=False)
+    over a CUDA region: q written in place by the caller, who synchronizes
+    its own writes; draft_kv a tensor outside the region whose new contents
+    the bound call copies in itself (queued on the current stream, and
+    waited for by the call): every layer matches the reference."""
+    from mlaverify import native
+    if not native.available():
+        pytest.skip("no native library (mlaverify/lib/libmlaverify_native.so)")
+    torch.manual_seed(2)
+    dev = torch.device("cuda", 0)
+    with VerifyClient(cuda_server, timeout=60) as client:
+        info = client.server_info()
+        L, H, n = info.num_layers, info.num_heads, 3
+        parents = [-1, 0, 1]
+        region = CudaSharedMemoryRegion(item_bytes(n, H), device=dev)
+        client.register_cuda_shared_memory("py-gpu-bound", region)
+        place = place_item("py-gpu-bound", 0, n, H)
+        views = region.item_views(place)
+        seq = client.create_sequence("cuda-shm-bound")
+        prompt = torch.randn(L, 21, 576, device=dev).to(torch.bfloat16)
+        client.append_prompt(seq, prompt)
+        drafts = [torch.randn(n, 576, device=dev).to(torch.bfloat16) for _ in range(L)]
+        draft_kv = torch.empty(n, 576, device=dev, dtype=torch.bfloat16)
+        item = VerifyItem(seq, views.q, draft_kv, parents, shm=place)
+        with client.native_stream() as stream:
+            bound = stream.bind([item], wait_for_stream=False)
+            for layer in range(L):
+                q = torch.randn(n, H, 576, device=dev).to(torch.bfloat16)
+                views.q.copy_(q)
+                draft_kv.copy_(drafts[layer])
+                torch.cuda.current_stream(dev).synchronize()  # the caller orders its writes
+                (r,) = bound.verify(layer)
+                assert r.out.data_ptr() == views.out.data_ptr() and r.prefix_len == 21
+                check_against_reference(r, prompt[layer], q, drafts[layer], parents,
+                                        info.default_softmax_scale)
+        client.commit(seq, [])
+        client.release_sequence(seq)
+        assert client.unregister_cuda_shared_memory("py-gpu-bound") == ["py-gpu-bound"]
+        region.close()
+
+
+@gpu
 def test_cuda_results_inline(cuda_server):
     """Inline plane, results as torch tensors on the caller's device."""
     dev = torch.device("cuda", 0)
