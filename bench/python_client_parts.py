@@ -82,9 +82,9 @@ def main() -> int:
             fast = client.native_stream()
             fast.verify(0, [item])
             nc = client._native
-            call = nc._prepare(0, [item], 0.0)
-            lens, msg = call.prefix_lens_type(), fast._message
             bound = fast.bind([item])
+            call = bound._call  # the prepared C arguments
+            lens, msg = call.prefix_lens_type(), fast._message
             view = g._region("py-parts", "parts")
             parts += [("native prepare (checks)", lambda: nc._prepare(0, [item], 0.0)),
                       ("region prepare (sync)", view.prepare),

@@ -124,6 +124,11 @@ def available() -> bool:
         return False
 
 
+def _check_layer(g: "_wire.Geometry", layer: int) -> None:
+    if not 0 <= layer < g.num_layers:
+        raise ValueError(f"layer {layer}: the server has layers 0..{g.num_layers - 1}")
+
+
 def _raise(code: int, message: ctypes.Array, rpc: str) -> None:
     raise VerifyError(code_from_number(code), message.value.decode("utf-8", "replace"), rpc)
 
@@ -164,19 +169,16 @@ class _Call:
 
 
 class _Memo:
-    """A thread's last prepared call: the items it was made from and what
-    each held then. A scheduler sends the same items on every layer of a
-    step; when nothing it holds changed, the checks and the key are not made
-    again, only the writes of inputs that are not already in place."""
+    """A thread's last call of verify(layer, items): the items it was made
+    from, what each held then, and the items bound (a BoundVerify). A
+    scheduler sends the same items on every layer of a step; when nothing
+    they hold changed, the bound call is made again as bind()'s would be."""
 
-    __slots__ = ("fields", "regions", "copies", "call")
+    __slots__ = ("fields", "bound")
 
-    def __init__(self, items: Sequence[_wire.VerifyItem], regions: list, copies: list,
-                 call: _Call):
+    def __init__(self, items: Sequence[_wire.VerifyItem], bound: "BoundVerify"):
         self.fields = [self._fields(item) for item in items]
-        self.regions = regions  # (name, view): still registered under that name
-        self.copies = copies  # (region, offset, value, shape, what): inputs to copy per call
-        self.call = call
+        self.bound = bound
 
     @staticmethod
     def _fields(item: _wire.VerifyItem) -> tuple:
@@ -196,7 +198,7 @@ class _Memo:
             now_objects, now_values = self._fields(item)
             if any(a is not b for a, b in zip(now_objects, objects)) or now_values != values:
                 return False
-        return all(regions.get(name) is view for name, view in self.regions)
+        return self.bound.unregistered(regions) is None
 
 
 class NativeClient:
@@ -249,27 +251,22 @@ class NativeClient:
             self._lib.mlaverify_native_client_destroy(self.handle)
             self.handle = None
 
-    def _check_layer(self, layer: int) -> None:
-        g = self._client.geometry
-        if not 0 <= layer < g.num_layers:
-            raise ValueError(f"layer {layer}: the server has layers 0..{g.num_layers - 1}")
-
     def _prepare(self, layer: int, items: Sequence[_wire.VerifyItem],
-                 softmax_scale: float) -> _Call:
-        """The checks of VerifyClient.verify, the inputs written into their
-        placements, and the call's prepared arguments (built once per list of
-        items: a scheduler repeats them on every layer of a step)."""
-        self._check_layer(layer)
+                 softmax_scale: float) -> tuple:
+        """The checks of VerifyClient.verify and the items bound (this
+        thread's last ones when they still hold the same: a scheduler
+        repeats them on every layer of a step); (bound, whether the inputs
+        were just written by the checks)."""
+        g = self._client.geometry
+        _check_layer(g, layer)
         memo = getattr(self._local, "memo", None)
-        if memo is not None and memo.matches(items, self._client.geometry.regions):
+        if memo is not None and memo.matches(items, g.regions):
             if not math.isfinite(softmax_scale):
                 raise ValueError(f"softmax_scale {softmax_scale} is not finite")
-            for region, offset, value, shape, what in memo.copies:
-                region.write(offset, value, shape, what)
-            return memo.call
-        call, used, copies = self._build(items, softmax_scale)
-        self._local.memo = _Memo(items, used, copies, call)
-        return call
+            return memo.bound, False
+        bound = self.bind(items, softmax_scale)
+        self._local.memo = _Memo(items, bound)
+        return bound, True
 
     def _build(self, items: Sequence[_wire.VerifyItem], softmax_scale: float) -> tuple:
         """Checks `items` (all but the layer), writes their inputs, and
@@ -340,8 +337,9 @@ class NativeClient:
         """One layer's Verify of placed items, unary or over `stream` (a
         stream handle, with its message buffer; the stream keeps its client
         open while it is)."""
-        call = self._prepare(layer, items, softmax_scale)
-        return self._send(call, layer, softmax_scale, True, stream, message, rpc)
+        bound, written = self._prepare(layer, items, softmax_scale)
+        return bound._write_and_send(layer, softmax_scale, stream, message, rpc,
+                                     copy_inputs=not written)
 
     def bind(self, items: Sequence[_wire.VerifyItem], softmax_scale: float = 0.0,
              wait_for_stream: bool = True, stream: Optional["NativeVerifyStream"] = None
@@ -417,7 +415,7 @@ class BoundVerify:
     """
 
     __slots__ = ("_native", "_stream", "_call", "_regions", "_copies", "_softmax_scale",
-                 "_wait", "_geometry", "_waits_for_copies")
+                 "_wait", "_waits_for_copies")
 
     def __init__(self, native: NativeClient, stream: Optional["NativeVerifyStream"], call: _Call,
                  regions: list, copies: list, softmax_scale: float, wait_for_stream: bool):
@@ -428,7 +426,6 @@ class BoundVerify:
         self._copies = copies
         self._softmax_scale = float(softmax_scale)
         self._wait = bool(wait_for_stream)
-        self._geometry = native._client.geometry
         # Regions whose writes are queued on a stream (CUDA) that this call
         # itself copies inputs into.
         self._waits_for_copies = []
@@ -436,36 +433,45 @@ class BoundVerify:
             if region.writes_are_queued and region not in self._waits_for_copies:
                 self._waits_for_copies.append(region)
 
-    def verify(self, layer: int) -> List[_wire.VerifyResult]:
-        """Layer `layer`'s Verify of the bound items; results in their order."""
-        g = self._geometry
-        if not 0 <= layer < g.num_layers:
-            raise ValueError(f"layer {layer}: the server has layers 0..{g.num_layers - 1}")
-        registered = g.regions
+    def unregistered(self, registered: dict) -> Optional[str]:
+        """The first region the items use that is not registered
+        (`registered`: the client's name -> view) as it was when they were
+        bound; None when all are."""
         for name, view in self._regions:
             if registered.get(name) is not view:
-                raise ValueError(f"region {name!r} is no longer registered as it was when the "
-                                 "items were bound: bind them again")
+                return name
+        return None
+
+    def verify(self, layer: int) -> List[_wire.VerifyResult]:
+        """Layer `layer`'s Verify of the bound items; results in their order."""
+        g = self._native._client.geometry
+        _check_layer(g, layer)
+        name = self.unregistered(g.regions)
+        if name is not None:
+            raise ValueError(f"region {name!r} is no longer registered as it was when the "
+                             "items were bound: bind them again")
         stream = self._stream
         if stream is None:
-            return self._write_and_send(layer, None, None, "Verify")
+            return self._write_and_send(layer, self._softmax_scale, None, None, "Verify")
         with stream._lock:  # the inputs written too: threads sharing the stream take turns
-            if stream._handle is None:
-                raise VerifyError(grpc.StatusCode.FAILED_PRECONDITION, "the stream is closed",
-                                  "VerifyStream")
-            return self._write_and_send(layer, stream._handle, stream._message, "VerifyStream")
+            return self._write_and_send(layer, self._softmax_scale, stream._open_handle(),
+                                        stream._message, "VerifyStream")
 
-    def _write_and_send(self, layer: int, handle: Optional[int], message: Optional[ctypes.Array],
-                        rpc: str) -> List[_wire.VerifyResult]:
-        for region, offset, value, shape, what in self._copies:
-            region.write(offset, value, shape, what)
+    def _write_and_send(self, layer: int, softmax_scale: float, handle: Optional[int],
+                        message: Optional[ctypes.Array], rpc: str,
+                        copy_inputs: bool = True) -> List[_wire.VerifyResult]:
+        """Copies in the inputs not in place (unless the caller just wrote
+        them), waits as bound, sends."""
+        if copy_inputs:
+            for region, offset, value, shape, what in self._copies:
+                region.write(offset, value, shape, what)
         if not self._wait:
             # Copies this call queued itself are waited for whatever the
             # caller ordered: only it knows they were made.
             for region in self._waits_for_copies:
                 region.prepare()
-        return self._native._send(self._call, layer, self._softmax_scale, self._wait, handle,
-                                  message, rpc)
+        return self._native._send(self._call, layer, softmax_scale, self._wait, handle, message,
+                                  rpc)
 
 
 class NativeVerifyStream:
@@ -496,11 +502,8 @@ class NativeVerifyStream:
                softmax_scale: float = 0.0) -> List[_wire.VerifyResult]:
         """One layer's Verify of placed items; results in the order of `items`."""
         with self._lock:
-            if self._handle is None:
-                raise VerifyError(grpc.StatusCode.FAILED_PRECONDITION, "the stream is closed",
-                                  "VerifyStream")
-            return self._native.verify(layer, items, softmax_scale, self._handle, self._message,
-                                       "VerifyStream")
+            return self._native.verify(layer, items, softmax_scale, self._open_handle(),
+                                       self._message, "VerifyStream")
 
     def bind(self, items: Sequence[_wire.VerifyItem], softmax_scale: float = 0.0,
              wait_for_stream: bool = True) -> BoundVerify:
@@ -508,10 +511,16 @@ class NativeVerifyStream:
         verify(layer) sends them over this stream with less Python work per
         call than verify(layer, items). ValueError as verify's checks."""
         with self._lock:
-            if self._handle is None:
-                raise VerifyError(grpc.StatusCode.FAILED_PRECONDITION, "the stream is closed",
-                                  "VerifyStream")
+            self._open_handle()
         return self._native.bind(items, softmax_scale, wait_for_stream, self)
+
+    def _open_handle(self) -> int:
+        """The C++ session's handle; FAILED_PRECONDITION once the stream is
+        closed. Call with the lock held."""
+        if self._handle is None:
+            raise VerifyError(grpc.StatusCode.FAILED_PRECONDITION, "the stream is closed",
+                              "VerifyStream")
+        return self._handle
 
     def close(self) -> None:
         """Half-closes the stream; raises VerifyError when the server ended it
