@@ -195,7 +195,11 @@ def test_decode_steps_through_cuda_regions(cuda_server):
 def test_native_path_through_a_cuda_region(cuda_server):
     """The native path (mlaverify.native) with a CUDA region: inputs used in
     place, results views of the region, answers matching the reference, over
-    native unary calls and a native stream alternately."""
+    native unary calls and a native stream alternately; then a step of items
+    bound once (NativeVerifyStream.bind, wait_for_stream=False): q written
+    in place by the caller, who synchronizes its own writes, draft_kv a
+    tensor outside the region whose new contents the bound call copies in
+    itself (queued on the current stream, and waited for by the call)."""
     from mlaverify import native
     if not native.available():
         pytest.skip("no native library (mlaverify/lib/libmlaverify_native.so)")
@@ -226,35 +230,6 @@ def test_native_path_through_a_cuda_region(cuda_server):
         (status,) = client.cuda_shared_memory_status("py-gpu-native")
         assert status.calls_total == L
         client.commit(seq, [])
-        client.release_sequence(seq)
-        assert client.unregister_cuda_shared_memory("py-gpu-native") == ["py-gpu-native"]
-        region.close()
-
-
-@gpu
-def test_bound_native_calls_through_a_cuda_region(cuda_server):
-    """Items bound once (NativeVerifyStream.bind, wait_for_stream=False)
-    over a CUDA region: q written in place by the caller, who synchronizes
-    its own writes; draft_kv a tensor outside the region whose new contents
-    the bound call copies in itself (queued on the current stream, and
-    waited for by the call): every layer matches the reference."""
-    from mlaverify import native
-    if not native.available():
-        pytest.skip("no native library (mlaverify/lib/libmlaverify_native.so)")
-    torch.manual_seed(2)
-    dev = torch.device("cuda", 0)
-    with VerifyClient(cuda_server, timeout=60) as client:
-        info = client.server_info()
-        L, H, n = info.num_layers, info.num_heads, 3
-        parents = [-1, 0, 1]
-        region = CudaSharedMemoryRegion(item_bytes(n, H), device=dev)
-        client.register_cuda_shared_memory("py-gpu-bound", region)
-        place = place_item("py-gpu-bound", 0, n, H)
-        views = region.item_views(place)
-        seq = client.create_sequence("cuda-shm-bound")
-        prompt = torch.randn(L, 21, 576, device=dev).to(torch.bfloat16)
-        client.append_prompt(seq, prompt)
-        drafts = [torch.randn(n, 576, device=dev).to(torch.bfloat16) for _ in range(L)]
         draft_kv = torch.empty(n, 576, device=dev, dtype=torch.bfloat16)
         item = VerifyItem(seq, views.q, draft_kv, parents, shm=place)
         with client.native_stream() as stream:
@@ -265,12 +240,12 @@ def test_bound_native_calls_through_a_cuda_region(cuda_server):
                 draft_kv.copy_(drafts[layer])
                 torch.cuda.current_stream(dev).synchronize()  # the caller orders its writes
                 (r,) = bound.verify(layer)
-                assert r.out.data_ptr() == views.out.data_ptr() and r.prefix_len == 21
+                assert r.out.data_ptr() == views.out.data_ptr() and r.prefix_len == 33
                 check_against_reference(r, prompt[layer], q, drafts[layer], parents,
                                         info.default_softmax_scale)
         client.commit(seq, [])
         client.release_sequence(seq)
-        assert client.unregister_cuda_shared_memory("py-gpu-bound") == ["py-gpu-bound"]
+        assert client.unregister_cuda_shared_memory("py-gpu-native") == ["py-gpu-native"]
         region.close()
 
 
