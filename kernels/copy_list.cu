@@ -69,9 +69,18 @@ __device__ __forceinline__ void RunDescriptor(const CopyDescriptor& d, int first
 
 // One block: the slot's list (capacity entries, whatever the count) into
 // device memory, then the cursor to the next slot.
+__device__ __forceinline__ uint64_t GlobalTimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
 __global__ void __launch_bounds__(COPY_THREADS) FetchKernel(const GatherParams p) {
   __shared__ int32_t s_slot;
-  if (threadIdx.x == 0) s_slot = *p.cursor;
+  if (threadIdx.x == 0) {
+    s_slot = *p.cursor;
+    if (p.stamps != nullptr) p.stamps[2 * s_slot] = GlobalTimer();
+  }
   __syncthreads();
   const auto* src =
       reinterpret_cast<const uint4*>(p.slots + static_cast<uint64_t>(s_slot) * p.slot_bytes);
@@ -89,6 +98,20 @@ __global__ void __launch_bounds__(COPY_THREADS) RunListKernel(const CopyListHead
   RunDescriptor(d, blockIdx.x, gridDim.x);
 }
 
+// The scatter of a stamped launch (a step lane's layer): block (0, 0)
+// records when the attention was done, then the list runs.
+__global__ void __launch_bounds__(COPY_THREADS)
+    StampedRunListKernel(const CopyListHeader* list, uint64_t* stamps, const int32_t* cursor,
+                         int32_t num_slots) {
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+    const int32_t slot = (*cursor + num_slots - 1) % num_slots;
+    stamps[2 * slot + 1] = GlobalTimer();
+  }
+  if (static_cast<int>(blockIdx.y) >= list->count) return;
+  const CopyDescriptor d = CopyListEntries(list)[blockIdx.y];
+  RunDescriptor(d, blockIdx.x, gridDim.x);
+}
+
 }  // namespace
 
 cudaError_t LaunchGatherKernel(const GatherParams& p, cudaStream_t stream) {
@@ -100,6 +123,11 @@ cudaError_t LaunchGatherKernel(const GatherParams& p, cudaStream_t stream) {
 
 cudaError_t LaunchScatterKernel(const ScatterParams& p, cudaStream_t stream) {
   if (p.capacity < 1 || p.row_blocks < 1) return cudaErrorInvalidValue;
+  if (p.stamps != nullptr) {
+    StampedRunListKernel<<<dim3(p.row_blocks, p.capacity), COPY_THREADS, 0, stream>>>(
+        p.list, p.stamps, p.cursor, p.num_slots);
+    return cudaGetLastError();
+  }
   RunListKernel<<<dim3(p.row_blocks, p.capacity), COPY_THREADS, 0, stream>>>(p.list);
   return cudaGetLastError();
 }

@@ -63,6 +63,9 @@ struct GatherParams {
   CopyListHeader* list;  // device memory for `capacity` descriptors
   int32_t capacity;      // descriptors the launch may run (grid.y)
   int32_t row_blocks;    // blocks per descriptor (grid.x); each takes every row_blocks-th row
+  // Null, or [num_slots][2] nanosecond stamps (%globaltimer): the gather
+  // writes [slot][0] as it starts (a step lane's per-layer timing).
+  uint64_t* stamps;
 };
 
 // The scatter launch: runs a list in device memory (written there by the
@@ -71,6 +74,11 @@ struct ScatterParams {
   const CopyListHeader* list;
   int32_t capacity;
   int32_t row_blocks;
+  // Null, or the gather's stamps: the scatter writes [slot][1] as it starts
+  // (the attention done), the slot being the one before the gather's cursor.
+  uint64_t* stamps;
+  const int32_t* cursor;
+  int32_t num_slots;
 };
 
 // The CUDA launchers are LaunchGatherCopies / LaunchScatterCopies
