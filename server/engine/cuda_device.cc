@@ -18,22 +18,44 @@
 // read from memory, so one graph serves every batch of its bucket. Pool
 // operations run the same gather first and then their kernel, eagerly, on
 // the same stream; nothing but ReadRows and UploadTable waits on the host.
+//
+// Device-driven steps: each lane has its own stream (the highest priority:
+// a rung layer goes before queued batches), its own launch memory (batch
+// buffers, workspace, gather list and cursor), a page table, one slot per
+// layer and its own graphs per bucket. LaunchStep makes the lane wait for
+// the main stream's work so far, copies the step's slots and table up, and
+// then, for GPU doorbells, enqueues every layer as three operations: a
+// stream wait on the doorbell word, the bucket's graph (the first layer
+// plans, the rest reuse the plan: the lengths are the step's), and one
+// batch of two stream writes (the completion word; the progress word the
+// engine reads in page-locked host memory). For host doorbells a thread of
+// the lane waits on the host slot and launches each layer the same way,
+// its completion written by the GPU into the slot. EndLane writes the
+// doorbell from the release stream (which never waits on anything) and
+// appends the completion's end value to the lane's stream.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <memory>
+#include <thread>
 #include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "common/geometry.h"
+#include "common/host_doorbell.h"
 #include "common/status_macros.h"
 #include "kernels/copy_list.h"
 #include "kernels/device_fault.h"
+#include "kernels/stream_memops.h"
 #include "kernels/verify_attention_cuda.h"
 #include "server/engine/device.h"
+#include "spdlog/spdlog.h"
 
 namespace mlaverify::engine {
 namespace {
@@ -46,6 +68,77 @@ T* At(uint64_t address, size_t offset = 0) {
   return reinterpret_cast<T*>(address + offset);
 }
 
+uint64_t Address(const void* p) { return reinterpret_cast<uint64_t>(p); }
+
+// What one verify launch sequence runs over: the device's own memory, or a
+// step lane's. Fixed from Init on (graphs hold these addresses).
+struct LaunchMemory {
+  cudaStream_t stream = nullptr;
+  void* q = nullptr;
+  void* draft_kv = nullptr;  // fp8 pools only: the batch's draft rows before quantization
+  void* out = nullptr;
+  void* lse = nullptr;
+  void* requests = nullptr;
+  void* visibility = nullptr;
+  void* outputs = nullptr;
+  void* counters = nullptr;  // the gather's cursor
+  void* list = nullptr;      // the gather's list, fetched from the slot
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  uint64_t slots = 0;  // slot 0 as the gather reads it
+  uint64_t slot_bytes = 0;
+  int num_slots = 0;
+  void* table = nullptr;
+  uint64_t* stamps = nullptr;  // lanes: [num_slots][2] (device view), else null
+
+  void Describe(uint64_t pool, DeviceBuffers* b) const {
+    b->pool = pool;
+    b->table = Address(table);
+    b->q = Address(q);
+    b->out = Address(out);
+    b->lse = Address(lse);
+    b->requests = Address(requests);
+    b->visibility = Address(visibility);
+    b->outputs = Address(outputs);
+    b->slots = slots;
+    if (draft_kv != nullptr) b->draft_kv = Address(draft_kv);
+  }
+};
+
+using GraphKey = std::tuple<int, int, bool>;  // batch, draft, reuse_plan
+
+GraphKey Key(BatchShape shape, bool reuse) { return {shape.batch, shape.draft_len, reuse}; }
+
+// One lane of device-driven steps (device.h).
+struct CudaLane {
+  LaunchMemory memory;
+  DeviceBuffers buffers;
+  std::map<GraphKey, cudaGraphExec_t> graphs;
+  uint8_t* slots_host = nullptr;    // page-locked: the engine writes the step's slots here
+  int32_t* table_host = nullptr;    // page-locked: and its page table
+  uint64_t* stamps_host = nullptr;  // page-locked, mapped: [layers][2] ns (the gather, the scatter)
+  uint64_t* progress_host = nullptr;  // page-locked, mapped: base + layers done
+  uint64_t progress_device = 0;
+  cudaEvent_t main_mark = nullptr;  // the main stream's work before the step
+  cudaEvent_t end = nullptr;        // after the step's last operation
+  // The step (set by LaunchStep, read by the other threads).
+  std::atomic<bool> running{false};
+  std::atomic<uint64_t> base{0};
+  std::atomic<int> layers{0};
+  std::atomic<uint64_t> end_value{0};        // EndLane's (0: not ended)
+  std::atomic<uint64_t> doorbell_offset{0};  // GPU doorbells: the step's pair in the arena
+  bool completion_ended = false;             // EndLane appended the completion's end value
+  absl::Mutex end_mu;                        // EndLane's calls, one at a time
+  // Host doorbells: the lane's thread, which launches each rung layer.
+  std::thread thread;
+  absl::Mutex mu;
+  bool has_step ABSL_GUARDED_BY(mu) = false;
+  bool stop ABSL_GUARDED_BY(mu) = false;
+  StepLaunch launch ABSL_GUARDED_BY(mu);
+  std::atomic<bool> thread_done{true};  // the thread launched all it will of its step
+  absl::Status error ABSL_GUARDED_BY(mu);
+};
+
 class CudaDevice final : public Device {
  public:
   CudaDevice(int ordinal, const CudaDeviceOptions& options)
@@ -54,18 +147,39 @@ class CudaDevice final : public Device {
   ~CudaDevice() override {
     // Errors are ignored: after a sticky fault every call fails, and the
     // process is on its way out.
+    for (auto& lane : lanes_) {
+      {
+        absl::MutexLock lock(&lane->mu);
+        lane->stop = true;
+      }
+      lane->end_value.store(UINT64_MAX);
+      if (lane->thread.joinable()) lane->thread.join();
+    }
     cudaSetDevice(ordinal_);
+    for (auto& lane : lanes_) {
+      if (lane->memory.stream != nullptr) cudaStreamSynchronize(lane->memory.stream);
+      for (auto& [key, exec] : lane->graphs) cudaGraphExecDestroy(exec);
+      FreeMemory(lane->memory);
+      cudaFreeHost(lane->slots_host);
+      cudaFreeHost(lane->table_host);
+      cudaFreeHost(lane->stamps_host);
+      cudaFreeHost(lane->progress_host);
+      if (lane->main_mark != nullptr) cudaEventDestroy(lane->main_mark);
+      if (lane->end != nullptr) cudaEventDestroy(lane->end);
+      if (lane->memory.stream != nullptr) cudaStreamDestroy(lane->memory.stream);
+    }
     for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
     for (cudaEvent_t e : start_) cudaEventDestroy(e);
     for (cudaEvent_t e : stop_) cudaEventDestroy(e);
     cudaFreeHost(slots_);
     cudaFreeHost(read_host_);
     cudaFreeHost(upload_host_);
-    for (void* p : {pool_, table_, q_, out_, lse_, requests_, visibility_, outputs_, counters_,
-                    list_, workspace_, read_dev_, draft_kv_}) {
-      cudaFree(p);
-    }
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    FreeMemory(main_);
+    for (void* p : {pool_, read_dev_}) cudaFree(p);
+    // The doorbell arena is never freed while the process lives: a client
+    // may hold its IPC handle, which a new allocation could be given again.
+    if (release_ != nullptr) cudaStreamDestroy(release_);
+    if (main_.stream != nullptr) cudaStreamDestroy(main_.stream);
   }
 
   std::string name() const override { return name_; }
@@ -83,26 +197,14 @@ class CudaDevice final : public Device {
     g_ = g;
     RETURN_IF_ERROR(BindThread());
     ASSIGN_OR_RETURN(config_, kernels::PrepareVerifyLaunch(ordinal_));
-    RETURN_IF_ERROR(Check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"));
-    const size_t rows = static_cast<size_t>(g.max_batch) * g.max_draft_len;
+    RETURN_IF_ERROR(
+        Check(cudaStreamCreateWithFlags(&main_.stream, cudaStreamNonBlocking), "stream"));
     const size_t pool_bytes =
         static_cast<size_t>(g.num_layers) * g.num_pages * g.page_size * KvRowBytes(g.kv_dtype);
     RETURN_IF_ERROR(Check(cudaMalloc(&pool_, pool_bytes), "pool allocation"));
-    RETURN_IF_ERROR(Allocate(&table_, static_cast<size_t>(g.table_entries) * sizeof(int32_t),
-                             "page-table arena"));
-    RETURN_IF_ERROR(Allocate(&q_, rows * g.num_heads * kLatentRowBytes, "query buffer"));
-    if (g.kv_dtype != KvDtype::kBf16) {
-      // The batch's draft rows before quantization (device_worker.cc gathers them here).
-      RETURN_IF_ERROR(Allocate(&draft_kv_, rows * kLatentRowBytes, "draft row buffer"));
-    }
-    RETURN_IF_ERROR(Allocate(&out_, rows * g.num_heads * kValueDim * sizeof(Bf16), "out buffer"));
-    RETURN_IF_ERROR(Allocate(&lse_, rows * g.num_heads * sizeof(float), "lse buffer"));
-    RETURN_IF_ERROR(Allocate(&requests_, g.slot.requests.bytes, "request arrays"));
-    RETURN_IF_ERROR(Allocate(&visibility_, rows * sizeof(uint64_t), "visibility words"));
-    RETURN_IF_ERROR(
-        Allocate(&outputs_, kernels::CopyListBytes(g.slot.output_capacity), "output list"));
-    RETURN_IF_ERROR(Allocate(&counters_, 2 * sizeof(int32_t), "gather cursor"));
-    RETURN_IF_ERROR(Allocate(&list_, kernels::CopyListBytes(g.slot.list_capacity), "gather list"));
+    RETURN_IF_ERROR(AllocateLaunchMemory(g.slot, &main_));
+    RETURN_IF_ERROR(Allocate(&main_.table, static_cast<size_t>(g.table_entries) * sizeof(int32_t),
+                             main_.stream, "page-table arena"));
     // The slots: page-locked, mapped (the gather reads them in place),
     // portable (every device of the process may read them).
     const size_t slot_bytes = static_cast<size_t>(g.slots) * g.slot.bytes;
@@ -113,31 +215,18 @@ class CudaDevice final : public Device {
     void* slots_device = nullptr;
     RETURN_IF_ERROR(
         Check(cudaHostGetDevicePointer(&slots_device, slots_, 0), "cudaHostGetDevicePointer"));
+    main_.slots = Address(slots_device);
+    main_.slot_bytes = g.slot.bytes;
+    main_.num_slots = g.slots;
     start_.resize(g.slots);
     stop_.resize(g.slots);
     for (int k = 0; k < g.slots; ++k) {
       RETURN_IF_ERROR(Check(cudaEventCreate(&start_[k]), "event"));
       RETURN_IF_ERROR(Check(cudaEventCreate(&stop_[k]), "event"));
     }
-    kernels::VerifyArguments shape;
-    shape.batch = g.max_batch;
-    shape.num_heads = g.num_heads;
-    shape.max_draft_len = g.max_draft_len;
-    workspace_bytes_ = kernels::VerifyWorkspaceBytes(shape, config_);
-    RETURN_IF_ERROR(Check(cudaMalloc(&workspace_, workspace_bytes_), "workspace"));
-    RETURN_IF_ERROR(
-        kernels::InitVerifyWorkspace(shape, config_, workspace_, workspace_bytes_, stream_));
-    buffers_.pool = Address(pool_);
-    if (draft_kv_ != nullptr) buffers_.draft_kv = Address(draft_kv_);
-    buffers_.table = Address(table_);
-    buffers_.q = Address(q_);
-    buffers_.out = Address(out_);
-    buffers_.lse = Address(lse_);
-    buffers_.requests = Address(requests_);
-    buffers_.visibility = Address(visibility_);
-    buffers_.outputs = Address(outputs_);
-    buffers_.slots = Address(slots_device);
-    return Check(cudaStreamSynchronize(stream_), "initialisation");
+    main_.Describe(Address(pool_), &buffers_);
+    RETURN_IF_ERROR(InitLanes());
+    return Check(cudaStreamSynchronize(main_.stream), "initialisation");
   }
 
   const DeviceBuffers& buffers() const override { return buffers_; }
@@ -150,20 +239,9 @@ class CudaDevice final : public Device {
     RETURN_IF_ERROR(BindThread());
     size_t free_before = 0, free_after = 0, total = 0;
     RETURN_IF_ERROR(Check(cudaMemGetInfo(&free_before, &total), "cudaMemGetInfo"));
-    for (const bool reuse : {false, true}) {
-      RETURN_IF_ERROR(Check(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal),
-                            "cudaStreamBeginCapture"));
-      const absl::Status enqueued = EnqueueBatch(shape, reuse);
-      cudaGraph_t graph = nullptr;
-      const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
-      RETURN_IF_ERROR(enqueued);
-      RETURN_IF_ERROR(Check(ended, "cudaStreamEndCapture"));
-      cudaGraphExec_t exec = nullptr;
-      const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
-      cudaGraphDestroy(graph);
-      RETURN_IF_ERROR(Check(instantiated, "cudaGraphInstantiate"));
-      graphs_[Key(shape, reuse)] = exec;
-    }
+    RETURN_IF_ERROR(Capture(main_, shape, &graphs_));
+    // Every lane replays its own graphs (its memory, its stream).
+    for (auto& lane : lanes_) RETURN_IF_ERROR(Capture(lane->memory, shape, &lane->graphs));
     RETURN_IF_ERROR(Check(cudaMemGetInfo(&free_after, &total), "cudaMemGetInfo"));
     return free_before > free_after ? static_cast<int64_t>(free_before - free_after) : 0;
   }
@@ -173,20 +251,11 @@ class CudaDevice final : public Device {
     RETURN_IF_ERROR(BindThread());
     ++launches_;
     if (options_.fail_after_launches > 0 && launches_ == options_.fail_after_launches) {
-      RETURN_IF_ERROR(Check(kernels::LaunchTrapKernel(stream_), "fault injection"));
+      RETURN_IF_ERROR(Check(kernels::LaunchTrapKernel(main_.stream), "fault injection"));
     }
-    RETURN_IF_ERROR(Check(cudaEventRecord(start_[o.slot], stream_), "cudaEventRecord"));
-    if (o.graph) {
-      const auto it = graphs_.find(Key(o.shape, o.reuse_plan));
-      if (it == graphs_.end()) {
-        return absl::InternalError(absl::StrCat(name_, ": no graph was captured for batch ",
-                                                o.shape.batch, " x draft ", o.shape.draft_len));
-      }
-      RETURN_IF_ERROR(Check(cudaGraphLaunch(it->second, stream_), "cudaGraphLaunch"));
-    } else {
-      RETURN_IF_ERROR(EnqueueBatch(o.shape, o.reuse_plan));
-    }
-    return Check(cudaEventRecord(stop_[o.slot], stream_), "cudaEventRecord");
+    RETURN_IF_ERROR(Check(cudaEventRecord(start_[o.slot], main_.stream), "cudaEventRecord"));
+    RETURN_IF_ERROR(Replay(main_, graphs_, o.shape, o.graph, o.reuse_plan));
+    return Check(cudaEventRecord(stop_[o.slot], main_.stream), "cudaEventRecord");
   }
 
   absl::Status LaunchWriteRows(int slot, int gather_count, int64_t table_offset, int64_t start,
@@ -195,14 +264,14 @@ class CudaDevice final : public Device {
     // Rows read in place: page-locked host memory (a region, the staging)
     // across PCIe, or device memory.
     RETURN_IF_ERROR(kernels::LaunchCopyRows(View(), TableAt(table_offset), start, count,
-                                            At<Bf16>(rows), /*to_pool=*/true, stream_));
-    return Check(cudaEventRecord(stop_[slot], stream_), "cudaEventRecord");
+                                            At<Bf16>(rows), /*to_pool=*/true, main_.stream));
+    return Check(cudaEventRecord(stop_[slot], main_.stream), "cudaEventRecord");
   }
 
   absl::Status LaunchCompact(int slot, int gather_count, int64_t table_offset) override {
     RETURN_IF_ERROR(BeginOp(slot, gather_count));
     // The path is read in place from the slot's op area (mapped memory).
-    const uint64_t op = buffers_.slots + static_cast<uint64_t>(slot) * g_.slot.bytes + g_.slot.op;
+    const uint64_t op = main_.slots + static_cast<uint64_t>(slot) * g_.slot.bytes + g_.slot.op;
     kernels::CompactArguments c;
     c.batch = 1;
     c.pool = View();
@@ -211,13 +280,13 @@ class CudaDevice final : public Device {
     c.prefix_len = At<const int32_t>(op);
     c.accepted_len = At<const int32_t>(op, sizeof(int32_t));
     c.accepted = At<const int32_t>(op, 2 * sizeof(int32_t));
-    RETURN_IF_ERROR(kernels::LaunchCompactAcceptedKv(c, stream_));
-    return Check(cudaEventRecord(stop_[slot], stream_), "cudaEventRecord");
+    RETURN_IF_ERROR(kernels::LaunchCompactAcceptedKv(c, main_.stream));
+    return Check(cudaEventRecord(stop_[slot], main_.stream), "cudaEventRecord");
   }
 
   absl::Status LaunchGather(int slot, int gather_count) override {
     RETURN_IF_ERROR(BeginOp(slot, gather_count));
-    return Check(cudaEventRecord(stop_[slot], stream_), "cudaEventRecord");
+    return Check(cudaEventRecord(stop_[slot], main_.stream), "cudaEventRecord");
   }
 
   bool Finished(int slot) override { return cudaEventQuery(stop_[slot]) != cudaErrorNotReady; }
@@ -246,12 +315,12 @@ class CudaDevice final : public Device {
       const int64_t chunk = std::min(chunk_max, count - c0);
       RETURN_IF_ERROR(kernels::LaunchCopyRows(View(), TableAt(table_offset), start + c0, chunk,
                                               static_cast<Bf16*>(read_dev_), /*to_pool=*/false,
-                                              stream_));
+                                              main_.stream));
       const size_t bytes = static_cast<size_t>(layers * chunk * row_bytes);
       RETURN_IF_ERROR(
-          Check(cudaMemcpyAsync(read_host_, read_dev_, bytes, cudaMemcpyDeviceToHost, stream_),
+          Check(cudaMemcpyAsync(read_host_, read_dev_, bytes, cudaMemcpyDeviceToHost, main_.stream),
                 "row download"));
-      RETURN_IF_ERROR(Check(cudaStreamSynchronize(stream_), "row download"));
+      RETURN_IF_ERROR(Check(cudaStreamSynchronize(main_.stream), "row download"));
       const auto* host = static_cast<const Bf16*>(read_host_);
       for (int64_t layer = 0; layer < layers; ++layer) {
         std::memcpy(rows + (layer * count + c0) * row_elements, host + layer * chunk * row_elements,
@@ -272,11 +341,11 @@ class CudaDevice final : public Device {
           Check(cudaHostAlloc(&upload_host_, bytes, cudaHostAllocDefault), "table upload buffer"));
     }
     std::memcpy(upload_host_, entries.data(), bytes);
-    RETURN_IF_ERROR(
-        Check(cudaMemcpyAsync(table_, upload_host_, bytes, cudaMemcpyHostToDevice, stream_),
-              "table upload"));
+    RETURN_IF_ERROR(Check(
+        cudaMemcpyAsync(main_.table, upload_host_, bytes, cudaMemcpyHostToDevice, main_.stream),
+        "table upload"));
     // Rare (a compacted arena): the buffer is reused only once this is done.
-    return Check(cudaStreamSynchronize(stream_), "table upload");
+    return Check(cudaStreamSynchronize(main_.stream), "table upload");
   }
 
   absl::Status PinHost(void* data, size_t bytes) override {
@@ -364,22 +433,340 @@ class CudaDevice final : public Device {
 
   int cuda_ordinal() const override { return ordinal_; }
 
- private:
-  using GraphKey = std::tuple<int, int, bool>;  // batch, draft, reuse_plan
+  // ---- device-driven steps ----
 
-  static GraphKey Key(BatchShape shape, bool reuse) {
-    return {shape.batch, shape.draft_len, reuse};
+  absl::Status DoorbellSupport(DoorbellKind kind) const override {
+    if (lanes_.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(name_, " has no step lanes (the server runs with 0 lanes per device)"));
+    }
+    if (!memops_.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(name_, " cannot run device-driven steps: ", memops_.message()));
+    }
+    return absl::OkStatus();
   }
-  static uint64_t Address(const void* p) { return reinterpret_cast<uint64_t>(p); }
 
+  DoorbellArena doorbell_arena() const override { return arena_; }
+
+  uint8_t* lane_slot(int lane, int layer) override {
+    return lanes_[lane]->slots_host + static_cast<size_t>(layer) * g_.lanes.slot.bytes;
+  }
+  uint64_t lane_slot_address(int lane, int layer) const override {
+    return lanes_[lane]->memory.slots + static_cast<uint64_t>(layer) * g_.lanes.slot.bytes;
+  }
+  const DeviceBuffers& lane_buffers(int lane) const override { return lanes_[lane]->buffers; }
+  int32_t* lane_table(int lane) override { return lanes_[lane]->table_host; }
+
+  absl::Status LaunchStep(const StepLaunch& launch) override {
+    RETURN_IF_ERROR(BindThread());
+    if (launch.lane < 0 || launch.lane >= static_cast<int>(lanes_.size()) ||
+        launch.layers != g_.num_layers) {
+      return absl::InternalError(absl::StrCat(name_, ": step launch on lane ", launch.lane,
+                                              " with ", launch.layers, " layers"));
+    }
+    CudaLane& lane = *lanes_[launch.lane];
+    if (lane.running.load() && cudaEventQuery(lane.end) == cudaErrorNotReady) {
+      return absl::InternalError(absl::StrCat(name_, ": lane ", launch.lane, " is busy"));
+    }
+    const cudaStream_t stream = lane.memory.stream;
+    // Nothing of the step before the main stream's work so far (the rows it
+    // attends to were written there), then its slots and page table go up.
+    RETURN_IF_ERROR(Check(cudaEventRecord(lane.main_mark, main_.stream), "cudaEventRecord"));
+    RETURN_IF_ERROR(Check(cudaStreamWaitEvent(stream, lane.main_mark, 0), "cudaStreamWaitEvent"));
+    const size_t slot_bytes = static_cast<size_t>(launch.layers) * g_.lanes.slot.bytes;
+    RETURN_IF_ERROR(Check(cudaMemcpyAsync(At<void>(lane.memory.slots), lane.slots_host, slot_bytes,
+                                          cudaMemcpyHostToDevice, stream),
+                          "step slots upload"));
+    if (launch.table_entries > 0) {
+      RETURN_IF_ERROR(
+          Check(cudaMemcpyAsync(lane.memory.table, lane.table_host,
+                                static_cast<size_t>(launch.table_entries) * sizeof(int32_t),
+                                cudaMemcpyHostToDevice, stream),
+                "step page table upload"));
+    }
+    RETURN_IF_ERROR(
+        Check(cudaMemsetAsync(lane.memory.counters, 0, sizeof(int32_t), stream), "cursor reset"));
+    std::memset(lane.stamps_host, 0, static_cast<size_t>(launch.layers) * 2 * sizeof(uint64_t));
+    __atomic_store_n(lane.progress_host, launch.base, __ATOMIC_RELEASE);
+    lane.base.store(launch.base);
+    lane.layers.store(launch.layers);
+    lane.end_value.store(0);
+    lane.doorbell_offset.store(launch.doorbell);
+    {
+      absl::MutexLock lock(&lane.end_mu);
+      lane.completion_ended = false;
+    }
+    lane.running.store(true);
+    if (launch.kind == DoorbellKind::kDevice) {
+      const uint64_t doorbell = arena_.address + launch.doorbell;
+      const uint64_t completion = arena_.address + launch.completion;
+      for (int layer = 0; layer < launch.layers; ++layer) {
+        const uint64_t value = launch.base + static_cast<uint64_t>(layer) + 1;
+        RETURN_IF_ERROR(Memop(kernels::StreamWaitValue64(stream, doorbell, value)));
+        RETURN_IF_ERROR(Replay(lane.memory, lane.graphs, launch.shape, launch.graph, layer > 0));
+        RETURN_IF_ERROR(Memop(kernels::StreamWriteValues64(
+            stream, {{completion, value}, {lane.progress_device, value}})));
+      }
+      return Check(cudaEventRecord(lane.end, stream), "cudaEventRecord");
+    }
+    // Host doorbells: the lane's thread launches each layer once rung.
+    absl::MutexLock lock(&lane.mu);
+    lane.launch = launch;
+    lane.error = absl::OkStatus();
+    lane.thread_done.store(false);
+    lane.has_step = true;
+    return absl::OkStatus();
+  }
+
+  void EndLane(int index, uint64_t end_value) override {
+    CudaLane& lane = *lanes_[index];
+    if (!lane.running.load()) return;
+    lane.end_value.store(end_value);
+    StepLaunch launch;
+    bool host = false;
+    {
+      absl::MutexLock lock(&lane.mu);
+      host = lane.has_step;
+      launch = lane.launch;
+    }
+    if (host) {
+      // The lane's thread stops launching; its wait returns at once.
+      HostSlot(reinterpret_cast<void*>(launch.doorbell)).Store(end_value);
+      return;
+    }
+    absl::MutexLock lock(&lane.end_mu);
+    if (!BindThread().ok()) return;
+    // The doorbell from the release stream, which waits for nothing: every
+    // layer still waiting runs at once. Again on every call: a late ring may
+    // have lowered it.
+    const DoorbellArena& a = arena_;
+    const uint64_t pair = lane.doorbell_offset.load();
+    if (!kernels::StreamWriteValue64(release_, a.address + pair, end_value).ok()) return;
+    if (!lane.completion_ended) {
+      // The completion after the step's last operation (stream order): the
+      // scheduler's waits all pass, and no layer's own write follows it.
+      lane.completion_ended = kernels::StreamWriteValue64(
+                                  lane.memory.stream, a.address + pair + kHostSlotBytes, end_value)
+                                  .ok();
+    }
+  }
+
+  LaneProgress lane_progress(int index) override {
+    CudaLane& lane = *lanes_[index];
+    LaneProgress p;
+    const uint64_t seen = __atomic_load_n(lane.progress_host, __ATOMIC_ACQUIRE);
+    const uint64_t base = lane.base.load();
+    const int layers = lane.layers.load();
+    p.layers_done = seen <= base ? 0 : static_cast<int>(std::min<uint64_t>(seen - base, layers));
+    if (!lane.thread_done.load()) return p;
+    if (!BindThread().ok()) return p;
+    const cudaError_t q = cudaEventQuery(lane.end);
+    // A device error also ends the lane (the worker faults the device).
+    p.drained = q != cudaErrorNotReady;
+    if (p.drained) lane.running.store(false);
+    return p;
+  }
+
+  std::vector<LayerTiming> lane_timings(int index) override {
+    CudaLane& lane = *lanes_[index];
+    const int layers = lane.layers.load();
+    std::vector<LayerTiming> out;
+    uint64_t previous_end = 0;
+    for (int l = 0; l < layers; ++l) {
+      const uint64_t start = lane.stamps_host[2 * l], end = lane.stamps_host[2 * l + 1];
+      if (start == 0 || end < start) break;  // not run
+      LayerTiming t;
+      t.device_seconds = static_cast<double>(end - start) * 1e-9;
+      if (previous_end != 0 && start > previous_end) {
+        t.doorbell_wait_seconds = static_cast<double>(start - previous_end) * 1e-9;
+      }
+      previous_end = end;
+      out.push_back(t);
+    }
+    return out;
+  }
+
+ private:
   absl::Status Check(cudaError_t err, const char* what) const {
     if (err == cudaSuccess) return absl::OkStatus();
     return absl::InternalError(absl::StrCat(name_, ": CUDA ", what, ": ", cudaGetErrorString(err)));
   }
+  absl::Status Memop(absl::Status s) const {
+    if (s.ok()) return s;
+    return absl::InternalError(absl::StrCat(name_, ": ", s.message()));
+  }
 
-  absl::Status Allocate(void** p, size_t bytes, const char* what) {
+  absl::Status Allocate(void** p, size_t bytes, cudaStream_t stream, const char* what) {
     RETURN_IF_ERROR(Check(cudaMalloc(p, std::max<size_t>(bytes, 16)), what));
-    return Check(cudaMemsetAsync(*p, 0, std::max<size_t>(bytes, 16), stream_), what);
+    return Check(cudaMemsetAsync(*p, 0, std::max<size_t>(bytes, 16), stream), what);
+  }
+
+  static void FreeMemory(const LaunchMemory& m) {
+    for (void* p : {m.q, m.draft_kv, m.out, m.lse, m.requests, m.visibility, m.outputs, m.counters,
+                    m.list, m.workspace, m.table}) {
+      cudaFree(p);
+    }
+  }
+
+  // Everything of a LaunchMemory but its stream, table and slots.
+  absl::Status AllocateLaunchMemory(const SlotLayout& slot, LaunchMemory* m) {
+    const size_t rows = static_cast<size_t>(g_.max_batch) * g_.max_draft_len;
+    const cudaStream_t s = m->stream;
+    RETURN_IF_ERROR(Allocate(&m->q, rows * g_.num_heads * kLatentRowBytes, s, "query buffer"));
+    if (g_.kv_dtype != KvDtype::kBf16) {
+      // The batch's draft rows before quantization (the gather puts them here).
+      RETURN_IF_ERROR(Allocate(&m->draft_kv, rows * kLatentRowBytes, s, "draft row buffer"));
+    }
+    RETURN_IF_ERROR(
+        Allocate(&m->out, rows * g_.num_heads * kValueDim * sizeof(Bf16), s, "out buffer"));
+    RETURN_IF_ERROR(Allocate(&m->lse, rows * g_.num_heads * sizeof(float), s, "lse buffer"));
+    RETURN_IF_ERROR(Allocate(&m->requests, slot.requests.bytes, s, "request arrays"));
+    RETURN_IF_ERROR(Allocate(&m->visibility, rows * sizeof(uint64_t), s, "visibility words"));
+    RETURN_IF_ERROR(
+        Allocate(&m->outputs, kernels::CopyListBytes(slot.output_capacity), s, "output list"));
+    RETURN_IF_ERROR(Allocate(&m->counters, 2 * sizeof(int32_t), s, "gather cursor"));
+    RETURN_IF_ERROR(
+        Allocate(&m->list, kernels::CopyListBytes(slot.list_capacity), s, "gather list"));
+    kernels::VerifyArguments shape;
+    shape.batch = g_.max_batch;
+    shape.num_heads = g_.num_heads;
+    shape.max_draft_len = g_.max_draft_len;
+    m->workspace_bytes = kernels::VerifyWorkspaceBytes(shape, config_);
+    RETURN_IF_ERROR(Check(cudaMalloc(&m->workspace, m->workspace_bytes), "workspace"));
+    return kernels::InitVerifyWorkspace(shape, config_, m->workspace, m->workspace_bytes, s);
+  }
+
+  // The lanes, their memory and threads, the doorbell arena, the release
+  // stream; and whether stream memory operations work here at all.
+  absl::Status InitLanes() {
+    const LaneGeometry& lg = g_.lanes;
+    if (lg.lanes == 0) return absl::OkStatus();
+    memops_ = kernels::ProbeStreamMemOps(ordinal_);
+    RETURN_IF_ERROR(BindThread());
+    if (!memops_.ok()) {
+      spdlog::warn("{}: {}; OpenStep is refused on this device", name_,
+                   std::string(memops_.message()));
+    }
+    int least = 0, greatest = 0;
+    RETURN_IF_ERROR(Check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "priorities"));
+    RETURN_IF_ERROR(Check(cudaStreamCreateWithFlags(&release_, cudaStreamNonBlocking), "stream"));
+    void* arena = nullptr;
+    const size_t arena_bytes = DoorbellArenaBytes(lg.lanes);
+    RETURN_IF_ERROR(Check(cudaMalloc(&arena, arena_bytes), "doorbell arena"));
+    RETURN_IF_ERROR(Check(cudaMemset(arena, 0, arena_bytes), "doorbell arena"));
+    cudaIpcMemHandle_t handle;
+    RETURN_IF_ERROR(Check(cudaIpcGetMemHandle(&handle, arena), "doorbell arena's IPC handle"));
+    arena_.address = Address(arena);
+    arena_.bytes = arena_bytes;
+    arena_.ipc_handle.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
+    for (int k = 0; k < lg.lanes; ++k) {
+      auto lane = std::make_unique<CudaLane>();
+      LaunchMemory& m = lane->memory;
+      RETURN_IF_ERROR(Check(
+          cudaStreamCreateWithPriority(&m.stream, cudaStreamNonBlocking, greatest), "lane stream"));
+      RETURN_IF_ERROR(AllocateLaunchMemory(lg.slot, &m));
+      RETURN_IF_ERROR(Allocate(
+          &m.table, static_cast<size_t>(std::max<int64_t>(1, lg.table_entries)) * sizeof(int32_t),
+          m.stream, "lane page table"));
+      const size_t slot_bytes = static_cast<size_t>(g_.num_layers) * lg.slot.bytes;
+      void* slots = nullptr;
+      RETURN_IF_ERROR(Allocate(&slots, slot_bytes, m.stream, "lane slots"));
+      m.slots = Address(slots);
+      m.slot_bytes = lg.slot.bytes;
+      m.num_slots = g_.num_layers;
+      RETURN_IF_ERROR(Check(cudaHostAlloc(reinterpret_cast<void**>(&lane->slots_host), slot_bytes,
+                                          cudaHostAllocDefault),
+                            "lane slot staging"));
+      std::memset(lane->slots_host, 0, slot_bytes);
+      RETURN_IF_ERROR(
+          Check(cudaHostAlloc(
+                    reinterpret_cast<void**>(&lane->table_host),
+                    static_cast<size_t>(std::max<int64_t>(1, lg.table_entries)) * sizeof(int32_t),
+                    cudaHostAllocDefault),
+                "lane table staging"));
+      const size_t stamp_bytes = static_cast<size_t>(g_.num_layers) * 2 * sizeof(uint64_t);
+      RETURN_IF_ERROR(Check(cudaHostAlloc(reinterpret_cast<void**>(&lane->stamps_host), stamp_bytes,
+                                          cudaHostAllocMapped | cudaHostAllocPortable),
+                            "lane stamps"));
+      std::memset(lane->stamps_host, 0, stamp_bytes);
+      void* stamps_device = nullptr;
+      RETURN_IF_ERROR(Check(cudaHostGetDevicePointer(&stamps_device, lane->stamps_host, 0),
+                            "cudaHostGetDevicePointer"));
+      m.stamps = static_cast<uint64_t*>(stamps_device);
+      RETURN_IF_ERROR(
+          Check(cudaHostAlloc(reinterpret_cast<void**>(&lane->progress_host), sizeof(uint64_t),
+                              cudaHostAllocMapped | cudaHostAllocPortable),
+                "lane progress word"));
+      *lane->progress_host = 0;
+      void* progress_device = nullptr;
+      RETURN_IF_ERROR(Check(cudaHostGetDevicePointer(&progress_device, lane->progress_host, 0),
+                            "cudaHostGetDevicePointer"));
+      lane->progress_device = Address(progress_device);
+      // Created up front: creating events while a launching thread is held
+      // by a full stream queue would block with it.
+      RETURN_IF_ERROR(
+          Check(cudaEventCreateWithFlags(&lane->main_mark, cudaEventDisableTiming), "event"));
+      RETURN_IF_ERROR(Check(cudaEventCreateWithFlags(&lane->end, cudaEventDisableTiming), "event"));
+      m.Describe(Address(pool_), &lane->buffers);
+      lanes_.push_back(std::move(lane));
+    }
+    for (int k = 0; k < lg.lanes; ++k) {
+      lanes_[k]->thread = std::thread([this, k] { HostDoorbellLoop(k); });
+    }
+    return Check(cudaStreamSynchronize(release_), "lane initialisation");
+  }
+
+  // Host doorbells: the lane's thread waits for each ring on the host slot
+  // and launches the layer; the GPU writes the completion into the slot.
+  void HostDoorbellLoop(int index) {
+    CudaLane& lane = *lanes_[index];
+    while (true) {
+      StepLaunch launch;
+      {
+        absl::MutexLock lock(&lane.mu);
+        lane.mu.Await(absl::Condition(
+            +[](CudaLane* l) ABSL_NO_THREAD_SAFETY_ANALYSIS { return l->has_step || l->stop; },
+            &lane));
+        if (lane.stop) return;
+        launch = lane.launch;
+      }
+      absl::Status status = BindThread();
+      const HostSlot doorbell(reinterpret_cast<void*>(launch.doorbell));
+      const uint64_t last = launch.base + static_cast<uint64_t>(launch.layers);
+      const auto ended = [&lane] { return lane.end_value.load() != 0; };
+      int layer = 0;
+      for (; layer < launch.layers && status.ok(); ++layer) {
+        const uint64_t value = launch.base + static_cast<uint64_t>(layer) + 1;
+        uint64_t seen = 0;
+        while (true) {
+          seen = doorbell.WaitAtLeast(value, absl::Microseconds(50), absl::InfiniteFuture(), ended,
+                                      absl::Milliseconds(2));
+          if (seen >= value || ended()) break;
+        }
+        if (ended() || seen > last) break;
+        status = Replay(lane.memory, lane.graphs, launch.shape, launch.graph, layer > 0);
+        if (status.ok()) {
+          status = Memop(kernels::StreamWriteValues64(
+              lane.memory.stream,
+              {{launch.completion_device, value}, {lane.progress_device, value}}));
+        }
+      }
+      if (status.ok() && layer < launch.layers) {
+        // Ended early: the completion's end value after what was launched.
+        const uint64_t end = lane.end_value.load() != 0 ? lane.end_value.load() : last + 1;
+        status =
+            Memop(kernels::StreamWriteValue64(lane.memory.stream, launch.completion_device, end));
+      }
+      if (status.ok()) status = Check(cudaEventRecord(lane.end, lane.memory.stream), "event");
+      if (!status.ok()) spdlog::error("{}: step lane {}: {}", name_, index, status.ToString());
+      {
+        absl::MutexLock lock(&lane.mu);
+        lane.has_step = false;
+        lane.error = status;
+      }
+      lane.thread_done.store(true);
+    }
   }
 
   kernels::KvPoolView View() const {
@@ -388,111 +775,137 @@ class CudaDevice final : public Device {
   }
 
   const int32_t* TableAt(int64_t offset) const {
-    return static_cast<const int32_t*>(table_) + offset;
+    return static_cast<const int32_t*>(main_.table) + offset;
   }
 
-  kernels::GatherParams Gather(int capacity, int row_blocks) const {
+  kernels::GatherParams Gather(const LaunchMemory& m, int capacity, int row_blocks) const {
     kernels::GatherParams p{};
-    p.slots = At<const uint8_t>(buffers_.slots);
-    p.slot_bytes = g_.slot.bytes;
-    p.num_slots = g_.slots;
-    p.cursor = static_cast<int32_t*>(counters_);
-    p.list = static_cast<kernels::CopyListHeader*>(list_);
+    p.slots = At<const uint8_t>(m.slots);
+    p.slot_bytes = m.slot_bytes;
+    p.num_slots = m.num_slots;
+    p.cursor = static_cast<int32_t*>(m.counters);
+    p.list = static_cast<kernels::CopyListHeader*>(m.list);
     p.capacity = std::max(1, capacity);
     p.row_blocks = row_blocks;
+    p.stamps = m.stamps;
     return p;
   }
 
   // A pool operation's start: its slot's gather (page-table writes).
   absl::Status BeginOp(int slot, int gather_count) {
     RETURN_IF_ERROR(BindThread());
-    RETURN_IF_ERROR(Check(cudaEventRecord(start_[slot], stream_), "cudaEventRecord"));
-    return kernels::LaunchGatherCopies(Gather(gather_count, 1), stream_);
+    RETURN_IF_ERROR(Check(cudaEventRecord(start_[slot], main_.stream), "cudaEventRecord"));
+    return kernels::LaunchGatherCopies(Gather(main_, gather_count, 1), main_.stream);
   }
 
-  // The launch sequence of one batch of `shape` on the compute stream.
-  absl::Status EnqueueBatch(BatchShape shape, bool reuse_plan) {
+  // Records the launch sequence of `shape` over `m` (both plan variants).
+  absl::Status Capture(const LaunchMemory& m, BatchShape shape,
+                       std::map<GraphKey, cudaGraphExec_t>* graphs) {
+    for (const bool reuse : {false, true}) {
+      RETURN_IF_ERROR(Check(cudaStreamBeginCapture(m.stream, cudaStreamCaptureModeThreadLocal),
+                            "cudaStreamBeginCapture"));
+      const absl::Status enqueued = EnqueueBatch(m, shape, reuse);
+      cudaGraph_t graph = nullptr;
+      const cudaError_t ended = cudaStreamEndCapture(m.stream, &graph);
+      RETURN_IF_ERROR(enqueued);
+      RETURN_IF_ERROR(Check(ended, "cudaStreamEndCapture"));
+      cudaGraphExec_t exec = nullptr;
+      const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
+      cudaGraphDestroy(graph);
+      RETURN_IF_ERROR(Check(instantiated, "cudaGraphInstantiate"));
+      (*graphs)[Key(shape, reuse)] = exec;
+    }
+    return absl::OkStatus();
+  }
+
+  // A batch of `shape` over `m`: its captured graph, or eagerly.
+  absl::Status Replay(const LaunchMemory& m, const std::map<GraphKey, cudaGraphExec_t>& graphs,
+                      BatchShape shape, bool graph, bool reuse_plan) {
+    if (!graph) return EnqueueBatch(m, shape, reuse_plan);
+    const auto it = graphs.find(Key(shape, reuse_plan));
+    if (it == graphs.end()) {
+      return absl::InternalError(absl::StrCat(name_, ": no graph was captured for batch ",
+                                              shape.batch, " x draft ", shape.draft_len));
+    }
+    return Check(cudaGraphLaunch(it->second, m.stream), "cudaGraphLaunch");
+  }
+
+  // The launch sequence of one batch of `shape` on m's stream.
+  absl::Status EnqueueBatch(const LaunchMemory& m, BatchShape shape, bool reuse_plan) {
     const int row_blocks = CopyRowBlocks(shape.draft_len);
     RETURN_IF_ERROR(kernels::LaunchGatherCopies(
-        Gather(GatherCapacity(shape, g_.page_size, g_.max_batch), row_blocks), stream_));
+        Gather(m, GatherCapacity(shape, g_.page_size, g_.max_batch), row_blocks), m.stream));
+    const uint64_t requests = Address(m.requests);
     const RequestArraysLayout& r = g_.slot.requests;
-    if (draft_kv_ != nullptr) {
+    const int32_t* table = static_cast<const int32_t*>(m.table);
+    if (m.draft_kv != nullptr) {
       // fp8 pool: the gather left the draft rows in the draft buffer; they
       // enter the pool quantized, and the attention reads them as stored.
       kernels::DraftKvWriteArguments w;
       w.batch = shape.batch;
       w.total_draft_capacity = shape.rows();
-      w.draft_kv = static_cast<const Bf16*>(draft_kv_);
+      w.draft_kv = static_cast<const Bf16*>(m.draft_kv);
       w.pool = View();
-      w.page_table = static_cast<const int32_t*>(table_);
+      w.page_table = table;
       w.page_table_stride = 1;  // unused: every request has its offset
-      w.page_table_offset = At<const int64_t>(buffers_.requests, r.table_offset);
-      w.prefix_len = At<const int32_t>(buffers_.requests, r.prefix_len);
-      w.draft_len = At<const int32_t>(buffers_.requests, r.draft_len);
-      w.layer = At<const int32_t>(buffers_.requests, r.layer);
-      RETURN_IF_ERROR(kernels::LaunchWriteDraftKv(w, stream_));
+      w.page_table_offset = At<const int64_t>(requests, r.table_offset);
+      w.prefix_len = At<const int32_t>(requests, r.prefix_len);
+      w.draft_len = At<const int32_t>(requests, r.draft_len);
+      w.layer = At<const int32_t>(requests, r.layer);
+      RETURN_IF_ERROR(kernels::LaunchWriteDraftKv(w, m.stream));
     }
     kernels::VerifyArguments a;
     a.batch = shape.batch;
     a.num_heads = g_.num_heads;
     a.max_draft_len = shape.draft_len;
     a.total_draft_capacity = shape.rows();
-    a.q = static_cast<const Bf16*>(q_);
+    a.q = static_cast<const Bf16*>(m.q);
     a.q_token_stride = static_cast<int64_t>(g_.num_heads) * kLatentDim;
     a.q_head_stride = kLatentDim;
     a.pool = View();
-    a.page_table = static_cast<const int32_t*>(table_);
+    a.page_table = table;
     a.page_table_stride = 1;  // unused: every request has its offset
-    a.page_table_offset = At<const int64_t>(buffers_.requests, r.table_offset);
-    a.prefix_len = At<const int32_t>(buffers_.requests, r.prefix_len);
-    a.draft_len = At<const int32_t>(buffers_.requests, r.draft_len);
-    a.layer = At<const int32_t>(buffers_.requests, r.layer);
-    a.softmax_scale = At<const float>(buffers_.requests, r.scale);
+    a.page_table_offset = At<const int64_t>(requests, r.table_offset);
+    a.prefix_len = At<const int32_t>(requests, r.prefix_len);
+    a.draft_len = At<const int32_t>(requests, r.draft_len);
+    a.layer = At<const int32_t>(requests, r.layer);
+    a.softmax_scale = At<const float>(requests, r.scale);
     a.default_softmax_scale = 1.0f;  // unused: every request carries its scale
-    a.visibility = static_cast<const uint64_t*>(visibility_);
-    a.out = static_cast<Bf16*>(out_);
+    a.visibility = static_cast<const uint64_t*>(m.visibility);
+    a.out = static_cast<Bf16*>(m.out);
     a.out_token_stride = static_cast<int64_t>(g_.num_heads) * kValueDim;
     a.out_head_stride = kValueDim;
-    a.lse = static_cast<float*>(lse_);
+    a.lse = static_cast<float*>(m.lse);
     kernels::VerifyLaunchConfig config = config_;
     config.reuse_plan = reuse_plan;
     RETURN_IF_ERROR(
-        kernels::LaunchVerifyAttention(a, config, workspace_, workspace_bytes_, stream_));
+        kernels::LaunchVerifyAttention(a, config, m.workspace, m.workspace_bytes, m.stream));
     kernels::ScatterParams s{};
-    s.list = static_cast<const kernels::CopyListHeader*>(outputs_);
+    s.list = static_cast<const kernels::CopyListHeader*>(m.outputs);
     s.capacity = ScatterCapacity(shape);
     s.row_blocks = row_blocks;
-    return kernels::LaunchScatterCopies(s, stream_);
+    s.stamps = m.stamps;
+    s.cursor = static_cast<const int32_t*>(m.counters);
+    s.num_slots = m.num_slots;
+    return kernels::LaunchScatterCopies(s, m.stream);
   }
 
-  // Threading (device.h): the members below the constants are the launcher's.
-  // Init, CaptureGraphs, Launch*, ReadRows and UploadTable run under the
-  // worker's launch lock (DeviceWorker::launch_mu_, one launcher at a time);
-  // Finished and Wait, on the completion thread, read only start_ and stop_,
-  // fixed once Init returned; the memory functions (PinHost ... FreeHostStaging)
-  // read only the constants. So this class holds no lock of its own, and
-  // clang's analysis has nothing to check here beyond what it checks in
-  // device_worker.cc.
+  // Threading (device.h): Init, CaptureGraphs, Launch*, ReadRows and
+  // UploadTable run under the worker's launch lock (DeviceWorker::launch_mu_,
+  // one launcher at a time); Finished and Wait, on the completion thread,
+  // read only start_ and stop_, fixed once Init returned; the memory
+  // functions (PinHost ... FreeHostStaging) read only the constants. The
+  // lanes' step state is atomics or under each lane's locks: LaunchStep
+  // (the launcher), a host-doorbell lane's thread, and EndLane,
+  // lane_progress and lane_timings (the engine's step runner) share it.
   const int ordinal_;
   const std::string name_;
   const CudaDeviceOptions options_;
   DeviceGeometry g_;
   DeviceBuffers buffers_;
   kernels::VerifyLaunchConfig config_;
-  cudaStream_t stream_ = nullptr;  // every launch, in order
+  LaunchMemory main_;  // its stream runs every launch but the lanes', in order
   void* pool_ = nullptr;
-  void* table_ = nullptr;
-  void* q_ = nullptr;
-  void* draft_kv_ = nullptr;  // fp8 pools only: the batch's draft rows before quantization
-  void* out_ = nullptr;
-  void* lse_ = nullptr;
-  void* requests_ = nullptr;
-  void* visibility_ = nullptr;
-  void* outputs_ = nullptr;
-  void* counters_ = nullptr;  // the gather's cursor
-  void* list_ = nullptr;      // the gather's list, fetched from the slot
-  void* workspace_ = nullptr;
-  size_t workspace_bytes_ = 0;
   uint8_t* slots_ = nullptr;  // host view
   std::vector<cudaEvent_t> start_, stop_;
   std::map<GraphKey, cudaGraphExec_t> graphs_;
@@ -500,6 +913,11 @@ class CudaDevice final : public Device {
   void* read_host_ = nullptr;
   void* upload_host_ = nullptr;
   int launches_ = 0;
+  // Device-driven steps.
+  absl::Status memops_ = absl::UnavailableError("no step lanes");
+  cudaStream_t release_ = nullptr;  // EndLane's doorbell writes; never waits
+  DoorbellArena arena_;
+  std::vector<std::unique_ptr<CudaLane>> lanes_;
 };
 
 }  // namespace

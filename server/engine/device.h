@@ -103,6 +103,22 @@ inline int ScatterCapacity(BatchShape shape) { return 2 * shape.batch; }
 // Blocks per descriptor of the copy kernels: about four rows each.
 inline int CopyRowBlocks(int draft_len) { return draft_len < 4 ? 1 : draft_len / 4; }
 
+// Device-driven verify steps (docs/steps.md): a lane runs the layers of one
+// step at a time, each gated by a doorbell, beside the launches above and
+// concurrently with them. It has its own batch buffers, one slot per layer,
+// a page table of its own (the step's items' page lists, so the shared
+// arena may change under it) and, on a GPU, its own stream and graphs. The
+// engine writes every layer's slot and the table before LaunchStep; the
+// lane then runs layer l once the doorbell holds base + l + 1 or more and
+// stores base + l + 1 into the completion slot once the layer's outputs are
+// written. A value past base + layers in either slot ends the step: every
+// wait passes (see EndLane).
+struct LaneGeometry {
+  int lanes = 0;              // lanes of the device (0: no device-driven steps)
+  SlotLayout slot;            // each layer's slot (no page-table values)
+  int64_t table_entries = 0;  // int32 page ids: max_batch * max_pages_per_sequence
+};
+
 struct DeviceGeometry {
   int num_layers = 0;
   int64_t num_pages = 0;
@@ -114,6 +130,7 @@ struct DeviceGeometry {
   int slots = 2;  // launches in flight at most
   int64_t table_entries = 0;
   SlotLayout slot;
+  LaneGeometry lanes;
 };
 
 // Device addresses of the buffers a launch uses, fixed from Init on.
@@ -131,6 +148,64 @@ struct DeviceBuffers {
   // launch quantizes into an fp8 pool before the attention (0 for a bf16
   // pool: its draft rows are copied straight into the pool).
   uint64_t draft_kv = 0;
+};
+
+// Where a step's doorbell and completion slots are.
+enum class DoorbellKind {
+  kHost,    // 16-byte host slots (common/host_doorbell.h) in a mapped region
+  kDevice,  // 64-bit words in the device's doorbell arena (GPU doorbells)
+};
+
+// The device's doorbell arena: 64-bit words in device memory that the
+// scheduler's process maps (CUDA IPC) to ring with stream writes and wait
+// with stream waits. Allocated at Init and never freed while the device
+// lives (a freed and reallocated block can come back under the same IPC
+// handle, which a client may still have open).
+struct DoorbellArena {
+  uint64_t address = 0;     // the first word as the device addresses it
+  uint8_t* host = nullptr;  // the same words in this process (host devices), else null
+  size_t bytes = 0;
+  std::string ipc_handle;  // cudaIpcMemHandle_t bytes (GPUs), else empty
+};
+
+// The arena holds, per lane, this many pairs of slots (doorbell, then
+// completion), which the engine rotates over, so that a late ring from an
+// ended step lands on words no current step uses. A slot is 16 bytes with
+// the 64-bit value first, as a host slot (common/host_doorbell.h) is, so
+// host devices run the same protocol in host memory.
+inline constexpr int kDoorbellPairsPerLane = 64;
+inline constexpr uint64_t kDoorbellPairBytes = 32;
+inline size_t DoorbellArenaBytes(int lanes) {
+  return static_cast<size_t>(lanes) * kDoorbellPairsPerLane * kDoorbellPairBytes;
+}
+
+// One step on one lane (LaunchStep).
+struct StepLaunch {
+  int lane = 0;
+  int layers = 0;
+  BatchShape shape;  // a graph bucket, or the exact shape (eager)
+  bool graph = false;
+  int64_t table_entries = 0;  // lane table entries the engine wrote
+  DoorbellKind kind = DoorbellKind::kHost;
+  // kHost: this process's pointers to the two 16-byte slots, and the
+  // completion slot as the device addresses it (a GPU stores into it).
+  // kDevice: the words' byte offsets in the doorbell arena.
+  uint64_t doorbell = 0, completion = 0, completion_device = 0;
+  uint64_t base = 0;
+};
+
+// How far a lane's step got (any thread, never blocks).
+struct LaneProgress {
+  int layers_done = 0;   // layers whose completion was stored
+  bool drained = false;  // nothing of its step is left to run: the lane is free
+};
+
+// One layer of a finished lane step, measured on the device where it can be.
+struct LayerTiming {
+  double device_seconds = 0;  // the layer's launch, gather to scatter
+  // From the previous layer's end (layer 0: the step's start on the lane) to
+  // this layer's start: the wait for the scheduler's ring.
+  double doorbell_wait_seconds = 0;
 };
 
 struct DeviceDescription {
@@ -235,10 +310,44 @@ class Device {
   virtual void FreeHostStaging(uint8_t* data) {}
   // The CUDA device ordinal, or -1 for devices that are not CUDA devices.
   virtual int cuda_ordinal() const { return -1; }
+
+  // ---- device-driven steps (LaneGeometry) ----
+  // Why doorbells of `kind` cannot be used here (OK: they can). Decided at
+  // Init, by a real operation where that is the only way to know.
+  virtual absl::Status DoorbellSupport(DoorbellKind kind) const {
+    return absl::UnimplementedError(absl::StrCat(name(), " runs no device-driven steps"));
+  }
+  // The GPU doorbell arena (DoorbellSupport(kDevice) must be OK).
+  virtual DoorbellArena doorbell_arena() const { return {}; }
+  // Lane `lane`'s slot of layer `layer` as the host writes it, and as the
+  // lane's gather reads it (what the slot's own descriptors copy from).
+  virtual uint8_t* lane_slot(int lane, int layer) { return nullptr; }
+  virtual uint64_t lane_slot_address(int lane, int layer) const { return 0; }
+  // The lane's buffers (pool as the device's; table: the lane's page table).
+  virtual const DeviceBuffers& lane_buffers(int lane) const { return buffers(); }
+  // The lane's page table as the host writes it (LaneGeometry::table_entries).
+  virtual int32_t* lane_table(int lane) { return nullptr; }
+  // Starts a step on a free lane, after every launch before it (launcher
+  // only). Returns before any layer ran; never waits for the doorbell.
+  virtual absl::Status LaunchStep(const StepLaunch& launch) {
+    return absl::UnimplementedError(absl::StrCat(name(), " runs no device-driven steps"));
+  }
+  // Ends the lane's step early: stores `end_value` (past base + layers) into
+  // its doorbell, so every layer still waiting runs at once (into pages the
+  // engine drops), then into its completion once nothing is left to run, so
+  // every wait of the scheduler passes. Any thread; never blocks; may be
+  // called again (a late ring that lowered the doorbell is overwritten).
+  virtual void EndLane(int lane, uint64_t end_value) {}
+  virtual LaneProgress lane_progress(int lane) { return {}; }
+  // Per layer, once the lane drained (empty where the device cannot say).
+  virtual std::vector<LayerTiming> lane_timings(int lane) { return {}; }
 };
 
 // Test hooks of HostDevice: what a GPU would do that tests must see without one.
 struct FakeDeviceOptions {
+  // Device doorbells of steps in an arena of host memory, rung by the tests
+  // directly (the CPU backend has host doorbells only).
+  bool device_doorbells = true;
   // Claim graph support: CaptureGraphs records the shapes, and a graph launch
   // of a shape never captured fails with INTERNAL (a worker bug).
   bool graphs = true;

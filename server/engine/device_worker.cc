@@ -13,61 +13,6 @@
 
 namespace mlaverify::engine {
 
-// Fills one slot: its gather list, request arrays, visibility words, output
-// list and staged page-table values (device.h has the layout).
-class SlotWriter {
- public:
-  SlotWriter(uint8_t* host, uint64_t device, const SlotLayout& layout, int gather_capacity)
-      : host_(host), device_(device), layout_(layout), gather_capacity_(gather_capacity) {}
-
-  // Adds a descriptor to the gather list; false when it is full.
-  bool Gather(uint64_t src, uint32_t src_pitch, uint64_t dst, uint32_t dst_pitch,
-              uint32_t row_bytes, uint32_t rows) {
-    if (rows == 0 || row_bytes == 0) return true;
-    if (gathers_ >= gather_capacity_) return false;
-    kernels::CopyListEntries(List())[gathers_++] = {src,       dst,       src_pitch,
-                                                    dst_pitch, row_bytes, rows};
-    return true;
-  }
-  bool Output(uint64_t src, uint32_t src_pitch, uint64_t dst, uint32_t dst_pitch,
-              uint32_t row_bytes, uint32_t rows) {
-    if (rows == 0 || row_bytes == 0) return true;
-    if (outputs_ >= layout_.output_capacity) return false;
-    kernels::CopyListEntries(OutputList())[outputs_++] = {src,       dst,       src_pitch,
-                                                          dst_pitch, row_bytes, rows};
-    return true;
-  }
-  template <typename T>
-  T* Host(size_t offset) const {
-    return reinterpret_cast<T*>(host_ + offset);
-  }
-  uint64_t Device(size_t offset) const { return device_ + offset; }
-  int gathers() const { return gathers_; }
-  int outputs() const { return outputs_; }
-  int gather_capacity() const { return gather_capacity_; }
-  const SlotLayout& layout() const { return layout_; }
-  // Drops every descriptor added so far.
-  void Reset() { gathers_ = outputs_ = 0; }
-  // Writes the lists' lengths (the last thing before the launch).
-  void Close() {
-    List()->count = gathers_;
-    OutputList()->count = outputs_;
-  }
-
- private:
-  kernels::CopyListHeader* List() const { return Host<kernels::CopyListHeader>(layout_.list); }
-  kernels::CopyListHeader* OutputList() const {
-    return Host<kernels::CopyListHeader>(layout_.outputs);
-  }
-
-  uint8_t* const host_;
-  const uint64_t device_;
-  const SlotLayout& layout_;
-  const int gather_capacity_;
-  int gathers_ = 0;
-  int outputs_ = 0;
-};
-
 namespace {
 
 uint32_t U32(int64_t v) { return static_cast<uint32_t>(v); }
@@ -98,6 +43,12 @@ absl::Status DeviceWorker::Start(const DeviceGeometry& geometry) {
     return absl::Status(s.code(), absl::StrCat(name_, ": ", s.message()));
   }
   asynchronous_ = device_->asynchronous();
+  target_.buffers = &device_->buffers();
+  target_.num_heads = geometry.num_heads;
+  target_.num_layers = geometry.num_layers;
+  target_.num_pages = geometry.num_pages;
+  target_.page_size = geometry.page_size;
+  target_.kv_dtype = geometry.kv_dtype;
   // The launch thread launches where no submitting thread may: on a device
   // whose launches compute (the CPU backend), and when a queue delay holds
   // partial batches back.
@@ -214,7 +165,11 @@ bool DeviceWorker::Launchable() const {
   if (queue_.empty()) return false;
   if (!fault_.ok()) return true;  // to fail it
   const Entry& head = queue_.front();
-  if (head.is_op && head.op.kind == DeviceOp::Kind::kBarrier) return true;
+  // (Neither takes a slot.)
+  if (head.is_op &&
+      (head.op.kind == DeviceOp::Kind::kBarrier || head.op.kind == DeviceOp::Kind::kStep)) {
+    return true;
+  }
   return static_cast<int>(in_flight_.size()) < geometry_.slots;
 }
 
@@ -372,7 +327,6 @@ void DeviceWorker::RunBatch(std::vector<VerifyShard> shards, absl::Time taken) {
   }
   const bool graph = bucket.has_value();
   const BatchShape shape = graph ? *bucket : BatchShape{requests, max_draft};
-  const int heads = geometry_.num_heads;
   const SlotLayout& l = geometry_.slot;
   const DeviceBuffers& buf = device_->buffers();
   const int slot = NextSlot();
@@ -381,33 +335,11 @@ void DeviceWorker::RunBatch(std::vector<VerifyShard> shards, absl::Time taken) {
                GatherCapacity(shape, geometry_.page_size, geometry_.max_batch));
   absl::Status status = BeginSlot(slot, &w);
 
-  // Request arrays (padding: no drafts, reads nothing) and visibility words.
-  const RequestArraysLayout& r = l.requests;
-  auto* prefix = w.Host<int32_t>(l.request_block + r.prefix_len);
-  auto* drafts = w.Host<int32_t>(l.request_block + r.draft_len);
-  auto* layers = w.Host<int32_t>(l.request_block + r.layer);
-  auto* scales = w.Host<float>(l.request_block + r.scale);
-  auto* offsets = w.Host<int64_t>(l.request_block + r.table_offset);
-  auto* visibility = w.Host<uint64_t>(l.visibility);
+  // The requests as the slot describes them (padding: PackBatch).
   std::vector<int32_t> prefix_now(shape.batch, 0), drafts_now(shape.batch, 0);
-  const size_t q_row = static_cast<size_t>(heads) * kLatentRowBytes;
-  const size_t out_row = static_cast<size_t>(heads) * kValueDim * sizeof(Bf16);
-  const size_t lse_row = static_cast<size_t>(heads) * sizeof(float);
+  std::vector<PackedRequest> requests_packed(batch.size());
   const int64_t page_size = geometry_.page_size;
-  // Addresses rows only (no data pointer): a bf16 pool's draft rows go
-  // straight into the pool; an fp8 pool's go to the draft buffer, packed like
-  // q, and the launch quantizes them into the pool.
-  const kernels::KvPoolView pool{nullptr, geometry_.num_layers, geometry_.num_pages,
-                                 geometry_.page_size, geometry_.kv_dtype};
-  const bool quantize_drafts = geometry_.kv_dtype != KvDtype::kBf16;
-  int row = 0;
-  for (int b = 0; b < shape.batch && status.ok(); ++b) {
-    if (b >= requests) {
-      prefix[b] = drafts[b] = layers[b] = 0;
-      scales[b] = batch[0].scale;
-      offsets[b] = 0;
-      continue;
-    }
+  for (size_t b = 0; b < batch.size() && status.ok(); ++b) {
     const VerifyShard& s = batch[b];
     int64_t offset = -1;
     const std::vector<int32_t>* pages = tables_->Entries(s.sequence, &offset);
@@ -419,48 +351,22 @@ void DeviceWorker::RunBatch(std::vector<VerifyShard> shards, absl::Time taken) {
                                                 " pages on the device, its batch needs ", needed));
       break;
     }
-    prefix[b] = prefix_now[b] = s.prefix_len;
-    drafts[b] = drafts_now[b] = s.draft_len;
-    layers[b] = s.layer;
-    scales[b] = s.scale;
-    offsets[b] = offset;
-    std::memcpy(visibility + row, s.visibility,
-                static_cast<size_t>(s.draft_len) * sizeof(uint64_t));
-    const uint32_t n = U32(s.draft_len);
-    bool fits = w.Gather(s.q.address, s.q.pitch, buf.q + row * q_row, U32(q_row), U32(q_row), n);
-    if (quantize_drafts) {
-      fits = fits && w.Gather(s.draft_kv.address, s.draft_kv.pitch,
-                              buf.draft_kv + static_cast<uint64_t>(row) * kLatentRowBytes,
-                              U32(kLatentRowBytes), U32(kLatentRowBytes), n);
-    }
-    // Draft rows straight into the pool, one descriptor per run inside a page.
-    for (int i = 0; i < s.draft_len && fits && !quantize_drafts;) {
-      const int64_t position = static_cast<int64_t>(s.prefix_len) + i;
-      const int64_t in_page = position % page_size;
-      const int run = static_cast<int>(std::min<int64_t>(page_size - in_page, s.draft_len - i));
-      const uint64_t dst =
-          buf.pool +
-          static_cast<uint64_t>(pool.RowOffset(s.layer, pages->data(), position)) * sizeof(Bf16);
-      fits = w.Gather(s.draft_kv.address + static_cast<uint64_t>(i) * s.draft_kv.pitch,
-                      s.draft_kv.pitch, dst, U32(kLatentRowBytes), U32(kLatentRowBytes), U32(run));
-      i += run;
-    }
-    fits = fits &&
-           w.Output(buf.out + row * out_row, U32(out_row), s.out.address, s.out.pitch, U32(out_row),
-                    n) &&
-           w.Output(buf.lse + row * lse_row, U32(lse_row), s.lse.address, s.lse.pitch, U32(lse_row),
-                    n);
-    if (!fits) status = absl::InternalError("a batch's copy list outgrew its slot");
-    row += s.draft_len;
+    prefix_now[b] = s.prefix_len;
+    drafts_now[b] = s.draft_len;
+    PackedRequest& p = requests_packed[b];
+    p.prefix_len = s.prefix_len;
+    p.draft_len = s.draft_len;
+    p.layer = s.layer;
+    p.scale = s.scale;
+    p.table_offset = offset;
+    p.pages = pages->data();
+    p.visibility = s.visibility;
+    p.q = s.q;
+    p.draft_kv = s.draft_kv;
+    p.out = s.out;
+    p.lse = s.lse;
   }
-  if (status.ok()) {
-    const bool fits =
-        w.Gather(w.Device(l.request_block), 0, buf.requests, 0, U32(r.bytes), 1) &&
-        w.Gather(w.Device(l.visibility), 0, buf.visibility, 0, U32(row * sizeof(uint64_t)), 1) &&
-        w.Gather(w.Device(l.outputs), 0, buf.outputs, 0, U32(kernels::CopyListBytes(w.outputs())),
-                 1);
-    if (!fits) status = absl::InternalError("a batch's copy list outgrew its slot");
-  }
+  if (status.ok()) status = PackBatch(w, target_, shape, requests_packed);
   if (!status.ok()) {
     Fault(status);
     FailShards(batch, fault(), timing);
@@ -522,6 +428,17 @@ void DeviceWorker::RunOp(DeviceOp op) {
     finish(absl::OkStatus());
     return;
   }
+  if (op.kind == DeviceOp::Kind::kStep) {
+    // The lane waits for everything launched before this point, then runs
+    // its layers as they are rung, beside what is launched after.
+    absl::Status started = device_->LaunchStep(op.step);
+    if (!started.ok()) {
+      Fault(started);
+      started = fault();
+    }
+    finish(started);
+    return;
+  }
   const SlotLayout& l = geometry_.slot;
   const int slot = NextSlot();
   const uint64_t slot_device = device_->buffers().slots + static_cast<uint64_t>(slot) * l.bytes;
@@ -563,6 +480,7 @@ void DeviceWorker::RunOp(DeviceOp op) {
         finish(status);
         return;
       case DeviceOp::Kind::kBarrier:
+      case DeviceOp::Kind::kStep:
         break;
     }
   }

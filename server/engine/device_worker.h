@@ -49,17 +49,11 @@
 #include "server/engine/engine_observer.h"
 #include "server/engine/page_table_arena.h"
 #include "server/engine/parallel_runner.h"
+#include "server/engine/slot_writer.h"
 
 namespace mlaverify::engine {
 
 class ShardOwner;
-
-// Where one tensor of a shard is, as this worker's device addresses it:
-// token i's rows (this device's heads) start at address + i * pitch.
-struct ShardTensor {
-  uint64_t address = 0;
-  uint32_t pitch = 0;
-};
 
 // One verify item as one device computes it. The pointers stay valid until
 // the owner's ShardDone for it has returned.
@@ -106,7 +100,9 @@ class ShardOwner {
 
 // A pool operation, launched between batches in queue order.
 struct DeviceOp {
-  enum class Kind { kWriteRows, kReadRows, kCompact, kBarrier };
+  // kStep: starts a device-driven step's lane (StepLaunch) after everything
+  // before it; done once it is started (its layers run as they are rung).
+  enum class Kind { kWriteRows, kReadRows, kCompact, kBarrier, kStep };
   Kind kind = Kind::kBarrier;
   uint64_t sequence = 0;
   // How the sequence's page list changed since its previous device work
@@ -120,6 +116,7 @@ struct DeviceOp {
   Bf16* rows_out = nullptr;            // kReadRows: host memory
   int64_t prefix_len = 0;              // kCompact
   absl::Span<const int32_t> accepted;  // kCompact
+  StepLaunch step;                     // kStep
   // Asked when the op is taken: OK to run it, else the status to complete it
   // with unrun. Empty: always run.
   absl::AnyInvocable<absl::Status()> admit;
@@ -215,8 +212,7 @@ class DeviceWorker {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(launch_mu_);
   // Starts slot `slot`'s gather list with the page-table writes queued in the
   // arena (or uploads the whole arena when they do not fit).
-  absl::Status BeginSlot(int slot, class SlotWriter* writer)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(launch_mu_);
+  absl::Status BeginSlot(int slot, SlotWriter* writer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(launch_mu_);
   // Records a launch in flight on the next slot.
   void PushInFlight(InFlight f) ABSL_EXCLUSIVE_LOCKS_REQUIRED(launch_mu_);
   int NextSlot() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(launch_mu_) {
@@ -234,6 +230,7 @@ class DeviceWorker {
   EngineObserver* const observer_;
   const std::function<void(int, const absl::Status&)> on_fault_;
   DeviceGeometry geometry_;
+  BatchTarget target_;  // the batch buffers and geometry PackBatch needs
   ParallelRunner completion_runner_;
   bool asynchronous_ = false;
   bool uses_graphs_ = false;

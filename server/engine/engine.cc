@@ -77,6 +77,10 @@ struct Engine::Sequence {
   std::vector<bool> layer_verified ABSL_GUARDED_BY(mu);
   int layers_verified ABSL_GUARDED_BY(mu) = 0;
   int64_t step_pages ABSL_GUARDED_BY(mu) = 0;  // pages the open step added
+  // The device-driven step (steps.h) that claimed the sequence; 0: none.
+  // While set, no Verify or AppendKv reaches the sequence, and Commit only
+  // once every layer of the step ran.
+  uint64_t owner_step ABSL_GUARDED_BY(mu) = 0;
   // The devices' copy of `pages` (page_table_arena.h): the length they know
   // of after the work queued so far, and the shortest `pages` has been since
   // the last change was sent (entries below it are as they have them).
@@ -543,6 +547,82 @@ class Engine::VerifyTask final : public Call, public ShardOwner {
   double device_seconds_ ABSL_GUARDED_BY(timing_mu_) = 0;
 };
 
+// The engine as the step runner sees it (steps.h).
+class Engine::StepHostImpl final : public StepHost {
+ public:
+  explicit StepHostImpl(Engine* engine) : e_(engine) {
+    for (const auto& w : e_->workers_) names_.push_back(w->name());
+  }
+
+  const EngineConfig& config() const override { return e_->config_; }
+  int num_devices() const override { return e_->num_devices(); }
+  int heads_per_device() const override { return e_->heads_per_device_; }
+  Device& device(int d) override { return e_->workers_[d]->device(); }
+  bool uses_graphs(int d) const override { return e_->workers_[d]->uses_graphs(); }
+  const std::string& device_name(int d) const override { return names_[d]; }
+  RegionRegistry& regions() override { return e_->regions_; }
+  absl::Status fault() const override { return e_->fault(); }
+
+  absl::StatusOr<int> DeviceOfItems(absl::Span<const StepItemSpec> items) override {
+    if (e_->config_.parallel_mode == ParallelMode::kTensorParallel) return -1;
+    int device = -1;
+    for (size_t k = 0; k < items.size(); ++k) {
+      ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, e_->Find(items[k].sequence_id));
+      if (device >= 0 && seq->pool != device) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "items[", k, "] (sequence ", items[k].sequence_id, ") lives on device ",
+            e_->workers_[seq->pool]->name(), ", items[0] on ", e_->workers_[device]->name(),
+            ": in data-parallel mode a step's items must share a device"));
+      }
+      device = seq->pool;
+    }
+    return device;
+  }
+
+  absl::StatusOr<std::vector<Claimed>> Claim(uint64_t step,
+                                             absl::Span<const StepItemSpec> items) override {
+    return e_->ClaimForStep(step, items);
+  }
+  void Unclaim(uint64_t step, absl::Span<const StepItemSpec> items) override {
+    e_->UnclaimStep(step, items);
+  }
+
+  void Drop(uint64_t step, uint64_t sequence,
+            absl::AnyInvocable<void(const absl::Status&)> done) override {
+    absl::AnyInvocable<void(absl::StatusOr<CommitResult>)> finish =
+        [done = std::move(done)](absl::StatusOr<CommitResult> r) mutable { done(r.status()); };
+    const std::vector<int32_t> empty;
+    absl::Status rejected = e_->StartCommit(sequence, empty, finish, step);
+    if (!rejected.ok()) {
+      // Released (or dropped) meanwhile: nothing of the step's is left there.
+      if (absl::IsNotFound(rejected) || absl::IsFailedPrecondition(rejected)) {
+        rejected = absl::OkStatus();
+      }
+      finish(rejected);
+      return;
+    }
+    for (auto& w : e_->workers_) w->Kick();
+  }
+
+  void EnqueueStepLaunch(int d, const StepLaunch& launch,
+                         absl::AnyInvocable<void(const absl::Status&)> done) override {
+    DeviceOp op;
+    op.kind = DeviceOp::Kind::kStep;
+    op.step = launch;
+    op.done = std::move(done);
+    e_->workers_[d]->Enqueue(std::move(op));
+    e_->workers_[d]->Kick();
+  }
+
+  void OnStepEnded(const StepReport& report) override {
+    if (e_->observer_ != nullptr) e_->observer_->OnStepEnded(report);
+  }
+
+ private:
+  Engine* const e_;
+  std::vector<std::string> names_;
+};
+
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config,
                                                        std::vector<std::unique_ptr<Device>> devices,
                                                        EngineObserver* observer) {
@@ -571,6 +651,12 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
                                                       config.max_pages_per_sequence());
   geometry.slot = SlotLayout::For(config.max_batch(), config.max_draft_len(), config.page_size,
                                   config.max_pages_per_sequence());
+  geometry.lanes.lanes = config.steps.lanes_per_device;
+  // A lane's slots carry no page-table writes (its table goes up whole).
+  geometry.lanes.slot =
+      SlotLayout::For(config.max_batch(), config.max_draft_len(), config.page_size, 0);
+  geometry.lanes.table_entries =
+      static_cast<int64_t>(config.max_batch()) * config.max_pages_per_sequence();
   WorkerOptions options;
   options.batch_buckets = config.batch_buckets;
   options.draft_buckets = config.draft_buckets;
@@ -608,6 +694,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   }
   e->mapper_ = std::make_unique<Mapper>(raw);
   e->regions_.SetMapper(e->mapper_.get());
+  e->step_host_ = std::make_unique<StepHostImpl>(raw);
+  e->steps_ = std::make_unique<StepRunner>(e->step_host_.get());
   const int pools = tp ? 1 : num_devices;
   for (int p = 0; p < pools; ++p) {
     e->allocators_.push_back(std::make_unique<PageAllocator>(config.num_pages()));
@@ -637,6 +725,7 @@ Engine::Engine(const EngineConfig& config) : config_(config), regions_(config.sh
 }
 
 Engine::~Engine() {
+  steps_.reset();  // aborts open steps while the workers still run
   for (auto& w : workers_) w->Stop();
   // Regions and staging go while the devices that mapped them are still here.
   regions_.ReleaseAll();
@@ -719,6 +808,7 @@ EngineStats Engine::Stats() const {
   s.steps_committed_total = steps_committed_.load();
   s.sequences_created_total = sequences_created_.load();
   s.sequences_expired_total = sequences_expired_.load();
+  if (steps_ != nullptr) s.steps = steps_->Stats();
   return s;
 }
 
@@ -1112,6 +1202,11 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
     const int64_t n = static_cast<int64_t>(items[k].parents.size());
     if (s.released) return NotFound(s.id);
     if (!s.broken.ok()) return s.broken;
+    if (s.owner_step != 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("sequence ", s.id, " is in device-driven step ", s.owner_step,
+                       ": its layers run as its scheduler rings them (AbortStep ends the step)"));
+    }
     if (s.pending) {
       if (!std::equal(s.parents.begin(), s.parents.end(), items[k].parents.begin(),
                       items[k].parents.end())) {
@@ -1307,6 +1402,11 @@ absl::Status Engine::StartAppendKv(AppendCall& call,
   absl::MutexLock lock(&s.mu);
   if (s.released) return NotFound(id);
   if (!s.broken.ok()) return s.broken;
+  if (s.owner_step != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", id, " is in device-driven step ", s.owner_step,
+                     ": Commit its items (or AbortStep) before appending"));
+  }
   if (s.pending) {
     return absl::FailedPreconditionError(
         absl::StrCat("sequence ", id, " has a pending verify step of ", s.parents.size(),
@@ -1406,6 +1506,26 @@ absl::Status Engine::StartAppendKv(AppendCall& call,
 
 void Engine::SubmitCommit(uint64_t sequence_id, absl::Span<const int32_t> accepted,
                           absl::AnyInvocable<void(absl::StatusOr<CommitResult>)> done) {
+  // A step's item committed while the step still runs layers (the scheduler
+  // may send it as soon as its stream is past the last wait): it waits for
+  // the layers, or for the step's end. (`done` stays here unless it waits.)
+  auto waiting = std::make_shared<absl::AnyInvocable<void(absl::StatusOr<CommitResult>)>>();
+  if (steps_->DeferCommit(
+          sequence_id,
+          [this, sequence_id, waiting,
+           path =
+               std::vector<int32_t>(accepted.begin(), accepted.end())](absl::Status ready) mutable {
+            absl::AnyInvocable<void(absl::StatusOr<CommitResult>)> done = std::move(*waiting);
+            if (ready.ok()) ready = StartCommit(sequence_id, path, done);
+            if (!ready.ok()) {
+              done(std::move(ready));
+              return;
+            }
+            for (auto& w : workers_) w->Kick();
+          },
+          [&] { *waiting = std::move(done); })) {
+    return;
+  }
   absl::Status rejected = StartCommit(sequence_id, accepted, done);  // after its locks are released
   if (!rejected.ok()) {
     done(std::move(rejected));
@@ -1415,19 +1535,27 @@ void Engine::SubmitCommit(uint64_t sequence_id, absl::Span<const int32_t> accept
 }
 
 absl::Status Engine::StartCommit(uint64_t sequence_id, absl::Span<const int32_t> accepted,
-                                 absl::AnyInvocable<void(absl::StatusOr<CommitResult>)>& done) {
+                                 absl::AnyInvocable<void(absl::StatusOr<CommitResult>)>& done,
+                                 uint64_t step) {
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Find(sequence_id));
   Sequence& s = *seq;
   absl::MutexLock lock(&s.mu);
   if (s.released) return NotFound(sequence_id);
   if (!s.broken.ok()) return s.broken;
+  if (step != 0 && s.owner_step != step) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", sequence_id, " is no longer in step ", step));
+  }
+  const uint64_t owner = s.owner_step;
+  // A client's Commit of a step's item: once every layer ran on every rank.
+  if (owner != 0 && step == 0) RETURN_IF_ERROR(steps_->CommitAllowed(owner));
   if (!s.pending) {
     return absl::FailedPreconditionError(absl::StrCat(
         "sequence ", sequence_id, " has no pending verify step: Verify before Commit"));
   }
   RETURN_IF_ERROR(ValidateAcceptedPath(s.parents, accepted));
   const int k = static_cast<int>(accepted.size());
-  if (k > 0 && s.layers_verified < config_.num_layers) {
+  if (k > 0 && owner == 0 && s.layers_verified < config_.num_layers) {
     return absl::FailedPreconditionError(absl::StrCat(
         "sequence ", sequence_id, ": only ", s.layers_verified, " of ", config_.num_layers,
         " layers were verified in this step; accepting drafts needs their KV in every layer "
@@ -1437,6 +1565,8 @@ absl::Status Engine::StartCommit(uint64_t sequence_id, absl::Span<const int32_t>
   const int64_t prefix = s.length;
   s.length += k;
   s.pending = false;
+  s.owner_step = 0;
+  if (owner != 0 && step == 0) steps_->OnItemCommitted(owner, sequence_id);
   s.parents.clear();
   s.visibility.reset();
   s.layer_verified.clear();
@@ -1491,6 +1621,148 @@ absl::Status Engine::StartCommit(uint64_t sequence_id, absl::Span<const int32_t>
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::vector<StepHost::Claimed>> Engine::ClaimForStep(
+    uint64_t step, absl::Span<const StepItemSpec> items) {
+  std::vector<std::shared_ptr<Sequence>> seqs(items.size());
+  std::vector<std::shared_ptr<const std::vector<uint64_t>>> visibility(items.size());
+  for (size_t k = 0; k < items.size(); ++k) {
+    ASSIGN_OR_RETURN(seqs[k], Find(items[k].sequence_id));
+    ASSIGN_OR_RETURN(std::vector<uint64_t> words, BuildVisibility(items[k].parents));
+    visibility[k] = std::make_shared<const std::vector<uint64_t>>(std::move(words));
+  }
+  std::vector<size_t> order(items.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return items[a].sequence_id < items[b].sequence_id; });
+  struct Locker {  // in id order, as StartVerify
+    std::vector<std::shared_ptr<Sequence>>& seqs;
+    Locker(std::vector<std::shared_ptr<Sequence>>& s,
+           const std::vector<size_t>& order) ABSL_NO_THREAD_SAFETY_ANALYSIS : seqs(s) {
+      for (size_t k : order) seqs[k]->mu.Lock();
+    }
+    ~Locker() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      for (auto& seq : seqs) seq->mu.Unlock();
+    }
+  } locker(seqs, order);
+  std::vector<int64_t> extra(items.size(), 0);
+  std::vector<int64_t> pool_pages(allocators_.size(), 0);
+  for (size_t k = 0; k < items.size(); ++k) {
+    Sequence& s = *seqs[k];
+    s.mu.AssertHeld();
+    const int64_t n = static_cast<int64_t>(items[k].parents.size());
+    if (s.released) return NotFound(s.id);
+    if (!s.broken.ok()) return s.broken;
+    if (s.owner_step != 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("sequence ", s.id, " is in device-driven step ", s.owner_step, " already"));
+    }
+    if (s.pending) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "sequence ", s.id, " has a pending verify step of Verify calls (", s.layers_verified,
+          " of ", config_.num_layers, " layers): Commit it before opening a device-driven step"));
+    }
+    if (s.length + n > config_.max_sequence_len) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("sequence ", s.id, " would reach ", s.length + n,
+                       " tokens; max_sequence_len is ", config_.max_sequence_len));
+    }
+    extra[k] = std::max<int64_t>(
+        0, CeilDiv(s.length + n, config_.page_size) - static_cast<int64_t>(s.pages.size()));
+    pool_pages[s.pool] += extra[k];
+  }
+  std::vector<std::vector<int32_t>> new_pages(allocators_.size());
+  for (size_t p = 0; p < allocators_.size(); ++p) {
+    absl::StatusOr<std::vector<int32_t>> got = allocators_[p]->Allocate(pool_pages[p]);
+    if (!got.ok()) {
+      for (size_t q = 0; q < p; ++q) allocators_[q]->Free(new_pages[q]);
+      return got.status();
+    }
+    new_pages[p] = *std::move(got);
+  }
+  std::vector<size_t> next_page(allocators_.size(), 0);
+  std::vector<StepHost::Claimed> claimed(items.size());
+  for (size_t k = 0; k < items.size(); ++k) {
+    Sequence& s = *seqs[k];
+    s.mu.AssertHeld();
+    const std::vector<int32_t>& fresh = new_pages[s.pool];
+    s.pages.insert(s.pages.end(), fresh.begin() + next_page[s.pool],
+                   fresh.begin() + next_page[s.pool] + extra[k]);
+    next_page[s.pool] += extra[k];
+    s.step_pages = extra[k];
+    s.pending = true;
+    ++s.step;
+    s.parents.assign(items[k].parents.begin(), items[k].parents.end());
+    s.visibility = visibility[k];
+    s.layer_verified.assign(config_.num_layers, false);
+    s.layers_verified = 0;
+    s.owner_step = step;
+    s.Touch();
+    claimed[k].prefix_len = s.length;
+    claimed[k].pages = s.pages;
+  }
+  pending_steps_.fetch_add(static_cast<int64_t>(items.size()));
+  return claimed;
+}
+
+void Engine::UnclaimStep(uint64_t step, absl::Span<const StepItemSpec> items) {
+  for (const StepItemSpec& item : items) {
+    absl::StatusOr<std::shared_ptr<Sequence>> found = Find(item.sequence_id);
+    if (!found.ok()) continue;
+    Sequence& s = **found;
+    std::vector<int32_t> freed;
+    {
+      absl::MutexLock lock(&s.mu);
+      if (s.released || s.owner_step != step) continue;
+      freed.assign(s.pages.end() - s.step_pages, s.pages.end());
+      s.pages.resize(s.pages.size() - s.step_pages);
+      s.Trimmed(s.pages.size());
+      s.step_pages = 0;
+      s.pending = false;
+      s.owner_step = 0;
+      s.parents.clear();
+      s.visibility.reset();
+      s.layer_verified.clear();
+      pending_steps_.fetch_sub(1);
+    }
+    // At once: no device work used them (the step never started a lane).
+    AllocatorOf(s).Free(freed);
+  }
+}
+
+absl::StatusOr<StepOpened> Engine::OpenStep(const StepRequest& request) {
+  if (absl::Status f = fault(); !f.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat(f.message(), "; this server no longer serves device work"));
+  }
+  return steps_->Open(request);
+}
+
+absl::Status Engine::DoorbellSupport(DoorbellKind kind) const {
+  if (config_.steps.lanes_per_device == 0) {
+    return absl::FailedPreconditionError("no step lanes (--step-lanes 0)");
+  }
+  for (const auto& w : workers_) RETURN_IF_ERROR(w->device().DoorbellSupport(kind));
+  return absl::OkStatus();
+}
+
+void Engine::SubmitAbortStep(uint64_t step_id,
+                             absl::AnyInvocable<void(absl::StatusOr<StepInfo>)> done) {
+  steps_->Abort(step_id, std::move(done));
+}
+
+absl::StatusOr<StepInfo> Engine::GetStep(uint64_t step_id) const { return steps_->Get(step_id); }
+
+absl::StatusOr<StepInfo> Engine::AbortStep(uint64_t step_id) {
+  absl::Notification finished;
+  absl::StatusOr<StepInfo> result;
+  SubmitAbortStep(step_id, [&](absl::StatusOr<StepInfo> r) {
+    result = std::move(r);
+    finished.Notify();
+  });
+  finished.WaitForNotification();
+  return result;
+}
+
 std::vector<int32_t> Engine::ReleaseLocked(Sequence& s) {
   s.mu.AssertHeld();  // (beyond the static analysis: callers lock through a shared_ptr)
   std::vector<int32_t> pages = std::move(s.pages);
@@ -1505,13 +1777,20 @@ void Engine::SubmitRelease(uint64_t sequence_id,
                            absl::AnyInvocable<void(absl::StatusOr<int64_t>)> done) {
   absl::StatusOr<std::shared_ptr<Sequence>> found = Find(sequence_id);
   if (!found.ok()) return done(found.status());
-  std::shared_ptr<Sequence> seq = *std::move(found);
+  ReleaseNow(*std::move(found), std::move(done));
+}
+
+void Engine::ReleaseNow(const std::shared_ptr<Sequence>& seq,
+                        absl::AnyInvocable<void(absl::StatusOr<int64_t>)> done) {
+  const uint64_t sequence_id = seq->id;
   std::vector<int32_t> pages;
   bool already_released = false;
+  uint64_t owner = 0;
   {
     absl::MutexLock lock(&seq->mu);
     already_released = seq->released;
-    if (!already_released) {
+    if (!already_released) owner = seq->owner_step;
+    if (!already_released && owner == 0) {
       pages = ReleaseLocked(*seq);
       absl::MutexLock table_lock(&table_mu_);
       sequences_.erase(sequence_id);
@@ -1519,6 +1798,13 @@ void Engine::SubmitRelease(uint64_t sequence_id,
     }
   }
   if (already_released) return done(NotFound(sequence_id));  // (no lock held)
+  if (owner != 0) {
+    // Its step ends first (its lanes run out, its items are dropped), so no
+    // lane still writes the pages that are freed; then the release again.
+    steps_->AbortForRelease(
+        owner, [this, seq, done = std::move(done)]() mutable { ReleaseNow(seq, std::move(done)); });
+    return;
+  }
   const int64_t freed = static_cast<int64_t>(pages.size());
   spdlog::debug("seq {} released, {} pages freed", sequence_id, freed);
   FreeAfterBarrier(seq, std::move(pages),
@@ -1543,7 +1829,9 @@ int Engine::ExpireIdle(absl::Time now) {
     {
       absl::MutexLock lock(&seq->mu);
       // Used again since the scan (or in use), or released by its owner meanwhile.
-      if (seq->released || !seq->IdleSince(cutoff)) continue;
+      // A sequence in a device-driven step is left to the step's own
+      // timeouts, which end the claim.
+      if (seq->released || seq->owner_step != 0 || !seq->IdleSince(cutoff)) continue;
       pages = ReleaseLocked(*seq);
       absl::MutexLock table_lock(&table_mu_);
       sequences_.erase(seq->id);

@@ -62,6 +62,7 @@
 #include "server/engine/page_allocator.h"
 #include "server/engine/page_table_arena.h"
 #include "server/engine/regions.h"
+#include "server/engine/steps.h"
 #include "server/engine/tensor_ref.h"
 
 namespace mlaverify::engine {
@@ -130,6 +131,7 @@ struct EngineStats {
   int64_t steps_committed_total = 0;
   int64_t sequences_created_total = 0;
   int64_t sequences_expired_total = 0;
+  StepStats steps;            // device-driven steps (steps.h)
   int64_t queued_calls = 0;   // admitted and not finished
   int64_t queued_bytes = 0;   // tensor bytes those calls hold, and unread answers
   int64_t staging_bytes = 0;  // page-locked host staging (0: none needed)
@@ -198,6 +200,21 @@ class Engine {
   // Called periodically by the server's janitor thread.
   int ExpireIdle(absl::Time now);
 
+  // Device-driven verify steps (steps.h, docs/steps.md). OpenStep validates
+  // the whole step once, claims its sequences, reserves their draft pages
+  // and starts a lane per rank; the scheduler then rings layers without a
+  // call. A claimed sequence takes no Verify or AppendKv until the step
+  // ends; its Commit is accepted once every layer ran (one sent earlier
+  // waits for that); ReleaseSequence aborts the step first. AbortStep's
+  // `done` runs once the step ended, every sequence as before it.
+  absl::StatusOr<StepOpened> OpenStep(const StepRequest& request);
+  // OK when OpenStep takes doorbells of `kind` on every device, else why not.
+  absl::Status DoorbellSupport(DoorbellKind kind) const;
+  void SubmitAbortStep(uint64_t step_id, absl::AnyInvocable<void(absl::StatusOr<StepInfo>)> done);
+  absl::StatusOr<StepInfo> GetStep(uint64_t step_id) const;
+  // Synchronous form of SubmitAbortStep.
+  absl::StatusOr<StepInfo> AbortStep(uint64_t step_id);
+
   // The shared-memory regions calls may reference (register, unregister,
   // status); the engine maps them onto its devices.
   RegionRegistry& regions() { return regions_; }
@@ -217,6 +234,7 @@ class Engine {
   class VerifyTask;
   class OpCall;
   class Mapper;
+  class StepHostImpl;
 
   explicit Engine(const EngineConfig& config);
   // The bodies of the Submit* calls: OK once the call is queued (`done` moved
@@ -225,8 +243,18 @@ class Engine {
   absl::Status StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl::Status)>& done);
   absl::Status StartAppendKv(AppendCall& call,
                              absl::AnyInvocable<void(absl::StatusOr<int64_t>)>& done);
+  // `step`: 0 for a client's Commit; a step's id when the step drops an
+  // item it claimed (then only a sequence that step still holds).
   absl::Status StartCommit(uint64_t sequence_id, absl::Span<const int32_t> accepted,
-                           absl::AnyInvocable<void(absl::StatusOr<CommitResult>)>& done);
+                           absl::AnyInvocable<void(absl::StatusOr<CommitResult>)>& done,
+                           uint64_t step = 0);
+  // Releases a sequence no step holds (SubmitRelease's body).
+  void ReleaseNow(const std::shared_ptr<Sequence>& seq,
+                  absl::AnyInvocable<void(absl::StatusOr<int64_t>)> done);
+  // StepHost's sequence side (steps.h).
+  absl::StatusOr<std::vector<StepHost::Claimed>> ClaimForStep(uint64_t step,
+                                                              absl::Span<const StepItemSpec> items);
+  void UnclaimStep(uint64_t step, absl::Span<const StepItemSpec> items);
   absl::StatusOr<std::shared_ptr<Sequence>> Find(uint64_t id) const;
   absl::Status NotFound(uint64_t id) const;
   PageAllocator& AllocatorOf(const Sequence& seq);
@@ -279,6 +307,10 @@ class Engine {
   int heads_per_device_ = 0;
   EngineObserver* observer_ = nullptr;
   std::vector<std::unique_ptr<DeviceWorker>> workers_;
+  // Device-driven steps: created after the workers started, destroyed
+  // before they stop (open steps are aborted then).
+  std::unique_ptr<StepHostImpl> step_host_;
+  std::unique_ptr<StepRunner> steps_;
   // One allocator (TP) or one per device (DP).
   std::vector<std::unique_ptr<PageAllocator>> allocators_;
 

@@ -128,6 +128,31 @@ absl::Status EngineConfig::Validate(int num_devices) const {
     return absl::InvalidArgumentError(
         absl::StrCat(n.Is("copy_threads", copy_threads), ": need 1..64"));
   }
+  // Each lane is a stream of its own on a GPU: with the worker's stream and
+  // the release stream they stay within CUDA_DEVICE_MAX_CONNECTIONS (32),
+  // so no lane's gated wait queues behind another stream's work.
+  if (steps.lanes_per_device < 0 || steps.lanes_per_device > kMaxStepLanes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        n.Is("steps.lanes_per_device", steps.lanes_per_device), ": need 0..", kMaxStepLanes));
+  }
+  const auto check_timeout = [&](absl::Duration value, absl::Duration max,
+                                 const char* field) -> absl::Status {
+    if (value < absl::Milliseconds(1) || value > max) {
+      return absl::InvalidArgumentError(absl::StrCat(n.Is(field, absl::FormatDuration(value)),
+                                                     ": need 1 ms..", absl::FormatDuration(max)));
+    }
+    return absl::OkStatus();
+  };
+  if (auto s = check_timeout(steps.default_layer_timeout, steps.max_layer_timeout,
+                             "steps.default_layer_timeout");
+      !s.ok()) {
+    return s;
+  }
+  if (auto s = check_timeout(steps.default_max_duration, steps.max_max_duration,
+                             "steps.default_max_duration");
+      !s.ok()) {
+    return s;
+  }
   return absl::OkStatus();
 }
 

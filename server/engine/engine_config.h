@@ -33,6 +33,25 @@ enum class ParallelMode {
 
 const char* ParallelModeName(ParallelMode mode);  // "tp", "dp"
 
+// Device-driven verify steps (docs/steps.md, server/engine/steps.h).
+inline constexpr int kMaxStepLanes = 16;
+struct StepOptions {
+  // Steps that may run at once on each device: one lane each, with its own
+  // batch buffers, a slot per layer and, on a GPU, its own stream and graphs.
+  // 0: the server opens no steps (OpenStep gets FAILED_PRECONDITION).
+  int lanes_per_device = 4;
+  // A step is aborted when no layer completes for this long (the scheduler
+  // stopped ringing, or died), or when its items are not committed this long
+  // after the last layer. A request may ask for another, up to the maximum.
+  absl::Duration default_layer_timeout = absl::Seconds(2);
+  absl::Duration max_layer_timeout = absl::Seconds(60);
+  // The whole step, open to its last Commit.
+  absl::Duration default_max_duration = absl::Seconds(30);
+  absl::Duration max_max_duration = absl::Seconds(600);
+  // Ended steps GetStep still describes.
+  int ended_steps_remembered = 1024;
+};
+
 struct EngineConfig {
   int num_layers = 61;  // Kimi K2 / DeepSeek-V3: 61
   // Query heads of one Verify item (what the client sends). In tensor-parallel
@@ -93,6 +112,8 @@ struct EngineConfig {
   int64_t pinned_staging_bytes = int64_t{512} << 20;
   // Client shared-memory regions (off unless enabled; limits).
   RegionOptions shared_memory;
+  // Device-driven verify steps: lanes, timeouts.
+  StepOptions steps;
 
   // How Validate()'s errors name a setting: field name ("num_heads") -> the
   // name its user set it by ("--heads", filled by the server's main), so an

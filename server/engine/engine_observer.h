@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "server/engine/device.h"
+#include "server/engine/steps.h"
 
 namespace mlaverify::engine {
 
@@ -47,6 +48,9 @@ class EngineObserver {
   virtual void OnVerifyDone(const VerifyTiming& timing) = 0;
   // A device faulted (once per device).
   virtual void OnDeviceFault(const std::string& device, const absl::Status& status) = 0;
+  // A device-driven step ended (committed or aborted), on the step runner's
+  // thread.
+  virtual void OnStepEnded(const StepReport& report) {}
 };
 
 }  // namespace mlaverify::engine

@@ -8,7 +8,14 @@
 // to Wait as a GPU would, so that the worker's batching, bucket choice,
 // padding, copy lists, page tables and fault handling are tested without a
 // GPU.
+//
+// Device-driven steps: each lane is a thread with its own batch memory, one
+// slot per layer and a page table. It waits on the step's doorbell (a host
+// slot: a registered region's, or, for a fake's device doorbells, a word of
+// an arena of host memory the tests ring), runs the layer as a launch would
+// and stores the completion, waking the scheduler's waiter.
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -16,11 +23,13 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/geometry.h"
+#include "common/host_doorbell.h"
 #include "common/kv_dtype.h"
 #include "common/status_macros.h"
 #include "kernels/copy_list.h"
@@ -45,6 +54,62 @@ struct AlignedBuffer {
     return data != nullptr;
   }
   uint64_t address() const { return reinterpret_cast<uint64_t>(data.get()); }
+};
+
+// What one launch of a verify batch reads and writes besides the pool: the
+// device's own, or a lane's.
+struct BatchMemory {
+  AlignedBuffer q, out, lse, requests, visibility, outputs;
+  AlignedBuffer draft_kv;  // fp8 pools only: the batch's draft rows before quantization
+
+  bool Allocate(const DeviceGeometry& g, const SlotLayout& slot) {
+    const size_t rows = static_cast<size_t>(g.max_batch) * g.max_draft_len;
+    return q.Allocate(rows * g.num_heads * kLatentRowBytes) &&
+           out.Allocate(rows * g.num_heads * kValueDim * sizeof(Bf16)) &&
+           lse.Allocate(rows * g.num_heads * sizeof(float)) &&
+           requests.Allocate(slot.requests.bytes) && visibility.Allocate(rows * sizeof(uint64_t)) &&
+           outputs.Allocate(kernels::CopyListBytes(slot.output_capacity)) &&
+           (g.kv_dtype == KvDtype::kBf16 || draft_kv.Allocate(rows * kLatentRowBytes));
+  }
+  void Describe(uint64_t pool, uint64_t table, DeviceBuffers* b) const {
+    b->pool = pool;
+    b->table = table;
+    b->q = q.address();
+    b->out = out.address();
+    b->lse = lse.address();
+    b->requests = requests.address();
+    b->visibility = visibility.address();
+    b->outputs = outputs.address();
+    if (draft_kv.data != nullptr) b->draft_kv = draft_kv.address();
+  }
+  bool Holds(uint64_t address, uint64_t bytes) const {
+    for (const AlignedBuffer* b : {&q, &out, &lse, &requests, &visibility, &outputs, &draft_kv}) {
+      if (b->data != nullptr && address >= b->address() &&
+          address + bytes <= b->address() + b->bytes) {
+        return true;
+      }
+    }
+    return false;
+  }
+};
+
+// One lane of device-driven steps (device.h): its memory, its thread and
+// the step it runs.
+struct HostLane {
+  BatchMemory memory;
+  AlignedBuffer slots;  // [num_layers][lane slot bytes]
+  AlignedBuffer table;  // int32 [LaneGeometry::table_entries]
+  DeviceBuffers buffers;
+  std::thread thread;
+  absl::Mutex mu;
+  bool has_step ABSL_GUARDED_BY(mu) = false;
+  bool stop ABSL_GUARDED_BY(mu) = false;
+  StepLaunch launch ABSL_GUARDED_BY(mu);
+  // Read without the lock by lane_progress and the waits' stop test.
+  std::atomic<int> layers_done{0};
+  std::atomic<bool> drained{true};
+  std::atomic<uint64_t> end_value{0};  // EndLane's value (0: not ended)
+  std::vector<LayerTiming> timings ABSL_GUARDED_BY(mu);
 };
 
 class HostDevice final : public Device {
@@ -78,29 +143,15 @@ class HostDevice final : public Device {
     // in an fp8 row, NaN codes and NaN scales), so a read of a row never
     // written shows up as NaN in an answer.
     std::memset(pool_.data.get(), 0xFF, pool_.bytes);
-    const size_t rows = static_cast<size_t>(g.max_batch) * g.max_draft_len;
     const bool ok = table_.Allocate(static_cast<size_t>(g.table_entries) * sizeof(int32_t)) &&
-                    q_.Allocate(rows * g.num_heads * kLatentRowBytes) &&
-                    out_.Allocate(rows * g.num_heads * kValueDim * sizeof(Bf16)) &&
-                    lse_.Allocate(rows * g.num_heads * sizeof(float)) &&
-                    requests_.Allocate(g.slot.requests.bytes) &&
-                    visibility_.Allocate(rows * sizeof(uint64_t)) &&
-                    outputs_.Allocate(kernels::CopyListBytes(g.slot.output_capacity)) &&
-                    slots_.Allocate(static_cast<size_t>(g.slots) * g.slot.bytes) &&
-                    (g.kv_dtype == KvDtype::kBf16 || draft_kv_.Allocate(rows * kLatentRowBytes));
+                    main_.Allocate(g, g.slot) &&
+                    slots_.Allocate(static_cast<size_t>(g.slots) * g.slot.bytes);
     if (!ok) return absl::ResourceExhaustedError("cannot allocate the host device's buffers");
     std::memset(table_.data.get(), 0, table_.bytes);
     std::memset(slots_.data.get(), 0, slots_.bytes);
-    buffers_.pool = pool_.address();
-    buffers_.table = table_.address();
-    buffers_.q = q_.address();
-    buffers_.out = out_.address();
-    buffers_.lse = lse_.address();
-    buffers_.requests = requests_.address();
-    buffers_.visibility = visibility_.address();
-    buffers_.outputs = outputs_.address();
+    main_.Describe(pool_.address(), table_.address(), &buffers_);
     buffers_.slots = slots_.address();
-    if (g.kv_dtype != KvDtype::kBf16) buffers_.draft_kv = draft_kv_.address();
+    RETURN_IF_ERROR(InitLanes());
     results_.assign(g.slots, absl::OkStatus());
     seconds_.assign(g.slots, 0.0);
     return absl::OkStatus();
@@ -111,6 +162,96 @@ class HostDevice final : public Device {
     return slots_.data.get() + static_cast<size_t>(k) * g_.slot.bytes;
   }
   bool asynchronous() const override { return fake_ && fake_->asynchronous; }
+
+  absl::Status DoorbellSupport(DoorbellKind kind) const override {
+    if (lanes_.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(name_, " has no step lanes (the server runs with 0 lanes per device)"));
+    }
+    if (kind == DoorbellKind::kDevice && !(fake_ && fake_->device_doorbells)) {
+      return absl::FailedPreconditionError(
+          "GPU doorbells (slots in device memory, stream memory operations) need the CUDA "
+          "backend; this server runs on the CPU: use host doorbells (slots in a system "
+          "shared-memory region)");
+    }
+    return absl::OkStatus();
+  }
+  DoorbellArena doorbell_arena() const override {
+    DoorbellArena a;
+    a.address = arena_.address();
+    a.host = arena_.data.get();
+    a.bytes = arena_.bytes;
+    return a;
+  }
+  uint8_t* lane_slot(int lane, int layer) override {
+    return lanes_[lane]->slots.data.get() + static_cast<size_t>(layer) * g_.lanes.slot.bytes;
+  }
+  uint64_t lane_slot_address(int lane, int layer) const override {
+    return lanes_[lane]->slots.address() + static_cast<uint64_t>(layer) * g_.lanes.slot.bytes;
+  }
+  const DeviceBuffers& lane_buffers(int lane) const override { return lanes_[lane]->buffers; }
+  int32_t* lane_table(int lane) override {
+    return reinterpret_cast<int32_t*>(lanes_[lane]->table.data.get());
+  }
+
+  absl::Status LaunchStep(const StepLaunch& launch) override {
+    // Work launched before runs first (stream order), then the lane starts.
+    RunPending();
+    RETURN_IF_ERROR(CheckFault());
+    if (launch.lane < 0 || launch.lane >= static_cast<int>(lanes_.size()) ||
+        launch.layers != g_.num_layers) {
+      return absl::InternalError(absl::StrCat(name_, ": step launch on lane ", launch.lane,
+                                              " with ", launch.layers, " layers"));
+    }
+    HostLane& lane = *lanes_[launch.lane];
+    absl::MutexLock lock(&lane.mu);
+    if (lane.has_step || !lane.drained.load()) {
+      return absl::InternalError(absl::StrCat(name_, ": lane ", launch.lane, " is busy"));
+    }
+    lane.launch = launch;
+    lane.layers_done.store(0);
+    lane.end_value.store(0);
+    lane.drained.store(false);
+    lane.timings.clear();
+    lane.has_step = true;
+    return absl::OkStatus();
+  }
+
+  void EndLane(int lane_index, uint64_t end_value) override {
+    HostLane& lane = *lanes_[lane_index];
+    HostSlot doorbell;
+    {
+      absl::MutexLock lock(&lane.mu);
+      if (!lane.has_step) return;
+      lane.end_value.store(end_value);
+      doorbell = SlotOf(lane.launch, lane.launch.doorbell);
+    }
+    // Wakes the lane's wait at once (the lane stores the completion).
+    doorbell.Store(end_value);
+  }
+
+  LaneProgress lane_progress(int lane) override {
+    LaneProgress p;
+    p.layers_done = lanes_[lane]->layers_done.load();
+    p.drained = lanes_[lane]->drained.load();
+    return p;
+  }
+
+  std::vector<LayerTiming> lane_timings(int lane) override {
+    absl::MutexLock lock(&lanes_[lane]->mu);
+    return lanes_[lane]->timings;
+  }
+
+  ~HostDevice() override {
+    for (auto& lane : lanes_) {
+      {
+        absl::MutexLock lock(&lane->mu);
+        lane->stop = true;
+      }
+      lane->end_value.store(UINT64_MAX);
+      if (lane->thread.joinable()) lane->thread.join();
+    }
+  }
   bool addresses_host_memory() const override { return !fake_ || fake_->addresses_host_memory; }
 
   absl::Status PinHost(void* data, size_t bytes) override {
@@ -242,6 +383,118 @@ class HostDevice final : public Device {
   }
 
  private:
+  // ---- lanes ----
+  absl::Status InitLanes() {
+    const LaneGeometry& lg = g_.lanes;
+    if (lg.lanes > 0 && fake_ && fake_->device_doorbells) {
+      if (!arena_.Allocate(DoorbellArenaBytes(lg.lanes))) {
+        return absl::ResourceExhaustedError("cannot allocate the doorbell arena");
+      }
+      std::memset(arena_.data.get(), 0, arena_.bytes);
+    }
+    for (int k = 0; k < lg.lanes; ++k) {
+      auto lane = std::make_unique<HostLane>();
+      const bool ok =
+          lane->memory.Allocate(g_, lg.slot) &&
+          lane->slots.Allocate(static_cast<size_t>(g_.num_layers) * lg.slot.bytes) &&
+          lane->table.Allocate(static_cast<size_t>(std::max<int64_t>(1, lg.table_entries)) *
+                               sizeof(int32_t));
+      if (!ok) return absl::ResourceExhaustedError("cannot allocate a step lane's buffers");
+      std::memset(lane->slots.data.get(), 0, lane->slots.bytes);
+      std::memset(lane->table.data.get(), 0, lane->table.bytes);
+      lane->memory.Describe(pool_.address(), lane->table.address(), &lane->buffers);
+      lane->buffers.slots = lane->slots.address();
+      lanes_.push_back(std::move(lane));
+    }
+    for (int k = 0; k < lg.lanes; ++k) {
+      lanes_[k]->thread = std::thread([this, k] { LaneLoop(k); });
+    }
+    return absl::OkStatus();
+  }
+
+  // A step's doorbell or completion slot: a host pointer (host doorbells),
+  // or an offset into the arena (a fake's device doorbells).
+  HostSlot SlotOf(const StepLaunch& launch, uint64_t where) {
+    if (launch.kind == DoorbellKind::kDevice) return HostSlot(arena_.data.get() + where);
+    return HostSlot(reinterpret_cast<void*>(where));
+  }
+
+  // The lane's thread: runs each step it is given, layer by layer as the
+  // doorbell allows, until the device goes.
+  void LaneLoop(int index) {
+    HostLane& lane = *lanes_[index];
+    while (true) {
+      StepLaunch launch;
+      {
+        absl::MutexLock lock(&lane.mu);
+        lane.mu.Await(absl::Condition(
+            +[](HostLane* l) ABSL_NO_THREAD_SAFETY_ANALYSIS { return l->has_step || l->stop; },
+            &lane));
+        if (lane.stop) return;
+        launch = lane.launch;
+      }
+      std::vector<LayerTiming> timings;
+      RunLaneStep(index, launch, &timings);
+      absl::MutexLock lock(&lane.mu);
+      lane.timings = std::move(timings);
+      lane.has_step = false;
+      lane.drained.store(true);
+    }
+  }
+
+  void RunLaneStep(int index, const StepLaunch& launch, std::vector<LayerTiming>* timings) {
+    HostLane& lane = *lanes_[index];
+    const HostSlot doorbell = SlotOf(launch, launch.doorbell);
+    const HostSlot completion = SlotOf(launch, launch.completion);
+    const uint64_t last = launch.base + static_cast<uint64_t>(launch.layers);
+    const auto ended = [&lane] { return lane.end_value.load() != 0; };
+    absl::Time previous_end = absl::Now();
+    bool completed = true;
+    for (int layer = 0; layer < launch.layers; ++layer) {
+      const uint64_t target = launch.base + static_cast<uint64_t>(layer) + 1;
+      uint64_t seen = 0;
+      while (true) {
+        seen = doorbell.WaitAtLeast(target, absl::Microseconds(50), absl::InfiniteFuture(), ended,
+                                    absl::Milliseconds(5));
+        if (seen >= target || ended()) break;
+      }
+      // Ended by the server, or a value past the last layer: the layers
+      // left are not run (their pages are dropped).
+      if (ended() || seen > last) {
+        completed = false;
+        break;
+      }
+      const absl::Time start = absl::Now();
+      absl::Status ran = Simulate();
+      if (ran.ok()) {
+        ran = RunList(reinterpret_cast<const kernels::CopyListHeader*>(lane_slot(index, layer) +
+                                                                       g_.lanes.slot.list));
+      }
+      if (ran.ok()) {
+        ran = Compute(lane.memory, reinterpret_cast<const int32_t*>(lane.table.data.get()),
+                      std::max<int64_t>(1, g_.lanes.table_entries), launch.shape);
+      }
+      const absl::Time end = absl::Now();
+      if (!ran.ok()) {
+        // A device error stops the lane; the engine sees the layers stop.
+        completed = false;
+        break;
+      }
+      timings->push_back(
+          {absl::ToDoubleSeconds(end - start), absl::ToDoubleSeconds(start - previous_end)});
+      previous_end = end;
+      lane.layers_done.store(layer + 1);
+      completion.Store(target);
+    }
+    if (!completed) {
+      // Every wait of the scheduler passes; the engine reads the end from
+      // its own books. (If nobody ended it, a device error did: the value
+      // is past the last layer all the same.)
+      const uint64_t end = lane.end_value.load();
+      completion.Store(end != 0 ? end : last + 1);
+    }
+  }
+
   struct Pending {
     int slot;
     std::function<absl::Status()> work;
@@ -310,9 +563,15 @@ class HostDevice final : public Device {
   // addresses (always, unless it plays a GPU).
   bool Addressable(uint64_t address, uint64_t bytes) {
     if (addresses_host_memory()) return true;
-    for (const AlignedBuffer* b : {&pool_, &table_, &q_, &out_, &lse_, &requests_, &visibility_,
-                                   &outputs_, &slots_, &draft_kv_}) {
+    for (const AlignedBuffer* b : {&pool_, &table_, &slots_, &arena_}) {
       if (address >= b->address() && address + bytes <= b->address() + b->bytes) return true;
+    }
+    if (main_.Holds(address, bytes)) return true;
+    for (const auto& lane : lanes_) {
+      if (lane->memory.Holds(address, bytes)) return true;
+      for (const AlignedBuffer* b : {&lane->slots, &lane->table}) {
+        if (address >= b->address() && address + bytes <= b->address() + b->bytes) return true;
+      }
     }
     PinnedBook& pinned = Pinned();
     absl::MutexLock lock(&pinned.mu);
@@ -338,8 +597,10 @@ class HostDevice final : public Device {
 
   // Runs the gather list of `slot`.
   absl::Status RunGather(int slot) {
-    const auto* list =
-        reinterpret_cast<const kernels::CopyListHeader*>(this->slot(slot) + g_.slot.list);
+    return RunList(
+        reinterpret_cast<const kernels::CopyListHeader*>(this->slot(slot) + g_.slot.list));
+  }
+  absl::Status RunList(const kernels::CopyListHeader* list) {
     RETURN_IF_ERROR(CheckList(list));
     if (record_ != nullptr) {
       int64_t table_entries = 0;
@@ -384,27 +645,35 @@ class HostDevice final : public Device {
     }
     RETURN_IF_ERROR(Simulate());
     RETURN_IF_ERROR(RunGather(o.slot));
-    const auto* block = requests_.data.get();
+    return Compute(main_, Table(), g_.table_entries, o.shape);
+  }
+
+  // The attention of a gathered batch of `shape` in `m` (page ids in
+  // `table`, `table_entries` long), then its output list.
+  absl::Status Compute(BatchMemory& m, const int32_t* table, int64_t table_entries,
+                       BatchShape shape) {
+    const RequestArraysLayout& r = g_.slot.requests;
+    const auto* block = m.requests.data.get();
     const auto* prefix = reinterpret_cast<const int32_t*>(block + r.prefix_len);
     const auto* drafts = reinterpret_cast<const int32_t*>(block + r.draft_len);
     const auto* layers = reinterpret_cast<const int32_t*>(block + r.layer);
     const auto* scales = reinterpret_cast<const float*>(block + r.scale);
     const auto* offsets = reinterpret_cast<const int64_t*>(block + r.table_offset);
     const int heads = g_.num_heads;
-    const auto* q = reinterpret_cast<const Bf16*>(q_.data.get());
-    auto* out = reinterpret_cast<Bf16*>(out_.data.get());
-    auto* lse = reinterpret_cast<float*>(lse_.data.get());
-    const auto* visibility = reinterpret_cast<const uint64_t*>(visibility_.data.get());
-    const auto* draft_kv = reinterpret_cast<const Bf16*>(draft_kv_.data.get());
+    const auto* q = reinterpret_cast<const Bf16*>(m.q.data.get());
+    auto* out = reinterpret_cast<Bf16*>(m.out.data.get());
+    auto* lse = reinterpret_cast<float*>(m.lse.data.get());
+    const auto* visibility = reinterpret_cast<const uint64_t*>(m.visibility.data.get());
+    const auto* draft_kv = reinterpret_cast<const Bf16*>(m.draft_kv.data.get());
     int64_t row = 0;
-    for (int b = 0; b < o.shape.batch; ++b) {
+    for (int b = 0; b < shape.batch; ++b) {
       const int32_t draft = drafts[b];
       if (draft == 0) continue;  // padding
-      if (draft > o.shape.draft_len || row + draft > o.shape.rows()) {
+      if (draft > shape.draft_len || row + draft > shape.rows()) {
         return absl::InternalError(absl::StrCat(name_, ": request ", b, " has ", draft,
                                                 " drafts, more than its launch shape holds"));
       }
-      if (offsets[b] < 0 || offsets[b] >= g_.table_entries) {
+      if (offsets[b] < 0 || offsets[b] >= table_entries) {
         return absl::InternalError(absl::StrCat(name_, ": request ", b, "'s page table at ",
                                                 offsets[b], " is outside the arena"));
       }
@@ -416,8 +685,8 @@ class HostDevice final : public Device {
         w.total_draft_capacity = draft;
         w.draft_kv = draft_kv + row * kLatentDim;
         w.pool = View();
-        w.page_table = Table() + offsets[b];
-        w.page_table_stride = g_.table_entries - offsets[b];
+        w.page_table = table + offsets[b];
+        w.page_table_stride = table_entries - offsets[b];
         w.prefix_len = prefix + b;
         w.draft_len = drafts + b;
         w.layer = layers + b;
@@ -432,8 +701,8 @@ class HostDevice final : public Device {
       a.q_token_stride = static_cast<int64_t>(heads) * kLatentDim;
       a.q_head_stride = kLatentDim;
       a.pool = View();
-      a.page_table = Table() + offsets[b];
-      a.page_table_stride = g_.table_entries - offsets[b];
+      a.page_table = table + offsets[b];
+      a.page_table_stride = table_entries - offsets[b];
       a.prefix_len = prefix + b;
       a.draft_len = drafts + b;
       a.layer = layers + b;
@@ -446,7 +715,7 @@ class HostDevice final : public Device {
       RETURN_IF_ERROR(kernels::VerifyAttentionCpu(a, threads_));
       row += draft;
     }
-    const auto* outputs = reinterpret_cast<const kernels::CopyListHeader*>(outputs_.data.get());
+    const auto* outputs = reinterpret_cast<const kernels::CopyListHeader*>(m.outputs.data.get());
     RETURN_IF_ERROR(CheckList(outputs));
     kernels::RunCopyListOnHost(outputs);
     return absl::OkStatus();
@@ -478,8 +747,10 @@ class HostDevice final : public Device {
   FakeDeviceRecord* const record_;
   DeviceGeometry g_;
   DeviceBuffers buffers_;
-  AlignedBuffer pool_, table_, q_, out_, lse_, requests_, visibility_, outputs_, slots_;
-  AlignedBuffer draft_kv_;  // fp8 pools only: the batch's draft rows before quantization
+  AlignedBuffer pool_, table_, slots_;
+  BatchMemory main_;
+  AlignedBuffer arena_;  // device doorbells (fakes): 16-byte host slots
+  std::vector<std::unique_ptr<HostLane>> lanes_;
   std::vector<BatchShape> captured_;
   // Launched work runs under it, one piece at a time, in launch order.
   absl::Mutex exec_mu_;
@@ -487,7 +758,7 @@ class HostDevice final : public Device {
   std::vector<absl::Status> results_;
   std::vector<double> seconds_;
   int launches_ = 0;
-  bool faulted_ = false;
+  std::atomic<bool> faulted_{false};  // read by the lanes too
 };
 
 }  // namespace

@@ -1,0 +1,216 @@
+// Device-driven verify steps on a CUDA device: GPU doorbells rung with
+// stream memory operations from this process (the scheduler's side), host
+// doorbells whose completion the GPU writes into a page-locked system
+// region, every layer's outputs within bf16 tolerance of the CPU reference
+// and the pool equal to the mirror to the bit after Commit; a lane held at
+// its doorbell does not hold the device's other work; a step that times
+// out releases every wait, gives its pages back, and the next step runs;
+// tensor parallel over device 0 listed twice. Skipped with the reason when
+// no GPU is present.
+#include <cuda_runtime_api.h>
+
+#include <vector>
+
+#include "absl/synchronization/notification.h"
+#include "gtest/gtest.h"
+#include "kernels/stream_memops.h"
+#include "kernels/testing/device_problem.h"
+#include "tests/step_fixture.h"
+
+namespace mlaverify::engine {
+namespace {
+
+class GpuStepsTest : public StepFixture {
+ protected:
+  void SetUp() override {
+    static const std::string reason = kernels::testing::NoUsableGpuReason();
+    if (!reason.empty()) GTEST_SKIP() << "GPU test skipped: " << reason;
+    exact_ = false;
+    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&device_, kRegionBytes), cudaSuccess);
+    write_device_ = [this](uint64_t offset, const void* data, size_t bytes) {
+      ASSERT_EQ(
+          cudaMemcpy(static_cast<uint8_t*>(device_) + offset, data, bytes, cudaMemcpyHostToDevice),
+          cudaSuccess);
+    };
+    read_device_ = [this](uint64_t offset, void* data, size_t bytes) {
+      ASSERT_EQ(cudaMemcpy(data, static_cast<const uint8_t*>(device_) + offset, bytes,
+                           cudaMemcpyDeviceToHost),
+                cudaSuccess);
+    };
+    // The scheduler's ring: a stream write, from a stream that never waits.
+    ring_device_ = [this](uint64_t address, uint64_t value) {
+      ASSERT_TRUE(kernels::StreamWriteValue64(stream_, address, value).ok());
+      ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+    };
+    read_device_word_ = [](uint64_t address) {
+      uint64_t value = 0;
+      EXPECT_EQ(cudaMemcpy(&value, reinterpret_cast<const void*>(address), sizeof(value),
+                           cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      return value;
+    };
+  }
+
+  void TearDown() override {
+    StepFixture::TearDown();
+    if (device_ != nullptr) cudaFree(device_);
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  // An engine over CUDA device 0 listed `count` times, the system region and
+  // the device region ("dev").
+  void MakeGpu(int count = 1, int lanes = 2) {
+    std::vector<std::unique_ptr<Device>> devices;
+    for (int d = 0; d < count; ++d) {
+      auto cuda = MakeCudaDevice(0);
+      ASSERT_TRUE(cuda.ok()) << cuda.status();
+      devices.push_back(*std::move(cuda));
+    }
+    MakeOn(std::move(devices), lanes);
+    ASSERT_TRUE(engine_->DoorbellSupport(DoorbellKind::kDevice).ok())
+        << engine_->DoorbellSupport(DoorbellKind::kDevice);
+    ASSERT_TRUE(
+        engine_->regions()
+            .RegisterLocalDevice("dev", reinterpret_cast<uint64_t>(device_), 0, kRegionBytes)
+            .ok());
+  }
+
+  // One whole step of `items` (opened, every layer rung and checked,
+  // committed with the last path of item 0 and nothing of the others).
+  void RunStep(std::vector<ItemData> items, std::vector<Mirror>& mirrors, DoorbellKind kind,
+               Where where, bool all_at_once = false) {
+    Placed p = Place(items, kind, where);
+    auto opened = engine_->OpenStep(p.request);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    if (all_at_once) {
+      RingAndWait(p, *opened, kLayers);
+    } else {
+      for (int l = 0; l < kLayers; ++l) RingAndWait(p, *opened, l + 1);
+    }
+    for (int l = 0; l < kLayers; ++l) ExpectLayer(p, items, mirrors, l);
+    for (size_t k = 0; k < items.size(); ++k) {
+      const std::vector<int32_t> path =
+          k == 0 ? LastPath(items[k].parents) : std::vector<int32_t>{};
+      auto committed = engine_->Commit(items[k].sequence, path);
+      ASSERT_TRUE(committed.ok()) << committed.status();
+      Accept(&mirrors[k], items[k], path);
+    }
+    EXPECT_EQ(WaitEnded(opened->step_id).state, StepState::kCommitted);
+  }
+
+  cudaStream_t stream_ = nullptr;
+  void* device_ = nullptr;
+};
+
+TEST_F(GpuStepsTest, GpuDoorbellsMatchTheReferenceAndCommit) {
+  MakeGpu();
+  std::vector<Mirror> mirrors(2);
+  const uint64_t a = NewSequence(300, &mirrors[0]);
+  const uint64_t b = NewSequence(17, &mirrors[1]);
+  const int64_t free_before = engine_->Stats().free_pages;
+  RunStep({RandomItem(a, 16), RandomItem(b, 3)}, mirrors, DoorbellKind::kDevice, Where::kDevice);
+  RunStep({RandomItem(a, 4), RandomItem(b, 1)}, mirrors, DoorbellKind::kDevice, Where::kDevice,
+          /*all_at_once=*/true);
+  // Tensors in the system region, read and written by the lane in place.
+  std::vector<Mirror> only_a = {mirrors[0]};
+  RunStep({RandomItem(a, 7)}, only_a, DoorbellKind::kDevice, Where::kSystem);
+  mirrors[0] = only_a[0];
+  ExpectKvEquals(a, mirrors[0]);
+  ExpectKvEquals(b, mirrors[1]);
+  EXPECT_LE(engine_->Stats().free_pages, free_before);
+  EXPECT_EQ(engine_->Stats().steps.committed_total, 3);
+}
+
+// Host doorbells on a GPU: the lane's thread sees the ring in the host slot;
+// the GPU writes the completion there.
+TEST_F(GpuStepsTest, HostDoorbellsOnTheGpu) {
+  MakeGpu();
+  std::vector<Mirror> mirrors(1);
+  const uint64_t a = NewSequence(129, &mirrors[0]);
+  RunStep({RandomItem(a, 8)}, mirrors, DoorbellKind::kHost, Where::kSystem);
+  RunStep({RandomItem(a, 2)}, mirrors, DoorbellKind::kHost, Where::kDevice);
+  ExpectKvEquals(a, mirrors[0]);
+}
+
+// Two lanes held at their doorbells hold nothing else: plain Verify calls
+// on another sequence run meanwhile; then both steps run.
+TEST_F(GpuStepsTest, GatedLanesDoNotHoldTheDevicesOtherWork) {
+  MakeGpu(1, /*lanes=*/2);
+  std::vector<Mirror> mirrors(3);
+  std::vector<uint64_t> ids;
+  for (int k = 0; k < 3; ++k) ids.push_back(NewSequence(100 + k, &mirrors[k]));
+  std::vector<ItemData> first = {RandomItem(ids[0], 4)}, second = {RandomItem(ids[1], 4)};
+  Placed p1 = Place(first, DoorbellKind::kDevice, Where::kDevice);
+  Placed p2 = Place(second, DoorbellKind::kDevice, Where::kDevice);
+  auto s1 = engine_->OpenStep(p1.request);
+  auto s2 = engine_->OpenStep(p2.request);
+  ASSERT_TRUE(s1.ok()) << s1.status();
+  ASSERT_TRUE(s2.ok()) << s2.status();
+  const ItemData d = RandomItem(ids[2], 3);
+  std::vector<Bf16> out(3 * kHeads * kValueDim);
+  std::vector<float> lse(3 * kHeads);
+  const absl::Time start = absl::Now();
+  for (int l = 0; l < kLayers; ++l) {
+    VerifyItem item{ids[2],        d.parents,           d.q[l],
+                    d.draft_kv[l], absl::MakeSpan(out), absl::MakeSpan(lse)};
+    ASSERT_TRUE(engine_->Verify(l, 0.0f, absl::MakeSpan(&item, 1)).ok());
+  }
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "plain calls waited for the gated lanes";
+  ASSERT_TRUE(engine_->Commit(ids[2], {}).ok());
+  RingAndWait(p2, *s2, kLayers);
+  RingAndWait(p1, *s1, kLayers);
+  for (int l = 0; l < kLayers; ++l) {
+    ExpectLayer(p1, first, {mirrors[0]}, l);
+    ExpectLayer(p2, second, {mirrors[1]}, l);
+  }
+  ASSERT_TRUE(engine_->Commit(ids[0], {}).ok());
+  ASSERT_TRUE(engine_->Commit(ids[1], {}).ok());
+  EXPECT_EQ(WaitEnded(s1->step_id).state, StepState::kCommitted);
+  EXPECT_EQ(WaitEnded(s2->step_id).state, StepState::kCommitted);
+}
+
+// A scheduler that stops ringing: the step aborts at its layer timeout,
+// every wait on its completion passes, every page is back, the sequence is
+// as before, and the next step on the lane runs.
+TEST_F(GpuStepsTest, TimeoutReleasesEveryWaitAndTheNextStepRuns) {
+  MakeGpu(1, /*lanes=*/1);
+  std::vector<Mirror> mirrors(1);
+  const uint64_t a = NewSequence(77, &mirrors[0]);
+  const int64_t free_before = engine_->Stats().free_pages;
+  std::vector<ItemData> items = {RandomItem(a, 16)};
+  Placed p = Place(items, DoorbellKind::kDevice, Where::kDevice);
+  p.request.layer_timeout = absl::Milliseconds(100);
+  auto opened = engine_->OpenStep(p.request);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  RingAndWait(p, *opened, 1);
+  ExpectLayer(p, items, mirrors, 0);
+  // The scheduler's own stream waits for the last layer: released by the end.
+  ASSERT_TRUE(kernels::StreamWaitValue64(stream_, opened->ranks[0].completion_address,
+                                         opened->ranks[0].base + kLayers)
+                  .ok());
+  const StepInfo info = WaitEnded(opened->step_id);
+  EXPECT_EQ(info.state, StepState::kAborted);
+  EXPECT_EQ(info.abort_reason, StepAbortReason::kLayerTimeout);
+  ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess) << "the scheduler's wait passed";
+  EXPECT_GT(Completion(p, *opened, 0), opened->ranks[0].base + kLayers);
+  EXPECT_EQ(engine_->Stats().free_pages, free_before);
+  ExpectKvEquals(a, mirrors[0]);
+  RunStep({RandomItem(a, 5)}, mirrors, DoorbellKind::kDevice, Where::kDevice);
+  ExpectKvEquals(a, mirrors[0]);
+}
+
+// Tensor parallel over device 0 listed twice: each rank's lane waits on its
+// own doorbell and writes its heads into its own places.
+TEST_F(GpuStepsTest, TensorParallelOverOneDeviceTwice) {
+  MakeGpu(2);
+  ASSERT_EQ(engine_->heads_per_device(), kHeads / 2);
+  std::vector<Mirror> mirrors(1);
+  const uint64_t a = NewSequence(211, &mirrors[0]);
+  RunStep({RandomItem(a, 16)}, mirrors, DoorbellKind::kDevice, Where::kDevice);
+  for (int replica = 0; replica < 2; ++replica) ExpectKvEquals(a, mirrors[0], replica);
+}
+
+}  // namespace
+}  // namespace mlaverify::engine
