@@ -73,6 +73,7 @@ class MetricsObserver final : public transport::RpcObserver, public engine::Engi
   void OnDeviceFault(const std::string& device, const absl::Status&) override {
     metrics_->RecordDeviceFault(device);
   }
+  void OnStepEnded(const engine::StepReport& report) override { metrics_->RecordStep(report); }
 
   // The engine's device names by index (known once it started).
   void SetDeviceNames(std::vector<std::string> names) {
@@ -111,6 +112,11 @@ struct Flags {
   int batches_in_flight = 2;
   uint64_t pinned_staging_bytes = uint64_t{512} << 20;
   double idle_timeout_s = 0;
+  int step_lanes = engine::StepOptions{}.lanes_per_device;
+  int64_t step_layer_timeout_ms =
+      absl::ToInt64Milliseconds(engine::StepOptions{}.default_layer_timeout);
+  int64_t step_max_duration_ms =
+      absl::ToInt64Milliseconds(engine::StepOptions{}.default_max_duration);
   uint64_t max_message_bytes = uint64_t{64} << 20;
   float softmax_scale = 1.0f / std::sqrt(192.0f);
   int cpu_threads = 0;
@@ -344,12 +350,20 @@ std::map<std::string, std::string> EngineSettingFlags() {
           {"max_live_sequences", "--max-live-sequences"},
           {"copy_threads", "--copy-threads"},
           {"batches_in_flight", "--batches-in-flight"},
-          {"pinned_staging_bytes", "--pinned-staging-bytes"}};
+          {"pinned_staging_bytes", "--pinned-staging-bytes"},
+          {"steps.lanes_per_device", "--step-lanes"},
+          {"steps.default_layer_timeout", "--step-layer-timeout-ms"},
+          {"steps.default_max_duration", "--step-max-duration-ms"}};
 }
 
 int Run(int argc, char** argv) {
   // Before any thread starts (heap_tuning.h: no page faults per call).
   const bool heap_tuned = TuneHeapForLargeBuffers();
+  // Before CUDA starts: one hardware queue per stream (the device worker's,
+  // each step lane's, the release stream), so that a step lane held at its
+  // doorbell never holds another stream's work queued behind it. An
+  // operator's own setting stays.
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
   TurnOffMutexDeadlockDetection();  // (mutex_tuning.h: why)
   Flags f;
   CLI::App app{"mlaverify-server: MLA verify attention over a paged latent KV cache"};
@@ -427,6 +441,18 @@ int Run(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--idle-timeout-s", f.idle_timeout_s,
                  "release sequences idle this long (0: never)")
+      ->capture_default_str();
+  app.add_option("--step-lanes", f.step_lanes,
+                 "device-driven steps open at once per device (OpenStep), each with its own "
+                 "stream, buffers and graphs (0: no steps)")
+      ->capture_default_str();
+  app.add_option("--step-layer-timeout-ms", f.step_layer_timeout_ms,
+                 "abort a step when no layer completes this long (its scheduler stopped "
+                 "ringing), or when its items are not committed this long after the last layer; "
+                 "a request may ask for up to 60 s")
+      ->capture_default_str();
+  app.add_option("--step-max-duration-ms", f.step_max_duration_ms,
+                 "abort a step this long after it opened; a request may ask for up to 600 s")
       ->capture_default_str();
   app.add_option("--max-message-bytes", f.max_message_bytes,
                  "largest gRPC message in either direction")
@@ -573,6 +599,9 @@ int Run(int argc, char** argv) {
   config.shared_memory.max_regions = f.max_shm_regions;
   config.shared_memory.max_total_bytes = static_cast<int64_t>(f.max_shm_bytes);
   config.shared_memory.key_prefix = f.shm_key_prefix;
+  config.steps.lanes_per_device = f.step_lanes;
+  config.steps.default_layer_timeout = absl::Milliseconds(f.step_layer_timeout_ms);
+  config.steps.default_max_duration = absl::Milliseconds(f.step_max_duration_ms);
   config.setting_names = EngineSettingFlags();
   // Flag errors first, before anything listens.
   if (absl::Status valid = config.Validate(static_cast<int>(f.devices.size())); !valid.ok()) {

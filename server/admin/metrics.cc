@@ -254,6 +254,47 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
       &AddGauge(r, "mlaverify_verify_steps_pending",
                 "Sequences with an open verify step (verified, not committed).");
 
+  steps_ended_family_ =
+      &prometheus::BuildCounter()
+           .Name("mlaverify_device_steps_ended_total")
+           .Help(
+               "Device-driven verify steps ended, by outcome (committed, aborted) "
+               "and the abort's reason (none when committed).")
+           .Register(r);
+  // At 0 from the start: rate() and alerts see every outcome.
+  steps_ended_family_->Add({{"outcome", "committed"}, {"reason", "none"}});
+  for (int k = 1; k < engine::kStepAbortReasons; ++k) {
+    steps_ended_family_->Add(
+        {{"outcome", "aborted"},
+         {"reason", engine::StepAbortReasonName(static_cast<engine::StepAbortReason>(k))}});
+  }
+  step_seconds_ =
+      &prometheus::BuildHistogram()
+           .Name("mlaverify_device_step_seconds")
+           .Help("A device-driven step from OpenStep to its end (last Commit or abort).")
+           .Register(r)
+           .Add({}, FineBuckets());
+  step_layer_device_seconds_ =
+      &prometheus::BuildHistogram()
+           .Name("mlaverify_device_step_layer_seconds")
+           .Help("Device time of one layer of a device-driven step on one rank, gather to scatter.")
+           .Register(r)
+           .Add({}, FineBuckets());
+  step_layer_doorbell_wait_seconds_ =
+      &prometheus::BuildHistogram()
+           .Name("mlaverify_device_step_doorbell_wait_seconds")
+           .Help(
+               "Time a step's layer waited for its doorbell after the previous layer ended: the "
+               "scheduler's own work between layers.")
+           .Register(r)
+           .Add({}, FineBuckets());
+  steps_open_ = &AddGauge(r, "mlaverify_device_steps_open", "Device-driven steps open now.");
+  step_lanes_ = &AddGauge(r, "mlaverify_step_lanes", "Step lanes over all devices (--step-lanes).");
+  step_lanes_busy_ =
+      &AddGauge(r, "mlaverify_step_lanes_busy", "Step lanes running a step or running one out.");
+  steps_opened_ =
+      &AddCounter(r, "mlaverify_device_steps_opened_total", "Device-driven steps opened.");
+
   using engine::EngineStats;
   const struct {
     const char* name;
@@ -386,6 +427,19 @@ void Metrics::SetInfo(absl::string_view version, absl::string_view backend) {
 
 void Metrics::SetReady(bool ready) { ready_->Set(ready ? 1 : 0); }
 
+void Metrics::RecordStep(const engine::StepReport& report) {
+  const bool committed = report.state == engine::StepState::kCommitted;
+  steps_ended_family_
+      ->Add({{"outcome", committed ? "committed" : "aborted"},
+             {"reason", engine::StepAbortReasonName(report.abort_reason)}})
+      .Increment();
+  step_seconds_->Observe(report.seconds);
+  for (const engine::LayerTiming& layer : report.layers) {
+    step_layer_device_seconds_->Observe(layer.device_seconds);
+    step_layer_doorbell_wait_seconds_->Observe(layer.doorbell_wait_seconds);
+  }
+}
+
 void Metrics::RefreshFromEngine() {
   absl::MutexLock lock(&refresh_mu_);
   if (shm_source_) {
@@ -414,6 +468,13 @@ void Metrics::RefreshFromEngine() {
     pool_pages_family_->Add({{"pool", pool.devices}, {"state", "free"}})
         .Set(static_cast<double>(pool.free_pages));
   }
+  steps_open_->Set(static_cast<double>(stats.steps.open));
+  step_lanes_->Set(static_cast<double>(stats.steps.lanes));
+  step_lanes_busy_->Set(static_cast<double>(stats.steps.lanes_busy));
+  if (stats.steps.opened_total > steps_opened_seen_) {
+    steps_opened_->Increment(static_cast<double>(stats.steps.opened_total - steps_opened_seen_));
+  }
+  steps_opened_seen_ = stats.steps.opened_total;
   // prometheus-cpp counters only go up, so a mirrored total advances by what
   // the engine added since the last refresh. A total that went down (not
   // expected from one engine) becomes the new baseline rather than a

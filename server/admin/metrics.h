@@ -68,6 +68,13 @@ class Metrics {
   // the rest): mlaverify_verify_server_seconds{part}.
   void RecordVerifyTiming(const engine::VerifyTiming& timing);
 
+  // A device-driven step ended (engine::EngineObserver::OnStepEnded):
+  // mlaverify_device_steps_ended_total{outcome,reason} (outcome committed or
+  // aborted; reason the abort's, "none" when committed), the step's seconds
+  // from open to end, and per layer its device time and the time it waited
+  // for its doorbell (the scheduler's own compute between layers).
+  void RecordStep(const engine::StepReport& report);
+
   // A device faulted: mlaverify_device_faults_total{device}.
   void RecordDeviceFault(absl::string_view device);
   // Creates each device's fault series at 0, so that an alert's increase()
@@ -161,6 +168,16 @@ class Metrics {
   prometheus::Gauge* kv_row_bytes_ ABSL_GUARDED_BY(refresh_mu_) = nullptr;
   prometheus::Gauge* sequences_live_;
   prometheus::Gauge* verify_steps_pending_;
+  // Device-driven steps.
+  prometheus::Family<prometheus::Counter>* steps_ended_family_;
+  prometheus::Histogram* step_seconds_;
+  prometheus::Histogram* step_layer_device_seconds_;
+  prometheus::Histogram* step_layer_doorbell_wait_seconds_;
+  prometheus::Gauge* steps_open_;
+  prometheus::Gauge* step_lanes_;
+  prometheus::Gauge* step_lanes_busy_;
+  prometheus::Counter* steps_opened_;
+  int64_t steps_opened_seen_ ABSL_GUARDED_BY(refresh_mu_) = 0;
 
   absl::Mutex series_mu_;
   // Key: rpc + '\n' + code (neither contains a newline).

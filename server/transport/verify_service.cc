@@ -54,6 +54,59 @@ absl::Status CheckLocalPeer(grpc::CallbackServerContext* ctx) {
       ": only a client on the server's host (loopback or a unix socket) can share memory"));
 }
 
+// The engine's step info as the wire's StepStatus.
+void ToStepStatus(const engine::StepInfo& info, v1::StepStatus* out) {
+  out->set_step_id(info.step_id);
+  out->set_state(engine::StepStateName(info.state));
+  out->set_num_layers(info.num_layers);
+  out->set_layers_done(info.layers_done);
+  out->set_items(info.items);
+  out->set_items_committed(info.items_committed);
+  if (info.abort_reason != engine::StepAbortReason::kNone) {
+    out->set_abort_reason(engine::StepAbortReasonName(info.abort_reason));
+    out->set_error_code(static_cast<int>(info.status.code()));
+    out->set_error_message(std::string(info.status.message()));
+  }
+}
+
+engine::StepTensorPlacement ToStepTensor(const v1::StepTensor& t) {
+  return {t.region(), t.offset(), t.layer_stride()};
+}
+
+absl::StatusOr<engine::StepRequest> ToStepRequest(const v1::OpenStepRequest& in) {
+  engine::StepRequest r;
+  switch (in.doorbell()) {
+    case v1::DOORBELL_HOST:
+      r.doorbell_kind = engine::DoorbellKind::kHost;
+      break;
+    case v1::DOORBELL_GPU:
+      r.doorbell_kind = engine::DoorbellKind::kDevice;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          "doorbell: DOORBELL_HOST (slots in a system region) or DOORBELL_GPU (words in the "
+          "server's device memory)");
+  }
+  for (const v1::StepItem& item : in.items()) {
+    r.items.push_back({item.sequence_id(), {item.parents().begin(), item.parents().end()}});
+  }
+  for (const v1::StepRank& rank : in.ranks()) {
+    engine::StepRankRequest out;
+    for (const v1::StepItemPlacement& p : rank.items()) {
+      out.items.push_back({ToStepTensor(p.q()), ToStepTensor(p.draft_kv()), ToStepTensor(p.out()),
+                           ToStepTensor(p.lse())});
+    }
+    out.doorbell_region = rank.doorbell_region();
+    out.doorbell_offset = rank.doorbell_offset();
+    out.completion_offset = rank.completion_offset();
+    r.ranks.push_back(std::move(out));
+  }
+  r.softmax_scale = in.softmax_scale();
+  r.layer_timeout = absl::Milliseconds(in.layer_timeout_ms());
+  r.max_duration = absl::Milliseconds(in.max_duration_ms());
+  return r;
+}
+
 engine::CallContext ContextOf(grpc::CallbackServerContext* ctx) {
   engine::CallContext c;
   c.deadline = absl::FromChrono(ctx->deadline());
@@ -255,6 +308,11 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::GetServerInfo(grpc::CallbackServerC
         r->set_verify_server_seconds_total(verify_server_ns_.load() * 1e-9);
         r->set_verify_queue_seconds_total(verify_queue_ns_.load() * 1e-9);
         r->set_verify_device_seconds_total(verify_device_ns_.load() * 1e-9);
+        r->set_step_lanes_per_device(c.steps.lanes_per_device);
+        r->set_step_layer_timeout_ms(absl::ToInt64Milliseconds(c.steps.default_layer_timeout));
+        r->set_step_max_duration_ms(absl::ToInt64Milliseconds(c.steps.default_max_duration));
+        r->set_host_doorbells(e.DoorbellSupport(engine::DoorbellKind::kHost).ok());
+        r->set_gpu_doorbells(e.DoorbellSupport(engine::DoorbellKind::kDevice).ok());
         finish(absl::OkStatus());
       });
 }
@@ -827,6 +885,66 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* VerifyServiceImpl::
   LogFailedCall("VerifyStream", ctx, refused);
   Observe("VerifyStream", grpc::StatusCode::RESOURCE_EXHAUSTED, Clock::now(), 0);
   return new RefusedStream(ToGrpcStatus(refused));
+}
+
+grpc::ServerUnaryReactor* VerifyServiceImpl::OpenStep(grpc::CallbackServerContext* ctx,
+                                                      const grpc::ByteBuffer* request_bytes,
+                                                      grpc::ByteBuffer* response_bytes) {
+  return RunUnary<v1::OpenStepRequest, v1::OpenStepResponse>(
+      "OpenStep", ctx, request_bytes, response_bytes, false,
+      [this, ctx](const auto& request, auto* response, auto finish) {
+        // A step's slots and tensors are memory both processes map.
+        if (absl::Status local = CheckLocalPeer(ctx); !local.ok()) return finish(local);
+        absl::StatusOr<engine::StepRequest> step = ToStepRequest(request);
+        if (!step.ok()) return finish(step.status());
+        absl::StatusOr<engine::StepOpened> opened = engine()->OpenStep(*step);
+        if (!opened.ok()) return finish(opened.status());
+        response->set_step_id(opened->step_id);
+        response->set_num_layers(opened->num_layers);
+        for (int64_t p : opened->prefix_len) response->add_prefix_len(p);
+        for (const engine::StepRankDoorbell& db : opened->ranks) {
+          v1::StepRankDoorbell* out = response->add_ranks();
+          out->set_device_id(db.cuda_device);
+          out->set_base(db.base);
+          out->set_arena_handle(db.arena_ipc_handle);
+          out->set_arena_bytes(db.arena_bytes);
+          out->set_doorbell_offset(db.doorbell_offset);
+          out->set_completion_offset(db.completion_offset);
+        }
+        response->set_layer_timeout_ms(
+            static_cast<uint32_t>(absl::ToInt64Milliseconds(opened->layer_timeout)));
+        response->set_max_duration_ms(
+            static_cast<uint32_t>(absl::ToInt64Milliseconds(opened->max_duration)));
+        finish(absl::OkStatus());
+      });
+}
+
+grpc::ServerUnaryReactor* VerifyServiceImpl::AbortStep(grpc::CallbackServerContext* ctx,
+                                                       const grpc::ByteBuffer* request_bytes,
+                                                       grpc::ByteBuffer* response_bytes) {
+  // Allowed while draining: a scheduler cleaning up ends its steps sooner.
+  return RunUnary<v1::AbortStepRequest, v1::StepStatus>(
+      "AbortStep", ctx, request_bytes, response_bytes, true,
+      [this](const auto& request, auto* response, auto finish) {
+        engine()->SubmitAbortStep(
+            request.step_id(),
+            [response, finish = std::move(finish)](absl::StatusOr<engine::StepInfo> info) mutable {
+              if (info.ok()) ToStepStatus(*info, response);
+              finish(info.status());
+            });
+      });
+}
+
+grpc::ServerUnaryReactor* VerifyServiceImpl::GetStep(grpc::CallbackServerContext* ctx,
+                                                     const grpc::ByteBuffer* request_bytes,
+                                                     grpc::ByteBuffer* response_bytes) {
+  return RunUnary<v1::GetStepRequest, v1::StepStatus>(
+      "GetStep", ctx, request_bytes, response_bytes, true,
+      [this](const auto& request, auto* response, auto finish) {
+        absl::StatusOr<engine::StepInfo> info = engine()->GetStep(request.step_id());
+        if (info.ok()) ToStepStatus(*info, response);
+        finish(info.status());
+      });
 }
 
 }  // namespace mlaverify::transport

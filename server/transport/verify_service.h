@@ -95,7 +95,10 @@ using RawVerifyService =
     GeneratedService::WithRawCallbackMethod_SystemSharedMemoryStatus<
     GeneratedService::WithRawCallbackMethod_UnregisterCudaSharedMemory<
     GeneratedService::WithRawCallbackMethod_CudaSharedMemoryStatus<
-        GeneratedService::Service>>>>>>>>>>>>>;
+    GeneratedService::WithRawCallbackMethod_OpenStep<
+    GeneratedService::WithRawCallbackMethod_AbortStep<
+    GeneratedService::WithRawCallbackMethod_GetStep<
+        GeneratedService::Service>>>>>>>>>>>>>>>>;
 // clang-format on
 
 class VerifyServiceImpl final : public RawVerifyService {
@@ -157,6 +160,15 @@ class VerifyServiceImpl final : public RawVerifyService {
   grpc::ServerUnaryReactor* CudaSharedMemoryStatus(grpc::CallbackServerContext* ctx,
                                                    const grpc::ByteBuffer* request,
                                                    grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* OpenStep(grpc::CallbackServerContext* ctx,
+                                     const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* AbortStep(grpc::CallbackServerContext* ctx,
+                                      const grpc::ByteBuffer* request,
+                                      grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* GetStep(grpc::CallbackServerContext* ctx,
+                                    const grpc::ByteBuffer* request,
+                                    grpc::ByteBuffer* response) override;
 
  private:
   class StreamReactor;

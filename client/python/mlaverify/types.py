@@ -71,6 +71,11 @@ class ServerInfo:
     client_shared_memory: bool = False
     kv_dtype: str = ""
     kv_row_bytes: int = 0
+    step_lanes_per_device: int = 0
+    step_layer_timeout_ms: int = 0
+    step_max_duration_ms: int = 0
+    host_doorbells: bool = False
+    gpu_doorbells: bool = False
 
 
 @dataclass(frozen=True)
