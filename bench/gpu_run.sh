@@ -5,7 +5,7 @@
 #     build/tests/gpu_engine_test build/bench/mlaverify-bench build/bench/mlaverify-engine-bench \
 #     build/server/mlaverify-server build/client/mlaverify-client
 # and carried there (device tool: carry [".device"]):
-#   OUT=/tmp/out bench/gpu_run.sh [tests] [fp8] [dataplane] [service] [connections] [planes] [cudashm] [pyclient] [pynative] [latency] [fault] [engine] [soak] [anchor] [sweep] [triton] [stalls] [small] [pdl] [ncu] [shapes] [sass] [timeline]
+#   OUT=/tmp/out bench/gpu_run.sh [tests] [steps] [fp8] [dataplane] [service] [connections] [planes] [cudashm] [pyclient] [pynative] [latency] [fault] [engine] [soak] [anchor] [sweep] [triton] [stalls] [small] [pdl] [ncu] [shapes] [sass] [timeline]
 # The pyclient part also needs the Python package with its stubs in the
 # bundle: cp -r build/client/python .device/bundle/python
 # Writes logs and JSON into $OUT/results.tgz (one file: the device tool brings
@@ -446,6 +446,82 @@ if want latency && [ -x "$bundle/bin/mlaverify-server" ]; then
     grep -E "^(verify calls|latency|server split|result)" "$out/latency-shm-stream-c1-16k-$variant.log"
     stop_server "latency-$variant"
   done
+fi
+if want steps && [ -x "$bundle/bin/mlaverify-server" ]; then
+  # Device-driven steps (docs/steps.md): the GPU step tests, the doorbell
+  # probe's floor, the kernel for the same shapes, then the service: each
+  # row of `load --steps` (61 layers, N=16 trees) beside today's per-layer
+  # VerifyStream over CUDA shm in the same server, TP over device 0 twice
+  # against one device at 16 heads, and a scheduler killed mid-step.
+  # Summarised by bench/steps_report.py into steps.json. STEPS_SECS: the
+  # measured seconds of each load row (5).
+  secs=${STEPS_SECS:-5}
+  if [ -x "$bundle/bin/gpu_steps_test" ]; then
+    timeout 150 "$bundle/bin/gpu_steps_test" > "$out/gpu_steps_test.log" 2>&1
+    summary+=("gpu steps test rc=$?")
+    grep -E '^\[  (PASSED|FAILED|SKIPPED) |Failure|rel_err' "$out/gpu_steps_test.log" | head -20
+  fi
+  for work in "0 0" "50 0" "50 30"; do
+    read -r cw sw <<< "$work"
+    timeout 60 "$bundle/bin/mlaverify-doorbell-probe" --layers 61 --rounds 50 \
+      --client-work-us "$cw" --server-work-us "$sw" --json "$out/probe-c${cw}-s${sw}.json" \
+      2>&1 | tee -a "$out/probe.log"
+    summary+=("probe client ${cw} server ${sw} rc=${PIPESTATUS[0]}")
+  done
+  timeout 120 "$bundle/bin/mlaverify-bench" --shape 1,16384,16,8 --shape 32,1024,16,8 \
+    --shape 1,16384,16,16 --out "$out/steps-kernel.json" > "$out/steps-kernel.log" 2>&1
+  summary+=("steps kernel rc=$?")
+  grep -E '^B=' "$out/steps-kernel.log"
+  # step_row ROW ARGS...: one `load --steps` against the running server.
+  step_row() {
+    local row=$1
+    shift
+    timeout 120 "${cl[@]}" load --steps --drafts 16 --progress false --duration-s "$secs" \
+      --warmup-s 1 "$@" --json "$out/steps-$row.json" > "$out/steps-$row.log" 2>&1
+    summary+=("steps $row rc=$?")
+    echo "== $row"
+    grep -E "^(steps|step|layer|layers|open|commits|errors|first error):|PASS|FAIL" "$out/steps-$row.log"
+  }
+  start_server steps 127.0.0.1:0 --devices 0 --heads 8 --pool-bytes 16GiB --allow-client-shm true \
+    --step-lanes 4
+  step_row gpu-1x16k --doorbell gpu --prompt-len 16384 --max-seq-len 16900 --shm-staging-mib 1200
+  step_row gpu-1x16k-work50 --doorbell gpu --prompt-len 16384 --max-seq-len 16900 \
+    --shm-staging-mib 1200 --client-work-us 50
+  step_row gpu-32x1k --doorbell gpu --items 32 --prompt-len 1024 --max-seq-len 1600
+  step_row host-1x16k --doorbell host --prompt-len 16384 --max-seq-len 16900 --shm-staging-mib 1200
+  # Today's path in the same server: per-layer VerifyStream over CUDA shm.
+  timeout 60 "${cl[@]}" load --concurrency 1 --duration-s "$secs" --warmup-s 1 --prompt-len 16384 \
+    --max-seq-len 16900 --drafts 16 --stream --data-plane cuda-shm --progress false \
+    --json "$out/steps-verify-1x16k.json" > "$out/steps-verify-1x16k.log" 2>&1
+  summary+=("verify 1x16k rc=$?")
+  grep -E "^(latency|server split|result)" "$out/steps-verify-1x16k.log"
+  stop_server steps
+  # TP at equal work: 16 heads on device 0 once, then split over 0 listed twice.
+  start_server steps-h16 127.0.0.1:0 --devices 0 --heads 16 --pool-bytes 16GiB \
+    --allow-client-shm true
+  step_row gpu-1x16k-h16 --doorbell gpu --prompt-len 16384 --max-seq-len 16900 --shm-staging-mib 1200
+  stop_server steps-h16
+  start_server steps-tp 127.0.0.1:0 --devices 0,0 --parallel-mode tp --heads 16 --pool-bytes 8GiB \
+    --allow-client-shm true
+  step_row gpu-1x16k-tp00 --doorbell gpu --prompt-len 16384 --max-seq-len 16900 --shm-staging-mib 1200
+  stop_server steps-tp
+  # A scheduler killed mid-step (SIGKILL): its step aborts at the layer
+  # timeout, its sequences expire, every page is back, the next steps run.
+  start_server steps-kill 127.0.0.1:0 --devices 0 --heads 8 --pool-bytes 4GiB --allow-client-shm true \
+    --step-layer-timeout-ms 200 --idle-timeout-s 2
+  "${cl[@]}" load --steps --doorbell gpu --drafts 16 --prompt-len 4096 --max-seq-len 4700 \
+    --duration-s 30 --progress false > "$out/steps-kill-victim.log" 2>&1 &
+  victim=$!
+  sleep 4
+  kill -KILL "$victim"; wait "$victim" 2>/dev/null
+  sleep 4  # the layer timeout, then the idle expiry
+  curl -s "http://127.0.0.1:$aport/metrics" | grep -E '^mlaverify_(device_steps|kv_pages_(free|capacity)|sequences_live)' \
+    | tee "$out/steps-kill-metrics.txt"
+  step_row kill-after --doorbell gpu --prompt-len 4096 --max-seq-len 4700
+  stop_server steps-kill
+  python3 bench/steps_report.py "$out" > "$out/steps.json" 2> "$out/steps-report.log"
+  summary+=("steps report rc=$?")
+  tail -20 "$out/steps-report.log"
 fi
 if want fault && [ -x "$bundle/bin/mlaverify-server" ]; then
   # A real device fault: the third verify launch runs a trapping kernel. The

@@ -713,6 +713,8 @@ int Run(int argc, char** argv) {
                               {"nan_outputs", check.nan_outputs},
                               {"prefix_ramp", ramp},
                               {"plan", plan_name}});
+    // The layers of a step after its first: the same shape reading the plan.
+    if (reused_us) row["reused_plan_us"] = *reused_us;
     if (quant) {
       row["vs_bf16_pool"] = {{"rel_err_p50", Percentile(quant->row_rel_errs, 0.5)},
                              {"rel_err_p99", Percentile(quant->row_rel_errs, 0.99)},

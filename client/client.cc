@@ -223,7 +223,7 @@ VerifyClient::VerifyClient(std::string target, ClientOptions options,
       options_(std::move(options)),
       connections_(std::move(connections)) {}
 
-VerifyClient::~VerifyClient() = default;
+VerifyClient::~VerifyClient() { CloseDoorbellArenas(); }
 
 size_t VerifyClient::NextConnectionIndex() {
   return next_connection_.fetch_add(1, std::memory_order_relaxed) % connections_.size();

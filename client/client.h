@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -26,6 +27,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "client/steps.h"
 #include "client/wire.h"
 #include "common/bf16.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -245,6 +247,15 @@ class VerifyClient {
   absl::StatusOr<std::vector<v1::CudaSharedMemoryRegion>> CudaSharedMemoryStatus(
       const std::string& name = "");
 
+  // Device-driven verify steps (client/steps.h, docs/steps.md): one call
+  // opens a step, whose layers are then rung without a call each. GPU
+  // doorbells open the server device's doorbell arena in this process once
+  // (kept until the client goes). The step must not outlive the client.
+  absl::StatusOr<std::unique_ptr<DeviceStep>> OpenStep(const StepSpec& spec);
+  // AbortStep: returns once the step ended (nothing of it runs any more).
+  absl::StatusOr<v1::StepStatus> AbortStep(uint64_t step_id);
+  absl::StatusOr<v1::StepStatus> GetStep(uint64_t step_id);
+
   // Opens a VerifyStream on the next connection in turn. `lifetime` bounds
   // the whole stream (not each call): a stream that outlives it ends with
   // DEADLINE_EXCEEDED. The session must not outlive this client.
@@ -299,6 +310,13 @@ class VerifyClient {
   // ServerInfo (fetched on first use).
   absl::StatusOr<int64_t> ServerMessageLimit();
 
+  // A server device's doorbell arena in this process (opened on first use).
+  absl::StatusOr<uint64_t> DoorbellArena(const std::string& handle, int device);
+  void CloseDoorbellArenas();
+  // One per server instance and device; a client that outlives many server
+  // restarts is told to start again rather than keep mappings forever.
+  static constexpr size_t kMaxDoorbellArenas = 64;
+
   const std::string target_;
   const ClientOptions options_;
   // Never empty; fixed after Create.
@@ -308,6 +326,10 @@ class VerifyClient {
   absl::Mutex mu_;
   // max_message_bytes of the last ServerInfo seen; nullopt before the first.
   std::optional<int64_t> server_message_limit_ ABSL_GUARDED_BY(mu_);
+
+  absl::Mutex arenas_mu_;
+  // (IPC handle, CUDA device) -> the arena's address in this process.
+  std::map<std::pair<std::string, int>, uint64_t> arenas_ ABSL_GUARDED_BY(arenas_mu_);
 };
 
 }  // namespace mlaverify::client

@@ -66,6 +66,16 @@ struct LoadOptions {
   bool floor = false;
   bool progress = true;  // a line a second on stderr during ramp-up and run
   uint64_t seed = 1;
+  // Device-driven steps (docs/steps.md, client/step_load.h) instead of
+  // Verify calls: each worker opens a step per decode step, rings and waits
+  // every layer through the doorbells, then commits its items.
+  bool steps = false;
+  // "host": slots in a system shared-memory region the run creates; "gpu":
+  // stream memory operations on --cuda-device, tensors in a CUDA region.
+  std::string doorbell = "host";
+  // The scheduler's own work before each layer's ring: a busy kernel on
+  // every multiprocessor of --cuda-device (gpu), a busy host loop (host).
+  double client_work_us = 0;
   // Percentiles reported besides p50/p90/p95/p99/p99.9, each in (0, 100].
   std::vector<double> percentiles;
   // > 0: instead of a fixed duration, measure in windows of `window_s` until

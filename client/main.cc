@@ -30,6 +30,7 @@
 #include "client/server_info_text.h"
 #include "client/shared_memory.h"
 #include "client/soak.h"
+#include "client/step_load.h"
 #include "common/auth_token.h"
 #include "common/build_info.h"
 #include "common/cli_switch.h"
@@ -245,6 +246,29 @@ int RunLoadCommand(ReplicaSet& replicas, const LoadOptions& options,
   return worst;
 }
 
+// `load --steps`: one run of device-driven steps against one target.
+int RunStepLoadCommand(ReplicaSet& replicas, const LoadOptions& options,
+                       const std::vector<double>& sweep, const std::string& json_path,
+                       const std::string& csv_path) {
+  if (!sweep.empty() || !csv_path.empty() || replicas.size() != 1) {
+    spdlog::error("load --steps: one target, no --sweep or --csv");
+    return kExitSetupError;
+  }
+  const StdoutToStderr redirect(json_path == "-");
+  absl::StatusOr<StepLoadReport> report = RunStepLoad(replicas.replica(0), options);
+  if (!report.ok()) {
+    spdlog::error("load --steps: {}", report.status().ToString());
+    return report.status().code() == absl::StatusCode::kInvalidArgument ? kExitSetupError
+                                                                        : kExitCheckFailed;
+  }
+  PrintStepLoadReport(*report);
+  if (!json_path.empty() &&
+      !WriteOutput(json_path, StepLoadReportToJson(*report).dump(2) + "\n", redirect.out())) {
+    return kExitSetupError;
+  }
+  return report->ok() ? kExitOk : kExitCheckFailed;
+}
+
 int RunSoakCommand(VerifyClient& client, const std::string& target, const ClientOptions& options,
                    const SoakOptions& soak, const std::string& json_path) {
   const StdoutToStderr redirect(json_path == "-");
@@ -438,6 +462,22 @@ int Main(int argc, char** argv) {
   load_cmd->add_option("--max-windows", load.max_windows, "stability windows at most")
       ->check(CLI::Range(kStableWindows, 1000))
       ->capture_default_str();
+  AddSwitch(load_cmd, "--steps", &load.steps,
+            "device-driven steps instead of Verify calls: one OpenStep per decode step, every "
+            "layer rung and awaited through doorbells, then the commits; reports step and "
+            "per-layer latency (needs --allow-client-shm on the server)");
+  load_cmd
+      ->add_option("--doorbell", load.doorbell,
+                   "--steps: host (slots in a system shared-memory region) or gpu (stream "
+                   "memory operations on --cuda-device, tensors in a CUDA region)")
+      ->check(CLI::IsMember({"host", "gpu"}))
+      ->capture_default_str();
+  load_cmd
+      ->add_option("--client-work-us", load.client_work_us,
+                   "--steps: the scheduler's own work before each layer's ring, microseconds "
+                   "(gpu: a busy kernel on every multiprocessor; host: a busy loop)")
+      ->check(CLI::Range(0.0, 1e6))
+      ->capture_default_str();
 
   CLI::App* soak_cmd = app.add_subcommand(
       "soak",
@@ -514,6 +554,9 @@ int Main(int argc, char** argv) {
   std::signal(SIGTERM, OnSignal);
   load.shm_staging_bytes = shm_staging_mib << 20;
   g_load_command.store(load_cmd->parsed());
+  if (load_cmd->parsed() && load.steps) {
+    return RunStepLoadCommand(set, load, load_sweep, load_json, load_csv);
+  }
   if (load_cmd->parsed()) return RunLoadCommand(set, load, load_sweep, load_json, load_csv);
   if (soak_cmd->parsed()) {
     if (set.size() > 1) {

@@ -21,6 +21,7 @@
 #include "client/reference_check.h"
 #include "client/shared_memory.h"
 #include "client/wire.h"
+#include "common/host_doorbell.h"
 #include "common/workload.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -882,6 +883,109 @@ TEST_F(ServerTest, SharedMemoryDataPlaneEndToEnd) {
   EXPECT_EQ(client_->Verify(0, absl::MakeConstSpan(&item, 1)).status().code(),
             absl::StatusCode::kNotFound);
   EXPECT_EQ(engine_->Stats().pending_steps, 0);
+}
+
+// Device-driven steps over gRPC with host doorbells: one OpenStep, every
+// layer rung and awaited through slots in a system region (no call per
+// layer), each layer's outputs in the region checked against the
+// reference, then Commit; an aborted step's waits end with ABORTED and
+// change nothing; GPU doorbells on the CPU backend are refused.
+TEST_F(ServerTest, DeviceDrivenStepsEndToEnd) {
+  MakeWithSharedMemory(engine::MakeCpuDevice(2));
+  Serve();
+  auto info = client_->GetServerInfo();
+  ASSERT_TRUE(info.ok());
+  EXPECT_TRUE(info->host_doorbells());
+  EXPECT_FALSE(info->gpu_doorbells());
+  EXPECT_EQ(info->step_lanes_per_device(), engine_->config().steps.lanes_per_device);
+  const int n = 5;
+  const uint64_t q_bytes = n * kHeads * kLatentRowBytes, kv_bytes = n * kLatentRowBytes;
+  const uint64_t out_bytes = n * kHeads * kValueDim * sizeof(Bf16);
+  const uint64_t lse_bytes = n * kHeads * sizeof(float);
+  // Every layer's tensors side by side (layer strides), then the slots.
+  const uint64_t q_at = 0, kv_at = q_at + kLayers * q_bytes, out_at = kv_at + kLayers * kv_bytes,
+                 lse_at = out_at + kLayers * out_bytes, slots_at = lse_at + kLayers * lse_bytes;
+  auto shm = RegisterBuffer("steps", slots_at + 2 * kHostSlotBytes);
+  client::SequenceMirror m(kLayers);
+  const uint64_t id = NewSequence(19, &m);
+  const float scale = engine_->config().default_softmax_scale;
+  const int64_t free_before = FreePages();
+  const auto spec_of = [&](const Step& s) {
+    client::StepSpec spec;
+    spec.items.push_back({id, s.parents});
+    client::StepRankSpec rank;
+    rank.items.push_back({{"steps", q_at, q_bytes},
+                          {"steps", kv_at, kv_bytes},
+                          {"steps", out_at, out_bytes},
+                          {"steps", lse_at, lse_bytes}});
+    rank.doorbell_region = "steps";
+    rank.doorbell_offset = slots_at;
+    rank.completion_offset = slots_at + kHostSlotBytes;
+    rank.doorbell_region_data = shm->data();
+    spec.ranks.push_back(rank);
+    return spec;
+  };
+  for (int round = 0; round < 2; ++round) {
+    const Step s = RandomStep(n);
+    for (int l = 0; l < kLayers; ++l) {
+      std::memcpy(shm->data() + q_at + l * q_bytes, s.q[l].data(), q_bytes);
+      std::memcpy(shm->data() + kv_at + l * kv_bytes, s.draft_kv[l].data(), kv_bytes);
+    }
+    auto step = client_->OpenStep(spec_of(s));
+    ASSERT_TRUE(step.ok()) << step.status();
+    EXPECT_EQ((*step)->prefix_len()[0], m.length());
+    for (int l = 0; l < kLayers; ++l) {
+      ASSERT_TRUE((*step)->Ring(0, l + 1).ok());
+      ASSERT_TRUE((*step)->Wait(0, l + 1, absl::Seconds(20)).ok());
+      client::VerifyItemResult result;
+      result.sequence_id = id;
+      result.num_drafts = n;
+      result.num_heads = kHeads;
+      result.prefix_len = m.length();
+      result.out.resize(n * kHeads * kValueDim);
+      result.lse.resize(n * kHeads);
+      std::memcpy(result.out.data(), shm->data() + out_at + l * out_bytes, out_bytes);
+      std::memcpy(result.lse.data(), shm->data() + lse_at + l * lse_bytes, lse_bytes);
+      auto cmp = client::CompareWithReference(m, l, s.Item(id, l), scale, result, 1);
+      ASSERT_TRUE(cmp.ok()) << cmp.status();
+      EXPECT_TRUE(cmp->ok(1e-2, 1e-3)) << "round " << round << " layer " << l;
+    }
+    EXPECT_EQ(*(*step)->Completed(0), kLayers);
+    const std::vector<int32_t> path = {0};
+    auto committed = client_->Commit(id, path);
+    ASSERT_TRUE(committed.ok()) << committed.status();
+    m.AppendAccepted(s.draft_kv, path);
+    EXPECT_EQ(committed->length, m.length());
+  }
+  // Aborted after one layer: its waits end ABORTED, nothing changed.
+  const Step s = RandomStep(n);
+  auto step = client_->OpenStep(spec_of(s));
+  ASSERT_TRUE(step.ok()) << step.status();
+  ASSERT_TRUE((*step)->Ring(0, 1).ok());
+  ASSERT_TRUE((*step)->Wait(0, 1).ok());
+  auto aborted = (*step)->Abort();
+  ASSERT_TRUE(aborted.ok()) << aborted.status();
+  EXPECT_EQ(aborted->state(), "aborted");
+  EXPECT_EQ(aborted->abort_reason(), "abort_call");
+  EXPECT_EQ(aborted->error_code(), static_cast<int>(absl::StatusCode::kAborted));
+  EXPECT_EQ((*step)->Wait(0, kLayers).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ((*step)->Completed(0).status().code(), absl::StatusCode::kAborted);
+  auto again = (*step)->Status();
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->state(), "aborted");
+  EXPECT_EQ(client_->Commit(id, {0}).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(client_->GetStep(12345).status().code(), absl::StatusCode::kNotFound);
+  // GPU doorbells need the CUDA backend; a bad region is NOT_FOUND.
+  client::StepSpec gpu = spec_of(s);
+  gpu.doorbells = client::Doorbells::kGpu;
+  EXPECT_EQ(client_->OpenStep(gpu).status().code(), absl::StatusCode::kFailedPrecondition);
+  client::StepSpec bad = spec_of(s);
+  bad.ranks[0].items[0].q.region = "nope";
+  EXPECT_EQ(client_->OpenStep(bad).status().code(), absl::StatusCode::kNotFound);
+  // Only the accepted drafts took pages; the sequence verifies as before.
+  EXPECT_LE(FreePages(), free_before);
+  EXPECT_EQ(engine_->Stats().pending_steps, 0);
+  RunCheckedStep(id, &m, RandomStep(3));
 }
 
 // Every malformed registration and reference gets its documented code,
