@@ -369,8 +369,8 @@ class Worker {
   std::vector<std::vector<ItemOffsets>> offsets_;                     // [rank][item]
   std::vector<uint64_t> slots_;                                       // host doorbells: per rank
   std::vector<std::unique_ptr<gpu_doorbells::TimedStream>> streams_;  // per rank
-  ShmStaging staging_;             // the worker's prompt staging
-  absl::Span<const Bf16> prompt_;  // in it, or the plan's
+  ShmStaging staging_;                                                // the worker's prompt staging
+  absl::Span<const Bf16> prompt_;                                     // in it, or the plan's
   std::vector<uint64_t> sequences_;
   std::vector<int64_t> lengths_;
   double layer_span_ms_ = 0;

@@ -30,13 +30,16 @@ from mlaverify.errors import VerifyError  # noqa: E402
 from mlaverify.replicas import (AsyncReplicaSet, PlacedSequence, ReplicaSet,  # noqa: E402
                                 ReplicaState)
 from mlaverify.shm import SharedMemoryRegion, ShmPlacement, place_item  # noqa: E402
+from mlaverify.steps import (DeviceStep, StepItemPlacement, StepRank,  # noqa: E402
+                             StepTensor)
 from mlaverify.tensors import bf16_from_float32, float32_from_bf16  # noqa: E402
 from mlaverify.types import ServerInfo  # noqa: E402
 
 __all__ = [
     "AsyncReplicaSet", "AsyncVerifyClient", "AsyncVerifyStream", "ChannelSettings", "CommitResult",
-    "CudaSharedMemoryRegion", "PlacedSequence", "ReplicaSet", "ReplicaState", "ServerInfo",
-    "SharedMemoryRegion", "ShmPlacement", "VerifyClient", "VerifyError", "VerifyItem",
+    "CudaSharedMemoryRegion", "DeviceStep", "PlacedSequence", "ReplicaSet", "ReplicaState",
+    "ServerInfo", "SharedMemoryRegion", "ShmPlacement", "StepItemPlacement", "StepRank",
+    "StepTensor", "VerifyClient", "VerifyError", "VerifyItem",
     "VerifyResult", "VerifyStream", "__version__", "bf16_from_float32", "float32_from_bf16",
     "place_item",
 ]

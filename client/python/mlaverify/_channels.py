@@ -116,7 +116,7 @@ def retry_delays(retries: int, backoff_s: float):
 # releases), nor AppendKv, Verify, Commit, ReleaseSequence or the region
 # registrations: a call that failed on the way back may have run.
 IDEMPOTENT = frozenset({"Health.Check", "GetServerInfo", "SystemSharedMemoryStatus",
-                        "CudaSharedMemoryStatus"})
+                        "CudaSharedMemoryStatus", "GetStep"})
 # Only UNAVAILABLE is retried: the server was unreachable, starting or
 # draining. DEADLINE_EXCEEDED is the caller's budget, spent.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})

@@ -9,7 +9,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import grpc
 import grpc.aio
 
-from mlaverify import _wire, cuda_shm, tensors, types
+from mlaverify import _wire, cuda_shm, steps, tensors, types
 from mlaverify._channels import DEFAULT_MAX_MESSAGE_BYTES, ChannelSettings, ConnectionPool
 from mlaverify.client import cuda_shm_request
 from mlaverify.errors import VerifyError, from_rpc_error
@@ -182,6 +182,33 @@ class AsyncVerifyClient(_wire.ClientBase):
         r = await self._call("CudaSharedMemoryStatus", "CudaSharedMemoryStatus",
                              verify_pb2.CudaSharedMemoryStatusRequest(name=name))
         return [types.from_message(types.CudaSharedMemoryStatus, m) for m in r.regions]
+
+    async def open_step(self, items: Sequence[Tuple[int, Sequence[int]]],
+                        ranks: Sequence["steps.StepRank"], doorbell: str = "host",
+                        softmax_scale: float = 0.0, layer_timeout_ms: int = 0,
+                        max_duration_ms: int = 0) -> "steps.DeviceStep":
+        """As VerifyClient.open_step. The step's ring and wait never call the
+        server (they are synchronous); its abort() and status() return
+        coroutines of this client's."""
+        request = steps.open_step_request(items, ranks, doorbell, softmax_scale,
+                                          layer_timeout_ms, max_duration_ms)
+        response = await self._call("OpenStep", "OpenStep", request,
+                                    sequence_id=items[0][0] if items else None)
+        try:
+            return steps.DeviceStep(self, response, doorbell, ranks, self._regions)
+        except Exception:
+            await self.abort_step(response.step_id)
+            raise
+
+    async def abort_step(self, step_id: int) -> types.StepStatus:
+        """As VerifyClient.abort_step."""
+        return types.from_message(types.StepStatus, await self._call(
+            "AbortStep", "AbortStep", verify_pb2.AbortStepRequest(step_id=step_id)))
+
+    async def get_step(self, step_id: int) -> types.StepStatus:
+        """As VerifyClient.get_step."""
+        return types.from_message(types.StepStatus, await self._call(
+            "GetStep", "GetStep", verify_pb2.GetStepRequest(step_id=step_id)))
 
     async def verify_stream(self, max_in_flight: int = 16) -> "AsyncVerifyStream":
         """As VerifyClient.verify_stream."""

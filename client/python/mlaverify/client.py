@@ -11,7 +11,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 
-from mlaverify import _wire, cuda_shm, native, shm, tensors, types
+from mlaverify import _wire, cuda_shm, native, shm, steps, tensors, types
 from mlaverify._channels import DEFAULT_MAX_MESSAGE_BYTES, ChannelSettings, ConnectionPool
 from mlaverify.errors import VerifyError, from_rpc_error
 from mlaverify.v1 import verify_pb2
@@ -221,6 +221,36 @@ class VerifyClient(_wire.ClientBase):
         r = self._call("CudaSharedMemoryStatus", "CudaSharedMemoryStatus",
                        verify_pb2.CudaSharedMemoryStatusRequest(name=name))
         return [types.from_message(types.CudaSharedMemoryStatus, m) for m in r.regions]
+
+    # -- device-driven steps (mlaverify.steps, docs/steps.md) -----------------
+    def open_step(self, items: Sequence[Tuple[int, Sequence[int]]],
+                  ranks: Sequence["steps.StepRank"], doorbell: str = "host",
+                  softmax_scale: float = 0.0, layer_timeout_ms: int = 0,
+                  max_duration_ms: int = 0) -> "steps.DeviceStep":
+        """Opens a device-driven step: items are (sequence_id, parents) pairs;
+        ranks place every item's tensors (one per device of a TP server);
+        doorbell "host" (slots in a system region this client registered) or
+        "gpu" (words in the server's device memory). Not retried."""
+        request = steps.open_step_request(items, ranks, doorbell, softmax_scale,
+                                          layer_timeout_ms, max_duration_ms)
+        response = self._call("OpenStep", "OpenStep", request,
+                              sequence_id=items[0][0] if items else None)
+        try:
+            return steps.DeviceStep(self, response, doorbell, ranks, self._regions)
+        except Exception:
+            self.abort_step(response.step_id)  # nobody could ring it
+            raise
+
+    def abort_step(self, step_id: int) -> types.StepStatus:
+        """AbortStep: ends the step early; returns once nothing of it runs
+        any more, with its final status."""
+        return types.from_message(types.StepStatus, self._call(
+            "AbortStep", "AbortStep", verify_pb2.AbortStepRequest(step_id=step_id)))
+
+    def get_step(self, step_id: int) -> types.StepStatus:
+        """GetStep: the step's state."""
+        return types.from_message(types.StepStatus, self._call(
+            "GetStep", "GetStep", verify_pb2.GetStepRequest(step_id=step_id)))
 
     # -- the native path (mlaverify.native) ----------------------------------
     def _native_client(self) -> "native.NativeClient":

@@ -59,6 +59,11 @@ class SharedMemoryRegion:
         count = math.prod(shape)  # not np.prod: per call, a NumPy reduction costs more
         return np.frombuffer(self._shm.buf, dtype=dtype, count=count, offset=offset).reshape(shape)
 
+    @property
+    def closed(self) -> bool:
+        """Whether close() ran (the mapping is gone)."""
+        return self._shm.buf is None
+
     def close(self) -> None:
         """Unmaps the region and removes the object (unregister it first)."""
         self._shm.close()

@@ -104,6 +104,24 @@ class CudaSharedMemoryStatus:
     calls_total: int = 0
 
 
+@dataclass(frozen=True)
+class StepStatus:
+    """A device-driven step as AbortStep and GetStep describe it: its state
+    (running, layers_done, aborting, committed, aborted), layers done on every
+    rank, items committed, and for an aborted step why (abort_reason, and
+    error_code in google.rpc.Code numbering with error_message)."""
+
+    step_id: int = 0
+    state: str = ""
+    num_layers: int = 0
+    layers_done: int = 0
+    items: int = 0
+    items_committed: int = 0
+    abort_reason: str = ""
+    error_code: int = 0
+    error_message: str = ""
+
+
 _NESTED = {"devices": DeviceInfo, "pools": PoolInfo}
 
 
