@@ -48,13 +48,15 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from mlaverify import SharedMemoryRegion, VerifyClient, VerifyItem, place_item
+from mlaverify import (SharedMemoryRegion, StepItemPlacement, StepRank, VerifyClient, VerifyItem,
+                       place_item)
 from mlaverify.shm import item_bytes
+from mlaverify.steps import SLOT_BYTES
 
 LATENT = 512  # kv_lora_rank: the latent row, also the value width
 ROPE = 64     # qk_rope_head_dim: the shared rope key
 ROW = LATENT + ROPE  # 576, what the server stores per token and layer
-PLANES = ("inline", "system-shm", "cuda-shm")
+PLANES = ("inline", "system-shm", "cuda-shm", "steps")
 # bf16 keeps 8 significant bits. An attention summed in another order (the
 # server's kernels against torch here) rounds an occasional output element to
 # the neighbouring bf16 value; through the layers that moves the logits a
@@ -390,7 +392,11 @@ class Plane:
     """How one Verify item's tensors travel: inline bytes, or references into
     a shared-memory region registered once (system: /dev/shm; CUDA: device
     memory of this process), one slot per item of a call. A slot is reused
-    by the next layer: its out/lse are read before the next Verify."""
+    by the next layer: its out/lse are read before the next Verify.
+    "steps": device-driven steps (docs/steps.md) with host doorbells: one
+    OpenStep per decode step names the slots once, then each layer's q and
+    draft rows are written into them, the doorbell rung and the completion
+    awaited; no call per layer."""
 
     def __init__(self, client: VerifyClient, kind: str, max_items: int, max_nodes: int,
                  num_heads: int, device: str):
@@ -398,8 +404,9 @@ class Plane:
         self.region = None
         self.name = f"spec-decode-{id(self):x}"
         self.slot_bytes = item_bytes(max_nodes, num_heads)
-        if kind == "system-shm":
-            self.region = SharedMemoryRegion(self.slot_bytes * max_items)
+        self.doorbells = self.slot_bytes * max_items  # the two step slots, after the items
+        if kind in ("system-shm", "steps"):
+            self.region = SharedMemoryRegion(self.doorbells + 2 * SLOT_BYTES)
             client.register_system_shared_memory(self.name, self.region)
         elif kind == "cuda-shm":
             region_class = cuda_shm_support()
@@ -424,9 +431,37 @@ class Plane:
         placement = place_item(self.name, slot * self.slot_bytes, len(parents), self.num_heads)
         return VerifyItem(sequence_id, self.tensor(q), self.tensor(rows), parents, shm=placement)
 
+    def open_step(self, active, scale: float):
+        """steps: one OpenStep for the decode step of `active` (each item in
+        its slot, one place for every layer)."""
+        self.places = [place_item(self.name, k * self.slot_bytes, len(s.tree.parents),
+                                  self.num_heads) for k, s in enumerate(active)]
+        rank = StepRank([StepItemPlacement.of(p) for p in self.places], self.name,
+                        self.doorbells, self.doorbells + SLOT_BYTES)
+        return self.client.open_step([(s.sequence_id, s.tree.parents) for s in active], [rank],
+                                     softmax_scale=scale)
+
+    def step_layer(self, step, layer: int, inputs) -> List[torch.Tensor]:
+        """steps: one layer: every item's q and draft rows into its slot, the
+        ring, the wait; returns each item's out [N, H, 512] (bf16)."""
+        h = self.num_heads
+        for place, (q, rows) in zip(self.places, inputs):
+            n = len(rows)
+            bits = lambda t: t.to(torch.bfloat16).cpu().view(torch.int16).numpy().view(np.uint16)
+            self.region.array(place.q_offset, np.uint16, (n, h, ROW))[...] = bits(q)
+            self.region.array(place.draft_kv_offset, np.uint16, (n, ROW))[...] = bits(rows)
+        step.ring(0, layer + 1)
+        step.wait(0, layer + 1)
+        outs = []
+        for place, (_, rows) in zip(self.places, inputs):
+            n = len(rows)
+            out = self.region.array(place.out_offset, np.uint16, (n, h, LATENT)).copy()
+            outs.append(torch.from_numpy(out.view(np.int16)).view(torch.bfloat16))
+        return outs
+
     def close(self) -> None:
         if self.region is not None:
-            if self.kind == "system-shm":
+            if self.kind in ("system-shm", "steps"):
                 self.client.unregister_system_shared_memory(self.name)
             else:
                 self.client.unregister_cuda_shared_memory(self.name)
@@ -468,20 +503,31 @@ def speculative_decode(client: VerifyClient, model: MlaModel, prompts: List[List
                     positions.append(torch.as_tensor([s.committed + d for d in s.tree.depth],
                                                      device=model.device))
                     xs.append(model.embed_tokens(s.tree.tokens))
+                step = transport.open_step(active, scale) if plane == "steps" else None
+                if step is not None:
+                    for s, prefix in zip(active, step.prefix_len):
+                        if prefix != s.committed:
+                            raise RuntimeError(f"prompt {s.index}: the step attends to {prefix} "
+                                               f"rows, {s.committed} committed")
                 for layer in range(c.num_layers):
                     inputs = [model.attention_inputs(layer, x, pos) for x, pos in zip(xs, positions)]
-                    items = [transport.item(k, s.sequence_id, q, rows, s.tree.parents)
-                             for k, (s, (q, rows)) in enumerate(zip(active, inputs))]
                     t0 = time.perf_counter()
-                    answers = client.verify(layer, items, softmax_scale=scale)
+                    if step is not None:
+                        outs = transport.step_layer(step, layer, inputs)
+                    else:
+                        items = [transport.item(k, s.sequence_id, q, rows, s.tree.parents)
+                                 for k, (s, (q, rows)) in enumerate(zip(active, inputs))]
+                        answers = client.verify(layer, items, softmax_scale=scale)
+                        for s, answer in zip(active, answers):
+                            if answer.prefix_len != s.committed:
+                                raise RuntimeError(f"prompt {s.index}: the server attended to "
+                                                   f"{answer.prefix_len} rows, {s.committed} "
+                                                   "committed")
+                        outs = [answer.out for answer in answers]
                     stats.verify_seconds += time.perf_counter() - t0
                     stats.verify_calls += 1
-                    for k, (s, answer) in enumerate(zip(active, answers)):
-                        if answer.prefix_len != s.committed:
-                            raise RuntimeError(f"prompt {s.index}: the server attended to "
-                                               f"{answer.prefix_len} rows, {s.committed} committed")
-                        out = answer.out.to(model.device).float()
-                        xs[k] = model.attention_outputs(layer, xs[k], out)
+                    for k, out in enumerate(outs):
+                        xs[k] = model.attention_outputs(layer, xs[k], out.to(model.device).float())
                 for s, x in zip(active, xs):
                     path, bonus = accept_greedy(s.tree, model.logits(x))
                     result = client.commit(s.sequence_id, path)
@@ -554,6 +600,9 @@ def run(args: argparse.Namespace) -> Tuple[int, dict]:
         if args.plane == "cuda-shm" and not args.device.startswith("cuda"):
             return 2, dict(error="cuda-shm keeps the tensors on the GPU: run the model there "
                                  "(--device cuda)")
+        if args.plane == "steps" and not info.host_doorbells:
+            return 2, dict(error="the server opens no device-driven steps with host doorbells "
+                                 "(--step-lanes 0)")
         if args.plane != "inline" and not info.client_shared_memory:
             return 2, dict(error="the server does not take client shared memory: start it with "
                                  "--allow-client-shm true")
@@ -609,8 +658,10 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--target", default="127.0.0.1:50051", help="the server, host:port")
     ap.add_argument("--plane", choices=PLANES, default="inline",
-                    help="how q, draft KV, out and lse travel (system-shm: the server runs with "
-                         "--allow-client-shm true, on this host)")
+                    help="how q, draft KV, out and lse travel (system-shm, steps: the server "
+                         "runs with --allow-client-shm true, on this host; steps: one OpenStep "
+                         "per decode step, every layer through host doorbells, no call per "
+                         "layer)")
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--prompt-len", type=int, default=64,
                     help="the longest prompt; lengths are drawn from half of it up")

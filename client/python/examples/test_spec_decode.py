@@ -83,6 +83,16 @@ def test_system_shared_memory_plane(server):
     assert_equal_tokens(status, report)
 
 
+def test_device_driven_steps_with_host_doorbells(server):
+    # One OpenStep per decode step, every layer rung and awaited through host
+    # doorbells: the same tokens, with drafts accepted (trees of 10 drafts).
+    status, report = run(server, "--plane", "steps", "--prompts", "8", "--tokens", "24")
+    assert report["plane"] == "steps"
+    assert_equal_tokens(status, report)
+    assert report["drafts_accepted_per_step"] > 0 and report["accept_all_steps"] > 0, \
+        report["accepted_histogram"]
+
+
 def test_a_wrong_softmax_scale_changes_the_tokens(server):
     # The server's default scale (1/sqrt(192)) where the model uses 1/sqrt(128):
     # what a scheduler that forgot to pass its scale would get. The check must
