@@ -109,6 +109,29 @@ struct Engine::Sequence {
   }
 };
 
+// Holds the locks of several sequences, taken in id order (no deadlock with
+// another call locking an overlapping set). Locks taken in a loop are beyond
+// the thread-safety analysis: code under them asserts each one it relies on.
+class Engine::SequenceLocks {
+ public:
+  explicit SequenceLocks(const std::vector<std::shared_ptr<Sequence>>& seqs)
+      ABSL_NO_THREAD_SAFETY_ANALYSIS : seqs_(seqs) {
+    std::vector<Sequence*> order;
+    for (const auto& seq : seqs_) order.push_back(seq.get());
+    std::sort(order.begin(), order.end(),
+              [](const Sequence* a, const Sequence* b) { return a->id < b->id; });
+    for (Sequence* seq : order) seq->mu.Lock();
+  }
+  ~SequenceLocks() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    for (const auto& seq : seqs_) seq->mu.Unlock();
+  }
+  SequenceLocks(const SequenceLocks&) = delete;
+  SequenceLocks& operator=(const SequenceLocks&) = delete;
+
+ private:
+  const std::vector<std::shared_ptr<Sequence>>& seqs_;
+};
+
 // What every asynchronous call shares: admission bytes, the one decision
 // whether it runs (asked by the first piece of device work taken), and the
 // count of pieces still out.
@@ -814,6 +837,20 @@ EngineStats Engine::Stats() const {
 
 PageAllocator& Engine::AllocatorOf(const Sequence& seq) { return *allocators_[seq.pool]; }
 
+absl::StatusOr<std::vector<std::vector<int32_t>>> Engine::AllocateInEveryPool(
+    const std::vector<int64_t>& pages) {
+  std::vector<std::vector<int32_t>> got(allocators_.size());
+  for (size_t p = 0; p < allocators_.size(); ++p) {
+    absl::StatusOr<std::vector<int32_t>> pool = allocators_[p]->Allocate(pages[p]);
+    if (!pool.ok()) {
+      for (size_t q = 0; q < p; ++q) allocators_[q]->Free(got[q]);
+      return pool.status();
+    }
+    got[p] = *std::move(pool);
+  }
+  return got;
+}
+
 std::vector<int> Engine::DevicesOf(const Sequence& seq) const {
   if (config_.parallel_mode == ParallelMode::kDataParallel) return {seq.pool};
   std::vector<int> all(workers_.size());
@@ -1176,22 +1213,7 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
   // Lock the sequences in id order (no deadlock with concurrent calls); the
   // locks are held until the shards are queued, so every device sees one
   // sequence's calls in the same order.
-  std::vector<size_t> order(items.size());
-  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
-  std::sort(order.begin(), order.end(),
-            [&](size_t a, size_t b) { return items[a].sequence_id < items[b].sequence_id; });
-  // (Locks taken in a loop are beyond the thread-safety analysis: the code
-  // below asserts each one it relies on.)
-  struct Locker {
-    std::vector<std::shared_ptr<Sequence>>& seqs;
-    Locker(std::vector<std::shared_ptr<Sequence>>& s,
-           const std::vector<size_t>& order) ABSL_NO_THREAD_SAFETY_ANALYSIS : seqs(s) {
-      for (size_t k : order) seqs[k]->mu.Lock();
-    }
-    ~Locker() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-      for (auto& seq : seqs) seq->mu.Unlock();
-    }
-  } locker(seqs, order);
+  const SequenceLocks locks(seqs);
 
   // State checks and page needs, still changing nothing.
   std::vector<int64_t> extra(items.size(), 0);
@@ -1227,16 +1249,12 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
     pool_pages[s.pool] += extra[k];
   }
   RETURN_IF_ERROR(Admit(bytes));
-  std::vector<std::vector<int32_t>> new_pages(allocators_.size());
-  for (size_t p = 0; p < allocators_.size(); ++p) {
-    absl::StatusOr<std::vector<int32_t>> got = allocators_[p]->Allocate(pool_pages[p]);
-    if (!got.ok()) {
-      for (size_t q = 0; q < p; ++q) allocators_[q]->Free(new_pages[q]);
-      Unadmit(bytes);
-      return got.status();
-    }
-    new_pages[p] = *std::move(got);
+  absl::StatusOr<std::vector<std::vector<int32_t>>> allocated = AllocateInEveryPool(pool_pages);
+  if (!allocated.ok()) {
+    Unadmit(bytes);
+    return allocated.status();
   }
+  std::vector<std::vector<int32_t>>& new_pages = *allocated;
   if (staging_bytes > 0) {
     absl::StatusOr<HostStaging::Block> block =
         staging_->Allocate(staging_bytes, "this call's host-resident tensors");
@@ -1630,20 +1648,7 @@ absl::StatusOr<std::vector<StepHost::Claimed>> Engine::ClaimForStep(
     ASSIGN_OR_RETURN(std::vector<uint64_t> words, BuildVisibility(items[k].parents));
     visibility[k] = std::make_shared<const std::vector<uint64_t>>(std::move(words));
   }
-  std::vector<size_t> order(items.size());
-  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
-  std::sort(order.begin(), order.end(),
-            [&](size_t a, size_t b) { return items[a].sequence_id < items[b].sequence_id; });
-  struct Locker {  // in id order, as StartVerify
-    std::vector<std::shared_ptr<Sequence>>& seqs;
-    Locker(std::vector<std::shared_ptr<Sequence>>& s,
-           const std::vector<size_t>& order) ABSL_NO_THREAD_SAFETY_ANALYSIS : seqs(s) {
-      for (size_t k : order) seqs[k]->mu.Lock();
-    }
-    ~Locker() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-      for (auto& seq : seqs) seq->mu.Unlock();
-    }
-  } locker(seqs, order);
+  const SequenceLocks locks(seqs);
   std::vector<int64_t> extra(items.size(), 0);
   std::vector<int64_t> pool_pages(allocators_.size(), 0);
   for (size_t k = 0; k < items.size(); ++k) {
@@ -1670,15 +1675,7 @@ absl::StatusOr<std::vector<StepHost::Claimed>> Engine::ClaimForStep(
         0, CeilDiv(s.length + n, config_.page_size) - static_cast<int64_t>(s.pages.size()));
     pool_pages[s.pool] += extra[k];
   }
-  std::vector<std::vector<int32_t>> new_pages(allocators_.size());
-  for (size_t p = 0; p < allocators_.size(); ++p) {
-    absl::StatusOr<std::vector<int32_t>> got = allocators_[p]->Allocate(pool_pages[p]);
-    if (!got.ok()) {
-      for (size_t q = 0; q < p; ++q) allocators_[q]->Free(new_pages[q]);
-      return got.status();
-    }
-    new_pages[p] = *std::move(got);
-  }
+  ASSIGN_OR_RETURN(std::vector<std::vector<int32_t>> new_pages, AllocateInEveryPool(pool_pages));
   std::vector<size_t> next_page(allocators_.size(), 0);
   std::vector<StepHost::Claimed> claimed(items.size());
   for (size_t k = 0; k < items.size(); ++k) {

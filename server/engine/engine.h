@@ -229,6 +229,7 @@ class Engine {
 
  private:
   struct Sequence;
+  class SequenceLocks;
   struct Placed;
   class Call;
   class VerifyTask;
@@ -258,6 +259,9 @@ class Engine {
   absl::StatusOr<std::shared_ptr<Sequence>> Find(uint64_t id) const;
   absl::Status NotFound(uint64_t id) const;
   PageAllocator& AllocatorOf(const Sequence& seq);
+  // `pages[p]` pages of pool p, all or none (RESOURCE_EXHAUSTED, nothing held).
+  absl::StatusOr<std::vector<std::vector<int32_t>>> AllocateInEveryPool(
+      const std::vector<int64_t>& pages);
   // The devices a sequence's KV lives on: all (TP) or its own (DP).
   std::vector<int> DevicesOf(const Sequence& seq) const;
   // Admission: reserves room for one call of `bytes`, or RESOURCE_EXHAUSTED
