@@ -15,11 +15,13 @@
 //       [--server-work-us 30] [--device 0] [--json out.json]
 // Prints the per-layer median and the floor per hop, and writes the JSON.
 #include <cuda_runtime_api.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <string>
@@ -65,7 +67,7 @@ bool ReadAll(int fd, void* data, size_t bytes) {
 }
 
 // The server side: owns the words, answers every ring of every round.
-int Server(const Options& o, int to_client, int from_client) {
+int Server(const Options& o, pid_t client, int to_client, int from_client) {
   if (!Ok(cudaSetDevice(o.device), "cudaSetDevice")) return 1;
   uint64_t* words = nullptr;
   if (!Ok(cudaMalloc(reinterpret_cast<void**>(&words), 2 * sizeof(uint64_t)), "cudaMalloc") ||
@@ -87,6 +89,14 @@ int Server(const Options& o, int to_client, int from_client) {
           !Ok(mlaverify::kernels::StreamWriteValue64(stream, completion, v), "write")) {
         return 1;
       }
+    }
+    // The round's end, or the client gone (its rings would never come).
+    while (cudaStreamQuery(stream) == cudaErrorNotReady) {
+      if (waitpid(client, nullptr, WNOHANG) == client) {
+        std::fprintf(stderr, "the client process ended mid-round\n");
+        return 1;
+      }
+      usleep(100);
     }
     if (!Ok(cudaStreamSynchronize(stream), "server round")) return 1;
   }
@@ -176,14 +186,23 @@ int main(int argc, char** argv) {
   app.add_option("--device", o.device, "CUDA device");
   app.add_option("--json", o.json, "write the result here");
   CLI11_PARSE(app, argc, argv);
+  // One hardware queue per stream (docs/steps.md), as the server sets it.
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
   // Fork before either side touches CUDA (a forked child cannot use it).
   int to_client[2], to_server[2];
   if (pipe(to_client) != 0 || pipe(to_server) != 0) return 1;
   const pid_t child = fork();
   if (child < 0) return 1;
-  if (child == 0) _exit(Client(o, to_client[0], to_server[1]));
-  const int server = Server(o, to_client[1], to_server[0]);
+  if (child == 0) {
+    close(to_client[1]);
+    close(to_server[0]);
+    _exit(Client(o, to_client[0], to_server[1]));
+  }
+  close(to_client[0]);
+  close(to_server[1]);
+  const int server = Server(o, child, to_client[1], to_server[0]);
   int status = 0;
+  if (server != 0) kill(child, SIGKILL);
   waitpid(child, &status, 0);
   const int client = WIFEXITED(status) ? WEXITSTATUS(status) : 1;
   return server != 0 ? server : client;

@@ -87,6 +87,10 @@ TimedStream::~TimedStream() {
   if (stream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
 }
 
+absl::Status TimedStream::MakeCurrent() const {
+  return Check(cudaSetDevice(device_), "cudaSetDevice");
+}
+
 absl::Status TimedStream::Record(int event) {
   return Check(cudaEventRecord(static_cast<cudaEvent_t>(events_.at(event)),
                                static_cast<cudaStream_t>(stream_)),

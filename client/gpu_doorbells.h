@@ -36,6 +36,9 @@ class TimedStream {
 
   void* stream() const { return stream_; }
   int device() const { return device_; }
+  // Makes the stream's device the calling thread's current one (for work
+  // launched on the current device, such as LaunchClientWork).
+  absl::Status MakeCurrent() const;
   absl::Status Record(int event);
   absl::Status Synchronize();
   // Seconds from event `from` to event `to` (both recorded and done).

@@ -19,6 +19,7 @@ absl::StatusOr<uint64_t> Read(uint64_t, int) { return NoCuda(); }
 
 absl::StatusOr<std::unique_ptr<TimedStream>> TimedStream::Create(int, int) { return NoCuda(); }
 TimedStream::~TimedStream() = default;
+absl::Status TimedStream::MakeCurrent() const { return NoCuda(); }
 absl::Status TimedStream::Record(int) { return NoCuda(); }
 absl::Status TimedStream::Synchronize() { return NoCuda(); }
 absl::StatusOr<double> TimedStream::Elapsed(int, int) const { return NoCuda(); }

@@ -292,6 +292,10 @@ int Main(int argc, char** argv) {
   // of KiB per call) then come from the heap without page faults.
   TuneHeapForLargeBuffers();
   TurnOffMutexDeadlockDetection();  // (mutex_tuning.h: why)
+  // Before CUDA starts (load --steps --doorbell gpu): one hardware queue per
+  // stream, so that a stream held at a doorbell wait holds no other stream's
+  // work behind it (docs/steps.md). An operator's own setting stays.
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
   // Results go to stdout (tables, JSON); diagnostics to stderr.
   spdlog::set_default_logger(spdlog::stderr_color_mt("mlaverify-client"));
   CLI::App app{"mlaverify-client: inspect, check and load an mlaverify verify-attention server"};

@@ -249,7 +249,6 @@ class Worker {
   }
 
   void Step() {
-    const LoadOptions& o = plan_.options;
     const StepSpec spec = Spec();
     const Clock::time_point opened_at = Clock::now();
     absl::StatusOr<std::unique_ptr<DeviceStep>> opened = client_.OpenStep(spec);
@@ -341,7 +340,10 @@ class Worker {
     for (int l = 0; l < plan_.layers; ++l) {
       for (int r = 0; r < plan_.ranks; ++r) {
         gpu_doorbells::TimedStream& s = *streams_[r];
-        if (o.client_work_us > 0) RETURN_IF_ERROR(LaunchClientWork(s.stream(), o.client_work_us));
+        if (o.client_work_us > 0) {
+          RETURN_IF_ERROR(s.MakeCurrent());
+          RETURN_IF_ERROR(LaunchClientWork(s.stream(), o.client_work_us));
+        }
         RETURN_IF_ERROR(s.Record(2 * l));
         RETURN_IF_ERROR(step.RingOnStream(r, l + 1, s.stream()));
         RETURN_IF_ERROR(step.WaitOnStream(r, l + 1, s.stream()));

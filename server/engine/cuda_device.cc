@@ -127,6 +127,8 @@ struct CudaLane {
   std::atomic<int> layers{0};
   std::atomic<uint64_t> end_value{0};        // EndLane's (0: not ended)
   std::atomic<uint64_t> doorbell_offset{0};  // GPU doorbells: the step's pair in the arena
+  std::atomic<bool> host_kind{false};        // the step has host doorbells
+  std::atomic<uint64_t> host_doorbell{0};    // host doorbells: the slot in this process
   bool completion_ended = false;             // EndLane appended the completion's end value
   absl::Mutex end_mu;                        // EndLane's calls, one at a time
   // Host doorbells: the lane's thread, which launches each rung layer.
@@ -493,6 +495,8 @@ class CudaDevice final : public Device {
     lane.layers.store(launch.layers);
     lane.end_value.store(0);
     lane.doorbell_offset.store(launch.doorbell);
+    lane.host_kind.store(launch.kind == DoorbellKind::kHost);
+    lane.host_doorbell.store(launch.kind == DoorbellKind::kHost ? launch.doorbell : 0);
     {
       absl::MutexLock lock(&lane.end_mu);
       lane.completion_ended = false;
@@ -501,12 +505,27 @@ class CudaDevice final : public Device {
     if (launch.kind == DoorbellKind::kDevice) {
       const uint64_t doorbell = arena_.address + launch.doorbell;
       const uint64_t completion = arena_.address + launch.completion;
-      for (int layer = 0; layer < launch.layers; ++layer) {
+      absl::Status enqueued;
+      for (int layer = 0; layer < launch.layers && enqueued.ok(); ++layer) {
         const uint64_t value = launch.base + static_cast<uint64_t>(layer) + 1;
-        RETURN_IF_ERROR(Memop(kernels::StreamWaitValue64(stream, doorbell, value)));
-        RETURN_IF_ERROR(Replay(lane.memory, lane.graphs, launch.shape, launch.graph, layer > 0));
-        RETURN_IF_ERROR(Memop(kernels::StreamWriteValues64(
-            stream, {{completion, value}, {lane.progress_device, value}})));
+        enqueued = Memop(kernels::StreamWaitValue64(stream, doorbell, value));
+        if (enqueued.ok()) {
+          enqueued = Replay(lane.memory, lane.graphs, launch.shape, launch.graph, layer > 0);
+        }
+        if (enqueued.ok()) {
+          enqueued = Memop(kernels::StreamWriteValues64(
+              stream, {{completion, value}, {lane.progress_device, value}}));
+        }
+      }
+      if (!enqueued.ok()) {
+        // What was enqueued must not wait for rings the step will never
+        // see counted: every wait passes at once, and the lane's end is
+        // recorded after it (the worker faults the device all the same).
+        const uint64_t end = launch.base + static_cast<uint64_t>(launch.layers) + 1;
+        kernels::StreamWriteValue64(release_, doorbell, end).IgnoreError();
+        kernels::StreamWriteValue64(stream, completion, end).IgnoreError();
+        cudaEventRecord(lane.end, stream);
+        return enqueued;
       }
       return Check(cudaEventRecord(lane.end, stream), "cudaEventRecord");
     }
@@ -523,16 +542,10 @@ class CudaDevice final : public Device {
     CudaLane& lane = *lanes_[index];
     if (!lane.running.load()) return;
     lane.end_value.store(end_value);
-    StepLaunch launch;
-    bool host = false;
-    {
-      absl::MutexLock lock(&lane.mu);
-      host = lane.has_step;
-      launch = lane.launch;
-    }
-    if (host) {
-      // The lane's thread stops launching; its wait returns at once.
-      HostSlot(reinterpret_cast<void*>(launch.doorbell)).Store(end_value);
+    if (lane.host_kind.load()) {
+      // The lane's thread stops launching (its wait returns at once) and
+      // stores the completion's end value once what it launched ran.
+      HostSlot(reinterpret_cast<void*>(lane.host_doorbell.load())).Store(end_value);
       return;
     }
     absl::MutexLock lock(&lane.end_mu);
@@ -546,9 +559,11 @@ class CudaDevice final : public Device {
     if (!lane.completion_ended) {
       // The completion after the step's last operation (stream order): the
       // scheduler's waits all pass, and no layer's own write follows it.
+      // The lane's end is recorded again after it, so "drained" includes it.
       lane.completion_ended = kernels::StreamWriteValue64(
                                   lane.memory.stream, a.address + pair + kHostSlotBytes, end_value)
-                                  .ok();
+                                  .ok() &&
+                              cudaEventRecord(lane.end, lane.memory.stream) == cudaSuccess;
     }
   }
 
@@ -654,7 +669,7 @@ class CudaDevice final : public Device {
     void* arena = nullptr;
     const size_t arena_bytes = DoorbellArenaBytes(lg.lanes);
     RETURN_IF_ERROR(Check(cudaMalloc(&arena, arena_bytes), "doorbell arena"));
-    RETURN_IF_ERROR(Check(cudaMemset(arena, 0, arena_bytes), "doorbell arena"));
+    RETURN_IF_ERROR(Check(cudaMemsetAsync(arena, 0, arena_bytes, release_), "doorbell arena"));
     cudaIpcMemHandle_t handle;
     RETURN_IF_ERROR(Check(cudaIpcGetMemHandle(&handle, arena), "doorbell arena's IPC handle"));
     arena_.address = Address(arena);
@@ -738,13 +753,14 @@ class CudaDevice final : public Device {
       int layer = 0;
       for (; layer < launch.layers && status.ok(); ++layer) {
         const uint64_t value = launch.base + static_cast<uint64_t>(layer) + 1;
-        uint64_t seen = 0;
-        while (true) {
-          seen = doorbell.WaitAtLeast(value, absl::Microseconds(50), absl::InfiniteFuture(), ended,
-                                      absl::Milliseconds(2));
-          if (seen >= value || ended()) break;
+        while (!ended() &&
+               doorbell.WaitAtLeast(value, absl::Microseconds(50), absl::InfiniteFuture(), ended,
+                                    absl::Milliseconds(2)) < value) {
         }
-        if (ended() || seen > last) break;
+        // Ended by the server (or the device going): the layers left are
+        // not run. (A ring past the last layer rings every layer, as a GPU
+        // doorbell does.)
+        if (ended()) break;
         status = Replay(lane.memory, lane.graphs, launch.shape, launch.graph, layer > 0);
         if (status.ok()) {
           status = Memop(kernels::StreamWriteValues64(
@@ -752,13 +768,18 @@ class CudaDevice final : public Device {
               {{launch.completion_device, value}, {lane.progress_device, value}}));
         }
       }
-      if (status.ok() && layer < launch.layers) {
-        // Ended early: the completion's end value after what was launched.
+      if (layer < launch.layers || !status.ok()) {
+        // Ended early, or a launch failed: once what was launched ran (or
+        // failed), the completion's end value, stored from here with a wake,
+        // so every wait of the scheduler passes.
+        cudaStreamSynchronize(lane.memory.stream);
         const uint64_t end = lane.end_value.load() != 0 ? lane.end_value.load() : last + 1;
-        status =
-            Memop(kernels::StreamWriteValue64(lane.memory.stream, launch.completion_device, end));
+        HostSlot(reinterpret_cast<void*>(launch.completion)).Store(end);
       }
-      if (status.ok()) status = Check(cudaEventRecord(lane.end, lane.memory.stream), "event");
+      // Recorded whatever happened: "drained" must not come before the
+      // launched layers ran.
+      const absl::Status recorded = Check(cudaEventRecord(lane.end, lane.memory.stream), "event");
+      if (status.ok()) status = recorded;
       if (!status.ok()) spdlog::error("{}: step lane {}: {}", name_, index, status.ToString());
       {
         absl::MutexLock lock(&lane.mu);

@@ -452,15 +452,14 @@ class HostDevice final : public Device {
     bool completed = true;
     for (int layer = 0; layer < launch.layers; ++layer) {
       const uint64_t target = launch.base + static_cast<uint64_t>(layer) + 1;
-      uint64_t seen = 0;
-      while (true) {
-        seen = doorbell.WaitAtLeast(target, absl::Microseconds(50), absl::InfiniteFuture(), ended,
-                                    absl::Milliseconds(5));
-        if (seen >= target || ended()) break;
+      while (!ended() &&
+             doorbell.WaitAtLeast(target, absl::Microseconds(50), absl::InfiniteFuture(), ended,
+                                  absl::Milliseconds(5)) < target) {
       }
-      // Ended by the server, or a value past the last layer: the layers
-      // left are not run (their pages are dropped).
-      if (ended() || seen > last) {
+      // Ended by the server: the layers left are not run (their pages are
+      // dropped). (A ring past the last layer rings every layer, as a GPU
+      // doorbell does.)
+      if (ended()) {
         completed = false;
         break;
       }
@@ -480,8 +479,9 @@ class HostDevice final : public Device {
         completed = false;
         break;
       }
-      timings->push_back(
-          {absl::ToDoubleSeconds(end - start), absl::ToDoubleSeconds(start - previous_end)});
+      // (The first layer's wait is not a scheduler's work between layers.)
+      timings->push_back({absl::ToDoubleSeconds(end - start),
+                          layer == 0 ? 0.0 : absl::ToDoubleSeconds(start - previous_end)});
       previous_end = end;
       lane.layers_done.store(layer + 1);
       completion.Store(target);

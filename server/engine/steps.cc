@@ -802,10 +802,10 @@ bool StepRunner::Poll(Step& step, absl::Time now) {
         return false;
       }
       if (drained) {
-        BeginAbort(step, StepAbortReason::kLaneStopped,
-                   absl::AbortedError(absl::StrCat(
-                       "step ", step.id, ": a lane stopped after ", done, " of ", step.num_layers,
-                       " layers (a doorbell value past the last layer, or a device error)")));
+        BeginAbort(
+            step, StepAbortReason::kLaneStopped,
+            absl::AbortedError(absl::StrCat("step ", step.id, ": a lane stopped after ", done,
+                                            " of ", step.num_layers, " layers (a device error)")));
       } else if (absl::Status f = host_->fault(); !f.ok()) {
         BeginAbort(step, StepAbortReason::kDeviceFault, f);
       } else if (now >= step.deadline) {

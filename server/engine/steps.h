@@ -141,7 +141,7 @@ enum class StepAbortReason {
   kDeadline,          // the step's maximum duration passed
   kSequenceReleased,  // one of its sequences was released
   kDeviceFault,       // a device faulted
-  kLaneStopped,       // a lane ran out early (a doorbell value past the last layer)
+  kLaneStopped,       // a lane ran out early (a device error)
   kShutdown,          // the server stopped
 };
 inline constexpr int kStepAbortReasons = 8;
