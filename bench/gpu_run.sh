@@ -5,7 +5,7 @@
 #     build/tests/gpu_engine_test build/bench/mlaverify-bench build/bench/mlaverify-engine-bench \
 #     build/server/mlaverify-server build/client/mlaverify-client
 # and carried there (device tool: carry [".device"]):
-#   OUT=/tmp/out bench/gpu_run.sh [tests] [steps] [fp8] [dataplane] [service] [connections] [planes] [cudashm] [pyclient] [pynative] [latency] [fault] [engine] [soak] [anchor] [sweep] [triton] [stalls] [small] [pdl] [ncu] [shapes] [sass] [timeline]
+#   OUT=/tmp/out bench/gpu_run.sh [mps] [tests] [steps] [fp8] [dataplane] [service] [connections] [planes] [cudashm] [pyclient] [pynative] [latency] [fault] [engine] [soak] [anchor] [sweep] [triton] [stalls] [small] [pdl] [ncu] [shapes] [sass] [timeline]
 # The pyclient part also needs the Python package with its stubs in the
 # bundle: cp -r build/client/python .device/bundle/python
 # Writes logs and JSON into $OUT/results.tgz (one file: the device tool brings
@@ -31,6 +31,20 @@ summary=()
 # run folder as each run ends. Under a time limit, pack that folder whatever
 # happens: timeout 300 bench/gpu_run.sh ...; tar czf "$OUT/runs.tgz" /tmp/mlaverify-run.*
 echo "gpu_run.sh: reports in $out" >&2
+if want mps; then
+  # Every process of the parts that follow runs as a client of one CUDA MPS
+  # server (one GPU context for all): kernels of the service and of its
+  # schedulers run side by side instead of time-sliced. The daemon's pipe
+  # and logs live in the run folder; it quits when the script ends.
+  export CUDA_MPS_PIPE_DIRECTORY=$out/mps-pipe CUDA_MPS_LOG_DIRECTORY=$out/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d; then
+    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+    summary+=("mps: control daemon started")
+  else
+    summary+=("mps: nvidia-cuda-mps-control -d failed; the parts run without MPS")
+  fi
+fi
 if want tests; then
   # (the fp8 grid, Fp8AttentionMatchesReferenceOverTheGrid, about doubles the grid's time)
   timeout 420 "$bundle/bin/gpu_kernels_test" --gtest_output=json:"$out/gpu_tests.json" \
@@ -461,7 +475,7 @@ if want steps && [ -x "$bundle/bin/mlaverify-server" ]; then
     summary+=("gpu steps test rc=$?")
     grep -E '^\[  (PASSED|FAILED|SKIPPED) |Failure|rel_err' "$out/gpu_steps_test.log" | head -20
   fi
-  for work in "0 0" "50 0" "50 30"; do
+  for work in "0 0" "50 0" "0 30" "50 30"; do
     read -r cw sw <<< "$work"
     timeout 60 "$bundle/bin/mlaverify-doorbell-probe" --layers 61 --rounds 50 \
       --client-work-us "$cw" --server-work-us "$sw" --json "$out/probe-c${cw}-s${sw}.json" \
@@ -469,15 +483,17 @@ if want steps && [ -x "$bundle/bin/mlaverify-server" ]; then
     summary+=("probe client ${cw} server ${sw} rc=${PIPESTATUS[0]}")
   done
   timeout 120 "$bundle/bin/mlaverify-bench" --shape 1,16384,16,8 --shape 32,1024,16,8 \
-    --shape 1,16384,16,16 --out "$out/steps-kernel.json" > "$out/steps-kernel.log" 2>&1
+    --shape 1,16384,16,16 --shape 1,4096,16,8 --out "$out/steps-kernel.json" > "$out/steps-kernel.log" 2>&1
   summary+=("steps kernel rc=$?")
   grep -E '^B=' "$out/steps-kernel.log"
-  # step_row ROW ARGS...: one `load --steps` against the running server.
+  # step_row ROW ARGS...: one `load --steps` against the running server, one
+  # scheduler (a step's own latency; ARGS may raise --concurrency).
   step_row() {
-    local row=$1
+    local row=$1 one=(--concurrency 1)
     shift
+    [[ " $* " == *" --concurrency "* ]] && one=()
     timeout 120 "${cl[@]}" load --steps --drafts 16 --progress false --duration-s "$secs" \
-      --warmup-s 1 "$@" --json "$out/steps-$row.json" > "$out/steps-$row.log" 2>&1
+      --warmup-s 1 "${one[@]}" "$@" --json "$out/steps-$row.json" > "$out/steps-$row.log" 2>&1
     summary+=("steps $row rc=$?")
     echo "== $row"
     grep -E "^(steps|step|layer|layers|open|commits|errors|first error):|PASS|FAIL" "$out/steps-$row.log"
@@ -488,6 +504,8 @@ if want steps && [ -x "$bundle/bin/mlaverify-server" ]; then
   step_row gpu-1x16k-work50 --doorbell gpu --prompt-len 16384 --max-seq-len 16900 \
     --shm-staging-mib 1200 --client-work-us 50
   step_row gpu-32x1k --doorbell gpu --items 32 --prompt-len 1024 --max-seq-len 1600
+  # Four schedulers, one per lane: steps side by side.
+  step_row gpu-1x4k-c4 --doorbell gpu --prompt-len 4096 --max-seq-len 4700 --concurrency 4
   step_row host-1x16k --doorbell host --prompt-len 16384 --max-seq-len 16900 --shm-staging-mib 1200
   # Today's path in the same server: per-layer VerifyStream over CUDA shm.
   timeout 60 "${cl[@]}" load --concurrency 1 --duration-s "$secs" --warmup-s 1 --prompt-len 16384 \
@@ -512,7 +530,12 @@ if want steps && [ -x "$bundle/bin/mlaverify-server" ]; then
   "${cl[@]}" load --steps --doorbell gpu --drafts 16 --prompt-len 4096 --max-seq-len 4700 \
     --duration-s 30 --progress false > "$out/steps-kill-victim.log" 2>&1 &
   victim=$!
-  sleep 4
+  # Killed once its steps run (its prompts take a while to append).
+  for _ in $(seq 60); do
+    curl -s "http://127.0.0.1:$aport/metrics" | grep -qE '^mlaverify_device_steps_opened_total [1-9]' && break
+    sleep 0.5
+  done
+  sleep 1
   kill -KILL "$victim"; wait "$victim" 2>/dev/null
   sleep 4  # the layer timeout, then the idle expiry
   curl -s "http://127.0.0.1:$aport/metrics" | grep -E '^mlaverify_(device_steps|kv_pages_(free|capacity)|sequences_live)' \

@@ -46,6 +46,10 @@ def main():
         r = rows.get(name)
         if not r or r.get("mode") != "steps":
             return None
+        if not r["steps"]:
+            # No step in the window: nothing measured (the error says why).
+            out["empty_rows"][name] = r["first_error"] or "no step completed in the window"
+            return None
         kern = kernel.get((batch, prefix, 16, heads), {})
         return {
             "pass": r["pass"],
@@ -69,10 +73,10 @@ def main():
 
     out = {"what": "device-driven verify steps (docs/steps.md), bench/gpu_run.sh steps",
            "kernel": {f"{b},{l},{n},{h}": v for (b, l, n, h), v in kernel.items()},
-           "probe": probes, "rows": {}, "targets": []}
+           "probe": probes, "rows": {}, "empty_rows": {}, "targets": []}
     shapes = {
         "gpu-1x16k": (1, 16384, 8), "gpu-1x16k-work50": (1, 16384, 8), "gpu-32x1k": (32, 1024, 8),
-        "host-1x16k": (1, 16384, 8), "gpu-1x16k-h16": (1, 16384, 16),
+        "gpu-1x4k-c4": (1, 4096, 8),        "host-1x16k": (1, 16384, 8), "gpu-1x16k-h16": (1, 16384, 16),
         "gpu-1x16k-tp00": (1, 16384, 16), "kill-after": (1, 4096, 8),
     }
     for name, (b, l, h) in shapes.items():

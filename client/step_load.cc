@@ -66,6 +66,9 @@ struct Plan {
   absl::Duration spin = absl::Milliseconds(20);
   std::atomic<bool> stop{false};
   std::atomic<bool> measuring{false};
+  // Workers with their tensors in place and their first prompts appended:
+  // the warm-up starts when all are (prompt uploads are not timed).
+  std::atomic<int> ready{0};
   Clock::time_point measure_start;
 };
 
@@ -89,7 +92,11 @@ class Worker {
   WorkerResult& result() { return result_; }
 
   void Run() {
-    if (!Setup()) return;
+    const bool set_up = Setup();
+    // Ready once tried: a failed first append is counted and retried below.
+    if (set_up) CreateSequences();
+    plan_.ready.fetch_add(1);
+    if (!set_up) return;
     while (!plan_.stop.load()) {
       if (sequences_.empty() && !CreateSequences()) {
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -479,10 +486,16 @@ absl::StatusOr<StepLoadReport> RunStepLoad(VerifyClient& client, const LoadOptio
       workers.push_back(std::make_unique<Worker>(w, client, *plan));
       workers.back()->SetCudaBuffer(cuda.get());
     }
-    const Clock::time_point start = Clock::now();
     std::vector<std::thread> threads;
     for (auto& w : workers) threads.emplace_back([&w] { w->Run(); });
-    // Warm-up, then the measured window.
+    // Every worker's prompts appended (not timed), a warm-up, then the
+    // measured window.
+    const Clock::time_point ramp_start = Clock::now();
+    while (plan->ready.load() < o.concurrency && !plan->stop.load() && !LoadStopRequested()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    report.prompt_seconds = Seconds(ramp_start, Clock::now());
+    const Clock::time_point start = Clock::now();
     const auto sleep_until = [&](Clock::time_point t) {
       while (Clock::now() < t && !plan->stop.load() && !LoadStopRequested()) {
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -617,6 +630,7 @@ nlohmann::ordered_json StepLoadReportToJson(const StepLoadReport& r) {
       {"num_heads", r.num_heads},
       {"heads_per_device", r.heads_per_device},
       {"ranks", r.ranks},
+      {"prompt_seconds", r.prompt_seconds},
       {"ramp_up_seconds", r.ramp_up_seconds},
       {"measured_seconds", r.measured_seconds},
       {"steps", r.steps},

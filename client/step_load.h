@@ -35,6 +35,7 @@ struct StepLoadReport {
   int heads_per_device = 0;
   int ranks = 0;
   int num_drafts = 0;
+  double prompt_seconds = 0;  // every worker's first prompts appended, not timed
   double ramp_up_seconds = 0;
   double measured_seconds = 0;
   int64_t steps = 0;  // measured, committed

@@ -3,13 +3,18 @@
 // doorbells whose completion the GPU writes into a page-locked system
 // region, every layer's outputs within bf16 tolerance of the CPU reference
 // and the pool equal to the mirror to the bit after Commit; a lane held at
-// its doorbell does not hold the device's other work; a step that times
+// its doorbell does not hold the device's other work, and a region's
+// release (which waits for the whole device) waits for gated steps to end,
+// at worst their layer timeout; a step that times
 // out releases every wait, gives its pages back, and the next step runs;
 // tensor parallel over device 0 listed twice. Skipped with the reason when
 // no GPU is present.
 #include <cuda_runtime_api.h>
 
+#include <cstdio>
 #include <cstdlib>
+#include <functional>
+#include <thread>
 #include <vector>
 
 #include "absl/synchronization/notification.h"
@@ -106,6 +111,10 @@ class GpuStepsTest : public StepFixture {
     EXPECT_EQ(WaitEnded(opened->step_id).state, StepState::kCommitted);
   }
 
+  // Runs `work` (given a third sequence) beside two gated lanes; how long
+  // it took (see the definition).
+  absl::Duration WhileGated(const std::function<void(const std::vector<uint64_t>&)>& work);
+
   cudaStream_t stream_ = nullptr;
   void* device_ = nullptr;
 };
@@ -142,7 +151,72 @@ TEST_F(GpuStepsTest, HostDoorbellsOnTheGpu) {
 
 // Two lanes held at their doorbells hold nothing else: plain Verify calls
 // on another sequence run meanwhile; then both steps run.
-TEST_F(GpuStepsTest, GatedLanesDoNotHoldTheDevicesOtherWork) {
+// Two GPU-doorbell steps held at their first doorbell while `work` runs:
+// `work` must not wait for them. A watchdog rings both open after
+// kGateWatchdog, so a wait shows as a failure with its duration, not a
+// hang. Both steps then run and match the reference.
+constexpr absl::Duration kGateWatchdog = absl::Seconds(5);
+
+absl::Duration GpuStepsTest::WhileGated(
+    const std::function<void(const std::vector<uint64_t>&)>& work) {
+  MakeGpu(1, /*lanes=*/2);
+  std::vector<Mirror> mirrors(3);
+  std::vector<uint64_t> ids;
+  for (int k = 0; k < 3; ++k) ids.push_back(NewSequence(100 + k, &mirrors[k]));
+  std::vector<ItemData> first = {RandomItem(ids[0], 4)}, second = {RandomItem(ids[1], 4)};
+  Placed p1 = Place(first, DoorbellKind::kDevice, Where::kDevice);
+  Placed p2 = Place(second, DoorbellKind::kDevice, Where::kDevice);
+  auto s1 = engine_->OpenStep(p1.request);
+  auto s2 = engine_->OpenStep(p2.request);
+  EXPECT_TRUE(s1.ok()) << s1.status();
+  EXPECT_TRUE(s2.ok()) << s2.status();
+  if (!s1.ok() || !s2.ok()) return absl::InfiniteDuration();
+  absl::Notification done;
+  std::thread watchdog([&] {
+    if (done.WaitForNotificationWithTimeout(kGateWatchdog)) return;
+    Ring(p1, *s1, 0, s1->ranks[0].base + kLayers);
+    Ring(p2, *s2, 0, s2->ranks[0].base + kLayers);
+  });
+  const absl::Time start = absl::Now();
+  work({ids[2]});
+  const absl::Duration took = absl::Now() - start;
+  done.Notify();
+  watchdog.join();
+  RingAndWait(p2, *s2, kLayers);
+  RingAndWait(p1, *s1, kLayers);
+  for (int l = 0; l < kLayers; ++l) {
+    ExpectLayer(p1, first, {mirrors[0]}, l);
+    ExpectLayer(p2, second, {mirrors[1]}, l);
+  }
+  EXPECT_TRUE(engine_->Commit(ids[0], {}).ok());
+  EXPECT_TRUE(engine_->Commit(ids[1], {}).ok());
+  EXPECT_EQ(WaitEnded(s1->step_id).state, StepState::kCommitted);
+  EXPECT_EQ(WaitEnded(s2->step_id).state, StepState::kCommitted);
+  std::printf("while two lanes were gated: %.3f ms\n", absl::ToDoubleMilliseconds(took));
+  return took;
+}
+
+// Another sequence's verify calls and commit run while lanes are gated.
+TEST_F(GpuStepsTest, GatedLanesDoNotHoldPlainCalls) {
+  const absl::Duration took = WhileGated([this](const std::vector<uint64_t>& ids) {
+    const ItemData d = RandomItem(ids[0], 3);
+    std::vector<Bf16> out(3 * kHeads * kValueDim);
+    std::vector<float> lse(3 * kHeads);
+    for (int l = 0; l < kLayers; ++l) {
+      VerifyItem item{ids[0],        d.parents,           d.q[l],
+                      d.draft_kv[l], absl::MakeSpan(out), absl::MakeSpan(lse)};
+      ASSERT_TRUE(engine_->Verify(l, 0.0f, absl::MakeSpan(&item, 1)).ok());
+    }
+    ASSERT_TRUE(engine_->Commit(ids[0], {}).ok());
+  });
+  EXPECT_LT(took, absl::Seconds(2)) << "plain calls waited for the gated lanes";
+}
+
+// Unlocking host memory (a region's Unregister: cudaHostUnregister) waits
+// for the whole device, so the engine runs it only once no lane is held at a
+// GPU doorbell. Beside two gated steps: it waits, verify calls run
+// meanwhile, and it finishes once the steps have run and committed.
+TEST_F(GpuStepsTest, RegionReleaseWaitsForGatedStepsAndTheRestRuns) {
   MakeGpu(1, /*lanes=*/2);
   std::vector<Mirror> mirrors(3);
   std::vector<uint64_t> ids;
@@ -154,30 +228,71 @@ TEST_F(GpuStepsTest, GatedLanesDoNotHoldTheDevicesOtherWork) {
   auto s2 = engine_->OpenStep(p2.request);
   ASSERT_TRUE(s1.ok()) << s1.status();
   ASSERT_TRUE(s2.ok()) << s2.status();
+  ASSERT_TRUE(engine_->regions().Register("sys2", key_, 0, 4096).ok());
+  absl::Notification unregistered;
+  std::thread release([&] {
+    EXPECT_TRUE(engine_->regions().Unregister("sys2", RegionKind::kAny).ok());
+    unregistered.Notify();
+  });
+  const absl::Time start = absl::Now();
   const ItemData d = RandomItem(ids[2], 3);
   std::vector<Bf16> out(3 * kHeads * kValueDim);
   std::vector<float> lse(3 * kHeads);
-  const absl::Time start = absl::Now();
-  // Region calls that page-lock and unlock host memory run too.
-  ASSERT_TRUE(engine_->regions().Register("sys2", key_, 0, 4096).ok());
-  ASSERT_TRUE(engine_->regions().Unregister("sys2", RegionKind::kAny).ok());
   for (int l = 0; l < kLayers; ++l) {
     VerifyItem item{ids[2],        d.parents,           d.q[l],
                     d.draft_kv[l], absl::MakeSpan(out), absl::MakeSpan(lse)};
-    ASSERT_TRUE(engine_->Verify(l, 0.0f, absl::MakeSpan(&item, 1)).ok());
+    EXPECT_TRUE(engine_->Verify(l, 0.0f, absl::MakeSpan(&item, 1)).ok());
   }
-  EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "plain calls waited for the gated lanes";
-  ASSERT_TRUE(engine_->Commit(ids[2], {}).ok());
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1)) << "verify calls waited for the release";
+  EXPECT_FALSE(unregistered.HasBeenNotified()) << "the release ran beside gated lanes";
   RingAndWait(p2, *s2, kLayers);
   RingAndWait(p1, *s1, kLayers);
+  EXPECT_TRUE(engine_->Commit(ids[0], {}).ok());
+  EXPECT_TRUE(engine_->Commit(ids[1], {}).ok());
+  EXPECT_EQ(WaitEnded(s1->step_id).state, StepState::kCommitted);
+  EXPECT_EQ(WaitEnded(s2->step_id).state, StepState::kCommitted);
+  EXPECT_TRUE(unregistered.WaitForNotificationWithTimeout(absl::Seconds(2)))
+      << "the release did not run once the steps ended";
+  release.join();
   for (int l = 0; l < kLayers; ++l) {
     ExpectLayer(p1, first, {mirrors[0]}, l);
     ExpectLayer(p2, second, {mirrors[1]}, l);
   }
-  ASSERT_TRUE(engine_->Commit(ids[0], {}).ok());
-  ASSERT_TRUE(engine_->Commit(ids[1], {}).ok());
-  EXPECT_EQ(WaitEnded(s1->step_id).state, StepState::kCommitted);
-  EXPECT_EQ(WaitEnded(s2->step_id).state, StepState::kCommitted);
+}
+
+// Beside a step its scheduler never rings, a region's release waits only
+// for the step's layer timeout: the timeout still ends the step (no CUDA
+// call of the engine is held behind the release), then the release runs. A
+// watchdog rings the step after kGateWatchdog so a regression fails, not
+// hangs.
+TEST_F(GpuStepsTest, RegionReleaseBesideAnUnrungStepEndsAtTheLayerTimeout) {
+  MakeGpu(1, /*lanes=*/1);
+  std::vector<Mirror> mirrors(1);
+  const uint64_t a = NewSequence(55, &mirrors[0]);
+  const int64_t free_before = engine_->Stats().free_pages;
+  std::vector<ItemData> items = {RandomItem(a, 8)};
+  Placed p = Place(items, DoorbellKind::kDevice, Where::kDevice);
+  p.request.layer_timeout = absl::Milliseconds(300);
+  auto opened = engine_->OpenStep(p.request);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  ASSERT_TRUE(engine_->regions().Register("sys2", key_, 0, 4096).ok());
+  absl::Notification done;
+  std::thread watchdog([&] {
+    if (done.WaitForNotificationWithTimeout(kGateWatchdog)) return;
+    Ring(p, *opened, 0, opened->ranks[0].base + kLayers);
+  });
+  const absl::Time start = absl::Now();
+  EXPECT_TRUE(engine_->regions().Unregister("sys2", RegionKind::kAny).ok());
+  const absl::Duration took = absl::Now() - start;
+  done.Notify();
+  watchdog.join();
+  EXPECT_LT(took, absl::Seconds(2)) << "the release outlived the step's layer timeout";
+  const StepInfo info = WaitEnded(opened->step_id);
+  EXPECT_EQ(info.state, StepState::kAborted);
+  EXPECT_EQ(info.abort_reason, StepAbortReason::kLayerTimeout);
+  EXPECT_EQ(engine_->Stats().free_pages, free_before);
+  ExpectKvEquals(a, mirrors[0]);
+  std::printf("release beside an unrung step: %.1f ms\n", absl::ToDoubleMilliseconds(took));
 }
 
 // A scheduler that stops ringing: the step aborts at its layer timeout,

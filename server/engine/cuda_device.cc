@@ -38,6 +38,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <thread>
@@ -45,6 +46,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/geometry.h"
@@ -110,6 +112,60 @@ using GraphKey = std::tuple<int, int, bool>;  // batch, draft, reuse_plan
 GraphKey Key(BatchShape shape, bool reuse) { return {shape.batch, shape.draft_len, reuse}; }
 
 // One lane of device-driven steps (device.h).
+// Calls that release memory the GPU may address (cudaHostUnregister,
+// cudaIpcCloseMemHandle, cudaFree) wait for the whole device: measured
+// (tests/gpu_steps_test.cc, GatedLanesDoNotHoldRegionCalls), an unregister
+// beside a lane held at a GPU doorbell waited until the doorbell was rung,
+// and while it waited the step runner's own calls waited too, so even the
+// layer timeout could not end the step. Such a release therefore runs only
+// while no lane of the process is held at a GPU doorbell: it waits for the
+// gated lanes to drain (their steps end by commit, abort or timeout) and
+// holds new GPU-doorbell launches back meanwhile. Process-wide: devices over
+// one GPU share its context, and a portable registration spans them all.
+class LaneGate {
+ public:
+  // Before a GPU-doorbell step's waits are enqueued on a lane.
+  void Enter(bool* gated) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](int* releasing) { return *releasing == 0; }, &releasing_));
+    if (!*gated) ++gated_;
+    *gated = true;
+  }
+  // Once that lane drained (again later: no effect).
+  void Leave(bool* gated) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    if (*gated) --gated_;
+    *gated = false;
+  }
+  // Runs `release` with no lane held at a GPU doorbell.
+  void Release(absl::string_view what, const std::function<void()>& release)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    const absl::Time start = absl::Now();
+    absl::MutexLock lock(&mu_);
+    ++releasing_;
+    mu_.Await(absl::Condition(
+        +[](int* gated) { return *gated == 0; }, &gated_));
+    const absl::Duration waited = absl::Now() - start;
+    if (waited > absl::Milliseconds(100)) {
+      spdlog::warn("{} waited {} for steps held at GPU doorbells to end", std::string(what),
+                   absl::FormatDuration(waited));
+    }
+    release();
+    --releasing_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  int gated_ ABSL_GUARDED_BY(mu_) = 0;      // lanes held at (or running from) GPU doorbells
+  int releasing_ ABSL_GUARDED_BY(mu_) = 0;  // releases waiting or running
+};
+
+LaneGate& ProcessLaneGate() {
+  static LaneGate* const gate = new LaneGate;  // never destroyed: devices may outlive statics
+  return *gate;
+}
+
 struct CudaLane {
   LaunchMemory memory;
   DeviceBuffers buffers;
@@ -131,6 +187,7 @@ struct CudaLane {
   std::atomic<uint64_t> host_doorbell{0};    // host doorbells: the slot in this process
   bool completion_ended = false;             // EndLane appended the completion's end value
   absl::Mutex end_mu;                        // EndLane's calls, one at a time
+  bool gated = false;                        // counted by the process's LaneGate (under its lock)
   // Host doorbells: the lane's thread, which launches each rung layer.
   std::thread thread;
   absl::Mutex mu;
@@ -160,6 +217,7 @@ class CudaDevice final : public Device {
     cudaSetDevice(ordinal_);
     for (auto& lane : lanes_) {
       if (lane->memory.stream != nullptr) cudaStreamSynchronize(lane->memory.stream);
+      gate_.Leave(&lane->gated);
       for (auto& [key, exec] : lane->graphs) cudaGraphExecDestroy(exec);
       FreeMemory(lane->memory);
       cudaFreeHost(lane->slots_host);
@@ -363,7 +421,9 @@ class CudaDevice final : public Device {
   }
 
   void UnpinHost(void* data) override {
-    if (!BindThread().ok() || cudaHostUnregister(data) != cudaSuccess) cudaGetLastError();
+    gate_.Release("cudaHostUnregister", [&] {
+      if (!BindThread().ok() || cudaHostUnregister(data) != cudaSuccess) cudaGetLastError();
+    });
   }
 
   absl::StatusOr<uint64_t> AddressOfHost(const void* data) override {
@@ -397,9 +457,11 @@ class CudaDevice final : public Device {
   }
 
   void CloseIpcMemory(uint64_t address) override {
-    if (!BindThread().ok() || cudaIpcCloseMemHandle(At<void>(address)) != cudaSuccess) {
-      cudaGetLastError();
-    }
+    gate_.Release("cudaIpcCloseMemHandle", [&] {
+      if (!BindThread().ok() || cudaIpcCloseMemHandle(At<void>(address)) != cudaSuccess) {
+        cudaGetLastError();
+      }
+    });
   }
 
   absl::StatusOr<uint64_t> AddressOfDeviceMemory(uint64_t address, int device_id) override {
@@ -503,6 +565,7 @@ class CudaDevice final : public Device {
     }
     lane.running.store(true);
     if (launch.kind == DoorbellKind::kDevice) {
+      gate_.Enter(&lane.gated);  // left in lane_progress once the lane drained
       const uint64_t doorbell = arena_.address + launch.doorbell;
       const uint64_t completion = arena_.address + launch.completion;
       absl::Status enqueued;
@@ -525,6 +588,9 @@ class CudaDevice final : public Device {
         kernels::StreamWriteValue64(release_, doorbell, end).IgnoreError();
         kernels::StreamWriteValue64(stream, completion, end).IgnoreError();
         cudaEventRecord(lane.end, stream);
+        // Nothing waits for a ring any more (and the runner may never poll
+        // a lane whose launch failed).
+        gate_.Leave(&lane.gated);
         return enqueued;
       }
       return Check(cudaEventRecord(lane.end, stream), "cudaEventRecord");
@@ -570,16 +636,23 @@ class CudaDevice final : public Device {
   LaneProgress lane_progress(int index) override {
     CudaLane& lane = *lanes_[index];
     LaneProgress p;
+    // Drained first, progress after: the progress word's last write comes
+    // before the lane's end in stream order, so a lane seen drained shows
+    // every layer it ran (read the other way round, a layer finishing
+    // between the two reads looked like a lane that stopped early).
+    if (lane.thread_done.load() && BindThread().ok()) {
+      const cudaError_t q = cudaEventQuery(lane.end);
+      // A device error also ends the lane (the worker faults the device).
+      p.drained = q != cudaErrorNotReady;
+    }
     const uint64_t seen = __atomic_load_n(lane.progress_host, __ATOMIC_ACQUIRE);
     const uint64_t base = lane.base.load();
     const int layers = lane.layers.load();
     p.layers_done = seen <= base ? 0 : static_cast<int>(std::min<uint64_t>(seen - base, layers));
-    if (!lane.thread_done.load()) return p;
-    if (!BindThread().ok()) return p;
-    const cudaError_t q = cudaEventQuery(lane.end);
-    // A device error also ends the lane (the worker faults the device).
-    p.drained = q != cudaErrorNotReady;
-    if (p.drained) lane.running.store(false);
+    if (p.drained) {
+      lane.running.store(false);
+      gate_.Leave(&lane.gated);
+    }
     return p;
   }
 
@@ -921,6 +994,7 @@ class CudaDevice final : public Device {
   // lane_progress and lane_timings (the engine's step runner) share it.
   const int ordinal_;
   const std::string name_;
+  LaneGate& gate_ = ProcessLaneGate();
   const CudaDeviceOptions options_;
   DeviceGeometry g_;
   DeviceBuffers buffers_;

@@ -232,8 +232,10 @@ class HostDevice final : public Device {
 
   LaneProgress lane_progress(int lane) override {
     LaneProgress p;
-    p.layers_done = lanes_[lane]->layers_done.load();
+    // Drained first: the lane's thread counts its last layer before it
+    // drains, so a drained lane shows every layer it ran.
     p.drained = lanes_[lane]->drained.load();
+    p.layers_done = lanes_[lane]->layers_done.load();
     return p;
   }
 
