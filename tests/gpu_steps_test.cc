@@ -13,7 +13,6 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <functional>
 #include <thread>
 #include <vector>
 
@@ -101,19 +100,26 @@ class GpuStepsTest : public StepFixture {
       for (int l = 0; l < kLayers; ++l) RingAndWait(p, *opened, l + 1);
     }
     for (int l = 0; l < kLayers; ++l) ExpectLayer(p, items, mirrors, l);
-    for (size_t k = 0; k < items.size(); ++k) {
-      const std::vector<int32_t> path =
-          k == 0 ? LastPath(items[k].parents) : std::vector<int32_t>{};
-      auto committed = engine_->Commit(items[k].sequence, path);
-      ASSERT_TRUE(committed.ok()) << committed.status();
-      Accept(&mirrors[k], items[k], path);
-    }
+    CommitLastPathOfFirst(items, mirrors);
     EXPECT_EQ(WaitEnded(opened->step_id).state, StepState::kCommitted);
   }
 
-  // Runs `work` (given a third sequence) beside two gated lanes; how long
-  // it took (see the definition).
-  absl::Duration WhileGated(const std::function<void(const std::vector<uint64_t>&)>& work);
+  // Two GPU-doorbell steps (sequences ids[0] and ids[1]) held at their
+  // first doorbell on two lanes, and a third sequence (ids[2]) for the work
+  // beside them.
+  struct GatedPair {
+    std::vector<Mirror> mirrors;
+    std::vector<uint64_t> ids;
+    std::vector<ItemData> first, second;
+    Placed p1, p2;
+    StepOpened s1, s2;
+  };
+  GatedPair OpenGatedPair();
+  // Rings both steps through, checks every layer against the reference and
+  // commits both.
+  void RunGatedPair(const GatedPair& g);
+  // Verify calls for every layer of `id`, three drafts each.
+  void VerifyEveryLayer(uint64_t id);
 
   cudaStream_t stream_ = nullptr;
   void* device_ = nullptr;
@@ -149,66 +155,70 @@ TEST_F(GpuStepsTest, HostDoorbellsOnTheGpu) {
   ExpectKvEquals(a, mirrors[0]);
 }
 
-// Two lanes held at their doorbells hold nothing else: plain Verify calls
-// on another sequence run meanwhile; then both steps run.
-// Two GPU-doorbell steps held at their first doorbell while `work` runs:
-// `work` must not wait for them. A watchdog rings both open after
-// kGateWatchdog, so a wait shows as a failure with its duration, not a
-// hang. Both steps then run and match the reference.
+// A watchdog rings gated lanes open after this, so a wait shows as a
+// failure with its duration, not a hang.
 constexpr absl::Duration kGateWatchdog = absl::Seconds(5);
 
-absl::Duration GpuStepsTest::WhileGated(
-    const std::function<void(const std::vector<uint64_t>&)>& work) {
+GpuStepsTest::GatedPair GpuStepsTest::OpenGatedPair() {
   MakeGpu(1, /*lanes=*/2);
-  std::vector<Mirror> mirrors(3);
-  std::vector<uint64_t> ids;
-  for (int k = 0; k < 3; ++k) ids.push_back(NewSequence(100 + k, &mirrors[k]));
-  std::vector<ItemData> first = {RandomItem(ids[0], 4)}, second = {RandomItem(ids[1], 4)};
-  Placed p1 = Place(first, DoorbellKind::kDevice, Where::kDevice);
-  Placed p2 = Place(second, DoorbellKind::kDevice, Where::kDevice);
-  auto s1 = engine_->OpenStep(p1.request);
-  auto s2 = engine_->OpenStep(p2.request);
+  GatedPair g;
+  g.mirrors.resize(3);
+  for (int k = 0; k < 3; ++k) g.ids.push_back(NewSequence(100 + k, &g.mirrors[k]));
+  g.first = {RandomItem(g.ids[0], 4)};
+  g.second = {RandomItem(g.ids[1], 4)};
+  g.p1 = Place(g.first, DoorbellKind::kDevice, Where::kDevice);
+  g.p2 = Place(g.second, DoorbellKind::kDevice, Where::kDevice);
+  auto s1 = engine_->OpenStep(g.p1.request);
+  auto s2 = engine_->OpenStep(g.p2.request);
   EXPECT_TRUE(s1.ok()) << s1.status();
   EXPECT_TRUE(s2.ok()) << s2.status();
-  if (!s1.ok() || !s2.ok()) return absl::InfiniteDuration();
+  if (s1.ok()) g.s1 = *std::move(s1);
+  if (s2.ok()) g.s2 = *std::move(s2);
+  return g;
+}
+
+void GpuStepsTest::RunGatedPair(const GatedPair& g) {
+  RingAndWait(g.p2, g.s2, kLayers);
+  RingAndWait(g.p1, g.s1, kLayers);
+  for (int l = 0; l < kLayers; ++l) {
+    ExpectLayer(g.p1, g.first, {g.mirrors[0]}, l);
+    ExpectLayer(g.p2, g.second, {g.mirrors[1]}, l);
+  }
+  EXPECT_TRUE(engine_->Commit(g.ids[0], {}).ok());
+  EXPECT_TRUE(engine_->Commit(g.ids[1], {}).ok());
+  EXPECT_EQ(WaitEnded(g.s1.step_id).state, StepState::kCommitted);
+  EXPECT_EQ(WaitEnded(g.s2.step_id).state, StepState::kCommitted);
+}
+
+void GpuStepsTest::VerifyEveryLayer(uint64_t id) {
+  const ItemData d = RandomItem(id, 3);
+  std::vector<Bf16> out(3 * kHeads * kValueDim);
+  std::vector<float> lse(3 * kHeads);
+  for (int l = 0; l < kLayers; ++l) {
+    VerifyItem item{id, d.parents, d.q[l], d.draft_kv[l], absl::MakeSpan(out), absl::MakeSpan(lse)};
+    EXPECT_TRUE(engine_->Verify(l, 0.0f, absl::MakeSpan(&item, 1)).ok());
+  }
+}
+
+// Two lanes held at their doorbells hold nothing else: another sequence's
+// verify calls and commit run meanwhile; then both steps run.
+TEST_F(GpuStepsTest, GatedLanesDoNotHoldPlainCalls) {
+  const GatedPair g = OpenGatedPair();
+  ASSERT_FALSE(HasFailure());
   absl::Notification done;
   std::thread watchdog([&] {
     if (done.WaitForNotificationWithTimeout(kGateWatchdog)) return;
-    Ring(p1, *s1, 0, s1->ranks[0].base + kLayers);
-    Ring(p2, *s2, 0, s2->ranks[0].base + kLayers);
+    Ring(g.p1, g.s1, 0, g.s1.ranks[0].base + kLayers);
+    Ring(g.p2, g.s2, 0, g.s2.ranks[0].base + kLayers);
   });
   const absl::Time start = absl::Now();
-  work({ids[2]});
+  VerifyEveryLayer(g.ids[2]);
+  EXPECT_TRUE(engine_->Commit(g.ids[2], {}).ok());
   const absl::Duration took = absl::Now() - start;
   done.Notify();
   watchdog.join();
-  RingAndWait(p2, *s2, kLayers);
-  RingAndWait(p1, *s1, kLayers);
-  for (int l = 0; l < kLayers; ++l) {
-    ExpectLayer(p1, first, {mirrors[0]}, l);
-    ExpectLayer(p2, second, {mirrors[1]}, l);
-  }
-  EXPECT_TRUE(engine_->Commit(ids[0], {}).ok());
-  EXPECT_TRUE(engine_->Commit(ids[1], {}).ok());
-  EXPECT_EQ(WaitEnded(s1->step_id).state, StepState::kCommitted);
-  EXPECT_EQ(WaitEnded(s2->step_id).state, StepState::kCommitted);
+  RunGatedPair(g);
   std::printf("while two lanes were gated: %.3f ms\n", absl::ToDoubleMilliseconds(took));
-  return took;
-}
-
-// Another sequence's verify calls and commit run while lanes are gated.
-TEST_F(GpuStepsTest, GatedLanesDoNotHoldPlainCalls) {
-  const absl::Duration took = WhileGated([this](const std::vector<uint64_t>& ids) {
-    const ItemData d = RandomItem(ids[0], 3);
-    std::vector<Bf16> out(3 * kHeads * kValueDim);
-    std::vector<float> lse(3 * kHeads);
-    for (int l = 0; l < kLayers; ++l) {
-      VerifyItem item{ids[0],        d.parents,           d.q[l],
-                      d.draft_kv[l], absl::MakeSpan(out), absl::MakeSpan(lse)};
-      ASSERT_TRUE(engine_->Verify(l, 0.0f, absl::MakeSpan(&item, 1)).ok());
-    }
-    ASSERT_TRUE(engine_->Commit(ids[0], {}).ok());
-  });
   EXPECT_LT(took, absl::Seconds(2)) << "plain calls waited for the gated lanes";
 }
 
@@ -217,17 +227,8 @@ TEST_F(GpuStepsTest, GatedLanesDoNotHoldPlainCalls) {
 // GPU doorbell. Beside two gated steps: it waits, verify calls run
 // meanwhile, and it finishes once the steps have run and committed.
 TEST_F(GpuStepsTest, RegionReleaseWaitsForGatedStepsAndTheRestRuns) {
-  MakeGpu(1, /*lanes=*/2);
-  std::vector<Mirror> mirrors(3);
-  std::vector<uint64_t> ids;
-  for (int k = 0; k < 3; ++k) ids.push_back(NewSequence(100 + k, &mirrors[k]));
-  std::vector<ItemData> first = {RandomItem(ids[0], 4)}, second = {RandomItem(ids[1], 4)};
-  Placed p1 = Place(first, DoorbellKind::kDevice, Where::kDevice);
-  Placed p2 = Place(second, DoorbellKind::kDevice, Where::kDevice);
-  auto s1 = engine_->OpenStep(p1.request);
-  auto s2 = engine_->OpenStep(p2.request);
-  ASSERT_TRUE(s1.ok()) << s1.status();
-  ASSERT_TRUE(s2.ok()) << s2.status();
+  const GatedPair g = OpenGatedPair();
+  ASSERT_FALSE(HasFailure());
   ASSERT_TRUE(engine_->regions().Register("sys2", key_, 0, 4096).ok());
   absl::Notification unregistered;
   std::thread release([&] {
@@ -235,29 +236,13 @@ TEST_F(GpuStepsTest, RegionReleaseWaitsForGatedStepsAndTheRestRuns) {
     unregistered.Notify();
   });
   const absl::Time start = absl::Now();
-  const ItemData d = RandomItem(ids[2], 3);
-  std::vector<Bf16> out(3 * kHeads * kValueDim);
-  std::vector<float> lse(3 * kHeads);
-  for (int l = 0; l < kLayers; ++l) {
-    VerifyItem item{ids[2],        d.parents,           d.q[l],
-                    d.draft_kv[l], absl::MakeSpan(out), absl::MakeSpan(lse)};
-    EXPECT_TRUE(engine_->Verify(l, 0.0f, absl::MakeSpan(&item, 1)).ok());
-  }
+  VerifyEveryLayer(g.ids[2]);
   EXPECT_LT(absl::Now() - start, absl::Seconds(1)) << "verify calls waited for the release";
   EXPECT_FALSE(unregistered.HasBeenNotified()) << "the release ran beside gated lanes";
-  RingAndWait(p2, *s2, kLayers);
-  RingAndWait(p1, *s1, kLayers);
-  EXPECT_TRUE(engine_->Commit(ids[0], {}).ok());
-  EXPECT_TRUE(engine_->Commit(ids[1], {}).ok());
-  EXPECT_EQ(WaitEnded(s1->step_id).state, StepState::kCommitted);
-  EXPECT_EQ(WaitEnded(s2->step_id).state, StepState::kCommitted);
+  RunGatedPair(g);
   EXPECT_TRUE(unregistered.WaitForNotificationWithTimeout(absl::Seconds(2)))
       << "the release did not run once the steps ended";
   release.join();
-  for (int l = 0; l < kLayers; ++l) {
-    ExpectLayer(p1, first, {mirrors[0]}, l);
-    ExpectLayer(p2, second, {mirrors[1]}, l);
-  }
 }
 
 // Beside a step its scheduler never rings, a region's release waits only

@@ -311,6 +311,19 @@ class StepFixture : public ::testing::Test {
     }
   }
 
+  // Commits every item of a step that ran: the first accepts its last
+  // draft's path, the others none; the mirrors follow.
+  void CommitLastPathOfFirst(const std::vector<ItemData>& items, std::vector<Mirror>& mirrors) {
+    for (size_t k = 0; k < items.size(); ++k) {
+      const std::vector<int32_t> path =
+          k == 0 ? LastPath(items[k].parents) : std::vector<int32_t>{};
+      auto committed = engine_->Commit(items[k].sequence, path);
+      ASSERT_TRUE(committed.ok()) << committed.status();
+      Accept(&mirrors[k], items[k], path);
+      EXPECT_EQ(committed->length, mirrors[k].length());
+    }
+  }
+
   // Waits until the step ended (the runner drops an aborted step's items).
   StepInfo WaitEnded(uint64_t step) {
     const absl::Time deadline = absl::Now() + absl::Seconds(20);

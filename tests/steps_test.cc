@@ -101,14 +101,7 @@ TEST_P(StepsFlavorTest, HostDoorbellStepsMatchTheReferenceAndCommit) {
       RingAndWait(p, *opened, l + 1);
       ExpectLayer(p, items, mirrors, l);
     }
-    for (size_t k = 0; k < items.size(); ++k) {
-      const std::vector<int32_t> path =
-          k == 0 ? LastPath(items[k].parents) : std::vector<int32_t>{};
-      auto committed = engine_->Commit(items[k].sequence, path);
-      ASSERT_TRUE(committed.ok()) << committed.status();
-      Accept(&mirrors[k], items[k], path);
-      EXPECT_EQ(committed->length, mirrors[k].length());
-    }
+    CommitLastPathOfFirst(items, mirrors);
     const StepInfo info = WaitEnded(opened->step_id);
     EXPECT_EQ(info.state, StepState::kCommitted);
     EXPECT_EQ(info.layers_done, kLayers);

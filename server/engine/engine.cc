@@ -1239,13 +1239,7 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
       }
       continue;
     }
-    if (s.length + n > config_.max_sequence_len) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("sequence ", s.id, " would reach ", s.length + n,
-                       " tokens; max_sequence_len is ", config_.max_sequence_len));
-    }
-    extra[k] = std::max<int64_t>(
-        0, CeilDiv(s.length + n, config_.page_size) - static_cast<int64_t>(s.pages.size()));
+    ASSIGN_OR_RETURN(extra[k], PagesToOpenStep(s, n));
     pool_pages[s.pool] += extra[k];
   }
   RETURN_IF_ERROR(Admit(bytes));
@@ -1300,17 +1294,8 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
     item.seq = seqs[k];
     item.n = static_cast<int>(items[k].parents.size());
     if (!s.pending) {
-      const std::vector<int32_t>& fresh = new_pages[s.pool];
-      s.pages.insert(s.pages.end(), fresh.begin() + next_page[s.pool],
-                     fresh.begin() + next_page[s.pool] + extra[k]);
-      next_page[s.pool] += extra[k];
-      s.step_pages = extra[k];
-      s.pending = true;
-      ++s.step;
-      s.parents.assign(items[k].parents.begin(), items[k].parents.end());
-      s.visibility = visibility[k];
-      s.layer_verified.assign(config_.num_layers, false);
-      s.layers_verified = 0;
+      OpenStepOn(s, new_pages[s.pool], &next_page[s.pool], extra[k], items[k].parents,
+                 visibility[k]);
       item.opened = true;
       ++opened;
     }
@@ -1639,6 +1624,31 @@ absl::Status Engine::StartCommit(uint64_t sequence_id, absl::Span<const int32_t>
   return absl::OkStatus();
 }
 
+absl::StatusOr<int64_t> Engine::PagesToOpenStep(const Sequence& s,
+                                                int64_t n) const ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  if (s.length + n > config_.max_sequence_len) {
+    return absl::ResourceExhaustedError(absl::StrCat("sequence ", s.id, " would reach ",
+                                                     s.length + n, " tokens; max_sequence_len is ",
+                                                     config_.max_sequence_len));
+  }
+  return std::max<int64_t>(
+      0, CeilDiv(s.length + n, config_.page_size) - static_cast<int64_t>(s.pages.size()));
+}
+
+void Engine::OpenStepOn(Sequence& s, const std::vector<int32_t>& fresh, size_t* next, int64_t pages,
+                        absl::Span<const int32_t> parents,
+                        std::shared_ptr<const std::vector<uint64_t>> visibility) {
+  s.pages.insert(s.pages.end(), fresh.begin() + *next, fresh.begin() + *next + pages);
+  *next += pages;
+  s.step_pages = pages;
+  s.pending = true;
+  ++s.step;
+  s.parents.assign(parents.begin(), parents.end());
+  s.visibility = std::move(visibility);
+  s.layer_verified.assign(config_.num_layers, false);
+  s.layers_verified = 0;
+}
+
 absl::StatusOr<std::vector<StepHost::Claimed>> Engine::ClaimForStep(
     uint64_t step, absl::Span<const StepItemSpec> items) {
   std::vector<std::shared_ptr<Sequence>> seqs(items.size());
@@ -1666,13 +1676,7 @@ absl::StatusOr<std::vector<StepHost::Claimed>> Engine::ClaimForStep(
           "sequence ", s.id, " has a pending verify step of Verify calls (", s.layers_verified,
           " of ", config_.num_layers, " layers): Commit it before opening a device-driven step"));
     }
-    if (s.length + n > config_.max_sequence_len) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("sequence ", s.id, " would reach ", s.length + n,
-                       " tokens; max_sequence_len is ", config_.max_sequence_len));
-    }
-    extra[k] = std::max<int64_t>(
-        0, CeilDiv(s.length + n, config_.page_size) - static_cast<int64_t>(s.pages.size()));
+    ASSIGN_OR_RETURN(extra[k], PagesToOpenStep(s, n));
     pool_pages[s.pool] += extra[k];
   }
   ASSIGN_OR_RETURN(std::vector<std::vector<int32_t>> new_pages, AllocateInEveryPool(pool_pages));
@@ -1681,17 +1685,7 @@ absl::StatusOr<std::vector<StepHost::Claimed>> Engine::ClaimForStep(
   for (size_t k = 0; k < items.size(); ++k) {
     Sequence& s = *seqs[k];
     s.mu.AssertHeld();
-    const std::vector<int32_t>& fresh = new_pages[s.pool];
-    s.pages.insert(s.pages.end(), fresh.begin() + next_page[s.pool],
-                   fresh.begin() + next_page[s.pool] + extra[k]);
-    next_page[s.pool] += extra[k];
-    s.step_pages = extra[k];
-    s.pending = true;
-    ++s.step;
-    s.parents.assign(items[k].parents.begin(), items[k].parents.end());
-    s.visibility = visibility[k];
-    s.layer_verified.assign(config_.num_layers, false);
-    s.layers_verified = 0;
+    OpenStepOn(s, new_pages[s.pool], &next_page[s.pool], extra[k], items[k].parents, visibility[k]);
     s.owner_step = step;
     s.Touch();
     claimed[k].prefix_len = s.length;

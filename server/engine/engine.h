@@ -262,6 +262,16 @@ class Engine {
   // `pages[p]` pages of pool p, all or none (RESOURCE_EXHAUSTED, nothing held).
   absl::StatusOr<std::vector<std::vector<int32_t>>> AllocateInEveryPool(
       const std::vector<int64_t>& pages);
+  // Opening a step on a sequence (its lock held), shared by a first Verify
+  // and a device-driven step's claim: the pages it needs for `n` drafts (or
+  // RESOURCE_EXHAUSTED past max_sequence_len), then the open itself, which
+  // takes `pages` of `fresh` from `*next` on.
+  absl::StatusOr<int64_t> PagesToOpenStep(const Sequence& s,
+                                          int64_t n) const ABSL_NO_THREAD_SAFETY_ANALYSIS;
+  void OpenStepOn(Sequence& s, const std::vector<int32_t>& fresh, size_t* next, int64_t pages,
+                  absl::Span<const int32_t> parents,
+                  std::shared_ptr<const std::vector<uint64_t>> visibility)
+      ABSL_NO_THREAD_SAFETY_ANALYSIS;
   // The devices a sequence's KV lives on: all (TP) or its own (DP).
   std::vector<int> DevicesOf(const Sequence& seq) const;
   // Admission: reserves room for one call of `bytes`, or RESOURCE_EXHAUSTED
