@@ -67,14 +67,14 @@ __device__ __forceinline__ void RunDescriptor(const CopyDescriptor& d, int first
   }
 }
 
-// One block: the slot's list (capacity entries, whatever the count) into
-// device memory, then the cursor to the next slot.
 __device__ __forceinline__ uint64_t GlobalTimer() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
 
+// One block: the slot's list (capacity entries, whatever the count) into
+// device memory, then the cursor to the next slot.
 __global__ void __launch_bounds__(COPY_THREADS) FetchKernel(const GatherParams p) {
   __shared__ int32_t s_slot;
   if (threadIdx.x == 0) {
@@ -91,11 +91,16 @@ __global__ void __launch_bounds__(COPY_THREADS) FetchKernel(const GatherParams p
   if (threadIdx.x == 0) *p.cursor = s_slot + 1 == p.num_slots ? 0 : s_slot + 1;
 }
 
-// Runs a list in device memory: descriptor blockIdx.y, rows blockIdx.x + k * gridDim.x.
-__global__ void __launch_bounds__(COPY_THREADS) RunListKernel(const CopyListHeader* list) {
+// This block's part of a list in device memory: descriptor blockIdx.y,
+// rows blockIdx.x + k * gridDim.x.
+__device__ __forceinline__ void RunListBlock(const CopyListHeader* list) {
   if (static_cast<int>(blockIdx.y) >= list->count) return;
   const CopyDescriptor d = CopyListEntries(list)[blockIdx.y];
   RunDescriptor(d, blockIdx.x, gridDim.x);
+}
+
+__global__ void __launch_bounds__(COPY_THREADS) RunListKernel(const CopyListHeader* list) {
+  RunListBlock(list);
 }
 
 // The scatter of a stamped launch (a step lane's layer): block (0, 0)
@@ -107,9 +112,7 @@ __global__ void __launch_bounds__(COPY_THREADS)
     const int32_t slot = (*cursor + num_slots - 1) % num_slots;
     stamps[2 * slot + 1] = GlobalTimer();
   }
-  if (static_cast<int>(blockIdx.y) >= list->count) return;
-  const CopyDescriptor d = CopyListEntries(list)[blockIdx.y];
-  RunDescriptor(d, blockIdx.x, gridDim.x);
+  RunListBlock(list);
 }
 
 }  // namespace

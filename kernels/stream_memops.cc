@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda_status.h"
 
 namespace mlaverify::kernels {
 namespace {
@@ -97,29 +98,27 @@ absl::Status StreamWaitValue64(cudaStream_t stream, uint64_t address, uint64_t v
 
 absl::Status ProbeStreamMemOps(int device) {
   if (const absl::Status loaded = Functions().status; !loaded.ok()) return loaded;
-  const auto check = [](cudaError_t err, const char* what) -> absl::Status {
-    if (err == cudaSuccess) return absl::OkStatus();
-    cudaGetLastError();
-    return absl::UnavailableError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
-  };
-  absl::Status status = check(cudaSetDevice(device), "cudaSetDevice");
+  absl::Status status = CudaErrorToStatus(cudaSetDevice(device), "cudaSetDevice");
   if (!status.ok()) return status;
   cudaStream_t stream = nullptr;
   uint64_t* word = nullptr;
   uint64_t* host = nullptr;
   void* host_device = nullptr;
-  status = check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  status = CudaErrorToStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
   if (status.ok())
-    status = check(cudaMalloc(reinterpret_cast<void**>(&word), sizeof(uint64_t)), "cudaMalloc");
+    status = CudaErrorToStatus(cudaMalloc(reinterpret_cast<void**>(&word), sizeof(uint64_t)),
+                               "cudaMalloc");
   if (status.ok()) {
-    status = check(cudaHostAlloc(reinterpret_cast<void**>(&host), sizeof(uint64_t),
-                                 cudaHostAllocMapped | cudaHostAllocPortable),
-                   "cudaHostAlloc");
+    status = CudaErrorToStatus(cudaHostAlloc(reinterpret_cast<void**>(&host), sizeof(uint64_t),
+                                             cudaHostAllocMapped | cudaHostAllocPortable),
+                               "cudaHostAlloc");
   }
-  if (status.ok()) status = check(cudaHostGetDevicePointer(&host_device, host, 0), "mapping");
+  if (status.ok())
+    status = CudaErrorToStatus(cudaHostGetDevicePointer(&host_device, host, 0), "mapping");
   if (status.ok()) {
     *host = 0;
-    status = check(cudaMemsetAsync(word, 0, sizeof(uint64_t), stream), "cudaMemsetAsync");
+    status =
+        CudaErrorToStatus(cudaMemsetAsync(word, 0, sizeof(uint64_t), stream), "cudaMemsetAsync");
   }
   // A write, a wait it satisfies, then a write into host memory that only
   // lands once the wait passed.
@@ -129,11 +128,12 @@ absl::Status ProbeStreamMemOps(int device) {
   if (status.ok()) {
     status = StreamWriteValues64(stream, {{reinterpret_cast<uint64_t>(host_device), kValue + 1}});
   }
-  if (status.ok()) status = check(cudaStreamSynchronize(stream), "the probe's stream");
+  if (status.ok()) status = CudaErrorToStatus(cudaStreamSynchronize(stream), "the probe's stream");
   if (status.ok() && __atomic_load_n(host, __ATOMIC_ACQUIRE) != kValue + 1) {
     status = absl::UnavailableError("a stream write into page-locked host memory did not land");
   }
   if (!status.ok()) {
+    cudaGetLastError();  // not sticky: clear it for this thread's next call
     status = absl::UnavailableError(absl::StrCat("stream memory operations on CUDA device ", device,
                                                  " do not work: ", status.message()));
   }

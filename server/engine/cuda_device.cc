@@ -111,10 +111,9 @@ using GraphKey = std::tuple<int, int, bool>;  // batch, draft, reuse_plan
 
 GraphKey Key(BatchShape shape, bool reuse) { return {shape.batch, shape.draft_len, reuse}; }
 
-// One lane of device-driven steps (device.h).
 // Calls that release memory the GPU may address (cudaHostUnregister,
 // cudaIpcCloseMemHandle, cudaFree) wait for the whole device: measured
-// (tests/gpu_steps_test.cc, GatedLanesDoNotHoldRegionCalls), an unregister
+// (bench/results/runs/2026-12-07-gpu-steps-test-h100.log), an unregister
 // beside a lane held at a GPU doorbell waited until the doorbell was rung,
 // and while it waited the step runner's own calls waited too, so even the
 // layer timeout could not end the step. Such a release therefore runs only
@@ -122,6 +121,8 @@ GraphKey Key(BatchShape shape, bool reuse) { return {shape.batch, shape.draft_le
 // gated lanes to drain (their steps end by commit, abort or timeout) and
 // holds new GPU-doorbell launches back meanwhile. Process-wide: devices over
 // one GPU share its context, and a portable registration spans them all.
+// (The server's own cudaFree calls come at start-up and shutdown only.)
+// tests/gpu_steps_test.cc, RegionRelease*, checks it.
 class LaneGate {
  public:
   // Before a GPU-doorbell step's waits are enqueued on a lane.
@@ -138,20 +139,24 @@ class LaneGate {
     if (*gated) --gated_;
     *gated = false;
   }
-  // Runs `release` with no lane held at a GPU doorbell.
+  // Runs `release` with no lane held at a GPU doorbell (new ones wait for
+  // it; releases run side by side).
   void Release(absl::string_view what, const std::function<void()>& release)
       ABSL_LOCKS_EXCLUDED(mu_) {
     const absl::Time start = absl::Now();
-    absl::MutexLock lock(&mu_);
-    ++releasing_;
-    mu_.Await(absl::Condition(
-        +[](int* gated) { return *gated == 0; }, &gated_));
+    {
+      absl::MutexLock lock(&mu_);
+      ++releasing_;
+      mu_.Await(absl::Condition(
+          +[](int* gated) { return *gated == 0; }, &gated_));
+    }
     const absl::Duration waited = absl::Now() - start;
     if (waited > absl::Milliseconds(100)) {
       spdlog::warn("{} waited {} for steps held at GPU doorbells to end", std::string(what),
                    absl::FormatDuration(waited));
     }
     release();
+    absl::MutexLock lock(&mu_);
     --releasing_;
   }
 
@@ -166,6 +171,7 @@ LaneGate& ProcessLaneGate() {
   return *gate;
 }
 
+// One lane of device-driven steps (device.h).
 struct CudaLane {
   LaunchMemory memory;
   DeviceBuffers buffers;
@@ -181,13 +187,15 @@ struct CudaLane {
   std::atomic<bool> running{false};
   std::atomic<uint64_t> base{0};
   std::atomic<int> layers{0};
-  std::atomic<uint64_t> end_value{0};        // EndLane's (0: not ended)
-  std::atomic<uint64_t> doorbell_offset{0};  // GPU doorbells: the step's pair in the arena
-  std::atomic<bool> host_kind{false};        // the step has host doorbells
-  std::atomic<uint64_t> host_doorbell{0};    // host doorbells: the slot in this process
-  bool completion_ended = false;             // EndLane appended the completion's end value
-  absl::Mutex end_mu;                        // EndLane's calls, one at a time
-  bool gated = false;                        // counted by the process's LaneGate (under its lock)
+  std::atomic<uint64_t> end_value{0};  // EndLane's (0: not ended)
+  std::atomic<bool> host_kind{false};  // the step has host doorbells
+  // The step's doorbell and completion (StepLaunch): offsets in the arena
+  // (GPU doorbells), or host slots in this process.
+  std::atomic<uint64_t> doorbell{0};
+  std::atomic<uint64_t> completion{0};
+  bool completion_ended = false;  // EndLane appended the completion's end value
+  absl::Mutex end_mu;             // EndLane's calls, one at a time
+  bool gated = false;             // counted by the process's LaneGate (under its lock)
   // Host doorbells: the lane's thread, which launches each rung layer.
   std::thread thread;
   absl::Mutex mu;
@@ -220,6 +228,7 @@ class CudaDevice final : public Device {
       gate_.Leave(&lane->gated);
       for (auto& [key, exec] : lane->graphs) cudaGraphExecDestroy(exec);
       FreeMemory(lane->memory);
+      cudaFree(At<void>(lane->memory.slots));  // a lane's slots are on the device
       cudaFreeHost(lane->slots_host);
       cudaFreeHost(lane->table_host);
       cudaFreeHost(lane->stamps_host);
@@ -516,9 +525,6 @@ class CudaDevice final : public Device {
   uint8_t* lane_slot(int lane, int layer) override {
     return lanes_[lane]->slots_host + static_cast<size_t>(layer) * g_.lanes.slot.bytes;
   }
-  uint64_t lane_slot_address(int lane, int layer) const override {
-    return lanes_[lane]->memory.slots + static_cast<uint64_t>(layer) * g_.lanes.slot.bytes;
-  }
   const DeviceBuffers& lane_buffers(int lane) const override { return lanes_[lane]->buffers; }
   int32_t* lane_table(int lane) override { return lanes_[lane]->table_host; }
 
@@ -530,7 +536,8 @@ class CudaDevice final : public Device {
                                               " with ", launch.layers, " layers"));
     }
     CudaLane& lane = *lanes_[launch.lane];
-    if (lane.running.load() && cudaEventQuery(lane.end) == cudaErrorNotReady) {
+    if ((lane.running.load() && cudaEventQuery(lane.end) == cudaErrorNotReady) ||
+        !lane.thread_done.load()) {
       return absl::InternalError(absl::StrCat(name_, ": lane ", launch.lane, " is busy"));
     }
     const cudaStream_t stream = lane.memory.stream;
@@ -556,9 +563,9 @@ class CudaDevice final : public Device {
     lane.base.store(launch.base);
     lane.layers.store(launch.layers);
     lane.end_value.store(0);
-    lane.doorbell_offset.store(launch.doorbell);
     lane.host_kind.store(launch.kind == DoorbellKind::kHost);
-    lane.host_doorbell.store(launch.kind == DoorbellKind::kHost ? launch.doorbell : 0);
+    lane.doorbell.store(launch.doorbell);
+    lane.completion.store(launch.completion);
     {
       absl::MutexLock lock(&lane.end_mu);
       lane.completion_ended = false;
@@ -572,13 +579,7 @@ class CudaDevice final : public Device {
       for (int layer = 0; layer < launch.layers && enqueued.ok(); ++layer) {
         const uint64_t value = launch.base + static_cast<uint64_t>(layer) + 1;
         enqueued = Memop(kernels::StreamWaitValue64(stream, doorbell, value));
-        if (enqueued.ok()) {
-          enqueued = Replay(lane.memory, lane.graphs, launch.shape, launch.graph, layer > 0);
-        }
-        if (enqueued.ok()) {
-          enqueued = Memop(kernels::StreamWriteValues64(
-              stream, {{completion, value}, {lane.progress_device, value}}));
-        }
+        if (enqueued.ok()) enqueued = EnqueueLayer(lane, launch, layer, completion);
       }
       if (!enqueued.ok()) {
         // What was enqueued must not wait for rings the step will never
@@ -611,7 +612,7 @@ class CudaDevice final : public Device {
     if (lane.host_kind.load()) {
       // The lane's thread stops launching (its wait returns at once) and
       // stores the completion's end value once what it launched ran.
-      HostSlot(reinterpret_cast<void*>(lane.host_doorbell.load())).Store(end_value);
+      HostSlot(reinterpret_cast<void*>(lane.doorbell.load())).Store(end_value);
       return;
     }
     absl::MutexLock lock(&lane.end_mu);
@@ -619,17 +620,19 @@ class CudaDevice final : public Device {
     // The doorbell from the release stream, which waits for nothing: every
     // layer still waiting runs at once. Again on every call: a late ring may
     // have lowered it.
-    const DoorbellArena& a = arena_;
-    const uint64_t pair = lane.doorbell_offset.load();
-    if (!kernels::StreamWriteValue64(release_, a.address + pair, end_value).ok()) return;
+    if (!kernels::StreamWriteValue64(release_, arena_.address + lane.doorbell.load(), end_value)
+             .ok()) {
+      return;
+    }
     if (!lane.completion_ended) {
       // The completion after the step's last operation (stream order): the
       // scheduler's waits all pass, and no layer's own write follows it.
       // The lane's end is recorded again after it, so "drained" includes it.
-      lane.completion_ended = kernels::StreamWriteValue64(
-                                  lane.memory.stream, a.address + pair + kHostSlotBytes, end_value)
-                                  .ok() &&
-                              cudaEventRecord(lane.end, lane.memory.stream) == cudaSuccess;
+      lane.completion_ended =
+          kernels::StreamWriteValue64(lane.memory.stream, arena_.address + lane.completion.load(),
+                                      end_value)
+              .ok() &&
+          cudaEventRecord(lane.end, lane.memory.stream) == cudaSuccess;
     }
   }
 
@@ -805,6 +808,17 @@ class CudaDevice final : public Device {
     return Check(cudaStreamSynchronize(release_), "lane initialisation");
   }
 
+  // A step's layer on its lane's stream, once its doorbell let it go: the
+  // bucket's graph (the first layer plans, the rest reuse the plan), then
+  // one batch of writes: `completion` and the lane's progress word.
+  absl::Status EnqueueLayer(CudaLane& lane, const StepLaunch& launch, int layer,
+                            uint64_t completion) {
+    const uint64_t value = launch.base + static_cast<uint64_t>(layer) + 1;
+    RETURN_IF_ERROR(Replay(lane.memory, lane.graphs, launch.shape, launch.graph, layer > 0));
+    return Memop(kernels::StreamWriteValues64(
+        lane.memory.stream, {{completion, value}, {lane.progress_device, value}}));
+  }
+
   // Host doorbells: the lane's thread waits for each ring on the host slot
   // and launches the layer; the GPU writes the completion into the slot.
   void HostDoorbellLoop(int index) {
@@ -826,20 +840,14 @@ class CudaDevice final : public Device {
       int layer = 0;
       for (; layer < launch.layers && status.ok(); ++layer) {
         const uint64_t value = launch.base + static_cast<uint64_t>(layer) + 1;
-        while (!ended() &&
-               doorbell.WaitAtLeast(value, absl::Microseconds(50), absl::InfiniteFuture(), ended,
-                                    absl::Milliseconds(2)) < value) {
-        }
+        // (Returns below `value` only once ended.)
+        doorbell.WaitAtLeast(value, absl::Microseconds(50), absl::InfiniteFuture(), ended,
+                             absl::Milliseconds(2));
         // Ended by the server (or the device going): the layers left are
         // not run. (A ring past the last layer rings every layer, as a GPU
         // doorbell does.)
         if (ended()) break;
-        status = Replay(lane.memory, lane.graphs, launch.shape, launch.graph, layer > 0);
-        if (status.ok()) {
-          status = Memop(kernels::StreamWriteValues64(
-              lane.memory.stream,
-              {{launch.completion_device, value}, {lane.progress_device, value}}));
-        }
+        status = EnqueueLayer(lane, launch, layer, launch.completion_device);
       }
       if (layer < launch.layers || !status.ok()) {
         // Ended early, or a launch failed: once what was launched ran (or

@@ -202,9 +202,10 @@ struct LaneProgress {
 
 // One layer of a finished lane step, measured on the device where it can be.
 struct LayerTiming {
-  double device_seconds = 0;  // the layer's launch, gather to scatter
-  // From the previous layer's end (layer 0: the step's start on the lane) to
-  // this layer's start: the wait for the scheduler's ring.
+  // The layer's run (on a GPU from the gather's start to the scatter's).
+  double device_seconds = 0;
+  // From the previous layer's end as measured above to this layer's start:
+  // the wait for the scheduler's ring (0 for layer 0).
   double doorbell_wait_seconds = 0;
 };
 
@@ -247,8 +248,9 @@ class Device {
 
   // Whether CaptureGraphs and LaunchOptions::graph are supported.
   virtual bool SupportsGraphs() const = 0;
-  // Records the launch sequence of `shape` (both plan variants). Returns the
-  // device memory the recorded graphs hold, in bytes (0 when unknown).
+  // Records the launch sequence of `shape` (both plan variants), for the
+  // device's batches and for every step lane. Returns the device memory the
+  // recorded graphs hold, in bytes (0 when unknown).
   virtual absl::StatusOr<int64_t> CaptureGraphs(BatchShape shape) = 0;
 
   // A verify batch: the slot's gather, the attention, the output list.
@@ -319,11 +321,11 @@ class Device {
   }
   // The GPU doorbell arena (DoorbellSupport(kDevice) must be OK).
   virtual DoorbellArena doorbell_arena() const { return {}; }
-  // Lane `lane`'s slot of layer `layer` as the host writes it, and as the
-  // lane's gather reads it (what the slot's own descriptors copy from).
+  // Lane `lane`'s slot of layer `layer` as the host writes it (the lane's
+  // gather reads it at lane_buffers(lane).slots + layer * the slot's bytes).
   virtual uint8_t* lane_slot(int lane, int layer) { return nullptr; }
-  virtual uint64_t lane_slot_address(int lane, int layer) const { return 0; }
-  // The lane's buffers (pool as the device's; table: the lane's page table).
+  // The lane's buffers (pool as the device's; table: the lane's page table;
+  // slots: layer 0's slot as the lane's gather reads it).
   virtual const DeviceBuffers& lane_buffers(int lane) const { return buffers(); }
   // The lane's page table as the host writes it (LaneGeometry::table_entries).
   virtual int32_t* lane_table(int lane) { return nullptr; }

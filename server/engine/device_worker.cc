@@ -1,21 +1,17 @@
 #include "server/engine/device_worker.h"
 
 #include <algorithm>
-#include <cstring>
 #include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/geometry.h"
-#include "kernels/verify_attention.h"
 #include "spdlog/spdlog.h"
 
 namespace mlaverify::engine {
 
 namespace {
-
-uint32_t U32(int64_t v) { return static_cast<uint32_t>(v); }
 
 // Below this many bytes copied out a batch completes on the device thread
 // alone.
@@ -272,8 +268,8 @@ absl::Status DeviceWorker::BeginSlot(int slot, SlotWriter* w) {
     for (const TableWrite& t : writes_) {
       const uint64_t src = t.from >= 0 ? table + 4 * static_cast<uint64_t>(t.from)
                                        : w->Device(l.values) + 4 * static_cast<uint64_t>(t.value);
-      fits = fits &&
-             w->Gather(src, 0, table + 4 * static_cast<uint64_t>(t.at), 0, U32(4 * t.count), 1);
+      fits = fits && w->Gather(src, 0, table + 4 * static_cast<uint64_t>(t.at), 0,
+                               static_cast<uint32_t>(4 * t.count), 1);
     }
   }
   if (fits) return absl::OkStatus();
@@ -337,7 +333,7 @@ void DeviceWorker::RunBatch(std::vector<VerifyShard> shards, absl::Time taken) {
 
   // The requests as the slot describes them (padding: PackBatch).
   std::vector<int32_t> prefix_now(shape.batch, 0), drafts_now(shape.batch, 0);
-  std::vector<PackedRequest> requests_packed(batch.size());
+  packed_.resize(batch.size());
   const int64_t page_size = geometry_.page_size;
   for (size_t b = 0; b < batch.size() && status.ok(); ++b) {
     const VerifyShard& s = batch[b];
@@ -353,7 +349,7 @@ void DeviceWorker::RunBatch(std::vector<VerifyShard> shards, absl::Time taken) {
     }
     prefix_now[b] = s.prefix_len;
     drafts_now[b] = s.draft_len;
-    PackedRequest& p = requests_packed[b];
+    PackedRequest& p = packed_[b];
     p.prefix_len = s.prefix_len;
     p.draft_len = s.draft_len;
     p.layer = s.layer;
@@ -366,7 +362,7 @@ void DeviceWorker::RunBatch(std::vector<VerifyShard> shards, absl::Time taken) {
     p.out = s.out;
     p.lse = s.lse;
   }
-  if (status.ok()) status = PackBatch(w, target_, shape, requests_packed);
+  if (status.ok()) status = PackBatch(w, target_, shape, packed_);
   if (!status.ok()) {
     Fault(status);
     FailShards(batch, fault(), timing);

@@ -242,8 +242,9 @@ class DeviceWorker {
   // Slot launches ever: the next takes slot launch_count_ % slots.
   int64_t launch_count_ ABSL_GUARDED_BY(launch_mu_) = 0;
   std::unique_ptr<PageTableArena> tables_ ABSL_GUARDED_BY(launch_mu_);
-  std::vector<TableWrite> writes_ ABSL_GUARDED_BY(launch_mu_);  // scratch
-  std::vector<int32_t> values_ ABSL_GUARDED_BY(launch_mu_);     // scratch
+  std::vector<TableWrite> writes_ ABSL_GUARDED_BY(launch_mu_);     // scratch
+  std::vector<int32_t> values_ ABSL_GUARDED_BY(launch_mu_);        // scratch
+  std::vector<PackedRequest> packed_ ABSL_GUARDED_BY(launch_mu_);  // scratch: a batch's requests
 
   mutable absl::Mutex mu_;
   std::deque<Entry> queue_ ABSL_GUARDED_BY(mu_);

@@ -1511,22 +1511,19 @@ void Engine::SubmitCommit(uint64_t sequence_id, absl::Span<const int32_t> accept
                           absl::AnyInvocable<void(absl::StatusOr<CommitResult>)> done) {
   // A step's item committed while the step still runs layers (the scheduler
   // may send it as soon as its stream is past the last wait): it waits for
-  // the layers, or for the step's end. (`done` stays here unless it waits.)
-  auto waiting = std::make_shared<absl::AnyInvocable<void(absl::StatusOr<CommitResult>)>>();
-  if (steps_->DeferCommit(
-          sequence_id,
-          [this, sequence_id, waiting,
-           path =
-               std::vector<int32_t>(accepted.begin(), accepted.end())](absl::Status ready) mutable {
-            absl::AnyInvocable<void(absl::StatusOr<CommitResult>)> done = std::move(*waiting);
-            if (ready.ok()) ready = StartCommit(sequence_id, path, done);
-            if (!ready.ok()) {
-              done(std::move(ready));
-              return;
-            }
-            for (auto& w : workers_) w->Kick();
-          },
-          [&] { *waiting = std::move(done); })) {
+  // the layers, or for the step's end. (`done` moves only if it waits.)
+  if (steps_->DeferCommit(sequence_id, [&]() -> absl::AnyInvocable<void(absl::Status)> {
+        return [this, sequence_id, done = std::move(done),
+                path = std::vector<int32_t>(accepted.begin(), accepted.end())](
+                   absl::Status ready) mutable {
+          if (ready.ok()) ready = StartCommit(sequence_id, path, done);
+          if (!ready.ok()) {
+            done(std::move(ready));
+            return;
+          }
+          for (auto& w : workers_) w->Kick();
+        };
+      })) {
     return;
   }
   absl::Status rejected = StartCommit(sequence_id, accepted, done);  // after its locks are released

@@ -186,9 +186,6 @@ class HostDevice final : public Device {
   uint8_t* lane_slot(int lane, int layer) override {
     return lanes_[lane]->slots.data.get() + static_cast<size_t>(layer) * g_.lanes.slot.bytes;
   }
-  uint64_t lane_slot_address(int lane, int layer) const override {
-    return lanes_[lane]->slots.address() + static_cast<uint64_t>(layer) * g_.lanes.slot.bytes;
-  }
   const DeviceBuffers& lane_buffers(int lane) const override { return lanes_[lane]->buffers; }
   int32_t* lane_table(int lane) override {
     return reinterpret_cast<int32_t*>(lanes_[lane]->table.data.get());
@@ -450,14 +447,13 @@ class HostDevice final : public Device {
     const HostSlot completion = SlotOf(launch, launch.completion);
     const uint64_t last = launch.base + static_cast<uint64_t>(launch.layers);
     const auto ended = [&lane] { return lane.end_value.load() != 0; };
-    absl::Time previous_end = absl::Now();
+    absl::Time previous_end;  // (layer 0 has no wait)
     bool completed = true;
     for (int layer = 0; layer < launch.layers; ++layer) {
       const uint64_t target = launch.base + static_cast<uint64_t>(layer) + 1;
-      while (!ended() &&
-             doorbell.WaitAtLeast(target, absl::Microseconds(50), absl::InfiniteFuture(), ended,
-                                  absl::Milliseconds(5)) < target) {
-      }
+      // (Returns below `target` only once ended.)
+      doorbell.WaitAtLeast(target, absl::Microseconds(50), absl::InfiniteFuture(), ended,
+                           absl::Milliseconds(5));
       // Ended by the server: the layers left are not run (their pages are
       // dropped). (A ring past the last layer rings every layer, as a GPU
       // doorbell does.)

@@ -534,8 +534,9 @@ absl::Status StepRunner::WriteLane(const std::vector<StepHost::Claimed>& claimed
       p.out = {t.out + l * t.out_stride, out_pitch};
       p.lse = {t.lse + l * t.lse_stride, lse_pitch};
     }
-    SlotWriter w(device.lane_slot(lane, layer), device.lane_slot_address(lane, layer), lane_slot_,
-                 GatherCapacity(shape, c.page_size, c.max_batch()));
+    SlotWriter w(device.lane_slot(lane, layer),
+                 device.lane_buffers(lane).slots + static_cast<uint64_t>(layer) * lane_slot_.bytes,
+                 lane_slot_, GatherCapacity(shape, c.page_size, c.max_batch()));
     RETURN_IF_ERROR(PackBatch(w, target, shape, packed));
     w.Close();
   }
@@ -547,15 +548,14 @@ absl::Status StepRunner::WriteLane(const std::vector<StepHost::Claimed>& claimed
 
 // ---- the engine's hooks ------------------------------------------------
 
-bool StepRunner::DeferCommit(uint64_t sequence_id, absl::AnyInvocable<void(absl::Status)> commit,
-                             absl::FunctionRef<void()> take) {
+bool StepRunner::DeferCommit(uint64_t sequence_id,
+                             absl::FunctionRef<absl::AnyInvocable<void(absl::Status)>()> make) {
   absl::MutexLock lock(&mu_);
   auto c = claimed_.find(sequence_id);
   if (c == claimed_.end()) return false;
   auto it = open_.find(c->second);
   if (it == open_.end() || it->second->state != StepState::kRunning) return false;
-  take();
-  it->second->deferred_commits.push_back(std::move(commit));
+  it->second->deferred_commits.push_back(make());
   wake_.Signal();  // the watcher polls faster while a Commit waits
   return true;
 }

@@ -247,14 +247,13 @@ class StepRunner {
   StepStats Stats() const;
 
   // ---- the engine's hooks ----
-  // A Commit of `sequence_id` while its step still runs layers: `commit`
-  // runs once every layer ran (with OK) or the step was aborted (with why),
-  // on the runner's thread with no runner lock held, and this returns true;
-  // false when the sequence is in no running step (commit at once).
-  // `take` runs (under the runner's lock) only when the commit waits: it
-  // hands the caller's state to `commit`.
-  bool DeferCommit(uint64_t sequence_id, absl::AnyInvocable<void(absl::Status)> commit,
-                   absl::FunctionRef<void()> take);
+  // A Commit of `sequence_id` while its step still runs layers: `make` is
+  // called (under the runner's lock) for the commit, which runs once every
+  // layer ran (with OK) or the step was aborted (with why), on the runner's
+  // thread with no runner lock held, and this returns true; false when the
+  // sequence is in no running step (commit at once; `make` is not called).
+  bool DeferCommit(uint64_t sequence_id,
+                   absl::FunctionRef<absl::AnyInvocable<void(absl::Status)>()> make);
   // Whether an item of step `step_id` may be committed now: OK once every
   // layer ran on every rank, else FAILED_PRECONDITION / ABORTED saying why.
   // Called with the sequence's lock held (takes the runner's locks only).
