@@ -4,6 +4,8 @@
 #include <cmath>
 #include <numeric>
 
+#include "absl/strings/str_format.h"
+
 namespace mlaverify::client {
 
 double Percentile(absl::Span<const double> sorted, double p) {
@@ -14,6 +16,20 @@ double Percentile(absl::Span<const double> sorted, double p) {
   const int64_t p_milli = std::llround(std::clamp(p, 0.0, 100.0) * 1000.0);
   const int64_t rank = (p_milli * n + 100000 - 1) / 100000;  // ceil(p/100 * n)
   return sorted[std::clamp<int64_t>(rank, 1, n) - 1];
+}
+
+std::string PercentileKey(double p) {
+  std::string key = absl::StrFormat("p%g", p);
+  std::replace(key.begin(), key.end(), '.', '_');
+  return key;
+}
+
+nlohmann::ordered_json LatencySummaryToJson(const LatencySummary& l) {
+  nlohmann::ordered_json j = {{"count", l.count}, {"mean", l.mean}, {"p50", l.p50},
+                              {"p90", l.p90},     {"p95", l.p95},   {"p99", l.p99},
+                              {"p99_9", l.p999},  {"max", l.max}};
+  for (const auto& [p, value] : l.chosen) j[PercentileKey(p)] = value;
+  return j;
 }
 
 std::vector<HistogramBucket> Histogram(absl::Span<const double> sorted) {

@@ -5,10 +5,12 @@
 #define MLAVERIFY_CLIENT_LATENCY_STATS_H_
 
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/types/span.h"
+#include "nlohmann/json.hpp"
 
 namespace mlaverify::client {
 
@@ -43,6 +45,13 @@ struct LatencySummary {
 // Sorts `samples` (any unit; the summary keeps it) and summarises them,
 // with the nearest-rank value of each of `percentiles` (each in [0, 100]).
 LatencySummary Summarize(std::vector<double> samples, absl::Span<const double> percentiles = {});
+
+// "p99.5" -> "p99_5": the JSON and CSV name of a chosen percentile.
+std::string PercentileKey(double p);
+
+// count, mean, p50, p90, p95, p99, p99_9, max and each chosen percentile by
+// its PercentileKey (the histogram is left to the caller).
+nlohmann::ordered_json LatencySummaryToJson(const LatencySummary& l);
 
 // The histogram of ascending `sorted` samples (see LatencySummary).
 std::vector<HistogramBucket> Histogram(absl::Span<const double> sorted);

@@ -692,26 +692,17 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
     int registered = 0;
     ~Unregister() {
       for (int r = 0; r < registered; ++r) {
-        // A call the client gave up on (its deadline) may still hold the
-        // region on the server for a moment: retry that for up to 5 s.
-        absl::StatusOr<std::vector<std::string>> gone;
-        for (int attempt = 0; attempt < 50; ++attempt) {
-          gone = replicas.replica(r).UnregisterSystemSharedMemory(name);
-          if (gone.status().code() != absl::StatusCode::kFailedPrecondition) break;
-          std::this_thread::sleep_for(std::chrono::milliseconds(100));
-        }
+        const absl::Status gone = UnregisterWhenReleased(replicas.replica(r), name, /*cuda=*/false);
         if (!gone.ok()) {
           spdlog::warn("{}: unregistering shared memory '{}': {}", replicas.Name(r), name,
-                       gone.status().ToString());
+                       gone.ToString());
         }
       }
     }
   } unregister{replicas, shm_name};
   if (options.data_plane == "shm") {
-    const uint64_t token_bytes = static_cast<uint64_t>(plan.num_layers) * kLatentDim * 2;
-    const uint64_t staging = std::max<uint64_t>(
-        token_bytes, std::min<uint64_t>(static_cast<uint64_t>(options.shm_staging_bytes),
-                                        static_cast<uint64_t>(plan.prompt_len) * token_bytes));
+    const uint64_t staging =
+        PromptStagingBytes(plan.num_layers, plan.prompt_len, options.shm_staging_bytes);
     const uint64_t item = (ShmVerifyItemBytes(plan.num_drafts, plan.num_heads) + 255) / 256 * 256;
     const uint64_t items = item * static_cast<uint64_t>(plan.items);
     const uint64_t per_worker = items + (staging + 255) / 256 * 256;
@@ -1243,16 +1234,24 @@ void PrintLoadReport(const LoadReport& report) {
                                                                       : "FAIL");
 }
 
-namespace {
-
-// "p99.5" -> "p99_5": the JSON and CSV name of a chosen percentile.
-std::string PercentileKey(double p) {
-  std::string key = absl::StrFormat("p%g", p);
-  std::replace(key.begin(), key.end(), '.', '_');
-  return key;
+uint64_t PromptStagingBytes(int layers, int64_t prompt_len, int64_t shm_staging_bytes) {
+  const uint64_t token_bytes = static_cast<uint64_t>(layers) * kLatentDim * 2;
+  return std::max<uint64_t>(
+      token_bytes,
+      std::min<uint64_t>(static_cast<uint64_t>(std::max<int64_t>(shm_staging_bytes, 0)),
+                         static_cast<uint64_t>(prompt_len) * token_bytes));
 }
 
-}  // namespace
+absl::Status UnregisterWhenReleased(VerifyClient& client, const std::string& name, bool cuda) {
+  absl::Status gone;
+  for (int attempt = 0; attempt < 50; ++attempt) {
+    gone = cuda ? client.UnregisterCudaSharedMemory(name).status()
+                : client.UnregisterSystemSharedMemory(name).status();
+    if (gone.code() != absl::StatusCode::kFailedPrecondition) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return gone;
+}
 
 nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
   const LoadOptions& o = report.options;
@@ -1269,11 +1268,7 @@ nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
                              {"first_error", r.first_error}});
   }
   const LatencySummary& l = report.latency_ms;
-  nlohmann::ordered_json latency = {{"count", l.count}, {"mean", l.mean}, {"p50", l.p50},
-                                    {"p90", l.p90},     {"p95", l.p95},   {"p99", l.p99},
-                                    {"p99_9", l.p999},  {"max", l.max}};
-  // The chosen percentiles by name, "p99.5" as "p99_5" like p99_9.
-  for (const auto& [p, value] : l.chosen) latency[PercentileKey(p)] = value;
+  nlohmann::ordered_json latency = LatencySummaryToJson(l);
   // Non-empty buckets: samples in (the previous bucket's le, le] ms.
   nlohmann::ordered_json histogram = nlohmann::ordered_json::array();
   for (const HistogramBucket& b : l.histogram) {

@@ -238,6 +238,16 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
 void StopRunningLoad();
 bool LoadStopRequested();
 
+// Shared by `load` and `load --steps`:
+// A worker's prompt staging for AppendKv: what --shm-staging-mib allows, no
+// more than a prompt of `prompt_len` needs, at least one token of every layer.
+uint64_t PromptStagingBytes(int layers, int64_t prompt_len, int64_t shm_staging_bytes);
+// Unregisters system region `name` (a CUDA region when `cuda`) once no call
+// or step of the server holds it any more: FAILED_PRECONDITION (held) is
+// retried for up to 5 s. A call the client gave up on (its deadline), or a
+// step's end, may lag the client's own view by that much.
+absl::Status UnregisterWhenReleased(VerifyClient& client, const std::string& name, bool cuda);
+
 void PrintLoadReport(const LoadReport& report);
 nlohmann::ordered_json LoadReportToJson(const LoadReport& report);
 // One CSV header and one row per report (a run of a sweep): the options that

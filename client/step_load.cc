@@ -72,11 +72,6 @@ struct Plan {
   Clock::time_point measure_start;
 };
 
-// One item's tensors on one rank, from the worker's base.
-struct ItemOffsets {
-  uint64_t q = 0, draft_kv = 0, out = 0, lse = 0;
-};
-
 struct WorkerResult {
   std::vector<double> step_ms, layer_us, layers_ms, open_ms, commit_ms;
   int64_t steps = 0, items = 0, lane_waits = 0;
@@ -135,24 +130,20 @@ class Worker {
     const LoadOptions& o = plan_.options;
     const int n = plan_.drafts, h = plan_.heads;
     uint64_t at = Base();
-    offsets_.assign(plan_.ranks, std::vector<ItemOffsets>(o.items));
-    for (int r = 0; r < plan_.ranks; ++r) {
+    const std::string& region = plan_.gpu ? plan_.cuda_region : plan_.region;
+    spec_.doorbells = plan_.gpu ? Doorbells::kGpu : Doorbells::kHost;
+    spec_.ranks.assign(plan_.ranks, StepRankSpec{});
+    for (StepRankSpec& rank : spec_.ranks) {
       for (int k = 0; k < o.items; ++k) {
-        ItemOffsets& t = offsets_[r][k];
-        t.q = at;
-        at = AlignUp(at + static_cast<uint64_t>(n) * h * kLatentRowBytes);
-        t.draft_kv = at;
-        at = AlignUp(at + static_cast<uint64_t>(n) * kLatentRowBytes);
-        t.out = at;
-        at = AlignUp(at + static_cast<uint64_t>(n) * h * kValueDim * sizeof(Bf16));
-        t.lse = at;
-        at = AlignUp(at + static_cast<uint64_t>(n) * h * sizeof(float));
+        const ShmItemPlacement t = PlaceVerifyItem(region, nullptr, at, n, h);
+        at = t.end_offset;
         const std::vector<Bf16> q = RandomBf16(rng_, static_cast<size_t>(n) * h * kLatentDim, 2.0f);
         const std::vector<Bf16> kv = RandomBf16(rng_, static_cast<size_t>(n) * kLatentDim, 1.0f);
-        if (!Write(t.q, q.data(), q.size() * sizeof(Bf16)) ||
-            !Write(t.draft_kv, kv.data(), kv.size() * sizeof(Bf16))) {
+        if (!Write(t.q_offset, q.data(), q.size() * sizeof(Bf16)) ||
+            !Write(t.draft_kv_offset, kv.data(), kv.size() * sizeof(Bf16))) {
           return false;
         }
+        rank.items.push_back(StepItemPlace::Of(t));
       }
     }
     staging_ = {plan_.region, plan_.region_data,
@@ -181,10 +172,12 @@ class Worker {
         streams_.push_back(*std::move(s));
       }
     } else {
-      slots_.assign(plan_.ranks, 0);
-      for (int r = 0; r < plan_.ranks; ++r) {
-        slots_[r] = at;
-        at = AlignUp(at + 2 * kHostSlotBytes);
+      for (StepRankSpec& rank : spec_.ranks) {
+        rank.doorbell_region = plan_.region;
+        rank.doorbell_offset = AlignUp(at);
+        rank.completion_offset = rank.doorbell_offset + kHostSlotBytes;
+        rank.doorbell_region_data = plan_.region_data;
+        at = rank.doorbell_offset + 2 * kHostSlotBytes;
       }
     }
     return true;
@@ -231,32 +224,17 @@ class Worker {
     return true;
   }
 
-  StepSpec Spec() {
-    StepSpec spec;
-    spec.doorbells = plan_.gpu ? Doorbells::kGpu : Doorbells::kHost;
-    const std::string& region = plan_.gpu ? plan_.cuda_region : plan_.region;
-    for (size_t k = 0; k < sequences_.size(); ++k) {
-      spec.items.push_back({sequences_[k], RandomDraftTree(rng_, plan_.drafts)});
+  // This step's items (the placements stay as Setup made them).
+  void DrawItems() {
+    spec_.items.clear();
+    for (uint64_t sequence : sequences_) {
+      spec_.items.push_back({sequence, RandomDraftTree(rng_, plan_.drafts)});
     }
-    for (int r = 0; r < plan_.ranks; ++r) {
-      StepRankSpec rank;
-      for (const ItemOffsets& t : offsets_[r]) {
-        rank.items.push_back(
-            {{region, t.q, 0}, {region, t.draft_kv, 0}, {region, t.out, 0}, {region, t.lse, 0}});
-      }
-      if (!plan_.gpu) {
-        rank.doorbell_region = plan_.region;
-        rank.doorbell_offset = slots_[r];
-        rank.completion_offset = slots_[r] + kHostSlotBytes;
-        rank.doorbell_region_data = plan_.region_data;
-      }
-      spec.ranks.push_back(std::move(rank));
-    }
-    return spec;
   }
 
   void Step() {
-    const StepSpec spec = Spec();
+    DrawItems();
+    const StepSpec& spec = spec_;
     const Clock::time_point opened_at = Clock::now();
     absl::StatusOr<std::unique_ptr<DeviceStep>> opened = client_.OpenStep(spec);
     const Clock::time_point opened_done = Clock::now();
@@ -290,10 +268,9 @@ class Worker {
     for (size_t k = 0; k < sequences_.size(); ++k) {
       // A random root-to-node path: what a scheduler accepts.
       const std::vector<int32_t>& parents = spec.items[k].parents;
-      std::vector<int32_t> path;
       const int node = static_cast<int>(rng_() % (parents.size() + 1)) - 1;
-      for (int a = node; a >= 0; a = parents[a]) path.push_back(a);
-      std::reverse(path.begin(), path.end());
+      const std::vector<int32_t> path =
+          node < 0 ? std::vector<int32_t>{} : PathToNode(parents, node);
       absl::StatusOr<CommitResult> committed = client_.Commit(sequences_[k], path);
       if (!committed.ok()) {
         Error("Commit", committed.status());
@@ -344,13 +321,12 @@ class Worker {
   // step would be: [its work] [event] ring, wait [event]; then one sync.
   absl::Status RunGpuLayers(DeviceStep& step, std::vector<double>* layer_us) {
     const LoadOptions& o = plan_.options;
+    // Every rank's stream is on --cuda-device: current once per step.
+    if (o.client_work_us > 0) RETURN_IF_ERROR(streams_[0]->MakeCurrent());
     for (int l = 0; l < plan_.layers; ++l) {
       for (int r = 0; r < plan_.ranks; ++r) {
         gpu_doorbells::TimedStream& s = *streams_[r];
-        if (o.client_work_us > 0) {
-          RETURN_IF_ERROR(s.MakeCurrent());
-          RETURN_IF_ERROR(LaunchClientWork(s.stream(), o.client_work_us));
-        }
+        if (o.client_work_us > 0) RETURN_IF_ERROR(LaunchClientWork(s.stream(), o.client_work_us));
         RETURN_IF_ERROR(s.Record(2 * l));
         RETURN_IF_ERROR(step.RingOnStream(r, l + 1, s.stream()));
         RETURN_IF_ERROR(step.WaitOnStream(r, l + 1, s.stream()));
@@ -375,8 +351,7 @@ class Worker {
   std::mt19937_64 rng_;
   WorkerResult result_;
   const CudaSharedMemoryBuffer* cuda_ = nullptr;
-  std::vector<std::vector<ItemOffsets>> offsets_;                     // [rank][item]
-  std::vector<uint64_t> slots_;                                       // host doorbells: per rank
+  StepSpec spec_;  // the ranks' placements (Setup), this step's items (DrawItems)
   std::vector<std::unique_ptr<gpu_doorbells::TimedStream>> streams_;  // per rank
   ShmStaging staging_;                                                // the worker's prompt staging
   absl::Span<const Bf16> prompt_;                                     // in it, or the plan's
@@ -384,11 +359,6 @@ class Worker {
   std::vector<int64_t> lengths_;
   double layer_span_ms_ = 0;
 };
-
-nlohmann::ordered_json SummaryJson(const LatencySummary& l) {
-  return {{"count", l.count}, {"mean", l.mean}, {"p50", l.p50},    {"p90", l.p90},
-          {"p95", l.p95},     {"p99", l.p99},   {"p99_9", l.p999}, {"max", l.max}};
-}
 
 }  // namespace
 
@@ -435,11 +405,10 @@ absl::StatusOr<StepLoadReport> RunStepLoad(VerifyClient& client, const LoadOptio
         absl::StrCat("--items ", o.items, ": the server's max_batch is ", info.max_batch()));
   }
   // One worker's tensors (and host slots), 256-aligned as Setup lays them.
-  const uint64_t n = plan->drafts, h = plan->heads;
-  const uint64_t item = AlignUp(n * h * kLatentRowBytes) + AlignUp(n * kLatentRowBytes) +
-                        AlignUp(n * h * kValueDim * sizeof(Bf16)) + AlignUp(n * h * sizeof(float));
+  const uint64_t item = ShmVerifyItemBytes(plan->drafts, plan->heads);
   plan->worker_bytes = plan->ranks * (o.items * item + AlignUp(2 * kHostSlotBytes));
-  plan->staging_bytes = AlignUp(static_cast<uint64_t>(std::max<int64_t>(o.shm_staging_bytes, 1)));
+  plan->staging_bytes =
+      AlignUp(PromptStagingBytes(plan->layers, o.prompt_len, o.shm_staging_bytes));
   plan->staging_offset = o.concurrency * plan->worker_bytes;
   const uint64_t system_bytes = plan->staging_offset + o.concurrency * plan->staging_bytes;
   ASSIGN_OR_RETURN(std::unique_ptr<SharedMemoryBuffer> shm,
@@ -553,13 +522,12 @@ absl::StatusOr<StepLoadReport> RunStepLoad(VerifyClient& client, const LoadOptio
     report.steps_per_second = report.steps / report.measured_seconds;
     report.items_per_second = report.items / report.measured_seconds;
   }
-  if (!plan->cuda_region.empty()) {
-    client.UnregisterCudaSharedMemory(plan->cuda_region).IgnoreError();
-  }
-  // Unregistered only once no step holds it (an aborted step's end can lag).
-  for (int attempt = 0; attempt < 100; ++attempt) {
-    if (client.UnregisterSystemSharedMemory(plan->region).ok()) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  // Once no step holds them (an aborted step's end can lag).
+  for (const auto& [name, cuda] : {std::pair{plan->cuda_region, true}, {plan->region, false}}) {
+    if (name.empty()) continue;
+    if (const absl::Status gone = UnregisterWhenReleased(client, name, cuda); !gone.ok()) {
+      spdlog::warn("load --steps: unregistering shared memory '{}': {}", name, gone.ToString());
+    }
   }
   absl::StatusOr<v1::ServerInfo> after = client.GetServerInfo();
   if (after.ok()) {
@@ -637,11 +605,11 @@ nlohmann::ordered_json StepLoadReportToJson(const StepLoadReport& r) {
       {"items", r.items},
       {"steps_per_second", r.steps_per_second},
       {"items_per_second", r.items_per_second},
-      {"step_ms", SummaryJson(r.step_ms)},
-      {"layer_us", SummaryJson(r.layer_us)},
-      {"layers_ms", SummaryJson(r.layers_ms)},
-      {"open_ms", SummaryJson(r.open_ms)},
-      {"commit_ms", SummaryJson(r.commit_ms)},
+      {"step_ms", LatencySummaryToJson(r.step_ms)},
+      {"layer_us", LatencySummaryToJson(r.layer_us)},
+      {"layers_ms", LatencySummaryToJson(r.layers_ms)},
+      {"open_ms", LatencySummaryToJson(r.open_ms)},
+      {"commit_ms", LatencySummaryToJson(r.commit_ms)},
       {"lane_waits", r.lane_waits},
       {"errors", r.errors},
       {"first_error", r.first_error},

@@ -159,6 +159,7 @@ absl::StatusOr<std::unique_ptr<DeviceStep>> VerifyClient::OpenStep(const StepSpe
   step->doorbells_ = spec.doorbells;
   step->prefix_len_.assign(response.prefix_len().begin(), response.prefix_len().end());
   if (response.ranks_size() != static_cast<int>(spec.ranks.size())) {
+    AbortStep(step->id_).IgnoreError();  // nobody could ring it
     return absl::InternalError(absl::StrCat("OpenStep answered with ", response.ranks_size(),
                                             " ranks for ", spec.ranks.size()));
   }

@@ -32,6 +32,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "client/shared_memory.h"
 #include "mlaverify/v1/verify.pb.h"
 
 namespace mlaverify::client {
@@ -52,6 +53,16 @@ struct StepItemPlace {
   StepTensorPlace draft_kv;  // bf16 [N, 576]
   StepTensorPlace out;       // bf16 [N, H_r, 512]
   StepTensorPlace lse;       // fp32 [N, H_r]
+
+  // The places of an item laid out by PlaceVerifyItem (shared_memory.h),
+  // every layer's `layer_stride` bytes after the one before (0: all layers
+  // in one place).
+  static StepItemPlace Of(const ShmItemPlacement& p, uint64_t layer_stride = 0) {
+    return {{p.region, p.q_offset, layer_stride},
+            {p.region, p.draft_kv_offset, layer_stride},
+            {p.region, p.out_offset, layer_stride},
+            {p.region, p.lse_offset, layer_stride}};
+  }
 };
 
 enum class Doorbells { kHost, kGpu };
