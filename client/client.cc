@@ -270,12 +270,21 @@ absl::StatusOr<v1::ServerInfo> VerifyClient::GetServerInfo() {
 }
 
 absl::StatusOr<ServingStatus> VerifyClient::Health(const std::string& service) {
+  return HealthOn(static_cast<int>(NextConnectionIndex()), service);
+}
+
+absl::StatusOr<ServingStatus> VerifyClient::HealthOn(int connection_index,
+                                                     const std::string& service) {
+  if (connection_index < 0 || connection_index >= connections()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("connection ", connection_index, " of ", connections()));
+  }
   grpc::ClientContext context;
   PrepareContext(&context);
   grpc::health::v1::HealthCheckRequest request;
   request.set_service(service);
   grpc::health::v1::HealthCheckResponse response;
-  Connection& connection = NextConnection();
+  Connection& connection = *connections_[connection_index];
   const grpc::Status checked = connection.health_stub->Check(&context, request, &response);
   CountCall(connection, checked.ok());
   RETURN_IF_ERROR(FromGrpcStatus(checked));

@@ -197,8 +197,15 @@ class VerifyClient {
   // AppendKv's chunking uses is refreshed too).
   absl::StatusOr<v1::ServerInfo> GetServerInfo();
 
-  // grpc.health.v1 Check of `service` ("" is the whole server).
+  // grpc.health.v1 Check of `service` ("" is the whole server), on the
+  // next connection in turn.
   absl::StatusOr<ServingStatus> Health(const std::string& service = "");
+  // The same check on one chosen connection (0 <= connection < connections()):
+  // probes that must reach distinct connections pick them themselves, since
+  // other threads move the turn between two calls of Health.
+  absl::StatusOr<ServingStatus> HealthOn(int connection, const std::string& service = "");
+  // The connection the next call of no sequence would take (moves the turn).
+  int TakeNextConnection() { return static_cast<int>(NextConnectionIndex()); }
 
   // Returns the new sequence's id. `label` appears in the server's logs.
   absl::StatusOr<uint64_t> CreateSequence(absl::string_view label);

@@ -52,13 +52,17 @@ absl::Status ReplicaSet::Observe(int index, absl::Status status) {
   if (status.ok()) return status;
   // With a pool, UNAVAILABLE may say only that the call's connection was
   // lost (gRPC opens it again on the next call). The replica is down when
-  // health checks on two more connections (the next ones in turn: at most
-  // one of them is the lost one, still going down) do not say SERVING
-  // either; a faulted or draining server answers NOT_SERVING.
+  // health checks on two more connections do not say SERVING either; a
+  // faulted or draining server answers NOT_SERVING. The two are adjacent
+  // connections picked here, not two turns of the round robin: other
+  // threads move the turn in between, and both turns could land on the
+  // lost connection, still going down.
+  VerifyClient& client = *clients_[index];
   bool confirmed = status.code() == absl::StatusCode::kUnavailable;
-  for (int probe = 0; confirmed && probe < std::min(2, clients_[index]->connections() - 1);
-       ++probe) {
-    const absl::StatusOr<ServingStatus> health = clients_[index]->Health();
+  const int first = confirmed ? client.TakeNextConnection() : 0;
+  for (int probe = 0; confirmed && probe < std::min(2, client.connections() - 1); ++probe) {
+    const absl::StatusOr<ServingStatus> health =
+        client.HealthOn((first + probe) % client.connections());
     confirmed = !health.ok() || *health != ServingStatus::kServing;
   }
   if (confirmed) {

@@ -283,6 +283,21 @@ TEST_F(PoolTest, CallsSpreadOverTheConnectionsAndASequenceKeepsOne) {
   }
   EXPECT_EQ(stream_connections.size(), 4u);
   for (auto& stream : streams) EXPECT_TRUE(stream->Close().ok());
+  // A health probe on a chosen connection goes there and nowhere else
+  // (ReplicaSet relies on it to probe two distinct connections).
+  for (int i = 0; i < 4; ++i) {
+    const std::vector<client::ConnectionStats> pre = c->GetConnectionStats();
+    const absl::StatusOr<client::ServingStatus> health = c->HealthOn(i);
+    ASSERT_TRUE(health.ok()) << health.status();
+    EXPECT_EQ(*health, client::ServingStatus::kServing);
+    const std::vector<client::ConnectionStats> post = c->GetConnectionStats();
+    for (int j = 0; j < 4; ++j) {
+      EXPECT_EQ(post[j].calls - pre[j].calls, i == j ? 1 : 0)
+          << "probe " << i << " connection " << j;
+    }
+  }
+  EXPECT_EQ(c->HealthOn(4).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c->HealthOn(-1).status().code(), absl::StatusCode::kInvalidArgument);
   // Four channels are four TCP connections through the proxy, not one.
   EXPECT_EQ(proxy_->accepted(), 4);
 }
@@ -397,7 +412,9 @@ void PoolTest::CutOneConnectionMidLoad(bool through_replica_set) {
   EXPECT_GT(stats[lost].failed, 0);
   // gRPC opened the lost connection again (through the proxy, a fifth one).
   EXPECT_EQ(proxy_->accepted(), 5);
-  if (set != nullptr) EXPECT_TRUE(set->CheckUp(0).ok()) << set->CheckUp(0);
+  if (set != nullptr) {
+    EXPECT_TRUE(set->CheckUp(0).ok()) << set->CheckUp(0);
+  }
 }
 
 TEST_F(PoolTest, ALostConnectionFailsOnlyItsCallsAndIsOpenedAgain) {
