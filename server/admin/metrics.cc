@@ -284,8 +284,8 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
       &prometheus::BuildHistogram()
            .Name("mlaverify_device_step_doorbell_wait_seconds")
            .Help(
-               "Time a step's layer waited for its doorbell after the previous layer ended: the "
-               "scheduler's own work between layers.")
+               "Time from a step's previous layer's scatter start to this layer's gather start "
+               "(0 for the first layer): the scheduler's own work between layers.")
            .Register(r)
            .Add({}, FineBuckets());
   steps_open_ = &AddGauge(r, "mlaverify_device_steps_open", "Device-driven steps open now.");

@@ -12,8 +12,8 @@
 // runs layer l once the rank's doorbell holds base + l + 1 and stores base +
 // l + 1 into the rank's completion slot; with GPU doorbells neither host is
 // involved per layer. The runner's one thread watches the open steps
-// (progress, timeouts, aborts) from host-visible progress words, without a
-// device call.
+// (progress, timeouts, aborts) from host-visible progress words (on a GPU
+// with one cudaEventQuery per lane to see that its work drained).
 //
 // A step's sequences are claimed for its life: their draft pages are
 // reserved and their state is "pending" as after a first Verify, but plain
