@@ -16,6 +16,8 @@ Cases (all by default), each against a fresh CPU server:
                   every 2 s (slowloris) while /healthz and /metrics are asked
   undecodable     requests whose bytes do not parse: INVALID_ARGUMENT, counted;
                   on a VerifyStream in band, and the stream goes on
+  compression_bomb  gzip messages that inflate to 1 GiB each, without a token:
+                  refused before they inflate
 
 The first two are gRPC 1.51's own residual risk (docs/operations.md,
 "Security model"): their memory growth is printed, not asserted.
@@ -34,6 +36,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+import zlib
 
 try:
     import hpack
@@ -146,23 +149,24 @@ class RawH2:
         self.pending = b""
         self.sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + SettingsFrame(0).serialize())
 
-    def open(self, method, end_stream=False):
+    def open(self, method, end_stream=False, extra_headers=()):
         """HEADERS of a new gRPC call; returns (stream id, bytes)."""
         sid = self.next_stream
         self.next_stream += 2
         frame = HeadersFrame(sid)
         frame.data = self.encoder.encode([
             (":method", "POST"), (":scheme", "http"), (":path", SERVICE + method),
-            (":authority", "abuse"), ("content-type", "application/grpc"), ("te", "trailers")])
+            (":authority", "abuse"), ("content-type", "application/grpc"), ("te", "trailers"),
+            *extra_headers])
         frame.flags.add("END_HEADERS")
         if end_stream:
             frame.flags.add("END_STREAM")
         return sid, frame.serialize()
 
     @staticmethod
-    def message(sid, payload, end_stream=False, max_frame=16384):
+    def message(sid, payload, end_stream=False, max_frame=16384, compressed=False):
         """A gRPC length-prefixed message as DATA frames."""
-        body = struct.pack(">BI", 0, len(payload)) + payload
+        body = struct.pack(">BI", 1 if compressed else 0, len(payload)) + payload
         out = []
         for i in range(0, len(body), max_frame):
             frame = DataFrame(sid)
@@ -201,6 +205,44 @@ class RawH2:
                 update.window_increment = length
                 self.sock.sendall(update.serialize())
         return frame
+
+    def send_within_windows(self, sid, body, timeout=30.0):
+        """DATA frames of `body` (ending the stream) sent only as far as the
+        server's flow-control windows allow, reading its SETTINGS and
+        WINDOW_UPDATEs as it opens them. False if the stream ended first."""
+        conn_window = stream_window = 65535
+        initial = 65535
+        sent, deadline = 0, time.time() + timeout
+        while sent < len(body):
+            n = min(conn_window, stream_window, 16384, len(body) - sent)
+            if n > 0:
+                frame = DataFrame(sid)
+                frame.data = body[sent:sent + n]
+                sent += n
+                if sent == len(body):
+                    frame.flags.add("END_STREAM")
+                self.sock.sendall(frame.serialize())
+                conn_window -= n
+                stream_window -= n
+                continue
+            if time.time() > deadline:
+                return False
+            frame = self.read_frame(deadline - time.time())
+            if frame is None:
+                return False
+            if isinstance(frame, SettingsFrame) and 4 in frame.settings:  # INITIAL_WINDOW_SIZE
+                stream_window += frame.settings[4] - initial
+                initial = frame.settings[4]
+            elif isinstance(frame, WindowUpdateFrame):
+                if frame.stream_id == 0:
+                    conn_window += frame.window_increment
+                elif frame.stream_id == sid:
+                    stream_window += frame.window_increment
+            elif getattr(frame, "stream_id", 0) == sid and (
+                    isinstance(frame, RstStreamFrame) or "END_STREAM" in frame.flags):
+                self.early_end = frame
+                return False
+        return True
 
     def call_result(self, sid, timeout=10.0):
         """Reads until `sid` ends: (grpc-status, grpc-message, [messages])."""
@@ -627,8 +669,78 @@ def undecodable():
     check(server.stop() == 0, "undecodable: clean exit")
 
 
+def gzip_bomb(inflated_bytes):
+    """gzip bytes that inflate to `inflated_bytes` zeros (about 1/1000 the size)."""
+    packer = zlib.compressobj(9, zlib.DEFLATED, 31)
+    zeros = bytes(1 << 20)
+    out = [packer.compress(zeros) for _ in range(inflated_bytes >> 20)]
+    out.append(packer.flush())
+    return b"".join(out)
+
+
+def compression_bomb():
+    """Four calls at once, each a 1 MiB gzip message that inflates to 1 GiB
+    (`grpc-encoding: gzip`), before any authentication: the server takes
+    identity only and refuses them before inflating a byte (gRPC 1.51
+    inflates a whole message before its size check: 1 GiB of memory per
+    call). Asserted: every call refused UNIMPLEMENTED, RSS growth <= 64 MiB,
+    an uncompressed call served afterwards."""
+    server = Server("--auth-token-file", server_token_file())
+    bomb = gzip_bomb(1 << 30)
+    base = server.rss_mib()
+    watch = RssWatch(server)
+    results = []
+
+    def send():
+        conn = RawH2(server.port)
+        sid, headers = conn.open("CreateSequence", extra_headers=[("grpc-encoding", "gzip")])
+        conn.sock.sendall(headers)
+        try:
+            conn.send_within_windows(sid, struct.pack(">BI", 1, len(bomb)) + bomb)
+        except OSError:
+            pass  # the server may answer and close before reading it all
+        early = getattr(conn, "early_end", None)
+        if early is not None and isinstance(early, HeadersFrame):
+            headers = {k.decode() if isinstance(k, bytes) else k:
+                       v.decode() if isinstance(v, bytes) else v
+                       for k, v in conn.decoder.decode(early.data)}
+            status = headers.get("grpc-status")
+            results.append((int(status) if status is not None else None,
+                            headers.get("grpc-message", ""), []))
+        elif early is not None:
+            results.append((None, f"RST_STREAM {early.error_code}", []))
+        else:
+            results.append(conn.call_result(sid, timeout=30.0))
+        conn.close()
+
+    threads = [threading.Thread(target=send) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    time.sleep(0.5)
+    peak = watch.stop()
+    print(f"     {len(bomb) / 2**20:.2f} MiB of gzip per call, 1 GiB inflated; "
+          f"RSS {base:.0f} -> peak {peak:.0f} MiB; answers {[r[:2] for r in results]}")
+    check(len(results) == 4 and all(r[0] == 12 for r in results),
+          "compression bomb: every call refused UNIMPLEMENTED")
+    check(peak - base <= 64, f"compression bomb: RSS growth {peak - base:.0f} MiB <= 64 MiB")
+    status, message, _ = unary(server.port, "GetServerInfo", b"")
+    check(status == 16, f"compression bomb: the server still answers (an uncompressed call "
+          f"without the token: UNAUTHENTICATED, got {status} {message!r})")
+    check(server.stop() == 0, "compression bomb: clean exit")
+
+
+def server_token_file():
+    path = os.path.join(tempfile.mkdtemp(prefix="mlaverify-abuse-token-"), "token")
+    with open(path, "w") as f:
+        f.write("abuse-test-token-0123456789abcdef\n")
+    os.chmod(path, 0o600)
+    return path
+
+
 CASES = {f.__name__: f for f in [rapid_reset, unread_calls, unread_streams, slow_admin,
-                                 undecodable]}
+                                 undecodable, compression_bomb]}
 
 
 def main():

@@ -43,6 +43,9 @@ expect_refused "--draft-buckets 4,2" "--draft-buckets \[4,2\]: need strictly inc
 expect_refused "a switch with a value that is no boolean" "cuda-graphs" --cuda-graphs maybe
 expect_refused "--stream-max-in-flight 0" "stream-max-in-flight" --stream-max-in-flight 0
 expect_refused "an unknown flag" "workers" --workers 8
+expect_refused "--idle-timeout-s under a second" "--idle-timeout-s 0.001: need 0 (never) or 1.." \
+  --idle-timeout-s 0.001
+expect_refused "--idle-timeout-s negative" "--idle-timeout-s" --idle-timeout-s -5
 expect_refused "a token file that does not exist" "auth-token-file" --auth-token-file /nonexistent/token
 printf 'layers = 2\nlayerz = 3\n' > "$work/typo.toml"
 expect_refused "a --config file with an unknown flag name" "layerz" --config "$work/typo.toml"

@@ -3,7 +3,11 @@
 // code, changing nothing (page counts and the sequence's next step) and
 // leaving the server serving. Outputs are checked with the client's own
 // reference (client/reference_check.h) over a mirror of what was sent.
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netinet/in.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -990,6 +994,89 @@ TEST_F(ServerTest, DeviceDrivenStepsEndToEnd) {
 
 // Every malformed registration and reference gets its documented code,
 // leaves the sequences and the registry as they were and holds no region.
+// This host's first address that is not loopback ("" when it has none):
+// calls from it reach the server as from another host would.
+std::string NonLoopbackAddress() {
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return "";
+  std::string found;
+  for (ifaddrs* a = list; a != nullptr && found.empty(); a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || (a->ifa_flags & IFF_LOOPBACK) || !(a->ifa_flags & IFF_UP)) {
+      continue;
+    }
+    char text[INET6_ADDRSTRLEN] = {};
+    if (a->ifa_addr->sa_family == AF_INET) {
+      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr, text, sizeof text);
+      found = text;
+    }
+  }
+  freeifaddrs(list);
+  return found;
+}
+
+// Shared memory is for clients on the server's host: IPv6 loopback counts
+// (gRPC writes it URI-escaped), another address is refused PERMISSION_DENIED
+// wherever a region is registered, named, listed or removed, and the refused
+// calls change nothing.
+TEST_F(ServerTest, SharedMemoryIsForClientsOnThisHostOnly) {
+  MakeWithSharedMemory(engine::MakeCpuDevice(2));
+  Serve();
+  transport::GrpcServerOptions options;
+  options.listen_address = "[::]:0";  // every address, both families
+  auto everywhere = transport::GrpcServer::Start(options, nullptr);
+  if (!everywhere.ok()) GTEST_SKIP() << "cannot listen on [::]: " << everywhere.status();
+  (*everywhere)->AttachEngine(engine_.get());
+  (*everywhere)->SetServing();
+  const std::string port = std::to_string((*everywhere)->port());
+
+  auto shm = client::SharedMemoryBuffer::Create(1 << 20);
+  ASSERT_TRUE(shm.ok()) << shm.status();
+  auto v6 = client::VerifyClient::Create("[::1]:" + port, client::ClientOptions{});
+  ASSERT_TRUE(v6.ok()) << v6.status();
+  ASSERT_TRUE((*v6)->GetServerInfo().ok()) << "no IPv6 loopback here?";
+  const absl::Status registered =
+      (*v6)->RegisterSystemSharedMemory("v6", (*shm)->key(), 0, 1 << 20);
+  ASSERT_TRUE(registered.ok()) << "IPv6 loopback is this host: " << registered;
+  ASSERT_TRUE((*v6)->SystemSharedMemoryStatus("v6").ok());
+
+  const std::string address = NonLoopbackAddress();
+  if (address.empty()) GTEST_SKIP() << "this host has no address but loopback";
+  auto remote = client::VerifyClient::Create(address + ":" + port, client::ClientOptions{});
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  auto id = (*remote)->CreateSequence("remote");
+  ASSERT_TRUE(id.ok()) << "calls without shared memory are served: " << id.status();
+  const auto denied = [](const absl::Status& s, const std::string& what) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << what << ": " << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("on the server's host")) << what;
+  };
+  denied((*remote)->RegisterSystemSharedMemory("r", (*shm)->key(), 0, 4096), "register");
+  denied((*remote)->SystemSharedMemoryStatus("").status(), "system status");
+  denied((*remote)->CudaSharedMemoryStatus("").status(), "CUDA status");
+  denied((*remote)->UnregisterSystemSharedMemory("").status(), "unregister every region");
+  denied((*remote)->UnregisterCudaSharedMemory("").status(), "unregister every CUDA region");
+  const std::vector<Bf16> kv(static_cast<size_t>(kLayers) * kLatentDim);
+  const client::ShmStaging staging{"v6", (*shm)->data(), 0, 1 << 20};
+  denied((*remote)->AppendKv(*id, 0, kLayers, 1, kv, &staging).status(), "AppendKv from a region");
+  const int n = 1;
+  const client::ShmItemPlacement place =
+      client::PlaceVerifyItem("v6", (*shm)->data(), 0, n, kHeads);
+  const Step step = RandomStep(n);
+  client::VerifyItemInput item = step.Item(*id, 0);
+  item.shm = &place;
+  denied((*remote)->Verify(0, absl::MakeConstSpan(&item, 1)).status(), "Verify naming a region");
+  auto stream = (*remote)->OpenVerifyStream();
+  ASSERT_TRUE(stream.ok());
+  denied((*stream)->Verify(0, absl::MakeConstSpan(&item, 1)).status(), "a stream's Verify");
+  // Nothing changed: the region is there, the sequence is empty.
+  auto regions = client_->SystemSharedMemoryStatus("");
+  ASSERT_TRUE(regions.ok()) << regions.status();
+  ASSERT_EQ(regions->size(), 1u);
+  EXPECT_EQ((*regions)[0].name(), "v6");
+  EXPECT_EQ(engine_->Stats().tokens_appended_total, 0);
+  EXPECT_EQ(engine_->Stats().pending_steps, 0);
+  EXPECT_TRUE((*v6)->UnregisterSystemSharedMemory("v6").ok());
+}
+
 TEST_F(ServerTest, SharedMemoryBadReferencesGetTheirCodeAndChangeNothing) {
   MakeWithSharedMemory(engine::MakeCpuDevice(2));
   Serve();

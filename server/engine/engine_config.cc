@@ -78,9 +78,13 @@ absl::Status EngineConfig::Validate(int num_devices) const {
     return absl::InvalidArgumentError(absl::StrCat(n.Is("max_sequence_len", max_sequence_len),
                                                    ": need ", max_draft_len() + 1, "..2^30"));
   }
-  if (idle_timeout < absl::ZeroDuration()) {
+  // Under a second the janitor (which looks every idle_timeout / 4) would
+  // spin, and GetServerInfo, in whole seconds, would report 0 ("never").
+  if (idle_timeout != absl::ZeroDuration() &&
+      (idle_timeout < absl::Seconds(1) || idle_timeout > absl::Hours(24 * 365))) {
     return absl::InvalidArgumentError(
-        absl::StrCat(n.Name("idle_timeout"), " must not be negative"));
+        absl::StrCat(n.Is("idle_timeout", absl::ToDoubleSeconds(idle_timeout)),
+                     ": need 0 (never) or 1..31536000 seconds"));
   }
   if (num_pages() < 1) {
     return absl::InvalidArgumentError(

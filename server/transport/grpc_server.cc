@@ -94,6 +94,14 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
     quota.Resize(static_cast<size_t>(options.grpc_memory_quota_bytes));
     builder.SetResourceQuota(quota);
   }
+  // Identity only: gRPC 1.51 inflates a compressed message whole before its
+  // size check (a 1 MiB gzip message becomes 1 GiB in memory, before any
+  // authentication). With the algorithms disabled a compressed call is
+  // refused UNIMPLEMENTED from its headers, before a byte is inflated;
+  // clients learn it from grpc-accept-encoding. The tensors are bf16/fp8
+  // values, which compress poorly anyway.
+  builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_DEFLATE, false);
+  builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_GZIP, false);
   builder.AddListeningPort(options.listen_address, *creds, &s->port_);
   builder.RegisterService(s->service_.get());
   builder.RegisterService(s->health_.get());

@@ -16,6 +16,7 @@
 #include "common/geometry.h"
 #include "common/status_macros.h"
 #include "server/transport/message_encoding.h"
+#include "server/transport/peer.h"
 #include "server/transport/status_mapping.h"
 #include "server/transport/tensor_codec.h"
 #include "spdlog/spdlog.h"
@@ -42,16 +43,27 @@ absl::Status Decode(absl::string_view rpc, const grpc::ByteBuffer& bytes,
                                                  message->GetDescriptor()->full_name()));
 }
 
-// Memory is shared with processes on this host only: a registration comes
-// over loopback or a unix socket, or it is refused.
-absl::Status CheckLocalPeer(grpc::CallbackServerContext* ctx) {
+// Memory is shared with processes on this host only: every call that
+// registers, names, lists or removes a region comes over loopback or a unix
+// socket, or it is refused (`what` says which use it was).
+absl::Status CheckLocalPeer(grpc::CallbackServerContext* ctx, absl::string_view what) {
   const std::string peer = ctx->peer();
-  for (absl::string_view local : {"unix:", "ipv4:127.", "ipv6:[::1]:", "ipv6:[::ffff:127."}) {
-    if (absl::StartsWith(peer, local)) return absl::OkStatus();
-  }
+  if (IsLocalPeer(peer)) return absl::OkStatus();
   return absl::PermissionDeniedError(absl::StrCat(
-      "shared-memory registration from ", peer,
-      ": only a client on the server's host (loopback or a unix socket) can share memory"));
+      what, " from ", peer,
+      ": only a client on the server's host (loopback or a unix socket) can use shared memory"));
+}
+
+bool NamesRegion(const v1::Tensor& t) { return t.has_shared_memory(); }
+
+bool NamesRegion(const v1::VerifyRequest& request) {
+  for (const v1::VerifyItem& item : request.items()) {
+    if (NamesRegion(item.q()) || NamesRegion(item.draft_kv()) || item.has_out_shared_memory() ||
+        item.has_lse_shared_memory()) {
+      return true;
+    }
+  }
+  return false;
 }
 
 // The engine's step info as the wire's StepStatus.
@@ -335,6 +347,12 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::AppendKv(grpc::CallbackServerContex
   return RunUnary<v1::AppendKvRequest, v1::AppendKvResponse>(
       "AppendKv", ctx, request_bytes, response_bytes, false,
       [this, ctx](const auto& request, auto* response, auto finish) {
+        if (NamesRegion(request.kv())) {
+          if (absl::Status local = CheckLocalPeer(ctx, "an AppendKv naming a region");
+              !local.ok()) {
+            return finish(local);
+          }
+        }
         engine::AppendCall call;
         call.sequence_id = request.sequence_id();
         call.start_position = request.start_position();
@@ -377,6 +395,11 @@ void VerifyServiceImpl::StartVerify(grpc::CallbackServerContext* ctx,
   // Checked before the engine sees the call: an answer gRPC would refuse to
   // send must not open steps or take pages first.
   if (absl::Status fits = CheckAnswerSize(request, heads); !fits.ok()) return done(fits);
+  if (NamesRegion(request)) {
+    if (absl::Status local = CheckLocalPeer(ctx, "a Verify naming a region"); !local.ok()) {
+      return done(local);
+    }
+  }
   response->set_request_id(request.request_id());
   response->set_layer(request.layer());
   // Each Tensor becomes a reference the engine checks (once, for every data
@@ -486,7 +509,8 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::RegisterSystemSharedMemory(
   return RunUnary<v1::RegisterSystemSharedMemoryRequest, v1::RegisterSystemSharedMemoryResponse>(
       "RegisterSystemSharedMemory", ctx, request_bytes, response_bytes, false,
       [this, ctx](const auto& request, auto* /*response*/, auto finish) {
-        if (absl::Status local = CheckLocalPeer(ctx); !local.ok()) return finish(local);
+        if (absl::Status local = CheckLocalPeer(ctx, "shared-memory registration"); !local.ok())
+          return finish(local);
         finish(engine()->regions().Register(request.name(), request.key(), request.offset(),
                                             request.byte_size()));
       });
@@ -498,7 +522,9 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::RegisterCudaSharedMemory(
   return RunUnary<v1::RegisterCudaSharedMemoryRequest, v1::RegisterCudaSharedMemoryResponse>(
       "RegisterCudaSharedMemory", ctx, request_bytes, response_bytes, false,
       [this, ctx](const auto& request, auto* /*response*/, auto finish) {
-        if (absl::Status local = CheckLocalPeer(ctx); !local.ok()) return finish(local);
+        if (absl::Status local = CheckLocalPeer(ctx, "CUDA shared-memory registration");
+            !local.ok())
+          return finish(local);
         finish(engine()->regions().RegisterCuda(request.name(), request.raw_handle(),
                                                 request.device_id(), request.byte_size()));
       });
@@ -525,7 +551,9 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::UnregisterSystemSharedMemory(
   return RunUnary<v1::UnregisterSystemSharedMemoryRequest,
                   v1::UnregisterSystemSharedMemoryResponse>(
       "UnregisterSystemSharedMemory", ctx, request_bytes, response_bytes, true,
-      [this](const auto& request, auto* response, auto finish) {
+      [this, ctx](const auto& request, auto* response, auto finish) {
+        if (absl::Status local = CheckLocalPeer(ctx, "UnregisterSystemSharedMemory"); !local.ok())
+          return finish(local);
         finish(Unregistered(
             engine()->regions().Unregister(request.name(), engine::RegionKind::kAny), response));
       });
@@ -536,7 +564,9 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::UnregisterCudaSharedMemory(
     grpc::ByteBuffer* response_bytes) {
   return RunUnary<v1::UnregisterCudaSharedMemoryRequest, v1::UnregisterCudaSharedMemoryResponse>(
       "UnregisterCudaSharedMemory", ctx, request_bytes, response_bytes, true,
-      [this](const auto& request, auto* response, auto finish) {
+      [this, ctx](const auto& request, auto* response, auto finish) {
+        if (absl::Status local = CheckLocalPeer(ctx, "UnregisterCudaSharedMemory"); !local.ok())
+          return finish(local);
         finish(Unregistered(
             engine()->regions().Unregister(request.name(), engine::RegionKind::kCuda), response));
       });
@@ -547,7 +577,9 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::SystemSharedMemoryStatus(
     grpc::ByteBuffer* response_bytes) {
   return RunUnary<v1::SystemSharedMemoryStatusRequest, v1::SystemSharedMemoryStatusResponse>(
       "SystemSharedMemoryStatus", ctx, request_bytes, response_bytes, true,
-      [this](const auto& request, auto* response, auto finish) {
+      [this, ctx](const auto& request, auto* response, auto finish) {
+        if (absl::Status local = CheckLocalPeer(ctx, "SystemSharedMemoryStatus"); !local.ok())
+          return finish(local);
         absl::StatusOr<std::vector<engine::RegionStatus>> regions =
             engine()->regions().Status(request.name(), engine::RegionKind::kAny);
         if (regions.ok()) {
@@ -573,7 +605,9 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::CudaSharedMemoryStatus(
     grpc::ByteBuffer* response_bytes) {
   return RunUnary<v1::CudaSharedMemoryStatusRequest, v1::CudaSharedMemoryStatusResponse>(
       "CudaSharedMemoryStatus", ctx, request_bytes, response_bytes, true,
-      [this](const auto& request, auto* response, auto finish) {
+      [this, ctx](const auto& request, auto* response, auto finish) {
+        if (absl::Status local = CheckLocalPeer(ctx, "CudaSharedMemoryStatus"); !local.ok())
+          return finish(local);
         absl::StatusOr<std::vector<engine::RegionStatus>> regions =
             engine()->regions().Status(request.name(), engine::RegionKind::kCuda);
         if (regions.ok()) {
@@ -894,7 +928,7 @@ grpc::ServerUnaryReactor* VerifyServiceImpl::OpenStep(grpc::CallbackServerContex
       "OpenStep", ctx, request_bytes, response_bytes, false,
       [this, ctx](const auto& request, auto* response, auto finish) {
         // A step's slots and tensors are memory both processes map.
-        if (absl::Status local = CheckLocalPeer(ctx); !local.ok()) return finish(local);
+        if (absl::Status local = CheckLocalPeer(ctx, "OpenStep"); !local.ok()) return finish(local);
         absl::StatusOr<engine::StepRequest> step = ToStepRequest(request);
         if (!step.ok()) return finish(step.status());
         absl::StatusOr<engine::StepOpened> opened = engine()->OpenStep(*step);
