@@ -122,6 +122,8 @@ struct Flags {
   int cpu_threads = 0;
   int stream_max_in_flight = 8;
   int max_streams = 256;
+  int max_streams_per_connection = 64;
+  double stream_idle_timeout_s = 600;
   bool allow_client_shm = false;
   int64_t max_shm_regions = 256;
   uint64_t max_shm_bytes = uint64_t{64} << 30;
@@ -222,6 +224,16 @@ absl::Status ValidateFlags(const Flags& f) {
   if (f.max_streams < 1 || f.max_streams > 65536) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max-streams ", f.max_streams, ": need 1..65536"));
+  }
+  if (f.max_streams_per_connection < 1 || f.max_streams_per_connection > 65536) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-streams-per-connection ", f.max_streams_per_connection, ": need 1..65536"));
+  }
+  if (f.stream_idle_timeout_s != 0 &&
+      !(f.stream_idle_timeout_s >= 1 && f.stream_idle_timeout_s <= 31536000)) {
+    return absl::InvalidArgumentError(absl::StrCat("--stream-idle-timeout-s ",
+                                                   f.stream_idle_timeout_s,
+                                                   ": need 0 (never) or 1..31536000 seconds"));
   }
   for (const auto& [name, value] :
        {std::pair<const char*, double>{"--drain-timeout-s", f.drain_timeout_s},
@@ -469,6 +481,13 @@ int Run(int argc, char** argv) {
   app.add_option("--max-streams", f.max_streams,
                  "VerifyStreams open at once over all connections (one more: RESOURCE_EXHAUSTED)")
       ->capture_default_str();
+  app.add_option("--max-streams-per-connection", f.max_streams_per_connection,
+                 "VerifyStreams open at once on one connection (one more: RESOURCE_EXHAUSTED)")
+      ->capture_default_str();
+  app.add_option("--stream-idle-timeout-s", f.stream_idle_timeout_s,
+                 "end a VerifyStream with nothing in flight and no request for this long, "
+                 "UNAVAILABLE (0: never)")
+      ->capture_default_str();
   AddSwitch(&app, "--allow-client-shm", &f.allow_client_shm,
             "accept client shared-memory regions (RegisterSystemSharedMemory) and tensors "
             "in them; only for trusted schedulers on this host");
@@ -619,6 +638,8 @@ int Run(int argc, char** argv) {
   options.service.slow_call_seconds = f.slow_call_ms / 1e3;
   options.service.stream_max_in_flight = f.stream_max_in_flight;
   options.service.max_streams = f.max_streams;
+  options.service.max_streams_per_connection = f.max_streams_per_connection;
+  options.service.stream_idle_timeout = absl::Seconds(f.stream_idle_timeout_s);
   options.http2_max_frame_bytes = f.http2_max_frame_bytes;
   options.http2_max_concurrent_streams = f.http2_max_concurrent_streams;
   options.grpc_memory_quota_bytes = f.grpc_memory_quota_bytes;
@@ -697,6 +718,7 @@ int Run(int argc, char** argv) {
     while (
         !janitor_cv.wait_for(lock, absl::ToChronoMilliseconds(period), [&] { return stopping; })) {
       (*engine)->ExpireIdle(absl::Now());
+      grpc_server->EndIdleStreams();
     }
   });
 

@@ -18,6 +18,8 @@ Cases (all by default), each against a fresh CPU server:
                   on a VerifyStream in band, and the stream goes on
   compression_bomb  gzip messages that inflate to 1 GiB each, without a token:
                   refused before they inflate
+  tokenless_streams  VerifyStreams without the token: refused at open, the
+                  scheduler's stream served
 
 The first two are gRPC 1.51's own residual risk (docs/operations.md,
 "Security model"): their memory growth is printed, not asserted.
@@ -74,12 +76,12 @@ def check(condition, message):
 class Server:
     """A CPU server on loopback ports; `flags` are added to a small geometry."""
 
-    def __init__(self, *flags):
+    def __init__(self, *flags, listen="127.0.0.1:0"):
         self.tmp = tempfile.mkdtemp(prefix="mlaverify-abuse-")
         port_file = os.path.join(self.tmp, "ports")
         self.log_path = os.path.join(self.tmp, "server.log")
         self.proc = subprocess.Popen(
-            [SERVER, "--backend", "cpu", "--listen", "127.0.0.1:0", "--admin-host", "127.0.0.1",
+            [SERVER, "--backend", "cpu", "--listen", listen, "--admin-host", "127.0.0.1",
              "--admin-port", "0", "--port-file", port_file, "--layers", "2", "--heads",
              str(HEADS), "--page-size", "16", "--pool-bytes", "64MiB", "--draft-buckets", "1",
              "8", "64", "--batch-buckets", "1", "--cpu-threads", "1", "--drain-grace-s", "0",
@@ -147,6 +149,7 @@ class RawH2:
         self.decoder = hpack.Decoder()
         self.next_stream = 1
         self.pending = b""
+        self.streams = {}  # stream id -> its headers, data and how it ended
         self.sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + SettingsFrame(0).serialize())
 
     def open(self, method, end_stream=False, extra_headers=()):
@@ -197,6 +200,7 @@ class RawH2:
             self.pending += chunk
         frame.parse_body(memoryview(self.pending[9:9 + length]))
         self.pending = self.pending[9 + length:]
+        self._track(frame)
         if isinstance(frame, SettingsFrame) and "ACK" not in frame.flags:
             self.sock.sendall(SettingsFrame(0, flags=["ACK"]).serialize())
         if isinstance(frame, DataFrame) and length > 0:
@@ -238,32 +242,41 @@ class RawH2:
                     conn_window += frame.window_increment
                 elif frame.stream_id == sid:
                     stream_window += frame.window_increment
-            elif getattr(frame, "stream_id", 0) == sid and (
-                    isinstance(frame, RstStreamFrame) or "END_STREAM" in frame.flags):
-                self.early_end = frame
-                return False
+            elif self.streams.get(sid, {}).get("end") is not None:
+                return False  # answered (or reset) before it was all sent
         return True
+
+    def _track(self, frame):
+        """Keeps every stream's headers, data and end as frames arrive. Every
+        header block is decoded in arrival order, whichever stream it is on
+        (HPACK's table is per connection)."""
+        sid = getattr(frame, "stream_id", 0)
+        if sid == 0:
+            return
+        st = self.streams.setdefault(sid, {"headers": {}, "data": b"", "end": None})
+        if isinstance(frame, HeadersFrame):
+            st["headers"].update({k.decode() if isinstance(k, bytes) else k:
+                                  v.decode() if isinstance(v, bytes) else v
+                                  for k, v in self.decoder.decode(frame.data)})
+        elif isinstance(frame, DataFrame):
+            st["data"] += frame.data
+        elif isinstance(frame, RstStreamFrame) and st["end"] is None:
+            # (After trailers, gRPC resets a stream the client has not
+            # half-closed: the trailers are the answer.)
+            st["end"] = f"RST_STREAM {frame.error_code}"
+        if "END_STREAM" in getattr(frame, "flags", ()) and st["end"] is None:
+            st["end"] = "END_STREAM"
 
     def call_result(self, sid, timeout=10.0):
         """Reads until `sid` ends: (grpc-status, grpc-message, [messages])."""
-        headers, data = {}, b""
         deadline = time.time() + timeout
-        while time.time() < deadline:
-            frame = self.read_frame(deadline - time.time())
-            if frame is None:
+        while time.time() < deadline and self.streams.get(sid, {}).get("end") is None:
+            if self.read_frame(deadline - time.time()) is None:
                 break
-            if getattr(frame, "stream_id", 0) != sid:
-                continue
-            if isinstance(frame, HeadersFrame):
-                headers.update({k.decode() if isinstance(k, bytes) else k:
-                                v.decode() if isinstance(v, bytes) else v
-                                for k, v in self.decoder.decode(frame.data)})
-            elif isinstance(frame, DataFrame):
-                data += frame.data
-            elif isinstance(frame, RstStreamFrame):
-                return None, f"RST_STREAM {frame.error_code}", []
-            if "END_STREAM" in frame.flags:
-                break
+        st = self.streams.get(sid, {"headers": {}, "data": b"", "end": None})
+        if st["end"] is not None and st["end"].startswith("RST_STREAM"):
+            return None, st["end"], []
+        headers, data = st["headers"], st["data"]
         messages = []
         while len(data) >= 5:
             _, n = struct.unpack(">BI", data[:5])
@@ -413,17 +426,17 @@ def verify_request(sequence_id, drafts, request_id, seed=0):
     return req.SerializeToString()
 
 
-def unary(port, method, payload, timeout=10.0):
+def unary(port, method, payload, timeout=10.0, extra_headers=()):
     conn = RawH2(port)
-    sid, headers = conn.open(method)
+    sid, headers = conn.open(method, extra_headers=extra_headers)
     conn.sock.sendall(headers + RawH2.message(sid, payload, end_stream=True))
     result = conn.call_result(sid, timeout)
     conn.close()
     return result
 
 
-def create_sequence(port):
-    status, message, msgs = unary(port, "CreateSequence", b"")
+def create_sequence(port, extra_headers=()):
+    status, message, msgs = unary(port, "CreateSequence", b"", extra_headers=extra_headers)
     assert status == 0 and msgs, (status, message)
     return verify_pb2.CreateSequenceResponse.FromString(msgs[0]).sequence_id
 
@@ -699,18 +712,7 @@ def compression_bomb():
             conn.send_within_windows(sid, struct.pack(">BI", 1, len(bomb)) + bomb)
         except OSError:
             pass  # the server may answer and close before reading it all
-        early = getattr(conn, "early_end", None)
-        if early is not None and isinstance(early, HeadersFrame):
-            headers = {k.decode() if isinstance(k, bytes) else k:
-                       v.decode() if isinstance(v, bytes) else v
-                       for k, v in conn.decoder.decode(early.data)}
-            status = headers.get("grpc-status")
-            results.append((int(status) if status is not None else None,
-                            headers.get("grpc-message", ""), []))
-        elif early is not None:
-            results.append((None, f"RST_STREAM {early.error_code}", []))
-        else:
-            results.append(conn.call_result(sid, timeout=30.0))
+        results.append(conn.call_result(sid, timeout=30.0))
         conn.close()
 
     threads = [threading.Thread(target=send) for _ in range(4)]
@@ -731,6 +733,42 @@ def compression_bomb():
     check(server.stop() == 0, "compression bomb: clean exit")
 
 
+def tokenless_streams():
+    """With a token and --max-streams 4: 64 VerifyStreams opened without the
+    token on 4 connections and left idle. Before, each took a slot at open
+    (the token was checked per request) and the scheduler was locked out.
+    Asserted: each is refused UNAUTHENTICATED at open, and the scheduler's
+    stream, with the token, is served meanwhile."""
+    token = "abuse-test-token-0123456789abcdef"
+    server = Server("--auth-token-file", server_token_file(), "--max-streams", "4")
+    refused = []
+    conns = [RawH2(server.port) for _ in range(4)]
+    for conn in conns:
+        sids = []
+        for _ in range(16):
+            sid, headers = conn.open("VerifyStream")
+            conn.sock.sendall(headers)
+            sids.append(sid)
+        for sid in sids:
+            refused.append(conn.call_result(sid, timeout=3.0)[0])
+    check(refused == [16] * 64, f"token-less streams: refused UNAUTHENTICATED at open "
+          f"({sum(1 for r in refused if r == 16)} of 64; others {[r for r in refused if r != 16]})")
+    auth = [("authorization", f"Bearer {token}")]
+    seq = create_sequence(server.port, auth)
+    conn = RawH2(server.port)
+    sid, headers = conn.open("VerifyStream", extra_headers=auth)
+    conn.sock.sendall(headers + RawH2.message(sid, verify_request(seq, 1, 9), end_stream=True))
+    status, message, messages = conn.call_result(sid)
+    conn.close()
+    answers = [verify_pb2.VerifyResponse.FromString(m) for m in messages]
+    check(status == 0 and [(a.request_id, a.error_code) for a in answers] == [(9, 0)],
+          f"token-less streams: the scheduler's stream is served beside them "
+          f"(status {status} {message!r}, answers {[(a.request_id, a.error_code) for a in answers]})")
+    for c in conns:
+        c.close()
+    check(server.stop() == 0, "token-less streams: clean exit")
+
+
 def server_token_file():
     path = os.path.join(tempfile.mkdtemp(prefix="mlaverify-abuse-token-"), "token")
     with open(path, "w") as f:
@@ -740,7 +778,7 @@ def server_token_file():
 
 
 CASES = {f.__name__: f for f in [rapid_reset, unread_calls, unread_streams, slow_admin,
-                                 undecodable, compression_bomb]}
+                                 undecodable, compression_bomb, tokenless_streams]}
 
 
 def main():

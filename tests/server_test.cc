@@ -322,6 +322,98 @@ TEST_F(ServerTest, BearerTokenIsRequiredExceptForHealth) {
       << "stream requests are checked too";
 }
 
+// A VerifyStream's token and the serving state are checked when it opens,
+// before it takes a slot: streams without the token, however many, leave
+// the only slot to the scheduler that has it.
+TEST_F(ServerTest, StreamsWithoutTheTokenTakeNoSlot) {
+  transport::GrpcServerOptions options;
+  options.listen_address = "127.0.0.1:0";
+  options.service.auth_token = "s3cret-token";
+  options.service.max_streams = 1;
+  auto server = transport::GrpcServer::Start(options, nullptr);
+  ASSERT_TRUE(server.ok()) << server.status();
+  (*server)->AttachEngine(engine_.get());
+  (*server)->SetServing();
+  const std::string target = "127.0.0.1:" + std::to_string((*server)->port());
+  auto make = [&](const std::string& token) {
+    client::ClientOptions o;
+    o.auth_token = token;
+    return *client::VerifyClient::Create(target, o);
+  };
+  auto anonymous = make(""), right = make("s3cret-token");
+  const std::vector<Bf16> q(static_cast<size_t>(kHeads) * kLatentDim), kv(kLatentDim);
+  const std::vector<int32_t> parents = {-1};
+  std::vector<std::unique_ptr<client::VerifyStreamSession>> held;
+  for (int i = 0; i < 4; ++i) {
+    auto stream = anonymous->OpenVerifyStream(absl::Seconds(10));
+    ASSERT_TRUE(stream.ok());
+    const client::VerifyItemInput item{1, parents, q, kv};
+    EXPECT_EQ((*stream)->Verify(0, absl::MakeConstSpan(&item, 1)).status().code(),
+              absl::StatusCode::kUnauthenticated);
+    held.push_back(*std::move(stream));
+  }
+  auto id = right->CreateSequence("s");
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_TRUE(right->AppendKv(*id, 0, kLayers, 1, std::vector<Bf16>(kLayers * kLatentDim)).ok());
+  auto stream = right->OpenVerifyStream(absl::Seconds(10));
+  ASSERT_TRUE(stream.ok());
+  const client::VerifyItemInput item{*id, parents, q, kv};
+  auto served = (*stream)->Verify(0, absl::MakeConstSpan(&item, 1));
+  EXPECT_TRUE(served.ok()) << "the scheduler's stream takes the slot: " << served.status();
+  EXPECT_TRUE((*stream)->Close().ok());
+}
+
+// One connection holds at most --max-streams-per-connection VerifyStreams;
+// a stream idle past --stream-idle-timeout-s ends UNAVAILABLE, a busy one
+// stays.
+TEST_F(ServerTest, StreamsPerConnectionAreCappedAndIdleOnesEnd) {
+  transport::GrpcServerOptions options;
+  options.listen_address = "127.0.0.1:0";
+  options.service.max_streams_per_connection = 2;
+  options.service.stream_idle_timeout = absl::Milliseconds(500);
+  auto server = transport::GrpcServer::Start(options, nullptr);
+  ASSERT_TRUE(server.ok()) << server.status();
+  (*server)->AttachEngine(engine_.get());
+  (*server)->SetServing();
+  const std::string target = "127.0.0.1:" + std::to_string((*server)->port());
+  client::ClientOptions one;
+  one.connections = 1;
+  auto a = *client::VerifyClient::Create(target, one);
+  auto b = *client::VerifyClient::Create(target, one);  // a connection of its own
+  auto id = a->CreateSequence("s");
+  ASSERT_TRUE(id.ok());
+  ASSERT_TRUE(a->AppendKv(*id, 0, kLayers, 1, std::vector<Bf16>(kLayers * kLatentDim)).ok());
+  const Step step = RandomStep(1);
+  const client::VerifyItemInput item = step.Item(*id, 0);
+  auto open = [&](client::VerifyClient& c) {
+    auto stream = c.OpenVerifyStream(absl::Seconds(10));
+    EXPECT_TRUE(stream.ok());
+    return *std::move(stream);
+  };
+  auto first = open(*a), second = open(*a), third = open(*a);
+  EXPECT_TRUE(first->Verify(0, absl::MakeConstSpan(&item, 1)).ok());
+  EXPECT_TRUE(second->Verify(0, absl::MakeConstSpan(&item, 1)).ok());
+  const absl::Status refused = third->Verify(0, absl::MakeConstSpan(&item, 1)).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("--max-streams-per-connection 2"));
+  auto other = open(*b);
+  EXPECT_TRUE(other->Verify(0, absl::MakeConstSpan(&item, 1)).ok()) << "another connection";
+
+  EXPECT_EQ((*server)->EndIdleStreams(), 0) << "nothing idle yet";
+  absl::SleepFor(absl::Milliseconds(700));
+  EXPECT_TRUE(second->Verify(0, absl::MakeConstSpan(&item, 1)).ok()) << "busy again";
+  EXPECT_EQ((*server)->EndIdleStreams(), 2) << "first and other were idle";
+  const absl::Status ended = first->Verify(0, absl::MakeConstSpan(&item, 1)).status();
+  EXPECT_EQ(ended.code(), absl::StatusCode::kUnavailable) << ended;
+  EXPECT_THAT(std::string(ended.message()), HasSubstr("--stream-idle-timeout-s"));
+  EXPECT_TRUE(second->Verify(0, absl::MakeConstSpan(&item, 1)).ok());
+  // The ended stream's place on the connection is free again.
+  auto fourth = open(*a);
+  EXPECT_TRUE(fourth->Verify(0, absl::MakeConstSpan(&item, 1)).ok());
+  EXPECT_TRUE(second->Close().ok());
+  EXPECT_TRUE(fourth->Close().ok());
+}
+
 // A call whose deadline passes while it waits for the device is not run, and
 // the step it would have opened is taken back: the sequence is as before.
 // Bytes that do not parse are bad input: INVALID_ARGUMENT naming the RPC

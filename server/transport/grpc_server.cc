@@ -143,6 +143,10 @@ void GrpcServer::SetFaulted() {
   spdlog::error("NOT_SERVING: a device faulted");
 }
 
+int64_t GrpcServer::EndIdleStreams() {
+  return service_->EndIdleStreams(std::chrono::steady_clock::now());
+}
+
 DrainCounts GrpcServer::Drain(absl::Duration grace, absl::Duration timeout) {
   DrainCounts counts;
   // A server that never started listening (Start failed) has nothing to drain.

@@ -81,6 +81,9 @@ class GrpcServer {
   // then the engine's shared-memory regions are dropped.
   // Returns what happened; idempotent (a second call returns zeros).
   DrainCounts Drain(absl::Duration grace, absl::Duration timeout);
+  // Ends the VerifyStreams idle past the service's stream_idle_timeout;
+  // returns how many. Called periodically.
+  int64_t EndIdleStreams();
 
  private:
   GrpcServer() = default;

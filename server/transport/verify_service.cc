@@ -639,10 +639,14 @@ class VerifyServiceImpl::StreamReactor final
     : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   // Registered in the service's streams_ by the caller, before Begin().
-  StreamReactor(VerifyServiceImpl* service, grpc::CallbackServerContext* ctx)
+  StreamReactor(VerifyServiceImpl* service, grpc::CallbackServerContext* ctx, std::string peer)
       : service_(service),
         ctx_(ctx),
-        max_in_flight_(std::max(1, service->options_.stream_max_in_flight)) {}
+        peer_(std::move(peer)),
+        max_in_flight_(std::max(1, service->options_.stream_max_in_flight)),
+        last_active_(Clock::now()) {}
+
+  const std::string& peer() const { return peer_; }
 
   void Begin() {
     grpc::ByteBuffer* request = nullptr;
@@ -673,6 +677,7 @@ class VerifyServiceImpl::StreamReactor final
     grpc::ByteBuffer* next_request = nullptr;  // the next read's target, if one starts
     {
       absl::MutexLock lock(&mu_);
+      last_active_ = arrived;
       read_outstanding_ = false;
       if (finished_) return;  // the stream already ended (drain): the request is dropped
       slot = reading_.get();
@@ -698,6 +703,7 @@ class VerifyServiceImpl::StreamReactor final
     bool finish = false;
     {
       absl::MutexLock lock(&mu_);
+      last_active_ = Clock::now();
       writing_ = false;
       PopAnswered();
       if (!ok) broken_ = true;
@@ -725,6 +731,10 @@ class VerifyServiceImpl::StreamReactor final
     {
       absl::MutexLock lock(&service_->streams_mu_);
       service_->streams_.erase(this);
+      auto it = service_->streams_per_peer_.find(peer_);
+      if (it != service_->streams_per_peer_.end() && --it->second <= 0) {
+        service_->streams_per_peer_.erase(it);
+      }
     }
     {
       // Answers still owed when the stream ended (it broke with writes
@@ -746,6 +756,23 @@ class VerifyServiceImpl::StreamReactor final
       finish = ReadyToFinish();
     }
     if (finish) Finish(FinalStatus());
+  }
+
+  // Ends the stream (UNAVAILABLE) when nothing is in flight and nothing
+  // happened on it since `cutoff`; true if it ends. Called with the
+  // service's streams_mu_ held, like BeginDrain.
+  bool EndIfIdleSince(Clock::time_point cutoff) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (finished_ || draining_ || !slots_.empty() || writing_ || last_active_ >= cutoff) {
+        return false;
+      }
+      draining_ = true;
+      idle_ended_ = true;
+      if (!ReadyToFinish()) return false;
+    }
+    Finish(FinalStatus());
+    return true;
   }
 
  private:
@@ -854,6 +881,13 @@ class VerifyServiceImpl::StreamReactor final
   grpc::Status FinalStatus() {
     absl::MutexLock lock(&mu_);
     if (broken_) return grpc::Status(grpc::StatusCode::CANCELLED, "stream write failed");
+    if (idle_ended_ && !read_closed_) {
+      return grpc::Status(
+          grpc::StatusCode::UNAVAILABLE,
+          absl::StrCat("VerifyStream idle for ",
+                       absl::FormatDuration(service_->options_.stream_idle_timeout),
+                       " (the server's --stream-idle-timeout-s): open a new stream"));
+    }
     if (draining_ && !read_closed_) {
       return grpc::Status(grpc::StatusCode::UNAVAILABLE,
                           "server is draining: open a stream to another replica");
@@ -863,8 +897,12 @@ class VerifyServiceImpl::StreamReactor final
 
   VerifyServiceImpl* const service_;
   grpc::CallbackServerContext* const ctx_;
+  const std::string peer_;  // the connection, for the per-connection count
   const int max_in_flight_;
   absl::Mutex mu_;
+  // The last request read or answer written (the stream's start before).
+  Clock::time_point last_active_ ABSL_GUARDED_BY(mu_);
+  bool idle_ended_ ABSL_GUARDED_BY(mu_) = false;  // draining_ set by EndIfIdleSince
   // The slot the outstanding read fills. Replaced under mu_ only by whoever
   // starts the next read (read_outstanding_ false before, true after), which
   // takes the request's address under mu_ and calls StartRead after
@@ -886,6 +924,21 @@ int64_t VerifyServiceImpl::EndStreams() {
   return static_cast<int64_t>(streams_.size());
 }
 
+int64_t VerifyServiceImpl::EndIdleStreams(Clock::time_point now) {
+  if (options_.stream_idle_timeout <= absl::ZeroDuration()) return 0;
+  const Clock::time_point cutoff = now - absl::ToChronoNanoseconds(options_.stream_idle_timeout);
+  int64_t ended = 0;
+  absl::MutexLock lock(&streams_mu_);
+  for (StreamReactor* stream : streams_) {
+    if (stream->EndIfIdleSince(cutoff)) ++ended;
+  }
+  if (ended > 0) {
+    spdlog::info("{} idle VerifyStream(s) ended (--stream-idle-timeout-s {})", ended,
+                 absl::ToDoubleSeconds(options_.stream_idle_timeout));
+  }
+  return ended;
+}
+
 namespace {
 
 // A VerifyStream refused before it started: ends at once with `status`.
@@ -899,23 +952,45 @@ class RefusedStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* VerifyServiceImpl::VerifyStream(
     grpc::CallbackServerContext* ctx) {
+  // The token and the serving state are checked before the stream takes a
+  // slot: a client without the token cannot hold the scheduler's.
+  if (absl::Status admitted = Admit(ctx, /*allowed_while_draining=*/false); !admitted.ok()) {
+    LogFailedCall("VerifyStream", ctx, admitted);
+    Observe("VerifyStream", ToGrpcStatus(admitted).error_code(), Clock::now(), 0);
+    return new RefusedStream(ToGrpcStatus(admitted));
+  }
+  std::string peer = ctx->peer();
   StreamReactor* stream = nullptr;
   int64_t open = 0;
+  int on_connection = 0;
   {
     absl::MutexLock lock(&streams_mu_);
     open = static_cast<int64_t>(streams_.size());
-    if (open < options_.max_streams) {
-      stream = new StreamReactor(this, ctx);
+    int& count = streams_per_peer_[peer];
+    on_connection = count;
+    if (open < options_.max_streams && count < options_.max_streams_per_connection) {
+      ++count;
+      stream = new StreamReactor(this, ctx, std::move(peer));
       streams_.insert(stream);
+    } else if (count == 0) {
+      streams_per_peer_.erase(peer);
     }
   }
   if (stream != nullptr) {
     stream->Begin();
     return stream;
   }
-  const absl::Status refused = absl::ResourceExhaustedError(
-      absl::StrCat(open, " VerifyStreams are open, the server's limit (--max-streams ",
-                   options_.max_streams, "): close idle streams or use another replica"));
+  const absl::Status refused =
+      open >= options_.max_streams
+          ? absl::ResourceExhaustedError(
+                absl::StrCat(open, " VerifyStreams are open, the server's limit (--max-streams ",
+                             options_.max_streams, "): close idle streams or use another replica"))
+          : absl::ResourceExhaustedError(
+                absl::StrCat(on_connection,
+                             " VerifyStreams are open on this connection, the server's limit "
+                             "(--max-streams-per-connection ",
+                             options_.max_streams_per_connection,
+                             "): spread streams over more connections or close idle ones"));
   LogFailedCall("VerifyStream", ctx, refused);
   Observe("VerifyStream", grpc::StatusCode::RESOURCE_EXHAUSTED, Clock::now(), 0);
   return new RefusedStream(ToGrpcStatus(refused));

@@ -20,10 +20,12 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/functional/any_invocable.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "mlaverify/v1/verify.grpc.pb.h"
 #include "server/engine/engine.h"
 #include "server/transport/log_limiter.h"
@@ -73,6 +75,12 @@ struct ServiceOptions {
   // VerifyStreams open at once, over all connections; one more is refused
   // with RESOURCE_EXHAUSTED. Each holds up to stream_max_in_flight answers.
   int max_streams = 256;
+  // VerifyStreams open at once on one connection (one more is refused with
+  // RESOURCE_EXHAUSTED), so that no one connection takes every slot.
+  int max_streams_per_connection = 64;
+  // A VerifyStream with nothing in flight and no request for this long ends
+  // with UNAVAILABLE (EndIdleStreams); zero: never.
+  absl::Duration stream_idle_timeout = absl::Minutes(10);
   // Not empty: every VerifyService call must carry "authorization: Bearer
   // <token>" (UNAUTHENTICATED otherwise). Health and reflection stay open.
   std::string auth_token;
@@ -116,6 +124,10 @@ class VerifyServiceImpl final : public RawVerifyService {
   // with UNAVAILABLE, a busy one once its answers are written. Returns how
   // many streams were open.
   int64_t EndStreams();
+  // Ends, with UNAVAILABLE, every VerifyStream idle (no request in flight,
+  // none read) since before now - stream_idle_timeout. Returns how many.
+  // Called periodically (the server's janitor thread).
+  int64_t EndIdleStreams(std::chrono::steady_clock::time_point now);
   // Unary calls and stream requests admitted and not finished.
   int64_t calls_in_flight() const { return in_flight_.load(); }
   // Unary calls and stream requests finished since the start.
@@ -219,6 +231,8 @@ class VerifyServiceImpl final : public RawVerifyService {
   std::atomic<int64_t> verify_device_ns_{0};
   absl::Mutex streams_mu_;
   absl::flat_hash_set<StreamReactor*> streams_ ABSL_GUARDED_BY(streams_mu_);
+  // Open streams per connection (the peer address with its port).
+  absl::flat_hash_map<std::string, int> streams_per_peer_ ABSL_GUARDED_BY(streams_mu_);
   const ServiceOptions options_;
   RpcObserver* const observer_;
   const std::atomic<ServingState>* const state_;
