@@ -71,19 +71,27 @@ LABEL org.opencontainers.image.title="mlaverify" \
       org.opencontainers.image.revision="${REVISION}"
 ENV DEBIAN_FRONTEND=noninteractive
 COPY --from=build /opt/mlaverify/runtime-packages /opt/mlaverify/runtime-packages
+# nghttp2-proxy: nghttpx, the HTTP/2 front for untrusted networks
+# (deploy/http2-front; run as `nghttpx --conf=/etc/mlaverify-front/nghttpx.conf`).
 RUN apt-get update -qq \
-    && xargs apt-get install -y -qq --no-install-recommends < /opt/mlaverify/runtime-packages \
+    && xargs apt-get install -y -qq --no-install-recommends nghttp2-proxy \
+       < /opt/mlaverify/runtime-packages \
     && apt-get clean && rm -rf /var/lib/apt/lists/* \
     && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin mlaverify
 COPY --from=build /opt/mlaverify/bin /opt/mlaverify/bin
+COPY deploy/http2-front/nghttpx.conf /etc/mlaverify-front/nghttpx.conf
 ENV PATH=/opt/mlaverify/bin:$PATH
 USER 10001
 # gRPC (VerifyService, grpc.health.v1, reflection) and the admin HTTP port
 # (/metrics, /healthz, /readyz).
 EXPOSE 50051 9090
-# GET /healthz over bash's /dev/tcp; healthy on an HTTP 200 status line.
-HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
-  CMD ["/bin/bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/9090 && printf 'GET /healthz HTTP/1.0\\r\\nHost: 127.0.0.1\\r\\n\\r\\n' >&3 && read -r _ code _ <&3 && [ \"$code\" = 200 ]"]
+# GET /readyz over bash's /dev/tcp; healthy on an HTTP 200 status line: the
+# server serves and its gRPC port answers its own health check in time
+# (--readiness-grpc-timeout-ms), so a flooded or wedged transport shows as
+# unhealthy, and so does a drain or a device fault. The start period covers
+# pools and CUDA graphs on 8 GPUs (up to 10 minutes).
+HEALTHCHECK --interval=10s --timeout=3s --start-period=600s --retries=3 \
+  CMD ["/bin/bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/9090 && printf 'GET /readyz HTTP/1.0\\r\\nHost: 127.0.0.1\\r\\n\\r\\n' >&3 && read -r _ code _ <&3 && [ \"$code\" = 200 ]"]
 ENTRYPOINT ["/opt/mlaverify/bin/mlaverify-server"]
 CMD ["--listen", "0.0.0.0:50051", "--admin-host", "0.0.0.0", "--admin-port", "9090", \
      "--backend", "auto"]

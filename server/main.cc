@@ -123,6 +123,7 @@ struct Flags {
   int stream_max_in_flight = 8;
   int max_streams = 256;
   int max_streams_per_connection = 64;
+  int readiness_grpc_timeout_ms = 1000;
   double stream_idle_timeout_s = 600;
   bool allow_client_shm = false;
   int64_t max_shm_regions = 256;
@@ -224,6 +225,11 @@ absl::Status ValidateFlags(const Flags& f) {
   if (f.max_streams < 1 || f.max_streams > 65536) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max-streams ", f.max_streams, ": need 1..65536"));
+  }
+  if (f.readiness_grpc_timeout_ms < 0 || f.readiness_grpc_timeout_ms > 60000) {
+    return absl::InvalidArgumentError(absl::StrCat("--readiness-grpc-timeout-ms ",
+                                                   f.readiness_grpc_timeout_ms,
+                                                   ": need 0 (no check) or 1..60000"));
   }
   if (f.max_streams_per_connection < 1 || f.max_streams_per_connection > 65536) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -481,6 +487,10 @@ int Run(int argc, char** argv) {
   app.add_option("--max-streams", f.max_streams,
                  "VerifyStreams open at once over all connections (one more: RESOURCE_EXHAUSTED)")
       ->capture_default_str();
+  app.add_option("--readiness-grpc-timeout-ms", f.readiness_grpc_timeout_ms,
+                 "/readyz is ready only while the gRPC port's own health check, asked every "
+                 "second, answers within this long (0: /readyz follows the serving state only)")
+      ->capture_default_str();
   app.add_option("--max-streams-per-connection", f.max_streams_per_connection,
                  "VerifyStreams open at once on one connection (one more: RESOURCE_EXHAUSTED)")
       ->capture_default_str();
@@ -669,7 +679,8 @@ int Run(int argc, char** argv) {
   std::unique_ptr<admin::AdminHttpServer> admin_http;
   if (f.admin_port >= 0) {
     admin_http = std::make_unique<admin::AdminHttpServer>(&metrics, [grpc_server] {
-      return grpc_server->state() == transport::ServingState::kServing;
+      return grpc_server->state() == transport::ServingState::kServing &&
+             grpc_server->serving_path_answers();
     });
     const absl::Status started = admin_http->Start(f.admin_host, f.admin_port);
     if (!started.ok()) {
@@ -723,6 +734,10 @@ int Run(int argc, char** argv) {
   });
 
   grpc_server->SetServing();
+  if (admin_http && f.readiness_grpc_timeout_ms > 0) {
+    grpc_server->StartServingProbe(absl::Seconds(1),
+                                   absl::Milliseconds(f.readiness_grpc_timeout_ms));
+  }
   metrics.SetReady(true);
   // Written once SERVING, so that a script that waits for the file needs no
   // health poll (with a fixed --listen port, health says NOT_SERVING until now).

@@ -160,8 +160,10 @@ def main():
     for word in cmd:
         if word.startswith("--") and word not in flags:
             fail(f"Dockerfile CMD passes {word}, which is not a server flag")
-    if "/healthz" not in re.search(r"HEALTHCHECK.*", dockerfile.replace("\\\n", " ")).group(0):
-        fail("the Dockerfile's HEALTHCHECK must probe /healthz")
+    # /readyz: a container is healthy once it serves and while its gRPC port
+    # answers (--readiness-grpc-timeout-ms), not merely while the process lives.
+    if "/readyz" not in re.search(r"HEALTHCHECK.*", dockerfile.replace("\\\n", " ")).group(0):
+        fail("the Dockerfile's HEALTHCHECK must probe /readyz")
     if re.search(r"^ENV\b.*\bLD_LIBRARY_PATH=", dockerfile.replace("\\\n", " "), re.M):
         fail("the Dockerfile sets LD_LIBRARY_PATH; the runtime stage's libraries come from packages")
     # The health check (exec form) probes the admin port that CMD sets; it is

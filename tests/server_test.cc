@@ -9,6 +9,7 @@
 #include <net/if.h>
 #include <netinet/in.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -412,6 +413,50 @@ TEST_F(ServerTest, StreamsPerConnectionAreCappedAndIdleOnesEnd) {
   EXPECT_TRUE(fourth->Verify(0, absl::MakeConstSpan(&item, 1)).ok());
   EXPECT_TRUE(second->Close().ok());
   EXPECT_TRUE(fourth->Close().ok());
+}
+
+// Readiness that sees the serving path: the probe says "answering" only
+// while the port answers a health check SERVING within the deadline: not a
+// port that accepts connections and says nothing (a wedged transport), not
+// a server that is not serving; in process when the port takes TLS only.
+TEST_F(ServerTest, ServingPathProbeSeesAPortThatDoesNotAnswer) {
+  const auto wait_checks = [](const transport::ServingPathProbe& probe, int64_t n) {
+    for (int i = 0; i < 500 && probe.checks() < n; ++i) absl::SleepFor(absl::Milliseconds(10));
+  };
+  // A listening socket nobody reads from: connections are accepted by the
+  // kernel, no HTTP/2 answer ever comes.
+  const int silent = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(silent, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(silent, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(listen(silent, 16), 0);
+  socklen_t len = sizeof addr;
+  ASSERT_EQ(getsockname(silent, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  {
+    transport::ServingPathProbe probe(
+        grpc::CreateChannel("127.0.0.1:" + std::to_string(ntohs(addr.sin_port)),
+                            grpc::InsecureChannelCredentials()),
+        absl::Milliseconds(50), absl::Milliseconds(200));
+    wait_checks(probe, 2);
+    EXPECT_GE(probe.checks(), 2);
+    EXPECT_FALSE(probe.answering());
+  }
+  close(silent);
+
+  // The test's server: not serving yet, then serving, then draining.
+  EXPECT_TRUE(server_->serving_path_answers()) << "no probe started: the state decides";
+  server_->StartServingProbe(absl::Milliseconds(50), absl::Milliseconds(500));
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_FALSE(server_->serving_path_answers()) << "health says NOT_SERVING before SetServing";
+  Serve();
+  bool answered = false;
+  for (int i = 0; i < 200 && !answered; ++i) {
+    answered = server_->serving_path_answers();
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_TRUE(answered);
 }
 
 // A call whose deadline passes while it waits for the device is not run, and
@@ -1130,6 +1175,17 @@ TEST_F(ServerTest, SharedMemoryIsForClientsOnThisHostOnly) {
       (*v6)->RegisterSystemSharedMemory("v6", (*shm)->key(), 0, 1 << 20);
   ASSERT_TRUE(registered.ok()) << "IPv6 loopback is this host: " << registered;
   ASSERT_TRUE((*v6)->SystemSharedMemoryStatus("v6").ok());
+  // Over loopback, but relayed by a proxy (deploy/http2-front adds the
+  // header): its client is elsewhere.
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-forwarded-for", "203.0.113.9");
+    v1::SystemSharedMemoryStatusRequest request;
+    v1::SystemSharedMemoryStatusResponse response;
+    const grpc::Status relayed = stub_->SystemSharedMemoryStatus(&ctx, request, &response);
+    EXPECT_EQ(relayed.error_code(), grpc::StatusCode::PERMISSION_DENIED) << relayed.error_message();
+    EXPECT_THAT(relayed.error_message(), HasSubstr("relayed by a proxy"));
+  }
 
   const std::string address = NonLoopbackAddress();
   if (address.empty()) GTEST_SKIP() << "this host has no address but loopback";

@@ -110,6 +110,7 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
   // counted); answers are held to the limit.
   builder.SetMaxReceiveMessageSize(TransportReceiveLimit(options.service.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.service.max_message_bytes));
+  s->tls_ = !options.tls_cert_file.empty();
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr || s->port_ == 0) {
     return absl::UnavailableError(
@@ -143,6 +144,23 @@ void GrpcServer::SetFaulted() {
   spdlog::error("NOT_SERVING: a device faulted");
 }
 
+void GrpcServer::StartServingProbe(absl::Duration period, absl::Duration timeout) {
+  if (probe_ != nullptr || server_ == nullptr) return;
+  grpc::ChannelArguments args;
+  // A connection of its own, never one a client's channel shares.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  std::shared_ptr<grpc::Channel> channel =
+      tls_ ? server_->InProcessChannel(args)
+           : grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", port_),
+                                       grpc::InsecureChannelCredentials(), args);
+  probe_ = std::make_unique<ServingPathProbe>(std::move(channel), period, timeout);
+  spdlog::info("/readyz also asks the gRPC port's health every {} ({} deadline, {})",
+               absl::FormatDuration(period), absl::FormatDuration(timeout),
+               tls_ ? "in process: the port takes TLS" : "over loopback");
+}
+
+bool GrpcServer::serving_path_answers() const { return probe_ == nullptr || probe_->answering(); }
+
 int64_t GrpcServer::EndIdleStreams() {
   return service_->EndIdleStreams(std::chrono::steady_clock::now());
 }
@@ -152,6 +170,8 @@ DrainCounts GrpcServer::Drain(absl::Duration grace, absl::Duration timeout) {
   // A server that never started listening (Start failed) has nothing to drain.
   if (shut_down_ || server_ == nullptr) return counts;
   shut_down_ = true;
+  // Readiness says "not ready" from here on through the state alone.
+  if (probe_ != nullptr) probe_->Stop();
   SetHealth(false);
   if (grace > absl::ZeroDuration()) {
     state_.store(ServingState::kDrainGrace);

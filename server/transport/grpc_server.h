@@ -15,6 +15,7 @@
 #include "absl/time/time.h"
 #include "server/engine/engine.h"
 #include "server/transport/health_service.h"
+#include "server/transport/serving_probe.h"
 #include "server/transport/verify_service.h"
 
 namespace mlaverify::transport {
@@ -85,6 +86,15 @@ class GrpcServer {
   // returns how many. Called periodically.
   int64_t EndIdleStreams();
 
+  // Readiness that sees the serving path (serving_probe.h): checks this
+  // server's own port every `period` with `timeout`, over a plaintext
+  // loopback connection, or in process when the port takes TLS only (a
+  // connection of its own would need a client certificate). Call once,
+  // after Start. Drain stops it.
+  void StartServingProbe(absl::Duration period, absl::Duration timeout);
+  // The probe's verdict; true when no probe was started.
+  bool serving_path_answers() const;
+
  private:
   GrpcServer() = default;
   void SetHealth(bool serving);
@@ -93,6 +103,8 @@ class GrpcServer {
   std::unique_ptr<VerifyServiceImpl> service_;
   std::unique_ptr<HealthService> health_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<ServingPathProbe> probe_;
+  bool tls_ = false;
   engine::Engine* engine_ = nullptr;
   int port_ = 0;
   bool shut_down_ = false;
