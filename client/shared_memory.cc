@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -52,8 +53,21 @@ uint64_t Align256(uint64_t v) { return (v + 255) / 256 * 256; }
 
 absl::StatusOr<std::unique_ptr<SharedMemoryBuffer>> SharedMemoryBuffer::Create(size_t bytes) {
   if (bytes == 0) return absl::InvalidArgumentError("shared-memory buffer of 0 bytes");
-  const std::string key = absl::StrCat("/mlaverify-", getpid(), "-", g_next_buffer.fetch_add(1));
-  const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  // Names carry 64 random bits: another local user cannot create the name
+  // first (O_EXCL would then fail, or worse, a guessed name could be
+  // squatted); a name taken anyway is drawn again.
+  std::string key;
+  int fd = -1;
+  for (int attempt = 0; attempt < 8 && fd < 0; ++attempt) {
+    uint64_t nonce = 0;
+    if (getrandom(&nonce, sizeof nonce, 0) != static_cast<ssize_t>(sizeof nonce)) {
+      return absl::UnavailableError(absl::StrCat("getrandom: ", std::strerror(errno)));
+    }
+    key = absl::StrCat("/mlaverify-", getpid(), "-", g_next_buffer.fetch_add(1), "-",
+                       absl::Hex(nonce, absl::kZeroPad16));
+    fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0 && errno != EEXIST) break;
+  }
   if (fd < 0) {
     return absl::UnavailableError(absl::StrCat("shm_open ", key, ": ", std::strerror(errno)));
   }

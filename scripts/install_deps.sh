@@ -21,7 +21,7 @@ case ${1:-} in
     packages+=(clang libclang-rt-14-dev clang-format shellcheck
                python3-grpcio python3-protobuf python3-numpy python3-pytest python3-torch
                python3-venv python3-pip python3-setuptools python3-wheel
-               prometheus yamllint python3-h2)
+               prometheus yamllint python3-h2 nghttp2-proxy)
     # kubectl renders the manifests (`kubectl kustomize`) for
     # tests/k8s_check.py; a kubectl already installed from elsewhere (it
     # would conflict with Debian's) is used as it is.

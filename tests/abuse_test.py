@@ -20,6 +20,9 @@ Cases (all by default), each against a fresh CPU server:
                   refused before they inflate
   tokenless_streams  VerifyStreams without the token: refused at open, the
                   scheduler's stream served
+  rapid_reset_front, unread_calls_front  the two floods through the HTTP/2
+                  front (deploy/http2-front, nghttpx): memory bounded and a
+                  legitimate Verify served during the flood
 
 The first two are gRPC 1.51's own residual risk (docs/operations.md,
 "Security model"): their memory growth is printed, not asserted.
@@ -30,6 +33,8 @@ Exit 77 (skipped) without hyperframe/hpack, grpc or the generated stubs.
 """
 
 import os
+import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -769,6 +774,216 @@ def tokenless_streams():
     check(server.stop() == 0, "token-less streams: clean exit")
 
 
+FRONT_CONF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "deploy",
+                          "http2-front", "nghttpx.conf")
+
+
+class Front:
+    """deploy/http2-front/nghttpx.conf in front of `server`: the repository's
+    file with only its frontend (a free loopback port), backend (the
+    server's port), workers (1) and error log (a file) replaced."""
+
+    def __init__(self, server):
+        self.nghttpx = shutil.which("nghttpx") or ("/usr/sbin/nghttpx"
+                                                   if os.path.exists("/usr/sbin/nghttpx") else None)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.log_path = os.path.join(server.tmp, "front.log")
+        lines = []
+        for line in open(FRONT_CONF):
+            key = line.split("=", 1)[0].strip()
+            if key in ("frontend", "backend", "workers", "errorlog-file"):
+                continue
+            lines.append(line)
+        lines += [f"frontend=127.0.0.1,{self.port};no-tls\n",
+                  f"backend=127.0.0.1,{server.port};;proto=h2\n", "workers=1\n",
+                  f"errorlog-file={self.log_path}\n"]
+        conf = os.path.join(server.tmp, "nghttpx.conf")
+        with open(conf, "w") as f:
+            f.writelines(lines)
+        self.proc = subprocess.Popen([self.nghttpx, f"--conf={conf}"], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        servers.append(self.proc)
+        deadline = time.time() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"nghttpx did not start: {open(self.log_path).read()}")
+                time.sleep(0.05)
+
+    def rss_mib(self):
+        """The master's and its workers' resident sets together."""
+        pids = [self.proc.pid]
+        try:
+            with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
+                pids += [int(p) for p in f.read().split()]
+        except OSError:
+            pass
+        total = 0.0
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    for line in f:
+                        if line.startswith("VmRSS:"):
+                            total += int(line.split()[1]) / 1024
+            except OSError:
+                pass
+        return total
+
+    def stop(self):
+        """SIGQUIT: nghttpx's graceful shutdown (SIGTERM ends it at once)."""
+        self.proc.send_signal(signal.SIGQUIT)
+        try:
+            return self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return None
+
+
+def front_available():
+    if shutil.which("nghttpx") or os.path.exists("/usr/sbin/nghttpx"):
+        return True
+    print("     SKIPPED: no nghttpx (Debian's nghttp2-proxy; scripts/install_deps.sh installs it)")
+    return False
+
+
+class Together:
+    """RssWatch over the server and the front: the peak of their sum."""
+
+    def __init__(self, *processes):
+        self.processes = processes
+        self.base = sum(p.rss_mib() for p in processes)
+        self.peak, self.stop_flag = self.base, False
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self):
+        while not self.stop_flag:
+            try:
+                self.peak = max(self.peak, sum(p.rss_mib() for p in self.processes))
+            except Exception:
+                return
+            time.sleep(0.05)
+
+    def stop(self):
+        self.stop_flag = True
+        self.thread.join()
+        return self.peak
+
+
+def verify_during(port, seq, seconds, results):
+    """A legitimate Verify through `port` every 0.25 s for `seconds`:
+    appends (status, seconds) per call."""
+    end, n = time.time() + seconds, 0
+    while time.time() < end:
+        n += 1
+        t0 = time.time()
+        try:
+            status, _, msgs = unary(port, "Verify", verify_request(seq, 1, n), timeout=5.0)
+            ok = status == 0 and msgs and verify_pb2.VerifyResponse.FromString(msgs[0]).error_code == 0
+            results.append((0 if ok else status, time.time() - t0))
+        except OSError as e:
+            results.append((str(e), time.time() - t0))
+        time.sleep(0.25)
+
+
+def rapid_reset_front():
+    """The Rapid Reset flood of `rapid_reset`, through the HTTP/2 front
+    (deploy/http2-front), reconnecting whenever the front closes the
+    flooding connection. Asserted: the server's and the front's RSS
+    together grow <= 300 MiB, and a legitimate Verify through the front is
+    served every time it is sent during the flood."""
+    if not front_available():
+        return
+    server = Server()
+    front = Front(server)
+    seq = create_sequence(front.port)
+    watch = Together(server, front)
+    legit = []
+    prober = threading.Thread(target=verify_during, args=(front.port, seq, 8.0, legit))
+    prober.start()
+    sent, connections, end = 0, 0, time.time() + 8.0
+    while time.time() < end:
+        conn = RawH2(front.port)
+        connections += 1
+        try:
+            while time.time() < end:
+                burst = []
+                for _ in range(100):
+                    sid, headers = conn.open("GetServerInfo")
+                    burst.append(headers + RawH2.reset(sid))
+                conn.sock.sendall(b"".join(burst))
+                sent += 100
+                conn.sock.setblocking(False)
+                try:
+                    while conn.sock.recv(1 << 20):
+                        pass
+                except (BlockingIOError, InterruptedError):
+                    pass
+                conn.sock.setblocking(True)
+        except OSError:
+            pass  # the front closed the connection: open another
+        conn.close()
+    prober.join()
+    peak = watch.stop()
+    served = sum(1 for status, _ in legit if status == 0)
+    worst = max((t for _, t in legit), default=0.0)
+    print(f"     {sent} streams opened and reset over {connections} connections; server + front "
+          f"RSS {watch.base:.0f} -> peak {peak:.0f} MiB; legitimate Verify {served}/{len(legit)}, "
+          f"worst {worst:.3f} s")
+    check(peak - watch.base <= 300, f"rapid reset through the front: RSS growth "
+          f"{peak - watch.base:.0f} MiB <= 300 MiB")
+    check(len(legit) >= 10 and served == len(legit),
+          f"rapid reset through the front: every legitimate Verify served during the flood "
+          f"({served} of {len(legit)}, worst {worst:.2f} s)")
+    check(front.stop() == 0, "rapid reset through the front: the front exits cleanly")
+    check(server.stop() == 0, "rapid reset through the front: clean exit")
+
+
+def unread_calls_front():
+    """The stream flood of `unread_calls` (65,000 complete calls on one
+    connection that reads nothing), through the HTTP/2 front. Asserted: the
+    server's and the front's RSS together grow <= 300 MiB, and a legitimate
+    Verify through the front is served meanwhile."""
+    if not front_available():
+        return
+    server = Server()
+    front = Front(server)
+    seq = create_sequence(front.port)
+    watch = Together(server, front)
+    conn = RawH2(front.port)
+    conn.sock.settimeout(5.0)
+    sent = 0
+    try:
+        for _ in range(650):
+            burst = []
+            for _ in range(100):
+                sid, headers = conn.open("GetServerInfo")
+                burst.append(headers + RawH2.message(sid, b"", end_stream=True))
+            conn.sock.sendall(b"".join(burst))
+            sent += 100
+    except OSError as e:
+        print(f"     sending stopped after {sent} calls: {e}")
+    legit = []
+    verify_during(front.port, seq, 2.0, legit)
+    time.sleep(1.0)
+    peak = watch.stop()
+    conn.close()
+    served = sum(1 for status, _ in legit if status == 0)
+    print(f"     {sent} calls sent, none read; server + front RSS {watch.base:.0f} -> peak "
+          f"{peak:.0f} MiB; legitimate Verify {served}/{len(legit)}")
+    check(peak - watch.base <= 300, f"unread calls through the front: RSS growth "
+          f"{peak - watch.base:.0f} MiB <= 300 MiB")
+    check(legit and served == len(legit),
+          f"unread calls through the front: legitimate Verify served ({served} of {len(legit)})")
+    check(front.stop() == 0, "unread calls through the front: the front exits cleanly")
+    check(server.stop() == 0, "unread calls through the front: clean exit")
+
+
 def server_token_file():
     path = os.path.join(tempfile.mkdtemp(prefix="mlaverify-abuse-token-"), "token")
     with open(path, "w") as f:
@@ -778,7 +993,8 @@ def server_token_file():
 
 
 CASES = {f.__name__: f for f in [rapid_reset, unread_calls, unread_streams, slow_admin,
-                                 undecodable, compression_bomb, tokenless_streams]}
+                                 undecodable, compression_bomb, tokenless_streams,
+                                 rapid_reset_front, unread_calls_front]}
 
 
 def main():

@@ -5,6 +5,8 @@
 // without a server: bad TLS setups and an unreachable target.
 #include "client/client.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -12,6 +14,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "client/latency_stats.h"
 #include "client/reference_check.h"
 #include "client/replica_set.h"
@@ -288,6 +291,26 @@ TEST(VerifyWire, SharedMemoryItemsTravelAsReferences) {
 }
 
 // ---- Percentiles ------------------------------------------------------------
+
+// Shared-memory names carry 64 random bits after the pid and a counter, so
+// another local user cannot create a scheduler's next name before it does.
+TEST(SharedMemoryBuffer, NamesAreUnpredictable) {
+  std::vector<std::string> keys;
+  for (int i = 0; i < 2; ++i) {
+    auto shm = client::SharedMemoryBuffer::Create(4096);
+    ASSERT_TRUE(shm.ok()) << shm.status();
+    keys.push_back((*shm)->key());
+  }
+  const std::string prefix = absl::StrCat("/mlaverify-", getpid(), "-");
+  for (const std::string& key : keys) {
+    ASSERT_TRUE(absl::StartsWith(key, prefix)) << key;
+    const size_t dash = key.rfind('-');
+    const std::string nonce = key.substr(dash + 1);
+    EXPECT_EQ(nonce.size(), 16u) << key;
+    EXPECT_EQ(nonce.find_first_not_of("0123456789abcdef"), std::string::npos) << key;
+  }
+  EXPECT_NE(keys[0].substr(keys[0].rfind('-')), keys[1].substr(keys[1].rfind('-')));
+}
 
 TEST(LatencyStats, NearestRankPercentiles) {
   std::vector<double> samples;

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Checks the Kubernetes manifests as Kubernetes will see them: the output of
-`kubectl kustomize` for deploy/kubernetes and the deploy/scheduler-sidecar
-example (CTest `k8s_manifests`).
+`kubectl kustomize` for deploy/kubernetes, the deploy/scheduler-sidecar
+example and the deploy/http2-front exposure overlay (CTest `k8s_manifests`).
 
 For every pod template (StatefulSet, Deployment, DaemonSet, Job, Pod):
 - Pod Security "restricted": runAsNonRoot, no UID 0, seccompProfile
@@ -40,7 +40,7 @@ import subprocess
 import sys
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-KUSTOMIZATIONS = ["deploy/kubernetes", "deploy/scheduler-sidecar"]
+KUSTOMIZATIONS = ["deploy/kubernetes", "deploy/scheduler-sidecar", "deploy/http2-front"]
 POD_KINDS = {"StatefulSet", "Deployment", "DaemonSet", "ReplicaSet", "Job", "Pod"}
 # Volume types Pod Security "restricted" allows.
 RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
@@ -194,6 +194,37 @@ def check_server(name, spec, kustomization):
     return problems
 
 
+def check_front(objects):
+    """The exposure overlay: the server listens on loopback only, and the port
+    the Services target (grpc) belongs to the front container, which reads
+    its nghttpx.conf from a mounted ConfigMap."""
+    problems = []
+    for obj in objects:
+        if not obj or obj.get("kind") not in POD_KINDS:
+            continue
+        spec = pod_spec(obj)
+        name = f"{obj['kind']}/{obj['metadata']['name']}"
+        by_name = {c["name"]: c for _, c in containers_of(spec)}
+        server, front = by_name.get("server"), by_name.get("front")
+        if server is None or front is None:
+            problems.append(f"{name}: needs containers server and front")
+            continue
+        listen = [a for a in server.get("args") or [] if a.startswith("--listen=")]
+        if not listen or not listen[-1].startswith("--listen=127.0.0.1:"):
+            problems.append(f"{name}: the server must listen on loopback only, got {listen}")
+        if any(p.get("name") == "grpc" for p in server.get("ports") or []):
+            problems.append(f"{name}: the server container still names the grpc port")
+        if not any(p.get("name") == "grpc" for p in front.get("ports") or []):
+            problems.append(f"{name}: the front container names no grpc port")
+        mounts = {m["mountPath"]: m["name"] for m in front.get("volumeMounts") or []}
+        volumes = {v["name"]: v for v in spec.get("volumes") or []}
+        conf = [a for a in front.get("args") or [] if a.startswith("--conf=")]
+        directory = os.path.dirname(conf[0][len("--conf="):]) if conf else None
+        if directory not in mounts or "configMap" not in volumes.get(mounts[directory], {}):
+            problems.append(f"{name}: the front's --conf is not read from a mounted ConfigMap")
+    return problems
+
+
 def check_objects(objects, kustomization=None):
     problems = []
     for obj in objects:
@@ -257,6 +288,8 @@ def check_repository(kubectl):
         problems += [f"{directory}: {p}" for p in found]
         if directory == "deploy/kubernetes":
             base = objects
+        if directory == "deploy/http2-front":
+            problems += [f"{directory}: {p}" for p in check_front(objects)]
     with open(os.path.join(ROOT, "deploy/kubernetes/podmonitor.yaml")) as f:
         problems += check_podmonitor(list(yaml.safe_load_all(f)), base)
     return problems, base
@@ -355,6 +388,18 @@ def self_test(base):
     for expected in BAD_FILE_PROBLEMS:
         if not any(expected in p for p in found):
             failures.append(f"{os.path.relpath(path, ROOT)}: '{expected}' not reported")
+    # The front overlay's own requirements: the base (server on every
+    # address, no front) breaks each of them.
+    front_found = check_front([sts])
+    if not any("needs containers server and front" in p for p in front_found):
+        failures.append(f"check_front: the base StatefulSet was not reported (got {front_found})")
+    with_front = copy.deepcopy(sts)
+    pod_spec(with_front)["containers"].append({"name": "front", "args": ["--conf=/x/n.conf"]})
+    front_found = check_front([with_front])
+    for expected in ("listen on loopback only", "still names the grpc port",
+                     "names no grpc port", "not read from a mounted ConfigMap"):
+        if not any(expected in p for p in front_found):
+            failures.append(f"check_front: '{expected}' not reported (got {front_found})")
     print(f"self-test: {len(MUTATIONS)} mutations of the rendered StatefulSet, "
           f"{len(BAD_FILE_PROBLEMS)} problems of tests/deploy/bad-statefulset.yaml "
           f"({len(found)} reported): {'FAIL' if failures else 'ok'}")

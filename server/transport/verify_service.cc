@@ -48,6 +48,17 @@ absl::Status Decode(absl::string_view rpc, const grpc::ByteBuffer& bytes,
 // socket, or it is refused (`what` says which use it was).
 absl::Status CheckLocalPeer(grpc::CallbackServerContext* ctx, absl::string_view what) {
   const std::string peer = ctx->peer();
+  // A call relayed by a proxy (deploy/http2-front: nghttpx adds the header
+  // and drops any the client sent) comes from wherever its client is, even
+  // over a loopback connection.
+  const auto& metadata = ctx->client_metadata();
+  if (metadata.find("x-forwarded-for") != metadata.end() ||
+      metadata.find("forwarded") != metadata.end()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        what, " relayed by a proxy (x-forwarded-for) from ", peer,
+        ": only a client on the server's host (loopback or a unix socket) can use shared "
+        "memory, and only on the server's own port"));
+  }
   if (IsLocalPeer(peer)) return absl::OkStatus();
   return absl::PermissionDeniedError(absl::StrCat(
       what, " from ", peer,
