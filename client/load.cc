@@ -42,6 +42,16 @@ using mlaverify::kLatentDim;
 constexpr int kMaxConsecutiveFailures = 100;
 // Pause after a failed operation, so a failing server is not hammered.
 constexpr auto kFailureBackoff = std::chrono::milliseconds(20);
+// After UNAVAILABLE (a server restarting, draining, or not up yet) the
+// pause doubles per failure in a row up to a second, so that the 100
+// failures a worker may have span about 95 s: a restart is ridden through.
+constexpr auto kUnavailableBackoffMax = std::chrono::milliseconds(1000);
+
+std::chrono::milliseconds FailureBackoff(absl::StatusCode code, int consecutive_failures) {
+  if (code != absl::StatusCode::kUnavailable) return kFailureBackoff;
+  const int doublings = std::min(std::max(consecutive_failures - 1, 0), 6);
+  return std::min(kFailureBackoff * (1 << doublings), kUnavailableBackoffMax);
+}
 // Error bucket for answers with NaN/Inf: not a gRPC code, still a failure.
 constexpr char kNonFiniteOutput[] = "NON_FINITE_OUTPUT";
 
@@ -348,7 +358,13 @@ class LoadWorker {
     if (consecutive_failures_ == 1) {
       spdlog::warn("load worker {}: {}", index_, status.ToString());
     }
-    std::this_thread::sleep_for(kFailureBackoff);
+    // Slept in slices, so that a run that ends meanwhile is not held.
+    const Clock::time_point until =
+        Clock::now() + FailureBackoff(status.code(), consecutive_failures_);
+    while (Clock::now() < until && !control_.stopped()) {
+      std::this_thread::sleep_for(
+          std::min<Clock::duration>(until - Clock::now(), std::chrono::milliseconds(20)));
+    }
   }
 
   // The worker's `items` sequences, each with its prompt. With several items
