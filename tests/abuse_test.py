@@ -12,8 +12,9 @@ Cases (all by default), each against a fresh CPU server:
   unread_streams  VerifyStreams that never read their answers: the answers
                   they hold count against --max-queued-bytes, streams past
                   --max-streams are refused, memory stays bounded
-  slow_admin      connections to the admin port that send a request a byte
-                  every 2 s (slowloris) while /healthz and /metrics are asked
+  slow_admin      256 connections from four addresses to the admin port that
+                  send a request a byte every 2 s (slowloris) while /healthz,
+                  /readyz and /metrics are asked from a fifth
   undecodable     requests whose bytes do not parse: INVALID_ARGUMENT, counted;
                   on a VerifyStream in band, and the stream goes on
   compression_bomb  gzip messages that inflate to 1 GiB each, without a token:
@@ -617,25 +618,31 @@ def unread_streams():
 
 
 def slow_admin():
-    """16 connections each send one byte of a request every 2 s; /healthz and
-    /metrics must keep answering within 1 s (before: 4 such connections held
-    every admin worker and the probes timed out)."""
+    """256 connections from four addresses (127.0.0.2-5, 64 each) each send
+    one byte of a request every 2 s; /healthz, /readyz and /metrics asked
+    from 127.0.0.1 must keep answering within 1 s (before: 4 such
+    connections held every admin worker; then 256 from four addresses took
+    every connection slot and silenced the probes for as long as they
+    lasted). The server takes 8 connections per address: 32 of the 256."""
     server = Server()
     stop = threading.Event()
+    held = []
 
-    def slowloris():
+    def slowloris(source):
         try:
-            s = socket.create_connection(("127.0.0.1", server.admin_port))
-            for byte in b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 1000:
-                if stop.is_set():
+            s = socket.create_connection(("127.0.0.1", server.admin_port), source_address=(source, 0))
+            s.send(b"G")
+            held.append(s)
+            for byte in b"ET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 1000:
+                if stop.wait(2.0):
                     break
                 s.send(bytes([byte]))
-                stop.wait(2.0)
             s.close()
         except OSError:
-            pass  # the server closed it: that is what should happen
+            pass  # refused or closed by the server: that is what should happen
 
-    threads = [threading.Thread(target=slowloris, daemon=True) for _ in range(16)]
+    threads = [threading.Thread(target=slowloris, args=(f"127.0.0.{2 + i % 4}",), daemon=True)
+               for i in range(256)]
     for t in threads:
         t.start()
     time.sleep(1.0)
@@ -647,7 +654,8 @@ def slow_admin():
         failed += status != 200
         time.sleep(0.5)
     stop.set()
-    print(f"     24 probes under 16 slow connections: {failed} failed, worst {worst:.2f} s")
+    print(f"     24 probes under 256 slow connections from 4 addresses: {failed} failed, "
+          f"worst {worst:.2f} s")
     check(failed == 0 and worst < 1.0, f"slow admin: probes answered within 1 s "
           f"({failed} failed, worst {worst:.2f} s)")
     check(server.stop() == 0, "slow admin: clean exit")

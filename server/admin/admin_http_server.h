@@ -42,9 +42,16 @@ class AdminHttpServer {
   AdminHttpServer(const AdminHttpServer&) = delete;
   AdminHttpServer& operator=(const AdminHttpServer&) = delete;
 
+  // A probe or a scrape is one short connection at a time: 8 per address
+  // leaves the 256 slots to be filled only from 32 addresses, and a peer
+  // that holds its 8 locks out only itself (the kubelet's probes come from
+  // the node's address).
   static constexpr int kMaxConnections = 256;
-  static constexpr int kMaxConnectionsPerPeer = 64;
-  static constexpr int kIdleTimeoutSeconds = 10;
+  static constexpr int kMaxConnectionsPerPeer = 8;
+  // Without a byte for this long a connection is closed (libmicrohttpd
+  // times out inactivity, not a whole request head: a client that sends a
+  // byte every few seconds keeps its slot, within its address's 8).
+  static constexpr int kIdleTimeoutSeconds = 5;
   static constexpr int kMaxRequestBytes = 16 << 10;
 
   // Binds host:port (port 0: an ephemeral port, see port()) and serves from a
