@@ -704,7 +704,8 @@ def main(argv=None) -> int:
     print(f"acceptance length {r['acceptance_length']:.2f} tokens/step "
           f"(accepted drafts per step: {r['accepted_histogram']}); accept-all steps "
           f"{r['accept_all_steps']}, reject-all steps {r['reject_all_steps']}")
-    print(f"speculative {r['spec_tokens_per_s']:.1f} tokens/s ({r['verify_calls']} Verify calls, "
+    layers = "step layers (rung and awaited)" if r["plane"] == "steps" else "Verify calls"
+    print(f"speculative {r['spec_tokens_per_s']:.1f} tokens/s ({r['verify_calls']} {layers}, "
           f"{r['verify_ms_per_call']:.2f} ms each); reference {r['reference_tokens_per_s']:.1f} "
           f"tokens/s")
     for d in r["divergence_detail"]:

@@ -211,8 +211,11 @@ def _arena(handle: bytes, device: int) -> int:
         torch.cuda.set_device(device)
         torch.cuda.synchronize(device)
         address = ctypes.c_uint64(0)
+        if len(handle) != ctypes.sizeof(_CuIpcMemHandle):
+            raise ValueError(f"the server's doorbell arena handle has {len(handle)} bytes, "
+                             f"a CUDA IPC handle {ctypes.sizeof(_CuIpcMemHandle)}")
         h = _CuIpcMemHandle()
-        ctypes.memmove(ctypes.byref(h), handle, min(len(handle), 64))
+        ctypes.memmove(ctypes.byref(h), handle, len(handle))
         _check(_cuda().cuIpcOpenMemHandle_v2(ctypes.byref(address), h,
                                              _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
                "opening the server's doorbell arena (cuIpcOpenMemHandle)")
