@@ -514,6 +514,25 @@ def rapid_reset():
     check(server.stop() == 0, "rapid reset: clean exit")
 
 
+def send_unread_calls(conn, calls=65000):
+    """Sends `calls` complete GetServerInfo calls on `conn` in bursts of
+    100, reading nothing; returns how many went out before the peer
+    stopped taking them."""
+    conn.sock.settimeout(5.0)
+    sent = 0
+    try:
+        while sent < calls:
+            burst = []
+            for _ in range(100):
+                sid, headers = conn.open("GetServerInfo")
+                burst.append(headers + RawH2.message(sid, b"", end_stream=True))
+            conn.sock.sendall(b"".join(burst))
+            sent += 100
+    except OSError as e:
+        print(f"     sending stopped after {sent} calls: {e}")
+    return sent
+
+
 def unread_calls():
     """One connection sends 65,000 complete calls and reads nothing, not even
     the server's SETTINGS, so --http2-max-concurrent-streams never takes
@@ -524,18 +543,7 @@ def unread_calls():
     base = server.rss_mib()
     watch = RssWatch(server)
     conn = RawH2(server.port)
-    conn.sock.settimeout(5.0)
-    sent = 0
-    try:
-        for _ in range(650):
-            burst = []
-            for _ in range(100):
-                sid, headers = conn.open("GetServerInfo")
-                burst.append(headers + RawH2.message(sid, b"", end_stream=True))
-            conn.sock.sendall(b"".join(burst))
-            sent += 100
-    except OSError as e:
-        print(f"     sending stopped after {sent} calls: {e}")
+    sent = send_unread_calls(conn)
     time.sleep(2.0)
     health = []
     health_during(server, 1.0, health)
@@ -955,18 +963,7 @@ def unread_calls_front():
     seq = create_sequence(front.port)
     watch = Together(server, front)
     conn = RawH2(front.port)
-    conn.sock.settimeout(5.0)
-    sent = 0
-    try:
-        for _ in range(650):
-            burst = []
-            for _ in range(100):
-                sid, headers = conn.open("GetServerInfo")
-                burst.append(headers + RawH2.message(sid, b"", end_stream=True))
-            conn.sock.sendall(b"".join(burst))
-            sent += 100
-    except OSError as e:
-        print(f"     sending stopped after {sent} calls: {e}")
+    sent = send_unread_calls(conn)
     legit = []
     verify_during(front.port, seq, 2.0, legit)
     time.sleep(1.0)
