@@ -65,18 +65,9 @@ elif kind == "haproxy":
     time.sleep(1.0)
 else:
     port = server.port
-server_peak, front_peak = server.rss_mib(), front.rss_mib() if front else 0.0
-server_base, front_base = server_peak, front_peak
+server_watch = A.RssWatch(server)
+front_watch = A.RssWatch(front) if front else None
 stop, legit = False, []
-
-
-def watch():
-    global server_peak, front_peak
-    while not stop:
-        server_peak = max(server_peak, server.rss_mib())
-        if front:
-            front_peak = max(front_peak, front.rss_mib())
-        time.sleep(0.05)
 
 
 def probe():
@@ -90,15 +81,16 @@ def probe():
         time.sleep(0.25)
 
 
-threads = [threading.Thread(target=watch, daemon=True), threading.Thread(target=probe, daemon=True)]
-for t in threads:
-    t.start()
+threading.Thread(target=probe, daemon=True).start()
 sent, connections = A.reset_flood(port, 8.0, reconnect=True)
 stop = True
 time.sleep(0.3)
+server_peak = server_watch.stop()
+front_base, front_peak = (front_watch.base, front_watch.stop()) if front_watch else (0.0, 0.0)
 served = sum(1 for s, _ in legit if s == 0)
 print(f"{kind}: {sent} streams reset over {connections} connections in 8 s; server RSS "
-      f"{server_base:.0f} -> {server_peak:.0f} MiB; front RSS {front_base:.0f} -> {front_peak:.0f} MiB; "
-      f"legitimate calls served {served} of {len(legit)}, slowest {max(t for _, t in legit):.2f} s")
+      f"{server_watch.base:.0f} -> {server_peak:.0f} MiB; front RSS {front_base:.0f} -> "
+      f"{front_peak:.0f} MiB; legitimate calls served {served} of {len(legit)}, slowest "
+      f"{max(t for _, t in legit):.2f} s")
 for p in A.servers:
     p.kill()

@@ -382,17 +382,24 @@ class ZeroWindowH2(RawH2):
 
 
 class RssWatch:
-    """Samples the server's RSS every 50 ms in a thread; peak in MiB."""
+    """Samples the resident set of `processes` (anything with rss_mib(): the
+    server, the front) every 50 ms in a thread; `base` and the peak are of
+    their sum, in MiB."""
 
-    def __init__(self, server):
-        self.server, self.peak, self.stop_flag = server, server.rss_mib(), False
+    def __init__(self, *processes):
+        self.processes = processes
+        self.base = self.total()
+        self.peak, self.stop_flag = self.base, False
         self.thread = threading.Thread(target=self.run, daemon=True)
         self.thread.start()
+
+    def total(self):
+        return sum(p.rss_mib() for p in self.processes)
 
     def run(self):
         while not self.stop_flag:
             try:
-                self.peak = max(self.peak, self.server.rss_mib())
+                self.peak = max(self.peak, self.total())
             except Exception:
                 return
             time.sleep(0.05)
@@ -879,30 +886,6 @@ def front_available():
     return False
 
 
-class Together:
-    """RssWatch over the server and the front: the peak of their sum."""
-
-    def __init__(self, *processes):
-        self.processes = processes
-        self.base = sum(p.rss_mib() for p in processes)
-        self.peak, self.stop_flag = self.base, False
-        self.thread = threading.Thread(target=self.run, daemon=True)
-        self.thread.start()
-
-    def run(self):
-        while not self.stop_flag:
-            try:
-                self.peak = max(self.peak, sum(p.rss_mib() for p in self.processes))
-            except Exception:
-                return
-            time.sleep(0.05)
-
-    def stop(self):
-        self.stop_flag = True
-        self.thread.join()
-        return self.peak
-
-
 def verify_during(port, seq, seconds, results):
     """A legitimate Verify through `port` every 0.25 s for `seconds`:
     appends (status, seconds) per call."""
@@ -930,7 +913,7 @@ def rapid_reset_front():
     server = Server()
     front = Front(server)
     seq = create_sequence(front.port)
-    watch = Together(server, front)
+    watch = RssWatch(server, front)
     legit = []
     prober = threading.Thread(target=verify_during, args=(front.port, seq, 8.0, legit))
     prober.start()
@@ -961,7 +944,7 @@ def unread_calls_front():
     server = Server()
     front = Front(server)
     seq = create_sequence(front.port)
-    watch = Together(server, front)
+    watch = RssWatch(server, front)
     conn = RawH2(front.port)
     sent = send_unread_calls(conn)
     legit = []

@@ -39,12 +39,13 @@ void ServingPathProbe::CheckOnce() {
   const grpc::Status status = stub_->Check(&context, request, &response);
   const bool ok =
       status.ok() && response.status() == grpc::health::v1::HealthCheckResponse::SERVING;
-  const bool was = answering_.exchange(ok, std::memory_order_acq_rel);
+  answering_.store(ok, std::memory_order_release);
   checks_.fetch_add(1, std::memory_order_acq_rel);
-  if (checks_.load() == 1 && ok) return;  // the usual start: nothing to report
-  if (ok && !was) {
+  if (ok == reported_answering_) return;  // only changes are logged
+  reported_answering_ = ok;
+  if (ok) {
     spdlog::info("the gRPC port answers its own health check: /readyz ready");
-  } else if (!ok && (was || checks_.load() == 1)) {
+  } else {
     spdlog::warn("the gRPC port's own health check failed ({}, {:.0f} ms): /readyz not ready",
                  status.ok() ? "NOT_SERVING" : status.error_message(),
                  absl::ToDoubleMilliseconds(absl::Now() - started));

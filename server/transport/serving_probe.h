@@ -47,6 +47,10 @@ class ServingPathProbe {
   const absl::Duration timeout_;
   std::atomic<bool> answering_{false};
   std::atomic<int64_t> checks_{0};
+  // What the log last said (CheckOnce runs on one thread at a time: the
+  // constructor's, then the probe's). True at the start, so that a first
+  // check that answers logs nothing.
+  bool reported_answering_ = true;
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;

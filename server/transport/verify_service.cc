@@ -46,8 +46,8 @@ absl::Status Decode(absl::string_view rpc, const grpc::ByteBuffer& bytes,
 // Memory is shared with processes on this host only: every call that
 // registers, names, lists or removes a region comes over loopback or a unix
 // socket, or it is refused (`what` says which use it was).
-absl::Status CheckLocalPeer(grpc::CallbackServerContext* ctx, absl::string_view what) {
-  const std::string peer = ctx->peer();
+absl::Status CheckLocalPeer(grpc::CallbackServerContext* ctx, const std::string& peer,
+                            absl::string_view what) {
   // A call relayed by a proxy (deploy/http2-front: nghttpx adds the header
   // and drops any the client sent) comes from wherever its client is, even
   // over a loopback connection.
@@ -63,6 +63,10 @@ absl::Status CheckLocalPeer(grpc::CallbackServerContext* ctx, absl::string_view 
   return absl::PermissionDeniedError(absl::StrCat(
       what, " from ", peer,
       ": only a client on the server's host (loopback or a unix socket) can use shared memory"));
+}
+
+absl::Status CheckLocalPeer(grpc::CallbackServerContext* ctx, absl::string_view what) {
+  return CheckLocalPeer(ctx, ctx->peer(), what);
 }
 
 bool NamesRegion(const v1::Tensor& t) { return t.has_shared_memory(); }
@@ -401,15 +405,16 @@ absl::Status VerifyServiceImpl::CheckAnswerSize(const v1::VerifyRequest& request
 void VerifyServiceImpl::StartVerify(grpc::CallbackServerContext* ctx,
                                     const v1::VerifyRequest& request, v1::VerifyResponse* response,
                                     std::vector<engine::VerifyItem>* items,
-                                    engine::VerifyTiming* timing, Finisher done) {
+                                    engine::VerifyTiming* timing, Finisher done,
+                                    const absl::Status* local_peer) {
   const int64_t heads = engine()->config().num_heads;
   // Checked before the engine sees the call: an answer gRPC would refuse to
   // send must not open steps or take pages first.
   if (absl::Status fits = CheckAnswerSize(request, heads); !fits.ok()) return done(fits);
   if (NamesRegion(request)) {
-    if (absl::Status local = CheckLocalPeer(ctx, "a Verify naming a region"); !local.ok()) {
-      return done(local);
-    }
+    absl::Status local =
+        local_peer != nullptr ? *local_peer : CheckLocalPeer(ctx, "a Verify naming a region");
+    if (!local.ok()) return done(std::move(local));
   }
   response->set_request_id(request.request_id());
   response->set_layer(request.layer());
@@ -654,10 +659,9 @@ class VerifyServiceImpl::StreamReactor final
       : service_(service),
         ctx_(ctx),
         peer_(std::move(peer)),
+        local_peer_(CheckLocalPeer(ctx, peer_, "a VerifyStream request naming a region")),
         max_in_flight_(std::max(1, service->options_.stream_max_in_flight)),
         last_active_(Clock::now()) {}
-
-  const std::string& peer() const { return peer_; }
 
   void Begin() {
     grpc::ByteBuffer* request = nullptr;
@@ -827,7 +831,7 @@ class VerifyServiceImpl::StreamReactor final
     if (admitted.ok()) admitted = service_->CheckRequestSize("VerifyStream", bytes);
     if (!admitted.ok()) return complete(admitted);
     service_->StartVerify(ctx_, slot->request, slot->response.get(), &slot->items, &slot->timing,
-                          std::move(complete));
+                          std::move(complete), &local_peer_);
   }
 
   void Completed(Slot* slot, absl::Status status) {
@@ -909,6 +913,9 @@ class VerifyServiceImpl::StreamReactor final
   VerifyServiceImpl* const service_;
   grpc::CallbackServerContext* const ctx_;
   const std::string peer_;  // the connection, for the per-connection count
+  // Whether requests naming a region may come here: a stream's peer and
+  // metadata are the same for its life, so it is worked out once.
+  const absl::Status local_peer_;
   const int max_in_flight_;
   absl::Mutex mu_;
   // The last request read or answer written (the stream's start before).

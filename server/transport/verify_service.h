@@ -206,13 +206,17 @@ class VerifyServiceImpl final : public RawVerifyService {
   // Turns `request` into engine items (references to its bytes, its regions
   // and `response`'s results) and submits it; `done` runs once with the
   // outcome, after the results are labelled. `timing` receives the engine's
-  // time split. `items` and `timing` live until `done` ran.
+  // time split. `items` and `timing` live until `done` ran. A request that
+  // names a region needs a caller on this host: `local_peer` is that check's
+  // outcome when the caller already has it (a stream's, worked out once),
+  // else it is made here.
   // RESOURCE_EXHAUSTED when the answer's inline tensors (out and lse of the
   // items without shared-memory outputs) would exceed max_message_bytes.
   absl::Status CheckAnswerSize(const v1::VerifyRequest& request, int64_t heads) const;
   void StartVerify(grpc::CallbackServerContext* ctx, const v1::VerifyRequest& request,
                    v1::VerifyResponse* response, std::vector<engine::VerifyItem>* items,
-                   engine::VerifyTiming* timing, Finisher done);
+                   engine::VerifyTiming* timing, Finisher done,
+                   const absl::Status* local_peer = nullptr);
   // A Verify call or stream request that succeeded: its split, summed for
   // GetServerInfo.
   void RecordVerifySplit(const engine::VerifyTiming& timing, Clock::time_point arrived);
