@@ -110,11 +110,15 @@ sleep 3
 pids+=($!)
 wait "$load_pid"
 grep -E "^(errors|first error)" "$work/restart.log"
-check "calls go on in the load's last seconds, after the restart" python3 - "$work/restart.json" <<'PY'
+check "calls go on after the restart, to the load's last second" python3 - "$work/restart.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
-late = [s for s in r["series"] if s["second"] >= 9]
-ok = r["total_errors"] > 0 and late and all(s["calls"] > 0 for s in late)
+# Calls after the restart (from second 6 on), in whichever seconds: a
+# connection that gRPC is still reconnecting holds the calls routed to it
+# for a few seconds, so not every second has some; a worker that gave up
+# (the old behaviour) makes none at all.
+late = sum(s["calls"] for s in r["series"] if s["second"] >= 6)
+ok = r["total_errors"] > 0 and late > 0 and r["series"][-1]["calls"] > 0
 print("     calls per second:", [s["calls"] for s in r["series"]], "errors", r["total_errors"])
 sys.exit(0 if ok else 1)
 PY
