@@ -6,7 +6,10 @@
 // Reports items/s and the per-Verify latency percentiles, the batch sizes the
 // workers formed, and, on a GPU, the kernel's own time for the same shape
 // measured in the same run (a CUDA graph of the attention alone, L2 flushed,
-// median), so that engine overhead = engine p50 - kernel time.
+// median), so that engine overhead = engine p50 - kernel time. With
+// --backend fake the device takes --fake-launch-us (+ --fake-request-us per
+// request) per launch and computes nothing: the host side alone, measurable
+// on a machine without a GPU.
 //
 //   mlaverify-engine-bench --backend cuda --devices 0 --prefix-len 1024,16384
 //       --threads 1,64 --duration-s 5 --json engine.json
@@ -64,6 +67,7 @@ class BatchCounter final : public engine::EngineObserver {
     pack_seconds_ += r.pack_seconds;
     launch_seconds_ += r.launch_seconds;
     unpack_seconds_ += r.unpack_seconds;
+    handoff_seconds_ += r.handoff_seconds;
     ++batches_;
   }
   void OnVerifyDone(const engine::VerifyTiming& t) override {
@@ -80,7 +84,7 @@ class BatchCounter final : public engine::EngineObserver {
     sizes_.clear();
     graph_ = eager_ = reused_ = batches_ = calls_ = descriptors_ = 0;
     device_seconds_ = queue_seconds_ = total_seconds_ = verify_device_seconds_ = 0;
-    pack_seconds_ = launch_seconds_ = unpack_seconds_ = 0;
+    pack_seconds_ = launch_seconds_ = unpack_seconds_ = handoff_seconds_ = 0;
   }
 
   nlohmann::json Json() {
@@ -99,6 +103,7 @@ class BatchCounter final : public engine::EngineObserver {
         {"mean_pack_us_per_batch", 1e6 * pack_seconds_ / nb},
         {"mean_launch_us_per_batch", 1e6 * launch_seconds_ / nb},
         {"mean_unpack_us_per_batch", 1e6 * unpack_seconds_ / nb},
+        {"mean_handoff_us_per_batch", 1e6 * handoff_seconds_ / nb},
         {"mean_device_us_per_batch", batches_ > 0 ? 1e6 * device_seconds_ / batches_ : 0.0},
         {"mean_queue_us", 1e6 * queue_seconds_ / n},
         {"mean_device_us", 1e6 * verify_device_seconds_ / n},
@@ -113,6 +118,7 @@ class BatchCounter final : public engine::EngineObserver {
   int64_t descriptors_ ABSL_GUARDED_BY(mu_) = 0;
   double pack_seconds_ ABSL_GUARDED_BY(mu_) = 0, launch_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   double unpack_seconds_ ABSL_GUARDED_BY(mu_) = 0;
+  double handoff_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t calls_ ABSL_GUARDED_BY(mu_) = 0;
   double device_seconds_ ABSL_GUARDED_BY(mu_) = 0, queue_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   double total_seconds_ ABSL_GUARDED_BY(mu_) = 0, verify_device_seconds_ ABSL_GUARDED_BY(mu_) = 0;
@@ -238,6 +244,8 @@ nlohmann::json ProbeMemory() {
 
 struct Flags {
   std::string backend = "cuda";
+  double fake_launch_us = 40;
+  double fake_request_us = 1;
   std::vector<int> devices = {0};
   std::string mode = "tp";
   int layers = 61;
@@ -250,6 +258,7 @@ struct Flags {
   double warmup_s = 1;
   uint64_t pool_bytes = uint64_t{80} << 30;
   int copy_threads = 4;
+  bool completion_thread = true;
   bool graphs = true;
   int batches_in_flight = 2;
   std::string inputs = "host";
@@ -261,8 +270,16 @@ struct Flags {
 int Run(int argc, char** argv) {
   Flags f;
   CLI::App app{"mlaverify-engine-bench: the engine in process, many threads, no gRPC"};
-  app.add_option("--backend", f.backend, "cuda | cpu")
-      ->check(CLI::IsMember({"cuda", "cpu"}))
+  app.add_option("--backend", f.backend,
+                 "cuda | cpu | fake (a device that takes time and computes nothing: the host "
+                 "side measured without a GPU)")
+      ->check(CLI::IsMember({"cuda", "cpu", "fake"}))
+      ->capture_default_str();
+  app.add_option("--fake-launch-us", f.fake_launch_us,
+                 "fake backend: device time of every launch")
+      ->capture_default_str();
+  app.add_option("--fake-request-us", f.fake_request_us,
+                 "fake backend: device time added per request of a batch")
       ->capture_default_str();
   app.add_option("--devices", f.devices, "device list (an ordinal may repeat)")
       ->delimiter(',')
@@ -289,6 +306,9 @@ int Run(int argc, char** argv) {
       ->transform(CLI::AsSizeValue(false))
       ->capture_default_str();
   app.add_option("--copy-threads", f.copy_threads)->capture_default_str();
+  app.add_option("--completion-thread", f.completion_thread,
+                 "complete finished batches on a completion thread (false: on the device thread)")
+      ->capture_default_str();
   app.add_option("--cuda-graphs", f.graphs)->capture_default_str();
   app.add_option("--batches-in-flight", f.batches_in_flight)->capture_default_str();
   app.add_option("--inputs", f.inputs,
@@ -315,6 +335,7 @@ int Run(int argc, char** argv) {
       tp ? engine::ParallelMode::kTensorParallel : engine::ParallelMode::kDataParallel;
   config.use_graphs = f.graphs;
   config.copy_threads = f.copy_threads;
+  config.completion_thread = f.completion_thread;
   config.batches_in_flight = f.batches_in_flight;
   config.max_live_sequences = 1 << 20;
   config.shared_memory.enabled = true;  // --inputs device registers the threads' buffers
@@ -322,6 +343,15 @@ int Run(int argc, char** argv) {
   for (int d : f.devices) {
     if (f.backend == "cpu") {
       devices.push_back(engine::MakeCpuDevice(0));
+    } else if (f.backend == "fake") {
+      engine::FakeDeviceOptions fake;
+      fake.timed_only = true;
+      fake.launch_time = absl::Microseconds(f.fake_launch_us);
+      fake.request_time = absl::Microseconds(f.fake_request_us);
+      // As a GPU: caller memory outside registered regions goes through the
+      // engine's staging.
+      fake.addresses_host_memory = false;
+      devices.push_back(engine::MakeFakeDevice(d, fake, nullptr));
     } else {
       auto cuda = engine::MakeCudaDevice(d);
       if (!cuda.ok()) {
@@ -536,6 +566,7 @@ int Run(int argc, char** argv) {
                             {"cuda_graphs", engine->graphs_enabled()},
                             {"inputs", f.inputs},
                             {"copy_threads", f.copy_threads},
+                            {"completion_thread", f.completion_thread},
                             {"batches_in_flight", f.batches_in_flight},
                             {"items_per_s", items_per_s},
                             {"p50_us", pct(0.5)},
@@ -545,6 +576,10 @@ int Run(int argc, char** argv) {
                             {"errors", errors.load()},
                             {"setup_s", setup_s},
                             {"batching", batching}};
+      if (f.backend == "fake") {
+        row["fake_launch_us"] = f.fake_launch_us;
+        row["fake_request_us"] = f.fake_request_us;
+      }
       if (kernel_us >= 0) {
         row["kernel_us"] = kernel_us;
         row["kernel_us_batch32"] = kernel_us_b32;
@@ -560,6 +595,15 @@ int Run(int argc, char** argv) {
           row["mode"].get<std::string>().c_str(), prefix, n, threads, items_per_s, pct(0.5),
           pct(0.99), kernel_us, kernel_us >= 0 ? pct(0.5) - kernel_us : 0.0,
           batching["batch_requests_hist"].dump().c_str(), static_cast<long long>(errors.load()));
+      std::printf(
+          "       per batch: device %.1f us, host pack %.1f, launch %.1f, hand-off wait %.1f, "
+          "complete %.1f us; per call: queued %.1f, device %.1f, other %.1f us\n",
+          batching["mean_device_us_per_batch"].get<double>(),
+          batching["mean_pack_us_per_batch"].get<double>(),
+          batching["mean_launch_us_per_batch"].get<double>(),
+          batching["mean_handoff_us_per_batch"].get<double>(),
+          batching["mean_unpack_us_per_batch"].get<double>(), batching["mean_queue_us"].get<double>(),
+          batching["mean_device_us"].get<double>(), batching["mean_other_us"].get<double>());
       std::fflush(stdout);
       results["rows"].push_back(row);
       if (!f.json.empty()) std::ofstream(f.json) << results.dump(2) << "\n";

@@ -368,6 +368,17 @@ struct FakeDeviceOptions {
   // engine must stage everything else, and a copy descriptor that touches
   // any other byte fails the launch with INTERNAL.
   bool addresses_host_memory = true;
+  // A device that takes time and computes nothing, for measuring the host
+  // side on a machine without a GPU (mlaverify-engine-bench --backend
+  // fake): asynchronous as a GPU is (`asynchronous` is implied), every
+  // launch does none of its work (no copies, no attention: outputs and the
+  // pool are left as they were) and finishes `launch_time + request_time x
+  // its real requests` after the later of its launch and the previous
+  // launch's end (one stream), which Finished and Wait observe; Wait sleeps
+  // to that moment rather than spinning.
+  bool timed_only = false;
+  absl::Duration launch_time = absl::ZeroDuration();
+  absl::Duration request_time = absl::ZeroDuration();
 };
 
 // What a fake device did, for assertions (read under `mu`).

@@ -154,6 +154,10 @@ class HostDevice final : public Device {
     RETURN_IF_ERROR(InitLanes());
     results_.assign(g.slots, absl::OkStatus());
     seconds_.assign(g.slots, 0.0);
+    {
+      absl::MutexLock lock(&exec_mu_);
+      due_.assign(g.slots, absl::InfinitePast());
+    }
     return absl::OkStatus();
   }
 
@@ -161,7 +165,10 @@ class HostDevice final : public Device {
   uint8_t* slot(int k) override {
     return slots_.data.get() + static_cast<size_t>(k) * g_.slot.bytes;
   }
-  bool asynchronous() const override { return fake_ && fake_->asynchronous; }
+  bool asynchronous() const override {
+    return fake_ && (fake_->asynchronous || fake_->timed_only);
+  }
+  bool timed_only() const { return fake_ && fake_->timed_only; }
 
   absl::Status DoorbellSupport(DoorbellKind kind) const override {
     if (lanes_.empty()) {
@@ -286,11 +293,13 @@ class HostDevice final : public Device {
       absl::MutexLock lock(&record_->mu);
       record_->launch_threads.push_back(std::this_thread::get_id());
     }
+    if (timed_only()) return IssueTimed(o.slot, RealRequests(o));
     return Issue(o.slot, [this, o] { return RunBatch(o); });
   }
 
   absl::Status LaunchWriteRows(int slot, int, int64_t table_offset, int64_t start, int64_t count,
                                uint64_t rows) override {
+    if (timed_only()) return IssueTimed(slot, 0);
     return Issue(slot, [this, slot, table_offset, start, count, rows]() -> absl::Status {
       RETURN_IF_ERROR(Simulate());
       RETURN_IF_ERROR(RunGather(slot));
@@ -313,6 +322,7 @@ class HostDevice final : public Device {
   }
 
   absl::Status LaunchCompact(int slot, int, int64_t table_offset) override {
+    if (timed_only()) return IssueTimed(slot, 0);
     return Issue(slot, [this, slot, table_offset]() -> absl::Status {
       RETURN_IF_ERROR(Simulate());
       RETURN_IF_ERROR(RunGather(slot));
@@ -334,13 +344,32 @@ class HostDevice final : public Device {
   }
 
   absl::Status LaunchGather(int slot, int) override {
+    if (timed_only()) return IssueTimed(slot, 0);
     return Issue(slot, [this, slot]() -> absl::Status {
       RETURN_IF_ERROR(CheckFault());
       return RunGather(slot);
     });
   }
 
+  bool Finished(int slot) override {
+    if (!timed_only()) return true;
+    absl::MutexLock lock(&exec_mu_);
+    return absl::Now() >= due_[slot];
+  }
+
   absl::StatusOr<double> Wait(int slot) override {
+    if (timed_only()) {
+      absl::Time due;
+      {
+        absl::MutexLock lock(&exec_mu_);
+        due = due_[slot];
+      }
+      if (const absl::Duration left = due - absl::Now(); left > absl::ZeroDuration()) {
+        absl::SleepFor(left);
+      }
+      absl::MutexLock lock(&exec_mu_);
+      return seconds_[slot];
+    }
     if (asynchronous()) {
       // Deferred work runs in launch order, up to this slot's.
       absl::MutexLock lock(&exec_mu_);
@@ -509,6 +538,27 @@ class HostDevice final : public Device {
     return absl::OkStatus();
   }
 
+  // A timed-only launch: due once the previous launch ended and this one's
+  // time passed; nothing runs.
+  absl::Status IssueTimed(int slot, int requests) {
+    RETURN_IF_ERROR(CheckFault());
+    const absl::Duration time = fake_->launch_time + requests * fake_->request_time;
+    absl::MutexLock lock(&exec_mu_);
+    stream_end_ = std::max(stream_end_, absl::Now()) + time;
+    due_[slot] = stream_end_;
+    seconds_[slot] = absl::ToDoubleSeconds(time);
+    return absl::OkStatus();
+  }
+
+  // Requests of a verify launch that are not padding, from its slot.
+  int RealRequests(const LaunchOptions& o) {
+    const auto* drafts = reinterpret_cast<const int32_t*>(
+        slot(o.slot) + g_.slot.request_block + g_.slot.requests.draft_len);
+    int requests = 0;
+    for (int b = 0; b < o.shape.batch; ++b) requests += drafts[b] > 0 ? 1 : 0;
+    return requests;
+  }
+
   void Complete(int slot, const std::function<absl::Status()>& work) {
     const absl::Time started = absl::Now();
     results_[slot] = work();
@@ -616,7 +666,6 @@ class HostDevice final : public Device {
   }
 
   absl::Status RunBatch(const LaunchOptions& o) {
-    const RequestArraysLayout& r = g_.slot.requests;
     if (fake_) {
       ++launches_;
       if (fake_->fail_launch > 0 && launches_ == fake_->fail_launch) faulted_ = true;
@@ -630,12 +679,9 @@ class HostDevice final : public Device {
     }
     if (record_ != nullptr) {
       // Recorded as the launch begins (before its latency), from the slot.
-      const uint8_t* staged = slot(o.slot);
-      const auto* slot_drafts =
-          reinterpret_cast<const int32_t*>(staged + g_.slot.request_block + r.draft_len);
-      int requests = 0;
-      for (int b = 0; b < o.shape.batch; ++b) requests += slot_drafts[b] > 0 ? 1 : 0;
-      const auto* list = reinterpret_cast<const kernels::CopyListHeader*>(staged + g_.slot.list);
+      const int requests = RealRequests(o);
+      const auto* list =
+          reinterpret_cast<const kernels::CopyListHeader*>(slot(o.slot) + g_.slot.list);
       absl::MutexLock lock(&record_->mu);
       record_->launches.push_back(o);
       record_->launch_requests.push_back(requests);
@@ -755,6 +801,9 @@ class HostDevice final : public Device {
   std::deque<Pending> pending_ ABSL_GUARDED_BY(exec_mu_);
   std::vector<absl::Status> results_;
   std::vector<double> seconds_;
+  // Timed-only fakes: when each slot's launch ends, and the last launch's.
+  std::vector<absl::Time> due_ ABSL_GUARDED_BY(exec_mu_);
+  absl::Time stream_end_ ABSL_GUARDED_BY(exec_mu_) = absl::InfinitePast();
   int launches_ = 0;
   std::atomic<bool> faulted_{false};  // read by the lanes too
 };
