@@ -5,7 +5,7 @@
 #     build/tests/gpu_engine_test build/bench/mlaverify-bench build/bench/mlaverify-engine-bench \
 #     build/server/mlaverify-server build/client/mlaverify-client
 # and carried there (device tool: carry [".device"]):
-#   OUT=/tmp/out bench/gpu_run.sh [mps] [tests] [steps] [fp8] [dataplane] [service] [connections] [planes] [cudashm] [pyclient] [pynative] [latency] [fault] [engine] [soak] [anchor] [sweep] [triton] [stalls] [small] [pdl] [ncu] [shapes] [sass] [timeline]
+#   OUT=/tmp/out bench/gpu_run.sh [mps] [tests] [steps] [fp8] [dataplane] [completion] [service] [connections] [planes] [cudashm] [pyclient] [pynative] [latency] [fault] [engine] [soak] [anchor] [sweep] [triton] [stalls] [small] [pdl] [ncu] [shapes] [sass] [timeline]
 # The pyclient part also needs the Python package with its stubs in the
 # bundle: cp -r build/client/python .device/bundle/python
 # Writes logs and JSON into $OUT/results.tgz (one file: the device tool brings
@@ -570,6 +570,27 @@ if want engine && [ -x "$bundle/bin/mlaverify-engine-bench" ]; then
       --threads 1,64 --duration-s 4 --pool-bytes 20GiB --gpu-name "$gpu" --json "$out/engine.json" 2>&1 |
       tee -a "$out/engine.log"
     summary+=("engine bench $mode rc=${PIPESTATUS[0]}")
+  done
+fi
+if want completion && [ -x "$bundle/bin/mlaverify-engine-bench" ]; then
+  # Who completes a finished batch, side by side in one run: the device
+  # thread itself (--completion-thread false) or the completion thread it
+  # hands batches to. The engine in process at L=1K, one and 64 threads,
+  # host and device inputs on the GPU; then the same with the fake backend
+  # (a device that takes 40 us + 1 us per request and computes nothing: the
+  # host side alone, on this machine's cores).
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+  for ct in false true; do
+    for inputs in host device; do
+      timeout 100 "$bundle/bin/mlaverify-engine-bench" --devices 0 --prefix-len 1024 --threads 1,64 \
+        --duration-s 4 --warmup-s 1 --pool-bytes 40GiB --inputs $inputs --completion-thread $ct \
+        --gpu-name "$gpu" --json "$out/completion.json" 2>&1 | tee -a "$out/completion.log"
+      summary+=("completion gpu ct=$ct inputs=$inputs rc=${PIPESTATUS[0]}")
+    done
+    timeout 100 "$bundle/bin/mlaverify-engine-bench" --backend fake --devices 0 --prefix-len 1024 \
+      --threads 1,16,64 --duration-s 4 --warmup-s 1 --pool-bytes 6GiB --completion-thread $ct \
+      --json "$out/completion-fake.json" 2>&1 | tee -a "$out/completion.log"
+    summary+=("completion fake ct=$ct rc=${PIPESTATUS[0]}")
   done
 fi
 if want soak && [ -x "$bundle/bin/mlaverify-server" ]; then

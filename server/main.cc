@@ -109,9 +109,10 @@ struct Flags {
   uint64_t max_queued_bytes = uint64_t{2} << 30;
   int64_t max_live_sequences = 65536;
   int copy_threads = 4;
+  bool completion_thread = true;
   int batches_in_flight = 2;
   uint64_t pinned_staging_bytes = uint64_t{512} << 20;
-  double idle_timeout_s = 0;
+  double idle_timeout_s = 600;
   int step_lanes = engine::StepOptions{}.lanes_per_device;
   int64_t step_layer_timeout_ms =
       absl::ToInt64Milliseconds(engine::StepOptions{}.default_layer_timeout);
@@ -367,6 +368,7 @@ std::map<std::string, std::string> EngineSettingFlags() {
           {"max_queued_bytes", "--max-queued-bytes"},
           {"max_live_sequences", "--max-live-sequences"},
           {"copy_threads", "--copy-threads"},
+          {"completion_thread", "--completion-thread"},
           {"batches_in_flight", "--batches-in-flight"},
           {"pinned_staging_bytes", "--pinned-staging-bytes"},
           {"steps.lanes_per_device", "--step-lanes"},
@@ -448,6 +450,9 @@ int Run(int argc, char** argv) {
                  "threads per device that complete a large batch's calls (copying their inline "
                  "outputs out)")
       ->capture_default_str();
+  AddSwitch(&app, "--completion-thread", &f.completion_thread,
+            "a thread per device completes finished batches, handed over in bulk, while the "
+            "device thread launches the next (false: the device thread completes them itself)");
   app.add_option("--batches-in-flight", f.batches_in_flight,
                  "launches a device has in flight at most (the next batch is launched while "
                  "one runs)")
@@ -622,6 +627,7 @@ int Run(int argc, char** argv) {
   config.max_queued_bytes = static_cast<int64_t>(f.max_queued_bytes);
   config.max_live_sequences = f.max_live_sequences;
   config.copy_threads = f.copy_threads;
+  config.completion_thread = f.completion_thread;
   config.batches_in_flight = f.batches_in_flight;
   config.pinned_staging_bytes = static_cast<int64_t>(f.pinned_staging_bytes);
   config.shared_memory.enabled = f.allow_client_shm;

@@ -600,6 +600,81 @@ TEST(EngineWorkerTest, TheSubmittingThreadLaunchesOnAnIdleDevice) {
   EXPECT_EQ(records[0]->launch_requests, (std::vector<int>{1, 3}));
 }
 
+// Completing a finished batch (copying outputs out, running the callers'
+// callbacks) happens on the completion thread: while one call's completion
+// is slow, the device thread keeps launching and finishing what queues, and
+// the calls still complete in launch order.
+TEST(EngineWorkerTest, ASlowCompletionHoldsNoLaunchAndOrderIsKept) {
+  std::vector<std::unique_ptr<FakeDeviceRecord>> records;
+  FakeDeviceOptions gpu_like;
+  gpu_like.asynchronous = true;
+  gpu_like.latency = absl::Milliseconds(5);
+  EngineConfig config = BaseConfig();
+  config.batches_in_flight = 2;
+  auto engine = MakeEngine(config, Fakes(1, gpu_like, &records));
+  ASSERT_NE(engine, nullptr);
+  std::mt19937_64 rng(43);
+  std::vector<uint64_t> ids;
+  for (int s = 0; s < 3; ++s) ids.push_back(NewSequence(*engine, 6 + s, rng));
+  {
+    absl::MutexLock lock(&records[0]->mu);
+    records[0]->launches.clear();
+  }
+  std::vector<std::unique_ptr<Work>> work;
+  for (int s = 0; s < 3; ++s) work.push_back(std::make_unique<Work>(ids[s], 2, kHeads, rng));
+  absl::Mutex order_mu;
+  std::vector<int> order;
+  absl::Notification first_completing, release_first;
+  std::vector<Pending> pending(3);
+  auto submit = [&](int k) {
+    VerifyCall call;
+    call.layer = 0;
+    call.items = absl::MakeSpan(&work[k]->item, 1);
+    engine->SubmitVerify(std::move(call), [&, k](absl::Status s) {
+      if (k == 0) {
+        first_completing.Notify();
+        // A slow completion (a caller's callback that takes its time).
+        release_first.WaitForNotificationWithTimeout(absl::Seconds(20));
+      }
+      {
+        absl::MutexLock lock(&order_mu);
+        order.push_back(k);
+      }
+      pending[k].status = std::move(s);
+      pending[k].done.Notify();
+    });
+  };
+  // The first two are in flight together, so the first is handed over when
+  // it finishes (the second still runs) and its completion blocks there.
+  submit(0);
+  submit(1);
+  ASSERT_TRUE(first_completing.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  submit(2);
+  {
+    absl::MutexLock lock(&records[0]->mu);
+    struct Three {
+      FakeDeviceRecord* r;
+      static bool Eval(Three* t) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        return t->r->launches.size() >= 3;
+      }
+    } three{records[0].get()};
+    EXPECT_TRUE(records[0]->mu.AwaitWithTimeout(absl::Condition(&Three::Eval, &three),
+                                                absl::Seconds(10)))
+        << "the third call was not launched while the first call's completion was blocked";
+  }
+  absl::SleepFor(absl::Milliseconds(20));  // the third has run on the device by now
+  EXPECT_FALSE(pending[1].done.HasBeenNotified());
+  EXPECT_FALSE(pending[2].done.HasBeenNotified())
+      << "a later call completed before an earlier one";
+  release_first.Notify();
+  for (auto& p : pending) {
+    ASSERT_TRUE(p.done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+    EXPECT_TRUE(p.status.ok()) << p.status;
+  }
+  absl::MutexLock lock(&order_mu);
+  EXPECT_EQ(order, (std::vector<int>{0, 1, 2}));
+}
+
 // A batch's copy lists name each byte it moves once: per request its queries
 // and its draft rows (one descriptor per page the rows fall in), the page
 // table's new entries, and the request arrays, visibility words and output

@@ -80,7 +80,8 @@ absl::Status DeviceWorker::Start(const DeviceGeometry& geometry) {
                  options_.use_graphs ? "the device has none" : "disabled");
   }
   launch_thread_ = std::thread([this] { LaunchThreadLoop(); });
-  completion_thread_ = std::thread([this] { CompletionLoop(); });
+  device_thread_ = std::thread([this] { DeviceLoop(); });
+  if (options_.completion_thread) completion_thread_ = std::thread([this] { CompletionLoop(); });
   started_ = true;
   return absl::OkStatus();
 }
@@ -94,7 +95,8 @@ void DeviceWorker::Stop() {
   // Whatever is still queued is launched (or failed) before the threads end.
   if (!launch_thread_launches_) LaunchWhilePossible();
   launch_thread_.join();
-  completion_thread_.join();
+  device_thread_.join();
+  if (completion_thread_.joinable()) completion_thread_.join();
   started_ = false;
 }
 
@@ -529,7 +531,7 @@ void DeviceWorker::LaunchThreadLoop() {
   launch_thread_done_ = true;
 }
 
-void DeviceWorker::CompletionLoop() {
+void DeviceWorker::DeviceLoop() {
   if (absl::Status s = device_->BindThread(); !s.ok()) Fault(s);
   // The device thread launches on a busy asynchronous device (Kick leaves it
   // the work then), polling the oldest launch meanwhile.
@@ -552,7 +554,7 @@ void DeviceWorker::CompletionLoop() {
         }
       } work{this};
       mu_.Await(absl::Condition(&Work::Eval, &work));
-      if (in_flight_.empty()) return;  // stopping
+      if (in_flight_.empty()) break;  // stopping
       slot = in_flight_.front().slot;
     }
     // While the oldest launch runs, what queues behind it goes out as soon
@@ -568,8 +570,7 @@ void DeviceWorker::CompletionLoop() {
 #endif
       }
     }
-    const absl::StatusOr<double> seconds = device_->Wait(slot);
-    const absl::Time finished = absl::Now();
+    absl::StatusOr<double> seconds = device_->Wait(slot);
     InFlight f;
     {
       absl::MutexLock lock(&mu_);
@@ -578,36 +579,93 @@ void DeviceWorker::CompletionLoop() {
       in_flight_size_.store(static_cast<int>(in_flight_.size()), std::memory_order_seq_cst);
     }
     std::atomic_thread_fence(std::memory_order_seq_cst);  // see Kick
+    f.finished = absl::Now();
     if (!seconds.ok()) Fault(seconds.status());
+    f.device_seconds = std::move(seconds);
     // The slot is free: launch what queued meanwhile before completing this
     // launch's calls, so the device does not wait for them.
     if (launches) LaunchWhilePossible();
-    const absl::Status status = seconds.ok() ? absl::OkStatus() : fault();
-    if (f.is_op) {
-      if (f.op.done) f.op.done(status);
+    if (!options_.completion_thread) {
+      Complete(f);
       continue;
     }
-    ShardTiming timing;
-    timing.taken = f.taken;
-    timing.batch_requests = f.report.requests;
-    timing.device_seconds = seconds.ok() ? *seconds : 0;
-    // Completions run the callers' callbacks (copying staged outputs out and
-    // finishing RPCs): spread over the copy threads when they copy much
-    // (waking the helpers costs more than a few small completions).
-    const int n = static_cast<int>(f.shards.size());
-    size_t copy_bytes = 0;
-    for (const VerifyShard& shard : f.shards) copy_bytes += shard.copy_out_bytes;
-    auto complete = [&](int k) { f.shards[k].owner->ShardDone(f.shards[k].index, status, timing); };
-    if (n >= 8 && copy_bytes >= kParallelCopyBytes) {
-      completion_runner_.Run(n, complete);
-    } else {
-      for (int k = 0; k < n; ++k) complete(k);
+    {
+      absl::MutexLock lock(&done_mu_);
+      // Nothing else to do (no launch in flight, nothing queued) and nothing
+      // handed over still being completed: completing it here saves the
+      // hand-off's wake-up, in order all the same.
+      const bool alone = finished_.empty() && !completing_ &&
+                         in_flight_size_.load(std::memory_order_acquire) == 0 &&
+                         queue_size_.load(std::memory_order_acquire) == 0;
+      if (!alone) {
+        finished_.push_back(std::move(f));
+        continue;
+      }
+      // Held so that the completion thread's next batch waits for this one.
+      completing_ = true;
     }
-    if (seconds.ok()) {
-      f.report.device_seconds = *seconds;
-      f.report.unpack_seconds = absl::ToDoubleSeconds(absl::Now() - finished);
-      if (observer_ != nullptr) observer_->OnBatch(f.report);
+    Complete(f);
+    absl::MutexLock lock(&done_mu_);
+    completing_ = false;
+  }
+  absl::MutexLock lock(&done_mu_);
+  device_thread_done_ = true;
+}
+
+void DeviceWorker::CompletionLoop() {
+  std::deque<InFlight> batch;
+  while (true) {
+    {
+      absl::MutexLock lock(&done_mu_);
+      struct Work {
+        DeviceWorker* w;
+        static bool Eval(Work* k) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+          return (!k->w->finished_.empty() && !k->w->completing_) || k->w->device_thread_done_;
+        }
+      } work{this};
+      done_mu_.Await(absl::Condition(&Work::Eval, &work));
+      if (finished_.empty()) return;  // the device thread ended
+      // Everything handed over so far, in one go: one wake-up however many.
+      batch.swap(finished_);
+      completing_ = true;
     }
+    for (InFlight& f : batch) Complete(f);
+    batch.clear();
+    absl::MutexLock lock(&done_mu_);
+    completing_ = false;
+  }
+}
+
+void DeviceWorker::Complete(InFlight& f) {
+  const absl::Time started = absl::Now();
+  const absl::StatusOr<double>& seconds = f.device_seconds;
+  const absl::Status status = seconds.ok() ? absl::OkStatus() : fault();
+  if (f.is_op) {
+    if (f.op.done) f.op.done(status);
+    return;
+  }
+  ShardTiming timing;
+  timing.taken = f.taken;
+  timing.batch_requests = f.report.requests;
+  timing.device_seconds = seconds.ok() ? *seconds : 0;
+  // Completions run the callers' callbacks (copying staged outputs out and
+  // finishing RPCs): spread over the copy threads when they copy much
+  // (waking the helpers costs more than a few small completions).
+  const int n = static_cast<int>(f.shards.size());
+  size_t copy_bytes = 0;
+  for (const VerifyShard& shard : f.shards) copy_bytes += shard.copy_out_bytes;
+  auto complete = [&](int k) { f.shards[k].owner->ShardDone(f.shards[k].index, status, timing); };
+  if (n >= 8 && copy_bytes >= kParallelCopyBytes) {
+    completion_runner_.Run(n, complete);
+  } else {
+    for (int k = 0; k < n; ++k) complete(k);
+  }
+  if (seconds.ok()) {
+    const absl::Time done = absl::Now();
+    f.report.device_seconds = *seconds;
+    f.report.handoff_seconds = absl::ToDoubleSeconds(started - f.finished);
+    f.report.unpack_seconds = absl::ToDoubleSeconds(done - started);
+    if (observer_ != nullptr) observer_->OnBatch(f.report);
   }
 }
 

@@ -18,9 +18,17 @@
 // to date by the table changes the shards and operations carry
 // (page_table_arena.h). At most `slots` launches are in flight.
 //
-// The device thread (the completion thread) takes each launch in order once
-// it finished, then completes its shards or operation; while launches are in
-// flight it polls rather than sleeps.
+// The device thread takes each launch in order once it finished and, while
+// launches are in flight, polls rather than sleeps (launching what queued as
+// soon as a slot frees). A finished launch's shards or operation are
+// completed (staged outputs copied out, the callers' callbacks run) by the
+// completion thread: the device thread hands it finished launches in order,
+// one wake-up per hand-off however many calls it carries, and goes back to
+// the device at once, so that under load completing calls no longer holds
+// the next launch back. With nothing else queued or in flight and nothing
+// being completed, the device thread completes a launch itself (no hand-off
+// to wait for when one call is in flight). Completions run in launch order
+// either way.
 //
 // The queue has no bound of its own: the engine admits work (with limits)
 // before it enqueues. A device error fails the work it touched and every
@@ -132,6 +140,9 @@ struct WorkerOptions {
   // Threads (the completion thread included) that complete a large batch's
   // calls, copying their staged outputs out.
   int copy_threads = 1;
+  // False: the device thread completes every launch itself (no completion
+  // thread), as before the hand-off existed.
+  bool completion_thread = true;
 };
 
 class DeviceWorker {
@@ -179,7 +190,7 @@ class DeviceWorker {
     VerifyShard shard;
     DeviceOp op;
   };
-  // A launch on its way to the completion thread.
+  // A launch on its way to the device and then to completion.
   struct InFlight {
     int slot = 0;
     bool is_op = false;
@@ -187,10 +198,21 @@ class DeviceWorker {
     DeviceOp op;                      // an op
     absl::Time taken;
     BatchReport report;
+    // Set once the device finished it: its device time or error, and when.
+    absl::StatusOr<double> device_seconds = 0.0;
+    absl::Time finished;
   };
 
   void LaunchThreadLoop();
+  // The device thread: polls the oldest launch, launches what queued, hands
+  // finished launches on (or completes them itself when nothing else is
+  // going on).
+  void DeviceLoop();
+  // The completion thread: completes what the device thread handed over, in
+  // order.
   void CompletionLoop();
+  // Completes a finished launch's shards (or op) and reports the batch.
+  void Complete(InFlight& f);
   // Launches while the lock is free and something can launch; re-checks after
   // letting go, so work queued by a thread that found the lock held is not
   // left behind.
@@ -259,8 +281,13 @@ class DeviceWorker {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool launching_ ABSL_GUARDED_BY(mu_) = false;  // a launcher holds launch_mu_
   bool launch_thread_done_ ABSL_GUARDED_BY(mu_) = false;
+  // Finished launches handed to the completion thread, in launch order.
+  absl::Mutex done_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  std::deque<InFlight> finished_ ABSL_GUARDED_BY(done_mu_);
+  bool completing_ ABSL_GUARDED_BY(done_mu_) = false;  // the completion thread is busy
+  bool device_thread_done_ ABSL_GUARDED_BY(done_mu_) = false;
   bool started_ = false;
-  std::thread launch_thread_, completion_thread_;
+  std::thread launch_thread_, device_thread_, completion_thread_;
 };
 
 }  // namespace mlaverify::engine

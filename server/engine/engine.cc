@@ -686,6 +686,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   options.use_graphs = config.use_graphs;
   options.max_queue_delay = config.max_queue_delay;
   options.copy_threads = config.copy_threads;
+  options.completion_thread = config.completion_thread;
   Engine* raw = e.get();
   // Names unique in this engine: a device listed twice is "cuda:0" and "cuda:0#2".
   absl::flat_hash_map<std::string, int> seen;

@@ -24,10 +24,13 @@ struct BatchReport {
   double device_seconds = 0;  // device time of the batch
   // Host time of the worker's steps: writing the batch's slot (from taking
   // the batch to the launch call), the launch call, and completing its calls
-  // after the device finished (staged outputs copied out, callbacks run).
+  // (staged outputs copied out, callbacks run); handoff: from the device
+  // thread seeing the batch finished to its completion starting (waiting
+  // for the completion thread and for the batches before it).
   double pack_seconds = 0;
   double launch_seconds = 0;
   double unpack_seconds = 0;
+  double handoff_seconds = 0;
   int copy_descriptors = 0;  // the batch's gather and output lists together
 };
 
