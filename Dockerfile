@@ -59,8 +59,8 @@ FROM ${RUNTIME_IMAGE} AS runtime
 # Set with --build-arg (scripts/image.sh passes the first two): the project
 # version (CMakeLists.txt), the git commit built (also what the binaries'
 # --version reports, through the build stage's REVISION) and the repository's
-# URL (the project publishes none yet). No licence label: the repository
-# states none.
+# URL (the project publishes none yet). The licence is the repository's
+# (LICENSE: Apache-2.0).
 ARG VERSION=unknown
 ARG REVISION=unknown
 ARG SOURCE=unknown
@@ -68,7 +68,8 @@ LABEL org.opencontainers.image.title="mlaverify" \
       org.opencontainers.image.description="MLA verify-attention service (gRPC server and client; CUDA or CPU backend)" \
       org.opencontainers.image.source="${SOURCE}" \
       org.opencontainers.image.version="${VERSION}" \
-      org.opencontainers.image.revision="${REVISION}"
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.licenses="Apache-2.0"
 ENV DEBIAN_FRONTEND=noninteractive
 COPY --from=build /opt/mlaverify/runtime-packages /opt/mlaverify/runtime-packages
 # nghttp2-proxy: nghttpx, the HTTP/2 front for untrusted networks
