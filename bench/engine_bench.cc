@@ -275,8 +275,7 @@ int Run(int argc, char** argv) {
                  "side measured without a GPU)")
       ->check(CLI::IsMember({"cuda", "cpu", "fake"}))
       ->capture_default_str();
-  app.add_option("--fake-launch-us", f.fake_launch_us,
-                 "fake backend: device time of every launch")
+  app.add_option("--fake-launch-us", f.fake_launch_us, "fake backend: device time of every launch")
       ->capture_default_str();
   app.add_option("--fake-request-us", f.fake_request_us,
                  "fake backend: device time added per request of a batch")
@@ -602,8 +601,9 @@ int Run(int argc, char** argv) {
           batching["mean_pack_us_per_batch"].get<double>(),
           batching["mean_launch_us_per_batch"].get<double>(),
           batching["mean_handoff_us_per_batch"].get<double>(),
-          batching["mean_unpack_us_per_batch"].get<double>(), batching["mean_queue_us"].get<double>(),
-          batching["mean_device_us"].get<double>(), batching["mean_other_us"].get<double>());
+          batching["mean_unpack_us_per_batch"].get<double>(),
+          batching["mean_queue_us"].get<double>(), batching["mean_device_us"].get<double>(),
+          batching["mean_other_us"].get<double>());
       std::fflush(stdout);
       results["rows"].push_back(row);
       if (!f.json.empty()) std::ofstream(f.json) << results.dump(2) << "\n";

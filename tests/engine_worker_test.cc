@@ -658,14 +658,13 @@ TEST(EngineWorkerTest, ASlowCompletionHoldsNoLaunchAndOrderIsKept) {
         return t->r->launches.size() >= 3;
       }
     } three{records[0].get()};
-    EXPECT_TRUE(records[0]->mu.AwaitWithTimeout(absl::Condition(&Three::Eval, &three),
-                                                absl::Seconds(10)))
+    EXPECT_TRUE(
+        records[0]->mu.AwaitWithTimeout(absl::Condition(&Three::Eval, &three), absl::Seconds(10)))
         << "the third call was not launched while the first call's completion was blocked";
   }
   absl::SleepFor(absl::Milliseconds(20));  // the third has run on the device by now
   EXPECT_FALSE(pending[1].done.HasBeenNotified());
-  EXPECT_FALSE(pending[2].done.HasBeenNotified())
-      << "a later call completed before an earlier one";
+  EXPECT_FALSE(pending[2].done.HasBeenNotified()) << "a later call completed before an earlier one";
   release_first.Notify();
   for (auto& p : pending) {
     ASSERT_TRUE(p.done.WaitForNotificationWithTimeout(absl::Seconds(20)));

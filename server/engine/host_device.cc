@@ -165,9 +165,7 @@ class HostDevice final : public Device {
   uint8_t* slot(int k) override {
     return slots_.data.get() + static_cast<size_t>(k) * g_.slot.bytes;
   }
-  bool asynchronous() const override {
-    return fake_ && (fake_->asynchronous || fake_->timed_only);
-  }
+  bool asynchronous() const override { return fake_ && (fake_->asynchronous || fake_->timed_only); }
   bool timed_only() const { return fake_ && fake_->timed_only; }
 
   absl::Status DoorbellSupport(DoorbellKind kind) const override {
@@ -552,8 +550,8 @@ class HostDevice final : public Device {
 
   // Requests of a verify launch that are not padding, from its slot.
   int RealRequests(const LaunchOptions& o) {
-    const auto* drafts = reinterpret_cast<const int32_t*>(
-        slot(o.slot) + g_.slot.request_block + g_.slot.requests.draft_len);
+    const auto* drafts = reinterpret_cast<const int32_t*>(slot(o.slot) + g_.slot.request_block +
+                                                          g_.slot.requests.draft_len);
     int requests = 0;
     for (int b = 0; b < o.shape.batch; ++b) requests += drafts[b] > 0 ? 1 : 0;
     return requests;
