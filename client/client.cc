@@ -500,6 +500,31 @@ absl::StatusOr<CommitResult> VerifyClient::Commit(uint64_t sequence_id,
   return CommitResult{response.length(), response.accepted_count()};
 }
 
+absl::StatusOr<SequenceHandle> VerifyClient::OpenSequence(absl::string_view label) {
+  ASSIGN_OR_RETURN(uint64_t id, CreateSequence(label));
+  return SequenceHandle(this, id);
+}
+
+SequenceHandle& SequenceHandle::operator=(SequenceHandle&& other) noexcept {
+  if (this != &other) {
+    (void)Release();
+    client_ = std::exchange(other.client_, nullptr);
+    id_ = std::exchange(other.id_, 0);
+  }
+  return *this;
+}
+
+absl::StatusOr<int64_t> SequenceHandle::Release() {
+  if (client_ == nullptr) return 0;
+  VerifyClient* client = std::exchange(client_, nullptr);
+  return client->ReleaseSequence(std::exchange(id_, 0));
+}
+
+uint64_t SequenceHandle::Detach() {
+  client_ = nullptr;
+  return std::exchange(id_, 0);
+}
+
 absl::StatusOr<int64_t> VerifyClient::ReleaseSequence(uint64_t sequence_id) {
   v1::ReleaseSequenceRequest request;
   request.set_sequence_id(sequence_id);

@@ -17,6 +17,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -165,6 +166,36 @@ class VerifyStreamSession {
   std::optional<absl::Status> final_status_;
 };
 
+class VerifyClient;
+
+// A sequence that is released when its handle goes (VerifyClient::
+// OpenSequence): a scheduler that returns early or throws between create and
+// release does not hold the sequence's pages until the server's idle
+// timeout. Move-only; the client must outlive it.
+class SequenceHandle {
+ public:
+  SequenceHandle() = default;
+  ~SequenceHandle() { (void)Release(); }
+  SequenceHandle(SequenceHandle&& other) noexcept { *this = std::move(other); }
+  SequenceHandle& operator=(SequenceHandle&& other) noexcept;
+  SequenceHandle(const SequenceHandle&) = delete;
+  SequenceHandle& operator=(const SequenceHandle&) = delete;
+
+  uint64_t id() const { return id_; }
+  // Releases the sequence now (the handle then holds none): the pages freed,
+  // or the server's status (NOT_FOUND: released or expired meanwhile). An
+  // empty handle answers 0.
+  absl::StatusOr<int64_t> Release();
+  // Keeps the sequence alive past the handle (nothing released); its id.
+  uint64_t Detach();
+
+ private:
+  friend class VerifyClient;
+  SequenceHandle(VerifyClient* client, uint64_t id) : client_(client), id_(id) {}
+  VerifyClient* client_ = nullptr;
+  uint64_t id_ = 0;
+};
+
 // Thread-safe: one VerifyClient may be shared by any number of threads (the
 // gRPC stubs are; the cached ServerInfo is guarded).
 class VerifyClient {
@@ -209,6 +240,8 @@ class VerifyClient {
 
   // Returns the new sequence's id. `label` appears in the server's logs.
   absl::StatusOr<uint64_t> CreateSequence(absl::string_view label);
+  // CreateSequence, the sequence released when the returned handle goes.
+  absl::StatusOr<SequenceHandle> OpenSequence(absl::string_view label);
 
   // Appends `tokens` prompt tokens at start_position (the sequence's current
   // length), kv [num_layers, tokens, 576] bf16. Split into as many AppendKv

@@ -545,6 +545,42 @@ TEST_F(ServerTest, DeadlineThatPassesWhileQueuedChangesNothing) {
   EXPECT_EQ(client_->Commit(b, {}).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// OpenSequence's handle releases its sequence when it goes, early returns
+// included; Release reports, Detach keeps the sequence, a moved-from handle
+// releases nothing twice.
+TEST_F(ServerTest, SequenceHandleReleasesWhenItGoes) {
+  Serve();
+  const int64_t free_before = FreePages();
+  const std::vector<Bf16> kv = RandomBf16(rng_, kLayers * 20 * kLatentDim, 1.0f);
+  uint64_t gone = 0;
+  {
+    auto handle = client_->OpenSequence("scoped");
+    ASSERT_TRUE(handle.ok()) << handle.status();
+    gone = handle->id();
+    ASSERT_TRUE(client_->AppendKv(gone, 0, kLayers, 20, kv).ok());
+    EXPECT_LT(FreePages(), free_before);
+    client::SequenceHandle moved = std::move(*handle);
+    EXPECT_EQ(handle->id(), 0u);
+    EXPECT_EQ(moved.id(), gone);
+  }
+  EXPECT_EQ(FreePages(), free_before) << "the handle released its sequence when it went";
+  EXPECT_EQ(client_->ReleaseSequence(gone).status().code(), absl::StatusCode::kNotFound);
+
+  auto kept = client_->OpenSequence("kept");
+  ASSERT_TRUE(kept.ok());
+  ASSERT_TRUE(client_->AppendKv(kept->id(), 0, kLayers, 20, kv).ok());
+  const uint64_t id = kept->Detach();
+  *kept = client::SequenceHandle();
+  EXPECT_LT(FreePages(), free_before) << "a detached sequence stays";
+  auto reported = client_->OpenSequence("reported");
+  ASSERT_TRUE(reported.ok());
+  auto freed = reported->Release();
+  ASSERT_TRUE(freed.ok()) << freed.status();
+  EXPECT_EQ(*reported->Release(), 0) << "a released handle releases nothing again";
+  ASSERT_TRUE(client_->ReleaseSequence(id).ok());
+  EXPECT_EQ(FreePages(), free_before);
+}
+
 TEST_F(ServerTest, EveryRpcEndToEnd) {
   Serve();
   auto info = client_->GetServerInfo();

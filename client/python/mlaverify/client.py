@@ -3,6 +3,7 @@ pipelined per-scheduler stream of Verify requests."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -131,6 +132,32 @@ class VerifyClient(_wire.ClientBase):
         one that ran would leave a sequence nobody releases."""
         return self._call("CreateSequence", "CreateSequence",
                           verify_pb2.CreateSequenceRequest(label=label)).sequence_id
+
+    @contextlib.contextmanager
+    def sequence(self, label: str = "") -> Iterator[int]:
+        """A new sequence for the length of a ``with`` block, released when
+        the block ends, also by an exception (so a scheduler that fails
+        between create and release does not hold the sequence's pages until
+        the server's idle timeout)::
+
+            with client.sequence("req-17") as sid:
+                client.append_prompt(sid, kv)
+                ...
+
+        A release that fails after the block raised is not raised over the
+        block's exception; one that fails after a clean block is, except
+        NOT_FOUND (released meanwhile, or expired)."""
+        sid = self.create_sequence(label)
+        failed = True
+        try:
+            yield sid
+            failed = False
+        finally:
+            try:
+                self.release_sequence(sid)
+            except VerifyError as e:
+                if not failed and e.code != grpc.StatusCode.NOT_FOUND:
+                    raise
 
     def append_kv(self, sequence_id: int, start_position: int, kv: Any) -> int:
         """One AppendKv: kv is bf16 [num_layers, T, 576]. Returns the new length."""

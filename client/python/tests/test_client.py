@@ -366,3 +366,20 @@ def test_fp8_server_matches_the_fp8_reference():
             assert c.commit(sid, []).length == 50
     finally:
         assert stop_server(proc) == 0, open(log).read()
+
+
+def test_sequence_context_releases_on_error_and_on_exit(client):
+    g = client.geometry
+    rng = np.random.default_rng(5)
+    free_before = client.server_info().free_pages
+    with pytest.raises(RuntimeError, match="scheduler failed"):
+        with client.sequence("ctx-error") as sid:
+            client.append_kv(sid, 0, random_bf16(rng, g.num_layers, 70, 576))
+            assert client.server_info().free_pages < free_before
+            raise RuntimeError("scheduler failed")
+    assert client.server_info().free_pages == free_before
+    assert code_of(client.commit, sid, []) == grpc.StatusCode.NOT_FOUND  # gone
+    with client.sequence("ctx-clean") as sid:
+        client.append_kv(sid, 0, random_bf16(rng, g.num_layers, 70, 576))
+        client.release_sequence(sid)  # released inside: the exit's NOT_FOUND is no error
+    assert client.server_info().free_pages == free_before
