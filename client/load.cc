@@ -1091,33 +1091,40 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
     }();
     const std::vector<Bf16> q(static_cast<size_t>(plan.num_drafts) * plan.num_heads * kLatentDim);
     const std::vector<Bf16> kv(static_cast<size_t>(plan.num_drafts) * kLatentDim);
-    std::vector<uint8_t> scratch;
-    ShmItemPlacement scratch_place;
-    const ShmItemPlacement* place = nullptr;
-    if (!plan.placements.empty()) {
-      // The request references the region; nothing is copied where the
-      // run's workers wrote (a scratch copy of the placement's offsets).
-      scratch.resize(plan.placements[0].end_offset - plan.placements[0].q_offset);
-      scratch_place = plan.placements[0];
-      scratch_place.base = scratch.data() - scratch_place.q_offset;
-      place = &scratch_place;
+    // A call carries --items items: the floor echoes the whole call's bytes.
+    std::vector<std::vector<uint8_t>> scratch(plan.items);
+    std::vector<ShmItemPlacement> scratch_place(plan.items);
+    std::vector<VerifyItemInput> items;
+    for (int k = 0; k < plan.items; ++k) {
+      const ShmItemPlacement* place = nullptr;
+      if (!plan.placements.empty()) {
+        // The request references the region; nothing is copied where the
+        // run's workers wrote (a scratch copy of the placement's offsets).
+        const ShmItemPlacement& p =
+            plan.placements[std::min<size_t>(k, plan.placements.size() - 1)];
+        scratch[k].resize(p.end_offset - p.q_offset);
+        scratch_place[k] = p;
+        scratch_place[k].base = scratch[k].data() - p.q_offset;
+        place = &scratch_place[k];
+      }
+      items.push_back(VerifyItemInput{static_cast<uint64_t>(k + 1), chain, q, kv, place});
     }
-    const VerifyItemInput item{1, chain, q, kv, place};
-    ASSIGN_OR_RETURN(v1::VerifyRequest request,
-                     BuildVerifyRequest(0, absl::MakeConstSpan(&item, 1), 0.0f, 1));
+    ASSIGN_OR_RETURN(v1::VerifyRequest request, BuildVerifyRequest(0, items, 0.0f, 1));
     v1::VerifyResponse answer;
     answer.set_request_id(1);
-    v1::VerifyResult* result = answer.add_results();
-    result->set_sequence_id(1);
-    result->set_prefix_len(plan.prompt_len);
     const int64_t out_bytes = int64_t{plan.num_drafts} * plan.num_heads * kValueDim * 2;
     const int64_t lse_bytes = int64_t{plan.num_drafts} * plan.num_heads * 4;
-    if (place != nullptr) {
-      *result->mutable_out()->mutable_shared_memory() = request.items(0).out_shared_memory();
-      *result->mutable_lse()->mutable_shared_memory() = request.items(0).lse_shared_memory();
-    } else {
-      result->mutable_out()->mutable_raw()->assign(static_cast<size_t>(out_bytes), '\0');
-      result->mutable_lse()->mutable_raw()->assign(static_cast<size_t>(lse_bytes), '\0');
+    for (int k = 0; k < plan.items; ++k) {
+      v1::VerifyResult* result = answer.add_results();
+      result->set_sequence_id(static_cast<uint64_t>(k + 1));
+      result->set_prefix_len(plan.prompt_len);
+      if (items[k].shm != nullptr) {
+        *result->mutable_out()->mutable_shared_memory() = request.items(k).out_shared_memory();
+        *result->mutable_lse()->mutable_shared_memory() = request.items(k).lse_shared_memory();
+      } else {
+        result->mutable_out()->mutable_raw()->assign(static_cast<size_t>(out_bytes), '\0');
+        result->mutable_lse()->mutable_raw()->assign(static_cast<size_t>(lse_bytes), '\0');
+      }
     }
     FloorOptions f;
     f.concurrency = options.concurrency;

@@ -62,6 +62,19 @@ f = r["floor"]
 assert f["calls"] > 0 and f["errors"] == 0 and f["request_bytes"] < 4096, f  # references only
 assert r["append"]["bytes"] > 0, r["append"]
 PY
+# Inline, the floor echoes the whole call: --items 3 requests carry three
+# items' q and draft_kv (N=4, 8 heads: 3 x 4 x 576 x 2 x 9 bytes) and three
+# results' out and lse.
+"${client[@]}" load --concurrency 1 --items 3 --floor --duration-s 1 --warmup-s 0.2 \
+  --prompt-len 64 --drafts 4 --json "$work/load-inline.json" > "$work/load-inline.log" 2>&1 ||
+  fail "inline load: $(cat "$work/load-inline.log")"
+python3 - "$work/load-inline.json" <<'PY' || fail "inline floor: $(cat "$work/load-inline.json")"
+import json, sys
+r = json.load(open(sys.argv[1]))
+f = r["floor"]
+assert f["request_bytes"] >= 3 * 4 * 576 * 2 * 9, f
+assert f["reply_bytes"] >= 3 * (4 * 8 * 512 * 2 + 4 * 8 * 4), f
+PY
 
 # SIGINT in the middle of a long load: it ends as if its time were up.
 "${client[@]}" load --concurrency 2 --data-plane shm --duration-s 60 --warmup-s 0 \
