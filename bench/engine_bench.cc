@@ -258,7 +258,7 @@ struct Flags {
   double warmup_s = 1;
   uint64_t pool_bytes = uint64_t{80} << 30;
   int copy_threads = 4;
-  bool completion_thread = true;
+  bool completion_thread = false;
   bool graphs = true;
   int batches_in_flight = 2;
   std::string inputs = "host";

@@ -109,7 +109,7 @@ struct Flags {
   uint64_t max_queued_bytes = uint64_t{2} << 30;
   int64_t max_live_sequences = 65536;
   int copy_threads = 4;
-  bool completion_thread = true;
+  bool completion_thread = false;
   int batches_in_flight = 2;
   uint64_t pinned_staging_bytes = uint64_t{512} << 20;
   double idle_timeout_s = 600;

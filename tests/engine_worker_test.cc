@@ -611,6 +611,7 @@ TEST(EngineWorkerTest, ASlowCompletionHoldsNoLaunchAndOrderIsKept) {
   gpu_like.latency = absl::Milliseconds(5);
   EngineConfig config = BaseConfig();
   config.batches_in_flight = 2;
+  config.completion_thread = true;
   auto engine = MakeEngine(config, Fakes(1, gpu_like, &records));
   ASSERT_NE(engine, nullptr);
   std::mt19937_64 rng(43);

@@ -20,15 +20,16 @@
 //
 // The device thread takes each launch in order once it finished and, while
 // launches are in flight, polls rather than sleeps (launching what queued as
-// soon as a slot frees). A finished launch's shards or operation are
-// completed (staged outputs copied out, the callers' callbacks run) by the
-// completion thread: the device thread hands it finished launches in order,
-// one wake-up per hand-off however many calls it carries, and goes back to
-// the device at once, so that under load completing calls no longer holds
-// the next launch back. With nothing else queued or in flight and nothing
-// being completed, the device thread completes a launch itself (no hand-off
-// to wait for when one call is in flight). Completions run in launch order
-// either way.
+// soon as a slot frees), then completes the finished launch's shards or
+// operation (staged outputs copied out, the callers' callbacks run). With
+// WorkerOptions::completion_thread a completion thread does that instead:
+// the device thread hands it finished launches in order, one wake-up per
+// hand-off however many calls it carries, and goes back to the device at
+// once, so that under load completing calls no longer holds the next launch
+// back; with nothing else queued or in flight and nothing being completed,
+// the device thread still completes a launch itself (no hand-off to wait
+// for when one call is in flight). Completions run in launch order either
+// way.
 //
 // The queue has no bound of its own: the engine admits work (with limits)
 // before it enqueues. A device error fails the work it touched and every
@@ -141,8 +142,8 @@ struct WorkerOptions {
   // calls, copying their staged outputs out.
   int copy_threads = 1;
   // False: the device thread completes every launch itself (no completion
-  // thread), as before the hand-off existed.
-  bool completion_thread = true;
+  // thread).
+  bool completion_thread = false;
 };
 
 class DeviceWorker {

@@ -100,10 +100,12 @@ struct EngineConfig {
   // Threads per device worker (its completion thread included) that complete
   // a large batch's calls, copying their staged outputs out.
   int copy_threads = 4;
-  // Finished launches are completed by a completion thread per device, handed
-  // over in bulk, so that the device thread goes back to launching at once;
-  // false: the device thread completes every launch itself.
-  bool completion_thread = true;
+  // True: finished launches are completed by a completion thread per device,
+  // handed over in bulk, so that the device thread goes back to launching at
+  // once. Off by default: on a 2-core host it cost 5-30 % of the engine's
+  // items/s at 2-8 threads (the spinning device thread and the completion
+  // thread share too few cores; bench/NOTES.md "Completion in bulk").
+  bool completion_thread = false;
   // Launches (verify batches and pool operations) a device has in flight at
   // most: one slot of page-locked host memory each. Two let the next batch
   // be written and launched while one runs.
