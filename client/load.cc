@@ -1251,10 +1251,19 @@ void PrintLoadReport(const LoadReport& report) {
     absl::PrintF("pages:        %d free before, %d after release%s\n", report.free_pages_before,
                  report.free_pages_after, report.page_leak ? ": PAGE LEAK" : ", all returned");
   }
-  absl::PrintF("result:       %s\n", report.ok()                      ? "PASS"
-                                     : report.survived_replica_loss() ? "PASS WITH REPLICA LOSS"
-                                     : report.unstable()              ? "FAIL (not stable)"
-                                                                      : "FAIL");
+  std::string verdict = "FAIL";
+  if (report.ok()) {
+    verdict = "PASS";
+  } else if (report.survived_replica_loss()) {
+    verdict = "PASS WITH REPLICA LOSS";
+  } else if (report.unstable()) {
+    verdict = "FAIL (not stable)";
+  } else if (report.rate_missed()) {
+    verdict = absl::StrFormat(
+        "FAIL (open loop answered %.1f of the %g calls/s asked: under %.0f %%)",
+        report.calls_per_second, report.options.rate, 100 * LoadReport::kOpenLoopMinAnswered);
+  }
+  absl::PrintF("result:       %s\n", verdict);
 }
 
 uint64_t PromptStagingBytes(int layers, int64_t prompt_len, int64_t shm_staging_bytes) {
@@ -1313,6 +1322,7 @@ nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
   return {
       {"target", report.target},
       {"pass", report.ok()},
+      {"rate_missed", report.rate_missed()},
       {"options",
        {{"concurrency", o.concurrency},
         {"duration_s", o.duration_s},

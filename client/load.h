@@ -208,15 +208,21 @@ struct LoadReport {
     return false;
   }
   bool unstable() const { return stability.asked && !stability.reached; }
+  // An open loop (--rate) answered under kOpenLoopMinAnswered of the rate it
+  // asked for: the figures describe a saturated server, not that rate.
+  static constexpr double kOpenLoopMinAnswered = 0.8;
+  bool rate_missed() const {
+    return options.rate > 0 && calls_per_second < kOpenLoopMinAnswered * options.rate;
+  }
   bool ok() const {
     return total_errors == 0 && !page_leak && pages_unchecked.empty() && !any_replica_lost() &&
-           !unstable();
+           !unstable() && !rate_missed();
   }
   // Finished on the replicas that stayed up, with no other error and every
   // page back on them, after losing at least one.
   bool survived_replica_loss() const {
     return any_replica_lost() && total_errors == 0 && !page_leak && pages_unchecked.empty() &&
-           !unstable();
+           !unstable() && !rate_missed();
   }
 };
 

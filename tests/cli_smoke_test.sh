@@ -78,6 +78,18 @@ assert s["sweep"] == "concurrency", s
 assert [x["options"]["concurrency"] for x in s["runs"]] == [1, 2], s
 assert all(x["pass"] and x["verify_calls"] > 0 for x in s["runs"]), s
 PY
+# An open loop the server cannot keep up with fails and says so (its
+# figures describe a saturated server, not the rate asked for).
+if "${client[@]}" load --rate 100000 --concurrency 2 --duration-s 1 --warmup-s 0.2 \
+  --progress false --json "$work/missed.json" > "$work/missed.log" 2>&1; then
+  fail "an open loop at 100000 calls/s passed: $(cat "$work/missed.log")"
+fi
+grep -q "FAIL (open loop answered" "$work/missed.log" || fail "no rate verdict: $(cat "$work/missed.log")"
+python3 - "$work/missed.json" <<'PY' || fail "missed-rate report: $(cat "$work/missed.json")"
+import json, sys
+r = json.load(open(sys.argv[1]))
+assert not r["pass"] and r["rate_missed"] and r["total_errors"] == 0, r
+PY
 # The pool and the report's new parts: 4 connections, each carrying calls;
 # p95 and a chosen percentile; a histogram holding every call; a per-second
 # series; the CSV row (to stdout with '-', the text report going to stderr)
