@@ -124,6 +124,16 @@ std::vector<std::unique_ptr<Device>> Fakes(
   return devices;
 }
 
+// One asynchronous fake device (launch returns, the work runs at Wait, as
+// on a GPU) whose launches take `latency`, under `config`.
+std::unique_ptr<Engine> GpuLikeEngine(const EngineConfig& config, absl::Duration latency,
+                                      std::vector<std::unique_ptr<FakeDeviceRecord>>* records) {
+  FakeDeviceOptions gpu_like;
+  gpu_like.asynchronous = true;
+  gpu_like.latency = latency;
+  return MakeEngine(config, Fakes(1, gpu_like, records));
+}
+
 TEST(EngineWorkerTest, CapturesEveryBucketOnceAtStart) {
   std::vector<std::unique_ptr<FakeDeviceRecord>> records;
   EngineConfig config = BaseConfig();
@@ -562,16 +572,13 @@ TEST(EngineWorkerTest, DeviceFaultFailsTouchedCallsAndRefusesLaterWork) {
 
 // On an idle device that launches asynchronously (a GPU), the thread that
 // submits a call launches it: no hand-off to another thread. While launches
-// are in flight, calls queue and the completion thread launches them as one
+// are in flight, calls queue and the device thread launches them as one
 // batch once a launch finishes.
 TEST(EngineWorkerTest, TheSubmittingThreadLaunchesOnAnIdleDevice) {
   std::vector<std::unique_ptr<FakeDeviceRecord>> records;
-  FakeDeviceOptions gpu_like;
-  gpu_like.asynchronous = true;
-  gpu_like.latency = absl::Milliseconds(30);
   EngineConfig config = BaseConfig();
   config.batches_in_flight = 1;
-  auto engine = MakeEngine(config, Fakes(1, gpu_like, &records));
+  auto engine = GpuLikeEngine(config, absl::Milliseconds(30), &records);
   ASSERT_NE(engine, nullptr);
   std::mt19937_64 rng(41);
   std::vector<uint64_t> ids;
@@ -606,13 +613,10 @@ TEST(EngineWorkerTest, TheSubmittingThreadLaunchesOnAnIdleDevice) {
 // the calls still complete in launch order.
 TEST(EngineWorkerTest, ASlowCompletionHoldsNoLaunchAndOrderIsKept) {
   std::vector<std::unique_ptr<FakeDeviceRecord>> records;
-  FakeDeviceOptions gpu_like;
-  gpu_like.asynchronous = true;
-  gpu_like.latency = absl::Milliseconds(5);
   EngineConfig config = BaseConfig();
   config.batches_in_flight = 2;
   config.completion_thread = true;
-  auto engine = MakeEngine(config, Fakes(1, gpu_like, &records));
+  auto engine = GpuLikeEngine(config, absl::Milliseconds(5), &records);
   ASSERT_NE(engine, nullptr);
   std::mt19937_64 rng(43);
   std::vector<uint64_t> ids;
