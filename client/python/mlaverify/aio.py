@@ -4,7 +4,8 @@ methods as VerifyClient as coroutines, and an AsyncVerifyStream."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, List, Optional, Sequence, Tuple
+import contextlib
+from typing import Any, AsyncIterator, List, Optional, Sequence, Tuple
 
 import grpc
 import grpc.aio
@@ -98,6 +99,22 @@ class AsyncVerifyClient(_wire.ClientBase):
         r = await self._call("CreateSequence", "CreateSequence",
                              verify_pb2.CreateSequenceRequest(label=label))
         return r.sequence_id
+
+    @contextlib.asynccontextmanager
+    async def sequence(self, label: str = "") -> AsyncIterator[int]:
+        """As VerifyClient.sequence: ``async with client.sequence() as sid``
+        releases the sequence when the block ends, by an exception too."""
+        sid = await self.create_sequence(label)
+        failed = True
+        try:
+            yield sid
+            failed = False
+        finally:
+            try:
+                await self.release_sequence(sid)
+            except VerifyError as e:
+                if not failed and e.code != grpc.StatusCode.NOT_FOUND:
+                    raise
 
     async def append_kv(self, sequence_id: int, start_position: int, kv: Any) -> int:
         """As VerifyClient.append_kv."""

@@ -383,3 +383,21 @@ def test_sequence_context_releases_on_error_and_on_exit(client):
         client.append_kv(sid, 0, random_bf16(rng, g.num_layers, 70, 576))
         client.release_sequence(sid)  # released inside: the exit's NOT_FOUND is no error
     assert client.server_info().free_pages == free_before
+
+
+def test_asyncio_sequence_context_releases_on_error(server):
+    async def run():
+        rng = np.random.default_rng(6)
+        async with AsyncVerifyClient(server) as client:
+            g = await client.geometry()
+            free_before = (await client.server_info()).free_pages
+            with pytest.raises(RuntimeError, match="scheduler failed"):
+                async with client.sequence("actx") as sid:
+                    await client.append_kv(sid, 0, random_bf16(rng, g.num_layers, 70, 576))
+                    raise RuntimeError("scheduler failed")
+            assert (await client.server_info()).free_pages == free_before
+            with pytest.raises(VerifyError) as e:
+                await client.commit(sid, [])
+            assert e.value.code == grpc.StatusCode.NOT_FOUND
+
+    asyncio.run(run())
