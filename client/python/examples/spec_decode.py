@@ -12,8 +12,10 @@ builds the same model.
 
 Per prompt: the prompt runs through the model here (prefill) and its latent
 KV of every layer goes to the server by AppendKv. Then per decode step the
-draft proposer (the model's first layers as a draft model) builds a tree of
-draft tokens under the last generated token; the tree runs through the
+draft proposer builds a tree of draft tokens under the last generated token
+(by default the target's own greedy continuation with a quarter of its chain
+tokens missed, so that drafts are accepted at any depth, 61 layers
+included; `--drafter layers`: a draft model of the target's first layers); the tree runs through the
 model layer by layer, each layer's attention computed by the server
 (Verify: absorbed q [N, H, 576] and the tree's latent rows [N, 576] in,
 out [N, H, 512] back); the longest root path whose tokens the model picks
@@ -338,6 +340,66 @@ class DraftProposer:
         return DraftTree(tokens, parents, depth, len(chain))
 
 
+class ReferenceProposer:
+    """The target itself as the draft model, with misses: the chain is the
+    target's own greedy continuation (the reference decode's next tokens,
+    computed here beforehand), each chain token replaced by another with
+    probability `miss`, plus random runner-ups as leaves. Acceptance then
+    no longer depends on how deep the model is (a draft model of the first
+    layers agrees with 61 random layers on almost nothing), and it rests on
+    the server: where its attention or its committed rows are wrong, the
+    target's picks leave the reference and the drafts stop being accepted.
+    Same tree shape as DraftProposer."""
+
+    def __init__(self, reference: Sequence[int], prompt_len: int, vocab: int, num_drafts: int,
+                 chain_depth: int, miss: float, seed: int):
+        if not 1 <= chain_depth <= num_drafts:
+            raise ValueError(f"chain depth {chain_depth} must be in 1..{num_drafts} (the drafts)")
+        if not 0.0 <= miss <= 1.0:
+            raise ValueError(f"miss rate {miss} must be in 0..1")
+        self.reference, self.prompt_len, self.vocab = list(reference), prompt_len, vocab
+        self.num_drafts, self.chain_depth, self.miss = num_drafts, chain_depth, miss
+        self.rng = np.random.default_rng(seed)
+
+    def _other(self, avoid: Sequence[int]) -> int:
+        while True:
+            token = int(self.rng.integers(0, self.vocab))
+            if token not in avoid:
+                return token
+
+    def propose(self, context: Sequence[int]) -> DraftTree:
+        at = len(context) - self.prompt_len  # tokens generated so far (the root the last)
+        chain, alternatives = [], []
+        spare = self.num_drafts - self.chain_depth
+        for depth in range(1, self.chain_depth + 1):
+            k = at + depth - 1
+            right = self.reference[k] if k < len(self.reference) else None
+            pick = right if right is not None and self.rng.random() >= self.miss else None
+            if pick is None:
+                pick = self._other([] if right is None else [right])
+            chain.append(pick)
+            take = min(2 if depth == 1 else 1, spare)
+            used = [pick]
+            for _ in range(take):
+                used.append(self._other(used))
+                alternatives.append((depth, used[-1]))
+            spare -= take
+        used = [chain[0]] + [t for d, t in alternatives if d == 1]
+        for _ in range(spare):
+            used.append(self._other(used))
+            alternatives.append((1, used[-1]))
+        return DraftProposer._tree(context[-1], chain, alternatives)
+
+
+def wrong_path(tree: DraftTree, path: List[int]) -> List[int]:
+    """`path` with its last node swapped for a sibling (a draft the model did
+    not pick): what a server that kept the wrong rows would hold."""
+    if len(path) < 2:
+        return path
+    siblings = [c for c in tree.children(path[-2]) if c != path[-1]]
+    return path[:-1] + siblings[:1] if siblings else path
+
+
 # -- speculative decoding through the service ---------------------------------
 def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> Tuple[List[int], int]:
     """The longest root path whose every token is the model's greedy pick
@@ -360,7 +422,7 @@ class SequenceState:
     sequence_id: int = 0
     generated: List[int] = field(default_factory=list)
     committed: int = 0  # latent rows the server holds for this sequence
-    drafter: Optional[DraftProposer] = None
+    drafter: Optional[object] = None  # DraftProposer or ReferenceProposer
     tree: Optional[DraftTree] = None
 
 
@@ -471,11 +533,17 @@ class Plane:
 
 def speculative_decode(client: VerifyClient, model: MlaModel, prompts: List[List[int]],
                        num_tokens: int, *, draft_layers: int, num_drafts: int, chain_depth: int,
-                       batch: int, plane: str, softmax_scale: float = 0.0
+                       batch: int, plane: str, softmax_scale: float = 0.0,
+                       references: Optional[List[List[int]]] = None, draft_miss: float = 0.25,
+                       seed: int = 0, commit_wrong_path: bool = False
                        ) -> Tuple[List[List[int]], StepStats, float]:
     """Decodes every prompt with drafts verified by the server, `batch`
     sequences per Verify. softmax_scale: what Verify is sent (0: the
-    model's). Returns (tokens per prompt, statistics, seconds)."""
+    model's). references: each prompt's greedy tokens, for a
+    ReferenceProposer missing `draft_miss` of its chain tokens (None: a
+    DraftProposer of `draft_layers` layers). commit_wrong_path: commit a
+    sibling of each step's last accepted node instead (a check that such a
+    server is caught). Returns (tokens per prompt, statistics, seconds)."""
     c = model.config
     scale = softmax_scale or c.softmax_scale
     stats = StepStats()
@@ -494,7 +562,13 @@ def speculative_decode(client: VerifyClient, model: MlaModel, prompts: List[List
                 s.committed = client.append_prompt(s.sequence_id,
                                                    cache.rows.to(torch.bfloat16).cpu())
                 s.generated.append(int(torch.argmax(model.logits(x[-1:])[0])))
-                s.drafter = DraftProposer(model, draft_layers, num_drafts, chain_depth, capacity)
+                if references is None:
+                    s.drafter = DraftProposer(model, draft_layers, num_drafts, chain_depth,
+                                              capacity)
+                else:
+                    s.drafter = ReferenceProposer(references[s.index], len(s.prompt), c.vocab,
+                                                  num_drafts, chain_depth, draft_miss,
+                                                  seed * 7919 + s.index)
             active = [s for s in group if len(s.generated) < num_tokens]
             while active:
                 xs, positions = [], []
@@ -530,7 +604,8 @@ def speculative_decode(client: VerifyClient, model: MlaModel, prompts: List[List
                         xs[k] = model.attention_outputs(layer, xs[k], out.to(model.device).float())
                 for s, x in zip(active, xs):
                     path, bonus = accept_greedy(s.tree, model.logits(x))
-                    result = client.commit(s.sequence_id, path)
+                    result = client.commit(s.sequence_id, wrong_path(s.tree, path)
+                                           if commit_wrong_path else path)
                     s.committed += len(path)
                     if result.length != s.committed:
                         raise RuntimeError(f"prompt {s.index}: committed length {result.length}, "
@@ -618,7 +693,10 @@ def run(args: argparse.Namespace) -> Tuple[int, dict]:
         spec, stats, spec_seconds = speculative_decode(
             client, model, prompts, args.tokens, draft_layers=args.draft_layers,
             num_drafts=num_drafts, chain_depth=args.chain_depth, batch=batch, plane=args.plane,
-            softmax_scale=args.verify_scale)
+            softmax_scale=args.verify_scale,
+            references=[r.tokens for r in refs] if args.drafter == "reference" else None,
+            draft_miss=args.draft_miss, seed=args.seed,
+            commit_wrong_path=args.testing_commit_wrong_path)
 
     divergences, compared = [], 0
     for i, (tokens, ref) in enumerate(zip(spec, refs)):
@@ -634,7 +712,9 @@ def run(args: argparse.Namespace) -> Tuple[int, dict]:
         plane=args.plane, target=args.target, backend=info.backend, server_layers=info.num_layers,
         server_heads=info.num_heads, page_size=info.page_size,
         model=asdict(config), softmax_scale=config.softmax_scale,
-        verify_scale=args.verify_scale or config.softmax_scale, draft_layers=args.draft_layers,
+        verify_scale=args.verify_scale or config.softmax_scale, drafter=args.drafter,
+        draft_layers=args.draft_layers, draft_miss=args.draft_miss,
+        commit_wrong_path=args.testing_commit_wrong_path,
         device=args.device, torch=torch.__version__,
         prompts=len(prompts), prompt_tokens=sum(len(p) for p in prompts), tokens_per_prompt=args.tokens,
         tree_nodes=num_drafts + 1, drafts_per_tree=num_drafts, chain_depth=args.chain_depth,
@@ -669,8 +749,18 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--drafts", type=int, default=10,
                     help="draft tokens per tree (the tree has one more node: its root)")
     ap.add_argument("--chain-depth", type=int, default=5, help="depth of the draft's greedy chain")
+    ap.add_argument("--drafter", choices=("reference", "layers"), default="reference",
+                    help="reference: the target's own greedy tokens (computed beforehand), each "
+                         "chain token missed with probability --draft-miss, so that drafts are "
+                         "accepted at any depth; layers: a draft model of the target's first "
+                         "--draft-layers layers (agrees with few-layer models only)")
+    ap.add_argument("--draft-miss", type=float, default=0.25,
+                    help="reference drafter: probability that a chain token is wrong")
     ap.add_argument("--draft-layers", type=int, default=3,
-                    help="layers of the draft model (the target's first ones)")
+                    help="layers of the layers drafter (the target's first ones)")
+    ap.add_argument("--testing-commit-wrong-path", action="store_true",
+                    help="commit a sibling of each step's last accepted node (the rows of a "
+                         "draft the model did not pick): the comparison must then fail")
     ap.add_argument("--batch", type=int, default=4, help="sequences per Verify")
     ap.add_argument("--layers", type=int, default=0, help="model layers (0: the server's)")
     ap.add_argument("--seed", type=int, default=0, help="the model's weights and the prompts")
