@@ -19,7 +19,7 @@
 # distribution's fixes. No library is copied and
 # LD_LIBRARY_PATH is unset. Only the GPU driver's libraries (libcuda,
 # libnvidia-*) are left out: the container runtime mounts them from the host.
-# No curl: the health check speaks HTTP to /healthz with bash's /dev/tcp.
+# No curl: the health check speaks HTTP to /readyz with bash's /dev/tcp.
 # It runs as an unprivileged user.
 ARG BUILD_IMAGE=debian:12
 ARG RUNTIME_IMAGE=debian:12

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the CPU image from the Dockerfile with Debian's podman and tests it:
 # the server in a container passes the client's checked demo, its health
-# check (GET /healthz) passes, and it drains and exits 0 on SIGTERM; and
+# check (GET /readyz) passes, and it drains and exits 0 on SIGTERM; and
 # that the image carries no shared library outside Debian's packages, no
 # LD_LIBRARY_PATH, and its OCI labels.
 #   scripts/image.sh [--tag mlaverify:cpu] [--keep]
