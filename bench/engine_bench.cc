@@ -302,7 +302,7 @@ int Run(int argc, char** argv) {
   app.add_option("--warmup-s", f.warmup_s, "unmeasured seconds before each row")
       ->capture_default_str();
   app.add_option("--pool-bytes", f.pool_bytes, "KV pool per device")
-      ->transform(CLI::AsSizeValue(false))
+      ->transform(CLI::AsSizeValue(true))
       ->capture_default_str();
   app.add_option("--copy-threads", f.copy_threads)->capture_default_str();
   app.add_option("--completion-thread", f.completion_thread,

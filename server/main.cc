@@ -402,7 +402,7 @@ int Run(int argc, char** argv) {
   app.add_option("--page-size", f.page_size, "tokens per KV page (power of two, 1..256)")
       ->capture_default_str();
   app.add_option("--pool-bytes", f.pool_bytes, "KV pool size per device, e.g. 1073741824 or 1GiB")
-      ->transform(CLI::AsSizeValue(false))
+      ->transform(CLI::AsSizeValue(true))
       ->capture_default_str();
   app.add_option("--kv-dtype", f.kv_dtype,
                  "how the pool stores latent KV rows: bf16 (1152 bytes per token and layer) | fp8 "
@@ -441,7 +441,7 @@ int Run(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-queued-bytes", f.max_queued_bytes,
                  "tensor bytes those calls may hold; beyond: RESOURCE_EXHAUSTED")
-      ->transform(CLI::AsSizeValue(false))
+      ->transform(CLI::AsSizeValue(true))
       ->capture_default_str();
   app.add_option("--max-live-sequences", f.max_live_sequences,
                  "sequences alive at once; beyond: RESOURCE_EXHAUSTED")
@@ -460,7 +460,7 @@ int Run(int argc, char** argv) {
   app.add_option("--pinned-staging-bytes", f.pinned_staging_bytes,
                  "page-locked host memory for inline tensors on the GPU path, e.g. 512MiB; a "
                  "call that finds too little free: RESOURCE_EXHAUSTED")
-      ->transform(CLI::AsSizeValue(false))
+      ->transform(CLI::AsSizeValue(true))
       ->capture_default_str();
   app.add_option("--idle-timeout-s", f.idle_timeout_s,
                  "release sequences idle this long (0: never)")
@@ -479,7 +479,7 @@ int Run(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-message-bytes", f.max_message_bytes,
                  "largest gRPC message in either direction")
-      ->transform(CLI::AsSizeValue(false))
+      ->transform(CLI::AsSizeValue(true))
       ->capture_default_str();
   app.add_option("--softmax-scale", f.softmax_scale,
                  "default softmax scale (requests may override)")
@@ -510,7 +510,7 @@ int Run(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-shm-bytes", f.max_shm_bytes,
                  "bytes of all registered shared-memory regions together, e.g. 64GiB")
-      ->transform(CLI::AsSizeValue(false))
+      ->transform(CLI::AsSizeValue(true))
       ->capture_default_str();
   app.add_option("--shm-key-prefix", f.shm_key_prefix,
                  "shared-memory keys a client may register start with this ('/': any); the "
@@ -527,7 +527,7 @@ int Run(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--grpc-memory-quota-bytes", f.grpc_memory_quota_bytes,
                  "gRPC's memory quota for its connections' buffers, e.g. 4GiB; 0: none")
-      ->transform(CLI::AsSizeValue(false))
+      ->transform(CLI::AsSizeValue(true))
       ->capture_default_str();
   app.add_option("--keepalive-time-ms", f.keepalive_time_ms,
                  "ping a connection quiet for this long (keeps NAT/L4 flows alive)")

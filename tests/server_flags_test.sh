@@ -165,6 +165,13 @@ check "--allow-client-shm false" space 'info["client_shared_memory"] is False'
 serve eqfalse --allow-client-shm=false
 check "--allow-client-shm=false" eqfalse 'info["client_shared_memory"] is False'
 
+# Sizes say which unit they took: SI prefixes are powers of 1000, binary
+# ones (KiB, MiB, GiB) of 1024.
+serve si --max-message-bytes 2MB
+check "--max-message-bytes 2MB is 2,000,000 bytes" si 'info["max_message_bytes"] == 2000000'
+serve binary --max-message-bytes 2MiB
+check "--max-message-bytes 2MiB is 2,097,152 bytes" binary 'info["max_message_bytes"] == 2097152'
+
 # A good --config file applies, the command line wins over it, and
 # --log-format json makes every log line a JSON object.
 printf '# flags for the test\nlayers = 3\nheads = 4\nallow-client-shm = true\ndraft-buckets = [1, 2, 4]\nlog-format = "json"\n' \
