@@ -312,6 +312,39 @@ std::optional<FlagKind> FlagKindOf(const CLI::App& app, const std::string& flag)
   return FlagKind::kText;
 }
 
+// The server's long flag nearest to `typed` ("--pool-byts"), by edit
+// distance, if it is close enough to be what was meant; else empty.
+std::string NearestFlag(const CLI::App& app, const std::string& typed) {
+  auto distance = [](const std::string& a, const std::string& b) {
+    std::vector<size_t> row(b.size() + 1);
+    for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+    for (size_t i = 1; i <= a.size(); ++i) {
+      size_t diagonal = row[0];
+      row[0] = i;
+      for (size_t j = 1; j <= b.size(); ++j) {
+        const size_t above = row[j];
+        row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] != b[j - 1])});
+        diagonal = above;
+      }
+    }
+    return row[b.size()];
+  };
+  const std::string name = typed.substr(0, typed.find('='));
+  std::string best;
+  size_t best_distance = std::max<size_t>(2, name.size() / 4) + 1;
+  for (const CLI::Option* option : app.get_options()) {
+    for (const std::string& long_name : option->get_lnames()) {
+      const std::string candidate = "--" + long_name;
+      const size_t d = distance(name, candidate);
+      if (d < best_distance) {
+        best_distance = d;
+        best = candidate;
+      }
+    }
+  }
+  return best;
+}
+
 // CLI11 takes an argument list last-first.
 void ParseArguments(CLI::App& app, std::vector<std::string> args) {
   std::reverse(args.begin(), args.end());
@@ -584,6 +617,16 @@ int Run(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
+    // A misspelt flag: name the one that was probably meant.
+    if (dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr) {
+      for (const std::string& extra : app.remaining()) {
+        if (!absl::StartsWith(extra, "--")) continue;
+        if (const std::string nearest = NearestFlag(app, extra); !nearest.empty()) {
+          std::fprintf(stderr, "mlaverify-server: unknown flag %s; did you mean %s?\n",
+                       extra.substr(0, extra.find('=')).c_str(), nearest.c_str());
+        }
+      }
+    }
     // --help and --version exit 0; every flag error exits 2, like the checks below.
     return app.exit(e) == 0 ? 0 : 2;
   }

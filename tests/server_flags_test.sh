@@ -43,6 +43,7 @@ expect_refused "--draft-buckets 4,2" "--draft-buckets \[4,2\]: need strictly inc
 expect_refused "a switch with a value that is no boolean" "cuda-graphs" --cuda-graphs maybe
 expect_refused "--stream-max-in-flight 0" "stream-max-in-flight" --stream-max-in-flight 0
 expect_refused "an unknown flag" "workers" --workers 8
+expect_refused "a misspelt flag names the one meant" "did you mean --pool-bytes?" --pool-byts 1GiB
 expect_refused "--idle-timeout-s under a second" "--idle-timeout-s 0.001: need 0 (never) or 1.." \
   --idle-timeout-s 0.001
 expect_refused "--idle-timeout-s negative" "--idle-timeout-s" --idle-timeout-s -5
