@@ -204,6 +204,17 @@ holder=$!
 for _ in $(seq 1 100); do [ -s "$work/ports" ] && break; sleep 0.1; done
 read -r port _ < "$work/ports"
 expect_refused "a port another server listens on" "cannot listen" --listen "127.0.0.1:$port"
+# gRPC's own error lines about it go through the server's log too: with
+# --log-format json every line is a JSON object, gRPC's included.
+expect_refused "gRPC's log lines in the server's log" '"msg":"grpc ' --listen "127.0.0.1:$port" \
+  --log-format json
+if python3 -c "import json,sys; [json.loads(l) for l in open(sys.argv[1]) if l.strip()]" \
+  "$work/out.log" 2>/dev/null; then
+  echo "ok: every line JSON, gRPC's included"
+else
+  echo "FAIL: a line that is not JSON with --log-format json: $(head -c 300 "$work/out.log")"
+  failures=$((failures + 1))
+fi
 kill -TERM "$holder"
 wait "$holder"
 holder=""

@@ -1,7 +1,10 @@
 #include "server/transport/grpc_server.h"
 
 #include <google/protobuf/stubs/logging.h>
+#include <grpc/support/log.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
+
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "common/small_file.h"
@@ -49,6 +52,27 @@ void LogProtobufAtDebug(google::protobuf::LogLevel level, const char* filename, 
   }
 }
 
+// gRPC's own log lines (its core writes them to stderr in glog style) go
+// through spdlog like every other line, so that --log-format json keeps
+// every line a JSON object and --log-level applies. gRPC still decides what
+// it logs (GRPC_VERBOSITY, errors by default).
+void LogGrpcThroughSpdlog(gpr_log_func_args* args) {
+  const char* file = args->file != nullptr ? args->file : "";
+  if (const char* slash = std::strrchr(file, '/'); slash != nullptr) file = slash + 1;
+  const char* message = args->message != nullptr ? args->message : "";
+  switch (args->severity) {
+    case GPR_LOG_SEVERITY_DEBUG:
+      spdlog::debug("grpc {}:{}: {}", file, args->line, message);
+      break;
+    case GPR_LOG_SEVERITY_INFO:
+      spdlog::info("grpc {}:{}: {}", file, args->line, message);
+      break;
+    default:
+      spdlog::error("grpc {}:{}: {}", file, args->line, message);
+      break;
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOptions& options,
@@ -56,6 +80,7 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
   auto creds = Credentials(options);
   if (!creds.ok()) return creds.status();
   google::protobuf::SetLogHandler(&LogProtobufAtDebug);
+  gpr_set_log_function(&LogGrpcThroughSpdlog);
   std::unique_ptr<GrpcServer> s(new GrpcServer());
   s->service_ = std::make_unique<VerifyServiceImpl>(options.service, observer, &s->state_);
 
