@@ -22,7 +22,10 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/client.h"
 #include "client/demo.h"
 #include "client/load.h"
@@ -171,9 +174,43 @@ int RunHealth(VerifyClient& client) {
 // One load, or with `sweep` one per value (the concurrency, or with --rate
 // the rate), then a table of all of them; the JSON is the report, or
 // {"sweep": ..., "runs": [reports]}.
+// Where a results file came from, written into it: when, by which client
+// and command line, against which servers (version, backend, instance), and
+// the --metadata the operator attached.
+struct Provenance {
+  std::string command_line;
+  std::vector<std::string> metadata;  // "key=value"
+};
+
+void AddProvenance(ReplicaSet& replicas, const Provenance& p, nlohmann::ordered_json* out) {
+  nlohmann::ordered_json servers = nlohmann::ordered_json::array();
+  for (int r = 0; r < static_cast<int>(replicas.size()); ++r) {
+    nlohmann::ordered_json server = {{"target", replicas.Name(r)}};
+    if (absl::StatusOr<v1::ServerInfo> info = replicas.replica(r).GetServerInfo(); info.ok()) {
+      server["version"] = info->version();
+      server["backend"] = info->backend();
+      server["instance_id"] = info->instance_id();
+    } else {
+      server["error"] = info.status().ToString();
+    }
+    servers.push_back(std::move(server));
+  }
+  nlohmann::ordered_json metadata = nlohmann::ordered_json::object();
+  for (const std::string& kv : p.metadata) {
+    const size_t eq = kv.find('=');
+    metadata[kv.substr(0, eq)] = eq == std::string::npos ? "" : kv.substr(eq + 1);
+  }
+  (*out)["provenance"] = {
+      {"written_utc", absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", absl::Now(), absl::UTCTimeZone())},
+      {"client", VersionLine("mlaverify-client")},
+      {"command_line", p.command_line},
+      {"servers", std::move(servers)}};
+  (*out)["metadata"] = std::move(metadata);
+}
+
 int RunLoadCommand(ReplicaSet& replicas, const LoadOptions& options,
                    const std::vector<double>& sweep, const std::string& json_path,
-                   const std::string& csv_path) {
+                   const std::string& csv_path, const Provenance& provenance) {
   if (json_path == "-" && csv_path == "-") {
     spdlog::error("--json - and --csv - would share stdout; give one of them a file");
     return kExitSetupError;
@@ -238,6 +275,7 @@ int RunLoadCommand(ReplicaSet& replicas, const LoadOptions& options,
       out["runs"] = nlohmann::ordered_json::array();
       for (const LoadReport& r : reports) out["runs"].push_back(LoadReportToJson(r));
     }
+    AddProvenance(replicas, provenance, &out);
     if (!WriteOutput(json_path, out.dump(2) + "\n", redirect.out())) return kExitSetupError;
   }
   if (!csv_path.empty() && !WriteOutput(csv_path, LoadReportsToCsv(reports), redirect.out())) {
@@ -249,7 +287,7 @@ int RunLoadCommand(ReplicaSet& replicas, const LoadOptions& options,
 // `load --steps`: one run of device-driven steps against one target.
 int RunStepLoadCommand(ReplicaSet& replicas, const LoadOptions& options,
                        const std::vector<double>& sweep, const std::string& json_path,
-                       const std::string& csv_path) {
+                       const std::string& csv_path, const Provenance& provenance) {
   if (!sweep.empty() || !csv_path.empty() || replicas.size() != 1) {
     spdlog::error("load --steps: one target, no --sweep or --csv");
     return kExitSetupError;
@@ -262,9 +300,10 @@ int RunStepLoadCommand(ReplicaSet& replicas, const LoadOptions& options,
                                                                         : kExitCheckFailed;
   }
   PrintStepLoadReport(*report);
-  if (!json_path.empty() &&
-      !WriteOutput(json_path, StepLoadReportToJson(*report).dump(2) + "\n", redirect.out())) {
-    return kExitSetupError;
+  if (!json_path.empty()) {
+    nlohmann::ordered_json out = StepLoadReportToJson(*report);
+    AddProvenance(replicas, provenance, &out);
+    if (!WriteOutput(json_path, out.dump(2) + "\n", redirect.out())) return kExitSetupError;
   }
   return report->ok() ? kExitOk : kExitCheckFailed;
 }
@@ -448,6 +487,17 @@ int Main(int argc, char** argv) {
   std::string load_csv;
   load_cmd->add_option("--csv", load_csv,
                        "write one CSV row per run (a sweep's too) to this file ('-': stdout)");
+  Provenance provenance;
+  load_cmd
+      ->add_option("--metadata", provenance.metadata,
+                   "key=value written into the JSON's metadata (repeatable: the card, the "
+                   "build, what is being compared); the JSON also records when, which "
+                   "client, the command line and each server's version and instance")
+      ->check([](const std::string& kv) {
+        return kv.find('=') == std::string::npos || kv.front() == '='
+                   ? std::string("need key=value with a non-empty key")
+                   : std::string();
+      });
   load_cmd
       ->add_option("--percentile", load.percentiles,
                    "also report these percentiles, comma-separated (e.g. 99.5,99.99)")
@@ -517,6 +567,7 @@ int Main(int argc, char** argv) {
   }
 
   try {
+    provenance.command_line = absl::StrJoin(argv, argv + argc, " ");
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? kExitOk : kExitSetupError;
@@ -559,9 +610,11 @@ int Main(int argc, char** argv) {
   load.shm_staging_bytes = shm_staging_mib << 20;
   g_load_command.store(load_cmd->parsed());
   if (load_cmd->parsed() && load.steps) {
-    return RunStepLoadCommand(set, load, load_sweep, load_json, load_csv);
+    return RunStepLoadCommand(set, load, load_sweep, load_json, load_csv, provenance);
   }
-  if (load_cmd->parsed()) return RunLoadCommand(set, load, load_sweep, load_json, load_csv);
+  if (load_cmd->parsed()) {
+    return RunLoadCommand(set, load, load_sweep, load_json, load_csv, provenance);
+  }
   if (soak_cmd->parsed()) {
     if (set.size() > 1) {
       spdlog::error("soak takes one target (got {})", set.size());

@@ -78,6 +78,27 @@ assert s["sweep"] == "concurrency", s
 assert [x["options"]["concurrency"] for x in s["runs"]] == [1, 2], s
 assert all(x["pass"] and x["verify_calls"] > 0 for x in s["runs"]), s
 PY
+# Every results file says where it came from: when, which client and
+# command line, each server's version and instance, and --metadata.
+python3 - "$work/rate.json" <<'PY' || fail "provenance: $(cat "$work/rate.json")"
+import json, sys
+r = json.load(open(sys.argv[1]))
+p = r["provenance"]
+assert p["written_utc"].endswith("Z") and p["client"].startswith("mlaverify-client"), p
+assert "load --rate 20" in p["command_line"], p
+(server,) = p["servers"]
+assert server["backend"] == "cpu" and server["instance_id"] and server["version"], server
+assert r["metadata"] == {}, r["metadata"]
+PY
+"${client[@]}" load --concurrency 1 --duration-s 0.5 --warmup-s 0.1 --progress false \
+  --metadata card=none --metadata "note=two words" --json "$work/meta.json" > "$work/meta.log" ||
+  fail "load with metadata: $(cat "$work/meta.log")"
+python3 -c 'import json,sys; m = json.load(open(sys.argv[1]))["metadata"]; assert m == {"card": "none", "note": "two words"}, m' \
+  "$work/meta.json" || fail "metadata: $(cat "$work/meta.json")"
+if "${client[@]}" load --metadata novalue --duration-s 0.5 > "$work/badmeta.log" 2>&1; then
+  fail "--metadata without = accepted"
+fi
+
 # An open loop the server cannot keep up with fails and says so (its
 # figures describe a saturated server, not the rate asked for).
 if "${client[@]}" load --rate 100000 --concurrency 2 --duration-s 1 --warmup-s 0.2 \
