@@ -1,9 +1,10 @@
 // The server's log line formats (--log-format): "text", one human-readable
 // line per record, or "json", one JSON object per line for log collectors:
 //   {"time":"2026-12-02T10:00:00.123+00:00","level":"info","thread":1234,"msg":"..."}
-// The message is escaped as a JSON string (quotes, backslashes, newlines and
-// every control character; a byte that is not part of valid UTF-8 becomes
-// U+FFFD), so a message carrying client-supplied text stays one parseable line.
+// The message is escaped as a JSON string by nlohmann-json (quotes,
+// backslashes, newlines and every control character; invalid UTF-8 becomes
+// U+FFFD, one per maximal invalid subsequence), so a message carrying
+// client-supplied text stays one parseable line.
 #ifndef MLAVERIFY_SERVER_LOG_FORMAT_H_
 #define MLAVERIFY_SERVER_LOG_FORMAT_H_
 
