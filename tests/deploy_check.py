@@ -107,11 +107,11 @@ def main():
                 for doc in yaml.safe_load_all(f):
                     if doc and "metadata" in doc:
                         manifests[(doc["kind"], doc["metadata"]["name"])] = doc
-    configmap = manifests[("ConfigMap", "mlaverify-flags")]
-    toml = configmap["data"]["mlaverify.toml"]
+    # The flags file kustomize turns into the ConfigMap mlaverify-flags.
+    toml = open(os.path.join(DEPLOY, "kubernetes", "mlaverify.toml")).read()
     for key in re.findall(r"^([a-z0-9-]+)\s*=", toml, re.M):
         if f"--{key}" not in flags:
-            fail(f"ConfigMap mlaverify-flags sets '{key}', which is not a server flag")
+            fail(f"mlaverify.toml (ConfigMap mlaverify-flags) sets '{key}', which is not a server flag")
 
     sts = manifests[("StatefulSet", "mlaverify")]
     pod = sts["spec"]["template"]["spec"]
