@@ -81,10 +81,10 @@ class AsyncVerifyClient(_wire.ClientBase):
                     break
         raise error
 
-    async def server_info(self) -> types.ServerInfo:
+    async def server_info(self, timeout: Optional[float] = None) -> types.ServerInfo:
         """As VerifyClient.server_info."""
         info = types.server_info(await self._call("GetServerInfo", "GetServerInfo",
-                                                  verify_pb2.GetServerInfoRequest()))
+                                                  verify_pb2.GetServerInfoRequest(), timeout))
         self._geometry = _wire.Geometry(info, self._regions)
         return info
 
@@ -94,42 +94,45 @@ class AsyncVerifyClient(_wire.ClientBase):
             await self.server_info()
         return self._geometry
 
-    async def create_sequence(self, label: str = "") -> int:
+    async def create_sequence(self, label: str = "", timeout: Optional[float] = None) -> int:
         """As VerifyClient.create_sequence."""
         r = await self._call("CreateSequence", "CreateSequence",
-                             verify_pb2.CreateSequenceRequest(label=label))
+                             verify_pb2.CreateSequenceRequest(label=label), timeout)
         return r.sequence_id
 
     @contextlib.asynccontextmanager
-    async def sequence(self, label: str = "") -> AsyncIterator[int]:
+    async def sequence(self, label: str = "",
+                       timeout: Optional[float] = None) -> AsyncIterator[int]:
         """As VerifyClient.sequence: ``async with client.sequence() as sid``
         releases the sequence when the block ends, by an exception too."""
-        sid = await self.create_sequence(label)
+        sid = await self.create_sequence(label, timeout)
         failed = True
         try:
             yield sid
             failed = False
         finally:
             try:
-                await self.release_sequence(sid)
+                await self.release_sequence(sid, timeout)
             except VerifyError as e:
                 if not failed and e.code != grpc.StatusCode.NOT_FOUND:
                     raise
 
-    async def append_kv(self, sequence_id: int, start_position: int, kv: Any) -> int:
+    async def append_kv(self, sequence_id: int, start_position: int, kv: Any,
+                        timeout: Optional[float] = None) -> int:
         """As VerifyClient.append_kv."""
         request = (await self.geometry()).append_request(sequence_id, start_position, kv)
-        return (await self._call("AppendKv", "AppendKv", request,
+        return (await self._call("AppendKv", "AppendKv", request, timeout,
                                  sequence_id=sequence_id)).length
 
-    async def append_prompt(self, sequence_id: int, kv: Any, start_position: int = 0) -> int:
+    async def append_prompt(self, sequence_id: int, kv: Any, start_position: int = 0,
+                            timeout: Optional[float] = None) -> int:
         """As VerifyClient.append_prompt."""
         tokens = _wire.prompt_tokens(kv)
         step = (await self.geometry()).prompt_chunk_tokens()
         length = start_position
         for begin in range(0, tokens, step):
             length = await self.append_kv(sequence_id, start_position + begin,
-                                          kv[:, begin:begin + step])
+                                          kv[:, begin:begin + step], timeout)
         return length
 
     async def verify(self, layer: int, items: Sequence[_wire.VerifyItem],
@@ -142,18 +145,19 @@ class AsyncVerifyClient(_wire.ClientBase):
                                     sequence_id=items[0].sequence_id)
         return g.verify_results(request, response, self._output)
 
-    async def commit(self, sequence_id: int, accepted: Sequence[int]) -> _wire.CommitResult:
+    async def commit(self, sequence_id: int, accepted: Sequence[int],
+                     timeout: Optional[float] = None) -> _wire.CommitResult:
         """As VerifyClient.commit."""
         request = verify_pb2.CommitRequest(sequence_id=sequence_id,
                                            accepted=_wire.check_path(accepted, "accepted"))
-        r = await self._call("Commit", "Commit", request, sequence_id=sequence_id)
+        r = await self._call("Commit", "Commit", request, timeout, sequence_id=sequence_id)
         return _wire.CommitResult(length=r.length, accepted_count=r.accepted_count)
 
-    async def release_sequence(self, sequence_id: int) -> int:
+    async def release_sequence(self, sequence_id: int, timeout: Optional[float] = None) -> int:
         """As VerifyClient.release_sequence."""
         r = await self._call("ReleaseSequence", "ReleaseSequence",
                              verify_pb2.ReleaseSequenceRequest(sequence_id=sequence_id),
-                             sequence_id=sequence_id)
+                             timeout, sequence_id=sequence_id)
         return r.freed_pages
 
     async def register_system_shared_memory(self, name: str, region, offset: int = 0,

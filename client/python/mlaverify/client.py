@@ -112,11 +112,12 @@ class VerifyClient(_wire.ClientBase):
                     break
         raise error
 
-    def server_info(self) -> types.ServerInfo:
+    def server_info(self, timeout: Optional[float] = None) -> types.ServerInfo:
         """GetServerInfo as a typed ServerInfo; also refreshes the geometry
-        requests are checked against."""
+        requests are checked against. timeout (here and in every call
+        below): seconds for this call, None: the client's default."""
         info = types.server_info(self._call("GetServerInfo", "GetServerInfo",
-                                            verify_pb2.GetServerInfoRequest()))
+                                            verify_pb2.GetServerInfoRequest(), timeout))
         self._geometry = _wire.Geometry(info, self._regions)
         return info
 
@@ -127,14 +128,14 @@ class VerifyClient(_wire.ClientBase):
             self.server_info()
         return self._geometry
 
-    def create_sequence(self, label: str = "") -> int:
+    def create_sequence(self, label: str = "", timeout: Optional[float] = None) -> int:
         """A new sequence (empty); returns its id. Not retried: a retry of
         one that ran would leave a sequence nobody releases."""
         return self._call("CreateSequence", "CreateSequence",
-                          verify_pb2.CreateSequenceRequest(label=label)).sequence_id
+                          verify_pb2.CreateSequenceRequest(label=label), timeout).sequence_id
 
     @contextlib.contextmanager
-    def sequence(self, label: str = "") -> Iterator[int]:
+    def sequence(self, label: str = "", timeout: Optional[float] = None) -> Iterator[int]:
         """A new sequence for the length of a ``with`` block, released when
         the block ends, also by an exception (so a scheduler that fails
         between create and release does not hold the sequence's pages until
@@ -147,31 +148,34 @@ class VerifyClient(_wire.ClientBase):
         A release that fails after the block raised is not raised over the
         block's exception; one that fails after a clean block is, except
         NOT_FOUND (released meanwhile, or expired)."""
-        sid = self.create_sequence(label)
+        sid = self.create_sequence(label, timeout)
         failed = True
         try:
             yield sid
             failed = False
         finally:
             try:
-                self.release_sequence(sid)
+                self.release_sequence(sid, timeout)
             except VerifyError as e:
                 if not failed and e.code != grpc.StatusCode.NOT_FOUND:
                     raise
 
-    def append_kv(self, sequence_id: int, start_position: int, kv: Any) -> int:
+    def append_kv(self, sequence_id: int, start_position: int, kv: Any,
+                  timeout: Optional[float] = None) -> int:
         """One AppendKv: kv is bf16 [num_layers, T, 576]. Returns the new length."""
         request = self.geometry.append_request(sequence_id, start_position, kv)
-        return self._call("AppendKv", "AppendKv", request, sequence_id=sequence_id).length
+        return self._call("AppendKv", "AppendKv", request, timeout, sequence_id=sequence_id).length
 
-    def append_prompt(self, sequence_id: int, kv: Any, start_position: int = 0) -> int:
+    def append_prompt(self, sequence_id: int, kv: Any, start_position: int = 0,
+                      timeout: Optional[float] = None) -> int:
         """A whole prompt in chunks under the server's message limit; returns
-        the new length."""
+        the new length (timeout: per chunk)."""
         tokens = _wire.prompt_tokens(kv)
         step = self.geometry.prompt_chunk_tokens()
         length = start_position
         for begin in range(0, tokens, step):
-            length = self.append_kv(sequence_id, start_position + begin, kv[:, begin:begin + step])
+            length = self.append_kv(sequence_id, start_position + begin, kv[:, begin:begin + step],
+                                    timeout)
         return length
 
     def verify(self, layer: int, items: Sequence[_wire.VerifyItem], softmax_scale: float = 0.0,
@@ -183,19 +187,20 @@ class VerifyClient(_wire.ClientBase):
                               sequence_id=items[0].sequence_id)
         return self.geometry.verify_results(request, response, self._output)
 
-    def commit(self, sequence_id: int, accepted: Sequence[int]) -> _wire.CommitResult:
+    def commit(self, sequence_id: int, accepted: Sequence[int],
+               timeout: Optional[float] = None) -> _wire.CommitResult:
         """Ends the pending step; `accepted` is a root-to-node path (may be empty)."""
         r = self._call("Commit", "Commit",
                        verify_pb2.CommitRequest(sequence_id=sequence_id,
                                                 accepted=_wire.check_path(accepted, "accepted")),
-                       sequence_id=sequence_id)
+                       timeout, sequence_id=sequence_id)
         return _wire.CommitResult(length=r.length, accepted_count=r.accepted_count)
 
-    def release_sequence(self, sequence_id: int) -> int:
+    def release_sequence(self, sequence_id: int, timeout: Optional[float] = None) -> int:
         """Frees the sequence's pages; returns how many."""
         return self._call("ReleaseSequence", "ReleaseSequence",
                           verify_pb2.ReleaseSequenceRequest(sequence_id=sequence_id),
-                          sequence_id=sequence_id).freed_pages
+                          timeout, sequence_id=sequence_id).freed_pages
 
     # -- shared memory ------------------------------------------------------
     def register_system_shared_memory(self, name: str, region: "shm.SharedMemoryRegion",

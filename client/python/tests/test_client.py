@@ -401,3 +401,29 @@ def test_asyncio_sequence_context_releases_on_error(server):
             assert e.value.code == grpc.StatusCode.NOT_FOUND
 
     asyncio.run(run())
+
+
+def test_every_sequence_call_takes_a_timeout(client, monkeypatch):
+    # Each call hands its `timeout` to the RPC (None: the client's default),
+    # the sequence() context manager to both of its calls.
+    seen = []
+    real_call = client._call
+
+    def recording_call(rpc, method, request, timeout=None, sequence_id=None):
+        seen.append((rpc, timeout))
+        return real_call(rpc, method, request, timeout, sequence_id=sequence_id)
+
+    monkeypatch.setattr(client, "_call", recording_call)
+    g = client.server_info(timeout=7.5)
+    kv = random_bf16(np.random.default_rng(8), g.num_layers, 4, 576)
+    with client.sequence("timeouts", timeout=7.5) as sid:
+        client.append_kv(sid, 0, kv, timeout=7.5)
+        client.append_prompt(sid, kv, start_position=4, timeout=7.5)
+        with pytest.raises(VerifyError):  # no step pending: refused, with the timeout sent
+            client.commit(sid, [], timeout=7.5)
+    assert {rpc for rpc, _ in seen} == {"GetServerInfo", "CreateSequence", "AppendKv", "Commit",
+                                        "ReleaseSequence"}, seen
+    assert all(t == 7.5 for _, t in seen), seen
+    seen.clear()
+    client.server_info()
+    assert seen == [("GetServerInfo", None)]
