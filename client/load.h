@@ -214,16 +214,16 @@ struct LoadReport {
   bool rate_missed() const {
     return options.rate > 0 && calls_per_second < kOpenLoopMinAnswered * options.rate;
   }
-  bool ok() const {
-    return total_errors == 0 && !page_leak && pages_unchecked.empty() && !any_replica_lost() &&
-           !unstable() && !rate_missed();
+  // No error, every page back, stable and at its rate: what PASS needs
+  // besides every replica having stayed up.
+  bool clean() const {
+    return total_errors == 0 && !page_leak && pages_unchecked.empty() && !unstable() &&
+           !rate_missed();
   }
+  bool ok() const { return clean() && !any_replica_lost(); }
   // Finished on the replicas that stayed up, with no other error and every
   // page back on them, after losing at least one.
-  bool survived_replica_loss() const {
-    return any_replica_lost() && total_errors == 0 && !page_leak && pages_unchecked.empty() &&
-           !unstable() && !rate_missed();
-  }
+  bool survived_replica_loss() const { return any_replica_lost() && clean(); }
 };
 
 // Runs the load. INVALID_ARGUMENT for options that would never end or make
