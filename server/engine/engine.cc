@@ -15,6 +15,7 @@
 #include "common/geometry.h"
 #include "common/kv_dtype.h"
 #include "common/status_macros.h"
+#include "server/engine/sequence.h"
 #include "spdlog/spdlog.h"
 
 namespace mlaverify::engine {
@@ -24,8 +25,6 @@ namespace {
 constexpr size_t kExpiredIdsRemembered = 4096;
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-int64_t NowNanos() { return absl::ToUnixNanos(absl::Now()); }
 
 // CANCELLED or DEADLINE_EXCEEDED when the caller no longer wants the call,
 // else OK.
@@ -45,92 +44,6 @@ std::string FormatBytes(int64_t bytes) {
 }
 
 }  // namespace
-
-struct Engine::Sequence {
-  Sequence(uint64_t id_in, std::string label_in, int pool_in)
-      : id(id_in), label(std::move(label_in)), pool(pool_in) {}
-
-  const uint64_t id;
-  const std::string label;  // as the client sent it: escape before logging
-  const int pool;           // allocator (and, in DP mode, device) index
-  // Read without the lock by ExpireIdle's scan; re-checked under it.
-  std::atomic<int64_t> last_used_ns{NowNanos()};
-  // Calls submitted for this sequence and not finished: a sequence with work
-  // in flight is never idle, however long that work runs.
-  std::atomic<int> calls_in_flight{0};
-
-  absl::Mutex mu;
-  bool released ABSL_GUARDED_BY(mu) = false;
-  // Not OK once a device failed in a way that left the KV unlike what the
-  // calls said (a lost write): every later call gets this status.
-  absl::Status broken ABSL_GUARDED_BY(mu);
-  int64_t length ABSL_GUARDED_BY(mu) = 0;  // committed tokens P
-  std::vector<int32_t> pages ABSL_GUARDED_BY(mu);
-  // Device calls submitted for this sequence (numbers them: a call queued as
-  // number k is the last one iff ops_submitted == k).
-  uint64_t ops_submitted ABSL_GUARDED_BY(mu) = 0;
-  // The open verify step, if any.
-  bool pending ABSL_GUARDED_BY(mu) = false;
-  uint64_t step ABSL_GUARDED_BY(mu) = 0;  // numbers steps; increments as one opens
-  std::vector<int32_t> parents ABSL_GUARDED_BY(mu);
-  std::shared_ptr<const std::vector<uint64_t>> visibility ABSL_GUARDED_BY(mu);
-  std::vector<bool> layer_verified ABSL_GUARDED_BY(mu);
-  int layers_verified ABSL_GUARDED_BY(mu) = 0;
-  int64_t step_pages ABSL_GUARDED_BY(mu) = 0;  // pages the open step added
-  // The device-driven step (steps.h) that claimed the sequence; 0: none.
-  // While set, no Verify or AppendKv reaches the sequence, and Commit only
-  // once every layer of the step ran.
-  uint64_t owner_step ABSL_GUARDED_BY(mu) = 0;
-  // The devices' copy of `pages` (page_table_arena.h): the length they know
-  // of after the work queued so far, and the shortest `pages` has been since
-  // the last change was sent (entries below it are as they have them).
-  int64_t device_pages ABSL_GUARDED_BY(mu) = 0;
-  int64_t low_water ABSL_GUARDED_BY(mu) = 0;
-
-  // `pages` lost its entries from `size` on.
-  void Trimmed(size_t size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    low_water = std::min(low_water, static_cast<int64_t>(size));
-  }
-
-  void Touch() { last_used_ns.store(NowNanos(), std::memory_order_relaxed); }
-  // A call on the sequence was submitted (under `mu`) / finished.
-  void CallStarted() {
-    Touch();
-    calls_in_flight.fetch_add(1, std::memory_order_relaxed);
-  }
-  void CallEnded() {
-    Touch();  // the end of a long call is use too; seen by whoever sees the count drop
-    calls_in_flight.fetch_sub(1, std::memory_order_release);
-  }
-  // Unused since `cutoff` (nanoseconds) with nothing in flight.
-  bool IdleSince(int64_t cutoff) const {
-    return calls_in_flight.load(std::memory_order_acquire) == 0 &&
-           last_used_ns.load(std::memory_order_relaxed) < cutoff;
-  }
-};
-
-// Holds the locks of several sequences, taken in id order (no deadlock with
-// another call locking an overlapping set). Locks taken in a loop are beyond
-// the thread-safety analysis: code under them asserts each one it relies on.
-class Engine::SequenceLocks {
- public:
-  explicit SequenceLocks(const std::vector<std::shared_ptr<Sequence>>& seqs)
-      ABSL_NO_THREAD_SAFETY_ANALYSIS : seqs_(seqs) {
-    std::vector<Sequence*> order;
-    for (const auto& seq : seqs_) order.push_back(seq.get());
-    std::sort(order.begin(), order.end(),
-              [](const Sequence* a, const Sequence* b) { return a->id < b->id; });
-    for (Sequence* seq : order) seq->mu.Lock();
-  }
-  ~SequenceLocks() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    for (const auto& seq : seqs_) seq->mu.Unlock();
-  }
-  SequenceLocks(const SequenceLocks&) = delete;
-  SequenceLocks& operator=(const SequenceLocks&) = delete;
-
- private:
-  const std::vector<std::shared_ptr<Sequence>>& seqs_;
-};
 
 // What every asynchronous call shares: admission bytes, the one decision
 // whether it runs (asked by the first piece of device work taken), and the
@@ -203,16 +116,15 @@ class Engine::Call {
         }
       }
     }
-    if (engine_->staging_ != nullptr) engine_->staging_->Free(staging);
+    if (engine_->staging_ != nullptr && staging.host != nullptr) engine_->staging_->Free(staging);
     staging = {};
+    private_copies.clear();
     leases.Clear();
   }
 
-  void SetBytes(int64_t bytes) { bytes_ = bytes; }
-
   Engine* const engine_;
   const CallContext context_;
-  int64_t bytes_;  // admitted tensor bytes, set before the call is queued
+  const int64_t bytes_;  // admitted host bytes
   const absl::Time submitted_;
 
  public:
@@ -226,6 +138,8 @@ class Engine::Call {
   RegionLeases leases;
   HostStaging::Block staging;
   std::vector<StagedOutput> staged_outputs;
+  // Inputs copied out of regions before their check (call_placement.h).
+  std::vector<std::unique_ptr<uint8_t[]>> private_copies;
 
  private:
   absl::Mutex mu_;
@@ -235,50 +149,6 @@ class Engine::Call {
   absl::Status decision_ ABSL_GUARDED_BY(mu_);
   absl::Status status_ ABSL_GUARDED_BY(mu_);
 };
-
-// Where one tensor of a call is, once checked.
-struct Engine::Placed {
-  enum class Where {
-    kHost,    // caller memory the devices address as it is (host devices)
-    kStaged,  // caller memory copied through the call's staging block
-    kRegion,  // a region the devices address in place
-  };
-  Where where = Where::kHost;
-  uint8_t* host = nullptr;         // the bytes in this process (null: device memory)
-  const Region* region = nullptr;  // kRegion
-  uint64_t offset = 0;             // kRegion: from the region's start
-  size_t bytes = 0;
-  size_t staging_offset = 0;    // kStaged: in the call's block
-  std::string* grow = nullptr;  // an output string filled once the call passed its checks
-};
-
-namespace {
-
-// An fp8 pool derives each row's scales from its values: a NaN or an
-// infinity would poison a whole 128-value group, so rows that hold one are
-// refused before anything is written. The check reads the bytes in this
-// process; rows in device memory cannot be checked here.
-absl::Status CheckRowsFinite(KvDtype dtype, const uint8_t* host, size_t bytes,
-                             absl::string_view what) {
-  if (dtype == KvDtype::kBf16) return absl::OkStatus();
-  if (host == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ": rows in device memory cannot be checked for NaN/Inf before an ",
-        KvDtypeName(dtype), " pool stores them; send them inline or in system shared memory"));
-  }
-  const auto* values = reinterpret_cast<const Bf16*>(host);
-  const int64_t count = static_cast<int64_t>(bytes / sizeof(Bf16));
-  for (int64_t row = 0; row * kLatentDim < count; ++row) {
-    if (!AllFinite(values + row * kLatentDim, kLatentDim)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(what, ": row ", row, " holds a NaN or an infinity, which an ",
-                       KvDtypeName(dtype), " pool cannot store (its scales come from the values)"));
-    }
-  }
-  return absl::OkStatus();
-}
-
-}  // namespace
 
 // RegionMapper over the engine's workers: host memory is page-locked once
 // (for every device of the process) and addressed by each; exported device
@@ -386,7 +256,8 @@ class Engine::OpCall final : public Call {
 
   // Queues `op` (admit and done filled in here; `rows_in` from `rows` as
   // each device addresses it) on each of `devices`.
-  void Enqueue(const std::vector<int>& devices, const DeviceOp& op, const Placed* rows = nullptr) {
+  void Enqueue(const std::vector<int>& devices, const DeviceOp& op,
+               const PlacedTensor* rows = nullptr) {
     SetPieces(static_cast<int>(devices.size()));
     for (int d : devices) {
       DeviceOp copy;
@@ -419,7 +290,7 @@ class Engine::OpCall final : public Call {
     const absl::Status s = status();
     const bool r = ran();
     CopyOutAndRelease(false);
-    engine_->Unadmit(bytes_);
+    engine_->admission_.Leave(bytes_);
     finish_(s, r);
     delete this;
   }
@@ -448,12 +319,6 @@ class Engine::VerifyTask final : public Call, public ShardOwner {
         done_(std::move(done)) {}
 
   std::vector<Item> items;
-
-  // The call passed its checks and was admitted for `bytes`.
-  void Accept(int64_t bytes, absl::AnyInvocable<void(absl::Status)> done) {
-    SetBytes(bytes);
-    done_ = std::move(done);
-  }
 
   absl::Status AdmitShard(int) override { return Decide(); }
 
@@ -504,14 +369,7 @@ class Engine::VerifyTask final : public Call, public ShardOwner {
             s.layers_verified != 0) {
           continue;
         }
-        freed.assign(s.pages.end() - s.step_pages, s.pages.end());
-        s.pages.resize(s.pages.size() - s.step_pages);
-        s.Trimmed(s.pages.size());
-        s.step_pages = 0;
-        s.pending = false;
-        s.parents.clear();
-        s.visibility.reset();
-        s.layer_verified.clear();
+        freed = s.CloseStepUnrun();
         engine_->pending_steps_.fetch_sub(1);
       }
       // At once: the pages were taken by this call and only it would have
@@ -547,7 +405,7 @@ class Engine::VerifyTask final : public Call, public ShardOwner {
       engine_->drafts_verified_.fetch_add(drafts);
     }
     CopyOutAndRelease(s.ok());
-    engine_->Unadmit(bytes_);
+    engine_->admission_.Leave(bytes_);
     VerifyTiming t;
     t.items = static_cast<int>(items.size());
     {
@@ -716,6 +574,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
         memory, bytes, std::move(addresses),
         [&first_device](uint8_t* m) { first_device.FreeHostStaging(m); });
   }
+  e->placement_ = PlacementGeometry::Of(config, e->staging_ != nullptr,
+                                        e->staging_ != nullptr ? e->staging_->capacity() : 0);
   e->mapper_ = std::make_unique<Mapper>(raw);
   e->regions_.SetMapper(e->mapper_.get());
   e->step_host_ = std::make_unique<StepHostImpl>(raw);
@@ -743,7 +603,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   return e;
 }
 
-Engine::Engine(const EngineConfig& config) : config_(config), regions_(config.shared_memory) {
+Engine::Engine(const EngineConfig& config)
+    : config_(config),
+      admission_(config.max_queued_calls, config.max_queued_bytes),
+      regions_(config.shared_memory) {
   absl::MutexLock lock(&table_mu_);
   instance_id_ = absl::StrFormat("%08x%08x", id_source_(), id_source_());
 }
@@ -818,8 +681,8 @@ EngineStats Engine::Stats() const {
     s.free_pages += pool.free_pages;
     s.pools.push_back(std::move(pool));
   }
-  s.queued_calls = queued_calls_.load();
-  s.queued_bytes = queued_bytes_.load();
+  s.queued_calls = admission_.calls();
+  s.queued_bytes = admission_.bytes();
   if (staging_ != nullptr) {
     s.staging_bytes = static_cast<int64_t>(staging_->capacity());
     s.staging_bytes_in_use = static_cast<int64_t>(staging_->in_use());
@@ -838,20 +701,6 @@ EngineStats Engine::Stats() const {
 
 PageAllocator& Engine::AllocatorOf(const Sequence& seq) { return *allocators_[seq.pool]; }
 
-absl::StatusOr<std::vector<std::vector<int32_t>>> Engine::AllocateInEveryPool(
-    const std::vector<int64_t>& pages) {
-  std::vector<std::vector<int32_t>> got(allocators_.size());
-  for (size_t p = 0; p < allocators_.size(); ++p) {
-    absl::StatusOr<std::vector<int32_t>> pool = allocators_[p]->Allocate(pages[p]);
-    if (!pool.ok()) {
-      for (size_t q = 0; q < p; ++q) allocators_[q]->Free(got[q]);
-      return pool.status();
-    }
-    got[p] = *std::move(pool);
-  }
-  return got;
-}
-
 std::vector<int> Engine::DevicesOf(const Sequence& seq) const {
   if (config_.parallel_mode == ParallelMode::kDataParallel) return {seq.pool};
   std::vector<int> all(workers_.size());
@@ -863,38 +712,12 @@ void Engine::KickAll(const std::vector<int>& devices) {
   for (int d : devices) workers_[d]->Kick();
 }
 
-absl::Status Engine::Admit(int64_t bytes) {
+absl::Status Engine::Serving() const {
   if (absl::Status f = fault(); !f.ok()) {
     return absl::UnavailableError(
         absl::StrCat(f.message(), "; this server no longer serves device work"));
   }
-  // A call bigger than the whole budget could never be admitted: saying
-  // "retry later" would have a client retry forever.
-  if (bytes > config_.max_queued_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "this call holds ", FormatBytes(bytes), ", more than --max-queued-bytes (",
-        FormatBytes(config_.max_queued_bytes), ") admits at once; split it into smaller calls"));
-  }
-  // Taken first, given back when over a limit: concurrent admissions never
-  // exceed the limits together.
-  const int64_t calls = queued_calls_.fetch_add(1) + 1;
-  const int64_t held = queued_bytes_.fetch_add(bytes) + bytes;
-  if (calls > config_.max_queued_calls || held > config_.max_queued_bytes) {
-    Unadmit(bytes);
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "server queue full: ", calls - 1,
-        " calls queued or running and answers not yet "
-        "read by their streams hold ",
-        FormatBytes(held - bytes), ", this one needs ", FormatBytes(bytes), "; limits ",
-        config_.max_queued_calls, " calls and ", FormatBytes(config_.max_queued_bytes),
-        " (--max-queued-calls, --max-queued-bytes): retry later"));
-  }
   return absl::OkStatus();
-}
-
-void Engine::Unadmit(int64_t bytes) {
-  queued_calls_.fetch_sub(1);
-  queued_bytes_.fetch_sub(bytes);
 }
 
 absl::StatusOr<uint64_t> Engine::CreateSequence(const std::string& label) {
@@ -937,7 +760,7 @@ absl::StatusOr<uint64_t> Engine::CreateSequence(const std::string& label) {
   return id;
 }
 
-absl::StatusOr<std::shared_ptr<Engine::Sequence>> Engine::Find(uint64_t id) const {
+absl::StatusOr<std::shared_ptr<Sequence>> Engine::Find(uint64_t id) const {
   {
     absl::ReaderMutexLock lock(&table_mu_);
     auto it = sequences_.find(id);
@@ -958,16 +781,6 @@ absl::Status Engine::NotFound(uint64_t id) const {
                                           "restart: the instance id changes with every start)"));
 }
 
-std::shared_ptr<const TableDelta> Engine::TakeDelta(Sequence& s) {
-  const int64_t size = static_cast<int64_t>(s.pages.size());
-  if (s.low_water == s.device_pages && s.device_pages == size) return nullptr;
-  auto delta = std::make_shared<TableDelta>();
-  delta->keep = std::min(s.low_water, s.device_pages);
-  delta->values.assign(s.pages.begin() + delta->keep, s.pages.end());
-  s.device_pages = s.low_water = size;
-  return delta;
-}
-
 void Engine::FreeAfterBarrier(const std::shared_ptr<Sequence>& seq, std::vector<int32_t> pages,
                               absl::AnyInvocable<void()> then) {
   PageAllocator* allocator = &AllocatorOf(*seq);
@@ -979,7 +792,7 @@ void Engine::FreeAfterBarrier(const std::shared_ptr<Sequence>& seq, std::vector<
                           });
   // Not counted against the limits: it holds no tensor bytes, and a
   // release must never be refused.
-  queued_calls_.fetch_add(1);
+  admission_.EnterUnrefused();
   DeviceOp barrier;
   barrier.kind = DeviceOp::Kind::kBarrier;
   barrier.sequence = seq->id;
@@ -989,127 +802,11 @@ void Engine::FreeAfterBarrier(const std::shared_ptr<Sequence>& seq, std::vector<
   KickAll(devices);
 }
 
-namespace {
-
-const char* DTypeName(DType dtype) {
-  switch (dtype) {
-    case DType::kBf16:
-      return "DTYPE_BF16";
-    case DType::kFp32:
-      return "DTYPE_FP32";
-    default:
-      return "DTYPE_UNSPECIFIED";
-  }
-}
-
-size_t DTypeBytes(DType dtype) { return dtype == DType::kFp32 ? 4 : 2; }
-
-std::string ShapeText(absl::Span<const int64_t> shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
-
-// Elements of a shape, or -1 when a dimension is negative or the product
-// exceeds 2^40 (no tensor of the contract is near that: the check keeps the
-// arithmetic from overflowing on hostile shapes).
-int64_t Elements(std::initializer_list<int64_t> shape) {
-  constexpr int64_t kMaxElements = int64_t{1} << 40;
-  int64_t n = 1;
-  for (int64_t d : shape) {
-    if (d < 0 || (d > 0 && n > kMaxElements / d)) return -1;
-    n *= d;
-  }
-  return n;
-}
-
-constexpr size_t kStagingAlign = 256;
-
-size_t Aligned(size_t bytes) { return (bytes + kStagingAlign - 1) / kStagingAlign * kStagingAlign; }
-
-}  // namespace
-
-absl::StatusOr<Engine::Placed> Engine::Sized(DType dtype, std::initializer_list<int64_t> shape,
-                                             const TensorName& name) {
-  const int64_t n = Elements(shape);
-  if (n < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name.str(), ": shape ", ShapeText(shape), " is negative or too large"));
-  }
-  Placed p;
-  p.bytes = static_cast<size_t>(n) * DTypeBytes(dtype);
-  return p;
-}
-
-absl::StatusOr<Engine::Placed> Engine::PlaceInput(const TensorRef& ref, DType dtype,
-                                                  std::initializer_list<int64_t> shape,
-                                                  RegionLeases& leases, const TensorName& name) {
-  if (ref.dtype != dtype) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        name.str(), ": dtype ", ref.dtype == DType::kOther ? ref.dtype_name : DTypeName(ref.dtype),
-        ", expected ", DTypeName(dtype)));
-  }
-  if (ref.has_shape &&
-      !std::equal(ref.shape.begin(), ref.shape.end(), shape.begin(), shape.end())) {
-    return absl::InvalidArgumentError(absl::StrCat(name.str(), ": shape ", ShapeText(ref.shape),
-                                                   ", expected ", ShapeText(shape)));
-  }
-  ASSIGN_OR_RETURN(Placed p, Sized(dtype, shape, name));
-  if (ref.in_region) {
-    RETURN_IF_ERROR(PlaceInRegion(ref.range, dtype, /*is_output=*/false, leases, name, &p));
-    return p;
-  }
-  if (ref.bytes.size() != p.bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(name.str(), ": ", ref.bytes.size(),
-                                                   " bytes of data, shape ", ShapeText(shape),
-                                                   " needs ", p.bytes));
-  }
-  p.host = const_cast<uint8_t*>(ref.bytes.data());
-  p.where = staging_ != nullptr ? Placed::Where::kStaged : Placed::Where::kHost;
-  return p;
-}
-
-absl::StatusOr<Engine::Placed> Engine::PlaceOutput(const OutputRef& ref, DType dtype,
-                                                   std::initializer_list<int64_t> shape,
-                                                   RegionLeases& leases, const TensorName& name) {
-  ASSIGN_OR_RETURN(Placed p, Sized(dtype, shape, name));
-  if (ref.in_region) {
-    RETURN_IF_ERROR(PlaceInRegion(ref.range, dtype, /*is_output=*/true, leases, name, &p));
-    return p;
-  }
-  if (ref.grow != nullptr && ref.buffer.empty()) {
-    p.grow = ref.grow;  // filled once the call passed its checks (see StartVerify)
-  } else {
-    if (ref.buffer.size() != p.bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(name.str(), ": a buffer of ",
-                                                     ref.buffer.size(), " bytes, shape ",
-                                                     ShapeText(shape), " needs ", p.bytes));
-    }
-    p.host = ref.buffer.data();
-  }
-  p.where = staging_ != nullptr ? Placed::Where::kStaged : Placed::Where::kHost;
-  return p;
-}
-
-absl::Status Engine::PlaceInRegion(const RegionRange& range, DType dtype, bool is_output,
-                                   RegionLeases& leases, const TensorName& name, Placed* p) {
-  ASSIGN_OR_RETURN(ResolvedRange r,
-                   leases.Resolve(regions_, range, p->bytes, DTypeBytes(dtype), is_output, name));
-  p->host = r.host();
-  if (r.region->device().empty()) {
-    // A region the devices cannot address (it could not be page-locked).
-    p->where = staging_ != nullptr ? Placed::Where::kStaged : Placed::Where::kHost;
-    return absl::OkStatus();
-  }
-  p->where = Placed::Where::kRegion;
-  p->region = r.region;
-  p->offset = r.offset;
-  return absl::OkStatus();
-}
-
-uint64_t Engine::AddressOf(const Placed& p, int w, const HostStaging::Block& block) const {
+uint64_t Engine::AddressOf(const PlacedTensor& p, int w, const HostStaging::Block& block) const {
   switch (p.where) {
-    case Placed::Where::kRegion:
+    case PlacedTensor::Where::kRegion:
       return p.region->device()[w] + p.offset;
-    case Placed::Where::kStaged:
+    case PlacedTensor::Where::kStaged:
       return staging_->DeviceAddress(w, block.host + p.staging_offset);
     default:
       return reinterpret_cast<uint64_t>(p.host);
@@ -1129,83 +826,23 @@ void Engine::SubmitVerify(VerifyCall call, absl::AnyInvocable<void(absl::Status)
 }
 
 absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl::Status)>& done) {
-  const int heads = config_.num_heads;
   const absl::Span<VerifyItem> items = call.items;
-  const int layer = call.layer;
-  if (items.empty()) return absl::InvalidArgumentError("verify request has no items");
-  if (static_cast<int>(items.size()) > config_.max_batch()) {
-    return absl::InvalidArgumentError(absl::StrCat("verify request has ", items.size(),
-                                                   " items; max_batch is ", config_.max_batch()));
-  }
-  if (layer < 0 || layer >= config_.num_layers) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer ", layer, " is outside 0..", config_.num_layers - 1));
-  }
-  if (std::isnan(call.softmax_scale) || std::isinf(call.softmax_scale)) {
-    return absl::InvalidArgumentError("softmax_scale must be finite");
-  }
-  const float scale =
-      call.softmax_scale > 0.0f ? call.softmax_scale : config_.default_softmax_scale;
+  // Checked and placed: everything that needs no sequence state, before any
+  // reservation or lock (call_placement.h).
+  ASSIGN_OR_RETURN(PlacedVerify placed, PlaceVerify(placement_, regions_, call));
 
-  // Everything that needs no sequence state, checked once, before any lock:
-  // draft counts, trees, every tensor (dtype, shape, size, region range).
-  auto task =
-      std::make_unique<VerifyTask>(this, std::move(call.context), 0, layer, call.timing, nullptr);
-  RegionLeases& leases = task->leases;
-  struct ItemPlaces {
-    Placed q, draft_kv, out, lse;
-  };
-  std::vector<ItemPlaces> places(items.size());
-  std::vector<std::shared_ptr<const std::vector<uint64_t>>> visibility(items.size());
-  int64_t bytes = 0;
-  size_t staging_bytes = 0;
-  for (size_t k = 0; k < items.size(); ++k) {
-    const VerifyItem& it = items[k];
-    const int64_t n = static_cast<int64_t>(it.parents.size());
-    const auto where = [&] {
-      return absl::StrCat("items[", k, "] (sequence ", it.sequence_id, ")");
-    };
-    if (n < 1 || n > config_.max_draft_len()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where(), ": ", n, " drafts (parents); need 1..", config_.max_draft_len()));
-    }
-    absl::StatusOr<std::vector<uint64_t>> words = BuildVisibility(it.parents);
-    if (!words.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(where(), ": ", words.status().message()));
-    }
-    visibility[k] = std::make_shared<const std::vector<uint64_t>>(*std::move(words));
-    ItemPlaces& p = places[k];
-    const int item = static_cast<int>(k);
-    ASSIGN_OR_RETURN(p.q, PlaceInput(it.q, DType::kBf16, {n, heads, kLatentDim}, leases,
-                                     {item, it.sequence_id, "q"}));
-    ASSIGN_OR_RETURN(p.draft_kv, PlaceInput(it.draft_kv, DType::kBf16, {n, kLatentDim}, leases,
-                                            {item, it.sequence_id, "draft_kv"}));
-    RETURN_IF_ERROR(CheckRowsFinite(config_.kv_dtype, p.draft_kv.host, p.draft_kv.bytes,
-                                    absl::StrCat(where(), ": draft_kv")));
-    if (it.out.in_region != it.lse.in_region) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where(), ": out_shared_memory and lse_shared_memory go together (both or neither)"));
-    }
-    ASSIGN_OR_RETURN(p.out, PlaceOutput(it.out, DType::kBf16, {n, heads, kValueDim}, leases,
-                                        {item, it.sequence_id, "out"}));
-    ASSIGN_OR_RETURN(p.lse, PlaceOutput(it.lse, DType::kFp32, {n, heads}, leases,
-                                        {item, it.sequence_id, "lse"}));
-    for (Placed* t : {&p.q, &p.draft_kv, &p.out, &p.lse}) {
-      // Tensors in device memory hold no host memory: they count as nothing queued.
-      if (t->host != nullptr || t->grow != nullptr) bytes += static_cast<int64_t>(t->bytes);
-      if (t->where == Placed::Where::kStaged) {
-        t->staging_offset = staging_bytes;
-        staging_bytes += Aligned(t->bytes);
-      }
-    }
-    for (size_t j = 0; j < k; ++j) {
-      if (items[j].sequence_id == it.sequence_id) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "sequence ", it.sequence_id, " appears twice (items ", j, " and ", k, ")"));
-      }
-    }
+  // Admitted and staged, still with no sequence lock held: the inputs are
+  // copied into the staging block (and an fp8 pool's rows checked on that
+  // copy) while other calls of the same sequences proceed.
+  CallReservation reservation = Reserve();
+  RETURN_IF_ERROR(reservation.Admit(placed.admitted_bytes));
+  if (placed.staging_bytes > 0) {
+    RETURN_IF_ERROR(
+        reservation.ReserveStaging(placed.staging_bytes, "this call's host-resident tensors"));
   }
-  if (!leases.empty()) RETURN_IF_ERROR(leases.CheckOutputsDoNotOverlap());
+  std::vector<std::unique_ptr<uint8_t[]>> private_copies;
+  RETURN_IF_ERROR(
+      FillStagedInputs(placement_, InputsOf(placed), reservation.staging().host, private_copies));
 
   std::vector<std::shared_ptr<Sequence>> seqs(items.size());
   for (size_t k = 0; k < items.size(); ++k) {
@@ -1213,7 +850,7 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
   }
   // Lock the sequences in id order (no deadlock with concurrent calls); the
   // locks are held until the shards are queued, so every device sees one
-  // sequence's calls in the same order.
+  // sequence's calls in the same order. They guard state and pages only.
   const SequenceLocks locks(seqs);
 
   // State checks and page needs, still changing nothing.
@@ -1240,33 +877,25 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
       }
       continue;
     }
-    ASSIGN_OR_RETURN(extra[k], PagesToOpenStep(s, n));
+    ASSIGN_OR_RETURN(extra[k], s.PagesToOpenStep(n, config_.page_size, config_.max_sequence_len));
     pool_pages[s.pool] += extra[k];
   }
-  RETURN_IF_ERROR(Admit(bytes));
-  absl::StatusOr<std::vector<std::vector<int32_t>>> allocated = AllocateInEveryPool(pool_pages);
-  if (!allocated.ok()) {
-    Unadmit(bytes);
-    return allocated.status();
-  }
-  std::vector<std::vector<int32_t>>& new_pages = *allocated;
-  if (staging_bytes > 0) {
-    absl::StatusOr<HostStaging::Block> block =
-        staging_->Allocate(staging_bytes, "this call's host-resident tensors");
-    if (!block.ok()) {
-      for (size_t p = 0; p < allocators_.size(); ++p) allocators_[p]->Free(new_pages[p]);
-      Unadmit(bytes);
-      return block.status();
-    }
-    task->staging = *block;
-  }
-  // From here on the call is accepted: outputs sized (or, staged, filled at
-  // the copy out), inputs staged, the steps opened and the shards queued.
-  VerifyTask* t = task.release();
-  t->Accept(bytes, std::move(done));
-  for (ItemPlaces& p : places) {
-    for (Placed* out : {&p.out, &p.lse}) {
-      if (out->where == Placed::Where::kStaged) {
+  // A faulted device refuses what its state would have allowed.
+  RETURN_IF_ERROR(Serving());
+  RETURN_IF_ERROR(reservation.ReservePages(pool_pages));
+
+  // From here on the call is accepted: it owns what was reserved, outputs
+  // are sized (or, staged, filled at the copy out), the steps opened and the
+  // shards queued.
+  CallReservation::Held held = reservation.Commit();
+  auto* t = new VerifyTask(this, std::move(call.context), held.admitted_bytes, placed.layer,
+                           call.timing, std::move(done));
+  t->staging = held.staging;
+  t->leases = std::move(placed.leases);
+  t->private_copies = std::move(private_copies);
+  for (PlacedVerifyItem& p : placed.items) {
+    for (PlacedTensor* out : {&p.out, &p.lse}) {
+      if (out->where == PlacedTensor::Where::kStaged) {
         // A staged output string is filled from the staging block after the
         // call ran (CopyOutAndRelease): sizing it here would zero-fill it on
         // the submitting thread, before the launch, only to be overwritten.
@@ -1276,11 +905,6 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
       if (out->grow != nullptr) {
         out->grow->resize(out->bytes);
         out->host = reinterpret_cast<uint8_t*>(out->grow->data());
-      }
-    }
-    for (const Placed* in : {&p.q, &p.draft_kv}) {
-      if (in->where == Placed::Where::kStaged) {
-        std::memcpy(t->staging.host + in->staging_offset, in->host, in->bytes);
       }
     }
   }
@@ -1295,8 +919,9 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
     item.seq = seqs[k];
     item.n = static_cast<int>(items[k].parents.size());
     if (!s.pending) {
-      OpenStepOn(s, new_pages[s.pool], &next_page[s.pool], extra[k], items[k].parents,
-                 visibility[k]);
+      s.OpenStep(absl::MakeConstSpan(held.pages[s.pool]).subspan(next_page[s.pool], extra[k]),
+                 items[k].parents, placed.items[k].visibility, config_.num_layers);
+      next_page[s.pool] += extra[k];
       item.opened = true;
       ++opened;
     }
@@ -1304,12 +929,13 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
     item.step = s.step;
     item.op = ++s.ops_submitted;
     items[k].prefix_len = s.length;
-    deltas[k] = TakeDelta(s);
+    deltas[k] = s.TakeDelta();
     s.CallStarted();
   }
   pending_steps_.fetch_add(opened);
 
   // Shards: every item on every device of its sequence, each device its heads.
+  const int heads = config_.num_heads;
   int shards = 0;
   for (const VerifyTask::Item& item : t->items) {
     shards += static_cast<int>(DevicesOf(*item.seq).size());
@@ -1321,7 +947,7 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
   int index = 0;
   for (size_t k = 0; k < items.size(); ++k) {
     const VerifyTask::Item& item = t->items[k];
-    const ItemPlaces& p = places[k];
+    const PlacedVerifyItem& p = placed.items[k];
     const std::vector<int> devices = DevicesOf(*item.seq);
     for (size_t r = 0; r < devices.size(); ++r) {
       // In TP mode device r computes heads [r * Hd, (r + 1) * Hd); in DP mode
@@ -1334,16 +960,16 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
       shard.sequence = item.seq->id;
       shard.prefix_len = static_cast<int32_t>(items[k].prefix_len);
       shard.draft_len = item.n;
-      shard.layer = layer;
-      shard.scale = scale;
+      shard.layer = placed.layer;
+      shard.scale = placed.scale;
       shard.visibility = item.visibility->data();
       shard.table = deltas[k];
       shard.q = {AddressOf(p.q, w, t->staging) + h0 * kLatentRowBytes, q_pitch};
       shard.draft_kv = {AddressOf(p.draft_kv, w, t->staging), kLatentRowBytes};
       shard.out = {AddressOf(p.out, w, t->staging) + h0 * kValueDim * sizeof(Bf16), out_pitch};
       shard.lse = {AddressOf(p.lse, w, t->staging) + h0 * sizeof(float), lse_pitch};
-      for (const Placed* out : {&p.out, &p.lse}) {
-        if (out->where == Placed::Where::kStaged) shard.copy_out_bytes += out->bytes;
+      for (const PlacedTensor* out : {&p.out, &p.lse}) {
+        if (out->where == PlacedTensor::Where::kStaged) shard.copy_out_bytes += out->bytes;
       }
       workers_[w]->Enqueue(std::move(shard));
     }
@@ -1364,44 +990,21 @@ void Engine::SubmitAppendKv(AppendCall call,
 absl::Status Engine::StartAppendKv(AppendCall& call,
                                    absl::AnyInvocable<void(absl::StatusOr<int64_t>)>& done) {
   const uint64_t id = call.sequence_id;
-  const int64_t layers = config_.num_layers;
-  int64_t tokens = call.tokens;
-  if (call.kv.has_shape) {
-    // T comes from the tensor itself; everything else must match the geometry.
-    tokens = call.kv.shape.size() == 3 ? call.kv.shape[1] : -1;
-    if (tokens < 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "kv: shape ", ShapeText(call.kv.shape), ", expected [", layers, ", T, 576] with T >= 1"));
-    }
+  ASSIGN_OR_RETURN(PlacedAppend placed, PlaceAppend(placement_, regions_, call));
+  const int64_t tokens = placed.tokens;
+  PlacedTensor& rows = placed.rows;
+  // Admitted and staged before the sequence's lock: a whole prompt chunk is
+  // copied (and an fp8 pool's rows checked) while its other calls proceed.
+  CallReservation reservation = Reserve();
+  RETURN_IF_ERROR(reservation.Admit(placed.admitted_bytes));
+  if (placed.staging_bytes > 0) {
+    RETURN_IF_ERROR(reservation.ReserveStaging(placed.staging_bytes, "this AppendKv"));
   }
-  if (tokens < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("append of ", tokens, " tokens: need >= 1"));
-  }
-  RegionLeases leases;
-  ASSIGN_OR_RETURN(Placed rows, PlaceInput(call.kv, DType::kBf16, {layers, tokens, kLatentDim},
-                                           leases, {-1, 0, "kv"}));
-  RETURN_IF_ERROR(CheckRowsFinite(config_.kv_dtype, rows.host, rows.bytes, "kv"));
-  // The row-copy kernel reads 16-byte vectors: rows in a region at another
-  // alignment go through the staging (system regions) or are refused.
-  if (rows.where == Placed::Where::kRegion && staging_ != nullptr &&
-      (rows.region->device()[0] + rows.offset) % 16 != 0) {
-    if (rows.host == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "kv: a CUDA shared-memory prompt must start at a multiple of 16 bytes (offset ",
-          rows.offset, ")"));
-    }
-    rows.where = Placed::Where::kStaged;
-  }
-  if (rows.where == Placed::Where::kStaged && rows.bytes > staging_->capacity()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "kv: ", FormatBytes(static_cast<int64_t>(rows.bytes)),
-        " from host memory is more than the page-locked staging holds (--pinned-staging-bytes ",
-        FormatBytes(static_cast<int64_t>(staging_->capacity())),
-        "): append the prompt in smaller chunks"));
-  }
-  absl::StatusOr<std::shared_ptr<Sequence>> found = Find(id);
-  if (!found.ok()) return found.status();
-  std::shared_ptr<Sequence> seq = *std::move(found);
+  std::vector<std::unique_ptr<uint8_t[]>> private_copies;
+  RETURN_IF_ERROR(
+      FillStagedInputs(placement_, {&rows}, reservation.staging().host, private_copies));
+
+  ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Find(id));
   Sequence& s = *seq;
   absl::MutexLock lock(&s.mu);
   if (s.released) return NotFound(id);
@@ -1427,31 +1030,15 @@ absl::Status Engine::StartAppendKv(AppendCall& call,
                                                      " tokens; max_sequence_len is ",
                                                      config_.max_sequence_len));
   }
-  const int64_t bytes = rows.host != nullptr ? static_cast<int64_t>(rows.bytes) : 0;
-  RETURN_IF_ERROR(Admit(bytes));
-  const int64_t extra =
-      CeilDiv(new_length, config_.page_size) - static_cast<int64_t>(s.pages.size());
-  std::vector<int32_t> added;
-  if (extra > 0) {
-    absl::StatusOr<std::vector<int32_t>> got = AllocatorOf(s).Allocate(extra);
-    if (!got.ok()) {
-      Unadmit(bytes);
-      return got.status();
-    }
-    added = *std::move(got);
-  }
-  HostStaging::Block block;
-  if (rows.where == Placed::Where::kStaged) {
-    absl::StatusOr<HostStaging::Block> got = staging_->Allocate(rows.bytes, "this AppendKv");
-    if (!got.ok()) {
-      AllocatorOf(s).Free(added);
-      Unadmit(bytes);
-      return got.status();
-    }
-    block = *got;
-    rows.staging_offset = 0;
-    std::memcpy(block.host, rows.host, rows.bytes);
-  }
+  std::vector<int64_t> pool_pages(allocators_.size(), 0);
+  pool_pages[s.pool] = std::max<int64_t>(
+      0, CeilDiv(new_length, config_.page_size) - static_cast<int64_t>(s.pages.size()));
+  RETURN_IF_ERROR(Serving());
+  RETURN_IF_ERROR(reservation.ReservePages(pool_pages));
+
+  // Accepted.
+  CallReservation::Held held = reservation.Commit();
+  const std::vector<int32_t> added = std::move(held.pages[s.pool]);
   s.pages.insert(s.pages.end(), added.begin(), added.end());
   s.length = new_length;
   const uint64_t op_number = ++s.ops_submitted;
@@ -1495,13 +1082,15 @@ absl::Status Engine::StartAppendKv(AppendCall& call,
     }
     done(status);
   };
-  auto* op_call = new OpCall(this, call.context, bytes, std::move(skip), std::move(finish));
-  op_call->leases = std::move(leases);
-  op_call->staging = block;
+  auto* op_call =
+      new OpCall(this, call.context, held.admitted_bytes, std::move(skip), std::move(finish));
+  op_call->leases = std::move(placed.leases);
+  op_call->staging = held.staging;
+  op_call->private_copies = std::move(private_copies);
   DeviceOp op;
   op.kind = DeviceOp::Kind::kWriteRows;
   op.sequence = id;
-  op.table = TakeDelta(s);
+  op.table = s.TakeDelta();
   op.start = old_length;
   op.count = tokens;
   op_call->Enqueue(DevicesOf(s), op, &rows);
@@ -1562,7 +1151,8 @@ absl::Status Engine::StartCommit(uint64_t sequence_id, absl::Span<const int32_t>
         " layers were verified in this step; accepting drafts needs their KV in every layer "
         "(commit an empty path to drop the step)"));
   }
-  RETURN_IF_ERROR(Admit(0));
+  RETURN_IF_ERROR(Serving());
+  RETURN_IF_ERROR(admission_.Enter(0));
   const int64_t prefix = s.length;
   s.length += k;
   s.pending = false;
@@ -1577,7 +1167,7 @@ absl::Status Engine::StartCommit(uint64_t sequence_id, absl::Span<const int32_t>
   // The compaction reads the pages that held the drafts: the devices' table
   // is trimmed by this op's change only after it ran (a compaction moves rows
   // within P..P+N-1, so it needs the table before the trim).
-  const std::shared_ptr<const TableDelta> before = TakeDelta(s);
+  const std::shared_ptr<const TableDelta> before = s.TakeDelta();
   // Pages past the new length held only rejected drafts: freed once every
   // device ran the compaction (or passed the barrier).
   const size_t keep = static_cast<size_t>(CeilDiv(s.length, config_.page_size));
@@ -1622,31 +1212,6 @@ absl::Status Engine::StartCommit(uint64_t sequence_id, absl::Span<const int32_t>
   return absl::OkStatus();
 }
 
-absl::StatusOr<int64_t> Engine::PagesToOpenStep(const Sequence& s,
-                                                int64_t n) const ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  if (s.length + n > config_.max_sequence_len) {
-    return absl::ResourceExhaustedError(absl::StrCat("sequence ", s.id, " would reach ",
-                                                     s.length + n, " tokens; max_sequence_len is ",
-                                                     config_.max_sequence_len));
-  }
-  return std::max<int64_t>(
-      0, CeilDiv(s.length + n, config_.page_size) - static_cast<int64_t>(s.pages.size()));
-}
-
-void Engine::OpenStepOn(Sequence& s, const std::vector<int32_t>& fresh, size_t* next, int64_t pages,
-                        absl::Span<const int32_t> parents,
-                        std::shared_ptr<const std::vector<uint64_t>> visibility) {
-  s.pages.insert(s.pages.end(), fresh.begin() + *next, fresh.begin() + *next + pages);
-  *next += pages;
-  s.step_pages = pages;
-  s.pending = true;
-  ++s.step;
-  s.parents.assign(parents.begin(), parents.end());
-  s.visibility = std::move(visibility);
-  s.layer_verified.assign(config_.num_layers, false);
-  s.layers_verified = 0;
-}
-
 absl::StatusOr<std::vector<StepHost::Claimed>> Engine::ClaimForStep(
     uint64_t step, absl::Span<const StepItemSpec> items) {
   std::vector<std::shared_ptr<Sequence>> seqs(items.size());
@@ -1674,16 +1239,20 @@ absl::StatusOr<std::vector<StepHost::Claimed>> Engine::ClaimForStep(
           "sequence ", s.id, " has a pending verify step of Verify calls (", s.layers_verified,
           " of ", config_.num_layers, " layers): Commit it before opening a device-driven step"));
     }
-    ASSIGN_OR_RETURN(extra[k], PagesToOpenStep(s, n));
+    ASSIGN_OR_RETURN(extra[k], s.PagesToOpenStep(n, config_.page_size, config_.max_sequence_len));
     pool_pages[s.pool] += extra[k];
   }
-  ASSIGN_OR_RETURN(std::vector<std::vector<int32_t>> new_pages, AllocateInEveryPool(pool_pages));
+  CallReservation reservation = Reserve();
+  RETURN_IF_ERROR(reservation.ReservePages(pool_pages));
+  const std::vector<std::vector<int32_t>> new_pages = reservation.Commit().pages;
   std::vector<size_t> next_page(allocators_.size(), 0);
   std::vector<StepHost::Claimed> claimed(items.size());
   for (size_t k = 0; k < items.size(); ++k) {
     Sequence& s = *seqs[k];
     s.mu.AssertHeld();
-    OpenStepOn(s, new_pages[s.pool], &next_page[s.pool], extra[k], items[k].parents, visibility[k]);
+    s.OpenStep(absl::MakeConstSpan(new_pages[s.pool]).subspan(next_page[s.pool], extra[k]),
+               items[k].parents, visibility[k], config_.num_layers);
+    next_page[s.pool] += extra[k];
     s.owner_step = step;
     s.Touch();
     claimed[k].prefix_len = s.length;
@@ -1702,15 +1271,8 @@ void Engine::UnclaimStep(uint64_t step, absl::Span<const StepItemSpec> items) {
     {
       absl::MutexLock lock(&s.mu);
       if (s.released || s.owner_step != step) continue;
-      freed.assign(s.pages.end() - s.step_pages, s.pages.end());
-      s.pages.resize(s.pages.size() - s.step_pages);
-      s.Trimmed(s.pages.size());
-      s.step_pages = 0;
-      s.pending = false;
+      freed = s.CloseStepUnrun();
       s.owner_step = 0;
-      s.parents.clear();
-      s.visibility.reset();
-      s.layer_verified.clear();
       pending_steps_.fetch_sub(1);
     }
     // At once: no device work used them (the step never started a lane).
@@ -1753,12 +1315,9 @@ absl::StatusOr<StepInfo> Engine::AbortStep(uint64_t step_id) {
 }
 
 std::vector<int32_t> Engine::ReleaseLocked(Sequence& s) {
-  s.mu.AssertHeld();  // (beyond the static analysis: callers lock through a shared_ptr)
-  std::vector<int32_t> pages = std::move(s.pages);
-  s.pages.clear();
-  if (s.pending) pending_steps_.fetch_sub(1);
-  s.pending = false;
-  s.released = true;
+  bool had_step = false;
+  std::vector<int32_t> pages = s.MarkReleased(&had_step);
+  if (had_step) pending_steps_.fetch_sub(1);
   return pages;
 }
 
@@ -1866,7 +1425,8 @@ absl::Status Engine::ReadKv(uint64_t sequence_id, int64_t start, int64_t count, 
           absl::StrCat("read of [", start, ", ", start + count, ") outside the ", capacity,
                        " positions the sequence's pages hold, or into a buffer of the wrong size"));
     }
-    RETURN_IF_ERROR(Admit(0));
+    RETURN_IF_ERROR(Serving());
+    RETURN_IF_ERROR(admission_.Enter(0));
     auto* op_call =
         new OpCall(this, CallContext{}, 0, nullptr, [&](const absl::Status& status, bool) {
           result = status;
@@ -1874,7 +1434,7 @@ absl::Status Engine::ReadKv(uint64_t sequence_id, int64_t start, int64_t count, 
         });
     // Every device of the sequence gets the table change (their copies must
     // stay alike); only `replica` reads.
-    const std::shared_ptr<const TableDelta> delta = TakeDelta(*seq);
+    const std::shared_ptr<const TableDelta> delta = seq->TakeDelta();
     for (size_t r = 0; r < devices.size(); ++r) {
       if (static_cast<int>(r) == replica || delta == nullptr) continue;
       DeviceOp barrier;

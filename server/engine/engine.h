@@ -54,6 +54,9 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/bf16.h"
+#include "server/engine/call_placement.h"
+#include "server/engine/call_reservation.h"
+#include "server/engine/calls.h"
 #include "server/engine/device.h"
 #include "server/engine/device_worker.h"
 #include "server/engine/engine_config.h"
@@ -62,46 +65,11 @@
 #include "server/engine/page_allocator.h"
 #include "server/engine/page_table_arena.h"
 #include "server/engine/regions.h"
+#include "server/engine/sequence.h"
 #include "server/engine/steps.h"
 #include "server/engine/tensor_ref.h"
 
 namespace mlaverify::engine {
-
-// One item of a Verify call. Its tensors are named by TensorRef / OutputRef
-// (caller memory or registered regions; tensor_ref.h); caller memory and the
-// strings an OutputRef grows must stay valid until the call's `done` ran.
-struct VerifyItem {
-  uint64_t sequence_id = 0;
-  absl::Span<const int32_t> parents;  // N
-  TensorRef q;                        // bf16 [N, H, 576]
-  TensorRef draft_kv;                 // bf16 [N, 576]
-  OutputRef out;                      // bf16 [N, H, 512], written on success
-  OutputRef lse;                      // fp32 [N, H], written on success
-  int64_t prefix_len = 0;             // set on success: P the drafts attended to
-};
-
-// When a queued call stops being wanted.
-struct CallContext {
-  absl::Time deadline = absl::InfiniteFuture();
-  std::function<bool()> is_cancelled;  // may be empty; polled when the call is taken
-};
-
-struct VerifyCall {
-  int layer = 0;
-  float softmax_scale = 0;  // <= 0: the configured default
-  absl::Span<VerifyItem> items;
-  CallContext context;
-  // If set, receives the call's server-side time split before `done` runs.
-  VerifyTiming* timing = nullptr;
-};
-
-struct AppendCall {
-  uint64_t sequence_id = 0;
-  int64_t start_position = 0;  // must equal the sequence's length
-  int64_t tokens = 0;
-  TensorRef kv;  // bf16 [num_layers, tokens, 576]; caller memory valid until done
-  CallContext context;
-};
 
 struct CommitResult {
   int64_t length = 0;
@@ -169,8 +137,8 @@ class Engine {
   // answers not yet read by its client): counted in queued_bytes like a
   // call's own, so that admission refuses new work while they are held.
   // Never refused; every Hold is paired with a Release of the same bytes.
-  void HoldAnswerBytes(int64_t bytes) { queued_bytes_.fetch_add(bytes); }
-  void ReleaseAnswerBytes(int64_t bytes) { queued_bytes_.fetch_sub(bytes); }
+  void HoldAnswerBytes(int64_t bytes) { admission_.HoldBytes(bytes); }
+  void ReleaseAnswerBytes(int64_t bytes) { admission_.ReleaseBytes(bytes); }
   // OK, or the first device fault (after which device calls are refused).
   absl::Status fault() const;
   // Called once, on a worker thread, when a device first faults.
@@ -228,9 +196,6 @@ class Engine {
                       int replica = 0);
 
  private:
-  struct Sequence;
-  class SequenceLocks;
-  struct Placed;
   class Call;
   class VerifyTask;
   class OpCall;
@@ -259,59 +224,33 @@ class Engine {
   absl::StatusOr<std::shared_ptr<Sequence>> Find(uint64_t id) const;
   absl::Status NotFound(uint64_t id) const;
   PageAllocator& AllocatorOf(const Sequence& seq);
-  // `pages[p]` pages of pool p, all or none (RESOURCE_EXHAUSTED, nothing held).
-  absl::StatusOr<std::vector<std::vector<int32_t>>> AllocateInEveryPool(
-      const std::vector<int64_t>& pages);
-  // Opening a step on a sequence (its lock held), shared by a first Verify
-  // and a device-driven step's claim: the pages it needs for `n` drafts (or
-  // RESOURCE_EXHAUSTED past max_sequence_len), then the open itself, which
-  // takes `pages` of `fresh` from `*next` on.
-  absl::StatusOr<int64_t> PagesToOpenStep(const Sequence& s,
-                                          int64_t n) const ABSL_NO_THREAD_SAFETY_ANALYSIS;
-  void OpenStepOn(Sequence& s, const std::vector<int32_t>& fresh, size_t* next, int64_t pages,
-                  absl::Span<const int32_t> parents,
-                  std::shared_ptr<const std::vector<uint64_t>> visibility)
-      ABSL_NO_THREAD_SAFETY_ANALYSIS;
+  // An empty reservation over the engine's admission, pools and staging.
+  CallReservation Reserve() { return CallReservation(admission_, allocators_, staging_.get()); }
   // The devices a sequence's KV lives on: all (TP) or its own (DP).
   std::vector<int> DevicesOf(const Sequence& seq) const;
-  // Admission: reserves room for one call of `bytes`, or RESOURCE_EXHAUSTED
-  // / UNAVAILABLE (after a device fault). Every OK is paired with Unadmit.
-  absl::Status Admit(int64_t bytes);
-  void Unadmit(int64_t bytes);
+  // OK, or UNAVAILABLE after a device fault: checked before a call is
+  // admitted.
+  absl::Status Serving() const;
   // Detaches a sequence's pages and marks it released (its lock held);
   // returns the pages, to be freed once the devices passed the release.
-  std::vector<int32_t> ReleaseLocked(Sequence& seq) ABSL_NO_THREAD_SAFETY_ANALYSIS;
+  std::vector<int32_t> ReleaseLocked(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
   // Queues a barrier on the sequence's devices and frees `pages` (to its
   // allocator) once all passed it; then calls `then` (may be empty).
   void FreeAfterBarrier(const std::shared_ptr<Sequence>& seq, std::vector<int32_t> pages,
                         absl::AnyInvocable<void()> then);
   void OnDeviceFault(int device, const absl::Status& status);
-  // The page-list change a sequence's next device work carries (null: none)
-  // (its lock held).
-  std::shared_ptr<const TableDelta> TakeDelta(Sequence& seq) ABSL_NO_THREAD_SAFETY_ANALYSIS;
-  // Checks an input tensor (dtype, shape, bytes or region range) and says
-  // where it is; `what` names it in errors.
-  absl::StatusOr<Placed> PlaceInput(const TensorRef& ref, DType dtype,
-                                    std::initializer_list<int64_t> shape, RegionLeases& leases,
-                                    const TensorName& what);
-  absl::StatusOr<Placed> PlaceOutput(const OutputRef& ref, DType dtype,
-                                     std::initializer_list<int64_t> shape, RegionLeases& leases,
-                                     const TensorName& what);
-  // A tensor of `shape` with its byte size set (INVALID_ARGUMENT when the
-  // shape is negative or too large), not yet placed.
-  static absl::StatusOr<Placed> Sized(DType dtype, std::initializer_list<int64_t> shape,
-                                      const TensorName& name);
-  // A region reference resolved into `p` (its bytes set): in place where the
-  // devices address the region, else through the host staging.
-  absl::Status PlaceInRegion(const RegionRange& range, DType dtype, bool is_output,
-                             RegionLeases& leases, const TensorName& name, Placed* p);
   // `p` as worker `w`'s device addresses it (staged tensors: in `block`).
-  uint64_t AddressOf(const Placed& p, int w, const HostStaging::Block& block) const;
+  uint64_t AddressOf(const PlacedTensor& p, int w, const HostStaging::Block& block) const;
   // Kicks every worker (after a submission released its locks).
   void KickAll(const std::vector<int>& devices);
 
   const EngineConfig config_;
+  // Admitted calls and the host bytes they hold (--max-queued-calls,
+  // --max-queued-bytes).
+  AdmissionGate admission_;
   RegionRegistry regions_;
+  // What placing a call reads of the engine (set once the staging exists).
+  PlacementGeometry placement_;
   std::unique_ptr<Mapper> mapper_;
   // Host-resident tensors go through it where the devices cannot address
   // them (null where they can: host devices).
@@ -336,10 +275,6 @@ class Engine {
   // Recently expired ids, so that NOT_FOUND can say why.
   std::deque<uint64_t> expired_order_ ABSL_GUARDED_BY(table_mu_);
   absl::flat_hash_set<uint64_t> expired_ ABSL_GUARDED_BY(table_mu_);
-
-  // Admission counts: atomics, since every call passes them twice.
-  std::atomic<int64_t> queued_calls_{0};
-  std::atomic<int64_t> queued_bytes_{0};
 
   std::atomic<bool> faulted_{false};  // fault_ is set (read without the lock)
   mutable absl::Mutex fault_mu_;
