@@ -99,7 +99,8 @@ std::string ClipForMessage(absl::string_view text, size_t max_chars) {
 
 absl::StatusOr<std::vector<FlagsFileEntry>> ParseFlagsFile(
     const std::string& path, absl::string_view text,
-    const std::function<std::optional<FlagKind>(const std::string& flag)>& kind_of) {
+    const std::function<std::optional<FlagKind>(const std::string& flag)>& kind_of,
+    const std::function<std::string(const std::string& flag)>& nearest) {
   const std::string where = ClipForMessage(path, 200);
   // toml++ skips a leading UTF-8 byte order mark, rejects duplicate keys,
   // unterminated arrays and strings, and integers beyond 64 bits.
@@ -128,7 +129,13 @@ absl::StatusOr<std::vector<FlagsFileEntry>> ParseFlagsFile(
     }
     entry.flag = absl::StrCat("--", key_text);
     const std::optional<FlagKind> kind = kind_of(entry.flag);
-    if (!kind) return fail("no such flag (the file takes the server's flags, without the dashes)");
+    if (!kind) {
+      std::string why = "no such flag (the file takes the server's flags, without the dashes)";
+      if (const std::string meant = nearest ? nearest(entry.flag) : ""; !meant.empty()) {
+        absl::StrAppend(&why, "; did you mean ", ClipForMessage(meant.substr(2)), "?");
+      }
+      return fail(why);
+    }
     std::string value;
     if (const toml::array* array = node.as_array(); array != nullptr) {
       if (*kind != FlagKind::kIntegerList) {

@@ -42,10 +42,12 @@ struct FlagsFileEntry {
 // takes, or nullopt for a name that is no flag of the file (unknown, or one
 // such as --config that a file cannot set). Entries come back in file order.
 // Errors are InvalidArgument with one short line: "PATH:LINE: KEY: why"
-// (a value quoted in it is cut to a few dozen characters).
+// (a value quoted in it is cut to a few dozen characters). `nearest` (may be
+// empty) names the flag an unknown key probably meant ("--layers"), or "".
 absl::StatusOr<std::vector<FlagsFileEntry>> ParseFlagsFile(
     const std::string& path, absl::string_view text,
-    const std::function<std::optional<FlagKind>(const std::string& flag)>& kind_of);
+    const std::function<std::optional<FlagKind>(const std::string& flag)>& kind_of,
+    const std::function<std::string(const std::string& flag)>& nearest = {});
 
 // `text` cut to at most `max_chars` characters with "..." appended when cut,
 // and every byte outside printable ASCII written as \xNN: for echoing values

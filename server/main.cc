@@ -357,10 +357,15 @@ void ParseArguments(CLI::App& app, std::vector<std::string> args) {
 // command line does not set parsed together with the command line.
 absl::Status ApplyFlagsFile(CLI::App& app, const std::string& path, int argc, char** argv) {
   ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(path, kMaxConfigFileBytes, "config"));
-  ASSIGN_OR_RETURN(const std::vector<FlagsFileEntry> entries,
-                   ParseFlagsFile(path, text, [&app](const std::string& flag) {
-                     return FlagKindOf(app, flag);
-                   }));
+  ASSIGN_OR_RETURN(
+      const std::vector<FlagsFileEntry> entries,
+      ParseFlagsFile(
+          path, text, [&app](const std::string& flag) { return FlagKindOf(app, flag); },
+          [&app](const std::string& flag) {
+            const std::string meant = NearestFlag(app, flag);
+            // Only a flag a file can set is a suggestion.
+            return FlagKindOf(app, meant) ? meant : std::string();
+          }));
   std::vector<std::string> args;
   for (const FlagsFileEntry& entry : entries) {
     if (app.get_option(entry.flag)->count() == 0) args.push_back(entry.argument);

@@ -114,7 +114,14 @@ TEST(FlagsFileTest, TablesAndDottedKeysAreErrors) {
 
 TEST(FlagsFileTest, UnknownKeyIsAnError) {
   EXPECT_THAT(ErrorOf("layers = 2\nlayerz = 3\n"),
-              AllOf(HasSubstr("flags.toml:2: layerz: no such flag")));
+              AllOf(HasSubstr("flags.toml:2: layerz: no such flag"), Not(HasSubstr("mean"))));
+  // With a suggester, the nearest flag is named.
+  auto parsed = ParseFlagsFile("flags.toml", "layerz = 3\n", KindOf, [](const std::string& flag) {
+    return flag == "--layerz" ? std::string("--layers") : "";
+  });
+  EXPECT_THAT(std::string(parsed.status().message()),
+              HasSubstr("layerz: no such flag (the file takes the server's flags, without the "
+                        "dashes); did you mean layers?"));
 }
 
 TEST(FlagsFileTest, WrongTypesAreErrors) {

@@ -49,7 +49,8 @@ expect_refused "--idle-timeout-s under a second" "--idle-timeout-s 0.001: need 0
 expect_refused "--idle-timeout-s negative" "--idle-timeout-s" --idle-timeout-s -5
 expect_refused "a token file that does not exist" "auth-token-file" --auth-token-file /nonexistent/token
 printf 'layers = 2\nlayerz = 3\n' > "$work/typo.toml"
-expect_refused "a --config file with an unknown flag name" "layerz" --config "$work/typo.toml"
+expect_refused "a --config file with an unknown flag name" "layerz: no such flag.*did you mean layers?" \
+  --config "$work/typo.toml"
 printf 'page-size = 3\n' > "$work/bad.toml"
 expect_refused "a --config file with a bad value" "page" --config "$work/bad.toml"
 
