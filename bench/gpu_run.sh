@@ -667,7 +667,7 @@ if want shapes; then
   summary+=("shapes rc=${PIPESTATUS[0]}")
 fi
 if want small; then
-  # Small batch, default kernel: the split knobs (bench/NOTES.md, "Ideas not yet tried").
+  # Small batch, default kernel: the split knobs --ctas-per-sm and --min-chunk-tiles at B=1.
   for flags in "" "--ctas-per-sm 2 --min-chunk-tiles 4" "--min-chunk-tiles 4" "--min-chunk-tiles 1" "--pdl"; do
     echo "== flags: ${flags:-default}"
     # shellcheck disable=SC2086  # $flags holds several words

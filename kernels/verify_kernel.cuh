@@ -724,8 +724,8 @@ __device__ __forceinline__ void StoreOutputSliceStaged(const VerifyParams& p,
 // free: all eight when it has one row, one per row from eight rows up), the
 // warps of a row taking its splits round robin, each lane 16 of the 512
 // columns as four float4, with a running (max, sum, o) per warp that is
-// rescaled once per round of COMBINE_UNROLL splits (v17); a row's warps are
-// merged through shared memory. All of a warp's loads for
+// rescaled once per round of COMBINE_UNROLL splits (bench/NOTES.md, "The
+// merge"); a row's warps are merged through shared memory. All of a warp's loads for
 // COMBINE_UNROLL splits go out together, so a CTA costs a few L2 round trips
 // whatever its rows and splits (bench/NOTES.md, "The stream plan"). A combine CTA finds
 // its split segments as the attention CTA of the same index did (the work
@@ -972,9 +972,9 @@ __device__ __forceinline__ void MergeSplitRows(const VerifyParams& p, const Veri
 // CTA past its wait adds itself to done[key]; the last of the row tile's
 // splits (every one of them is past its wait, so nobody reads arrivals[key]
 // again in this launch) sets both back to 0 for the next launch, which is
-// stream-ordered after this one. Plain atomicAdd throughout: the first
-// version (v8) kept tagged counters updated by compare-and-swap loops,
-// and 132 CTAs retrying CAS on one word cost 23-42 us per launch.
+// stream-ordered after this one. Plain atomicAdd throughout: tagged
+// counters updated by compare-and-swap loops cost 23-42 us per launch with
+// 132 CTAs retrying CAS on one word (bench/NOTES.md, "Fused combine").
 // Keys: a split row tile is identified by its split-0 slot base, below
 // target_ctas under both plans (see SplitTileKey).
 // ---------------------------------------------------------------------------

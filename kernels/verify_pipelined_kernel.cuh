@@ -441,7 +441,8 @@ __device__ __forceinline__ void AttendSegmentPipelined(const VerifyParams& p,
   // 5 % slower (code generation of that instance, not analysed;
   // bench/NOTES.md, "L2 prefetches"). Its PTX is then unchanged.
   constexpr bool kPageLinePrefetch = !kFused;
-  // PV(t)'s MMAs wait for S(t+1)'s to be issued (v15); register page path only.
+  // PV(t)'s MMAs wait for S(t+1)'s to be issued (bench/NOTES.md, "The
+  // hand-over"); register page path only.
   constexpr bool kPhaseOffset = !kPageRing;
   // The page-ring instances' score warps keep per-half references (see
   // "Per-half exponent references").
