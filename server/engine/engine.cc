@@ -50,8 +50,10 @@ std::string FormatBytes(int64_t bytes) {
 // count of pieces still out.
 class Engine::Call {
  public:
-  Call(Engine* engine, CallContext context, int64_t bytes)
-      : engine_(engine), context_(std::move(context)), bytes_(bytes), submitted_(absl::Now()) {}
+  // `submitted`: when the call entered the engine (its checks and copies
+  // in count as its time).
+  Call(Engine* engine, CallContext context, int64_t bytes, absl::Time submitted = absl::Now())
+      : engine_(engine), context_(std::move(context)), bytes_(bytes), submitted_(submitted) {}
   virtual ~Call() = default;
 
   void SetPieces(int pieces) {
@@ -311,9 +313,9 @@ class Engine::VerifyTask final : public Call, public ShardOwner {
     std::shared_ptr<const std::vector<uint64_t>> visibility;
   };
 
-  VerifyTask(Engine* engine, CallContext context, int64_t bytes, int layer, VerifyTiming* timing,
-             absl::AnyInvocable<void(absl::Status)> done)
-      : Call(engine, std::move(context), bytes),
+  VerifyTask(Engine* engine, CallContext context, int64_t bytes, absl::Time submitted, int layer,
+             VerifyTiming* timing, absl::AnyInvocable<void(absl::Status)> done)
+      : Call(engine, std::move(context), bytes, submitted),
         layer_(layer),
         timing_(timing),
         done_(std::move(done)) {}
@@ -826,6 +828,7 @@ void Engine::SubmitVerify(VerifyCall call, absl::AnyInvocable<void(absl::Status)
 }
 
 absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl::Status)>& done) {
+  const absl::Time entered = absl::Now();
   const absl::Span<VerifyItem> items = call.items;
   // Checked and placed: everything that needs no sequence state, before any
   // reservation or lock (call_placement.h).
@@ -888,8 +891,8 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
   // are sized (or, staged, filled at the copy out), the steps opened and the
   // shards queued.
   CallReservation::Held held = reservation.Commit();
-  auto* t = new VerifyTask(this, std::move(call.context), held.admitted_bytes, placed.layer,
-                           call.timing, std::move(done));
+  auto* t = new VerifyTask(this, std::move(call.context), held.admitted_bytes, entered,
+                           placed.layer, call.timing, std::move(done));
   t->staging = held.staging;
   t->leases = std::move(placed.leases);
   t->private_copies = std::move(private_copies);
