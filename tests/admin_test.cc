@@ -1,5 +1,11 @@
 // Metrics text output and the admin HTTP endpoints, over real loopback
 // sockets (ephemeral ports, so suites can run in parallel).
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -479,6 +485,54 @@ TEST_F(AdminHttpServerTest, SecondServerOnTheSamePortFails) {
 
 TEST_F(AdminHttpServerTest, StartTwiceIsFailedPrecondition) {
   EXPECT_EQ(server_->Start("127.0.0.1", 0).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// A slowloris: a request head that keeps coming, a byte every 400 ms (well
+// inside the idle timeout), is cut at kRequestHeadSeconds; probes from
+// another connection are answered meanwhile.
+TEST_F(AdminHttpServerTest, ATrickledRequestHeadIsCutAtItsDeadline) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(server_->port()));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  const absl::Time opened = absl::Now();
+  const std::string head = "GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ";
+  ASSERT_EQ(send(fd, head.data(), head.size(), MSG_NOSIGNAL), static_cast<ssize_t>(head.size()));
+  absl::Duration closed_after = absl::InfiniteDuration();
+  bool probed = false;
+  while (absl::Now() - opened < absl::Seconds(AdminHttpServer::kRequestHeadSeconds + 4)) {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 400) > 0) {
+      char byte;
+      if (recv(fd, &byte, 1, MSG_DONTWAIT) <= 0) {
+        closed_after = absl::Now() - opened;
+        break;
+      }
+    }
+    if (send(fd, "a", 1, MSG_NOSIGNAL) != 1) {
+      closed_after = absl::Now() - opened;
+      break;
+    }
+    if (!probed) {
+      httplib::Result res = Get("/healthz");
+      ASSERT_TRUE(res);
+      EXPECT_EQ(res->status, 200);
+      probed = true;
+    }
+  }
+  close(fd);
+  EXPECT_GE(closed_after,
+            absl::Seconds(AdminHttpServer::kRequestHeadSeconds) - absl::Milliseconds(500));
+  EXPECT_LE(closed_after, absl::Seconds(AdminHttpServer::kRequestHeadSeconds + 2))
+      << "a head trickled in for " << closed_after;
+  EXPECT_GE(server_->heads_cut(), 1);
+  // A probe's head, all at once, is not cut.
+  httplib::Result res = Get("/readyz");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 503);
 }
 
 TEST_F(AdminHttpServerTest, StopIsIdempotentAndClosesThePort) {

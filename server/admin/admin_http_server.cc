@@ -1,5 +1,6 @@
 #include "server/admin/admin_http_server.h"
 
+#include <fcntl.h>
 #include <microhttpd.h>
 #include <netdb.h>
 #include <sys/socket.h>
@@ -9,9 +10,12 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
+#include <unordered_map>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "spdlog/spdlog.h"
 
 namespace mlaverify::admin {
@@ -82,6 +86,107 @@ void LogDaemonError(void* /*unused*/, const char* format, va_list args) {
 
 }  // namespace
 
+// Every open connection's deadline for its request head: a connection opens
+// with the clock running, the head's arrival stops it, the answer's
+// completion starts it again for the next head on a kept-alive connection.
+// The sweeper cuts (shutdown) connections past their deadline. The daemon
+// owns each socket; this keeps a duplicate of its descriptor, so that a
+// number the daemon closed, and the kernel gave to a new socket, is never
+// shut down by mistake.
+class AdminHttpServer::HeadDeadlines {
+ public:
+  HeadDeadlines(const AdminHttpServer* server, absl::Duration limit)
+      : server_(server), limit_(limit) {}
+  // After the daemon stopped (which reported every connection closed).
+  ~HeadDeadlines() {
+    for (const auto& [connection, entry] : entries_) close(entry.fd);
+  }
+  HeadDeadlines(const HeadDeadlines&) = delete;
+  HeadDeadlines& operator=(const HeadDeadlines&) = delete;
+
+  const AdminHttpServer* server() const { return server_; }
+
+  // The daemon's callbacks (its polling thread).
+  static void OnConnection(void* self, MHD_Connection* connection, void** /*socket_context*/,
+                           MHD_ConnectionNotificationCode code) {
+    auto* heads = static_cast<HeadDeadlines*>(self);
+    if (code == MHD_CONNECTION_NOTIFY_STARTED) {
+      heads->Opened(connection);
+    } else {
+      heads->Closed(connection);
+    }
+  }
+  static void OnAnswered(void* self, MHD_Connection* connection, void** /*request_state*/,
+                         MHD_RequestTerminationCode /*code*/) {
+    static_cast<HeadDeadlines*>(self)->Restart(connection);
+  }
+  void HeadIn(MHD_Connection* connection) {
+    absl::MutexLock lock(&mu_);
+    if (auto it = entries_.find(connection); it != entries_.end()) it->second.head_in = true;
+  }
+
+  // The sweeper's loop, until Stop().
+  void Sweep() {
+    while (!stop_.WaitForNotificationWithTimeout(absl::Milliseconds(200))) CutLate(absl::Now());
+  }
+  void Stop() { stop_.Notify(); }
+  int64_t cut() const {
+    absl::MutexLock lock(&mu_);
+    return cut_;
+  }
+
+ private:
+  struct Entry {
+    int fd = -1;
+    absl::Time due;
+    bool head_in = false;
+    bool cut = false;
+  };
+
+  void Opened(MHD_Connection* connection) {
+    const MHD_ConnectionInfo* info =
+        MHD_get_connection_info(connection, MHD_CONNECTION_INFO_CONNECTION_FD);
+    if (info == nullptr) return;
+    // Unwatched if it cannot be duplicated (out of descriptors): the idle
+    // timeout still applies to it.
+    const int fd = fcntl(info->connect_fd, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) return;
+    absl::MutexLock lock(&mu_);
+    entries_[connection] = Entry{fd, absl::Now() + limit_, false, false};
+  }
+  void Restart(MHD_Connection* connection) {
+    absl::MutexLock lock(&mu_);
+    if (auto it = entries_.find(connection); it != entries_.end()) {
+      it->second.head_in = false;
+      it->second.due = absl::Now() + limit_;
+    }
+  }
+  void Closed(MHD_Connection* connection) {
+    absl::MutexLock lock(&mu_);
+    if (auto it = entries_.find(connection); it != entries_.end()) {
+      close(it->second.fd);
+      entries_.erase(it);
+    }
+  }
+  void CutLate(absl::Time now) {
+    absl::MutexLock lock(&mu_);
+    for (auto& [connection, entry] : entries_) {
+      if (entry.head_in || entry.cut || now < entry.due) continue;
+      // The daemon sees the socket end and closes the connection itself.
+      shutdown(entry.fd, SHUT_RDWR);
+      entry.cut = true;
+      ++cut_;
+    }
+  }
+
+  const AdminHttpServer* const server_;
+  const absl::Duration limit_;
+  absl::Notification stop_;
+  mutable absl::Mutex mu_;
+  std::unordered_map<MHD_Connection*, Entry> entries_ ABSL_GUARDED_BY(mu_);
+  int64_t cut_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
 // The daemon's request callback. Called once the request head is in (the
 // admin endpoints take no body); answers at once.
 class AdminHttpHandler {
@@ -89,11 +194,12 @@ class AdminHttpHandler {
   static MHD_Result Handle(void* self, MHD_Connection* connection, const char* url,
                            const char* method, const char* /*version*/, const char* /*upload_data*/,
                            size_t* upload_data_size, void** /*request_state*/) {
+    auto* heads = static_cast<AdminHttpServer::HeadDeadlines*>(self);
+    heads->HeadIn(connection);
     // A request with a body is answered on the first call; its bytes are
     // dropped unread.
     *upload_data_size = 0;
-    const AdminHttpServer::Answer answer =
-        static_cast<const AdminHttpServer*>(self)->Respond(method, url);
+    const AdminHttpServer::Answer answer = heads->server()->Respond(method, url);
     MHD_Response* response = MHD_create_response_from_buffer(
         answer.body.size(), const_cast<char*>(answer.body.data()), MHD_RESPMEM_MUST_COPY);
     if (response == nullptr) return MHD_NO;  // out of memory: the connection is closed
@@ -153,17 +259,22 @@ absl::Status AdminHttpServer::Start(const std::string& host, int port) {
     return fd.status();
   }
   const int bound_port = BoundPort(*fd);
+  heads_ = std::make_unique<HeadDeadlines>(this, absl::Seconds(kRequestHeadSeconds));
+  HeadDeadlines* heads = heads_.get();
   // One thread polls every connection (epoll): slow clients hold slots, not
   // threads. The daemon owns the socket from here and closes it on stop.
   daemon_ = MHD_start_daemon(
       MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_USE_ERROR_LOG, 0, nullptr, nullptr,
-      &AdminHttpHandler::Handle, this, MHD_OPTION_EXTERNAL_LOGGER, &LogDaemonError, nullptr,
+      &AdminHttpHandler::Handle, heads, MHD_OPTION_EXTERNAL_LOGGER, &LogDaemonError, nullptr,
       MHD_OPTION_LISTEN_SOCKET, *fd, MHD_OPTION_CONNECTION_LIMIT,
       static_cast<unsigned int>(kMaxConnections), MHD_OPTION_PER_IP_CONNECTION_LIMIT,
       static_cast<unsigned int>(kMaxConnectionsPerPeer), MHD_OPTION_CONNECTION_TIMEOUT,
       static_cast<unsigned int>(kIdleTimeoutSeconds), MHD_OPTION_CONNECTION_MEMORY_LIMIT,
-      static_cast<size_t>(kMaxRequestBytes), MHD_OPTION_END);
+      static_cast<size_t>(kMaxRequestBytes), MHD_OPTION_NOTIFY_CONNECTION,
+      &HeadDeadlines::OnConnection, heads, MHD_OPTION_NOTIFY_COMPLETED, &HeadDeadlines::OnAnswered,
+      heads, MHD_OPTION_END);
   if (daemon_ == nullptr) {
+    heads_.reset();
     close(*fd);
     const std::string message =
         absl::StrCat("admin HTTP server cannot serve on ", host, ":", port,
@@ -172,6 +283,7 @@ absl::Status AdminHttpServer::Start(const std::string& host, int port) {
     return absl::UnavailableError(message);
   }
   port_ = bound_port;
+  head_sweeper_ = std::thread([heads] { heads->Sweep(); });
   spdlog::info("admin HTTP server listening on {}:{} (/metrics, /healthz, /readyz)", host,
                bound_port);
   return absl::OkStatus();
@@ -180,8 +292,11 @@ absl::Status AdminHttpServer::Start(const std::string& host, int port) {
 void AdminHttpServer::Stop() {
   absl::MutexLock lock(&mu_);
   if (daemon_ == nullptr) return;
-  MHD_stop_daemon(daemon_);
+  heads_->Stop();
+  head_sweeper_.join();
+  MHD_stop_daemon(daemon_);  // reports every connection closed to heads_
   daemon_ = nullptr;
+  heads_.reset();
   spdlog::info("admin HTTP server on port {} stopped", port_);
   port_ = 0;
 }
@@ -189,6 +304,11 @@ void AdminHttpServer::Stop() {
 int AdminHttpServer::port() const {
   absl::MutexLock lock(&mu_);
   return port_;
+}
+
+int64_t AdminHttpServer::heads_cut() const {
+  absl::MutexLock lock(&mu_);
+  return heads_ != nullptr ? heads_->cut() : 0;
 }
 
 }  // namespace mlaverify::admin

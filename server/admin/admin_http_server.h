@@ -13,12 +13,15 @@
 // sends its request a byte at a time cannot keep the probes from being
 // answered (a thread-per-connection server would hand it a worker). Limits:
 // kMaxConnections open at once (kMaxConnectionsPerPeer from one address),
-// kIdleTimeoutSeconds without progress, kMaxRequestBytes of request head.
+// kIdleTimeoutSeconds without progress, kRequestHeadSeconds for a whole
+// request head however steadily it trickles in, kMaxRequestBytes of head.
 #ifndef MLAVERIFY_SERVER_ADMIN_ADMIN_HTTP_SERVER_H_
 #define MLAVERIFY_SERVER_ADMIN_ADMIN_HTTP_SERVER_H_
 
 #include <functional>
+#include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -48,10 +51,13 @@ class AdminHttpServer {
   // the node's address).
   static constexpr int kMaxConnections = 256;
   static constexpr int kMaxConnectionsPerPeer = 8;
-  // Without a byte for this long a connection is closed (libmicrohttpd
-  // times out inactivity, not a whole request head: a client that sends a
-  // byte every few seconds keeps its slot, within its address's 8).
+  // Without a byte for this long a connection is closed (libmicrohttpd's
+  // own timeout: inactivity only).
   static constexpr int kIdleTimeoutSeconds = 5;
+  // A request head not complete this long after the connection opened (or
+  // after its previous answer) is cut, however steadily its bytes come: a
+  // probe's head is one packet, a slowloris's never ends.
+  static constexpr int kRequestHeadSeconds = 3;
   static constexpr int kMaxRequestBytes = 16 << 10;
 
   // Binds host:port (port 0: an ephemeral port, see port()) and serves from a
@@ -69,12 +75,15 @@ class AdminHttpServer {
 
   // The bound port while started, else 0.
   int port() const;
+  // Connections cut because their request head was late, since Start.
+  int64_t heads_cut() const;
 
  private:
   Metrics* const metrics_;
   const std::function<bool()> ready_;
 
   friend class AdminHttpHandler;  // the daemon's callback, in the .cc
+  class HeadDeadlines;            // (.cc)
 
   // One request's answer, computed on the daemon's thread.
   struct Answer {
@@ -87,6 +96,9 @@ class AdminHttpServer {
   mutable absl::Mutex mu_;
   MHD_Daemon* daemon_ ABSL_GUARDED_BY(mu_) = nullptr;
   int port_ ABSL_GUARDED_BY(mu_) = 0;
+  // The request heads in progress, and the thread that cuts late ones.
+  std::unique_ptr<HeadDeadlines> heads_ ABSL_GUARDED_BY(mu_);
+  std::thread head_sweeper_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace mlaverify::admin
