@@ -232,6 +232,11 @@ struct WorkerResult {
   // stability windows is not the whole measured period.
   std::vector<int32_t> layers;
   std::vector<int64_t> sequence_lens;
+  // Whole decode steps (every layer and the commits): how long each took,
+  // when it started (as above) and the tokens it added to its sequences.
+  std::vector<double> step_ms;
+  std::vector<double> step_started_s;
+  std::vector<int64_t> step_tokens;
   int64_t steps_committed = 0;
   int64_t sequences_created = 0;
   int64_t append_bytes = 0;
@@ -456,10 +461,16 @@ class LoadWorker {
       item_inputs_[k].parents = parents[k];
     }
     const absl::Span<const VerifyItemInput> call(item_inputs_.data(), items);
+    bool step_measured = false;
+    Clock::time_point step_start;
     for (int layer = 0; layer < plan_.num_layers; ++layer) {
       bool measured = false;
       Clock::time_point start;
       if (!control_.BeginVerify(&measured, &start)) return false;
+      if (layer == 0) {
+        step_measured = measured;
+        step_start = start;
+      }
       absl::StatusOr<std::vector<VerifyItemResult>> results = VerifyLayer(layer, call);
       const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
       if (!results.ok()) {
@@ -492,8 +503,10 @@ class LoadWorker {
       }
     }
     bool full = false;
+    int64_t tokens = 0;
     for (int k = 0; k < items; ++k) {
       const std::vector<int32_t> accepted = RandomAcceptedPath(rng_, parents[k]);
+      tokens += static_cast<int64_t>(accepted.size()) + 1;
       absl::StatusOr<CommitResult> committed = replicas_.Commit(group_[k], accepted);
       if (!committed.ok()) {
         RecordError("Commit", committed.status(), group_[k].replica);
@@ -505,6 +518,13 @@ class LoadWorker {
     }
     consecutive_failures_ = 0;
     result_.steps_committed += items;
+    if (step_measured) {
+      result_.step_ms.push_back(
+          std::chrono::duration<double, std::milli>(Clock::now() - step_start).count());
+      result_.step_started_s.push_back(
+          std::chrono::duration<double>(step_start - plan_.measure_start).count());
+      result_.step_tokens.push_back(tokens);
+    }
     if (full) {
       for (const PlacedSequence& seq : group_) {
         absl::StatusOr<int64_t> freed = replicas_.ReleaseSequence(seq);
@@ -940,6 +960,7 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
                           : std::numeric_limits<double>::infinity();
 
   std::vector<double> latencies;
+  std::vector<double> step_latencies;
   // Per second of the whole measured period: latencies and failures.
   std::vector<std::vector<double>> second_latencies;
   std::vector<int64_t> second_errors;
@@ -970,6 +991,13 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
     }
     for (double t : result.error_s) {
       if (const std::optional<size_t> second = second_of(t)) ++second_errors[*second];
+    }
+    for (size_t i = 0; i < result.step_ms.size(); ++i) {
+      const double t = result.step_started_s[i];
+      if (t >= from_s && t < to_s) {
+        step_latencies.push_back(result.step_ms[i]);
+        report.step_tokens += result.step_tokens[i];
+      }
     }
     report.steps_committed += result.steps_committed;
     report.sequences_created += result.sequences_created;
@@ -1013,6 +1041,8 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
   report.verify_items = report.verify_calls * plan.items;
   report.draft_tokens = report.verify_items * plan.num_drafts;
   report.latency_ms = Summarize(std::move(latencies), options.percentiles);
+  report.steps_measured = static_cast<int64_t>(step_latencies.size());
+  report.step_ms = Summarize(std::move(step_latencies), options.percentiles);
   for (size_t second = 0; second < second_latencies.size(); ++second) {
     LatencySummary l = Summarize(std::move(second_latencies[second]));
     report.series.push_back(
@@ -1040,6 +1070,7 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
     report.calls_per_second = report.verify_calls / report.measured_seconds;
     report.items_per_second = report.verify_items / report.measured_seconds;
     report.draft_tokens_per_second = report.draft_tokens / report.measured_seconds;
+    report.tokens_per_second = report.step_tokens / report.measured_seconds;
   }
 
   // Pages back on every replica. With one target, a server that is gone or
@@ -1198,6 +1229,14 @@ void PrintLoadReport(const LoadReport& report) {
   }
   absl::PrintF("steps:        %d committed, %d sequences created\n", report.steps_committed,
                report.sequences_created);
+  if (report.steps_measured > 0) {
+    const LatencySummary& s = report.step_ms;
+    absl::PrintF(
+        "step ms:      p50 %.3f  p90 %.3f  p95 %.3f  p99 %.3f  max %.3f  (%d steps of %d layers "
+        "and the commits; %.1f tokens/s accepted)\n",
+        s.p50, s.p90, s.p95, s.p99, s.max, report.steps_measured, report.num_layers,
+        report.tokens_per_second);
+  }
   if (report.append_bytes > 0) {
     absl::PrintF(
         "append:       %.1f MB of prompt KV, %.2f GB/s per call, %.2f GB/s aggregate in the "
@@ -1355,6 +1394,12 @@ nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
       {"items_per_second", report.items_per_second},
       {"draft_tokens_per_second", report.draft_tokens_per_second},
       {"steps_committed", report.steps_committed},
+      {"decode_steps",
+       {{"measured", report.steps_measured},
+        {"layers", report.num_layers},
+        {"tokens", report.step_tokens},
+        {"tokens_per_second", report.tokens_per_second},
+        {"latency_ms", LatencySummaryToJson(report.step_ms)}}},
       {"append",
        {{"bytes", report.append_bytes},
         {"call_seconds", report.append_call_seconds},

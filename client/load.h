@@ -120,6 +120,15 @@ struct LoadReport {
   // to the last end (prompt generation before them excluded).
   double append_gb_per_s_ramp_up = 0.0;
   LatencySummary latency_ms;  // of measured, successful Verify calls
+  // Decode steps as a scheduler waits for them: one tree per item, every
+  // layer's Verify, then the items' Commits. A step counts when its first
+  // call started in the reported window and every call of it succeeded.
+  // Tokens: per item and step, the accepted drafts plus the target's own
+  // next token (what the step adds to the sequence).
+  int64_t steps_measured = 0;
+  LatencySummary step_ms;
+  int64_t step_tokens = 0;
+  double tokens_per_second = 0.0;
   // HTTP/2 connections per target (ClientOptions::connections), and the
   // calls each carried over the whole run, summed over the targets by index.
   int connections = 1;

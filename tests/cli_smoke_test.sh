@@ -61,6 +61,18 @@ r = json.load(open(sys.argv[1]))
 s, l = r["slowest_call"], r["latency_ms"]
 assert s["worker"] >= 0 and s["ms"] == l["max"] and 0 <= s["started_s"] <= r["measured_seconds"], (s, l)
 PY
+# Decode steps as a scheduler waits for them: every layer's call and the
+# commits; a step takes at least its layers' calls, and adds at least one
+# token per item.
+python3 - "$work/load.json" <<'PY' || fail "load's decode steps are implausible: $(cat "$work/load.json")"
+import json, sys
+r = json.load(open(sys.argv[1]))
+d, l = r["decode_steps"], r["latency_ms"]
+assert d["layers"] == r["geometry"]["num_layers"] == 4, d
+assert d["measured"] > 0 and d["tokens"] >= d["measured"] * r["options"]["items"], d
+assert d["latency_ms"]["p50"] >= 0.5 * d["layers"] * l["p50"], (d, l)
+assert d["tokens_per_second"] > 0, d
+PY
 # Open loop: 20 calls/s asked and answered (far below what the server does
 # closed loop, also under the sanitizers), at most a few late; a sweep over
 # concurrency writes one report per value.
