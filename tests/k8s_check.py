@@ -18,6 +18,10 @@ For every pod template (StatefulSet, Deployment, DaemonSet, Job, Pod):
   10 minutes, livenessProbe on /healthz, readinessProbe on /readyz, all on the
   admin port; /dev/shm is an emptyDir with medium Memory and a sizeLimit; its
   image names a registry and kustomization.yaml's `images:` can replace it.
+Every rendered kustomization carries a NetworkPolicy over the pods: Ingress
+only, each rule naming ports the pod's containers declare and admitting
+named sources (never everyone), the grpc port only scheduler-labelled pods,
+the admin port a rule of its own.
 Then deploy/kubernetes/podmonitor.yaml: it selects the pods' label, scrapes
 the port the server container names `admin`, and takes `job` from the label
 whose value rules.yml expects (mlaverify). And `yamllint -s` with
@@ -264,6 +268,55 @@ def check_podmonitor(objects, rendered):
     return problems
 
 
+SCHEDULER_LABEL = ("mlaverify.io/role", "scheduler")
+
+
+def check_network_policy(objects):
+    """The pods' NetworkPolicy (deploy/kubernetes/networkpolicy.yaml)."""
+    problems = []
+    pods = [o for o in objects if o and o.get("kind") in POD_KINDS]
+    policies = [o for o in objects if o and o.get("kind") == "NetworkPolicy"]
+    for pod in pods:
+        labels = pod["spec"]["template"]["metadata"].get("labels") or {}
+        ports = {p.get("name") for _, c in containers_of(pod_spec(pod)) for p in c.get("ports") or []}
+        mine = [n for n in policies
+                if all(labels.get(k) == v for k, v in
+                       (n["spec"].get("podSelector", {}).get("matchLabels") or {}).items())]
+        name = f"{pod['kind']}/{pod['metadata']['name']}"
+        if not mine:
+            problems.append(f"{name}: no NetworkPolicy selects its pods")
+            continue
+        covered = {}
+        for policy in mine:
+            spec = policy["spec"]
+            if "Ingress" not in (spec.get("policyTypes") or []):
+                problems.append(f"NetworkPolicy {policy['metadata']['name']}: policyTypes has "
+                                "no Ingress")
+            for rule in spec.get("ingress") or []:
+                sources = rule.get("from") or []
+                rule_ports = [p.get("port") for p in rule.get("ports") or []]
+                if not sources:
+                    problems.append(f"NetworkPolicy {policy['metadata']['name']}: a rule for "
+                                    f"{rule_ports or 'every port'} admits every source")
+                if not rule_ports:
+                    problems.append(f"NetworkPolicy {policy['metadata']['name']}: a rule names "
+                                    "no port")
+                for port in rule_ports:
+                    if port not in ports:
+                        problems.append(f"NetworkPolicy {policy['metadata']['name']}: port "
+                                        f"{port} names no port of {name}")
+                    covered.setdefault(port, []).extend(sources)
+        for port in ("grpc", "admin"):
+            if port in ports and port not in covered:
+                problems.append(f"{name}: no NetworkPolicy rule admits anyone to port {port}")
+        for source in covered.get("grpc", []):
+            selector = (source.get("podSelector") or {}).get("matchLabels") or {}
+            if selector.get(SCHEDULER_LABEL[0]) != SCHEDULER_LABEL[1]:
+                problems.append(f"{name}: port grpc admits sources that are not pods labelled "
+                                f"{SCHEDULER_LABEL[0]}={SCHEDULER_LABEL[1]}")
+    return problems
+
+
 def render(kubectl, directory):
     r = subprocess.run([kubectl, "kustomize", os.path.join(ROOT, directory)],
                        capture_output=True, text=True, timeout=120)
@@ -286,6 +339,7 @@ def check_repository(kubectl):
         found = check_objects(objects, kustomization if directory == KUSTOMIZATIONS[0] else None)
         print(f"{directory}: {len(objects)} objects, {len(found)} problems")
         problems += [f"{directory}: {p}" for p in found]
+        problems += [f"{directory}: {p}" for p in check_network_policy(objects)]
         if directory == "deploy/kubernetes":
             base = objects
         if directory == "deploy/http2-front":
@@ -356,6 +410,21 @@ MUTATIONS = [
      "names no registry"),
 ]
 
+POLICY_MUTATIONS = [
+    ("no policy", lambda p, objects: objects.remove(p), "no NetworkPolicy selects its pods"),
+    ("open grpc rule", lambda p, objects: p["spec"]["ingress"][0].pop("from"),
+     "admits every source"),
+    ("any pod of an allowed namespace",
+     lambda p, objects: p["spec"]["ingress"][0]["from"][1].pop("podSelector"),
+     "not pods labelled mlaverify.io/role=scheduler"),
+    ("misnamed port", lambda p, objects: p["spec"]["ingress"][1]["ports"][0].update(port="metrics"),
+     "port metrics names no port"),
+    ("egress only", lambda p, objects: p["spec"].update(policyTypes=["Egress"]),
+     "policyTypes has no Ingress"),
+    ("no admin rule", lambda p, objects: p["spec"]["ingress"].pop(1),
+     "no NetworkPolicy rule admits anyone to port admin"),
+]
+
 # What tests/deploy/bad-statefulset.yaml must be reported for.
 BAD_FILE_PROBLEMS = [
     "hostNetwork is set",
@@ -400,7 +469,17 @@ def self_test(base):
                      "names no grpc port", "not read from a mounted ConfigMap"):
         if not any(expected in p for p in front_found):
             failures.append(f"check_front: '{expected}' not reported (got {front_found})")
+    # The NetworkPolicy: each requirement broken once on the rendered base.
+    for what, mutate, expected in POLICY_MUTATIONS:
+        broken = copy.deepcopy(base)
+        policy = [o for o in broken if o and o.get("kind") == "NetworkPolicy"][0]
+        mutate(policy, broken)
+        found = check_network_policy(broken)
+        if not any(expected in p for p in found):
+            failures.append(f"policy mutation '{what}' was not reported as '{expected}' "
+                            f"(got {found})")
     print(f"self-test: {len(MUTATIONS)} mutations of the rendered StatefulSet, "
+          f"{len(POLICY_MUTATIONS)} of the NetworkPolicy, "
           f"{len(BAD_FILE_PROBLEMS)} problems of tests/deploy/bad-statefulset.yaml "
           f"({len(found)} reported): {'FAIL' if failures else 'ok'}")
     return failures
