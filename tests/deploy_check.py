@@ -10,6 +10,8 @@
   registered in server/admin/metrics.cc (so a renamed metric breaks this
   test); every metric family (exported or registered) is on the dashboard or
   listed under "Not on the dashboard" in server/admin/README.md;
+- every alert has a summary, a description and a runbook_url naming a
+  section of docs/runbook.md, and every section there is an alert's;
 - every dashboard query parses (`promtool check rules` on them as recording
   rules, the dashboard's variables replaced by values);
 - every flag that the ConfigMap, the StatefulSet, the scheduler-sidecar
@@ -93,6 +95,25 @@ def main():
         shutil.rmtree(copy_dir)
     if r.returncode != 0:
         fail(f"promtool check config: {r.stdout}{r.stderr}")
+
+    # ---- alert annotations and the runbook -----------------------------------
+    with open(os.path.join(DEPLOY, "prometheus", "rules.yml")) as f:
+        rules = yaml.safe_load(f)
+    with open(os.path.join(ROOT, "docs", "runbook.md")) as f:
+        sections = {line[3:].strip() for line in f if line.startswith("## ")}
+    alerts = [r for g in rules["groups"] for r in g["rules"] if "alert" in r]
+    for rule in alerts:
+        annotations = rule.get("annotations") or {}
+        for key in ("summary", "description", "runbook_url"):
+            if not annotations.get(key):
+                fail(f"rules.yml: alert {rule['alert']} has no {key} annotation")
+        url = annotations.get("runbook_url", "")
+        if url != f"docs/runbook.md#{rule['alert'].lower()}" or rule["alert"] not in sections:
+            fail(f"rules.yml: alert {rule['alert']}'s runbook_url {url!r} does not name its "
+                 "section of docs/runbook.md")
+    for section in sections - {r["alert"] for r in alerts}:
+        fail(f"docs/runbook.md: section {section!r} is no alert of rules.yml")
+    print(f"ok: {len(alerts)} alerts, each with a description and its runbook section")
 
     # ---- the server's flags -------------------------------------------------
     help_text = run(server, "--help").stdout
@@ -249,6 +270,7 @@ def main():
     rules = {"groups": [{"name": "dashboard", "rules": [
         {"record": f"dashboard:query{i}",
          "expr": e.replace("$namespace", ".*").replace("$pod", ".*")
+                  .replace("$__rate_interval", "1m")
                   .replace("$kv_bytes_per_token", "70272")}
         for i, e in enumerate(exprs)]}]}
     with tempfile.NamedTemporaryFile("w", suffix=".yml", delete=False) as f:

@@ -218,8 +218,10 @@ def main():
         answered, with_data = 0, 0
         for panel in board["panels"]:
             for target in panel.get("targets", []):
+                # Grafana's $__rate_interval: at least four scrape intervals.
                 expr = (target["expr"].replace("$namespace", ".*").replace("$pod", ".*")
-                        .replace("$kv_bytes_per_token", "70272"))
+                        .replace("$kv_bytes_per_token", "70272")
+                        .replace("$__rate_interval", "1m"))
                 r = query(prom, expr)
                 if r.get("status") != "success":
                     say(f"FAIL: dashboard '{panel['title']}': {r}")
