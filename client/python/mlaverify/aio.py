@@ -161,59 +161,67 @@ class AsyncVerifyClient(_wire.ClientBase):
         return r.freed_pages
 
     async def register_system_shared_memory(self, name: str, region, offset: int = 0,
-                                            byte_size: Optional[int] = None) -> None:
+                                            byte_size: Optional[int] = None,
+                                            timeout: Optional[float] = None) -> None:
         """As VerifyClient.register_system_shared_memory."""
         request = _wire.register_request(name, region, offset, byte_size)
-        await self._call("RegisterSystemSharedMemory", "RegisterSystemSharedMemory", request)
+        await self._call("RegisterSystemSharedMemory", "RegisterSystemSharedMemory", request,
+                         timeout)
         self._regions[name] = _wire.RegisteredView(region, offset)
 
     async def register_cuda_shared_memory(self, name: str, region,
-                                          device_id: Optional[int] = None) -> None:
+                                          device_id: Optional[int] = None,
+                                          timeout: Optional[float] = None) -> None:
         """As VerifyClient.register_cuda_shared_memory."""
         request = cuda_shm_request(name, region, device_id)
-        await self._call("RegisterCudaSharedMemory", "RegisterCudaSharedMemory", request)
+        await self._call("RegisterCudaSharedMemory", "RegisterCudaSharedMemory", request, timeout)
         self._regions[name] = cuda_shm.CudaRegisteredView(region)
 
-    async def unregister_system_shared_memory(self, name: str = "") -> List[str]:
+    async def unregister_system_shared_memory(self, name: str = "",
+                                              timeout: Optional[float] = None) -> List[str]:
         """As VerifyClient.unregister_system_shared_memory."""
         r = await self._call("UnregisterSystemSharedMemory", "UnregisterSystemSharedMemory",
-                             verify_pb2.UnregisterSystemSharedMemoryRequest(name=name))
+                             verify_pb2.UnregisterSystemSharedMemoryRequest(name=name), timeout)
         for n in r.unregistered:
             self._regions.pop(n, None)
         return list(r.unregistered)
 
     async def system_shared_memory_status(
-            self, name: str = "") -> List[types.SystemSharedMemoryStatus]:
+            self, name: str = "",
+            timeout: Optional[float] = None) -> List[types.SystemSharedMemoryStatus]:
         """As VerifyClient.system_shared_memory_status."""
         r = await self._call("SystemSharedMemoryStatus", "SystemSharedMemoryStatus",
-                             verify_pb2.SystemSharedMemoryStatusRequest(name=name))
+                             verify_pb2.SystemSharedMemoryStatusRequest(name=name), timeout)
         return [types.from_message(types.SystemSharedMemoryStatus, m) for m in r.regions]
 
-    async def unregister_cuda_shared_memory(self, name: str = "") -> List[str]:
+    async def unregister_cuda_shared_memory(self, name: str = "",
+                                            timeout: Optional[float] = None) -> List[str]:
         """As VerifyClient.unregister_cuda_shared_memory."""
         r = await self._call("UnregisterCudaSharedMemory", "UnregisterCudaSharedMemory",
-                             verify_pb2.UnregisterCudaSharedMemoryRequest(name=name))
+                             verify_pb2.UnregisterCudaSharedMemoryRequest(name=name), timeout)
         for n in r.unregistered:
             self._regions.pop(n, None)
         return list(r.unregistered)
 
     async def cuda_shared_memory_status(
-            self, name: str = "") -> List[types.CudaSharedMemoryStatus]:
+            self, name: str = "",
+            timeout: Optional[float] = None) -> List[types.CudaSharedMemoryStatus]:
         """As VerifyClient.cuda_shared_memory_status."""
         r = await self._call("CudaSharedMemoryStatus", "CudaSharedMemoryStatus",
-                             verify_pb2.CudaSharedMemoryStatusRequest(name=name))
+                             verify_pb2.CudaSharedMemoryStatusRequest(name=name), timeout)
         return [types.from_message(types.CudaSharedMemoryStatus, m) for m in r.regions]
 
     async def open_step(self, items: Sequence[Tuple[int, Sequence[int]]],
                         ranks: Sequence["steps.StepRank"], doorbell: str = "host",
                         softmax_scale: float = 0.0, layer_timeout_ms: int = 0,
-                        max_duration_ms: int = 0) -> "steps.DeviceStep":
+                        max_duration_ms: int = 0,
+                        timeout: Optional[float] = None) -> "steps.DeviceStep":
         """As VerifyClient.open_step. The step's ring and wait never call the
         server (they are synchronous); its abort() and status() return
         coroutines of this client's."""
         request = steps.open_step_request(items, ranks, doorbell, softmax_scale,
                                           layer_timeout_ms, max_duration_ms)
-        response = await self._call("OpenStep", "OpenStep", request,
+        response = await self._call("OpenStep", "OpenStep", request, timeout,
                                     sequence_id=items[0][0] if items else None)
         try:
             return steps.DeviceStep(self, response, doorbell, ranks, self._regions)
@@ -221,15 +229,15 @@ class AsyncVerifyClient(_wire.ClientBase):
             await self.abort_step(response.step_id)
             raise
 
-    async def abort_step(self, step_id: int) -> types.StepStatus:
+    async def abort_step(self, step_id: int, timeout: Optional[float] = None) -> types.StepStatus:
         """As VerifyClient.abort_step."""
         return types.from_message(types.StepStatus, await self._call(
-            "AbortStep", "AbortStep", verify_pb2.AbortStepRequest(step_id=step_id)))
+            "AbortStep", "AbortStep", verify_pb2.AbortStepRequest(step_id=step_id), timeout))
 
-    async def get_step(self, step_id: int) -> types.StepStatus:
+    async def get_step(self, step_id: int, timeout: Optional[float] = None) -> types.StepStatus:
         """As VerifyClient.get_step."""
         return types.from_message(types.StepStatus, await self._call(
-            "GetStep", "GetStep", verify_pb2.GetStepRequest(step_id=step_id)))
+            "GetStep", "GetStep", verify_pb2.GetStepRequest(step_id=step_id), timeout))
 
     async def verify_stream(self, max_in_flight: int = 16) -> "AsyncVerifyStream":
         """As VerifyClient.verify_stream."""

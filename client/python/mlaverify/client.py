@@ -204,68 +204,77 @@ class VerifyClient(_wire.ClientBase):
 
     # -- shared memory ------------------------------------------------------
     def register_system_shared_memory(self, name: str, region: "shm.SharedMemoryRegion",
-                                      offset: int = 0, byte_size: Optional[int] = None) -> None:
+                                      offset: int = 0, byte_size: Optional[int] = None,
+                                      timeout: Optional[float] = None) -> None:
         """Registers [offset, offset + byte_size) of `region` (a
         SharedMemoryRegion of this process) as `name`; items placed there
         (VerifyItem.shm) then travel as references."""
         request = _wire.register_request(name, region, offset, byte_size)
-        self._call("RegisterSystemSharedMemory", "RegisterSystemSharedMemory", request)
+        self._call("RegisterSystemSharedMemory", "RegisterSystemSharedMemory", request, timeout)
         self._regions[name] = _wire.RegisteredView(region, offset)
 
     def register_cuda_shared_memory(self, name: str, region: "cuda_shm.CudaSharedMemoryRegion",
-                                    device_id: Optional[int] = None) -> None:
+                                    device_id: Optional[int] = None,
+                                    timeout: Optional[float] = None) -> None:
         """Registers a CudaSharedMemoryRegion (device memory of this process)
         as `name` by its CUDA IPC handle; items placed there keep q,
         draft_kv, out and lse on the device. device_id: the server's number
         of the region's device (None: this process's index of it)."""
         request = cuda_shm_request(name, region, device_id)
-        self._call("RegisterCudaSharedMemory", "RegisterCudaSharedMemory", request)
+        self._call("RegisterCudaSharedMemory", "RegisterCudaSharedMemory", request, timeout)
         self._regions[name] = cuda_shm.CudaRegisteredView(region)
 
-    def unregister_system_shared_memory(self, name: str = "") -> List[str]:
+    def unregister_system_shared_memory(self, name: str = "",
+                                        timeout: Optional[float] = None) -> List[str]:
         """Removes region `name` of either kind ("" : every region); returns
         the names removed."""
         names = list(self._call("UnregisterSystemSharedMemory", "UnregisterSystemSharedMemory",
-                                verify_pb2.UnregisterSystemSharedMemoryRequest(name=name)
-                                ).unregistered)
+                                verify_pb2.UnregisterSystemSharedMemoryRequest(name=name),
+                                timeout).unregistered)
         for n in names:
             self._regions.pop(n, None)
         return names
 
-    def system_shared_memory_status(self, name: str = "") -> List[types.SystemSharedMemoryStatus]:
+    def system_shared_memory_status(
+            self, name: str = "",
+            timeout: Optional[float] = None) -> List[types.SystemSharedMemoryStatus]:
         """`name` ("" : every region, either kind) with its use."""
         r = self._call("SystemSharedMemoryStatus", "SystemSharedMemoryStatus",
-                       verify_pb2.SystemSharedMemoryStatusRequest(name=name))
+                       verify_pb2.SystemSharedMemoryStatusRequest(name=name), timeout)
         return [types.from_message(types.SystemSharedMemoryStatus, m) for m in r.regions]
 
-    def unregister_cuda_shared_memory(self, name: str = "") -> List[str]:
+    def unregister_cuda_shared_memory(self, name: str = "",
+                                      timeout: Optional[float] = None) -> List[str]:
         """Removes the CUDA region `name` ("" : every CUDA region); returns the
         names removed."""
         names = list(self._call("UnregisterCudaSharedMemory", "UnregisterCudaSharedMemory",
-                                verify_pb2.UnregisterCudaSharedMemoryRequest(name=name)
-                                ).unregistered)
+                                verify_pb2.UnregisterCudaSharedMemoryRequest(name=name),
+                                timeout).unregistered)
         for n in names:
             self._regions.pop(n, None)
         return names
 
-    def cuda_shared_memory_status(self, name: str = "") -> List[types.CudaSharedMemoryStatus]:
+    def cuda_shared_memory_status(
+            self, name: str = "",
+            timeout: Optional[float] = None) -> List[types.CudaSharedMemoryStatus]:
         """The CUDA region `name` ("" : every CUDA region) with its use."""
         r = self._call("CudaSharedMemoryStatus", "CudaSharedMemoryStatus",
-                       verify_pb2.CudaSharedMemoryStatusRequest(name=name))
+                       verify_pb2.CudaSharedMemoryStatusRequest(name=name), timeout)
         return [types.from_message(types.CudaSharedMemoryStatus, m) for m in r.regions]
 
     # -- device-driven steps (mlaverify.steps, docs/steps.md) -----------------
     def open_step(self, items: Sequence[Tuple[int, Sequence[int]]],
                   ranks: Sequence["steps.StepRank"], doorbell: str = "host",
                   softmax_scale: float = 0.0, layer_timeout_ms: int = 0,
-                  max_duration_ms: int = 0) -> "steps.DeviceStep":
+                  max_duration_ms: int = 0,
+                  timeout: Optional[float] = None) -> "steps.DeviceStep":
         """Opens a device-driven step: items are (sequence_id, parents) pairs;
         ranks place every item's tensors (one per device of a TP server);
         doorbell "host" (slots in a system region this client registered) or
         "gpu" (words in the server's device memory). Not retried."""
         request = steps.open_step_request(items, ranks, doorbell, softmax_scale,
                                           layer_timeout_ms, max_duration_ms)
-        response = self._call("OpenStep", "OpenStep", request,
+        response = self._call("OpenStep", "OpenStep", request, timeout,
                               sequence_id=items[0][0] if items else None)
         try:
             return steps.DeviceStep(self, response, doorbell, ranks, self._regions)
@@ -273,16 +282,16 @@ class VerifyClient(_wire.ClientBase):
             self.abort_step(response.step_id)  # nobody could ring it
             raise
 
-    def abort_step(self, step_id: int) -> types.StepStatus:
+    def abort_step(self, step_id: int, timeout: Optional[float] = None) -> types.StepStatus:
         """AbortStep: ends the step early; returns once nothing of it runs
         any more, with its final status."""
         return types.from_message(types.StepStatus, self._call(
-            "AbortStep", "AbortStep", verify_pb2.AbortStepRequest(step_id=step_id)))
+            "AbortStep", "AbortStep", verify_pb2.AbortStepRequest(step_id=step_id), timeout))
 
-    def get_step(self, step_id: int) -> types.StepStatus:
+    def get_step(self, step_id: int, timeout: Optional[float] = None) -> types.StepStatus:
         """GetStep: the step's state."""
         return types.from_message(types.StepStatus, self._call(
-            "GetStep", "GetStep", verify_pb2.GetStepRequest(step_id=step_id)))
+            "GetStep", "GetStep", verify_pb2.GetStepRequest(step_id=step_id), timeout))
 
     # -- the native path (mlaverify.native) ----------------------------------
     def _native_client(self) -> "native.NativeClient":

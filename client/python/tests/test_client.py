@@ -427,3 +427,23 @@ def test_every_sequence_call_takes_a_timeout(client, monkeypatch):
     seen.clear()
     client.server_info()
     assert seen == [("GetServerInfo", None)]
+    # The shared-memory and step calls alike (refusals included: the timeout
+    # is sent all the same).
+    from mlaverify import SharedMemoryRegion
+    seen.clear()
+    with SharedMemoryRegion(4096) as region:
+        client.register_system_shared_memory("py-timeouts", region, timeout=7.5)
+        client.system_shared_memory_status("py-timeouts", timeout=7.5)
+        client.unregister_system_shared_memory("py-timeouts", timeout=7.5)
+    client.cuda_shared_memory_status(timeout=7.5)
+    client.unregister_cuda_shared_memory(timeout=7.5)
+    for call in (client.get_step, client.abort_step):
+        with pytest.raises(VerifyError):  # no such step
+            call(12345, timeout=7.5)
+    with pytest.raises(VerifyError):  # no such sequence
+        client.open_step([(1, [-1])], [], timeout=7.5)
+    assert [rpc for rpc, _ in seen] == [
+        "RegisterSystemSharedMemory", "SystemSharedMemoryStatus", "UnregisterSystemSharedMemory",
+        "CudaSharedMemoryStatus", "UnregisterCudaSharedMemory", "GetStep", "AbortStep",
+        "OpenStep"], seen
+    assert all(t == 7.5 for _, t in seen), seen
