@@ -23,7 +23,8 @@ class AsyncVerifyClient(_wire.ClientBase):
 
     def __init__(self, target: str, *, credentials: Optional[grpc.ChannelCredentials] = None,
                  auth_token: Optional[str] = None, timeout: Optional[float] = 30.0,
-                 as_torch: bool = False, device: Any = None, connections: int = 1,
+                 as_torch: bool = False, device: Any = None, as_float32: bool = False,
+                 connections: int = 1,
                  keepalive_time_s: Optional[float] = 30.0, keepalive_timeout_s: float = 10.0,
                  keepalive_permit_without_calls: bool = False, wait_for_ready: bool = False,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, retries: int = 2,
@@ -34,8 +35,8 @@ class AsyncVerifyClient(_wire.ClientBase):
         pool = ConnectionPool(settings, lambda opts: (
             grpc.aio.secure_channel(target, credentials, opts) if credentials
             else grpc.aio.insecure_channel(target, opts)))
-        super().__init__(target, pool, auth_token, timeout, tensors.Output.of(as_torch, device),
-                         retries, retry_backoff_s)
+        super().__init__(target, pool, auth_token, timeout,
+                         tensors.Output.of(as_torch, device, as_float32), retries, retry_backoff_s)
 
     async def close(self) -> None:
         """Closes every connection (calls in flight are cancelled)."""

@@ -29,7 +29,8 @@ class VerifyClient(_wire.ClientBase):
     deadline). Results: NumPy (uint16 bf16 bits, float32) by default;
     as_torch=True gives torch CPU tensors, device="cuda:0" torch tensors on
     that device (items placed in a CUDA region come back as views of it
-    either way).
+    either way); as_float32=True widens `out` from bf16 to float32 (exact),
+    as tritonclient hands results back, NumPy or torch alike.
 
     connections, keepalive_time_s, keepalive_timeout_s,
     keepalive_permit_without_calls, wait_for_ready, max_message_bytes: the
@@ -43,7 +44,8 @@ class VerifyClient(_wire.ClientBase):
 
     def __init__(self, target: str, *, credentials: Optional[grpc.ChannelCredentials] = None,
                  auth_token: Optional[str] = None, timeout: Optional[float] = 30.0,
-                 as_torch: bool = False, device: Any = None, connections: int = 1,
+                 as_torch: bool = False, device: Any = None, as_float32: bool = False,
+                 connections: int = 1,
                  keepalive_time_s: Optional[float] = 30.0, keepalive_timeout_s: float = 10.0,
                  keepalive_permit_without_calls: bool = False, wait_for_ready: bool = False,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, retries: int = 2,
@@ -54,8 +56,8 @@ class VerifyClient(_wire.ClientBase):
         pool = ConnectionPool(settings, lambda opts: (
             grpc.secure_channel(target, credentials, opts) if credentials
             else grpc.insecure_channel(target, opts)))
-        super().__init__(target, pool, auth_token, timeout, tensors.Output.of(as_torch, device),
-                         retries, retry_backoff_s)
+        super().__init__(target, pool, auth_token, timeout,
+                         tensors.Output.of(as_torch, device, as_float32), retries, retry_backoff_s)
         self._credentials = credentials
         self._native: Optional[native.NativeClient] = None
         self._native_lock = threading.Lock()

@@ -41,22 +41,24 @@ def torch_module() -> Any:
 class Output:
     """How results are handed back: NumPy (uint16 bf16 bits, float32) when
     `torch` is False, else torch tensors (bfloat16, float32) on `device`
-    (None: the CPU). Results placed in a CUDA region are torch views of it
-    whatever this says."""
+    (None: the CPU). `float32`: the bf16 outputs widened to float32 (exact),
+    NumPy or torch alike. Results placed in a CUDA region are torch views of
+    it whatever this says."""
 
     torch: bool = False
     device: Optional[Any] = None
+    float32: bool = False
 
     @staticmethod
-    def of(as_torch: bool, device: Any = None) -> "Output":
-        """The format for a client's as_torch/device arguments: a device
-        implies torch tensors."""
+    def of(as_torch: bool, device: Any = None, as_float32: bool = False) -> "Output":
+        """The format for a client's as_torch/device/as_float32 arguments: a
+        device implies torch tensors."""
         if (as_torch or device is not None) and _torch is None:
             raise RuntimeError("torch results were asked for (as_torch/device) but torch is "
                                "not importable")
         if device is not None:
-            return Output(True, _torch.device(device))
-        return Output(bool(as_torch), None)
+            return Output(True, _torch.device(device), bool(as_float32))
+        return Output(bool(as_torch), None, bool(as_float32))
 
 
 def bf16_from_float32(x: Any) -> np.ndarray:
@@ -140,7 +142,9 @@ def numpy_to_torch(a: np.ndarray) -> Any:
 def deliver(a: np.ndarray, output: Output) -> Any:
     """A writable NumPy array (uint16 bf16 bits or float32) as `output`
     says: as it is, or a torch tensor sharing its memory (CPU), or a copy on
-    output.device."""
+    output.device; bf16 bits widened to float32 first when output.float32."""
+    if output.float32 and a.dtype == np.uint16:
+        a = float32_from_bf16(a)
     if not output.torch:
         return a
     t = numpy_to_torch(a)
@@ -164,6 +168,8 @@ def from_proto(t: verify_pb2.Tensor, dtype: str, shape: Sequence[int], what: str
     a = np.frombuffer(t.raw, dtype=np.uint16 if dtype == BF16 else np.float32).reshape(shape)
     if isinstance(output, bool):
         output = Output.of(output)
+    if output.float32 and a.dtype == np.uint16:
+        return deliver(a, output)  # widening copies
     if not output.torch:
         return a
     return deliver(a.copy(), output)

@@ -226,6 +226,33 @@ def test_torch_tensors_in_and_out(server):
         client.release_sequence(sid)
 
 
+def test_float32_results(server):
+    """as_float32=True: `out` comes back as float32 values, the bf16 the
+    server computed widened exactly, unary and stream alike."""
+    from mlaverify import float32_from_bf16
+    rng = np.random.default_rng(11)
+    with VerifyClient(server, as_float32=True) as client:
+        g = client.geometry
+        sid = client.create_sequence("float32")
+        prompt = random_bf16(rng, g.num_layers, 24, 576)
+        client.append_prompt(sid, prompt)
+        q = random_bf16(rng, 3, g.num_heads, 576)
+        kv = random_bf16(rng, 3, 576)
+        (r,) = client.verify(0, [VerifyItem(sid, q, kv, [-1, 0, 1])])
+        with client.verify_stream() as stream:
+            (s,) = stream.verify(1, [VerifyItem(sid, q, kv, [-1, 0, 1])])
+        for result in (r, s):
+            assert result.out.dtype == np.float32 and result.out.shape == (3, g.num_heads, 512)
+            assert result.lse.dtype == np.float32
+            # Exactly bf16 values: widening their bits gives them back.
+            assert np.array_equal(float32_from_bf16(bf16_from_float32(result.out)), result.out)
+        want, _ = verify_reference(float32_from_bf16(prompt[0]), float32_from_bf16(q),
+                                   float32_from_bf16(kv), [-1, 0, 1], g.default_softmax_scale)
+        assert relative_error(r.out, want) <= MAX_REL_ERR
+        client.commit(sid, [])
+        client.release_sequence(sid)
+
+
 def test_asyncio_client_and_stream(server):
     async def run():
         rng = np.random.default_rng(4)
