@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/bf16.h"
+#include "common/byte_size_text.h"
 #include "common/draft_tree.h"
 #include "common/geometry.h"
 #include "common/status_macros.h"
@@ -31,11 +32,6 @@ size_t DTypeBytes(DType dtype) { return dtype == DType::kFp32 ? 4 : 2; }
 
 std::string ShapeText(absl::Span<const int64_t> shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
-
-std::string FormatBytes(int64_t bytes) {
-  if (bytes < (1 << 20)) return absl::StrCat(bytes, " bytes");
-  return absl::StrFormat("%.1f MiB", static_cast<double>(bytes) / (1 << 20));
 }
 
 // Elements of a shape, or -1 when a dimension is negative or the product
@@ -320,9 +316,9 @@ absl::StatusOr<PlacedAppend> PlaceAppend(const PlacementGeometry& geometry, Regi
   if (rows.where == PlacedTensor::Where::kStaged) {
     if (rows.bytes > geometry.staging_capacity) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "kv: ", FormatBytes(static_cast<int64_t>(rows.bytes)),
+          "kv: ", ByteSizeText(static_cast<int64_t>(rows.bytes)),
           " from host memory is more than the page-locked staging holds (--pinned-staging-bytes ",
-          FormatBytes(static_cast<int64_t>(geometry.staging_capacity)),
+          ByteSizeText(static_cast<int64_t>(geometry.staging_capacity)),
           "): append the prompt in smaller chunks"));
     }
     rows.staging_offset = 0;

@@ -3,25 +3,17 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
+#include "common/byte_size_text.h"
 
 namespace mlaverify::engine {
-namespace {
-
-std::string FormatBytes(int64_t bytes) {
-  if (bytes < (1 << 20)) return absl::StrCat(bytes, " bytes");
-  return absl::StrFormat("%.1f MiB", static_cast<double>(bytes) / (1 << 20));
-}
-
-}  // namespace
 
 absl::Status AdmissionGate::Enter(int64_t bytes) {
   // A call bigger than the whole budget could never be admitted: saying
   // "retry later" would have a client retry forever.
   if (bytes > max_bytes_) {
     return absl::InvalidArgumentError(
-        absl::StrCat("this call holds ", FormatBytes(bytes), ", more than --max-queued-bytes (",
-                     FormatBytes(max_bytes_), ") admits at once; split it into smaller calls"));
+        absl::StrCat("this call holds ", ByteSizeText(bytes), ", more than --max-queued-bytes (",
+                     ByteSizeText(max_bytes_), ") admits at once; split it into smaller calls"));
   }
   // Taken first, given back when over a limit: concurrent admissions never
   // exceed the limits together.
@@ -32,8 +24,8 @@ absl::Status AdmissionGate::Enter(int64_t bytes) {
     return absl::ResourceExhaustedError(
         absl::StrCat("server queue full: ", calls - 1,
                      " calls queued or running and answers not yet read by their streams hold ",
-                     FormatBytes(held - bytes), ", this one needs ", FormatBytes(bytes),
-                     "; limits ", max_calls_, " calls and ", FormatBytes(max_bytes_),
+                     ByteSizeText(held - bytes), ", this one needs ", ByteSizeText(bytes),
+                     "; limits ", max_calls_, " calls and ", ByteSizeText(max_bytes_),
                      " (--max-queued-calls, --max-queued-bytes): retry later"));
   }
   return absl::OkStatus();

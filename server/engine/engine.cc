@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "common/byte_size_text.h"
 #include "common/draft_tree.h"
 #include "common/geometry.h"
 #include "common/kv_dtype.h"
@@ -36,11 +37,6 @@ absl::Status UnwantedStatus(const CallContext& context) {
     return absl::DeadlineExceededError("the call's deadline passed while it was queued");
   }
   return absl::OkStatus();
-}
-
-std::string FormatBytes(int64_t bytes) {
-  if (bytes < (1 << 20)) return absl::StrCat(bytes, " bytes");
-  return absl::StrFormat("%.1f MiB", static_cast<double>(bytes) / (1 << 20));
 }
 
 }  // namespace
@@ -599,9 +595,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
       e->backend_name_, absl::StrJoin(names, ","), ParallelModeName(config.parallel_mode),
       config.num_layers, config.num_heads, e->heads_per_device_, config.page_size,
       KvDtypeName(config.kv_dtype), KvRowBytes(config.kv_dtype), config.num_pages(),
-      tp ? "replica" : "device", FormatBytes(config.pool_bytes), config.max_draft_len(),
+      tp ? "replica" : "device", ByteSizeText(config.pool_bytes), config.max_draft_len(),
       config.max_batch(), config.batches_in_flight,
-      e->staging_ != nullptr ? FormatBytes(config.pinned_staging_bytes) : "no");
+      e->staging_ != nullptr ? ByteSizeText(config.pinned_staging_bytes) : "no");
   return e;
 }
 
