@@ -383,6 +383,11 @@ HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 HEALTH_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
 
 
+# Codes that say the server could not be reached in time (is_serving: not
+# serving, rather than an error).
+UNREACHABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
 def decode_health(response: bytes) -> str:
     """A grpc.health.v1 HealthCheckResponse's status name ("SERVING"...)."""
     status, i = 0, 0

@@ -82,6 +82,15 @@ class AsyncVerifyClient(_wire.ClientBase):
                     break
         raise error
 
+    async def is_serving(self, timeout: Optional[float] = None) -> bool:
+        """As VerifyClient.is_serving."""
+        try:
+            return await self.health(timeout) == "SERVING"
+        except VerifyError as e:
+            if e.code in _wire.UNREACHABLE_CODES:
+                return False
+            raise
+
     async def server_info(self, timeout: Optional[float] = None) -> types.ServerInfo:
         """As VerifyClient.server_info."""
         info = types.server_info(await self._call("GetServerInfo", "GetServerInfo",

@@ -114,6 +114,17 @@ class VerifyClient(_wire.ClientBase):
                     break
         raise error
 
+    def is_serving(self, timeout: Optional[float] = None) -> bool:
+        """Whether the server serves now: its health is SERVING. False also
+        when it cannot be reached in time (UNAVAILABLE, DEADLINE_EXCEEDED);
+        any other failure raises."""
+        try:
+            return self.health(timeout) == "SERVING"
+        except VerifyError as e:
+            if e.code in _wire.UNREACHABLE_CODES:
+                return False
+            raise
+
     def server_info(self, timeout: Optional[float] = None) -> types.ServerInfo:
         """GetServerInfo as a typed ServerInfo; also refreshes the geometry
         requests are checked against. timeout (here and in every call

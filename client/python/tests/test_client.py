@@ -102,6 +102,25 @@ def test_decode_steps_match_the_reference(client):
         assert e.value.code == grpc.StatusCode.NOT_FOUND
 
 
+def test_is_serving_says_true_false_and_unreachable(client, server):
+    assert client.is_serving() is True
+    # Nothing listens on a port just bound and closed: not serving, no raise.
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with VerifyClient(f"127.0.0.1:{port}", retries=0) as nobody:
+        assert nobody.is_serving(timeout=2.0) is False
+
+    async def run():
+        async with AsyncVerifyClient(server) as aclient:
+            assert await aclient.is_serving() is True
+        async with AsyncVerifyClient(f"127.0.0.1:{port}", retries=0) as anybody:
+            assert await anybody.is_serving(timeout=2.0) is False
+
+    asyncio.run(run())
+
+
 def test_client_side_checks_raise_before_the_call(client):
     g = client.geometry
     sid = client.create_sequence()
