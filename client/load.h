@@ -122,7 +122,8 @@ struct LoadReport {
   LatencySummary latency_ms;  // of measured, successful Verify calls
   // Decode steps as a scheduler waits for them: one tree per item, every
   // layer's Verify, then the items' Commits. A step counts when its first
-  // call started in the reported window and every call of it succeeded.
+  // call started in the reported window and every call of it succeeded;
+  // closed loop only (with --rate each layer waits for its slot: none).
   // Tokens: per item and step, the accepted drafts plus the target's own
   // next token (what the step adds to the sequence).
   int64_t steps_measured = 0;

@@ -57,7 +57,11 @@ def main():
     def localize(line):
         return line.replace("50051", str(grpc_port)).replace("9090", str(admin_port))
 
-    work = tempfile.mkdtemp(prefix="mlaverify-readme-")
+    with tempfile.TemporaryDirectory(prefix="mlaverify-readme-") as work:
+        return run_in(work, build, server_line, calls, localize)
+
+
+def run_in(work, build, server_line, calls, localize):
     os.symlink(build, os.path.join(work, "build"))
     server_cmd = localize(server_line)
     print(f"server: {server_cmd}", flush=True)
@@ -89,7 +93,11 @@ def main():
                 print(f"ok ({took:.0f} s): {line}", flush=True)
     finally:
         server.terminate()
-        server.wait(timeout=60)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
     if failures:
         print(f"{len(failures)} of {len(calls) - 1} README lines failed")
         return 1

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
@@ -15,7 +16,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
-#include "absl/time/clock.h"
 #include "spdlog/spdlog.h"
 
 namespace mlaverify::admin {
@@ -88,15 +88,23 @@ void LogDaemonError(void* /*unused*/, const char* format, va_list args) {
 
 // Every open connection's deadline for its request head: a connection opens
 // with the clock running, the head's arrival stops it, the answer's
-// completion starts it again for the next head on a kept-alive connection.
-// The sweeper cuts (shutdown) connections past their deadline. The daemon
+// completion starts it again for the next head on a kept-alive connection
+// (with the idle timeout's time added: such a connection may sit silent
+// first). The sweeper cuts (shutdown) connections past their deadline. The daemon
 // owns each socket; this keeps a duplicate of its descriptor, so that a
 // number the daemon closed, and the kernel gave to a new socket, is never
 // shut down by mistake.
 class AdminHttpServer::HeadDeadlines {
  public:
-  HeadDeadlines(const AdminHttpServer* server, absl::Duration limit)
-      : server_(server), limit_(limit) {}
+  // Steady: a step of the wall clock neither cuts every head nor none.
+  using Clock = std::chrono::steady_clock;
+
+  // `limit`: for a connection's first head; `after_answer`: for the next
+  // head on a kept-alive connection, which may first sit idle (the idle
+  // timeout closes it after that much silence).
+  HeadDeadlines(const AdminHttpServer* server, std::chrono::seconds limit,
+                std::chrono::seconds after_answer)
+      : server_(server), limit_(limit), after_answer_(after_answer) {}
   // After the daemon stopped (which reported every connection closed).
   ~HeadDeadlines() {
     for (const auto& [connection, entry] : entries_) close(entry.fd);
@@ -127,7 +135,7 @@ class AdminHttpServer::HeadDeadlines {
 
   // The sweeper's loop, until Stop().
   void Sweep() {
-    while (!stop_.WaitForNotificationWithTimeout(absl::Milliseconds(200))) CutLate(absl::Now());
+    while (!stop_.WaitForNotificationWithTimeout(absl::Milliseconds(200))) CutLate(Clock::now());
   }
   void Stop() { stop_.Notify(); }
   int64_t cut() const {
@@ -138,7 +146,7 @@ class AdminHttpServer::HeadDeadlines {
  private:
   struct Entry {
     int fd = -1;
-    absl::Time due;
+    Clock::time_point due;
     bool head_in = false;
     bool cut = false;
   };
@@ -152,13 +160,13 @@ class AdminHttpServer::HeadDeadlines {
     const int fd = fcntl(info->connect_fd, F_DUPFD_CLOEXEC, 0);
     if (fd < 0) return;
     absl::MutexLock lock(&mu_);
-    entries_[connection] = Entry{fd, absl::Now() + limit_, false, false};
+    entries_[connection] = Entry{fd, Clock::now() + limit_, false, false};
   }
   void Restart(MHD_Connection* connection) {
     absl::MutexLock lock(&mu_);
     if (auto it = entries_.find(connection); it != entries_.end()) {
       it->second.head_in = false;
-      it->second.due = absl::Now() + limit_;
+      it->second.due = Clock::now() + after_answer_;
     }
   }
   void Closed(MHD_Connection* connection) {
@@ -168,7 +176,7 @@ class AdminHttpServer::HeadDeadlines {
       entries_.erase(it);
     }
   }
-  void CutLate(absl::Time now) {
+  void CutLate(Clock::time_point now) {
     absl::MutexLock lock(&mu_);
     for (auto& [connection, entry] : entries_) {
       if (entry.head_in || entry.cut || now < entry.due) continue;
@@ -180,7 +188,8 @@ class AdminHttpServer::HeadDeadlines {
   }
 
   const AdminHttpServer* const server_;
-  const absl::Duration limit_;
+  const std::chrono::seconds limit_;
+  const std::chrono::seconds after_answer_;
   absl::Notification stop_;
   mutable absl::Mutex mu_;
   std::unordered_map<MHD_Connection*, Entry> entries_ ABSL_GUARDED_BY(mu_);
@@ -259,7 +268,9 @@ absl::Status AdminHttpServer::Start(const std::string& host, int port) {
     return fd.status();
   }
   const int bound_port = BoundPort(*fd);
-  heads_ = std::make_unique<HeadDeadlines>(this, absl::Seconds(kRequestHeadSeconds));
+  heads_ = std::make_unique<HeadDeadlines>(
+      this, std::chrono::seconds(kRequestHeadSeconds),
+      std::chrono::seconds(kIdleTimeoutSeconds + kRequestHeadSeconds));
   HeadDeadlines* heads = heads_.get();
   // One thread polls every connection (epoll): slow clients hold slots, not
   // threads. The daemon owns the socket from here and closes it on stop.

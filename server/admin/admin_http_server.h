@@ -54,9 +54,10 @@ class AdminHttpServer {
   // Without a byte for this long a connection is closed (libmicrohttpd's
   // own timeout: inactivity only).
   static constexpr int kIdleTimeoutSeconds = 5;
-  // A request head not complete this long after the connection opened (or
-  // after its previous answer) is cut, however steadily its bytes come: a
-  // probe's head is one packet, a slowloris's never ends.
+  // A request head not complete this long after the connection opened
+  // (after its previous answer: kIdleTimeoutSeconds more) is cut, however
+  // steadily its bytes come: a probe's head is one packet, a slowloris's
+  // never ends.
   static constexpr int kRequestHeadSeconds = 3;
   static constexpr int kMaxRequestBytes = 16 << 10;
 

@@ -67,9 +67,12 @@ class AsyncVerifyClient(_wire.ClientBase):
 
     async def health(self, timeout: Optional[float] = None) -> str:
         """As VerifyClient.health."""
+        return await self._health(timeout, self._attempts("Health.Check"))
+
+    async def _health(self, timeout: Optional[float], attempts: List[Optional[float]]) -> str:
         check = self._healths[self._connection(None)]
         error = None
-        for delay in self._attempts("Health.Check"):
+        for delay in attempts:
             if delay is not None:
                 await asyncio.sleep(delay)
             try:
@@ -85,7 +88,7 @@ class AsyncVerifyClient(_wire.ClientBase):
     async def is_serving(self, timeout: Optional[float] = None) -> bool:
         """As VerifyClient.is_serving."""
         try:
-            return await self.health(timeout) == "SERVING"
+            return await self._health(timeout, [None]) == "SERVING"
         except VerifyError as e:
             if e.code in _wire.UNREACHABLE_CODES:
                 return False

@@ -99,9 +99,12 @@ class VerifyClient(_wire.ClientBase):
     # -- RPCs ---------------------------------------------------------------
     def health(self, timeout: Optional[float] = None) -> str:
         """grpc.health.v1 Check of the whole server: "SERVING", "NOT_SERVING"..."""
+        return self._health(timeout, self._attempts("Health.Check"))
+
+    def _health(self, timeout: Optional[float], attempts: List[Optional[float]]) -> str:
         check = self._healths[self._connection(None)]
         error = None
-        for delay in self._attempts("Health.Check"):
+        for delay in attempts:
             if delay is not None:
                 time.sleep(delay)
             try:
@@ -117,9 +120,9 @@ class VerifyClient(_wire.ClientBase):
     def is_serving(self, timeout: Optional[float] = None) -> bool:
         """Whether the server serves now: its health is SERVING. False also
         when it cannot be reached in time (UNAVAILABLE, DEADLINE_EXCEEDED);
-        any other failure raises."""
+        any other failure raises. One attempt: `timeout` bounds it."""
         try:
-            return self.health(timeout) == "SERVING"
+            return self._health(timeout, [None]) == "SERVING"
         except VerifyError as e:
             if e.code in _wire.UNREACHABLE_CODES:
                 return False
