@@ -319,28 +319,36 @@ if want cudashm && [ -x "$bundle/bin/mlaverify-server" ]; then
   # client device buffer (unary, stream), then one call in flight at L=16K,
   # 64 workers at L=1K and 4 workers x 32 items at L=1K, over VerifyStream,
   # each with its floor. Rows named like the planes' for service_planes.py.
-  start_server cudashm 127.0.0.1:0 --devices 0 --heads 8 --pool-bytes 40GiB --allow-client-shm true
-  timeout 90 "${cl[@]}" demo --sequences 4 --prompt-len 2000 --steps 2 --drafts 16 \
-    --data-plane cuda-shm > "$out/demo-cuda-shm-unary.log" 2>&1
-  summary+=("demo cuda-shm unary rc=$?"); tail -1 "$out/demo-cuda-shm-unary.log"
-  timeout 60 "${cl[@]}" demo --sequences 2 --prompt-len 500 --steps 1 --drafts 16 \
-    --data-plane cuda-shm --stream > "$out/demo-cuda-shm-stream.log" 2>&1
-  summary+=("demo cuda-shm stream rc=$?"); tail -1 "$out/demo-cuda-shm-stream.log"
-  for row in "c1-16k:--concurrency 1 --duration-s 5 --warmup-s 1 --prompt-len 16384 --max-seq-len 16900" \
-             "c64-1k:--concurrency 64 --duration-s 6 --warmup-s 1.5 --prompt-len 1024" \
-             "c4-1k-items32:--concurrency 4 --items 32 --duration-s 6 --warmup-s 1.5 --prompt-len 1024"; do
-    name=${row%%:*}
-    # shellcheck disable=SC2086  # the row's flags are several words
-    timeout 90 "${cl[@]}" load --drafts 16 --floor --progress false --stream --data-plane cuda-shm \
-      ${row#*:} --json "$out/planes-cuda-shm-stream-$name.json" \
-      > "$out/planes-cuda-shm-stream-$name.log" 2>&1
-    summary+=("load cuda-shm stream $name rc=$?")
-    echo "== cuda-shm stream $name"
-    grep -E "^(verify calls|latency|server split|floor: |errors|result)" \
-      "$out/planes-cuda-shm-stream-$name.log"
+  # CUDASHM_HEADS="8 16" adds a server with 16 heads whose rows are named
+  # with an -h16 suffix (the demos run on the first server only).
+  for heads in ${CUDASHM_HEADS:-8}; do
+    sfx=""; [ "$heads" = 8 ] || sfx="-h$heads"
+    start_server "cudashm$sfx" 127.0.0.1:0 --devices 0 --heads "$heads" --pool-bytes 40GiB \
+      --allow-client-shm true
+    if [ -z "$sfx" ]; then
+      timeout 90 "${cl[@]}" demo --sequences 4 --prompt-len 2000 --steps 2 --drafts 16 \
+        --data-plane cuda-shm > "$out/demo-cuda-shm-unary.log" 2>&1
+      summary+=("demo cuda-shm unary rc=$?"); tail -1 "$out/demo-cuda-shm-unary.log"
+      timeout 60 "${cl[@]}" demo --sequences 2 --prompt-len 500 --steps 1 --drafts 16 \
+        --data-plane cuda-shm --stream > "$out/demo-cuda-shm-stream.log" 2>&1
+      summary+=("demo cuda-shm stream rc=$?"); tail -1 "$out/demo-cuda-shm-stream.log"
+    fi
+    for row in "c1-16k:--concurrency 1 --duration-s 5 --warmup-s 1 --prompt-len 16384 --max-seq-len 16900" \
+               "c64-1k:--concurrency 64 --duration-s 6 --warmup-s 1.5 --prompt-len 1024" \
+               "c4-1k-items32:--concurrency 4 --items 32 --duration-s 6 --warmup-s 1.5 --prompt-len 1024"; do
+      name=${row%%:*}$sfx
+      # shellcheck disable=SC2086  # the row's flags are several words
+      timeout 90 "${cl[@]}" load --drafts 16 --floor --progress false --stream --data-plane cuda-shm \
+        ${row#*:} --json "$out/planes-cuda-shm-stream-$name.json" \
+        > "$out/planes-cuda-shm-stream-$name.log" 2>&1
+      summary+=("load cuda-shm stream $name rc=$?")
+      echo "== cuda-shm stream $name"
+      grep -E "^(verify calls|latency|server split|floor: |errors|result)" \
+        "$out/planes-cuda-shm-stream-$name.log"
+    done
+    grep -E "CUDA shared|error|warn" "$out/server-cudashm$sfx.log" | head -5
+    stop_server "cudashm$sfx"
   done
-  grep -E "CUDA shared|error|warn" "$out/server-cudashm.log" | head -5
-  stop_server cudashm
 fi
 # The per-layer Verify latency rows of pyclient and pynative: one call in
 # flight, L=16K, N=16, on the server of start_server, into BASE.json/.log.
