@@ -317,10 +317,10 @@ absl::StatusOr<int64_t> VerifyClient::ServerMessageLimit() {
   return info.max_message_bytes();
 }
 
-absl::StatusOr<AppendKvResult> VerifyClient::AppendKv(uint64_t sequence_id, int64_t start_position,
-                                                      int num_layers, int64_t tokens,
-                                                      absl::Span<const Bf16> kv,
-                                                      const ShmStaging* staging) {
+absl::StatusOr<AppendKvResult> VerifyClient::AppendKv(
+    uint64_t sequence_id, int64_t start_position, int num_layers, int64_t tokens,
+    absl::Span<const Bf16> kv, const ShmStaging* staging,
+    const std::function<void(int64_t tokens)>& on_chunk) {
   using mlaverify::kLatentDim;
   if (num_layers < 1 || tokens < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -333,7 +333,8 @@ absl::StatusOr<AppendKvResult> VerifyClient::AppendKv(uint64_t sequence_id, int6
                                                    "] needs ", expected));
   }
   if (staging != nullptr) {
-    return AppendKvThroughStaging(sequence_id, start_position, num_layers, tokens, kv, *staging);
+    return AppendKvThroughStaging(sequence_id, start_position, num_layers, tokens, kv, *staging,
+                                  on_chunk);
   }
   ASSIGN_OR_RETURN(int64_t server_limit, ServerMessageLimit());
   // A server that reports no limit (0) is bounded by this channel's own.
@@ -350,16 +351,18 @@ absl::StatusOr<AppendKvResult> VerifyClient::AppendKv(uint64_t sequence_id, int6
                      static_cast<int64_t>(num_layers) * kLatentDim * sizeof(Bf16),
                      " bytes) does not fit an AppendKv message under ", limit, " bytes"));
   }
-  return SendAppendChunks(start_position, tokens, PlanAppendChunks(tokens, max_chunk_tokens),
-                          [&](const TokenRange& range) {
-                            return BuildAppendKvChunk(sequence_id, start_position, num_layers,
-                                                      tokens, kv, range);
-                          });
+  return SendAppendChunks(
+      start_position, tokens, PlanAppendChunks(tokens, max_chunk_tokens),
+      [&](const TokenRange& range) {
+        return BuildAppendKvChunk(sequence_id, start_position, num_layers, tokens, kv, range);
+      },
+      on_chunk);
 }
 
 absl::StatusOr<AppendKvResult> VerifyClient::SendAppendChunks(
     int64_t start_position, int64_t tokens, const std::vector<TokenRange>& chunks,
-    absl::FunctionRef<v1::AppendKvRequest(const TokenRange&)> build) {
+    absl::FunctionRef<v1::AppendKvRequest(const TokenRange&)> build,
+    const std::function<void(int64_t tokens)>& on_chunk) {
   AppendKvResult result;
   for (const TokenRange& range : chunks) {
     const v1::AppendKvRequest request = build(range);
@@ -384,15 +387,15 @@ absl::StatusOr<AppendKvResult> VerifyClient::SendAppendChunks(
     }
     result.length = length;
     ++result.chunks;
+    if (on_chunk) on_chunk(range.end - range.begin);
   }
   return result;
 }
 
-absl::StatusOr<AppendKvResult> VerifyClient::AppendKvThroughStaging(uint64_t sequence_id,
-                                                                    int64_t start_position,
-                                                                    int num_layers, int64_t tokens,
-                                                                    absl::Span<const Bf16> kv,
-                                                                    const ShmStaging& staging) {
+absl::StatusOr<AppendKvResult> VerifyClient::AppendKvThroughStaging(
+    uint64_t sequence_id, int64_t start_position, int num_layers, int64_t tokens,
+    absl::Span<const Bf16> kv, const ShmStaging& staging,
+    const std::function<void(int64_t tokens)>& on_chunk) {
   using mlaverify::kLatentDim;
   const uint64_t token_bytes = static_cast<uint64_t>(num_layers) * kLatentDim * sizeof(Bf16);
   const int64_t max_chunk_tokens = static_cast<int64_t>(staging.bytes / token_bytes);
@@ -407,12 +410,16 @@ absl::StatusOr<AppendKvResult> VerifyClient::AppendKvThroughStaging(uint64_t seq
                         begin + kv.size() * sizeof(Bf16) <= area + staging.bytes;
   const std::vector<TokenRange> chunks =
       in_place ? std::vector<TokenRange>{{0, tokens}} : PlanAppendChunks(tokens, max_chunk_tokens);
-  return SendAppendChunks(start_position, tokens, chunks, [&](const TokenRange& range) {
-    const uint64_t offset = in_place ? static_cast<uint64_t>(begin - staging.base) : staging.offset;
-    if (!in_place) GatherAppendChunk(num_layers, tokens, kv, range, staging.base + offset);
-    return BuildAppendKvChunkReference(sequence_id, start_position, num_layers, range,
-                                       staging.region, offset);
-  });
+  return SendAppendChunks(
+      start_position, tokens, chunks,
+      [&](const TokenRange& range) {
+        const uint64_t offset =
+            in_place ? static_cast<uint64_t>(begin - staging.base) : staging.offset;
+        if (!in_place) GatherAppendChunk(num_layers, tokens, kv, range, staging.base + offset);
+        return BuildAppendKvChunkReference(sequence_id, start_position, num_layers, range,
+                                           staging.region, offset);
+      },
+      on_chunk);
 }
 
 absl::Status VerifyClient::RegisterSystemSharedMemory(const std::string& name,

@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -253,9 +254,13 @@ class VerifyClient {
   // it instead of inline: as many whole tokens of every layer as it holds per
   // AppendKv, each copied in and referenced. A prompt that already lies in
   // the staging range whole is referenced where it is, without a copy.
-  absl::StatusOr<AppendKvResult> AppendKv(uint64_t sequence_id, int64_t start_position,
-                                          int num_layers, int64_t tokens, absl::Span<const Bf16> kv,
-                                          const ShmStaging* staging = nullptr);
+  //
+  // `on_chunk`, when set, is called after each chunk the server accepted with
+  // the tokens that chunk carried: the progress of a long prompt.
+  absl::StatusOr<AppendKvResult> AppendKv(
+      uint64_t sequence_id, int64_t start_position, int num_layers, int64_t tokens,
+      absl::Span<const Bf16> kv, const ShmStaging* staging = nullptr,
+      const std::function<void(int64_t tokens)>& on_chunk = nullptr);
 
   // Verify attention of one layer for one or more sequences (one item each).
   // softmax_scale <= 0 uses the server's default. Results come in item order.
@@ -335,16 +340,17 @@ class VerifyClient {
   static v1::VerifyService::Stub* StubOf(Connection& connection);
   static void CountCall(Connection& connection, bool ok);
 
-  absl::StatusOr<AppendKvResult> AppendKvThroughStaging(uint64_t sequence_id,
-                                                        int64_t start_position, int num_layers,
-                                                        int64_t tokens, absl::Span<const Bf16> kv,
-                                                        const ShmStaging& staging);
+  absl::StatusOr<AppendKvResult> AppendKvThroughStaging(
+      uint64_t sequence_id, int64_t start_position, int num_layers, int64_t tokens,
+      absl::Span<const Bf16> kv, const ShmStaging& staging,
+      const std::function<void(int64_t tokens)>& on_chunk);
 
   // Sends `chunks` of a prompt in order, each request made by `build`;
   // stops at the first failure, saying how far the prompt got.
   absl::StatusOr<AppendKvResult> SendAppendChunks(
       int64_t start_position, int64_t tokens, const std::vector<TokenRange>& chunks,
-      absl::FunctionRef<v1::AppendKvRequest(const TokenRange&)> build);
+      absl::FunctionRef<v1::AppendKvRequest(const TokenRange&)> build,
+      const std::function<void(int64_t tokens)>& on_chunk);
 
   // The server's message limit as AppendKv sees it, from the cached
   // ServerInfo (fetched on first use).

@@ -16,10 +16,13 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "client/arrivals.h"
 #include "client/cuda_shared_memory.h"
 #include "client/replica_set.h"
 #include "client/server_info_text.h"
@@ -71,9 +74,13 @@ bool WithinPercent(absl::Span<const double> values, double percent) {
 struct LoadPlan {
   int num_layers = 0;
   int num_heads = 0;
+  // Drafts per item and step, and prompt tokens per sequence: drawn
+  // uniformly from [low, max] (fixed when equal).
   int num_drafts = 0;
+  int num_drafts_max = 0;
   int items = 1;  // sequences per Verify call
   int64_t prompt_len = 0;
+  int64_t prompt_len_max = 0;
   int64_t max_sequence_len = 0;
   bool stream = false;
   // Shared-memory data plane: each worker's placement and AppendKv staging
@@ -87,9 +94,11 @@ struct LoadPlan {
   Clock::time_point measure_start;
   std::optional<Clock::time_point> deadline;
   // Open loop: Verify calls start at `rate` per second in all, from
-  // `rate_origin` on (0: closed loop, each worker as fast as answered).
+  // `rate_origin` on, spaced by `arrivals` (0: closed loop, each worker as
+  // fast as answered).
   double rate = 0;
   Clock::time_point rate_origin;
+  ArrivalSchedule* arrivals = nullptr;
   int64_t request_limit = 0;  // 0: none
 };
 
@@ -146,10 +155,9 @@ class RunControl {
     if (stopped()) return false;
     Clock::time_point now = Clock::now();
     if (plan_.rate > 0) {
-      const int64_t slot = next_slot_.fetch_add(1, std::memory_order_relaxed);
       const Clock::time_point due =
           plan_.rate_origin + std::chrono::duration_cast<Clock::duration>(
-                                  std::chrono::duration<double>(slot / plan_.rate));
+                                  std::chrono::duration<double>(plan_.arrivals->Next()));
       // The run ends at its deadline, also with slots still owed (a server
       // that fell behind leaves a backlog; it is not worked off).
       if (plan_.deadline.has_value() && (due >= *plan_.deadline || now >= *plan_.deadline)) {
@@ -193,11 +201,14 @@ class RunControl {
     items_.fetch_add(items, std::memory_order_relaxed);
     latency_ns_.fetch_add(static_cast<int64_t>(ms * 1e6), std::memory_order_relaxed);
   }
-  // Prompt bytes appended, for the ramp-up's progress lines.
-  void CountAppend(int64_t bytes) {
-    appended_.fetch_add(bytes, std::memory_order_relaxed);
-    prompts_.fetch_add(1, std::memory_order_relaxed);
-  }
+  // For the ramp-up's progress lines: workers whose prompt data is made (a
+  // long prompt takes seconds to generate before any byte is sent), prompt
+  // bytes the server accepted (per AppendKv chunk, so a long prompt shows as
+  // it goes) and whole prompts appended.
+  void CountPromptMade() { prompts_made_.fetch_add(1, std::memory_order_relaxed); }
+  void CountAppendedBytes(int64_t bytes) { appended_.fetch_add(bytes, std::memory_order_relaxed); }
+  void CountPromptAppended() { prompts_.fetch_add(1, std::memory_order_relaxed); }
+  int64_t prompts_made() const { return prompts_made_.load(std::memory_order_relaxed); }
   int64_t appended_bytes() const { return appended_.load(std::memory_order_relaxed); }
   int64_t prompts_appended() const { return prompts_.load(std::memory_order_relaxed); }
   // Sum of the measured calls' latencies so far, ms.
@@ -214,8 +225,9 @@ class RunControl {
   const LoadPlan& plan_;
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> issued_{0};
-  std::atomic<int64_t> calls_{0}, items_{0}, errors_{0}, latency_ns_{0}, appended_{0}, prompts_{0};
-  std::atomic<int64_t> next_slot_{0}, late_{0};
+  std::atomic<int64_t> calls_{0}, items_{0}, errors_{0}, latency_ns_{0}, appended_{0}, prompts_{0},
+      prompts_made_{0};
+  std::atomic<int64_t> late_{0};
   absl::Mutex mu_;
   int ready_ ABSL_GUARDED_BY(mu_) = 0;
   bool started_ ABSL_GUARDED_BY(mu_) = false;
@@ -232,6 +244,7 @@ struct WorkerResult {
   // stability windows is not the whole measured period.
   std::vector<int32_t> layers;
   std::vector<int64_t> sequence_lens;
+  std::vector<int32_t> call_drafts;  // drafts of all the call's items
   // Whole decode steps (every layer and the commits): how long each took,
   // when it started (as above) and the tokens it added to its sequences.
   std::vector<double> step_ms;
@@ -266,23 +279,29 @@ class LoadWorker {
   WorkerResult Run() {
     // The server never looks at the values, so one random set per worker is
     // reused for every call: the client's CPU goes to sending, not to rand().
-    if (plan_.prompt_len > 0) {
-      const size_t values = static_cast<size_t>(plan_.num_layers) * plan_.prompt_len * kLatentDim;
+    // A prompt repeats a random block (FillPrompt): drawn value by value, 61
+    // layers of 2,000 tokens took 8 workers 10 s on 2 cores.
+    if (plan_.prompt_len_max > 0) {
+      // Made once for the longest prompt; a shorter one sends its first part.
+      const size_t values =
+          static_cast<size_t>(plan_.num_layers) * plan_.prompt_len_max * kLatentDim;
       const ShmStaging* staging = plan_.stagings.empty() ? nullptr : &plan_.stagings[index_];
       if (staging != nullptr && values * sizeof(Bf16) <= staging->bytes) {
         // Made where the append reads it: the call carries a reference only.
         auto* in_place = reinterpret_cast<Bf16*>(staging->base + staging->offset);
-        FillUniformBf16(rng_, -1.0f, 1.0f, absl::MakeSpan(in_place, values));
+        FillPrompt(absl::MakeSpan(in_place, values));
         prompt_view_ = absl::MakeConstSpan(in_place, values);
       } else {
         prompt_.resize(values);
-        FillUniformBf16(rng_, -1.0f, 1.0f, absl::MakeSpan(prompt_));
+        FillPrompt(absl::MakeSpan(prompt_));
         prompt_view_ = prompt_;
       }
     }
-    q_.resize(static_cast<size_t>(plan_.num_drafts) * plan_.num_heads * kLatentDim);
+    control_.CountPromptMade();
+    // For the largest tree; a smaller one sends the first rows.
+    q_.resize(static_cast<size_t>(plan_.num_drafts_max) * plan_.num_heads * kLatentDim);
     FillUniformBf16(rng_, -2.0f, 2.0f, absl::MakeSpan(q_));
-    draft_kv_.resize(static_cast<size_t>(plan_.num_drafts) * kLatentDim);
+    draft_kv_.resize(static_cast<size_t>(plan_.num_drafts_max) * kLatentDim);
     FillUniformBf16(rng_, -1.0f, 1.0f, absl::MakeSpan(draft_kv_));
     // Every item of a call gets the same inputs; with shared memory each has
     // its own placement (outputs may not overlap), the inputs copied in once,
@@ -310,6 +329,7 @@ class LoadWorker {
         kv = absl::MakeConstSpan(kv_shm, draft_kv_.size());
       }
       item_inputs_.push_back({0, {}, q, kv, place});
+      item_full_.push_back({q, kv});
     }
 
     // Ramp-up (untimed): this worker's first sequences, or its failures up
@@ -386,11 +406,18 @@ class LoadWorker {
       ++result_.sequences_created;
       group_.push_back(*placed);
       lengths_.push_back(0);
-      if (plan_.prompt_len == 0) continue;
+      const int64_t prompt_len = Draw(plan_.prompt_len, plan_.prompt_len_max);
+      if (prompt_len == 0) continue;
+      const absl::Span<const Bf16> prompt =
+          prompt_view_.first(static_cast<size_t>(plan_.num_layers) * prompt_len * kLatentDim);
+      const int64_t token_bytes = int64_t{plan_.num_layers} * kLatentDim * sizeof(Bf16);
       const Clock::time_point start = Clock::now();
       absl::StatusOr<AppendKvResult> appended =
-          replicas_.AppendKv(*placed, 0, plan_.num_layers, plan_.prompt_len, prompt_view_,
-                             plan_.stagings.empty() ? nullptr : &plan_.stagings[index_]);
+          replicas_.AppendKv(*placed, 0, plan_.num_layers, prompt_len, prompt,
+                             plan_.stagings.empty() ? nullptr : &plan_.stagings[index_],
+                             [this, token_bytes](int64_t tokens) {
+                               control_.CountAppendedBytes(tokens * token_bytes);
+                             });
       const Clock::time_point end = Clock::now();
       result_.append_seconds += std::chrono::duration<double>(end - start).count();
       if (!ramped_up_) {
@@ -402,8 +429,8 @@ class LoadWorker {
         DropGroup();
         return false;
       }
-      result_.append_bytes += static_cast<int64_t>(prompt_view_.size() * sizeof(Bf16));
-      control_.CountAppend(static_cast<int64_t>(prompt_view_.size() * sizeof(Bf16)));
+      result_.append_bytes += static_cast<int64_t>(prompt.size() * sizeof(Bf16));
+      control_.CountPromptAppended();
       lengths_.back() = appended->length;
     }
     return true;
@@ -455,10 +482,16 @@ class LoadWorker {
   bool RunStep() {
     const int items = static_cast<int>(group_.size());
     std::vector<std::vector<int32_t>> parents(items);
+    int32_t call_drafts = 0;
     for (int k = 0; k < items; ++k) {
-      parents[k] = RandomDraftTree(rng_, plan_.num_drafts);
+      const int n = static_cast<int>(Draw(plan_.num_drafts, plan_.num_drafts_max));
+      call_drafts += n;
+      parents[k] = RandomDraftTree(rng_, n);
       item_inputs_[k].sequence_id = group_[k].id;
       item_inputs_[k].parents = parents[k];
+      item_inputs_[k].q =
+          item_full_[k].q.first(static_cast<size_t>(n) * plan_.num_heads * kLatentDim);
+      item_inputs_[k].draft_kv = item_full_[k].draft_kv.first(static_cast<size_t>(n) * kLatentDim);
     }
     const absl::Span<const VerifyItemInput> call(item_inputs_.data(), items);
     bool step_measured = false;
@@ -501,6 +534,7 @@ class LoadWorker {
             std::chrono::duration<double>(start - plan_.measure_start).count());
         result_.layers.push_back(layer);
         result_.sequence_lens.push_back(lengths_.front());
+        result_.call_drafts.push_back(call_drafts);
         control_.CountCall(items, ms);
       }
     }
@@ -516,7 +550,7 @@ class LoadWorker {
         return true;
       }
       lengths_[k] = committed->length;
-      full = full || lengths_[k] + plan_.num_drafts > plan_.max_sequence_len;
+      full = full || lengths_[k] + plan_.num_drafts_max > plan_.max_sequence_len;
     }
     consecutive_failures_ = 0;
     result_.steps_committed += items;
@@ -541,6 +575,24 @@ class LoadWorker {
     return true;
   }
 
+  // Uniform draws from [-1, 1] for the first kPromptBlock values, then that
+  // block over and over. Its length is no multiple of a token's 576 values,
+  // so tokens do not repeat with it.
+  static constexpr size_t kPromptBlock = size_t{1} << 20;
+  void FillPrompt(absl::Span<Bf16> values) {
+    const size_t block = std::min(values.size(), kPromptBlock);
+    FillUniformBf16(rng_, -1.0f, 1.0f, values.first(block));
+    for (size_t at = block; at < values.size(); at += block) {
+      std::copy_n(values.begin(), std::min(block, values.size() - at), values.begin() + at);
+    }
+  }
+
+  // A value of [low, high], uniformly (low when the range is one value).
+  int64_t Draw(int64_t low, int64_t high) {
+    if (high <= low) return low;
+    return std::uniform_int_distribution<int64_t>(low, high)(rng_);
+  }
+
   ReplicaSet& replicas_;
   const LoadPlan& plan_;
   RunControl& control_;
@@ -551,12 +603,15 @@ class LoadWorker {
   bool ramped_up_ = false;
   std::vector<Bf16> q_;         // [N, H, 576]
   std::vector<Bf16> draft_kv_;  // [N, 576]
-  // What the calls send: the vectors above, or their copies in shared memory.
-  absl::Span<const Bf16> q_view_, draft_kv_view_;
   std::unique_ptr<VerifyStreamSession> stream_;
   int stream_replica_ = -1;  // the replica stream_ is open to
-  // The inputs of one call's items (the ids and trees set per step).
+  // The inputs of one call's items (the ids, trees and tensor spans set per
+  // step) and each item's tensors for the largest tree.
   std::vector<VerifyItemInput> item_inputs_;
+  struct FullInputs {
+    absl::Span<const Bf16> q, draft_kv;
+  };
+  std::vector<FullInputs> item_full_;
   std::vector<PlacedSequence> group_;  // the live sequences, items of every call
   std::vector<int64_t> lengths_;       // their committed lengths
   int consecutive_failures_ = 0;
@@ -602,6 +657,21 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
         "--drafts %d, --prompt-len %d, --warmup-s %g: need drafts >= 1 and the others >= 0",
         options.drafts, options.prompt_len, options.warmup_s));
   }
+  if ((options.prompt_len_max != 0 && options.prompt_len_max < options.prompt_len) ||
+      (options.drafts_max != 0 && options.drafts_max < options.drafts)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--prompt-len %d:%d, --drafts %d:%d: a range's upper end may not be below its lower end",
+        options.prompt_len, options.prompt_len_max, options.drafts, options.drafts_max));
+  }
+  ASSIGN_OR_RETURN(const ArrivalProcess arrivals, ParseArrivalProcess(options.arrivals));
+  if (arrivals != ArrivalProcess::kConstant && options.rate <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--arrivals ", options.arrivals, " spaces an open loop's calls: it needs --rate > 0"));
+  }
+  if (options.burst_size < 1 || options.burst_size > 1000000) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--burst-size ", options.burst_size, ": need 1..1000000 calls"));
+  }
   // Every replica must answer at the start and serve the same geometry.
   std::vector<v1::ServerInfo> infos;
   std::vector<std::string> targets;
@@ -630,6 +700,8 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
   report.num_layers = info.num_layers();
   report.num_heads = info.num_heads();
   report.num_drafts = std::min(options.drafts, info.max_draft_len());
+  report.num_drafts_max =
+      std::min(std::max(options.drafts, options.drafts_max), info.max_draft_len());
   for (int r = 0; r < replicas.size(); ++r) {
     LoadReport::Replica replica;
     replica.target = targets[r];
@@ -642,6 +714,7 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
   plan.num_layers = info.num_layers();
   plan.num_heads = info.num_heads();
   plan.num_drafts = report.num_drafts;
+  plan.num_drafts_max = report.num_drafts_max;
   plan.items = options.items;
   if (options.items < 1 || options.items > info.max_batch()) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -652,8 +725,9 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
         "--items above 1 takes one target: the items of a call must live on one replica");
   }
   plan.prompt_len = options.prompt_len;
+  plan.prompt_len_max = std::max(options.prompt_len, options.prompt_len_max);
   plan.max_sequence_len =
-      options.max_sequence_len > 0 ? options.max_sequence_len : options.prompt_len + 512;
+      options.max_sequence_len > 0 ? options.max_sequence_len : plan.prompt_len_max + 512;
   if (info.max_sequence_len() > 0) {
     plan.max_sequence_len = std::min(plan.max_sequence_len, info.max_sequence_len());
   }
@@ -662,10 +736,10 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
         "server geometry leaves nothing to verify: max_draft_len %d, %d layers, %d heads",
         info.max_draft_len(), info.num_layers(), info.num_heads()));
   }
-  if (plan.max_sequence_len < plan.prompt_len + plan.num_drafts) {
+  if (plan.max_sequence_len < plan.prompt_len_max + plan.num_drafts_max) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "sequence length budget %d cannot hold the prompt (%d) and one step (%d drafts)",
-        plan.max_sequence_len, plan.prompt_len, plan.num_drafts));
+        "sequence length budget %d cannot hold the longest prompt (%d) and one step (%d drafts)",
+        plan.max_sequence_len, plan.prompt_len_max, plan.num_drafts_max));
   }
   plan.stream = options.stream;
   plan.seed = options.seed;
@@ -675,7 +749,8 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
   // retrying their prompt uploads until they gave up.
   {
     const int64_t sequences = int64_t{options.concurrency} * options.items;
-    const int64_t tokens = plan.prompt_len + plan.num_drafts;
+    // (Ranges at their upper ends: the run may draw them.)
+    const int64_t tokens = plan.prompt_len_max + plan.num_drafts_max;
     int64_t free_pages = 0, total_pages = 0, live_room = 0;
     bool live_limited = true;
     for (const v1::ServerInfo& i : infos) {
@@ -694,8 +769,8 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
             "the pool cannot hold the run's first sequences: %d workers x %d items = %d "
             "sequences of %d tokens (prompt %d + %d drafts) need %d pages of %d tokens (%d "
             "each); the server%s %d free of %d. Lower --concurrency, --items or --prompt-len",
-            options.concurrency, options.items, sequences, tokens, plan.prompt_len, plan.num_drafts,
-            sequences * pages_each, info.page_size(), pages_each,
+            options.concurrency, options.items, sequences, tokens, plan.prompt_len_max,
+            plan.num_drafts_max, sequences * pages_each, info.page_size(), pages_each,
             infos.size() > 1 ? "s have" : " has", free_pages, total_pages));
       }
       // Sequences grow to max_sequence_len before they are replaced; a pool
@@ -740,8 +815,9 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
   } unregister{replicas, shm_name};
   if (options.data_plane == "shm") {
     const uint64_t staging =
-        PromptStagingBytes(plan.num_layers, plan.prompt_len, options.shm_staging_bytes);
-    const uint64_t item = (ShmVerifyItemBytes(plan.num_drafts, plan.num_heads) + 255) / 256 * 256;
+        PromptStagingBytes(plan.num_layers, plan.prompt_len_max, options.shm_staging_bytes);
+    const uint64_t item =
+        (ShmVerifyItemBytes(plan.num_drafts_max, plan.num_heads) + 255) / 256 * 256;
     const uint64_t items = item * static_cast<uint64_t>(plan.items);
     const uint64_t per_worker = items + (staging + 255) / 256 * 256;
     ASSIGN_OR_RETURN(shm, SharedMemoryBuffer::Create(per_worker * options.concurrency));
@@ -749,7 +825,7 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
       const uint64_t base = per_worker * w;
       for (int k = 0; k < plan.items; ++k) {
         plan.placements.push_back(PlaceVerifyItem(shm_name, shm->data(), base + item * k,
-                                                  plan.num_drafts, plan.num_heads));
+                                                  plan.num_drafts_max, plan.num_heads));
       }
       plan.stagings.push_back({shm_name, shm->data(), base + items, staging});
     }
@@ -767,7 +843,8 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
     // One device buffer: every worker's items' placements. Inputs written
     // once and referenced where they are, outputs left on the device (as a
     // scheduler on the GPU uses them); prompts go inline.
-    const uint64_t item = (ShmVerifyItemBytes(plan.num_drafts, plan.num_heads) + 255) / 256 * 256;
+    const uint64_t item =
+        (ShmVerifyItemBytes(plan.num_drafts_max, plan.num_heads) + 255) / 256 * 256;
     ASSIGN_OR_RETURN(cuda, CudaSharedMemoryBuffer::Create(
                                options.cuda_device,
                                item * static_cast<uint64_t>(plan.items) * options.concurrency));
@@ -775,7 +852,7 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
       for (int k = 0; k < plan.items; ++k) {
         const uint64_t base = item * (static_cast<uint64_t>(w) * plan.items + k);
         plan.placements.push_back(
-            PlaceVerifyItem(shm_name, nullptr, base, plan.num_drafts, plan.num_heads));
+            PlaceVerifyItem(shm_name, nullptr, base, plan.num_drafts_max, plan.num_heads));
         ShmItemPlacement& p = plan.placements.back();
         p.cuda = cuda.get();
         p.inputs_in_place = true;
@@ -800,20 +877,31 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
   for (int r = 0; r < replicas.size(); ++r) {
     absl::PrintF("server %s: %s\n", targets[r], ServerInfoSummaryLine(infos[r]));
   }
+  const auto range_text = [](int64_t low, int64_t high) {
+    return high > low ? absl::StrCat(low, "..", high) : absl::StrCat(low);
+  };
   absl::PrintF(
-      "load: %d workers x %d items per call, %s after %.1f s warm-up, N=%d, prompt %d, "
+      "load: %d workers x %d items per call, %s after %.1f s warm-up, N=%s, prompt %s, "
       "sequences up to %d tokens, %s calls, %s data plane%s\n",
       options.concurrency, options.items,
       options.duration_s > 0 && options.requests > 0
           ? absl::StrFormat("%.1f s or %d calls", options.duration_s, options.requests)
       : options.duration_s > 0 ? absl::StrFormat("%.1f s", options.duration_s)
                                : absl::StrFormat("%d calls", options.requests),
-      options.warmup_s, plan.num_drafts, plan.prompt_len, plan.max_sequence_len,
+      options.warmup_s, range_text(plan.num_drafts, plan.num_drafts_max),
+      range_text(plan.prompt_len, plan.prompt_len_max), plan.max_sequence_len,
       options.stream ? "streamed" : "unary", options.data_plane,
-      options.rate > 0 ? absl::StrFormat(", open loop at %g calls/s", options.rate)
-                       : std::string(", closed loop"));
+      options.rate > 0
+          ? absl::StrFormat(
+                ", open loop at %g calls/s (%s arrivals%s)", options.rate, options.arrivals,
+                arrivals == ArrivalProcess::kBurst ? absl::StrCat(" of ", options.burst_size)
+                                                   : std::string())
+          : std::string(", closed loop"));
 
   if (g_stop_requested.load()) return absl::CancelledError("the load was stopped before it began");
+  ArrivalSchedule schedule(arrivals, options.rate > 0 ? options.rate : 1.0, options.burst_size,
+                           options.seed);
+  plan.arrivals = &schedule;
   RunControl control(plan);
   std::vector<WorkerResult> results(options.concurrency);
   std::vector<std::thread> threads;
@@ -822,19 +910,21 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
     threads.emplace_back([&, w] { results[w] = LoadWorker(replicas, plan, control, w).Run(); });
   }
   const Clock::time_point ramp_up_start = Clock::now();
-  // A line a second while the prompts go up (they take seconds at large
-  // concurrency and prompt lengths, and used to print nothing).
+  // A line a second while the prompts are made and go up (seconds at large
+  // concurrency and prompt lengths). The bytes count per AppendKv chunk the
+  // server accepted, so a long prompt shows as it goes, not at its end.
   int64_t ramp_bytes_before = 0;
   for (int second = 1; !control.AwaitAllReadyFor(options.concurrency, absl::Seconds(1)); ++second) {
     if (!options.progress) continue;
     const int64_t bytes = control.appended_bytes();
-    // (A prompt counts once all of it is appended: a long one shows late.)
     std::fprintf(stderr,
-                 "[ramp-up %3d s] %lld of %d prompts appended (%.2f GB, %.2f GB in the last "
-                 "second); %d of %d workers ready\n",
-                 second, static_cast<long long>(control.prompts_appended()),
-                 options.concurrency * options.items, bytes / 1e9,
-                 (bytes - ramp_bytes_before) / 1e9, control.ready(), options.concurrency);
+                 "[ramp-up %3d s] %lld of %d workers made their prompt data; %.2f GB appended "
+                 "(%.2f GB in the last second), %lld of %d prompts whole; %d of %d workers "
+                 "ready\n",
+                 second, static_cast<long long>(control.prompts_made()), options.concurrency,
+                 bytes / 1e9, (bytes - ramp_bytes_before) / 1e9,
+                 static_cast<long long>(control.prompts_appended()),
+                 options.concurrency * options.items, control.ready(), options.concurrency);
     ramp_bytes_before = bytes;
   }
   const Clock::time_point start = Clock::now();
@@ -962,6 +1052,7 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
                           : std::numeric_limits<double>::infinity();
 
   std::vector<double> latencies;
+  int64_t draft_tokens = 0;
   std::vector<double> step_latencies;
   // Per second of the whole measured period: latencies and failures.
   std::vector<std::vector<double>> second_latencies;
@@ -986,6 +1077,7 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
       }
       if (t >= from_s && t < to_s) {
         latencies.push_back(ms);
+        draft_tokens += result.call_drafts[i];
         if (ms > report.slowest.ms) {
           report.slowest = {ms, t, static_cast<int>(w), result.layers[i], result.sequence_lens[i]};
         }
@@ -1041,7 +1133,10 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
   // stability windows the agreeing ones); every call carries `items` items.
   report.verify_calls = static_cast<int64_t>(latencies.size());
   report.verify_items = report.verify_calls * plan.items;
-  report.draft_tokens = report.verify_items * plan.num_drafts;
+  report.draft_tokens = draft_tokens;
+  if (report.verify_items > 0) {
+    report.mean_drafts_per_item = static_cast<double>(draft_tokens) / report.verify_items;
+  }
   report.latency_ms = Summarize(std::move(latencies), options.percentiles);
   report.steps_measured = static_cast<int64_t>(step_latencies.size());
   report.step_ms = Summarize(std::move(step_latencies), options.percentiles);
@@ -1116,14 +1211,18 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
   for (const auto& [code, count] : report.errors) report.total_errors += count;
 
   if (options.floor) {
-    // One request and one answer of the run's shape, as they travel.
+    // One request and one answer of the run's shape, as they travel; with a
+    // --drafts range, of the mean tree size the run drew (rounded).
+    const int n = report.mean_drafts_per_item > 0
+                      ? static_cast<int>(std::lround(report.mean_drafts_per_item))
+                      : (plan.num_drafts + plan.num_drafts_max) / 2;
     const std::vector<int32_t> chain = [&] {
-      std::vector<int32_t> p(plan.num_drafts);
-      for (int i = 0; i < plan.num_drafts; ++i) p[i] = i - 1;
+      std::vector<int32_t> p(n);
+      for (int i = 0; i < n; ++i) p[i] = i - 1;
       return p;
     }();
-    const std::vector<Bf16> q(static_cast<size_t>(plan.num_drafts) * plan.num_heads * kLatentDim);
-    const std::vector<Bf16> kv(static_cast<size_t>(plan.num_drafts) * kLatentDim);
+    const std::vector<Bf16> q(static_cast<size_t>(n) * plan.num_heads * kLatentDim);
+    const std::vector<Bf16> kv(static_cast<size_t>(n) * kLatentDim);
     // A call carries --items items: the floor echoes the whole call's bytes.
     std::vector<std::vector<uint8_t>> scratch(plan.items);
     std::vector<ShmItemPlacement> scratch_place(plan.items);
@@ -1145,8 +1244,8 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
     ASSIGN_OR_RETURN(v1::VerifyRequest request, BuildVerifyRequest(0, items, 0.0f, 1));
     v1::VerifyResponse answer;
     answer.set_request_id(1);
-    const int64_t out_bytes = int64_t{plan.num_drafts} * plan.num_heads * kValueDim * 2;
-    const int64_t lse_bytes = int64_t{plan.num_drafts} * plan.num_heads * 4;
+    const int64_t out_bytes = int64_t{n} * plan.num_heads * kValueDim * 2;
+    const int64_t lse_bytes = int64_t{n} * plan.num_heads * 4;
     for (int k = 0; k < plan.items; ++k) {
       v1::VerifyResult* result = answer.add_results();
       result->set_sequence_id(static_cast<uint64_t>(k + 1));
@@ -1189,12 +1288,32 @@ absl::StatusOr<LoadReport> RunLoad(ReplicaSet& replicas, const LoadOptions& opti
   return report;
 }
 
+absl::Status ParseValueOrRange(absl::string_view flag, absl::string_view text, int64_t* low,
+                               int64_t* high) {
+  const std::vector<absl::string_view> parts = absl::StrSplit(text, ':');
+  int64_t a = 0, b = 0;
+  const bool parsed = (parts.size() == 1 || parts.size() == 2) && absl::SimpleAtoi(parts[0], &a) &&
+                      (parts.size() == 1 || absl::SimpleAtoi(parts[1], &b));
+  if (!parsed || a < 0 || (parts.size() == 2 && b < a)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(std::string(flag), " ", std::string(text),
+                     ": need a count N or a range LOW:HIGH with 0 <= LOW <= HIGH"));
+  }
+  *low = a;
+  *high = parts.size() == 2 ? b : 0;
+  return absl::OkStatus();
+}
+
 void PrintLoadReport(const LoadReport& report) {
   const LatencySummary& l = report.latency_ms;
   absl::PrintF("\nmeasured:     %.2f s after warm-up\n", report.measured_seconds);
   absl::PrintF("verify calls: %d (%.1f calls/s, %.1f items/s, %.1f draft tokens/s)\n",
                report.verify_calls, report.calls_per_second, report.items_per_second,
                report.draft_tokens_per_second);
+  if (report.num_drafts_max > report.num_drafts) {
+    absl::PrintF("drafts:       %d..%d per item, %.2f on average\n", report.num_drafts,
+                 report.num_drafts_max, report.mean_drafts_per_item);
+  }
   std::string chosen;
   for (const auto& [p, value] : l.chosen) absl::StrAppendFormat(&chosen, "  p%g %.3f", p, value);
   absl::PrintF(
@@ -1218,9 +1337,9 @@ void PrintLoadReport(const LoadReport& report) {
                absl::StrJoin(per_connection, " "));
   if (report.options.rate > 0) {
     absl::PrintF(
-        "open loop:    %g calls/s asked, %.1f answered; %d calls started over 1 ms late (every "
-        "worker busy: latency counts from the slot)\n",
-        report.options.rate, report.calls_per_second, report.late_starts);
+        "open loop:    %g calls/s asked (%s arrivals), %.1f answered; %d calls started over 1 "
+        "ms late (every worker busy: latency counts from the slot)\n",
+        report.options.rate, report.options.arrivals, report.calls_per_second, report.late_starts);
   }
   if (report.slowest.worker >= 0) {
     absl::PrintF(
@@ -1370,12 +1489,16 @@ nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
         {"requests", o.requests},
         {"warmup_s", o.warmup_s},
         {"prompt_len", o.prompt_len},
+        {"prompt_len_max", std::max(o.prompt_len, o.prompt_len_max)},
         {"drafts", o.drafts},
+        {"drafts_max", std::max(o.drafts, o.drafts_max)},
         {"items", o.items},
         {"stream", o.stream},
         {"data_plane", o.data_plane},
         {"floor", o.floor},
         {"rate", o.rate},
+        {"arrivals", o.arrivals},
+        {"burst_size", o.burst_size},
         {"connections", report.connections},
         {"percentiles", o.percentiles},
         {"stability_percent", o.stability_percent},
@@ -1385,11 +1508,13 @@ nlohmann::ordered_json LoadReportToJson(const LoadReport& report) {
       {"geometry",
        {{"num_layers", report.num_layers},
         {"num_heads", report.num_heads},
-        {"num_drafts", report.num_drafts}}},
+        {"num_drafts", report.num_drafts},
+        {"num_drafts_max", report.num_drafts_max}}},
       {"ramp_up_seconds", report.ramp_up_seconds},
       {"measured_seconds", report.measured_seconds},
       {"verify_calls", report.verify_calls},
       {"draft_tokens", report.draft_tokens},
+      {"mean_drafts_per_item", report.mean_drafts_per_item},
       {"calls_per_second", report.calls_per_second},
       {"verify_items", report.verify_items},
       {"late_starts", report.late_starts},

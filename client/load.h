@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "client/client.h"
 #include "client/latency_stats.h"
 #include "client/replica_set.h"
@@ -33,7 +34,13 @@ struct LoadOptions {
   // ramp-up: every worker has created its first sequence and appended its prompt.
   double warmup_s = 2.0;
   int64_t prompt_len = 64;
+  // Above prompt_len: each new sequence's prompt length is drawn uniformly
+  // from [prompt_len, prompt_len_max] (`--prompt-len 512:4096`); 0: fixed.
+  int64_t prompt_len_max = 0;
   int drafts = 4;  // N, capped by the server's max_draft_len
+  // Above drafts: each step's tree size per item is drawn uniformly from
+  // [drafts, drafts_max] (`--drafts 4:16`), capped likewise; 0: fixed.
+  int drafts_max = 0;
   // Sequences per Verify call (a scheduler verifying its whole batch per
   // layer): each worker drives this many, every call carries all of them.
   // Above 1: one target.
@@ -47,6 +54,11 @@ struct LoadOptions {
   // in flight); a call's latency counts from its slot, so a server that
   // falls behind shows in the percentiles instead of slowing the schedule.
   double rate = 0;
+  // The open loop's spacing (client/arrivals.h): "constant", "poisson"
+  // (exponential gaps of mean 1/rate) or "burst" (burst_size calls due at
+  // once every burst_size/rate seconds). Each keeps the mean rate.
+  std::string arrivals = "constant";
+  int burst_size = 8;
   // "inline" (tensor bytes in the messages) or "shm" (a system shared-memory
   // region the run creates, registers on every target and removes again:
   // each worker's q, draft_kv, out and lse, and its AppendKv chunks, live
@@ -94,11 +106,15 @@ inline constexpr int kStableWindows = 3;
 struct LoadReport {
   std::string target;
   LoadOptions options;
-  int num_drafts = 0;  // N actually used
+  int num_drafts = 0;      // N actually used (the lower end of a range)
+  int num_drafts_max = 0;  // the upper end (num_drafts when fixed)
   int num_layers = 0;
   int num_heads = 0;
   // Untimed: until every worker had its first sequence (prompt appended).
   double ramp_up_seconds = 0.0;
+  // Of the measured calls: items' drafts per call, on average (the mean of
+  // a --drafts range as drawn; N when fixed).
+  double mean_drafts_per_item = 0.0;
   double measured_seconds = 0.0;
   int64_t verify_calls = 0;     // measured, successful
   int64_t verify_items = 0;     // items in those calls
@@ -263,6 +279,12 @@ uint64_t PromptStagingBytes(int layers, int64_t prompt_len, int64_t shm_staging_
 // retried for up to 5 s. A call the client gave up on (its deadline), or a
 // step's end, may lag the client's own view by that much.
 absl::Status UnregisterWhenReleased(VerifyClient& client, const std::string& name, bool cuda);
+
+// `--prompt-len` and `--drafts`: "N" (a fixed value: *high = 0) or "LOW:HIGH"
+// with 0 <= LOW <= HIGH (a range drawn from uniformly). INVALID_ARGUMENT
+// names `flag` and what was wrong.
+absl::Status ParseValueOrRange(absl::string_view flag, absl::string_view text, int64_t* low,
+                               int64_t* high);
 
 void PrintLoadReport(const LoadReport& report);
 nlohmann::ordered_json LoadReportToJson(const LoadReport& report);

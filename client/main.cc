@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -444,13 +445,31 @@ int Main(int argc, char** argv) {
       ->capture_default_str();
   load_cmd->add_option("--warmup-s", load.warmup_s, "seconds excluded from the statistics")
       ->capture_default_str();
-  load_cmd->add_option("--prompt-len", load.prompt_len, "prompt tokens per sequence")
+  // "N" or "LOW:HIGH": kept as text, parsed once the command line is read.
+  const auto range_check = [](std::string flag) {
+    return [flag](const std::string& text) {
+      int64_t low = 0, high = 0;
+      const absl::Status parsed = ParseValueOrRange(flag, text, &low, &high);
+      return parsed.ok() ? std::string() : std::string(parsed.message());
+    };
+  };
+  std::string load_prompt_len = absl::StrCat(load.prompt_len);
+  load_cmd
+      ->add_option("--prompt-len", load_prompt_len,
+                   "prompt tokens per sequence, or LOW:HIGH for a length drawn uniformly per "
+                   "sequence")
+      ->check(range_check("--prompt-len"))
       ->capture_default_str();
   load_cmd
       ->add_option("--items", load.items,
                    "sequences per Verify call (each worker drives this many; one target)")
       ->capture_default_str();
-  load_cmd->add_option("--drafts", load.drafts, "drafts per step (capped by max_draft_len)")
+  std::string load_drafts = absl::StrCat(load.drafts);
+  load_cmd
+      ->add_option("--drafts", load_drafts,
+                   "drafts per item and step (capped by max_draft_len), or LOW:HIGH for a tree "
+                   "size drawn uniformly per item and step")
+      ->check(range_check("--drafts"))
       ->capture_default_str();
   load_cmd
       ->add_option("--max-seq-len", load.max_sequence_len,
@@ -473,6 +492,15 @@ int Main(int argc, char** argv) {
       ->add_option("--rate", load.rate,
                    "open loop: Verify calls per second in all, taken by free workers "
                    "(0: closed loop)")
+      ->capture_default_str();
+  load_cmd
+      ->add_option("--arrivals", load.arrivals,
+                   "open loop: constant spacing, poisson (exponential gaps of mean 1/rate) or "
+                   "burst (--burst-size calls due at once); each keeps --rate on average")
+      ->check(CLI::IsMember({"constant", "poisson", "burst"}))
+      ->capture_default_str();
+  load_cmd->add_option("--burst-size", load.burst_size, "--arrivals burst: calls due at once")
+      ->check(CLI::Range(1, 1000000))
       ->capture_default_str();
   std::vector<double> load_sweep;
   load_cmd
@@ -608,6 +636,15 @@ int Main(int argc, char** argv) {
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
   load.shm_staging_bytes = shm_staging_mib << 20;
+  if (load_cmd->parsed()) {
+    // Checked when parsed: these cannot fail here.
+    int64_t drafts = 0, drafts_max = 0;
+    ParseValueOrRange("--prompt-len", load_prompt_len, &load.prompt_len, &load.prompt_len_max)
+        .IgnoreError();
+    ParseValueOrRange("--drafts", load_drafts, &drafts, &drafts_max).IgnoreError();
+    load.drafts = static_cast<int>(std::min<int64_t>(drafts, 1 << 20));
+    load.drafts_max = static_cast<int>(std::min<int64_t>(drafts_max, 1 << 20));
+  }
   g_load_command.store(load_cmd->parsed());
   if (load_cmd->parsed() && load.steps) {
     return RunStepLoadCommand(set, load, load_sweep, load_json, load_csv, provenance);

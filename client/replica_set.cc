@@ -164,10 +164,11 @@ absl::StatusOr<PlacedSequence> ReplicaSet::CreateSequence(absl::string_view labe
 absl::StatusOr<AppendKvResult> ReplicaSet::AppendKv(const PlacedSequence& seq,
                                                     int64_t start_position, int num_layers,
                                                     int64_t tokens, absl::Span<const Bf16> kv,
-                                                    const ShmStaging* staging) {
+                                                    const ShmStaging* staging,
+                                                    const std::function<void(int64_t)>& on_chunk) {
   if (absl::Status up = CheckUp(seq.replica); !up.ok()) return up;
-  absl::StatusOr<AppendKvResult> r =
-      clients_[seq.replica]->AppendKv(seq.id, start_position, num_layers, tokens, kv, staging);
+  absl::StatusOr<AppendKvResult> r = clients_[seq.replica]->AppendKv(
+      seq.id, start_position, num_layers, tokens, kv, staging, on_chunk);
   if (!r.ok()) return Observe(seq.replica, r.status());
   return r;
 }

@@ -15,6 +15,7 @@
 #define MLAVERIFY_CLIENT_REPLICA_SET_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -71,7 +72,8 @@ class ReplicaSet {
   // name when there are several.
   absl::StatusOr<AppendKvResult> AppendKv(const PlacedSequence& seq, int64_t start_position,
                                           int num_layers, int64_t tokens, absl::Span<const Bf16> kv,
-                                          const ShmStaging* staging = nullptr);
+                                          const ShmStaging* staging = nullptr,
+                                          const std::function<void(int64_t)>& on_chunk = nullptr);
   // Items must all be of sequences on `owner`.
   absl::StatusOr<std::vector<VerifyItemResult>> Verify(int owner, int layer,
                                                        absl::Span<const VerifyItemInput> items,

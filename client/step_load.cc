@@ -369,6 +369,11 @@ absl::StatusOr<StepLoadReport> RunStepLoad(VerifyClient& client, const LoadOptio
         "--steps runs closed-loop device-driven steps: --rate, --stream, --floor, "
         "--stability-percent and --requests do not apply");
   }
+  if (o.prompt_len_max > o.prompt_len || o.drafts_max > o.drafts) {
+    return absl::InvalidArgumentError(
+        "--steps takes a fixed --prompt-len and --drafts (a step's slots are sized once), not "
+        "ranges");
+  }
   if (o.doorbell != "host" && o.doorbell != "gpu") {
     return absl::InvalidArgumentError(absl::StrCat("--doorbell ", o.doorbell,
                                                    ": host (system shared-memory slots) or gpu "

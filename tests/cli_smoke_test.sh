@@ -111,6 +111,38 @@ if "${client[@]}" load --metadata novalue --duration-s 0.5 > "$work/badmeta.log"
   fail "--metadata without = accepted"
 fi
 
+# Poisson arrivals keep the asked rate on average; prompt and draft ranges
+# draw every size between their ends (the mean tree size lies inside); burst
+# arrivals pass at a rate the server answers; a range upside down is a usage
+# error, and so is --arrivals without --rate.
+"${client[@]}" load --rate 40 --arrivals poisson --concurrency 4 --prompt-len 16:64 --drafts 2:6 \
+  --duration-s 3 --warmup-s 0.5 --progress false --json "$work/poisson.json" > "$work/poisson.log" ||
+  fail "poisson load with ranges: $(cat "$work/poisson.log")"
+grep -q "N=2..6, prompt 16..64" "$work/poisson.log" || fail "no ranges in the header: $(cat "$work/poisson.log")"
+"${client[@]}" load --rate 40 --arrivals burst --burst-size 4 --concurrency 4 --duration-s 2 \
+  --warmup-s 0.3 --progress false --json "$work/burst.json" > "$work/burst.log" ||
+  fail "burst load: $(cat "$work/burst.log")"
+python3 - "$work/poisson.json" "$work/burst.json" <<'PY' || fail "arrival reports: $(cat "$work/poisson.json")"
+import json, sys
+r = json.load(open(sys.argv[1]))
+o = r["options"]
+assert o["arrivals"] == "poisson" and o["prompt_len"] == 16 and o["prompt_len_max"] == 64, o
+assert o["drafts"] == 2 and o["drafts_max"] == 6 and r["geometry"]["num_drafts_max"] == 6, r
+assert r["pass"] and 28 <= r["calls_per_second"] <= 52, r
+# 120 calls of 2..6 drafts: a mean outside (2.5, 5.5) is not uniform draws.
+assert 2.5 < r["mean_drafts_per_item"] < 5.5, r
+assert r["draft_tokens"] == round(r["mean_drafts_per_item"] * r["verify_items"]), r
+b = json.load(open(sys.argv[2]))
+assert b["options"]["arrivals"] == "burst" and b["options"]["burst_size"] == 4, b["options"]
+assert b["pass"] and 28 <= b["calls_per_second"] <= 52, b
+PY
+for bad in "--prompt-len 64:16" "--drafts 6:2" "--arrivals poisson" "--arrivals gamma --rate 5"; do
+  bad_rc=0
+  # shellcheck disable=SC2086  # the flags are several words
+  "${client[@]}" load $bad --duration-s 0.5 --progress false > "$work/badrange.log" 2>&1 || bad_rc=$?
+  [ "$bad_rc" -eq 2 ] || fail "load $bad exited $bad_rc, not 2: $(cat "$work/badrange.log")"
+done
+
 # An open loop the server cannot keep up with fails and says so (its
 # figures describe a saturated server, not the rate asked for).
 if "${client[@]}" load --rate 100000 --concurrency 2 --duration-s 1 --warmup-s 0.2 \

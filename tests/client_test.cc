@@ -15,7 +15,9 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "client/arrivals.h"
 #include "client/latency_stats.h"
+#include "client/load.h"
 #include "client/reference_check.h"
 #include "client/replica_set.h"
 #include "client/shared_memory.h"
@@ -377,6 +379,79 @@ TEST(LatencyStats, HistogramHoldsEverySampleInItsBucket) {
   EXPECT_GE(s.histogram.back().upper, s.max);
   EXPECT_LT(s.histogram.back().upper, s.max * 1.19);
   EXPECT_TRUE(Summarize({}).histogram.empty());
+}
+
+// ---- Open-loop arrivals and load ranges ------------------------------------------
+
+TEST(Arrivals, ConstantSlotsAreEvenlySpaced) {
+  ArrivalSchedule s(ArrivalProcess::kConstant, 200.0, 8, 1);
+  for (int i = 0; i < 1000; ++i) ASSERT_DOUBLE_EQ(s.Next(), i / 200.0) << i;
+}
+
+TEST(Arrivals, BurstsShareTheirStartAndKeepTheRate) {
+  ArrivalSchedule s(ArrivalProcess::kBurst, 100.0, 4, 1);
+  for (int burst = 0; burst < 50; ++burst) {
+    for (int k = 0; k < 4; ++k) ASSERT_DOUBLE_EQ(s.Next(), burst * 4 / 100.0);
+  }
+}
+
+TEST(Arrivals, PoissonGapsAreExponentialOfTheMeanRate) {
+  const double rate = 1000.0;
+  ArrivalSchedule s(ArrivalProcess::kPoisson, rate, 1, 7);
+  constexpr int kCalls = 200000;
+  double last = s.Next(), sum = 0, sum_sq = 0;
+  EXPECT_EQ(last, 0.0);
+  int short_gaps = 0;
+  for (int i = 1; i < kCalls; ++i) {
+    const double t = s.Next();
+    const double gap = t - last;
+    ASSERT_GE(gap, 0.0);
+    sum += gap;
+    sum_sq += gap * gap;
+    // P(gap < mean / 10) = 1 - e^-0.1 = 9.5 % for an exponential; 0 for
+    // constant spacing.
+    short_gaps += gap < 0.1 / rate;
+    last = t;
+  }
+  const double mean = sum / (kCalls - 1);
+  const double sd = std::sqrt(sum_sq / (kCalls - 1) - mean * mean);
+  EXPECT_NEAR(mean * rate, 1.0, 0.01);  // the asked rate, within 1 %
+  EXPECT_NEAR(sd / mean, 1.0, 0.02);    // an exponential's coefficient of variation is 1
+  EXPECT_NEAR(short_gaps / double(kCalls - 1), 1 - std::exp(-0.1), 0.005);
+  // Seeded: the same schedule again.
+  ArrivalSchedule again(ArrivalProcess::kPoisson, rate, 1, 7),
+      other(ArrivalProcess::kPoisson, rate, 1, 8);
+  ArrivalSchedule first(ArrivalProcess::kPoisson, rate, 1, 7);
+  for (int i = 0; i < 10; ++i) ASSERT_EQ(again.Next(), first.Next());
+  other.Next();
+  first.Next();
+  EXPECT_NE(other.Next(), first.Next());
+}
+
+TEST(Arrivals, NamesParseAndUnknownOnesAreRefused) {
+  EXPECT_EQ(*ParseArrivalProcess("poisson"), ArrivalProcess::kPoisson);
+  EXPECT_EQ(ArrivalProcessName(*ParseArrivalProcess("burst")), "burst");
+  const absl::StatusOr<ArrivalProcess> bad = ParseArrivalProcess("gamma");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(bad.status().message(), "constant, poisson or burst"));
+}
+
+TEST(LoadRanges, ValueOrRangeParses) {
+  int64_t low = -1, high = -1;
+  ASSERT_TRUE(ParseValueOrRange("--drafts", "16", &low, &high).ok());
+  EXPECT_EQ(low, 16);
+  EXPECT_EQ(high, 0);
+  ASSERT_TRUE(ParseValueOrRange("--prompt-len", "512:4096", &low, &high).ok());
+  EXPECT_EQ(low, 512);
+  EXPECT_EQ(high, 4096);
+  ASSERT_TRUE(ParseValueOrRange("--drafts", "4:4", &low, &high).ok());
+  EXPECT_EQ(high, 4);
+  for (const char* bad : {"", "x", "4:", ":4", "8:4", "-1", "1:2:3", "3.5"}) {
+    const absl::Status s = ParseValueOrRange("--drafts", bad, &low, &high);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_TRUE(absl::StrContains(s.message(), "--drafts")) << s;
+  }
 }
 
 // ---- Workloads ----------------------------------------------------------------
