@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -372,10 +372,39 @@ class ClientBase:
     def _retryable(rpc: str, error: VerifyError) -> bool:
         return rpc in IDEMPOTENT and error.code in RETRYABLE
 
+    def _call_metadata(self, extra: "Metadata"):
+        """What a call with the caller's `extra` metadata sends (merge_metadata)."""
+        return merge_metadata(self._metadata, extra)
+
 
 def metadata(auth_token: Optional[str]):
     """The call metadata that carries `auth_token` (None: none)."""
     return (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+
+
+# A caller's metadata for one call: (key, value) pairs, as grpcio takes them.
+Metadata = Optional[Sequence[Tuple[str, str]]]
+
+
+def merge_metadata(own: Optional[Tuple[Tuple[str, str], ...]], extra: Metadata):
+    """The metadata one call sends: the client's own (its token's
+    "authorization") with the caller's pairs for this call. A key the caller
+    gives replaces every pair of the client's with that key (compared
+    without case, as HTTP/2 header names are): two "authorization" values
+    would reach the server as a list, and which one it checks would be up
+    to it. A key repeated within `extra` is sent repeated, as given."""
+    if not extra:
+        return own
+    if isinstance(extra, (str, bytes, dict)):
+        raise TypeError(f"metadata: expected a sequence of (key, value) pairs, got "
+                        f"{type(extra).__name__}")
+    pairs = []
+    for pair in extra:
+        if isinstance(pair, (str, bytes)) or len(pair) != 2 or not isinstance(pair[0], str):
+            raise TypeError(f"metadata: expected (key, value) pairs with str keys, got {pair!r}")
+        pairs.append((pair[0], pair[1]))
+    replaced = {key.lower() for key, _ in pairs}
+    return tuple(p for p in own or () if p[0].lower() not in replaced) + tuple(pairs)
 
 
 # grpc.health.v1 by hand: the request is an empty message (service ""), the
@@ -390,22 +419,55 @@ HEALTH_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNO
 UNREACHABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
+def _varint(data: bytes, i: int) -> Tuple[int, int]:
+    """The varint at data[i:] and the index after it; ValueError when it is
+    cut short or longer than protobuf's 10 bytes."""
+    value = 0
+    for shift in range(0, 70, 7):
+        if i >= len(data):
+            raise ValueError(f"health response truncated in a varint at byte {i}")
+        byte = data[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, i
+    raise ValueError(f"health response: a varint longer than 10 bytes ending at byte {i}")
+
+
 def decode_health(response: bytes) -> str:
-    """A grpc.health.v1 HealthCheckResponse's status name ("SERVING"...)."""
+    """A grpc.health.v1 HealthCheckResponse's status name ("SERVING"...).
+
+    Fields other than 1 (status) are skipped, whatever their wire type, as a
+    generated parser keeps them as unknown: a server whose health message
+    grew a field must not break the clients. Only malformed input raises
+    ValueError: a field cut short, field number 0, or wire types 3, 4
+    (groups, which proto3 has no use for) and 6, 7 (undefined)."""
     status, i = 0, 0
     while i < len(response):
-        tag = response[i]
-        i += 1
-        if tag == 0x08:  # field 1, varint
-            value, shift = 0, 0
-            while True:
-                byte = response[i]
-                i += 1
-                value |= (byte & 0x7F) << shift
-                shift += 7
-                if not byte & 0x80:
-                    break
-            status = value
+        tag, i = _varint(response, i)
+        field, wire_type = tag >> 3, tag & 7
+        if field == 0:
+            raise ValueError(f"health response: field number 0 at byte {i}")
+        if wire_type == 0:
+            value, i = _varint(response, i)
+            if field == 1:
+                # An enum is an int32 sent sign-extended to 64 bits; the last
+                # occurrence wins, as in any protobuf parser.
+                status = value - (1 << 64) if value >= 1 << 63 else value
+            continue
+        # A field 1 of another wire type is not the status: protobuf parsers
+        # keep such a field as unknown, and so it is skipped here.
+        if wire_type == 1:
+            size = 8
+        elif wire_type == 5:
+            size = 4
+        elif wire_type == 2:
+            size, i = _varint(response, i)
         else:
-            raise ValueError(f"unexpected field tag {tag:#x} in a health response")
+            raise ValueError(f"health response: field {field} has wire type {wire_type}, "
+                             "which is not 0, 1, 2 or 5")
+        if i + size > len(response):
+            raise ValueError(f"health response truncated in field {field} ({size} bytes from "
+                             f"byte {i}, {len(response) - i} left)")
+        i += size
     return HEALTH_STATUS.get(status, f"UNKNOWN({status})")

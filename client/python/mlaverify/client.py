@@ -14,6 +14,7 @@ import grpc
 
 from mlaverify import _wire, cuda_shm, native, shm, steps, tensors, types
 from mlaverify._channels import DEFAULT_MAX_MESSAGE_BYTES, ChannelSettings, ConnectionPool
+from mlaverify._wire import Metadata
 from mlaverify.errors import VerifyError, from_rpc_error
 from mlaverify.v1 import verify_pb2
 
@@ -40,6 +41,12 @@ class VerifyClient(_wire.ClientBase):
     nothing (health, server_info, the status calls); no other call is
     retried, since one that failed on the way back may have run. options:
     more channel arguments, appended.
+
+    Every method that makes an RPC takes metadata=: (key, value) pairs sent
+    with that call besides the client's own (the auth token's
+    "authorization"); a key given there replaces the client's pairs of that
+    key, so metadata=[("authorization", "Bearer other")] sends that token
+    alone.
     """
 
     def __init__(self, target: str, *, credentials: Optional[grpc.ChannelCredentials] = None,
@@ -80,8 +87,10 @@ class VerifyClient(_wire.ClientBase):
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _call(self, rpc: str, method: str, request, timeout=None, sequence_id=None):
+    def _call(self, rpc: str, method: str, request, timeout=None, sequence_id=None,
+              metadata: Metadata = None):
         stub = self._stubs[self._connection(sequence_id)]
+        sent = self._call_metadata(metadata)
         error = None
         for delay in self._attempts(rpc):
             if delay is not None:
@@ -89,7 +98,7 @@ class VerifyClient(_wire.ClientBase):
             try:
                 return getattr(stub, method)(
                     request, timeout=timeout if timeout is not None else self._timeout,
-                    metadata=self._metadata, wait_for_ready=self._wait_for_ready)
+                    metadata=sent, wait_for_ready=self._wait_for_ready)
             except grpc.RpcError as e:
                 error = from_rpc_error(e, rpc)
                 if not self._retryable(rpc, error):
@@ -97,19 +106,21 @@ class VerifyClient(_wire.ClientBase):
         raise error
 
     # -- RPCs ---------------------------------------------------------------
-    def health(self, timeout: Optional[float] = None) -> str:
+    def health(self, timeout: Optional[float] = None, *, metadata: Metadata = None) -> str:
         """grpc.health.v1 Check of the whole server: "SERVING", "NOT_SERVING"..."""
-        return self._health(timeout, self._attempts("Health.Check"))
+        return self._health(timeout, self._attempts("Health.Check"), metadata)
 
-    def _health(self, timeout: Optional[float], attempts: List[Optional[float]]) -> str:
+    def _health(self, timeout: Optional[float], attempts: List[Optional[float]],
+                metadata: Metadata) -> str:
         check = self._healths[self._connection(None)]
+        sent = self._call_metadata(metadata)
         error = None
         for delay in attempts:
             if delay is not None:
                 time.sleep(delay)
             try:
                 raw = check(b"", timeout=timeout if timeout is not None else self._timeout,
-                            wait_for_ready=self._wait_for_ready)
+                            metadata=sent, wait_for_ready=self._wait_for_ready)
                 return _wire.decode_health(raw)
             except grpc.RpcError as e:
                 error = from_rpc_error(e, "Health.Check")
@@ -117,41 +128,53 @@ class VerifyClient(_wire.ClientBase):
                     break
         raise error
 
-    def is_serving(self, timeout: Optional[float] = None) -> bool:
+    def is_serving(self, timeout: Optional[float] = None, *, metadata: Metadata = None) -> bool:
         """Whether the server serves now: its health is SERVING. False also
         when it cannot be reached in time (UNAVAILABLE, DEADLINE_EXCEEDED);
         any other failure raises. One attempt: `timeout` bounds it."""
         try:
-            return self._health(timeout, [None]) == "SERVING"
+            return self._health(timeout, [None], metadata) == "SERVING"
         except VerifyError as e:
             if e.code in _wire.UNREACHABLE_CODES:
                 return False
             raise
 
-    def server_info(self, timeout: Optional[float] = None) -> types.ServerInfo:
+    def server_info(self, timeout: Optional[float] = None, *,
+                    metadata: Metadata = None) -> types.ServerInfo:
         """GetServerInfo as a typed ServerInfo; also refreshes the geometry
         requests are checked against. timeout (here and in every call
-        below): seconds for this call, None: the client's default."""
+        below): seconds for this call, None: the client's default.
+        metadata (here and below): pairs sent with this call (the class
+        says how they join the client's)."""
         info = types.server_info(self._call("GetServerInfo", "GetServerInfo",
-                                            verify_pb2.GetServerInfoRequest(), timeout))
+                                            verify_pb2.GetServerInfoRequest(), timeout,
+                                            metadata=metadata))
         self._geometry = _wire.Geometry(info, self._regions)
         return info
 
     @property
     def geometry(self) -> _wire.Geometry:
         """The server's geometry (GetServerInfo on first use)."""
+        return self._geometry_for(None)
+
+    def _geometry_for(self, metadata: Metadata) -> _wire.Geometry:
+        # The GetServerInfo a call makes on first use carries that call's
+        # metadata: a caller that authenticates per call has no other.
         if self._geometry is None:
-            self.server_info()
+            self.server_info(metadata=metadata)
         return self._geometry
 
-    def create_sequence(self, label: str = "", timeout: Optional[float] = None) -> int:
+    def create_sequence(self, label: str = "", timeout: Optional[float] = None, *,
+                        metadata: Metadata = None) -> int:
         """A new sequence (empty); returns its id. Not retried: a retry of
         one that ran would leave a sequence nobody releases."""
         return self._call("CreateSequence", "CreateSequence",
-                          verify_pb2.CreateSequenceRequest(label=label), timeout).sequence_id
+                          verify_pb2.CreateSequenceRequest(label=label), timeout,
+                          metadata=metadata).sequence_id
 
     @contextlib.contextmanager
-    def sequence(self, label: str = "", timeout: Optional[float] = None) -> Iterator[int]:
+    def sequence(self, label: str = "", timeout: Optional[float] = None, *,
+                 metadata: Metadata = None) -> Iterator[int]:
         """A new sequence for the length of a ``with`` block, released when
         the block ends, also by an exception (so a scheduler that fails
         between create and release does not hold the sequence's pages until
@@ -163,127 +186,139 @@ class VerifyClient(_wire.ClientBase):
 
         A release that fails after the block raised is not raised over the
         block's exception; one that fails after a clean block is, except
-        NOT_FOUND (released meanwhile, or expired)."""
-        sid = self.create_sequence(label, timeout)
+        NOT_FOUND (released meanwhile, or expired). metadata: sent with
+        both calls."""
+        sid = self.create_sequence(label, timeout, metadata=metadata)
         failed = True
         try:
             yield sid
             failed = False
         finally:
             try:
-                self.release_sequence(sid, timeout)
+                self.release_sequence(sid, timeout, metadata=metadata)
             except VerifyError as e:
                 if not failed and e.code != grpc.StatusCode.NOT_FOUND:
                     raise
 
     def append_kv(self, sequence_id: int, start_position: int, kv: Any,
-                  timeout: Optional[float] = None) -> int:
+                  timeout: Optional[float] = None, *, metadata: Metadata = None) -> int:
         """One AppendKv: kv is bf16 [num_layers, T, 576]. Returns the new length."""
-        request = self.geometry.append_request(sequence_id, start_position, kv)
-        return self._call("AppendKv", "AppendKv", request, timeout, sequence_id=sequence_id).length
+        request = self._geometry_for(metadata).append_request(sequence_id, start_position, kv)
+        return self._call("AppendKv", "AppendKv", request, timeout, sequence_id=sequence_id,
+                          metadata=metadata).length
 
     def append_prompt(self, sequence_id: int, kv: Any, start_position: int = 0,
-                      timeout: Optional[float] = None) -> int:
+                      timeout: Optional[float] = None, *, metadata: Metadata = None) -> int:
         """A whole prompt in chunks under the server's message limit; returns
-        the new length (timeout: per chunk)."""
+        the new length (timeout and metadata: per chunk)."""
         tokens = _wire.prompt_tokens(kv)
-        step = self.geometry.prompt_chunk_tokens()
+        step = self._geometry_for(metadata).prompt_chunk_tokens()
         length = start_position
         for begin in range(0, tokens, step):
             length = self.append_kv(sequence_id, start_position + begin, kv[:, begin:begin + step],
-                                    timeout)
+                                    timeout, metadata=metadata)
         return length
 
     def verify(self, layer: int, items: Sequence[_wire.VerifyItem], softmax_scale: float = 0.0,
-               timeout: Optional[float] = None) -> List[_wire.VerifyResult]:
+               timeout: Optional[float] = None, *,
+               metadata: Metadata = None) -> List[_wire.VerifyResult]:
         """One layer's Verify for one or more sequences (distinct); results
         in the order of `items`. softmax_scale 0: the server's default."""
-        request = self.geometry.verify_request(layer, items, softmax_scale, next(self._request_ids))
+        g = self._geometry_for(metadata)
+        request = g.verify_request(layer, items, softmax_scale, next(self._request_ids))
         response = self._call("Verify", "Verify", request, timeout,
-                              sequence_id=items[0].sequence_id)
-        return self.geometry.verify_results(request, response, self._output)
+                              sequence_id=items[0].sequence_id, metadata=metadata)
+        return g.verify_results(request, response, self._output)
 
     def commit(self, sequence_id: int, accepted: Sequence[int],
-               timeout: Optional[float] = None) -> _wire.CommitResult:
+               timeout: Optional[float] = None, *,
+               metadata: Metadata = None) -> _wire.CommitResult:
         """Ends the pending step; `accepted` is a root-to-node path (may be empty)."""
         r = self._call("Commit", "Commit",
                        verify_pb2.CommitRequest(sequence_id=sequence_id,
                                                 accepted=_wire.check_path(accepted, "accepted")),
-                       timeout, sequence_id=sequence_id)
+                       timeout, sequence_id=sequence_id, metadata=metadata)
         return _wire.CommitResult(length=r.length, accepted_count=r.accepted_count)
 
-    def release_sequence(self, sequence_id: int, timeout: Optional[float] = None) -> int:
+    def release_sequence(self, sequence_id: int, timeout: Optional[float] = None, *,
+                         metadata: Metadata = None) -> int:
         """Frees the sequence's pages; returns how many."""
         return self._call("ReleaseSequence", "ReleaseSequence",
                           verify_pb2.ReleaseSequenceRequest(sequence_id=sequence_id),
-                          timeout, sequence_id=sequence_id).freed_pages
+                          timeout, sequence_id=sequence_id, metadata=metadata).freed_pages
 
     # -- shared memory ------------------------------------------------------
     def register_system_shared_memory(self, name: str, region: "shm.SharedMemoryRegion",
                                       offset: int = 0, byte_size: Optional[int] = None,
-                                      timeout: Optional[float] = None) -> None:
+                                      timeout: Optional[float] = None, *,
+                                      metadata: Metadata = None) -> None:
         """Registers [offset, offset + byte_size) of `region` (a
         SharedMemoryRegion of this process) as `name`; items placed there
         (VerifyItem.shm) then travel as references."""
         request = _wire.register_request(name, region, offset, byte_size)
-        self._call("RegisterSystemSharedMemory", "RegisterSystemSharedMemory", request, timeout)
+        self._call("RegisterSystemSharedMemory", "RegisterSystemSharedMemory", request, timeout,
+                   metadata=metadata)
         self._regions[name] = _wire.RegisteredView(region, offset)
 
     def register_cuda_shared_memory(self, name: str, region: "cuda_shm.CudaSharedMemoryRegion",
                                     device_id: Optional[int] = None,
-                                    timeout: Optional[float] = None) -> None:
+                                    timeout: Optional[float] = None, *,
+                                    metadata: Metadata = None) -> None:
         """Registers a CudaSharedMemoryRegion (device memory of this process)
         as `name` by its CUDA IPC handle; items placed there keep q,
         draft_kv, out and lse on the device. device_id: the server's number
         of the region's device (None: this process's index of it)."""
         request = cuda_shm_request(name, region, device_id)
-        self._call("RegisterCudaSharedMemory", "RegisterCudaSharedMemory", request, timeout)
+        self._call("RegisterCudaSharedMemory", "RegisterCudaSharedMemory", request, timeout,
+                   metadata=metadata)
         self._regions[name] = cuda_shm.CudaRegisteredView(region)
 
-    def unregister_system_shared_memory(self, name: str = "",
-                                        timeout: Optional[float] = None) -> List[str]:
+    def unregister_system_shared_memory(self, name: str = "", timeout: Optional[float] = None,
+                                        *, metadata: Metadata = None) -> List[str]:
         """Removes region `name` of either kind ("" : every region); returns
         the names removed."""
         names = list(self._call("UnregisterSystemSharedMemory", "UnregisterSystemSharedMemory",
                                 verify_pb2.UnregisterSystemSharedMemoryRequest(name=name),
-                                timeout).unregistered)
+                                timeout, metadata=metadata).unregistered)
         for n in names:
             self._regions.pop(n, None)
         return names
 
     def system_shared_memory_status(
-            self, name: str = "",
-            timeout: Optional[float] = None) -> List[types.SystemSharedMemoryStatus]:
+            self, name: str = "", timeout: Optional[float] = None, *,
+            metadata: Metadata = None) -> List[types.SystemSharedMemoryStatus]:
         """`name` ("" : every region, either kind) with its use."""
         r = self._call("SystemSharedMemoryStatus", "SystemSharedMemoryStatus",
-                       verify_pb2.SystemSharedMemoryStatusRequest(name=name), timeout)
+                       verify_pb2.SystemSharedMemoryStatusRequest(name=name), timeout,
+                       metadata=metadata)
         return [types.from_message(types.SystemSharedMemoryStatus, m) for m in r.regions]
 
-    def unregister_cuda_shared_memory(self, name: str = "",
-                                      timeout: Optional[float] = None) -> List[str]:
+    def unregister_cuda_shared_memory(self, name: str = "", timeout: Optional[float] = None,
+                                      *, metadata: Metadata = None) -> List[str]:
         """Removes the CUDA region `name` ("" : every CUDA region); returns the
         names removed."""
         names = list(self._call("UnregisterCudaSharedMemory", "UnregisterCudaSharedMemory",
                                 verify_pb2.UnregisterCudaSharedMemoryRequest(name=name),
-                                timeout).unregistered)
+                                timeout, metadata=metadata).unregistered)
         for n in names:
             self._regions.pop(n, None)
         return names
 
     def cuda_shared_memory_status(
-            self, name: str = "",
-            timeout: Optional[float] = None) -> List[types.CudaSharedMemoryStatus]:
+            self, name: str = "", timeout: Optional[float] = None, *,
+            metadata: Metadata = None) -> List[types.CudaSharedMemoryStatus]:
         """The CUDA region `name` ("" : every CUDA region) with its use."""
         r = self._call("CudaSharedMemoryStatus", "CudaSharedMemoryStatus",
-                       verify_pb2.CudaSharedMemoryStatusRequest(name=name), timeout)
+                       verify_pb2.CudaSharedMemoryStatusRequest(name=name), timeout,
+                       metadata=metadata)
         return [types.from_message(types.CudaSharedMemoryStatus, m) for m in r.regions]
 
     # -- device-driven steps (mlaverify.steps, docs/steps.md) -----------------
     def open_step(self, items: Sequence[Tuple[int, Sequence[int]]],
                   ranks: Sequence["steps.StepRank"], doorbell: str = "host",
                   softmax_scale: float = 0.0, layer_timeout_ms: int = 0,
-                  max_duration_ms: int = 0,
-                  timeout: Optional[float] = None) -> "steps.DeviceStep":
+                  max_duration_ms: int = 0, timeout: Optional[float] = None, *,
+                  metadata: Metadata = None) -> "steps.DeviceStep":
         """Opens a device-driven step: items are (sequence_id, parents) pairs;
         ranks place every item's tensors (one per device of a TP server);
         doorbell "host" (slots in a system region this client registered) or
@@ -291,23 +326,27 @@ class VerifyClient(_wire.ClientBase):
         request = steps.open_step_request(items, ranks, doorbell, softmax_scale,
                                           layer_timeout_ms, max_duration_ms)
         response = self._call("OpenStep", "OpenStep", request, timeout,
-                              sequence_id=items[0][0] if items else None)
+                              sequence_id=items[0][0] if items else None, metadata=metadata)
         try:
             return steps.DeviceStep(self, response, doorbell, ranks, self._regions)
         except Exception:
-            self.abort_step(response.step_id)  # nobody could ring it
+            self.abort_step(response.step_id, metadata=metadata)  # nobody could ring it
             raise
 
-    def abort_step(self, step_id: int, timeout: Optional[float] = None) -> types.StepStatus:
+    def abort_step(self, step_id: int, timeout: Optional[float] = None, *,
+                   metadata: Metadata = None) -> types.StepStatus:
         """AbortStep: ends the step early; returns once nothing of it runs
         any more, with its final status."""
         return types.from_message(types.StepStatus, self._call(
-            "AbortStep", "AbortStep", verify_pb2.AbortStepRequest(step_id=step_id), timeout))
+            "AbortStep", "AbortStep", verify_pb2.AbortStepRequest(step_id=step_id), timeout,
+            metadata=metadata))
 
-    def get_step(self, step_id: int, timeout: Optional[float] = None) -> types.StepStatus:
+    def get_step(self, step_id: int, timeout: Optional[float] = None, *,
+                 metadata: Metadata = None) -> types.StepStatus:
         """GetStep: the step's state."""
         return types.from_message(types.StepStatus, self._call(
-            "GetStep", "GetStep", verify_pb2.GetStepRequest(step_id=step_id), timeout))
+            "GetStep", "GetStep", verify_pb2.GetStepRequest(step_id=step_id), timeout,
+            metadata=metadata))
 
     # -- the native path (mlaverify.native) ----------------------------------
     def _native_client(self) -> "native.NativeClient":
@@ -337,10 +376,12 @@ class VerifyClient(_wire.ClientBase):
         NativeUnavailableError when its library is not there."""
         return native.NativeVerifyStream(self._native_client())
 
-    def verify_stream(self, max_in_flight: int = 16) -> "VerifyStream":
+    def verify_stream(self, max_in_flight: int = 16, *,
+                      metadata: Metadata = None) -> "VerifyStream":
         """A pipelined stream of Verify requests (VerifyStream) on the next
-        connection; use one per scheduler."""
-        return VerifyStream(self, max_in_flight)
+        connection; use one per scheduler. metadata: sent when the stream
+        opens (gRPC has no per-message metadata)."""
+        return VerifyStream(self, max_in_flight, metadata=metadata)
 
 
 def cuda_shm_request(name: str, region: "cuda_shm.CudaSharedMemoryRegion",
@@ -363,9 +404,11 @@ class VerifyStream:
     with VerifyError and the stream goes on; if the stream itself ends with
     an error, every pending Future fails with it. At most `max_in_flight`
     requests are unanswered at once (submit blocks beyond that), so memory
-    stays bounded. Use as a context manager, or call close()."""
+    stays bounded. Use as a context manager, or call close(). metadata: as
+    VerifyClient's methods take it, sent when the stream opens."""
 
-    def __init__(self, client: VerifyClient, max_in_flight: int = 16):
+    def __init__(self, client: VerifyClient, max_in_flight: int = 16, *,
+                 metadata: Metadata = None):
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
         self._client = client
@@ -375,8 +418,10 @@ class VerifyStream:
         self._lock = threading.Lock()
         self._failure: Optional[VerifyError] = None
         self._closed = False
+        self._extra_metadata = metadata
+        sent = client._call_metadata(metadata)  # malformed pairs raise before the stream opens
         stub = client._stubs[client._connection(None)]
-        self._call = stub.VerifyStream(self._request_iterator(), metadata=client._metadata,
+        self._call = stub.VerifyStream(self._request_iterator(), metadata=sent,
                                        wait_for_ready=client._wait_for_ready)
         self._reader = threading.Thread(target=self._read, name="mlaverify-verify-stream", daemon=True)
         self._reader.start()
@@ -392,8 +437,9 @@ class VerifyStream:
                softmax_scale: float = 0.0) -> "Future[List[_wire.VerifyResult]]":
         """Sends one layer's Verify; returns a Future of its results at once
         (blocks while max_in_flight are unanswered)."""
-        request = self._client.geometry.verify_request(layer, items, softmax_scale,
-                                                       next(self._client._request_ids))
+        geometry = self._client._geometry_for(self._extra_metadata)
+        request = geometry.verify_request(layer, items, softmax_scale,
+                                          next(self._client._request_ids))
         future: Future = Future()
         self._slots.acquire()
         with self._lock:

@@ -20,9 +20,11 @@ and reads the outputs from the region as the pure-Python path does.
             results = bound.verify(layer)
 
 The library is looked for in lib/ next to this file (the CMake build writes
-it into build/client/python/mlaverify/lib/) or at $MLAVERIFY_NATIVE_LIB; a
-pip-installed package has none, and then these calls raise NativeUnavailableError saying
-so (`available()` tells beforehand). The native client is its own HTTP/2
+it into build/client/python/mlaverify/lib/; a wheel built with
+MLAVERIFY_NATIVE_LIB_PATH carries it there, README.md says how) or at
+$MLAVERIFY_NATIVE_LIB; a package installed without it has none, and then
+these calls raise NativeUnavailableError saying so (`available()` tells
+beforehand). The native client is its own HTTP/2
 connection, plaintext (credentials objects are grpcio's and cannot be handed
 over), with the VerifyClient's timeout, auth token, keepalive and message
 limit.
@@ -78,8 +80,9 @@ def load() -> ctypes.CDLL:
                 _load_error = (f"the native path needs {LIBRARY}, which could not be loaded from "
                                f"{path}: {e}. It is built by CMake into "
                                "build/client/python/mlaverify/lib/ (put build/client/python on "
-                               "PYTHONPATH, or set MLAVERIFY_NATIVE_LIB); a pip-installed "
-                               "package has only the pure-Python path (VerifyClient.verify, "
+                               "PYTHONPATH, or set MLAVERIFY_NATIVE_LIB, or install a wheel "
+                               "built with MLAVERIFY_NATIVE_LIB_PATH); without it the package "
+                               "has only the pure-Python path (VerifyClient.verify, "
                                "verify_stream)")
             else:
                 _declare(lib)

@@ -17,6 +17,10 @@ restart its old sequences are NOT_FOUND, which the server says).
     results = replicas.verify(seq.replica, layer, [VerifyItem(seq.id, q, draft_kv, parents)])
     replicas.commit(seq, accepted)
     replicas.release_sequence(seq)
+
+Every method that makes calls takes metadata= (key, value) pairs, passed to
+the replica's client for each call it makes (VerifyClient says how they join
+the client's own); create_sequence sends them with its probes too.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import grpc
 
 from mlaverify import _wire
+from mlaverify._wire import Metadata
 from mlaverify.aio import AsyncVerifyClient
 from mlaverify.client import VerifyClient
 from mlaverify.errors import VerifyError
@@ -198,11 +203,11 @@ class ReplicaSet(_ReplicaSetBase):
                  **client_options: Any):
         super().__init__(targets, retry_down_after_s, VerifyClient, client_options)
 
-    def _refresh(self, index: int) -> bool:
+    def _refresh(self, index: int, metadata: Metadata) -> bool:
         if not self._book.may_probe(index):
             return False
         try:
-            info = self._clients[index].server_info()
+            info = self._clients[index].server_info(metadata=metadata)
         except VerifyError as e:
             if e.code == grpc.StatusCode.UNAVAILABLE:
                 self._book.mark_down(index, e.details)
@@ -210,18 +215,18 @@ class ReplicaSet(_ReplicaSetBase):
         self._book.answered(index, info)
         return True
 
-    def create_sequence(self, label: str = "") -> PlacedSequence:
+    def create_sequence(self, label: str = "", *, metadata: Metadata = None) -> PlacedSequence:
         """A new sequence on a healthy replica (the module says which). A
         replica's own refusal (e.g. its sequence limit) after trying the
         others; UNAVAILABLE naming every replica when none is up."""
-        up = [i for i in range(len(self._clients)) if self._refresh(i)]
+        up = [i for i in range(len(self._clients)) if self._refresh(i, metadata)]
         tried = [False] * len(self._clients)
         last: Optional[VerifyError] = None
         for _ in up:
             index = self._book.pick(up, tried)
             tried[index] = True
             try:
-                sequence_id = self._clients[index].create_sequence(label)
+                sequence_id = self._clients[index].create_sequence(label, metadata=metadata)
             except VerifyError as e:
                 self._book.created(index, False)
                 last = self._book.observe(index, e)
@@ -237,29 +242,36 @@ class ReplicaSet(_ReplicaSetBase):
         except VerifyError as e:
             raise self._book.observe(index, e) from None
 
-    def append_kv(self, seq: PlacedSequence, start_position: int, kv: Any) -> int:
+    def append_kv(self, seq: PlacedSequence, start_position: int, kv: Any, *,
+                  metadata: Metadata = None) -> int:
         """VerifyClient.append_kv on the owner."""
-        return self._on(seq.replica, lambda c: c.append_kv(seq.id, start_position, kv))
+        return self._on(seq.replica, lambda c: c.append_kv(seq.id, start_position, kv,
+                                                           metadata=metadata))
 
-    def append_prompt(self, seq: PlacedSequence, kv: Any, start_position: int = 0) -> int:
+    def append_prompt(self, seq: PlacedSequence, kv: Any, start_position: int = 0, *,
+                      metadata: Metadata = None) -> int:
         """VerifyClient.append_prompt on the owner."""
-        return self._on(seq.replica, lambda c: c.append_prompt(seq.id, kv, start_position))
+        return self._on(seq.replica, lambda c: c.append_prompt(seq.id, kv, start_position,
+                                                               metadata=metadata))
 
     def verify(self, owner: int, layer: int, items: Sequence[_wire.VerifyItem],
-               softmax_scale: float = 0.0) -> List[_wire.VerifyResult]:
+               softmax_scale: float = 0.0, *,
+               metadata: Metadata = None) -> List[_wire.VerifyResult]:
         """VerifyClient.verify on replica `owner`; every item's sequence must
         be on it."""
-        return self._on(owner, lambda c: c.verify(layer, items, softmax_scale))
+        return self._on(owner, lambda c: c.verify(layer, items, softmax_scale,
+                                                  metadata=metadata))
 
-    def commit(self, seq: PlacedSequence, accepted: Sequence[int]) -> _wire.CommitResult:
+    def commit(self, seq: PlacedSequence, accepted: Sequence[int], *,
+               metadata: Metadata = None) -> _wire.CommitResult:
         """VerifyClient.commit on the owner."""
-        return self._on(seq.replica, lambda c: c.commit(seq.id, accepted))
+        return self._on(seq.replica, lambda c: c.commit(seq.id, accepted, metadata=metadata))
 
-    def release_sequence(self, seq: PlacedSequence) -> int:
+    def release_sequence(self, seq: PlacedSequence, *, metadata: Metadata = None) -> int:
         """VerifyClient.release_sequence on the owner."""
         self._book.check_up(seq.replica)
         try:
-            freed = self._clients[seq.replica].release_sequence(seq.id)
+            freed = self._clients[seq.replica].release_sequence(seq.id, metadata=metadata)
         except VerifyError as e:
             if e.code == grpc.StatusCode.NOT_FOUND:
                 self._book.released(seq.replica)
@@ -286,11 +298,11 @@ class AsyncReplicaSet(_ReplicaSetBase):
                  **client_options: Any):
         super().__init__(targets, retry_down_after_s, AsyncVerifyClient, client_options)
 
-    async def _refresh(self, index: int) -> bool:
+    async def _refresh(self, index: int, metadata: Metadata) -> bool:
         if not self._book.may_probe(index):
             return False
         try:
-            info = await self._clients[index].server_info()
+            info = await self._clients[index].server_info(metadata=metadata)
         except VerifyError as e:
             if e.code == grpc.StatusCode.UNAVAILABLE:
                 self._book.mark_down(index, e.details)
@@ -298,16 +310,17 @@ class AsyncReplicaSet(_ReplicaSetBase):
         self._book.answered(index, info)
         return True
 
-    async def create_sequence(self, label: str = "") -> PlacedSequence:
+    async def create_sequence(self, label: str = "", *,
+                              metadata: Metadata = None) -> PlacedSequence:
         """As ReplicaSet.create_sequence."""
-        up = [i for i in range(len(self._clients)) if await self._refresh(i)]
+        up = [i for i in range(len(self._clients)) if await self._refresh(i, metadata)]
         tried = [False] * len(self._clients)
         last: Optional[VerifyError] = None
         for _ in up:
             index = self._book.pick(up, tried)
             tried[index] = True
             try:
-                sequence_id = await self._clients[index].create_sequence(label)
+                sequence_id = await self._clients[index].create_sequence(label, metadata=metadata)
             except VerifyError as e:
                 self._book.created(index, False)
                 last = self._book.observe(index, e)
@@ -323,28 +336,36 @@ class AsyncReplicaSet(_ReplicaSetBase):
         except VerifyError as e:
             raise self._book.observe(index, e) from None
 
-    async def append_kv(self, seq: PlacedSequence, start_position: int, kv: Any) -> int:
+    async def append_kv(self, seq: PlacedSequence, start_position: int, kv: Any, *,
+                        metadata: Metadata = None) -> int:
         """As ReplicaSet.append_kv."""
-        return await self._on(seq.replica, lambda c: c.append_kv(seq.id, start_position, kv))
+        return await self._on(seq.replica, lambda c: c.append_kv(seq.id, start_position, kv,
+                                                                 metadata=metadata))
 
-    async def append_prompt(self, seq: PlacedSequence, kv: Any, start_position: int = 0) -> int:
+    async def append_prompt(self, seq: PlacedSequence, kv: Any, start_position: int = 0, *,
+                            metadata: Metadata = None) -> int:
         """As ReplicaSet.append_prompt."""
-        return await self._on(seq.replica, lambda c: c.append_prompt(seq.id, kv, start_position))
+        return await self._on(seq.replica, lambda c: c.append_prompt(seq.id, kv, start_position,
+                                                                     metadata=metadata))
 
     async def verify(self, owner: int, layer: int, items: Sequence[_wire.VerifyItem],
-                     softmax_scale: float = 0.0) -> List[_wire.VerifyResult]:
+                     softmax_scale: float = 0.0, *,
+                     metadata: Metadata = None) -> List[_wire.VerifyResult]:
         """As ReplicaSet.verify."""
-        return await self._on(owner, lambda c: c.verify(layer, items, softmax_scale))
+        return await self._on(owner, lambda c: c.verify(layer, items, softmax_scale,
+                                                        metadata=metadata))
 
-    async def commit(self, seq: PlacedSequence, accepted: Sequence[int]) -> _wire.CommitResult:
+    async def commit(self, seq: PlacedSequence, accepted: Sequence[int], *,
+                     metadata: Metadata = None) -> _wire.CommitResult:
         """As ReplicaSet.commit."""
-        return await self._on(seq.replica, lambda c: c.commit(seq.id, accepted))
+        return await self._on(seq.replica, lambda c: c.commit(seq.id, accepted,
+                                                              metadata=metadata))
 
-    async def release_sequence(self, seq: PlacedSequence) -> int:
+    async def release_sequence(self, seq: PlacedSequence, *, metadata: Metadata = None) -> int:
         """As ReplicaSet.release_sequence."""
         self._book.check_up(seq.replica)
         try:
-            freed = await self._clients[seq.replica].release_sequence(seq.id)
+            freed = await self._clients[seq.replica].release_sequence(seq.id, metadata=metadata)
         except VerifyError as e:
             if e.code == grpc.StatusCode.NOT_FOUND:
                 self._book.released(seq.replica)

@@ -336,11 +336,15 @@ class DeviceStep:
             raise self._ended(rank, value)
         return max(0, value - self._bases[rank])
 
-    def abort(self) -> types.StepStatus:
+    def abort(self, timeout: Optional[float] = None, *,
+              metadata: Optional[Sequence[Tuple[str, str]]] = None) -> types.StepStatus:
         """AbortStep: returns once nothing of the step runs any more (from an
-        AsyncVerifyClient's step: a coroutine of it)."""
-        return self._client.abort_step(self.step_id)
+        AsyncVerifyClient's step: a coroutine of it). timeout, metadata: as
+        the client's abort_step takes them."""
+        return self._client.abort_step(self.step_id, timeout, metadata=metadata)
 
-    def status(self) -> types.StepStatus:
-        """GetStep (from an AsyncVerifyClient's step: a coroutine of it)."""
-        return self._client.get_step(self.step_id)
+    def status(self, timeout: Optional[float] = None, *,
+               metadata: Optional[Sequence[Tuple[str, str]]] = None) -> types.StepStatus:
+        """GetStep (from an AsyncVerifyClient's step: a coroutine of it).
+        timeout, metadata: as the client's get_step takes them."""
+        return self._client.get_step(self.step_id, timeout, metadata=metadata)

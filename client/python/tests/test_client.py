@@ -455,9 +455,10 @@ def test_every_sequence_call_takes_a_timeout(client, monkeypatch):
     seen = []
     real_call = client._call
 
-    def recording_call(rpc, method, request, timeout=None, sequence_id=None):
+    def recording_call(rpc, method, request, timeout=None, sequence_id=None, metadata=None):
         seen.append((rpc, timeout))
-        return real_call(rpc, method, request, timeout, sequence_id=sequence_id)
+        return real_call(rpc, method, request, timeout, sequence_id=sequence_id,
+                         metadata=metadata)
 
     monkeypatch.setattr(client, "_call", recording_call)
     g = client.server_info(timeout=7.5)

@@ -4,7 +4,8 @@ the same results as the pure-Python path, the same client-side checks, the
 server's in-band errors; and a clear error where the library is absent.
 
 CTest sets MLAVERIFY_NATIVE_LIB to the library it built: then it must load.
-Without it (the pip-installed package) the tests that need it are skipped."""
+Without it and without a library in the package (a wheel built without
+MLAVERIFY_NATIVE_LIB_PATH) the tests that need it are skipped."""
 
 import os
 import subprocess
@@ -21,7 +22,8 @@ from test_client import Mirror, check, random_bf16, random_tree, root_path
 
 needs_native = pytest.mark.skipif(
     not os.environ.get("MLAVERIFY_NATIVE_LIB") and not native.available(),
-    reason="no native library (the build writes libmlaverify_native.so; pip installs none)")
+    reason="no native library (the build writes libmlaverify_native.so; a wheel carries it only "
+           "when built with MLAVERIFY_NATIVE_LIB_PATH)")
 
 
 def test_the_built_library_loads():
