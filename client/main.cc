@@ -38,6 +38,7 @@
 #include "common/auth_token.h"
 #include "common/build_info.h"
 #include "common/cli_switch.h"
+#include "common/cli_usage.h"
 #include "common/heap_tuning.h"
 #include "common/mutex_tuning.h"
 #include "nlohmann/json.hpp"
@@ -337,10 +338,14 @@ int Main(int argc, char** argv) {
   // work behind it (docs/steps.md). An operator's own setting stays.
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
   // Results go to stdout (tables, JSON); diagnostics to stderr.
+  // A command-line tool's diagnostics: "mlaverify-client: error: ...", no
+  // timestamp (the load's own lines carry their seconds).
   spdlog::set_default_logger(spdlog::stderr_color_mt("mlaverify-client"));
+  spdlog::set_pattern("mlaverify-client: %^%l%$: %v");
   CLI::App app{"mlaverify-client: inspect, check and load an mlaverify verify-attention server"};
   app.require_subcommand(1);
   app.set_version_flag("--version", VersionLine("mlaverify-client"));
+  UseUsageErrorLines(&app, "mlaverify-client");
   // The global flags may also follow the subcommand ("info --target h:p"):
   // a subcommand hands the flags it does not know to the main command. No
   // subcommand defines a flag of the same name as a global one, so either
@@ -449,8 +454,10 @@ int Main(int argc, char** argv) {
   const auto range_check = [](std::string flag) {
     return [flag](const std::string& text) {
       int64_t low = 0, high = 0;
-      const absl::Status parsed = ParseValueOrRange(flag, text, &low, &high);
-      return parsed.ok() ? std::string() : std::string(parsed.message());
+      // (CLI11 puts the flag's name before the message.)
+      return ParseValueOrRange(flag, text, &low, &high).ok()
+                 ? std::string()
+                 : absl::StrCat(text, ": need a count N or a range LOW:HIGH, 0 <= LOW <= HIGH");
     };
   };
   std::string load_prompt_len = absl::StrCat(load.prompt_len);

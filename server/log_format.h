@@ -4,7 +4,9 @@
 // The message is escaped as a JSON string by nlohmann-json (quotes,
 // backslashes, newlines and every control character; invalid UTF-8 becomes
 // U+FFFD, one per maximal invalid subsequence), so a message carrying
-// client-supplied text stays one parseable line.
+// client-supplied text stays one parseable line. A record written inside a
+// ScopedLogFields (common/log_fields.h) carries its fields after "msg":
+//   {...,"msg":"...","rpc":"Verify","code":"OK","duration_ms":467.800}
 #ifndef MLAVERIFY_SERVER_LOG_FORMAT_H_
 #define MLAVERIFY_SERVER_LOG_FORMAT_H_
 

@@ -19,8 +19,10 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "CLI/CLI.hpp"
@@ -32,6 +34,7 @@
 #include "common/auth_token.h"
 #include "common/build_info.h"
 #include "common/cli_switch.h"
+#include "common/cli_usage.h"
 #include "common/heap_tuning.h"
 #include "common/mutex_tuning.h"
 #include "common/small_file.h"
@@ -312,6 +315,65 @@ std::optional<FlagKind> FlagKindOf(const CLI::App& app, const std::string& flag)
   return FlagKind::kText;
 }
 
+constexpr char kProgram[] = "mlaverify-server";
+
+// --help lists the flags by what they set, in this order. Every flag has a
+// group: GroupFlagsForHelp aborts on one left out, so a new flag cannot slip
+// into an ungrouped list (tests/server_flags_test.sh runs --help).
+const std::vector<std::pair<std::string, std::vector<std::string>>>& FlagGroups() {
+  static const auto* groups = new std::vector<std::pair<std::string, std::vector<std::string>>>{
+      {"Model and KV pool",
+       {"--layers", "--heads", "--page-size", "--pool-bytes", "--kv-dtype", "--max-seq-len",
+        "--softmax-scale"}},
+      {"Devices and execution",
+       {"--backend", "--devices", "--parallel-mode", "--cuda-graphs", "--draft-buckets",
+        "--batch-buckets", "--max-queue-delay-us", "--copy-threads", "--completion-thread",
+        "--batches-in-flight", "--pinned-staging-bytes", "--cpu-threads",
+        "--testing-fault-after-launches"}},
+      {"Limits",
+       {"--max-queued-calls", "--max-queued-bytes", "--max-live-sequences", "--idle-timeout-s",
+        "--max-message-bytes"}},
+      {"Device-driven steps",
+       {"--step-lanes", "--step-layer-timeout-ms", "--step-max-duration-ms"}},
+      {"Shared memory",
+       {"--allow-client-shm", "--max-shm-regions", "--max-shm-bytes", "--shm-key-prefix"}},
+      {"gRPC and HTTP/2",
+       {"--listen", "--port-file", "--stream-max-in-flight", "--max-streams",
+        "--max-streams-per-connection", "--stream-idle-timeout-s", "--http2-max-frame-bytes",
+        "--http2-lookahead-bytes", "--http2-max-concurrent-streams", "--grpc-memory-quota-bytes",
+        "--keepalive-time-ms", "--keepalive-timeout-ms", "--keepalive-permit-without-calls",
+        "--http2-min-ping-interval-ms", "--http2-max-ping-strikes"}},
+      {"Security", {"--auth-token-file", "--tls-cert", "--tls-key", "--tls-client-ca"}},
+      {"Operations",
+       {"--admin-host", "--admin-port", "--readiness-grpc-timeout-ms", "--slow-call-ms",
+        "--drain-grace-s", "--drain-timeout-s", "--log-level", "--log-format", "--config", "--help",
+        "--version"}},
+  };
+  return *groups;
+}
+
+void GroupFlagsForHelp(CLI::App* app) {
+  std::set<const CLI::Option*> grouped;
+  for (const auto& [group, flags] : FlagGroups()) {
+    for (const std::string& flag : flags) {
+      CLI::Option* option = app->get_option_no_throw(flag);
+      if (option == nullptr) {
+        std::fprintf(stderr, "GroupFlagsForHelp: %s is in a group but no flag\n", flag.c_str());
+        std::abort();
+      }
+      option->group(group);
+      grouped.insert(option);
+    }
+  }
+  for (const CLI::Option* option : app->get_options()) {
+    if (grouped.count(option) == 0) {
+      std::fprintf(stderr, "GroupFlagsForHelp: %s has no group in FlagGroups()\n",
+                   option->get_name().c_str());
+      std::abort();
+    }
+  }
+}
+
 // The server's long flag nearest to `typed` ("--pool-byts"), by edit
 // distance, if it is close enough to be what was meant; else empty.
 std::string NearestFlag(const CLI::App& app, const std::string& typed) {
@@ -425,6 +487,7 @@ int Run(int argc, char** argv) {
   TurnOffMutexDeadlockDetection();  // (mutex_tuning.h: why)
   Flags f;
   CLI::App app{"mlaverify-server: MLA verify attention over a paged latent KV cache"};
+  app.set_help_flag();  // added again after the flags (below)
   app.add_option("--listen", f.listen, "gRPC address (host:port; port 0 picks one)")
       ->capture_default_str();
   app.add_option("--admin-host", f.admin_host, "admin HTTP bind address")->capture_default_str();
@@ -619,6 +682,10 @@ int Run(int argc, char** argv) {
                  "line wins)")
       ->configurable(false);
   app.set_version_flag("--version", VersionLine("mlaverify-server"));
+  UseUsageErrorLines(&app, kProgram);
+  // Last, so that the first group --help lists is the first flag's.
+  app.set_help_flag("-h,--help", "print this help (flags grouped by what they set) and exit");
+  GroupFlagsForHelp(&app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -637,12 +704,13 @@ int Run(int argc, char** argv) {
   }
   if (!f.config_file.empty()) {
     if (absl::Status applied = ApplyFlagsFile(app, f.config_file, argc, argv); !applied.ok()) {
-      std::fprintf(stderr, "bad flags: --config: %s\n", std::string(applied.message()).c_str());
+      std::fprintf(stderr, "%s\n",
+                   UsageErrorLine(kProgram, absl::StrCat("--config: ", applied.message())).c_str());
       return 2;
     }
   }
   if (absl::Status valid = ValidateFlags(f); !valid.ok()) {
-    std::fprintf(stderr, "bad flags: %s\n", std::string(valid.message()).c_str());
+    std::fprintf(stderr, "%s\n", UsageErrorLine(kProgram, std::string(valid.message())).c_str());
     return 2;
   }
 
@@ -688,7 +756,7 @@ int Run(int argc, char** argv) {
   config.setting_names = EngineSettingFlags();
   // Flag errors first, before anything listens.
   if (absl::Status valid = config.Validate(static_cast<int>(f.devices.size())); !valid.ok()) {
-    spdlog::error("bad flags: {}", std::string(valid.message()));
+    std::fprintf(stderr, "%s\n", UsageErrorLine(kProgram, std::string(valid.message())).c_str());
     return 2;
   }
 
@@ -716,7 +784,10 @@ int Run(int argc, char** argv) {
   if (!f.auth_token_file.empty()) {
     absl::StatusOr<std::string> token = ReadAuthToken(f.auth_token_file);
     if (!token.ok()) {
-      spdlog::error("bad flags: --auth-token-file: {}", std::string(token.status().message()));
+      std::fprintf(
+          stderr, "%s\n",
+          UsageErrorLine(kProgram, absl::StrCat("--auth-token-file: ", token.status().message()))
+              .c_str());
       return 2;
     }
     options.service.auth_token = *std::move(token);

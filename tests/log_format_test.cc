@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "common/log_fields.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -77,6 +78,58 @@ TEST(LogFormatTest, TextIsOneReadableLine) {
   const std::vector<std::string> lines = LogLines("text", {"hello"});
   ASSERT_EQ(lines.size(), 1u);
   EXPECT_THAT(lines[0], MatchesRegex(R"(20[0-9-]+T[0-9:.]+ warning \[[0-9]+\] hello)"));
+}
+
+// Records written inside a ScopedLogFields carry its fields as members (a
+// collector filters on them); outside, none; nested scopes replace and put
+// back; the text format is the same line either way.
+TEST(LogFormatTest, JsonRecordsCarryTheThreadsFields) {
+  std::ostringstream out;
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_st>(out);
+  spdlog::logger logger("test", sink);
+  logger.set_formatter(MakeLogFormatter("json"));
+  const std::string peer = "ipv4:127.0.0.1:5\"x";
+  {
+    LogFields call;
+    call.rpc = "Verify";
+    call.code = "RESOURCE_EXHAUSTED";
+    call.peer = peer;
+    call.duration_ms = 12.5;
+    const ScopedLogFields outer(call);
+    logger.warn("outer");
+    {
+      LogFields ids;
+      ids.sequence = 42;
+      ids.step = 7;
+      const ScopedLogFields inner(ids);
+      logger.warn("inner");
+    }
+    logger.warn("outer again");
+  }
+  logger.warn("none");
+  std::vector<nlohmann::json> records;
+  std::istringstream in(out.str());
+  for (std::string line; std::getline(in, line);) records.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(records.size(), 4u) << out.str();
+  for (int k : {0, 2}) {
+    EXPECT_EQ(records[k].at("rpc"), "Verify");
+    EXPECT_EQ(records[k].at("code"), "RESOURCE_EXHAUSTED");
+    EXPECT_EQ(records[k].at("peer"), peer);
+    EXPECT_DOUBLE_EQ(records[k].at("duration_ms").get<double>(), 12.5);
+    EXPECT_FALSE(records[k].contains("sequence"));
+  }
+  EXPECT_EQ(records[1].at("sequence"), 42);
+  EXPECT_EQ(records[1].at("step"), 7);
+  EXPECT_FALSE(records[1].contains("rpc"));
+  for (const char* key : {"rpc", "code", "peer", "sequence", "step", "duration_ms", "source"}) {
+    EXPECT_FALSE(records[3].contains(key)) << key;
+  }
+  EXPECT_EQ(ScopedLogFields::Current(), nullptr);
+
+  LogFields call;
+  call.rpc = "Verify";
+  const ScopedLogFields fields(call);
+  EXPECT_THAT(LogLines("text", {"same"}), ::testing::ElementsAre(MatchesRegex(".* same")));
 }
 
 }  // namespace

@@ -44,6 +44,30 @@ expect_refused "a switch with a value that is no boolean" "cuda-graphs" --cuda-g
 expect_refused "--stream-max-in-flight 0" "stream-max-in-flight" --stream-max-in-flight 0
 expect_refused "an unknown flag" "workers" --workers 8
 expect_refused "a misspelt flag names the one meant" "did you mean --pool-bytes?" --pool-byts 1GiB
+
+# Usage errors read like a command-line tool's: every line "mlaverify-server:
+# ...", no log timestamp or level, for CLI11's parse errors and for the
+# server's own checks alike.
+for bad in "--bogus" "--layers 0" "--heads 7 --devices 0,0 --parallel-mode tp"; do
+  rc=0
+  # shellcheck disable=SC2086  # the flags are several words
+  timeout 30 "$server" "${base[@]}" $bad > "$work/usage.log" 2>&1 || rc=$?
+  if [ "$rc" -eq 2 ] && [ -s "$work/usage.log" ] && ! grep -qv '^mlaverify-server: ' "$work/usage.log"; then
+    echo "ok: $bad: $(head -1 "$work/usage.log")"
+  else
+    echo "FAIL: $bad: exit $rc, lines not all 'mlaverify-server: ...': $(head -3 "$work/usage.log")"
+    failures=$((failures + 1))
+  fi
+done
+# --help lists every flag under a group named for what it sets.
+"$server" --help > "$work/help.txt"
+groups=$(grep -cE '^(Model and KV pool|Devices and execution|Limits|Device-driven steps|Shared memory|gRPC and HTTP/2|Security|Operations):$' "$work/help.txt")
+if [ "$groups" -eq 8 ] && ! grep -q '^Options:' "$work/help.txt"; then
+  echo "ok: --help lists its flags in 8 groups"
+else
+  echo "FAIL: --help groups: $groups of 8, or an ungrouped Options list: $(head -5 "$work/help.txt")"
+  failures=$((failures + 1))
+fi
 expect_refused "--idle-timeout-s under a second" "--idle-timeout-s 0.001: need 0 (never) or 1.." \
   --idle-timeout-s 0.001
 expect_refused "--idle-timeout-s negative" "--idle-timeout-s" --idle-timeout-s -5
@@ -187,7 +211,11 @@ lines = open(sys.argv[1], encoding="utf-8").read().splitlines()
 assert len(lines) >= 2, lines
 for line in lines:
     record = json.loads(line)
-    assert set(record) == {"time", "level", "thread", "msg"}, record
+    # The four always; a record written inside a ScopedLogFields also its
+    # fields (common/log_fields.h).
+    assert {"time", "level", "thread", "msg"} <= set(record) <= {
+        "time", "level", "thread", "msg", "source", "rpc", "code", "peer", "sequence", "step",
+        "duration_ms"}, record
 assert any("ready" in json.loads(l)["msg"] for l in lines), lines
 PY
   echo "ok: --log-format json from the --config file: every line parses"

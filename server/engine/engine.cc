@@ -15,6 +15,7 @@
 #include "common/draft_tree.h"
 #include "common/geometry.h"
 #include "common/kv_dtype.h"
+#include "common/log_fields.h"
 #include "common/status_macros.h"
 #include "server/engine/sequence.h"
 #include "spdlog/spdlog.h"
@@ -1391,6 +1392,9 @@ int Engine::ExpireIdle(absl::Time now) {
       }
     }
     ++expired;
+    LogFields sequence;
+    sequence.sequence = seq->id;
+    const ScopedLogFields fields(sequence);
     spdlog::info("seq {} (\"{}\") expired after {} idle, {} pages freed", seq->id,
                  absl::CHexEscape(seq->label), absl::FormatDuration(config_.idle_timeout),
                  pages.size());

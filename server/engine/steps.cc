@@ -12,6 +12,7 @@
 #include "common/draft_tree.h"
 #include "common/geometry.h"
 #include "common/host_doorbell.h"
+#include "common/log_fields.h"
 #include "common/status_macros.h"
 #include "server/engine/batch_plan.h"
 #include "server/engine/slot_writer.h"
@@ -871,6 +872,10 @@ bool StepRunner::Poll(Step& step, absl::Time now) {
       actions->push_back([this, self, sequence] {
         host_->Drop(self->id, sequence, [this, self, sequence](const absl::Status& status) {
           if (!status.ok()) {
+            LogFields ids;
+            ids.step = self->id;
+            ids.sequence = sequence;
+            const ScopedLogFields fields(ids);
             spdlog::warn("step {}: dropping sequence {} failed: {}", self->id, sequence,
                          status.ToString());
           }

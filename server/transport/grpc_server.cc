@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/log_fields.h"
 #include "common/small_file.h"
 #include "spdlog/spdlog.h"
 
@@ -45,6 +46,9 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const GrpcS
 // Its lines go to spdlog at debug level instead (a fatal one still aborts).
 void LogProtobufAtDebug(google::protobuf::LogLevel level, const char* filename, int line,
                         const std::string& message) {
+  LogFields protobuf;
+  protobuf.source = "protobuf";
+  const ScopedLogFields fields(protobuf);
   if (level >= google::protobuf::LOGLEVEL_FATAL) {
     spdlog::critical("libprotobuf {}:{}: {}", filename, line, message);
   } else {
@@ -60,6 +64,9 @@ void LogGrpcThroughSpdlog(gpr_log_func_args* args) {
   const char* file = args->file != nullptr ? args->file : "";
   if (const char* slash = std::strrchr(file, '/'); slash != nullptr) file = slash + 1;
   const char* message = args->message != nullptr ? args->message : "";
+  LogFields grpc;
+  grpc.source = "grpc";
+  const ScopedLogFields fields(grpc);
   switch (args->severity) {
     case GPR_LOG_SEVERITY_DEBUG:
       spdlog::debug("grpc {}:{}: {}", file, args->line, message);

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/log_fields.h"
 #include "spdlog/spdlog.h"
 
 namespace mlaverify::transport {
@@ -41,6 +42,11 @@ std::optional<std::string> SlowCallLog::Report(absl::string_view rpc, absl::stri
     absl::StrAppendFormat(&line, "; %d more slow calls since the last warning, the slowest %s",
                           held_back, Describe(slowest_held_back));
   }
+  LogFields slow;
+  slow.rpc = rpc;
+  slow.code = code;
+  slow.duration_ms = 1e3 * (queued_seconds + work_seconds);
+  const ScopedLogFields fields(slow);
   spdlog::warn("{}", line);
   return line;
 }

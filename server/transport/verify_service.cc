@@ -14,6 +14,7 @@
 #include "common/auth_token.h"
 #include "common/bf16.h"
 #include "common/geometry.h"
+#include "common/log_fields.h"
 #include "common/status_macros.h"
 #include "server/transport/message_encoding.h"
 #include "server/transport/peer.h"
@@ -211,7 +212,14 @@ void VerifyServiceImpl::LogFailedCall(absl::string_view rpc, grpc::CallbackServe
                                       const absl::Status& status) {
   if (status.ok() || status.code() == absl::StatusCode::kNotFound) return;
   if (const std::optional<int64_t> held = failed_calls_log_.Allow(Clock::now())) {
-    spdlog::warn("{} from {}: {}{}", std::string(rpc), ctx->peer(), status.ToString(),
+    const std::string peer = ctx->peer();
+    const std::string code = absl::StatusCodeToString(status.code());
+    LogFields call;
+    call.rpc = rpc;
+    call.code = code;
+    call.peer = peer;
+    const ScopedLogFields fields(call);
+    spdlog::warn("{} from {}: {}{}", std::string(rpc), peer, status.ToString(),
                  *held > 0 ? absl::StrCat(" (", *held,
                                           " more failed calls since the last "
                                           "such line, not logged)")
