@@ -1,12 +1,13 @@
 # mlaverify: server and client in a slim runtime image.
 #
-#   CPU image (Debian 12; what scripts/image.sh builds and tests):
+#   CPU image (Debian 12; what scripts/image.sh builds and tests; the last
+#   stage, `cpu`, is the default target):
 #     podman build -t mlaverify:cpu --build-arg REVISION=$(git rev-parse HEAD) .
 #   GPU image (a CUDA 13 devel image for the build, its base image to run;
 #   the build base must offer the packages of install_deps.sh --build, and
 #   the runtime base must be the same distribution release; this variant has
 #   not been built yet, for want of a build machine with the CUDA images):
-#     podman build -t mlaverify:gpu \
+#     podman build -t mlaverify:gpu --target gpu \
 #       --build-arg BUILD_IMAGE=nvidia/cuda:13.0.0-devel-ubuntu24.04 \
 #       --build-arg RUNTIME_IMAGE=nvidia/cuda:13.0.0-base-ubuntu24.04 .
 #
@@ -94,5 +95,16 @@ EXPOSE 50051 9090
 HEALTHCHECK --interval=10s --timeout=3s --start-period=600s --retries=3 \
   CMD ["/bin/bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/9090 && printf 'GET /readyz HTTP/1.0\\r\\nHost: 127.0.0.1\\r\\n\\r\\n' >&3 && read -r _ code _ <&3 && [ \"$code\" = 200 ]"]
 ENTRYPOINT ["/opt/mlaverify/bin/mlaverify-server"]
+
+# The GPU image (--target gpu) serves on CUDA devices only: started without
+# one (no --gpus, no device plugin) it exits at once naming the missing
+# device, instead of serving on the CPU at a fraction of the speed.
+FROM runtime AS gpu
 CMD ["--listen", "0.0.0.0:50051", "--admin-host", "0.0.0.0", "--admin-port", "9090", \
-     "--backend", "auto"]
+     "--backend", "cuda"]
+
+# The CPU image (the default target): a Debian build has no CUDA toolkit, so
+# its server has the CPU backend only, and says so.
+FROM runtime AS cpu
+CMD ["--listen", "0.0.0.0:50051", "--admin-host", "0.0.0.0", "--admin-port", "9090", \
+     "--backend", "cpu"]

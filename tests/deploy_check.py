@@ -177,7 +177,25 @@ def main():
     exposed = set(re.findall(r"^EXPOSE\s+(.*)$", dockerfile, re.M)[0].split())
     if exposed != {str(ports["grpc"]), str(ports["admin"])}:
         fail(f"Dockerfile EXPOSE {exposed} differs from the pod's ports {ports}")
-    cmd = json.loads(re.search(r"^CMD (\[.*?\])\s*$", dockerfile.replace("\\\n", " "), re.M | re.S).group(1))
+    # One CMD per image target: the GPU image on CUDA only, the CPU image
+    # (the default, last stage) on the CPU; the same flags otherwise.
+    stage_cmds = {}
+    for stage, body in re.findall(r"^FROM \S+ AS (\w+)\s*$(.*?)(?=^FROM |\Z)",
+                                  dockerfile.replace("\\\n", " "), re.M | re.S):
+        found = re.search(r"^CMD (\[.*?\])\s*$", body, re.M)
+        if found:
+            stage_cmds[stage] = json.loads(found.group(1))
+    if set(stage_cmds) != {"gpu", "cpu"} or not re.search(r"^FROM runtime AS cpu\s*$(?![\s\S]*^FROM )",
+                                                           dockerfile, re.M):
+        fail(f"the Dockerfile needs a CMD in stages gpu and cpu, cpu last (the default target); "
+             f"found {sorted(stage_cmds)}")
+    for stage, want in (("gpu", "cuda"), ("cpu", "cpu")):
+        got = stage_cmds.get(stage, [])
+        if "--backend" not in got or got[got.index("--backend") + 1] != want:
+            fail(f"the Dockerfile's {stage} image must pass --backend {want}: {got}")
+    if stage_cmds.get("gpu", [])[:-2] != stage_cmds.get("cpu", [])[:-2]:
+        fail(f"the gpu and cpu CMDs differ beyond --backend: {stage_cmds}")
+    cmd = stage_cmds.get("cpu", [])
     for word in cmd:
         if word.startswith("--") and word not in flags:
             fail(f"Dockerfile CMD passes {word}, which is not a server flag")
