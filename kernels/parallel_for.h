@@ -1,12 +1,24 @@
-// A minimal fork-join helper for the CPU paths: runs fn(begin, end) over
-// contiguous slices of [0, n) on up to `num_threads` threads (the caller's
-// thread takes the first slice). No pool: the CPU backend's calls are long
-// compared with a thread start, and this keeps kernels/ free of state.
+// Fork-join for the CPU paths: ParallelFor runs fn(begin, end) over
+// contiguous slices of [0, n) on up to `num_threads` threads, the caller's
+// thread among them, and returns when every slice is done.
+//
+// The helpers come from one process-wide pool (WorkerPool::Shared) that
+// grows to the most threads a call has asked for, instead of a thread
+// started and joined per call: a CPU-backend Verify runs one ParallelFor per
+// layer and item, and starting 16-64 threads each time cost more than short
+// slices took. The caller always works through the slices too, so a call
+// finishes even when every helper is busy with other calls, and a
+// ParallelFor inside a slice (nesting) cannot deadlock.
 #ifndef MLAVERIFY_KERNELS_PARALLEL_FOR_H_
 #define MLAVERIFY_KERNELS_PARALLEL_FOR_H_
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -18,6 +30,45 @@ inline int ResolveThreadCount(int requested) {
   return hw == 0 ? 1 : static_cast<int>(hw);
 }
 
+// Threads that take the tasks of RunTasks calls. Thread-safe.
+class WorkerPool {
+ public:
+  // Helper threads never exceed this, whatever a call asks.
+  static constexpr int kMaxHelpers = 255;
+
+  static WorkerPool& Shared();
+
+  // Runs task(0) .. task(tasks - 1), each once, on the calling thread and on
+  // up to `helpers` pool threads (started on first need), and returns when
+  // all have returned.
+  void RunTasks(int64_t tasks, int helpers, const std::function<void(int64_t)>& task);
+
+  // Threads started so far (tests: the pool does not grow per call).
+  int threads() const;
+
+  ~WorkerPool();
+
+ private:
+  struct Job {
+    int64_t tasks = 0;
+    const std::function<void(int64_t)>* task = nullptr;
+    int64_t next = 0;      // the next task to take (under mu_)
+    int64_t finished = 0;  // tasks returned (under mu_)
+  };
+  void Grow(int helpers);  // under mu_
+  void WorkerLoop();
+  // Takes the job's next task and runs it with mu_ released; false when none
+  // is left.
+  bool RunOne(const std::shared_ptr<Job>& job, std::unique_lock<std::mutex>& lock);
+
+  mutable std::mutex mu_;
+  std::condition_variable work_;           // a job with tasks left, or stopping
+  std::condition_variable done_;           // a task finished
+  std::deque<std::shared_ptr<Job>> jobs_;  // with tasks left to take
+  std::vector<std::thread> threads_;
+  bool stopping_ = false;
+};
+
 template <typename Fn>
 void ParallelFor(int64_t n, int num_threads, Fn&& fn) {
   if (n <= 0) return;
@@ -27,16 +78,11 @@ void ParallelFor(int64_t n, int num_threads, Fn&& fn) {
     return;
   }
   const int64_t per = (n + threads - 1) / threads;
-  std::vector<std::thread> workers;
-  workers.reserve(threads - 1);
-  for (int64_t t = 1; t < threads; ++t) {
-    const int64_t begin = t * per;
-    const int64_t end = std::min(n, begin + per);
-    if (begin >= end) break;
-    workers.emplace_back([&fn, begin, end] { fn(begin, end); });
-  }
-  fn(int64_t{0}, std::min(n, per));
-  for (auto& w : workers) w.join();
+  const int64_t slices = (n + per - 1) / per;
+  const std::function<void(int64_t)> slice = [&fn, per, n](int64_t s) {
+    fn(s * per, std::min(n, (s + 1) * per));
+  };
+  WorkerPool::Shared().RunTasks(slices, static_cast<int>(threads - 1), slice);
 }
 
 }  // namespace mlaverify::kernels

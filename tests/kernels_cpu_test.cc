@@ -1,10 +1,12 @@
 // The CPU reference (the CPU backend's math and the GPU tests' oracle) against
 // a float64 brute force written independently here, plus the draft-tree
 // helpers and the CPU draft write / compaction.
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/draft_tree.h"
@@ -12,10 +14,61 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_reference.h"
+#include "kernels/parallel_for.h"
 #include "kernels/testing/verify_problem.h"
 
 namespace mlaverify::kernels {
 namespace {
+
+// ---- ParallelFor over the shared pool --------------------------------------
+
+TEST(ParallelForTest, EverySliceRunsOnceAndThePoolDoesNotGrowPerCall) {
+  for (const int64_t n : {1, 2, 7, 64, 1000}) {
+    for (const int threads : {1, 2, 3, 8, 16}) {
+      std::vector<std::atomic<int>> hits(n);
+      ParallelFor(n, threads, [&](int64_t begin, int64_t end) {
+        ASSERT_LT(begin, end);
+        for (int64_t i = begin; i < end; ++i) hits[i].fetch_add(1);
+      });
+      for (int64_t i = 0; i < n; ++i)
+        ASSERT_EQ(hits[i].load(), 1) << n << " " << threads << " " << i;
+    }
+  }
+  // 16 threads asked at most: 15 helpers, started once, kept.
+  const int started = WorkerPool::Shared().threads();
+  EXPECT_GE(started, 15);
+  for (int call = 0; call < 200; ++call) {
+    ParallelFor(64, 16, [](int64_t, int64_t) {});
+  }
+  EXPECT_EQ(WorkerPool::Shared().threads(), started);
+}
+
+TEST(ParallelForTest, NestedAndConcurrentCallsFinishWithEverySum) {
+  // 8 callers at once, each running slices that run a ParallelFor of their
+  // own: more work than helpers, and helpers busy inside outer slices.
+  std::vector<std::thread> callers;
+  std::vector<int64_t> sums(8, 0);
+  for (int c = 0; c < 8; ++c) {
+    callers.emplace_back([c, &sums] {
+      for (int round = 0; round < 20; ++round) {
+        std::atomic<int64_t> sum{0};
+        ParallelFor(16, 4, [&](int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end; ++i) {
+            ParallelFor(100, 3, [&](int64_t b, int64_t e) {
+              int64_t local = 0;
+              for (int64_t j = b; j < e; ++j) local += i * 100 + j;
+              sum.fetch_add(local);
+            });
+          }
+        });
+        sums[c] += sum.load();
+      }
+    });
+  }
+  for (std::thread& t : callers) t.join();
+  // sum over i < 16, j < 100 of (100 i + j) = 100 * 100 * 120 + 16 * 4950.
+  for (int c = 0; c < 8; ++c) EXPECT_EQ(sums[c], 20 * (1200000 + 16 * 4950)) << c;
+}
 
 using testing::HostVerifyProblem;
 using testing::MakeProblem;
