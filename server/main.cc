@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -376,7 +377,11 @@ void GroupFlagsForHelp(CLI::App* app) {
 
 // The server's long flag nearest to `typed` ("--pool-byts"), by edit
 // distance, if it is close enough to be what was meant; else empty.
-std::string NearestFlag(const CLI::App& app, const std::string& typed) {
+// `eligible` (when set) limits the candidates, so that a flags file is
+// offered the nearest flag it can set, not nothing when the nearest overall
+// is one it cannot.
+std::string NearestFlag(const CLI::App& app, const std::string& typed,
+                        const std::function<bool(const std::string&)>& eligible = nullptr) {
   auto distance = [](const std::string& a, const std::string& b) {
     std::vector<size_t> row(b.size() + 1);
     for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
@@ -397,6 +402,7 @@ std::string NearestFlag(const CLI::App& app, const std::string& typed) {
   for (const CLI::Option* option : app.get_options()) {
     for (const std::string& long_name : option->get_lnames()) {
       const std::string candidate = "--" + long_name;
+      if (eligible && !eligible(candidate)) continue;
       const size_t d = distance(name, candidate);
       if (d < best_distance) {
         best_distance = d;
@@ -424,9 +430,10 @@ absl::Status ApplyFlagsFile(CLI::App& app, const std::string& path, int argc, ch
       ParseFlagsFile(
           path, text, [&app](const std::string& flag) { return FlagKindOf(app, flag); },
           [&app](const std::string& flag) {
-            const std::string meant = NearestFlag(app, flag);
             // Only a flag a file can set is a suggestion.
-            return FlagKindOf(app, meant) ? meant : std::string();
+            return NearestFlag(app, flag, [&app](const std::string& candidate) {
+              return FlagKindOf(app, candidate).has_value();
+            });
           }));
   std::vector<std::string> args;
   for (const FlagsFileEntry& entry : entries) {
