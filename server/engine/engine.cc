@@ -17,6 +17,7 @@
 #include "common/kv_dtype.h"
 #include "common/log_fields.h"
 #include "common/status_macros.h"
+#include "server/engine/engine_impl.h"
 #include "server/engine/sequence.h"
 #include "spdlog/spdlog.h"
 
@@ -45,11 +46,11 @@ absl::Status UnwantedStatus(const CallContext& context) {
 // What every asynchronous call shares: admission bytes, the one decision
 // whether it runs (asked by the first piece of device work taken), and the
 // count of pieces still out.
-class Engine::Call {
+class EngineImpl::Call {
  public:
   // `submitted`: when the call entered the engine (its checks and copies
   // in count as its time).
-  Call(Engine* engine, CallContext context, int64_t bytes, absl::Time submitted = absl::Now())
+  Call(EngineImpl* engine, CallContext context, int64_t bytes, absl::Time submitted = absl::Now())
       : engine_(engine), context_(std::move(context)), bytes_(bytes), submitted_(submitted) {}
   virtual ~Call() = default;
 
@@ -121,7 +122,7 @@ class Engine::Call {
     leases.Clear();
   }
 
-  Engine* const engine_;
+  EngineImpl* const engine_;
   const CallContext context_;
   const int64_t bytes_;  // admitted host bytes
   const absl::Time submitted_;
@@ -152,9 +153,9 @@ class Engine::Call {
 // RegionMapper over the engine's workers: host memory is page-locked once
 // (for every device of the process) and addressed by each; exported device
 // memory is opened once per physical device.
-class Engine::Mapper final : public RegionMapper {
+class EngineImpl::Mapper final : public RegionMapper {
  public:
-  explicit Mapper(Engine* engine) : engine_(engine) {}
+  explicit Mapper(EngineImpl* engine) : engine_(engine) {}
 
   absl::StatusOr<HostMapping> MapHost(void* data, size_t bytes) override {
     auto& workers = engine_->workers_;
@@ -238,17 +239,17 @@ class Engine::Mapper final : public RegionMapper {
                      absl::StrJoin(engine_->device_names(), ", "), ")"));
   }
 
-  Engine* const engine_;
+  EngineImpl* const engine_;
 };
 
 // A call made of device ops (AppendKv, Commit, Release, ReadKv): one op per
 // device the sequence lives on; `finish` runs once all are done.
-class Engine::OpCall final : public Call {
+class EngineImpl::OpCall final : public Call {
  public:
   using SkipFn = absl::AnyInvocable<absl::Status()>;
   using FinishFn = absl::AnyInvocable<void(const absl::Status& status, bool ran)>;
 
-  OpCall(Engine* engine, CallContext context, int64_t bytes, SkipFn skip, FinishFn finish)
+  OpCall(EngineImpl* engine, CallContext context, int64_t bytes, SkipFn skip, FinishFn finish)
       : Call(engine, std::move(context), bytes),
         skip_(std::move(skip)),
         finish_(std::move(finish)) {}
@@ -299,7 +300,7 @@ class Engine::OpCall final : public Call {
 };
 
 // A Verify call: one shard per item and device.
-class Engine::VerifyTask final : public Call, public ShardOwner {
+class EngineImpl::VerifyTask final : public Call, public ShardOwner {
  public:
   struct Item {
     std::shared_ptr<Sequence> seq;
@@ -310,8 +311,8 @@ class Engine::VerifyTask final : public Call, public ShardOwner {
     std::shared_ptr<const std::vector<uint64_t>> visibility;
   };
 
-  VerifyTask(Engine* engine, CallContext context, int64_t bytes, absl::Time submitted, int layer,
-             VerifyTiming* timing, absl::AnyInvocable<void(absl::Status)> done)
+  VerifyTask(EngineImpl* engine, CallContext context, int64_t bytes, absl::Time submitted,
+             int layer, VerifyTiming* timing, absl::AnyInvocable<void(absl::Status)> done)
       : Call(engine, std::move(context), bytes, submitted),
         layer_(layer),
         timing_(timing),
@@ -428,9 +429,9 @@ class Engine::VerifyTask final : public Call, public ShardOwner {
 };
 
 // The engine as the step runner sees it (steps.h).
-class Engine::StepHostImpl final : public StepHost {
+class EngineImpl::StepHostImpl final : public StepHost {
  public:
-  explicit StepHostImpl(Engine* engine) : e_(engine) {
+  explicit StepHostImpl(EngineImpl* engine) : e_(engine) {
     for (const auto& w : e_->workers_) names_.push_back(w->name());
   }
 
@@ -499,7 +500,7 @@ class Engine::StepHostImpl final : public StepHost {
   }
 
  private:
-  Engine* const e_;
+  EngineImpl* const e_;
   std::vector<std::string> names_;
 };
 
@@ -511,7 +512,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   for (const auto& d : devices) {
     if (d == nullptr) return absl::InvalidArgumentError("null device");
   }
-  std::unique_ptr<Engine> e(new Engine(config));
+  std::unique_ptr<EngineImpl> e(new EngineImpl(config));
   e->observer_ = observer;
   const std::string first = devices[0]->name();
   e->backend_name_ = first.substr(0, first.find(':'));  // "cuda", "cpu", "fake"
@@ -544,7 +545,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   options.max_queue_delay = config.max_queue_delay;
   options.copy_threads = config.copy_threads;
   options.completion_thread = config.completion_thread;
-  Engine* raw = e.get();
+  EngineImpl* raw = e.get();
   // Names unique in this engine: a device listed twice is "cuda:0" and "cuda:0#2".
   absl::flat_hash_map<std::string, int> seen;
   for (int d = 0; d < num_devices; ++d) {
@@ -575,9 +576,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   }
   e->placement_ = PlacementGeometry::Of(config, e->staging_ != nullptr,
                                         e->staging_ != nullptr ? e->staging_->capacity() : 0);
-  e->mapper_ = std::make_unique<Mapper>(raw);
+  e->mapper_ = std::make_unique<EngineImpl::Mapper>(raw);
   e->regions_.SetMapper(e->mapper_.get());
-  e->step_host_ = std::make_unique<StepHostImpl>(raw);
+  e->step_host_ = std::make_unique<EngineImpl::StepHostImpl>(raw);
   e->steps_ = std::make_unique<StepRunner>(e->step_host_.get());
   const int pools = tp ? 1 : num_devices;
   for (int p = 0; p < pools; ++p) {
@@ -602,7 +603,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   return e;
 }
 
-Engine::Engine(const EngineConfig& config)
+EngineImpl::EngineImpl(const EngineConfig& config)
     : config_(config),
       admission_(config.max_queued_calls, config.max_queued_bytes),
       regions_(config.shared_memory) {
@@ -610,7 +611,7 @@ Engine::Engine(const EngineConfig& config)
   instance_id_ = absl::StrFormat("%08x%08x", id_source_(), id_source_());
 }
 
-Engine::~Engine() {
+EngineImpl::~EngineImpl() {
   steps_.reset();  // aborts open steps while the workers still run
   for (auto& w : workers_) w->Stop();
   // Regions and staging go while the devices that mapped them are still here.
@@ -618,30 +619,30 @@ Engine::~Engine() {
   staging_.reset();
 }
 
-std::vector<DeviceDescription> Engine::devices() const {
+std::vector<DeviceDescription> EngineImpl::devices() const {
   std::vector<DeviceDescription> out;
   for (const auto& w : workers_) out.push_back(w->Describe());
   return out;
 }
 
-std::vector<std::string> Engine::device_names() const {
+std::vector<std::string> EngineImpl::device_names() const {
   std::vector<std::string> out;
   for (const auto& w : workers_) out.push_back(w->name());
   return out;
 }
 
-absl::Status Engine::fault() const {
+absl::Status EngineImpl::fault() const {
   if (!faulted_.load(std::memory_order_acquire)) return absl::OkStatus();
   absl::MutexLock lock(&fault_mu_);
   return fault_;
 }
 
-void Engine::SetFaultListener(std::function<void(const absl::Status&)> listener) {
+void EngineImpl::SetFaultListener(std::function<void(const absl::Status&)> listener) {
   absl::MutexLock lock(&fault_mu_);
   fault_listener_ = std::move(listener);
 }
 
-void Engine::OnDeviceFault(int, const absl::Status& status) {
+void EngineImpl::OnDeviceFault(int, const absl::Status& status) {
   std::function<void(const absl::Status&)> listener;
   {
     absl::MutexLock lock(&fault_mu_);
@@ -653,7 +654,7 @@ void Engine::OnDeviceFault(int, const absl::Status& status) {
   if (listener) listener(status);
 }
 
-EngineStats Engine::Stats() const {
+EngineStats EngineImpl::Stats() const {
   EngineStats s;
   s.kv_dtype = config_.kv_dtype;
   s.kv_row_bytes = KvRowBytes(config_.kv_dtype);
@@ -698,20 +699,20 @@ EngineStats Engine::Stats() const {
   return s;
 }
 
-PageAllocator& Engine::AllocatorOf(const Sequence& seq) { return *allocators_[seq.pool]; }
+PageAllocator& EngineImpl::AllocatorOf(const Sequence& seq) { return *allocators_[seq.pool]; }
 
-std::vector<int> Engine::DevicesOf(const Sequence& seq) const {
+std::vector<int> EngineImpl::DevicesOf(const Sequence& seq) const {
   if (config_.parallel_mode == ParallelMode::kDataParallel) return {seq.pool};
   std::vector<int> all(workers_.size());
   for (size_t d = 0; d < all.size(); ++d) all[d] = static_cast<int>(d);
   return all;
 }
 
-void Engine::KickAll(const std::vector<int>& devices) {
+void EngineImpl::KickAll(const std::vector<int>& devices) {
   for (int d : devices) workers_[d]->Kick();
 }
 
-absl::Status Engine::Serving() const {
+absl::Status EngineImpl::Serving() const {
   if (absl::Status f = fault(); !f.ok()) {
     return absl::UnavailableError(
         absl::StrCat(f.message(), "; this server no longer serves device work"));
@@ -719,7 +720,7 @@ absl::Status Engine::Serving() const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<uint64_t> Engine::CreateSequence(const std::string& label) {
+absl::StatusOr<uint64_t> EngineImpl::CreateSequence(const std::string& label) {
   if (static_cast<int64_t>(label.size()) > config_.max_label_bytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("label of ", label.size(), " bytes; at most ", config_.max_label_bytes));
@@ -759,7 +760,7 @@ absl::StatusOr<uint64_t> Engine::CreateSequence(const std::string& label) {
   return id;
 }
 
-absl::StatusOr<std::shared_ptr<Sequence>> Engine::Find(uint64_t id) const {
+absl::StatusOr<std::shared_ptr<Sequence>> EngineImpl::Find(uint64_t id) const {
   {
     absl::ReaderMutexLock lock(&table_mu_);
     auto it = sequences_.find(id);
@@ -768,7 +769,7 @@ absl::StatusOr<std::shared_ptr<Sequence>> Engine::Find(uint64_t id) const {
   return NotFound(id);
 }
 
-absl::Status Engine::NotFound(uint64_t id) const {
+absl::Status EngineImpl::NotFound(uint64_t id) const {
   absl::MutexLock lock(&table_mu_);
   if (expired_.contains(id)) {
     return absl::NotFoundError(absl::StrCat("sequence ", id, " expired after being idle for ",
@@ -780,8 +781,8 @@ absl::Status Engine::NotFound(uint64_t id) const {
                                           "restart: the instance id changes with every start)"));
 }
 
-void Engine::FreeAfterBarrier(const std::shared_ptr<Sequence>& seq, std::vector<int32_t> pages,
-                              absl::AnyInvocable<void()> then) {
+void EngineImpl::FreeAfterBarrier(const std::shared_ptr<Sequence>& seq, std::vector<int32_t> pages,
+                                  absl::AnyInvocable<void()> then) {
   PageAllocator* allocator = &AllocatorOf(*seq);
   auto* call = new OpCall(this, CallContext{}, 0, nullptr,
                           [allocator, pages = std::move(pages), then = std::move(then)](
@@ -801,7 +802,8 @@ void Engine::FreeAfterBarrier(const std::shared_ptr<Sequence>& seq, std::vector<
   KickAll(devices);
 }
 
-uint64_t Engine::AddressOf(const PlacedTensor& p, int w, const HostStaging::Block& block) const {
+uint64_t EngineImpl::AddressOf(const PlacedTensor& p, int w,
+                               const HostStaging::Block& block) const {
   switch (p.where) {
     case PlacedTensor::Where::kRegion:
       return p.region->device()[w] + p.offset;
@@ -812,7 +814,7 @@ uint64_t Engine::AddressOf(const PlacedTensor& p, int w, const HostStaging::Bloc
   }
 }
 
-void Engine::SubmitVerify(VerifyCall call, absl::AnyInvocable<void(absl::Status)> done) {
+void EngineImpl::SubmitVerify(VerifyCall call, absl::AnyInvocable<void(absl::Status)> done) {
   // A rejection is reported after every lock StartVerify took is released:
   // `done` may call the engine again.
   absl::Status rejected = StartVerify(call, done);
@@ -824,7 +826,8 @@ void Engine::SubmitVerify(VerifyCall call, absl::AnyInvocable<void(absl::Status)
   for (auto& w : workers_) w->Kick();
 }
 
-absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl::Status)>& done) {
+absl::Status EngineImpl::StartVerify(VerifyCall& call,
+                                     absl::AnyInvocable<void(absl::Status)>& done) {
   const absl::Time entered = absl::Now();
   const absl::Span<VerifyItem> items = call.items;
   // Checked and placed: everything that needs no sequence state, before any
@@ -977,8 +980,8 @@ absl::Status Engine::StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl:
   return absl::OkStatus();
 }
 
-void Engine::SubmitAppendKv(AppendCall call,
-                            absl::AnyInvocable<void(absl::StatusOr<int64_t>)> done) {
+void EngineImpl::SubmitAppendKv(AppendCall call,
+                                absl::AnyInvocable<void(absl::StatusOr<int64_t>)> done) {
   absl::Status rejected = StartAppendKv(call, done);  // after its locks are released
   if (!rejected.ok()) {
     done(std::move(rejected));
@@ -987,8 +990,8 @@ void Engine::SubmitAppendKv(AppendCall call,
   for (auto& w : workers_) w->Kick();
 }
 
-absl::Status Engine::StartAppendKv(AppendCall& call,
-                                   absl::AnyInvocable<void(absl::StatusOr<int64_t>)>& done) {
+absl::Status EngineImpl::StartAppendKv(AppendCall& call,
+                                       absl::AnyInvocable<void(absl::StatusOr<int64_t>)>& done) {
   const uint64_t id = call.sequence_id;
   ASSIGN_OR_RETURN(PlacedAppend placed, PlaceAppend(placement_, regions_, call));
   const int64_t tokens = placed.tokens;
@@ -1097,8 +1100,8 @@ absl::Status Engine::StartAppendKv(AppendCall& call,
   return absl::OkStatus();
 }
 
-void Engine::SubmitCommit(uint64_t sequence_id, absl::Span<const int32_t> accepted,
-                          absl::AnyInvocable<void(absl::StatusOr<CommitResult>)> done) {
+void EngineImpl::SubmitCommit(uint64_t sequence_id, absl::Span<const int32_t> accepted,
+                              absl::AnyInvocable<void(absl::StatusOr<CommitResult>)> done) {
   // A step's item committed while the step still runs layers (the scheduler
   // may send it as soon as its stream is past the last wait): it waits for
   // the layers, or for the step's end. (`done` moves only if it waits.)
@@ -1124,9 +1127,9 @@ void Engine::SubmitCommit(uint64_t sequence_id, absl::Span<const int32_t> accept
   for (auto& w : workers_) w->Kick();
 }
 
-absl::Status Engine::StartCommit(uint64_t sequence_id, absl::Span<const int32_t> accepted,
-                                 absl::AnyInvocable<void(absl::StatusOr<CommitResult>)>& done,
-                                 uint64_t step) {
+absl::Status EngineImpl::StartCommit(uint64_t sequence_id, absl::Span<const int32_t> accepted,
+                                     absl::AnyInvocable<void(absl::StatusOr<CommitResult>)>& done,
+                                     uint64_t step) {
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Find(sequence_id));
   Sequence& s = *seq;
   absl::MutexLock lock(&s.mu);
@@ -1212,7 +1215,7 @@ absl::Status Engine::StartCommit(uint64_t sequence_id, absl::Span<const int32_t>
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<StepHost::Claimed>> Engine::ClaimForStep(
+absl::StatusOr<std::vector<StepHost::Claimed>> EngineImpl::ClaimForStep(
     uint64_t step, absl::Span<const StepItemSpec> items) {
   std::vector<std::shared_ptr<Sequence>> seqs(items.size());
   std::vector<std::shared_ptr<const std::vector<uint64_t>>> visibility(items.size());
@@ -1262,7 +1265,7 @@ absl::StatusOr<std::vector<StepHost::Claimed>> Engine::ClaimForStep(
   return claimed;
 }
 
-void Engine::UnclaimStep(uint64_t step, absl::Span<const StepItemSpec> items) {
+void EngineImpl::UnclaimStep(uint64_t step, absl::Span<const StepItemSpec> items) {
   for (const StepItemSpec& item : items) {
     absl::StatusOr<std::shared_ptr<Sequence>> found = Find(item.sequence_id);
     if (!found.ok()) continue;
@@ -1280,7 +1283,7 @@ void Engine::UnclaimStep(uint64_t step, absl::Span<const StepItemSpec> items) {
   }
 }
 
-absl::StatusOr<StepOpened> Engine::OpenStep(const StepRequest& request) {
+absl::StatusOr<StepOpened> EngineImpl::OpenStep(const StepRequest& request) {
   if (absl::Status f = fault(); !f.ok()) {
     return absl::UnavailableError(
         absl::StrCat(f.message(), "; this server no longer serves device work"));
@@ -1288,7 +1291,7 @@ absl::StatusOr<StepOpened> Engine::OpenStep(const StepRequest& request) {
   return steps_->Open(request);
 }
 
-absl::Status Engine::DoorbellSupport(DoorbellKind kind) const {
+absl::Status EngineImpl::DoorbellSupport(DoorbellKind kind) const {
   if (config_.steps.lanes_per_device == 0) {
     return absl::FailedPreconditionError("no step lanes (--step-lanes 0)");
   }
@@ -1296,12 +1299,14 @@ absl::Status Engine::DoorbellSupport(DoorbellKind kind) const {
   return absl::OkStatus();
 }
 
-void Engine::SubmitAbortStep(uint64_t step_id,
-                             absl::AnyInvocable<void(absl::StatusOr<StepInfo>)> done) {
+void EngineImpl::SubmitAbortStep(uint64_t step_id,
+                                 absl::AnyInvocable<void(absl::StatusOr<StepInfo>)> done) {
   steps_->Abort(step_id, std::move(done));
 }
 
-absl::StatusOr<StepInfo> Engine::GetStep(uint64_t step_id) const { return steps_->Get(step_id); }
+absl::StatusOr<StepInfo> EngineImpl::GetStep(uint64_t step_id) const {
+  return steps_->Get(step_id);
+}
 
 absl::StatusOr<StepInfo> Engine::AbortStep(uint64_t step_id) {
   absl::Notification finished;
@@ -1314,22 +1319,22 @@ absl::StatusOr<StepInfo> Engine::AbortStep(uint64_t step_id) {
   return result;
 }
 
-std::vector<int32_t> Engine::ReleaseLocked(Sequence& s) {
+std::vector<int32_t> EngineImpl::ReleaseLocked(Sequence& s) {
   bool had_step = false;
   std::vector<int32_t> pages = s.MarkReleased(&had_step);
   if (had_step) pending_steps_.fetch_sub(1);
   return pages;
 }
 
-void Engine::SubmitRelease(uint64_t sequence_id,
-                           absl::AnyInvocable<void(absl::StatusOr<int64_t>)> done) {
+void EngineImpl::SubmitRelease(uint64_t sequence_id,
+                               absl::AnyInvocable<void(absl::StatusOr<int64_t>)> done) {
   absl::StatusOr<std::shared_ptr<Sequence>> found = Find(sequence_id);
   if (!found.ok()) return done(found.status());
   ReleaseNow(*std::move(found), std::move(done));
 }
 
-void Engine::ReleaseNow(const std::shared_ptr<Sequence>& seq,
-                        absl::AnyInvocable<void(absl::StatusOr<int64_t>)> done) {
+void EngineImpl::ReleaseNow(const std::shared_ptr<Sequence>& seq,
+                            absl::AnyInvocable<void(absl::StatusOr<int64_t>)> done) {
   const uint64_t sequence_id = seq->id;
   std::vector<int32_t> pages;
   bool already_released = false;
@@ -1359,7 +1364,7 @@ void Engine::ReleaseNow(const std::shared_ptr<Sequence>& seq,
                    [done = std::move(done), freed]() mutable { done(freed); });
 }
 
-int Engine::ExpireIdle(absl::Time now) {
+int EngineImpl::ExpireIdle(absl::Time now) {
   if (config_.idle_timeout <= absl::ZeroDuration()) return 0;
   const int64_t cutoff = absl::ToUnixNanos(now - config_.idle_timeout);
   std::vector<std::shared_ptr<Sequence>> candidates;
@@ -1406,8 +1411,8 @@ int Engine::ExpireIdle(absl::Time now) {
   return expired;
 }
 
-absl::Status Engine::ReadKv(uint64_t sequence_id, int64_t start, int64_t count, absl::Span<Bf16> kv,
-                            int replica) {
+absl::Status EngineImpl::ReadKv(uint64_t sequence_id, int64_t start, int64_t count,
+                                absl::Span<Bf16> kv, int replica) {
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Find(sequence_id));
   absl::Notification finished;
   absl::Status result;

@@ -1,6 +1,9 @@
 // The engine: sequences, their pages and the verify/commit state machine,
 // executed by one worker per device (device_worker.h). The one interface the
-// transport calls; it knows nothing of gRPC or protobuf.
+// transport calls; it knows nothing of gRPC or protobuf. This header is that
+// interface only: the implementation (EngineImpl, engine_impl.h, with the
+// workers, the sequence table and the call types) is private to the engine,
+// so the transport's headers do not pull in the device workers.
 //
 // Calls are asynchronous: Submit* validates the call, checks and changes the
 // sequence's state, reserves pages and queues the device work, all before it
@@ -36,36 +39,24 @@
 #ifndef MLAVERIFY_SERVER_ENGINE_ENGINE_H_
 #define MLAVERIFY_SERVER_ENGINE_ENGINE_H_
 
-#include <atomic>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <memory>
-#include <random>
 #include <string>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/bf16.h"
-#include "server/engine/call_placement.h"
-#include "server/engine/call_reservation.h"
+#include "common/kv_dtype.h"
 #include "server/engine/calls.h"
 #include "server/engine/device.h"
-#include "server/engine/device_worker.h"
 #include "server/engine/engine_config.h"
 #include "server/engine/engine_observer.h"
-#include "server/engine/host_staging.h"
-#include "server/engine/page_allocator.h"
-#include "server/engine/page_table_arena.h"
 #include "server/engine/regions.h"
-#include "server/engine/sequence.h"
 #include "server/engine/steps.h"
 #include "server/engine/tensor_ref.h"
 
@@ -116,45 +107,47 @@ class Engine {
       const EngineConfig& config, std::vector<std::unique_ptr<Device>> devices,
       EngineObserver* observer = nullptr);
   // Runs what is queued, then stops the workers.
-  ~Engine();
+  virtual ~Engine() = default;
 
-  const EngineConfig& config() const { return config_; }
+  virtual const EngineConfig& config() const = 0;
   // "cuda", "cpu" or "fake": what the devices are.
-  const std::string& backend_name() const { return backend_name_; }
-  std::vector<DeviceDescription> devices() const;
+  virtual const std::string& backend_name() const = 0;
+  virtual std::vector<DeviceDescription> devices() const = 0;
   // The workers' names by device index, unique ("cuda:0", "cuda:0#2").
-  std::vector<std::string> device_names() const;
-  int num_devices() const { return static_cast<int>(workers_.size()); }
+  virtual std::vector<std::string> device_names() const = 0;
+  virtual int num_devices() const = 0;
   // Query heads each device computes (num_heads / devices in TP mode).
-  int heads_per_device() const { return heads_per_device_; }
+  virtual int heads_per_device() const = 0;
   // Random per engine (process): sequence ids name sequences of this
   // instance only; GetServerInfo reports it so clients can tell a restart.
-  const std::string& instance_id() const { return instance_id_; }
+  virtual const std::string& instance_id() const = 0;
   // Whether verify batches replay CUDA graphs (configured and supported).
-  bool graphs_enabled() const { return workers_[0]->uses_graphs(); }
-  EngineStats Stats() const;
+  virtual bool graphs_enabled() const = 0;
+  virtual EngineStats Stats() const = 0;
   // Bytes the caller keeps for calls the engine has finished (a stream's
   // answers not yet read by its client): counted in queued_bytes like a
   // call's own, so that admission refuses new work while they are held.
   // Never refused; every Hold is paired with a Release of the same bytes.
-  void HoldAnswerBytes(int64_t bytes) { admission_.HoldBytes(bytes); }
-  void ReleaseAnswerBytes(int64_t bytes) { admission_.ReleaseBytes(bytes); }
+  virtual void HoldAnswerBytes(int64_t bytes) = 0;
+  virtual void ReleaseAnswerBytes(int64_t bytes) = 0;
   // OK, or the first device fault (after which device calls are refused).
-  absl::Status fault() const;
+  virtual absl::Status fault() const = 0;
   // Called once, on a worker thread, when a device first faults.
-  void SetFaultListener(std::function<void(const absl::Status&)> listener);
+  virtual void SetFaultListener(std::function<void(const absl::Status&)> listener) = 0;
 
   // A new, empty sequence. `label` shows in logs. RESOURCE_EXHAUSTED at the
   // live-sequence limit; INVALID_ARGUMENT for a label over the length limit.
-  absl::StatusOr<uint64_t> CreateSequence(const std::string& label);
+  virtual absl::StatusOr<uint64_t> CreateSequence(const std::string& label) = 0;
 
-  void SubmitVerify(VerifyCall call, absl::AnyInvocable<void(absl::Status)> done);
-  void SubmitAppendKv(AppendCall call, absl::AnyInvocable<void(absl::StatusOr<int64_t>)> done);
+  virtual void SubmitVerify(VerifyCall call, absl::AnyInvocable<void(absl::Status)> done) = 0;
+  virtual void SubmitAppendKv(AppendCall call,
+                              absl::AnyInvocable<void(absl::StatusOr<int64_t>)> done) = 0;
   // Ends the pending step of a sequence, keeping the accepted path.
-  void SubmitCommit(uint64_t sequence_id, absl::Span<const int32_t> accepted,
-                    absl::AnyInvocable<void(absl::StatusOr<CommitResult>)> done);
+  virtual void SubmitCommit(uint64_t sequence_id, absl::Span<const int32_t> accepted,
+                            absl::AnyInvocable<void(absl::StatusOr<CommitResult>)> done) = 0;
   // Frees the sequence; `done` gets the pages freed.
-  void SubmitRelease(uint64_t sequence_id, absl::AnyInvocable<void(absl::StatusOr<int64_t>)> done);
+  virtual void SubmitRelease(uint64_t sequence_id,
+                             absl::AnyInvocable<void(absl::StatusOr<int64_t>)> done) = 0;
 
   // Synchronous forms.
   absl::Status Verify(int layer, float softmax_scale, absl::Span<VerifyItem> items);
@@ -166,7 +159,7 @@ class Engine {
   // Releases sequences idle for longer than the idle timeout (no-op when the
   // timeout is zero) and returns how many, once their pages are free again.
   // Called periodically by the server's janitor thread.
-  int ExpireIdle(absl::Time now);
+  virtual int ExpireIdle(absl::Time now) = 0;
 
   // Device-driven verify steps (steps.h, docs/steps.md). OpenStep validates
   // the whole step once, claims its sequences, reserves their draft pages
@@ -175,120 +168,26 @@ class Engine {
   // ends; its Commit is accepted once every layer ran (one sent earlier
   // waits for that); ReleaseSequence aborts the step first. AbortStep's
   // `done` runs once the step ended, every sequence as before it.
-  absl::StatusOr<StepOpened> OpenStep(const StepRequest& request);
+  virtual absl::StatusOr<StepOpened> OpenStep(const StepRequest& request) = 0;
   // OK when OpenStep takes doorbells of `kind` on every device, else why not.
-  absl::Status DoorbellSupport(DoorbellKind kind) const;
-  void SubmitAbortStep(uint64_t step_id, absl::AnyInvocable<void(absl::StatusOr<StepInfo>)> done);
-  absl::StatusOr<StepInfo> GetStep(uint64_t step_id) const;
+  virtual absl::Status DoorbellSupport(DoorbellKind kind) const = 0;
+  virtual void SubmitAbortStep(uint64_t step_id,
+                               absl::AnyInvocable<void(absl::StatusOr<StepInfo>)> done) = 0;
+  virtual absl::StatusOr<StepInfo> GetStep(uint64_t step_id) const = 0;
   // Synchronous form of SubmitAbortStep.
   absl::StatusOr<StepInfo> AbortStep(uint64_t step_id);
 
   // The shared-memory regions calls may reference (register, unregister,
   // status); the engine maps them onto its devices.
-  RegionRegistry& regions() { return regions_; }
-  const RegionRegistry& regions() const { return regions_; }
+  virtual RegionRegistry& regions() = 0;
+  virtual const RegionRegistry& regions() const = 0;
 
   // Reads positions [start, start+count) of every layer of a sequence from
   // its `replica`-th device (tests: TP replicas must agree), as the pool
   // stores them: `kv` holds num_layers * count * KvRowBytes(kv_dtype) bytes
   // (576 bf16 values per row, or the 656-byte fp8 row).
-  absl::Status ReadKv(uint64_t sequence_id, int64_t start, int64_t count, absl::Span<Bf16> kv,
-                      int replica = 0);
-
- private:
-  class Call;
-  class VerifyTask;
-  class OpCall;
-  class Mapper;
-  class StepHostImpl;
-
-  explicit Engine(const EngineConfig& config);
-  // The bodies of the Submit* calls: OK once the call is queued (`done` moved
-  // into it), else the rejection, which the caller reports after every lock
-  // taken here is released.
-  absl::Status StartVerify(VerifyCall& call, absl::AnyInvocable<void(absl::Status)>& done);
-  absl::Status StartAppendKv(AppendCall& call,
-                             absl::AnyInvocable<void(absl::StatusOr<int64_t>)>& done);
-  // `step`: 0 for a client's Commit; a step's id when the step drops an
-  // item it claimed (then only a sequence that step still holds).
-  absl::Status StartCommit(uint64_t sequence_id, absl::Span<const int32_t> accepted,
-                           absl::AnyInvocable<void(absl::StatusOr<CommitResult>)>& done,
-                           uint64_t step = 0);
-  // Releases a sequence no step holds (SubmitRelease's body).
-  void ReleaseNow(const std::shared_ptr<Sequence>& seq,
-                  absl::AnyInvocable<void(absl::StatusOr<int64_t>)> done);
-  // StepHost's sequence side (steps.h).
-  absl::StatusOr<std::vector<StepHost::Claimed>> ClaimForStep(uint64_t step,
-                                                              absl::Span<const StepItemSpec> items);
-  void UnclaimStep(uint64_t step, absl::Span<const StepItemSpec> items);
-  absl::StatusOr<std::shared_ptr<Sequence>> Find(uint64_t id) const;
-  absl::Status NotFound(uint64_t id) const;
-  PageAllocator& AllocatorOf(const Sequence& seq);
-  // An empty reservation over the engine's admission, pools and staging.
-  CallReservation Reserve() { return CallReservation(admission_, allocators_, staging_.get()); }
-  // The devices a sequence's KV lives on: all (TP) or its own (DP).
-  std::vector<int> DevicesOf(const Sequence& seq) const;
-  // OK, or UNAVAILABLE after a device fault: checked before a call is
-  // admitted.
-  absl::Status Serving() const;
-  // Detaches a sequence's pages and marks it released (its lock held);
-  // returns the pages, to be freed once the devices passed the release.
-  std::vector<int32_t> ReleaseLocked(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
-  // Queues a barrier on the sequence's devices and frees `pages` (to its
-  // allocator) once all passed it; then calls `then` (may be empty).
-  void FreeAfterBarrier(const std::shared_ptr<Sequence>& seq, std::vector<int32_t> pages,
-                        absl::AnyInvocable<void()> then);
-  void OnDeviceFault(int device, const absl::Status& status);
-  // `p` as worker `w`'s device addresses it (staged tensors: in `block`).
-  uint64_t AddressOf(const PlacedTensor& p, int w, const HostStaging::Block& block) const;
-  // Kicks every worker (after a submission released its locks).
-  void KickAll(const std::vector<int>& devices);
-
-  const EngineConfig config_;
-  // Admitted calls and the host bytes they hold (--max-queued-calls,
-  // --max-queued-bytes).
-  AdmissionGate admission_;
-  RegionRegistry regions_;
-  // What placing a call reads of the engine (set once the staging exists).
-  PlacementGeometry placement_;
-  std::unique_ptr<Mapper> mapper_;
-  // Host-resident tensors go through it where the devices cannot address
-  // them (null where they can: host devices).
-  std::unique_ptr<HostStaging> staging_;
-  std::string instance_id_;
-  std::string backend_name_;
-  int heads_per_device_ = 0;
-  EngineObserver* observer_ = nullptr;
-  std::vector<std::unique_ptr<DeviceWorker>> workers_;
-  // Device-driven steps: created after the workers started, destroyed
-  // before they stop (open steps are aborted then).
-  std::unique_ptr<StepHostImpl> step_host_;
-  std::unique_ptr<StepRunner> steps_;
-  // One allocator (TP) or one per device (DP).
-  std::vector<std::unique_ptr<PageAllocator>> allocators_;
-
-  mutable absl::Mutex table_mu_;
-  absl::flat_hash_map<uint64_t, std::shared_ptr<Sequence>> sequences_ ABSL_GUARDED_BY(table_mu_);
-  // getrandom(2) on Linux: unpredictable sequence ids.
-  std::random_device id_source_ ABSL_GUARDED_BY(table_mu_);
-  std::vector<int64_t> live_per_pool_ ABSL_GUARDED_BY(table_mu_);
-  // Recently expired ids, so that NOT_FOUND can say why.
-  std::deque<uint64_t> expired_order_ ABSL_GUARDED_BY(table_mu_);
-  absl::flat_hash_set<uint64_t> expired_ ABSL_GUARDED_BY(table_mu_);
-
-  std::atomic<bool> faulted_{false};  // fault_ is set (read without the lock)
-  mutable absl::Mutex fault_mu_;
-  absl::Status fault_ ABSL_GUARDED_BY(fault_mu_);
-  std::function<void(const absl::Status&)> fault_listener_ ABSL_GUARDED_BY(fault_mu_);
-
-  std::atomic<int64_t> pending_steps_{0};
-  std::atomic<int64_t> tokens_appended_{0};
-  std::atomic<int64_t> tokens_committed_{0};
-  std::atomic<int64_t> drafts_verified_{0};
-  std::atomic<int64_t> verify_items_{0};
-  std::atomic<int64_t> steps_committed_{0};
-  std::atomic<int64_t> sequences_created_{0};
-  std::atomic<int64_t> sequences_expired_{0};
+  virtual absl::Status ReadKv(uint64_t sequence_id, int64_t start, int64_t count,
+                              absl::Span<Bf16> kv, int replica = 0) = 0;
 };
 
 }  // namespace mlaverify::engine
