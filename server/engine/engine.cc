@@ -43,15 +43,17 @@ absl::Status UnwantedStatus(const CallContext& context) {
 
 }  // namespace
 
+namespace {
+
 // What every asynchronous call shares: admission bytes, the one decision
 // whether it runs (asked by the first piece of device work taken), and the
 // count of pieces still out.
-class EngineImpl::Call {
+class Call {
  public:
   // `submitted`: when the call entered the engine (its checks and copies
   // in count as its time).
-  Call(EngineImpl* engine, CallContext context, int64_t bytes, absl::Time submitted = absl::Now())
-      : engine_(engine), context_(std::move(context)), bytes_(bytes), submitted_(submitted) {}
+  Call(CallHost* host, CallContext context, int64_t bytes, absl::Time submitted = absl::Now())
+      : host_(host), context_(std::move(context)), bytes_(bytes), submitted_(submitted) {}
   virtual ~Call() = default;
 
   void SetPieces(int pieces) {
@@ -116,13 +118,13 @@ class EngineImpl::Call {
         }
       }
     }
-    if (engine_->staging_ != nullptr && staging.host != nullptr) engine_->staging_->Free(staging);
+    if (staging.host != nullptr) host_->FreeStaging(staging);
     staging = {};
     private_copies.clear();
     leases.Clear();
   }
 
-  EngineImpl* const engine_;
+  CallHost* const host_;
   const CallContext context_;
   const int64_t bytes_;  // admitted host bytes
   const absl::Time submitted_;
@@ -153,6 +155,189 @@ class EngineImpl::Call {
 // RegionMapper over the engine's workers: host memory is page-locked once
 // (for every device of the process) and addressed by each; exported device
 // memory is opened once per physical device.
+// A call made of device ops (AppendKv, Commit, Release, ReadKv): one op per
+// device the sequence lives on; `finish` runs once all are done.
+class OpCall final : public Call {
+ public:
+  using SkipFn = absl::AnyInvocable<absl::Status()>;
+  using FinishFn = absl::AnyInvocable<void(const absl::Status& status, bool ran)>;
+
+  OpCall(CallHost* host, CallContext context, int64_t bytes, SkipFn skip, FinishFn finish)
+      : Call(host, std::move(context), bytes), skip_(std::move(skip)), finish_(std::move(finish)) {}
+
+  // Queues `op` (admit and done filled in here; `rows_in` from `rows` as
+  // each device addresses it) on each of `devices`.
+  void Enqueue(const std::vector<int>& devices, const DeviceOp& op,
+               const PlacedTensor* rows = nullptr) {
+    SetPieces(static_cast<int>(devices.size()));
+    for (int d : devices) {
+      DeviceOp copy;
+      copy.kind = op.kind;
+      copy.sequence = op.sequence;
+      copy.table = op.table;
+      copy.release_table = op.release_table;
+      copy.start = op.start;
+      copy.count = op.count;
+      copy.rows_in = rows != nullptr ? host_->AddressOf(*rows, d, staging) : 0;
+      copy.rows_out = op.rows_out;
+      copy.prefix_len = op.prefix_len;
+      copy.accepted = accepted;
+      copy.admit = [this] { return Decide(); };
+      copy.done = [this](const absl::Status& status) {
+        if (PieceDone(status)) Finish();
+      };
+      host_->EnqueueOp(d, std::move(copy));
+    }
+  }
+
+  // Storage the ops point into, owned by the call.
+  std::vector<int32_t> accepted;
+
+ protected:
+  absl::Status Skip() override { return skip_ ? skip_() : absl::OkStatus(); }
+
+ private:
+  void Finish() {
+    const absl::Status s = status();
+    const bool r = ran();
+    CopyOutAndRelease(false);
+    host_->LeaveAdmission(bytes_);
+    finish_(s, r);
+    delete this;
+  }
+
+  SkipFn skip_;
+  FinishFn finish_;
+};
+
+// A Verify call: one shard per item and device.
+class VerifyTask final : public Call, public ShardOwner {
+ public:
+  struct Item {
+    std::shared_ptr<Sequence> seq;
+    int n = 0;
+    bool opened = false;  // this call opened the step
+    uint64_t step = 0;
+    uint64_t op = 0;  // its number among the sequence's calls
+    std::shared_ptr<const std::vector<uint64_t>> visibility;
+  };
+
+  VerifyTask(CallHost* host, CallContext context, int64_t bytes, absl::Time submitted, int layer,
+             VerifyTiming* timing, absl::AnyInvocable<void(absl::Status)> done)
+      : Call(host, std::move(context), bytes, submitted),
+        layer_(layer),
+        timing_(timing),
+        done_(std::move(done)) {}
+
+  std::vector<Item> items;
+
+  absl::Status AdmitShard(int) override { return Decide(); }
+
+  void ShardDone(int, const absl::Status& status, const ShardTiming& timing) override {
+    {
+      absl::MutexLock lock(&timing_mu_);
+      last_taken_ = std::max(last_taken_, timing.taken);
+      device_seconds_ = std::max(device_seconds_, timing.device_seconds);
+    }
+    if (PieceDone(status)) Finish();
+  }
+
+ protected:
+  absl::Status Skip() override {
+    absl::Status skip = ContextStatus();
+    if (skip.ok()) {
+      for (const Item& item : items) {
+        // Under the sequence's lock, as RollBackOpenedSteps below: Skip runs
+        // with no call or queue lock held (Decide).
+        bool released = false;
+        {
+          absl::MutexLock lock(&item.seq->mu);
+          released = item.seq->released;
+        }
+        if (released) {
+          skip = absl::NotFoundError(
+              absl::StrCat("sequence ", item.seq->id, " was released while this call was queued"));
+          break;
+        }
+      }
+    }
+    if (skip.ok()) return skip;
+    RollBackOpenedSteps();
+    return skip;
+  }
+
+ private:
+  // For a call that did not complete: a step it opened is closed again (its
+  // pages freed) if nothing was submitted for the sequence after it.
+  void RollBackOpenedSteps() {
+    for (const Item& item : items) {
+      if (!item.opened) continue;
+      Sequence& s = *item.seq;
+      std::vector<int32_t> freed;
+      {
+        absl::MutexLock lock(&s.mu);
+        if (s.released || !s.pending || s.step != item.step || s.ops_submitted != item.op ||
+            s.layers_verified != 0) {
+          continue;
+        }
+        freed = s.CloseStepUnrun();
+      }
+      // At once: the pages were taken by this call and only it would have
+      // written them; no work queued before it owns them.
+      host_->StepClosedUnrun(s, std::move(freed));
+    }
+  }
+
+  void Finish() {
+    const absl::Status s = status();
+    if (!s.ok() && ran()) RollBackOpenedSteps();
+    for (const Item& item : items) {
+      Sequence& seq = *item.seq;
+      seq.CallEnded();
+      absl::MutexLock lock(&seq.mu);
+      if (seq.released || !seq.pending || seq.step != item.step) continue;
+      if (s.ok()) {
+        if (!seq.layer_verified[layer_]) {
+          seq.layer_verified[layer_] = true;
+          ++seq.layers_verified;
+        }
+        seq.Touch();
+      } else if (ran() && seq.layer_verified[layer_]) {
+        // The layer's draft rows may be half rewritten: verify it again.
+        seq.layer_verified[layer_] = false;
+        --seq.layers_verified;
+      }
+    }
+    CopyOutAndRelease(s.ok());
+    host_->LeaveAdmission(bytes_);
+    VerifyTiming t;
+    t.items = static_cast<int>(items.size());
+    {
+      absl::MutexLock lock(&timing_mu_);
+      t.queue_seconds = std::max(0.0, absl::ToDoubleSeconds(last_taken_ - submitted_));
+      t.device_seconds = device_seconds_;
+    }
+    t.total_seconds = absl::ToDoubleSeconds(absl::Now() - submitted_);
+    if (timing_ != nullptr) *timing_ = t;
+    if (s.ok()) {
+      int64_t drafts = 0;
+      for (const Item& item : items) drafts += item.n;
+      host_->VerifySucceeded(static_cast<int>(items.size()), drafts, t);
+    }
+    done_(s);
+    delete this;
+  }
+
+  const int layer_;
+  VerifyTiming* const timing_;
+  absl::AnyInvocable<void(absl::Status)> done_;
+  absl::Mutex timing_mu_;
+  absl::Time last_taken_ ABSL_GUARDED_BY(timing_mu_) = absl::InfinitePast();
+  double device_seconds_ ABSL_GUARDED_BY(timing_mu_) = 0;
+};
+
+}  // namespace
+
 class EngineImpl::Mapper final : public RegionMapper {
  public:
   explicit Mapper(EngineImpl* engine) : engine_(engine) {}
@@ -240,192 +425,6 @@ class EngineImpl::Mapper final : public RegionMapper {
   }
 
   EngineImpl* const engine_;
-};
-
-// A call made of device ops (AppendKv, Commit, Release, ReadKv): one op per
-// device the sequence lives on; `finish` runs once all are done.
-class EngineImpl::OpCall final : public Call {
- public:
-  using SkipFn = absl::AnyInvocable<absl::Status()>;
-  using FinishFn = absl::AnyInvocable<void(const absl::Status& status, bool ran)>;
-
-  OpCall(EngineImpl* engine, CallContext context, int64_t bytes, SkipFn skip, FinishFn finish)
-      : Call(engine, std::move(context), bytes),
-        skip_(std::move(skip)),
-        finish_(std::move(finish)) {}
-
-  // Queues `op` (admit and done filled in here; `rows_in` from `rows` as
-  // each device addresses it) on each of `devices`.
-  void Enqueue(const std::vector<int>& devices, const DeviceOp& op,
-               const PlacedTensor* rows = nullptr) {
-    SetPieces(static_cast<int>(devices.size()));
-    for (int d : devices) {
-      DeviceOp copy;
-      copy.kind = op.kind;
-      copy.sequence = op.sequence;
-      copy.table = op.table;
-      copy.release_table = op.release_table;
-      copy.start = op.start;
-      copy.count = op.count;
-      copy.rows_in = rows != nullptr ? engine_->AddressOf(*rows, d, staging) : 0;
-      copy.rows_out = op.rows_out;
-      copy.prefix_len = op.prefix_len;
-      copy.accepted = accepted;
-      copy.admit = [this] { return Decide(); };
-      copy.done = [this](const absl::Status& status) {
-        if (PieceDone(status)) Finish();
-      };
-      engine_->workers_[d]->Enqueue(std::move(copy));
-    }
-  }
-
-  // Storage the ops point into, owned by the call.
-  std::vector<int32_t> accepted;
-
- protected:
-  absl::Status Skip() override { return skip_ ? skip_() : absl::OkStatus(); }
-
- private:
-  void Finish() {
-    const absl::Status s = status();
-    const bool r = ran();
-    CopyOutAndRelease(false);
-    engine_->admission_.Leave(bytes_);
-    finish_(s, r);
-    delete this;
-  }
-
-  SkipFn skip_;
-  FinishFn finish_;
-};
-
-// A Verify call: one shard per item and device.
-class EngineImpl::VerifyTask final : public Call, public ShardOwner {
- public:
-  struct Item {
-    std::shared_ptr<Sequence> seq;
-    int n = 0;
-    bool opened = false;  // this call opened the step
-    uint64_t step = 0;
-    uint64_t op = 0;  // its number among the sequence's calls
-    std::shared_ptr<const std::vector<uint64_t>> visibility;
-  };
-
-  VerifyTask(EngineImpl* engine, CallContext context, int64_t bytes, absl::Time submitted,
-             int layer, VerifyTiming* timing, absl::AnyInvocable<void(absl::Status)> done)
-      : Call(engine, std::move(context), bytes, submitted),
-        layer_(layer),
-        timing_(timing),
-        done_(std::move(done)) {}
-
-  std::vector<Item> items;
-
-  absl::Status AdmitShard(int) override { return Decide(); }
-
-  void ShardDone(int, const absl::Status& status, const ShardTiming& timing) override {
-    {
-      absl::MutexLock lock(&timing_mu_);
-      last_taken_ = std::max(last_taken_, timing.taken);
-      device_seconds_ = std::max(device_seconds_, timing.device_seconds);
-    }
-    if (PieceDone(status)) Finish();
-  }
-
- protected:
-  absl::Status Skip() override {
-    absl::Status skip = ContextStatus();
-    if (skip.ok()) {
-      for (const Item& item : items) {
-        // Under the sequence's lock, as RollBackOpenedSteps below: Skip runs
-        // with no call or queue lock held (Decide).
-        bool released = false;
-        {
-          absl::MutexLock lock(&item.seq->mu);
-          released = item.seq->released;
-        }
-        if (released) {
-          skip = absl::NotFoundError(
-              absl::StrCat("sequence ", item.seq->id, " was released while this call was queued"));
-          break;
-        }
-      }
-    }
-    if (skip.ok()) return skip;
-    RollBackOpenedSteps();
-    return skip;
-  }
-
- private:
-  // For a call that did not complete: a step it opened is closed again (its
-  // pages freed) if nothing was submitted for the sequence after it.
-  void RollBackOpenedSteps() {
-    for (const Item& item : items) {
-      if (!item.opened) continue;
-      Sequence& s = *item.seq;
-      std::vector<int32_t> freed;
-      {
-        absl::MutexLock lock(&s.mu);
-        if (s.released || !s.pending || s.step != item.step || s.ops_submitted != item.op ||
-            s.layers_verified != 0) {
-          continue;
-        }
-        freed = s.CloseStepUnrun();
-        engine_->pending_steps_.fetch_sub(1);
-      }
-      // At once: the pages were taken by this call and only it would have
-      // written them; no work queued before it owns them.
-      engine_->AllocatorOf(s).Free(freed);
-    }
-  }
-
-  void Finish() {
-    const absl::Status s = status();
-    if (!s.ok() && ran()) RollBackOpenedSteps();
-    for (const Item& item : items) {
-      Sequence& seq = *item.seq;
-      seq.CallEnded();
-      absl::MutexLock lock(&seq.mu);
-      if (seq.released || !seq.pending || seq.step != item.step) continue;
-      if (s.ok()) {
-        if (!seq.layer_verified[layer_]) {
-          seq.layer_verified[layer_] = true;
-          ++seq.layers_verified;
-        }
-        seq.Touch();
-      } else if (ran() && seq.layer_verified[layer_]) {
-        // The layer's draft rows may be half rewritten: verify it again.
-        seq.layer_verified[layer_] = false;
-        --seq.layers_verified;
-      }
-    }
-    int64_t drafts = 0;
-    for (const Item& item : items) drafts += item.n;
-    if (s.ok()) {
-      engine_->verify_items_.fetch_add(static_cast<int64_t>(items.size()));
-      engine_->drafts_verified_.fetch_add(drafts);
-    }
-    CopyOutAndRelease(s.ok());
-    engine_->admission_.Leave(bytes_);
-    VerifyTiming t;
-    t.items = static_cast<int>(items.size());
-    {
-      absl::MutexLock lock(&timing_mu_);
-      t.queue_seconds = std::max(0.0, absl::ToDoubleSeconds(last_taken_ - submitted_));
-      t.device_seconds = device_seconds_;
-    }
-    t.total_seconds = absl::ToDoubleSeconds(absl::Now() - submitted_);
-    if (timing_ != nullptr) *timing_ = t;
-    if (engine_->observer_ != nullptr && s.ok()) engine_->observer_->OnVerifyDone(t);
-    done_(s);
-    delete this;
-  }
-
-  const int layer_;
-  VerifyTiming* const timing_;
-  absl::AnyInvocable<void(absl::Status)> done_;
-  absl::Mutex timing_mu_;
-  absl::Time last_taken_ ABSL_GUARDED_BY(timing_mu_) = absl::InfinitePast();
-  double device_seconds_ ABSL_GUARDED_BY(timing_mu_) = 0;
 };
 
 // The engine as the step runner sees it (steps.h).
@@ -812,6 +811,23 @@ uint64_t EngineImpl::AddressOf(const PlacedTensor& p, int w,
     default:
       return reinterpret_cast<uint64_t>(p.host);
   }
+}
+
+void EngineImpl::EnqueueOp(int device, DeviceOp op) { workers_[device]->Enqueue(std::move(op)); }
+
+void EngineImpl::FreeStaging(const HostStaging::Block& staging) {
+  if (staging_ != nullptr) staging_->Free(staging);
+}
+
+void EngineImpl::StepClosedUnrun(const Sequence& seq, std::vector<int32_t> pages) {
+  pending_steps_.fetch_sub(1);
+  allocators_[seq.pool]->Free(pages);
+}
+
+void EngineImpl::VerifySucceeded(int items, int64_t drafts, const VerifyTiming& timing) {
+  verify_items_.fetch_add(items);
+  drafts_verified_.fetch_add(drafts);
+  if (observer_ != nullptr) observer_->OnVerifyDone(timing);
 }
 
 void EngineImpl::SubmitVerify(VerifyCall call, absl::AnyInvocable<void(absl::Status)> done) {

@@ -41,7 +41,30 @@
 
 namespace mlaverify::engine {
 
-class EngineImpl final : public Engine {
+// What a call in flight (the call types of engine.cc: OpCall, VerifyTask)
+// needs of the engine, and no more: where its device work goes, the device
+// address of a tensor it placed, and what it gives back or reports when it
+// ends. EngineImpl implements it; the call types see nothing else of it.
+class CallHost {
+ public:
+  virtual ~CallHost() = default;
+  // Device `device`'s address of a placed tensor (its staging block's copy,
+  // or the region's mapping on that device).
+  virtual uint64_t AddressOf(const PlacedTensor& tensor, int device,
+                             const HostStaging::Block& staging) const = 0;
+  virtual void EnqueueOp(int device, DeviceOp op) = 0;
+  // A finished call's staging block and admitted bytes, given back.
+  virtual void FreeStaging(const HostStaging::Block& staging) = 0;
+  virtual void LeaveAdmission(int64_t bytes) = 0;
+  // A verify step a call opened was closed unrun: its draft pages go back
+  // to the sequence's pool at once (only that call would have written them).
+  virtual void StepClosedUnrun(const Sequence& seq, std::vector<int32_t> pages) = 0;
+  // A Verify call that ran to OK: its items and drafts counted, its timing
+  // reported.
+  virtual void VerifySucceeded(int items, int64_t drafts, const VerifyTiming& timing) = 0;
+};
+
+class EngineImpl final : public Engine, private CallHost {
  public:
   ~EngineImpl() override;
 
@@ -81,17 +104,23 @@ class EngineImpl final : public Engine {
   const RegionRegistry& regions() const override { return regions_; }
 
   absl::Status ReadKv(uint64_t sequence_id, int64_t start, int64_t count, absl::Span<Bf16> kv,
-                      int replica = 0) override;
+                      int replica) override;
 
  private:
-  class Call;
-  class VerifyTask;
-  class OpCall;
   class Mapper;
   class StepHostImpl;
 
   explicit EngineImpl(const EngineConfig& config);
   friend class Engine;  // Create builds one
+
+  // CallHost.
+  uint64_t AddressOf(const PlacedTensor& p, int w, const HostStaging::Block& block) const override;
+  void EnqueueOp(int device, DeviceOp op) override;
+  void FreeStaging(const HostStaging::Block& staging) override;
+  void LeaveAdmission(int64_t bytes) override { admission_.Leave(bytes); }
+  void StepClosedUnrun(const Sequence& seq, std::vector<int32_t> pages) override;
+  void VerifySucceeded(int items, int64_t drafts, const VerifyTiming& timing) override;
+
   // The bodies of the Submit* calls: OK once the call is queued (`done` moved
   // into it), else the rejection, which the caller reports after every lock
   // taken here is released.
@@ -128,8 +157,6 @@ class EngineImpl final : public Engine {
   void FreeAfterBarrier(const std::shared_ptr<Sequence>& seq, std::vector<int32_t> pages,
                         absl::AnyInvocable<void()> then);
   void OnDeviceFault(int device, const absl::Status& status);
-  // `p` as worker `w`'s device addresses it (staged tensors: in `block`).
-  uint64_t AddressOf(const PlacedTensor& p, int w, const HostStaging::Block& block) const;
   // Kicks every worker (after a submission released its locks).
   void KickAll(const std::vector<int>& devices);
 
