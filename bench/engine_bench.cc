@@ -259,6 +259,7 @@ struct Flags {
   uint64_t pool_bytes = uint64_t{80} << 30;
   int copy_threads = 4;
   bool completion_thread = false;
+  bool poll_launches = true;
   bool graphs = true;
   int batches_in_flight = 2;
   std::string inputs = "host";
@@ -308,6 +309,10 @@ int Run(int argc, char** argv) {
   app.add_option("--completion-thread", f.completion_thread,
                  "complete finished batches on a completion thread (false: on the device thread)")
       ->capture_default_str();
+  app.add_option("--poll-launches", f.poll_launches,
+                 "the device thread polls launches and launches queued work (false: submitters "
+                 "launch into free slots, the device thread sleeps in the wait)")
+      ->capture_default_str();
   app.add_option("--cuda-graphs", f.graphs)->capture_default_str();
   app.add_option("--batches-in-flight", f.batches_in_flight)->capture_default_str();
   app.add_option("--inputs", f.inputs,
@@ -335,6 +340,7 @@ int Run(int argc, char** argv) {
   config.use_graphs = f.graphs;
   config.copy_threads = f.copy_threads;
   config.completion_thread = f.completion_thread;
+  config.poll_launches = f.poll_launches;
   config.batches_in_flight = f.batches_in_flight;
   config.max_live_sequences = 1 << 20;
   config.shared_memory.enabled = true;  // --inputs device registers the threads' buffers
@@ -566,6 +572,7 @@ int Run(int argc, char** argv) {
                             {"inputs", f.inputs},
                             {"copy_threads", f.copy_threads},
                             {"completion_thread", f.completion_thread},
+                            {"poll_launches", f.poll_launches},
                             {"batches_in_flight", f.batches_in_flight},
                             {"items_per_s", items_per_s},
                             {"p50_us", pct(0.5)},

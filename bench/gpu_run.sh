@@ -583,7 +583,8 @@ fi
 if want completion && [ -x "$bundle/bin/mlaverify-engine-bench" ]; then
   # Who completes a finished batch, side by side in one run: the device
   # thread itself (--completion-thread false) or the completion thread it
-  # hands batches to. The engine in process at L=1K, one and 64 threads,
+  # hands batches to; each also with the device thread sleeping instead of
+  # polling (--poll-launches false). The engine in process at L=1K, one and 64 threads,
   # host and device inputs on the GPU; then the same with the fake backend
   # (a device that takes 40 us + 1 us per request and computes nothing: the
   # host side alone, on this machine's cores).
@@ -595,6 +596,14 @@ if want completion && [ -x "$bundle/bin/mlaverify-engine-bench" ]; then
         --gpu-name "$gpu" --json "$out/completion.json" 2>&1 | tee -a "$out/completion.log"
       summary+=("completion gpu ct=$ct inputs=$inputs rc=${PIPESTATUS[0]}")
     done
+    # The device thread sleeping in a blocking-sync wait instead of polling
+    # (--poll-launches false; bench/NOTES.md, "A device thread that sleeps: slower on
+    # the fake device").
+    timeout 100 "$bundle/bin/mlaverify-engine-bench" --devices 0 --prefix-len 1024 --threads 1,64 \
+      --duration-s 4 --warmup-s 1 --pool-bytes 40GiB --inputs device --completion-thread $ct \
+      --poll-launches false --gpu-name "$gpu" --json "$out/completion.json" 2>&1 |
+      tee -a "$out/completion.log"
+    summary+=("completion gpu ct=$ct no polling rc=${PIPESTATUS[0]}")
     timeout 100 "$bundle/bin/mlaverify-engine-bench" --backend fake --devices 0 --prefix-len 1024 \
       --threads 1,16,64 --duration-s 4 --warmup-s 1 --pool-bytes 6GiB --completion-thread $ct \
       --json "$out/completion-fake.json" 2>&1 | tee -a "$out/completion.log"

@@ -114,6 +114,7 @@ struct Flags {
   int64_t max_live_sequences = 65536;
   int copy_threads = 4;
   bool completion_thread = false;
+  bool poll_launches = true;
   int batches_in_flight = 2;
   uint64_t pinned_staging_bytes = uint64_t{512} << 20;
   double idle_timeout_s = 600;
@@ -329,7 +330,7 @@ const std::vector<std::pair<std::string, std::vector<std::string>>>& FlagGroups(
       {"Devices and execution",
        {"--backend", "--devices", "--parallel-mode", "--cuda-graphs", "--draft-buckets",
         "--batch-buckets", "--max-queue-delay-us", "--copy-threads", "--completion-thread",
-        "--batches-in-flight", "--pinned-staging-bytes", "--cpu-threads",
+        "--poll-launches", "--batches-in-flight", "--pinned-staging-bytes", "--cpu-threads",
         "--testing-fault-after-launches"}},
       {"Limits",
        {"--max-queued-calls", "--max-queued-bytes", "--max-live-sequences", "--idle-timeout-s",
@@ -476,6 +477,7 @@ std::map<std::string, std::string> EngineSettingFlags() {
           {"max_live_sequences", "--max-live-sequences"},
           {"copy_threads", "--copy-threads"},
           {"completion_thread", "--completion-thread"},
+          {"poll_launches", "--poll-launches"},
           {"batches_in_flight", "--batches-in-flight"},
           {"pinned_staging_bytes", "--pinned-staging-bytes"},
           {"steps.lanes_per_device", "--step-lanes"},
@@ -561,6 +563,10 @@ int Run(int argc, char** argv) {
   AddSwitch(&app, "--completion-thread", &f.completion_thread,
             "a thread per device completes finished batches, handed over in bulk, while the "
             "device thread launches the next (false: the device thread completes them itself)");
+  AddSwitch(&app, "--poll-launches", &f.poll_launches,
+            "the device thread polls the running launch and launches queued work as a slot "
+            "frees (false: submitters launch into free slots, the device thread sleeps until "
+            "the oldest launch ends)");
   app.add_option("--batches-in-flight", f.batches_in_flight,
                  "launches a device has in flight at most (the next batch is launched while "
                  "one runs)")
@@ -751,6 +757,7 @@ int Run(int argc, char** argv) {
   config.max_live_sequences = f.max_live_sequences;
   config.copy_threads = f.copy_threads;
   config.completion_thread = f.completion_thread;
+  config.poll_launches = f.poll_launches;
   config.batches_in_flight = f.batches_in_flight;
   config.pinned_staging_bytes = static_cast<int64_t>(f.pinned_staging_bytes);
   config.shared_memory.enabled = f.allow_client_shm;

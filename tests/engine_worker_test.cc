@@ -607,6 +607,80 @@ TEST(EngineWorkerTest, TheSubmittingThreadLaunchesOnAnIdleDevice) {
   EXPECT_EQ(records[0]->launch_requests, (std::vector<int>{1, 3}));
 }
 
+// Without polling (EngineConfig::poll_launches false) a submitter launches
+// whenever a slot is free, also while another launch runs; with every slot
+// taken the call queues and the device thread, woken by the oldest launch's
+// end, launches it.
+TEST(EngineWorkerTest, WithoutPollingSubmittersLaunchIntoFreeSlots) {
+  std::vector<std::unique_ptr<FakeDeviceRecord>> records;
+  EngineConfig config = BaseConfig();
+  config.batches_in_flight = 2;
+  config.poll_launches = false;
+  // A device that only takes time (the asynchronous fake runs its work at
+  // Wait under its own lock, so a launch would wait for the one in flight).
+  FakeDeviceOptions timed;
+  timed.timed_only = true;
+  timed.launch_time = absl::Milliseconds(40);
+  auto engine = MakeEngine(config, Fakes(1, timed, &records));
+  ASSERT_NE(engine, nullptr);
+  std::mt19937_64 rng(47);
+  std::vector<uint64_t> ids;
+  for (int s = 0; s < 3; ++s) ids.push_back(NewSequence(*engine, 6 + s, rng));
+  {
+    absl::MutexLock lock(&records[0]->mu);
+    records[0]->launch_threads.clear();
+    records[0]->launch_requests.clear();
+  }
+  std::vector<std::unique_ptr<Work>> work;
+  std::vector<Pending> pending(3);
+  for (int s = 0; s < 3; ++s) {
+    work.push_back(std::make_unique<Work>(ids[s], 2, kHeads, rng));
+    SubmitOne(*engine, 0, *work[s], &pending[s]);
+  }
+  for (auto& p : pending) {
+    p.done.WaitForNotification();
+    EXPECT_TRUE(p.status.ok()) << p.status;
+  }
+  absl::MutexLock lock(&records[0]->mu);
+  ASSERT_EQ(records[0]->launch_threads.size(), 3u);
+  EXPECT_EQ(records[0]->launch_threads[0], std::this_thread::get_id());
+  EXPECT_EQ(records[0]->launch_threads[1], std::this_thread::get_id())
+      << "the second slot was free: its submitter launched it while the first ran";
+  EXPECT_NE(records[0]->launch_threads[2], std::this_thread::get_id())
+      << "both slots taken: the third queued for the device thread";
+}
+
+// Many submitters at once without polling, with and without the completion
+// thread: every Verify and Commit completes OK.
+TEST(EngineWorkerTest, WithoutPollingManySubmittersAllComplete) {
+  for (const bool completion_thread : {false, true}) {
+    std::vector<std::unique_ptr<FakeDeviceRecord>> records;
+    EngineConfig config = BaseConfig();
+    config.batches_in_flight = 2;
+    config.poll_launches = false;
+    config.completion_thread = completion_thread;
+    auto engine = GpuLikeEngine(config, absl::Microseconds(200), &records);
+    ASSERT_NE(engine, nullptr);
+    constexpr int kThreads = 8, kCalls = 40;
+    std::vector<std::thread> threads;
+    std::atomic<int> failures{0};
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        std::mt19937_64 rng(100 + t);
+        const uint64_t id = NewSequence(*engine, 5 + t, rng);
+        for (int c = 0; c < kCalls; ++c) {
+          Work w(id, 1 + c % 3, kHeads, rng);
+          const absl::Status verified = engine->Verify(0, 0.0f, absl::MakeSpan(&w.item, 1));
+          const absl::StatusOr<CommitResult> committed = engine->Commit(id, {});
+          if (!verified.ok() || !committed.ok()) failures.fetch_add(1);
+        }
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    EXPECT_EQ(failures.load(), 0) << "completion thread " << completion_thread;
+  }
+}
+
 // Completing a finished batch (copying outputs out, running the callers'
 // callbacks) happens on the completion thread: while one call's completion
 // is slow, the device thread keeps launching and finishing what queues, and

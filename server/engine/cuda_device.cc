@@ -291,7 +291,12 @@ class CudaDevice final : public Device {
     stop_.resize(g.slots);
     for (int k = 0; k < g.slots; ++k) {
       RETURN_IF_ERROR(Check(cudaEventCreate(&start_[k]), "event"));
-      RETURN_IF_ERROR(Check(cudaEventCreate(&stop_[k]), "event"));
+      // Wait synchronizes on the stop event: blocking, its thread sleeps
+      // until the launch ends instead of spinning (DeviceGeometry).
+      RETURN_IF_ERROR(
+          Check(cudaEventCreateWithFlags(
+                    &stop_[k], g.blocking_wait ? cudaEventBlockingSync : cudaEventDefault),
+                "event"));
     }
     main_.Describe(Address(pool_), &buffers_);
     RETURN_IF_ERROR(InitLanes());

@@ -128,6 +128,11 @@ struct DeviceGeometry {
   int max_batch = 0;                  // the largest batch bucket
   int max_draft_len = 0;
   int slots = 2;  // launches in flight at most
+  // Wait(slot) sleeps in the OS until the launch ends (CUDA: its events are
+  // created with cudaEventBlockingSync) instead of spinning on it: the
+  // device thread then costs no core while launches run
+  // (EngineConfig::poll_launches false).
+  bool blocking_wait = false;
   int64_t table_entries = 0;
   SlotLayout slot;
   LaneGeometry lanes;

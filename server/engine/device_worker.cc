@@ -120,16 +120,19 @@ void DeviceWorker::Enqueue(DeviceOp op) {
 
 void DeviceWorker::Kick() {
   // The launch thread waits on a condition of mu_'s state: it re-evaluates
-  // on its own. On a busy device the device thread, polling, launches. The
-  // fence orders this thread's enqueue before its look at the launches in
-  // flight, as the device thread orders the other way round (so one of the
-  // two always sees the other's work).
+  // on its own. Polling (options_.poll_launches), on a busy device the
+  // device thread launches; otherwise the submitter launches while a slot is
+  // free, and with every slot taken the device thread launches once the
+  // oldest ends. The fence orders this thread's enqueue before its look at
+  // the launches in flight, as the device thread orders the other way round
+  // (so one of the two always sees the other's work).
   if (launch_thread_launches_) return;
   // Nothing queued (this worker got none of the call's work, or a launcher
   // already took it): nothing to launch, and no fence to pay.
   if (queue_size_.load(std::memory_order_acquire) == 0) return;
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (in_flight_size_.load(std::memory_order_seq_cst) > 0) return;
+  const int busy_at = options_.poll_launches ? 1 : geometry_.slots;
+  if (in_flight_size_.load(std::memory_order_seq_cst) >= busy_at) return;
   LaunchWhilePossible();
 }
 
@@ -558,8 +561,9 @@ void DeviceWorker::DeviceLoop() {
       slot = in_flight_.front().slot;
     }
     // While the oldest launch runs, what queues behind it goes out as soon
-    // as a slot is free.
-    if (launches) {
+    // as a slot is free (polling); otherwise its submitters launched it, or
+    // it waits for the slot this wait frees.
+    if (launches && options_.poll_launches) {
       while (!device_->Finished(slot)) {
         if (queue_size_.load(std::memory_order_acquire) > 0 &&
             in_flight_size_.load(std::memory_order_acquire) < geometry_.slots) {

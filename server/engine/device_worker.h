@@ -144,6 +144,8 @@ struct WorkerOptions {
   // False: the device thread completes every launch itself (no completion
   // thread).
   bool completion_thread = false;
+  // EngineConfig::poll_launches.
+  bool poll_launches = true;
 };
 
 class DeviceWorker {

@@ -527,6 +527,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   geometry.max_batch = config.max_batch();
   geometry.max_draft_len = config.max_draft_len();
   geometry.slots = config.batches_in_flight;
+  geometry.blocking_wait = !config.poll_launches;
   geometry.table_entries = PageTableArena::EntriesFor(config.num_pages(), config.max_live_sequences,
                                                       config.max_pages_per_sequence());
   geometry.slot = SlotLayout::For(config.max_batch(), config.max_draft_len(), config.page_size,
@@ -544,6 +545,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   options.max_queue_delay = config.max_queue_delay;
   options.copy_threads = config.copy_threads;
   options.completion_thread = config.completion_thread;
+  options.poll_launches = config.poll_launches;
   EngineImpl* raw = e.get();
   // Names unique in this engine: a device listed twice is "cuda:0" and "cuda:0#2".
   absl::flat_hash_map<std::string, int> seen;

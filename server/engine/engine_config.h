@@ -106,6 +106,13 @@ struct EngineConfig {
   // items/s at 2-8 threads (the spinning device thread and the completion
   // thread share too few cores; bench/NOTES.md "Completion in bulk").
   bool completion_thread = false;
+  // True: while launches run, the device thread polls the oldest one and
+  // launches what queues behind it the moment a slot frees (a submitter
+  // launches only onto an idle device). False: a submitter launches
+  // whenever a slot is free, and the device thread sleeps in the device's
+  // wait (CUDA: blocking-sync events) until the oldest launch ends. On by
+  // default until the GPU A/B says otherwise (bench/gpu_run.sh completion).
+  bool poll_launches = true;
   // Launches (verify batches and pool operations) a device has in flight at
   // most: one slot of page-locked host memory each. Two let the next batch
   // be written and launched while one runs.
