@@ -450,34 +450,33 @@ int Main(int argc, char** argv) {
       ->capture_default_str();
   load_cmd->add_option("--warmup-s", load.warmup_s, "seconds excluded from the statistics")
       ->capture_default_str();
-  // "N" or "LOW:HIGH": kept as text, parsed once the command line is read.
-  const auto range_check = [](std::string flag) {
-    return [flag](const std::string& text) {
-      int64_t low = 0, high = 0;
-      // (CLI11 puts the flag's name before the message.)
-      return ParseValueOrRange(flag, text, &low, &high).ok()
-                 ? std::string()
-                 : absl::StrCat(text, ": need a count N or a range LOW:HIGH, 0 <= LOW <= HIGH");
-    };
+  // "N" or "LOW:HIGH": kept as text, checked as it is read and parsed into
+  // the options after the command line (below).
+  const auto add_range_option = [load_cmd](const std::string& flag, std::string* text,
+                                           const std::string& help) {
+    load_cmd->add_option(flag, *text, help)
+        ->check([flag](const std::string& value) {
+          int64_t low = 0, high = 0;
+          // (CLI11 puts the flag's name before the message.)
+          return ParseValueOrRange(flag, value, &low, &high).ok()
+                     ? std::string()
+                     : absl::StrCat(value,
+                                    ": need a count N or a range LOW:HIGH, 0 <= LOW <= HIGH");
+        })
+        ->capture_default_str();
   };
   std::string load_prompt_len = absl::StrCat(load.prompt_len);
-  load_cmd
-      ->add_option("--prompt-len", load_prompt_len,
+  add_range_option("--prompt-len", &load_prompt_len,
                    "prompt tokens per sequence, or LOW:HIGH for a length drawn uniformly per "
-                   "sequence")
-      ->check(range_check("--prompt-len"))
-      ->capture_default_str();
+                   "sequence");
   load_cmd
       ->add_option("--items", load.items,
                    "sequences per Verify call (each worker drives this many; one target)")
       ->capture_default_str();
   std::string load_drafts = absl::StrCat(load.drafts);
-  load_cmd
-      ->add_option("--drafts", load_drafts,
+  add_range_option("--drafts", &load_drafts,
                    "drafts per item and step (capped by max_draft_len), or LOW:HIGH for a tree "
-                   "size drawn uniformly per item and step")
-      ->check(range_check("--drafts"))
-      ->capture_default_str();
+                   "size drawn uniformly per item and step");
   load_cmd
       ->add_option("--max-seq-len", load.max_sequence_len,
                    "replace a sequence once it is this long (0: prompt-len + 512)")

@@ -134,6 +134,31 @@ std::unique_ptr<Engine> GpuLikeEngine(const EngineConfig& config, absl::Duration
   return MakeEngine(config, Fakes(1, gpu_like, records));
 }
 
+// Makes `sequences` sequences (prompts of 6, 7, ... tokens), forgets the
+// launches that took, then submits one Verify of 2 drafts per sequence at
+// once from this thread and waits until all are done OK.
+void SubmitOnePerSequenceAndWait(Engine& engine, FakeDeviceRecord& record, int sequences,
+                                 uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<uint64_t> ids;
+  for (int s = 0; s < sequences; ++s) ids.push_back(NewSequence(engine, 6 + s, rng));
+  {
+    absl::MutexLock lock(&record.mu);
+    record.launch_threads.clear();
+    record.launch_requests.clear();
+  }
+  std::vector<std::unique_ptr<Work>> work;
+  std::vector<Pending> pending(sequences);
+  for (int s = 0; s < sequences; ++s) {
+    work.push_back(std::make_unique<Work>(ids[s], 2, kHeads, rng));
+    SubmitOne(engine, 0, *work[s], &pending[s]);
+  }
+  for (auto& p : pending) {
+    p.done.WaitForNotification();
+    EXPECT_TRUE(p.status.ok()) << p.status;
+  }
+}
+
 TEST(EngineWorkerTest, CapturesEveryBucketOnceAtStart) {
   std::vector<std::unique_ptr<FakeDeviceRecord>> records;
   EngineConfig config = BaseConfig();
@@ -580,24 +605,7 @@ TEST(EngineWorkerTest, TheSubmittingThreadLaunchesOnAnIdleDevice) {
   config.batches_in_flight = 1;
   auto engine = GpuLikeEngine(config, absl::Milliseconds(30), &records);
   ASSERT_NE(engine, nullptr);
-  std::mt19937_64 rng(41);
-  std::vector<uint64_t> ids;
-  for (int s = 0; s < 4; ++s) ids.push_back(NewSequence(*engine, 6 + s, rng));
-  {
-    absl::MutexLock lock(&records[0]->mu);
-    records[0]->launch_threads.clear();
-    records[0]->launch_requests.clear();
-  }
-  std::vector<std::unique_ptr<Work>> work;
-  std::vector<Pending> pending(4);
-  for (int s = 0; s < 4; ++s) {
-    work.push_back(std::make_unique<Work>(ids[s], 2, kHeads, rng));
-    SubmitOne(*engine, 0, *work[s], &pending[s]);
-  }
-  for (auto& p : pending) {
-    p.done.WaitForNotification();
-    EXPECT_TRUE(p.status.ok()) << p.status;
-  }
+  SubmitOnePerSequenceAndWait(*engine, *records[0], 4, 41);
   absl::MutexLock lock(&records[0]->mu);
   ASSERT_EQ(records[0]->launch_threads.size(), 2u);
   EXPECT_EQ(records[0]->launch_threads[0], std::this_thread::get_id())
@@ -623,24 +631,7 @@ TEST(EngineWorkerTest, WithoutPollingSubmittersLaunchIntoFreeSlots) {
   timed.launch_time = absl::Milliseconds(40);
   auto engine = MakeEngine(config, Fakes(1, timed, &records));
   ASSERT_NE(engine, nullptr);
-  std::mt19937_64 rng(47);
-  std::vector<uint64_t> ids;
-  for (int s = 0; s < 3; ++s) ids.push_back(NewSequence(*engine, 6 + s, rng));
-  {
-    absl::MutexLock lock(&records[0]->mu);
-    records[0]->launch_threads.clear();
-    records[0]->launch_requests.clear();
-  }
-  std::vector<std::unique_ptr<Work>> work;
-  std::vector<Pending> pending(3);
-  for (int s = 0; s < 3; ++s) {
-    work.push_back(std::make_unique<Work>(ids[s], 2, kHeads, rng));
-    SubmitOne(*engine, 0, *work[s], &pending[s]);
-  }
-  for (auto& p : pending) {
-    p.done.WaitForNotification();
-    EXPECT_TRUE(p.status.ok()) << p.status;
-  }
+  SubmitOnePerSequenceAndWait(*engine, *records[0], 3, 47);
   absl::MutexLock lock(&records[0]->mu);
   ASSERT_EQ(records[0]->launch_threads.size(), 3u);
   EXPECT_EQ(records[0]->launch_threads[0], std::this_thread::get_id());
