@@ -39,6 +39,8 @@ import tempfile
 import time
 import urllib.request
 
+from test_support import dashboard_expr
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 DEPLOY = os.path.join(ROOT, "deploy")
 failures = []
@@ -287,9 +289,7 @@ def main():
     exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
     rules = {"groups": [{"name": "dashboard", "rules": [
         {"record": f"dashboard:query{i}",
-         "expr": e.replace("$namespace", ".*").replace("$pod", ".*")
-                  .replace("$__rate_interval", "1m")
-                  .replace("$kv_bytes_per_token", "70272")}
+         "expr": dashboard_expr(e)}
         for i, e in enumerate(exprs)]}]}
     with tempfile.NamedTemporaryFile("w", suffix=".yml", delete=False) as f:
         json.dump(rules, f)

@@ -26,13 +26,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.parse
 import urllib.request
+
+from test_support import dashboard_expr, free_port
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 PROM_DIR = os.path.join(ROOT, "deploy", "prometheus")
@@ -48,12 +49,6 @@ def say(message):
     if log_file:
         log_file.write(line + "\n")
         log_file.flush()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get_json(url):
@@ -218,10 +213,7 @@ def main():
         answered, with_data = 0, 0
         for panel in board["panels"]:
             for target in panel.get("targets", []):
-                # Grafana's $__rate_interval: at least four scrape intervals.
-                expr = (target["expr"].replace("$namespace", ".*").replace("$pod", ".*")
-                        .replace("$kv_bytes_per_token", "70272")
-                        .replace("$__rate_interval", "1m"))
+                expr = dashboard_expr(target["expr"])
                 r = query(prom, expr)
                 if r.get("status") != "success":
                     say(f"FAIL: dashboard '{panel['title']}': {r}")

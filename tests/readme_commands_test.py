@@ -16,17 +16,12 @@ flag that is gone) fails here.
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from test_support import free_port
 
 
 def shell_blocks(text):
