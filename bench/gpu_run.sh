@@ -597,8 +597,7 @@ if want completion && [ -x "$bundle/bin/mlaverify-engine-bench" ]; then
       summary+=("completion gpu ct=$ct inputs=$inputs rc=${PIPESTATUS[0]}")
     done
     # The device thread sleeping in a blocking-sync wait instead of polling
-    # (--poll-launches false; bench/NOTES.md, "A device thread that sleeps: slower on
-    # the fake device").
+    # (--poll-launches false; bench/NOTES.md, "A device thread that sleeps").
     timeout 100 "$bundle/bin/mlaverify-engine-bench" --devices 0 --prefix-len 1024 --threads 1,64 \
       --duration-s 4 --warmup-s 1 --pool-bytes 40GiB --inputs device --completion-thread $ct \
       --poll-launches false --gpu-name "$gpu" --json "$out/completion.json" 2>&1 |

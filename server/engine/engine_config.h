@@ -102,16 +102,17 @@ struct EngineConfig {
   int copy_threads = 4;
   // True: finished launches are completed by a completion thread per device,
   // handed over in bulk, so that the device thread goes back to launching at
-  // once. Off by default: on a 2-core host it cost 5-30 % of the engine's
-  // items/s at 2-8 threads (the spinning device thread and the completion
-  // thread share too few cores; bench/NOTES.md "Completion in bulk").
+  // once. Off by default: it cost 5-30 % of the engine's items/s at 2-8
+  // threads on a 2-core host and 14-36 % at 64 threads on an H100's
+  // 16-core host (bench/NOTES.md, "Completion in bulk").
   bool completion_thread = false;
   // True: while launches run, the device thread polls the oldest one and
   // launches what queues behind it the moment a slot frees (a submitter
   // launches only onto an idle device). False: a submitter launches
   // whenever a slot is free, and the device thread sleeps in the device's
   // wait (CUDA: blocking-sync events) until the oldest launch ends. On by
-  // default until the GPU A/B says otherwise (bench/gpu_run.sh completion).
+  // default: sleeping cost 34 us per launch at one call in flight on an H100
+  // and gained nothing at 64 (bench/NOTES.md, "A device thread that sleeps").
   bool poll_launches = true;
   // Launches (verify batches and pool operations) a device has in flight at
   // most: one slot of page-locked host memory each. Two let the next batch
