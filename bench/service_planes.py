@@ -34,12 +34,24 @@ def kernel_times(path):
             bench.get("gpu"))
 
 
+def smi_gpu_name(path):
+    """The card's name from the run's nvidia-smi CSV (gpu_run.sh writes it
+    first), for runs without kernel timings; None without the file."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        lines = f.read().splitlines()
+    return lines[1].split(",")[0].strip() if len(lines) > 1 else None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", required=True, help="the run's output folder")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     kernels, gpu = kernel_times(os.path.join(args.dir, "planes-kernel.json"))
+    if gpu is None:
+        gpu = smi_gpu_name(os.path.join(args.dir, "nvidia_smi.csv"))
     rows, appends = [], []
     for path in sorted(glob.glob(os.path.join(args.dir, "planes-*.json"))):
         m = NAME.search(os.path.basename(path))
