@@ -116,6 +116,16 @@ def main():
     for section in sections - {r["alert"] for r in alerts}:
         fail(f"docs/runbook.md: section {section!r} is no alert of rules.yml")
     print(f"ok: {len(alerts)} alerts, each with a description and its runbook section")
+    # Recorded series the dashboard reads (level:metric:operation) are
+    # recorded by rules.yml, and every recording rule is read by a panel.
+    recorded = {r["record"] for g in rules["groups"] for r in g["rules"] if "record" in r}
+    board_text = open(os.path.join(DEPLOY, "grafana", "mlaverify.json")).read()
+    read = set(re.findall(r"\b[a-z_]+:mlaverify_[a-z0-9_]+:[a-z0-9_]+", board_text))
+    for name in sorted(read - recorded):
+        fail(f"the dashboard reads {name}, which rules.yml does not record")
+    for name in sorted(recorded - read):
+        fail(f"rules.yml records {name}, which no dashboard panel reads")
+    print(f"ok: {len(recorded)} recording rules, each read by the dashboard")
 
     # ---- the server's flags -------------------------------------------------
     help_text = run(server, "--help").stdout
