@@ -7,6 +7,8 @@
 #include <utility>
 
 #include "absl/functional/function_ref.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/geometry.h"
 #include "common/small_file.h"
@@ -250,14 +252,30 @@ std::vector<ConnectionStats> VerifyClient::GetConnectionStats() const {
   return stats;
 }
 
-void VerifyClient::PrepareContext(grpc::ClientContext* context) const {
-  if (options_.call_timeout != absl::InfiniteDuration()) {
-    context->set_deadline(DeadlineAfter(options_.call_timeout));
-  }
+void VerifyClient::PrepareContext(grpc::ClientContext* context, const CallOptions* call) const {
+  const absl::Duration timeout = call != nullptr && call->timeout != absl::InfiniteDuration()
+                                     ? call->timeout
+                                     : options_.call_timeout;
+  if (timeout != absl::InfiniteDuration()) context->set_deadline(DeadlineAfter(timeout));
   context->set_wait_for_ready(options_.wait_for_ready);
-  if (!options_.auth_token.empty()) {
+  AddMetadata(context, call);
+}
+
+void VerifyClient::AddMetadata(grpc::ClientContext* context, const CallOptions* call) const {
+  const auto given = [call](absl::string_view key) {
+    if (call == nullptr) return false;
+    for (const auto& [k, v] : call->metadata) {
+      if (absl::EqualsIgnoreCase(k, key)) return true;
+    }
+    return false;
+  };
+  if (!options_.auth_token.empty() && !given("authorization")) {
     context->AddMetadata("authorization", "Bearer " + options_.auth_token);
   }
+  if (call == nullptr) return;
+  // gRPC's metadata keys are lower case (a capital letter fails the call).
+  for (const auto& [key, value] : call->metadata)
+    context->AddMetadata(absl::AsciiStrToLower(key), value);
 }
 
 absl::StatusOr<v1::ServerInfo> VerifyClient::GetServerInfo() {
@@ -488,12 +506,13 @@ absl::StatusOr<std::vector<v1::CudaSharedMemoryRegion>> VerifyClient::CudaShared
 }
 
 absl::StatusOr<std::vector<VerifyItemResult>> VerifyClient::Verify(
-    int layer, absl::Span<const VerifyItemInput> items, float softmax_scale) {
+    int layer, absl::Span<const VerifyItemInput> items, float softmax_scale,
+    const CallOptions& call) {
   ASSIGN_OR_RETURN(v1::VerifyRequest request,
                    BuildVerifyRequest(layer, items, softmax_scale, /*request_id=*/0));
   ASSIGN_OR_RETURN(v1::VerifyResponse response,
                    Unary(SequenceConnection(items.empty() ? 0 : items[0].sequence_id),
-                         &v1::VerifyService::Stub::Verify, request));
+                         &v1::VerifyService::Stub::Verify, request, &call));
   return ParseVerifyResponse(items, response);
 }
 
@@ -541,15 +560,13 @@ absl::StatusOr<int64_t> VerifyClient::ReleaseSequence(uint64_t sequence_id) {
 }
 
 absl::StatusOr<std::unique_ptr<VerifyStreamSession>> VerifyClient::OpenVerifyStream(
-    absl::Duration lifetime) {
+    absl::Duration lifetime, const CallOptions& call) {
   std::unique_ptr<VerifyStreamSession> session(new VerifyStreamSession());
   if (lifetime != absl::InfiniteDuration()) {
     session->context_.set_deadline(DeadlineAfter(lifetime));
   }
   session->context_.set_wait_for_ready(options_.wait_for_ready);
-  if (!options_.auth_token.empty()) {
-    session->context_.AddMetadata("authorization", "Bearer " + options_.auth_token);
-  }
+  AddMetadata(&session->context_, &call);
   const size_t index = NextConnectionIndex();
   Connection& connection = *connections_[index];
   connection.streams_opened.fetch_add(1, std::memory_order_relaxed);

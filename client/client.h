@@ -44,6 +44,15 @@ namespace mlaverify::client {
 // counters (client.cc).
 struct Connection;
 
+// What one call may set beyond the client's options: its own deadline
+// (instead of ClientOptions::call_timeout) and metadata sent with it. A key
+// given here replaces the client's pairs of that key (so a per-call
+// "authorization" is sent instead of the client's token, never beside it).
+struct CallOptions {
+  absl::Duration timeout = absl::InfiniteDuration();  // infinite: the client's call_timeout
+  std::vector<std::pair<std::string, std::string>> metadata;
+};
+
 struct ClientOptions {
   // TLS is used when `use_tls` is set or any of the files below is given;
   // otherwise the channel is plaintext (loopback, or inside a mesh that
@@ -264,9 +273,11 @@ class VerifyClient {
 
   // Verify attention of one layer for one or more sequences (one item each).
   // softmax_scale <= 0 uses the server's default. Results come in item order.
+  // `call`: this call's own deadline and metadata.
   absl::StatusOr<std::vector<VerifyItemResult>> Verify(int layer,
                                                        absl::Span<const VerifyItemInput> items,
-                                                       float softmax_scale = 0.0f);
+                                                       float softmax_scale = 0.0f,
+                                                       const CallOptions& call = {});
 
   // Ends the pending step with the accepted root-to-node path (may be empty).
   absl::StatusOr<CommitResult> Commit(uint64_t sequence_id, absl::Span<const int32_t> accepted);
@@ -303,9 +314,11 @@ class VerifyClient {
 
   // Opens a VerifyStream on the next connection in turn. `lifetime` bounds
   // the whole stream (not each call): a stream that outlives it ends with
-  // DEADLINE_EXCEEDED. The session must not outlive this client.
+  // DEADLINE_EXCEEDED. `call`'s metadata goes with the stream's opening (its
+  // timeout is not used: `lifetime` is the stream's). The session must not
+  // outlive this client.
   absl::StatusOr<std::unique_ptr<VerifyStreamSession>> OpenVerifyStream(
-      absl::Duration lifetime = absl::InfiniteDuration());
+      absl::Duration lifetime = absl::InfiniteDuration(), const CallOptions& call = {});
 
  private:
   VerifyClient(std::string target, ClientOptions options,
@@ -319,8 +332,12 @@ class VerifyClient {
     return *connections_[ConnectionOf(sequence_id)];
   }
 
-  // Applies the call deadline and wait-for-ready to a fresh context.
-  void PrepareContext(grpc::ClientContext* context) const;
+  // Applies the call deadline (`call`'s, else the client's), wait-for-ready
+  // and the metadata (`call`'s keys replacing the client's) to a fresh
+  // context.
+  void PrepareContext(grpc::ClientContext* context, const CallOptions* call = nullptr) const;
+  // The client's and `call`'s metadata, merged as CallOptions says.
+  void AddMetadata(grpc::ClientContext* context, const CallOptions* call) const;
 
   // One unary call of the stub with a prepared context.
   template <typename Request, typename Response>
@@ -328,9 +345,9 @@ class VerifyClient {
                                  grpc::Status (v1::VerifyService::Stub::*rpc)(grpc::ClientContext*,
                                                                               const Request&,
                                                                               Response*),
-                                 const Request& request) {
+                                 const Request& request, const CallOptions* call = nullptr) {
     grpc::ClientContext context;
-    PrepareContext(&context);
+    PrepareContext(&context, call);
     Response response;
     const grpc::Status status = (StubOf(connection)->*rpc)(&context, request, &response);
     CountCall(connection, status.ok());

@@ -99,7 +99,8 @@ done
 quiet "$python" -m pip wheel --no-build-isolation --no-index --no-deps --no-cache-dir \
   -w "$tmp/sdist-wheel" "$unpacked"
 wheel=$(only "$tmp"/sdist-wheel/mlaverify-"$version"-py3-none-any.whl)
-if wheel_files "$wheel" | grep -q '^mlaverify/lib/'; then
+files=$(wheel_files "$wheel")  # (read whole: see the native wheel's check below)
+if grep -q '^mlaverify/lib/' <<< "$files"; then
   echo "FAIL: a wheel built without MLAVERIFY_NATIVE_LIB_PATH carries a native library" >&2
   exit 1
 fi
@@ -123,7 +124,10 @@ case $wheel in
   *-py3-none-linux_*.whl) ;;
   *) echo "FAIL: $wheel: expected a py3-none-linux_<arch> tag" >&2; exit 1 ;;
 esac
-if ! wheel_files "$wheel" | grep -qx 'mlaverify/lib/libmlaverify_native.so'; then
+# The list read whole first: `wheel_files | grep -q` under pipefail fails at
+# random when grep exits on its match while Python is still writing (EPIPE).
+files=$(wheel_files "$wheel")
+if ! grep -qx 'mlaverify/lib/libmlaverify_native.so' <<< "$files"; then
   echo "FAIL: $wheel has no mlaverify/lib/libmlaverify_native.so" >&2
   exit 1
 fi

@@ -90,6 +90,19 @@ using mlaverify::client::NativeStream;
 // The library is built with hidden visibility: only these are its interface.
 #define MLAVERIFY_NATIVE_EXPORT __attribute__((visibility("default")))
 
+// A call's options from the C arguments: timeout_s > 0 its own deadline,
+// metadata[2 * pairs] alternating keys and values.
+mlaverify::client::CallOptions CallOptionsOf(double timeout_s, const char* const* metadata,
+                                             int pairs) {
+  mlaverify::client::CallOptions call;
+  if (timeout_s > 0) call.timeout = absl::Seconds(timeout_s);
+  for (int k = 0; metadata != nullptr && k < pairs; ++k) {
+    if (metadata[2 * k] == nullptr || metadata[2 * k + 1] == nullptr) continue;
+    call.metadata.emplace_back(metadata[2 * k], metadata[2 * k + 1]);
+  }
+  return call;
+}
+
 extern "C" {
 
 // A client of `target` over one connection. timeout_s <= 0: no deadline per
@@ -122,9 +135,13 @@ MLAVERIFY_NATIVE_EXPORT void mlaverify_native_client_destroy(NativeClient* clien
   delete client;
 }
 
-MLAVERIFY_NATIVE_EXPORT int mlaverify_native_stream_open(NativeClient* client, NativeStream** out,
+// metadata[2 * metadata_pairs]: keys and values sent with the stream's opening.
+MLAVERIFY_NATIVE_EXPORT int mlaverify_native_stream_open(NativeClient* client,
+                                                         const char* const* metadata,
+                                                         int metadata_pairs, NativeStream** out,
                                                          char* message, size_t cap) {
-  auto session = client->client->OpenVerifyStream();
+  auto session = client->client->OpenVerifyStream(absl::InfiniteDuration(),
+                                                  CallOptionsOf(0, metadata, metadata_pairs));
   if (!session.ok()) return Fail(session.status(), message, cap);
   auto* stream = new NativeStream();
   {
@@ -172,13 +189,17 @@ MLAVERIFY_NATIVE_EXPORT NativeItem* mlaverify_native_item_create(
 MLAVERIFY_NATIVE_EXPORT void mlaverify_native_item_destroy(NativeItem* item) { delete item; }
 
 // One layer's Verify of items[count]: over `stream` when not null, else a
-// unary call of `client`. On success prefix_lens[k] is item k's committed
-// length the drafts attended to (the answer was checked against the items).
+// unary call of `client` with its own deadline (timeout_s > 0; else the
+// client's) and metadata[2 * metadata_pairs] (keys and values; not for a
+// stream message: a stream's metadata goes with its opening). On success
+// prefix_lens[k] is item k's committed length the drafts attended to (the
+// answer was checked against the items).
 MLAVERIFY_NATIVE_EXPORT int mlaverify_native_verify(NativeClient* client, NativeStream* stream,
                                                     int layer, const NativeItem* const* items,
                                                     int count, float softmax_scale,
-                                                    int64_t* prefix_lens, char* message,
-                                                    size_t cap) {
+                                                    double timeout_s, const char* const* metadata,
+                                                    int metadata_pairs, int64_t* prefix_lens,
+                                                    char* message, size_t cap) {
   using namespace mlaverify::client;
   if (count < 1) {
     return Fail(absl::InvalidArgumentError("Verify needs at least one item"), message, cap);
@@ -191,7 +212,8 @@ MLAVERIFY_NATIVE_EXPORT int mlaverify_native_verify(NativeClient* client, Native
     absl::MutexLock lock(&stream->mu);
     results = stream->session->Verify(layer, inputs, softmax_scale);
   } else {
-    results = client->client->Verify(layer, inputs, softmax_scale);
+    results = client->client->Verify(layer, inputs, softmax_scale,
+                                     CallOptionsOf(timeout_s, metadata, metadata_pairs));
   }
   if (!results.ok()) return Fail(results.status(), message, cap);
   for (int k = 0; k < count; ++k) prefix_lens[k] = (*results)[static_cast<size_t>(k)].prefix_len;

@@ -358,23 +358,28 @@ class VerifyClient(_wire.ClientBase):
             return self._native
 
     def native_verify(self, layer: int, items: Sequence[_wire.VerifyItem],
-                      softmax_scale: float = 0.0) -> List[_wire.VerifyResult]:
+                      softmax_scale: float = 0.0, timeout: Optional[float] = None, *,
+                      metadata: Metadata = None) -> List[_wire.VerifyResult]:
         """verify() of items placed in shared memory, sent by the C++ client
-        (mlaverify.native): the same checks and results. NativeUnavailableError
-        when its library is not there."""
-        return self._native_client().verify(layer, items, softmax_scale)
+        (mlaverify.native): the same checks and results, `timeout` and
+        `metadata` as verify()'s. NativeUnavailableError when its library is
+        not there."""
+        return self._native_client().verify(layer, items, softmax_scale, timeout=timeout,
+                                            metadata=metadata)
 
     def native_bind(self, items: Sequence[_wire.VerifyItem], softmax_scale: float = 0.0,
                     wait_for_stream: bool = True) -> "native.BoundVerify":
         """Placed items bound for the layers of a step, sent by unary native
-        calls: bind once, then `verify(layer)` per layer (mlaverify.native.BoundVerify)."""
+        calls: bind once, then `verify(layer, timeout=, metadata=)` per layer
+        (mlaverify.native.BoundVerify)."""
         return self._native_client().bind(items, softmax_scale, wait_for_stream)
 
-    def native_stream(self) -> "native.NativeVerifyStream":
+    def native_stream(self, *, metadata: Metadata = None) -> "native.NativeVerifyStream":
         """A VerifyStream of the C++ client for items placed in shared memory
-        (mlaverify.native): verify() returns the results, one call in flight.
-        NativeUnavailableError when its library is not there."""
-        return native.NativeVerifyStream(self._native_client())
+        (mlaverify.native): verify() returns the results, one call in flight;
+        `metadata` goes with the stream's opening. NativeUnavailableError
+        when its library is not there."""
+        return native.NativeVerifyStream(self._native_client(), metadata)
 
     def verify_stream(self, max_in_flight: int = 16, *,
                       metadata: Metadata = None) -> "VerifyStream":

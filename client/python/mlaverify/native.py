@@ -100,7 +100,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.mlaverify_native_client_create.restype = c.c_int
     lib.mlaverify_native_client_destroy.argtypes = [c.c_void_p]
     lib.mlaverify_native_client_destroy.restype = None
-    lib.mlaverify_native_stream_open.argtypes = [c.c_void_p, c.POINTER(c.c_void_p)] + msg
+    lib.mlaverify_native_stream_open.argtypes = [
+        c.c_void_p, c.POINTER(c.c_char_p), c.c_int, c.POINTER(c.c_void_p)] + msg
     lib.mlaverify_native_stream_open.restype = c.c_int
     lib.mlaverify_native_stream_close.argtypes = [c.c_void_p] + msg
     lib.mlaverify_native_stream_close.restype = c.c_int
@@ -113,8 +114,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.mlaverify_native_item_destroy.argtypes = [c.c_void_p]
     lib.mlaverify_native_item_destroy.restype = None
     lib.mlaverify_native_verify.argtypes = [
-        c.c_void_p, c.c_void_p, c.c_int, c.POINTER(c.c_void_p), c.c_int, c.c_float,
-        c.POINTER(c.c_int64)] + msg
+        c.c_void_p, c.c_void_p, c.c_int, c.POINTER(c.c_void_p), c.c_int, c.c_float, c.c_double,
+        c.POINTER(c.c_char_p), c.c_int, c.POINTER(c.c_int64)] + msg
     lib.mlaverify_native_verify.restype = c.c_int
 
 
@@ -336,13 +337,16 @@ class NativeClient:
 
     def verify(self, layer: int, items: Sequence[_wire.VerifyItem], softmax_scale: float = 0.0,
                stream: Optional[int] = None, message: Optional[ctypes.Array] = None,
-               rpc: str = "Verify") -> List[_wire.VerifyResult]:
+               rpc: str = "Verify", timeout: Optional[float] = None,
+               metadata: _wire.Metadata = None) -> List[_wire.VerifyResult]:
         """One layer's Verify of placed items, unary or over `stream` (a
         stream handle, with its message buffer; the stream keeps its client
-        open while it is)."""
+        open while it is). A unary call takes its own `timeout` (seconds;
+        None: the client's) and `metadata` (as VerifyClient's calls)."""
         bound, written = self._prepare(layer, items, softmax_scale)
         return bound._write_and_send(layer, softmax_scale, stream, message, rpc,
-                                     copy_inputs=not written)
+                                     copy_inputs=not written, timeout=timeout,
+                                     metadata=metadata)
 
     def bind(self, items: Sequence[_wire.VerifyItem], softmax_scale: float = 0.0,
              wait_for_stream: bool = True, stream: Optional["NativeVerifyStream"] = None
@@ -354,9 +358,16 @@ class NativeClient:
 
     def _send(self, call: _Call, layer: int, softmax_scale: float, wait_for_stream: bool,
               stream: Optional[int], message: Optional[ctypes.Array],
-              rpc: str) -> List[_wire.VerifyResult]:
+              rpc: str, timeout: Optional[float] = None,
+              metadata: _wire.Metadata = None) -> List[_wire.VerifyResult]:
         """Sends a prepared call (its inputs already written) and reads its
         results."""
+        if stream is not None and (timeout is not None or metadata):
+            raise ValueError("a stream message takes no timeout or metadata of its own (the "
+                             "stream's metadata goes with its opening)")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout {timeout!r}: need seconds > 0 (None: the client's)")
+        pairs, pair_count = _c_metadata(metadata)
         if message is None:
             message = getattr(self._local, "message", None)
             if message is None:
@@ -374,8 +385,9 @@ class NativeClient:
             self._in_flight += 1
         try:
             code = self._lib.mlaverify_native_verify(handle, stream, layer, call.array,
-                                                     len(call.items), softmax_scale, prefix_lens,
-                                                     message, _MESSAGE_BYTES)
+                                                     len(call.items), softmax_scale,
+                                                     float(timeout or 0.0), pairs, pair_count,
+                                                     prefix_lens, message, _MESSAGE_BYTES)
         finally:
             with self._guard:
                 self._in_flight -= 1
@@ -391,6 +403,21 @@ class NativeClient:
             results.append(_wire.VerifyResult(sequence_id=seq, out=out, lse=lse,
                                               prefix_len=prefix_lens[k]))
         return results
+
+
+def _c_metadata(metadata: _wire.Metadata):
+    """The caller's pairs for the C functions: (keys and values alternating
+    as a char* array, the pair count), or (None, 0). Checked as the gRPC
+    calls check them; the C++ client merges them with its token."""
+    pairs = _wire.merge_metadata(None, metadata) or ()
+    if not pairs:
+        return None, 0
+    flat = []
+    for key, value in pairs:
+        flat.append(key.encode())
+        flat.append(value if isinstance(value, bytes) else str(value).encode())
+    # The array keeps the bytes objects it points into alive.
+    return (ctypes.c_char_p * len(flat))(*flat), len(pairs)
 
 
 class BoundVerify:
@@ -445,8 +472,11 @@ class BoundVerify:
                 return name
         return None
 
-    def verify(self, layer: int) -> List[_wire.VerifyResult]:
-        """Layer `layer`'s Verify of the bound items; results in their order."""
+    def verify(self, layer: int, *, timeout: Optional[float] = None,
+               metadata: _wire.Metadata = None) -> List[_wire.VerifyResult]:
+        """Layer `layer`'s Verify of the bound items; results in their order.
+        Unary (bound by VerifyClient.native_bind): the call's own `timeout`
+        and `metadata`; over a stream neither (ValueError)."""
         g = self._native._client.geometry
         _check_layer(g, layer)
         name = self.unregistered(g.regions)
@@ -455,14 +485,19 @@ class BoundVerify:
                              "items were bound: bind them again")
         stream = self._stream
         if stream is None:
-            return self._write_and_send(layer, self._softmax_scale, None, None, "Verify")
+            return self._write_and_send(layer, self._softmax_scale, None, None, "Verify",
+                                        timeout=timeout, metadata=metadata)
+        if timeout is not None or metadata:
+            raise ValueError("a stream message takes no timeout or metadata of its own (the "
+                             "stream's metadata goes with its opening)")
         with stream._lock:  # the inputs written too: threads sharing the stream take turns
             return self._write_and_send(layer, self._softmax_scale, stream._open_handle(),
                                         stream._message, "VerifyStream")
 
     def _write_and_send(self, layer: int, softmax_scale: float, handle: Optional[int],
                         message: Optional[ctypes.Array], rpc: str,
-                        copy_inputs: bool = True) -> List[_wire.VerifyResult]:
+                        copy_inputs: bool = True, timeout: Optional[float] = None,
+                        metadata: _wire.Metadata = None) -> List[_wire.VerifyResult]:
         """Copies in the inputs not in place (unless the caller just wrote
         them), waits as bound, sends."""
         if copy_inputs:
@@ -474,7 +509,7 @@ class BoundVerify:
             for region in self._waits_for_copies:
                 region.prepare()
         return self._native._send(self._call, layer, softmax_scale, self._wait, handle, message,
-                                  rpc)
+                                  rpc, timeout, metadata)
 
 
 class NativeVerifyStream:
@@ -485,12 +520,16 @@ class NativeVerifyStream:
     raises its final status from then on. Use as a context manager, or call
     close()."""
 
-    def __init__(self, native: NativeClient):
+    def __init__(self, native: NativeClient, metadata: _wire.Metadata = None):
+        """`metadata`: sent with the stream's opening (as VerifyClient's
+        calls take it)."""
         self._native = native
         self._lib = native._lib
         handle = ctypes.c_void_p()
         message = ctypes.create_string_buffer(_MESSAGE_BYTES)
-        code = self._lib.mlaverify_native_stream_open(native.handle, ctypes.byref(handle), message,
+        pairs, pair_count = _c_metadata(metadata)
+        code = self._lib.mlaverify_native_stream_open(native.handle, pairs, pair_count,
+                                                      ctypes.byref(handle), message,
                                                       _MESSAGE_BYTES)
         if code != 0:
             _raise(code, message, "VerifyStream")

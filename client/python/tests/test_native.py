@@ -305,3 +305,70 @@ def test_absent_library_says_so():
     for line in lines:
         assert "/nonexistent/libmlaverify_native.so" in line
         assert "pure-Python path" in line and "build/client/python" in line
+
+
+@needs_native
+def test_native_calls_take_their_own_metadata_and_timeout():
+    """A native call's metadata replaces the client's pairs of its keys (a
+    wrong per-call token is refused where the client's own passes), a native
+    stream sends its metadata with its opening, and a native call's own
+    timeout bounds it."""
+    import signal
+    import tempfile
+    import time
+    from conftest import start_server, stop_server
+    from mlaverify import VerifyClient
+    with tempfile.NamedTemporaryFile("w", suffix=".token", delete=False) as f:
+        f.write("n4tive-token\n")
+    proc, target, log = start_server(["--auth-token-file", f.name])
+    try:
+        with VerifyClient(target, auth_token="n4tive-token", timeout=30) as c:
+            rng = np.random.default_rng(21)
+            info = c.server_info()
+            n, heads = 2, info.num_heads
+            with SharedMemoryRegion(item_bytes(n, heads)) as region:
+                c.register_system_shared_memory("py-native-md", region)
+                seq = c.create_sequence("native-md")
+                c.append_prompt(seq, random_bf16(rng, info.num_layers, 4, 576))
+                item = VerifyItem(seq, random_bf16(rng, n, heads, 576), random_bf16(rng, n, 576),
+                                  [-1, 0], shm=place_item("py-native-md", 0, n, heads))
+                wrong = [("authorization", "Bearer not-it")]
+                with pytest.raises(VerifyError) as e:
+                    c.native_verify(0, [item], metadata=wrong)
+                assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+                (r,) = c.native_verify(0, [item], metadata=[("x-trace", "1")])
+                assert r.prefix_len == 4
+                bound = c.native_bind([item])
+                with pytest.raises(VerifyError) as e:
+                    bound.verify(1, metadata=wrong)
+                assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+                # A server that stops answering: the call's own 0.2 s bounds it,
+                # not the client's 30 s.
+                proc.send_signal(signal.SIGSTOP)
+                try:
+                    started = time.monotonic()
+                    with pytest.raises(VerifyError) as e:
+                        bound.verify(1, timeout=0.2)
+                    assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+                    assert time.monotonic() - started < 5
+                finally:
+                    proc.send_signal(signal.SIGCONT)
+                with pytest.raises(ValueError, match="timeout"):
+                    c.native_verify(1, [item], timeout=0)
+                refused = c.native_stream(metadata=wrong)
+                with pytest.raises(VerifyError) as e:
+                    refused.verify(1, [item])
+                assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+                with pytest.raises(ValueError, match="stream message"):
+                    refused.bind([item]).verify(1, metadata=wrong)
+                with pytest.raises(VerifyError) as e:
+                    refused.close()  # the server's final status
+                assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+                with c.native_stream(metadata=[("x-trace", "2")]) as fast:
+                    (r,) = fast.verify(1, [item])
+                    assert r.prefix_len == 4
+                c.release_sequence(seq)
+                c.unregister_system_shared_memory("py-native-md")
+    finally:
+        assert stop_server(proc) == 0, open(log).read()
+        os.unlink(f.name)
