@@ -707,8 +707,11 @@ int Run(int argc, char** argv) {
       for (const std::string& extra : app.remaining()) {
         if (!absl::StartsWith(extra, "--")) continue;
         if (const std::string nearest = NearestFlag(app, extra); !nearest.empty()) {
-          std::fprintf(stderr, "mlaverify-server: unknown flag %s; did you mean %s?\n",
-                       extra.substr(0, extra.find('=')).c_str(), nearest.c_str());
+          std::fprintf(stderr, "%s\n",
+                       UsageErrorLine(
+                           kProgram, absl::StrCat("unknown flag ", extra.substr(0, extra.find('=')),
+                                                  "; did you mean ", nearest, "?"))
+                           .c_str());
         }
       }
     }

@@ -1,9 +1,9 @@
 // The engine: sequences, their pages and the verify/commit state machine,
 // executed by one worker per device (device_worker.h). The one interface the
 // transport calls; it knows nothing of gRPC or protobuf. This header is that
-// interface only: the implementation (EngineImpl, engine_impl.h, with the
-// workers, the sequence table and the call types) is private to the engine,
-// so the transport's headers do not pull in the device workers.
+// interface only: the implementation (EngineImpl in engine_impl.h, with
+// the workers and the sequence table; engine.cc's call classes) is private
+// to the engine, so the transport's headers do not pull in the workers.
 //
 // Calls are asynchronous: Submit* validates the call, checks and changes the
 // sequence's state, reserves pages and queues the device work, all before it

@@ -1,7 +1,7 @@
 // The engine's implementation behind the Engine interface (engine.h): the
-// sequence table, the admission gate, the region registry's mapper, the
-// device workers and the call types (engine.cc). Only engine.cc includes it;
-// everything else sees engine.h.
+// sequence table, the admission gate, the region registry's mapper and the
+// device workers, and CallHost, all that engine.cc's call classes see of it.
+// Only engine.cc includes it; everything else sees engine.h.
 #ifndef MLAVERIFY_SERVER_ENGINE_ENGINE_IMPL_H_
 #define MLAVERIFY_SERVER_ENGINE_ENGINE_IMPL_H_
 
