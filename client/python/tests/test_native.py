@@ -346,6 +346,15 @@ def test_native_calls_take_their_own_metadata_and_timeout():
                 # not the client's 30 s.
                 proc.send_signal(signal.SIGSTOP)
                 try:
+                    # SIGSTOP takes effect asynchronously: wait until every
+                    # thread is stopped, or a call could still be answered.
+                    for _ in range(500):
+                        tasks = f"/proc/{proc.pid}/task"
+                        states = [open(f"{tasks}/{t}/stat").read().rsplit(")", 1)[1].split()[0]
+                                  for t in os.listdir(tasks)]
+                        if all(st == "T" for st in states):
+                            break
+                        time.sleep(0.01)
                     started = time.monotonic()
                     with pytest.raises(VerifyError) as e:
                         bound.verify(1, timeout=0.2)
